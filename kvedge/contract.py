@@ -1,0 +1,197 @@
+"""The export/runtime contract: cache geometry, graph I/O names and the artifact manifest.
+
+Everything that crosses the boundary between the exporter and the runtime lives here, so that
+both sides compute shapes, byte counts and binding names from one place.
+
+Artifact folder written by `kvedge export`::
+
+    model.onnx          the graph (weights inline, or in model.onnx.data when large)
+    tokenizer.json      Hugging Face `tokenizers` file
+    chat_template.jinja the model's chat template (absent for models without one)
+    manifest.json       `Manifest` below, as JSON
+
+The runtime reads every graph input/output name from `manifest.json`; nothing downstream
+hard-codes a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvedge import __version__
+from kvedge.errors import ArtifactMismatch, KvedgeError
+
+MANIFEST_FORMAT = "kvedge-manifest"
+MANIFEST_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+ONNX_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Shape of one model's KV cache: the only place cache shapes and byte counts are computed."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_len: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise KvedgeError(f"cache geometry: {name}={value!r} must be a positive integer")
+        if self.dtype not in KV_DTYPES:
+            raise KvedgeError(
+                f"cache geometry: dtype={self.dtype!r} is not supported; allowed: {sorted(KV_DTYPES)}"
+            )
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(KV_DTYPES[self.dtype])
+
+    def layer_shape(self, batch: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's K (or V) for `batch` rows: [batch, kv_heads, max_len, head_dim]."""
+        return (batch, self.num_kv_heads, self.max_len, self.head_dim)
+
+    def pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the whole pool: [layers, 2 (K, V), slots, kv_heads, max_len, head_dim]."""
+        return (self.num_layers, 2, slots, self.num_kv_heads, self.max_len, self.head_dim)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.np_dtype.itemsize
+
+    def bytes_per_slot(self) -> int:
+        return self.bytes_per_token() * self.max_len
+
+    def pool_bytes(self, slots: int) -> int:
+        return self.bytes_per_slot() * slots
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class IONames:
+    """Graph input/output names. Per-layer names are templates formatted with the layer index."""
+
+    input_ids: str = "input_ids"  # [batch, seq] int64
+    position_ids: str = "position_ids"  # [batch, seq] int64
+    past_lengths: str = "past_lengths"  # [batch] int64: valid cache slots per row
+    last_index: str = "last_index"  # [batch] int64: row's last real token (last-logits graphs)
+    past_key: str = "past_key_values.%d.key"  # [batch, kv_heads, max_len, head_dim]
+    past_value: str = "past_key_values.%d.value"  # [batch, kv_heads, max_len, head_dim]
+    logits: str = "logits"  # [batch, 1 or seq, vocab] float32
+    present_key: str = "present.%d.key"  # [batch, kv_heads, seq, head_dim]: new tokens only
+    present_value: str = "present.%d.value"  # [batch, kv_heads, seq, head_dim]: new tokens only
+
+    def layer(self, template: str, index: int) -> str:
+        return template % index
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What positions mean to the graph: the tables are baked in, this records how."""
+
+    theta: float
+    rope_type: str
+    scaling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Description of an exported artifact folder (`manifest.json`)."""
+
+    architecture: str
+    model_type: str
+    source: str
+    source_fingerprint: str
+    geometry: CacheGeometry
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    opset: int
+    logits: str  # "last" or "all"
+    eos_token_ids: tuple[int, ...]
+    rope: RopeSpec
+    onnx_fingerprint: str
+    names: IONames = IONames()
+    weights_dtype: str = "float32"
+    chat_template: bool = False
+    special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables
+    format: str = MANIFEST_FORMAT
+    format_version: int = MANIFEST_VERSION
+    kvedge_version: str = __version__
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "manifest") -> Manifest:
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ArtifactMismatch(
+                f"{where}: format {data.get('format')!r} is not a kvedge manifest "
+                f"(expected {MANIFEST_FORMAT!r})"
+            )
+        if data.get("format_version") != MANIFEST_VERSION:
+            raise ArtifactMismatch(
+                f"{where}: format version {data.get('format_version')!r} does not match this "
+                f"kvedge ({MANIFEST_VERSION}); re-export the model"
+            )
+        try:
+            fields = dict(data)
+            fields["geometry"] = CacheGeometry(**fields["geometry"])
+            fields["names"] = IONames(**fields["names"])
+            fields["rope"] = RopeSpec(**fields["rope"])
+            fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+            return cls(**fields)
+        except (KeyError, TypeError) as exc:
+            raise ArtifactMismatch(f"{where}: malformed manifest ({exc})") from exc
+
+    @classmethod
+    def load(cls, folder: Path) -> Manifest:
+        path = Path(folder) / MANIFEST_FILE
+        if not path.is_file():
+            raise KvedgeError(f"{folder}: no {MANIFEST_FILE}; is this a `kvedge export` folder?")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(data, where=str(path))
+
+    def check_compatible(self, other: Manifest, what: str) -> None:
+        """Refuse `other` (describing `what`) unless it was made from the same model and geometry."""
+        if other.source_fingerprint != self.source_fingerprint:
+            raise ArtifactMismatch(
+                f"{what} was made from model {other.source_fingerprint[:16]}, "
+                f"this model is {self.source_fingerprint[:16]}"
+            )
+        if other.geometry != self.geometry:
+            raise ArtifactMismatch(
+                f"{what} has cache geometry {other.geometry.to_dict()}, "
+                f"this model has {self.geometry.to_dict()}"
+            )
+
+
+def sha256_files(paths: Iterable[Path], chunk: int = 1 << 22) -> str:
+    """Fingerprint of the bytes of `paths`, in the order given (names are not hashed)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as handle:
+            while block := handle.read(chunk):
+                digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,13 @@
+"""Errors a user can cause and fix. The CLI prints them as one line and exits non-zero."""
+
+
+class KvedgeError(Exception):
+    """A problem with the user's input, files or options; the message says what and what is allowed."""
+
+
+class ArtifactMismatch(KvedgeError):
+    """An artifact was made from a different model, geometry or format version than the one in use."""
+
+
+class ContextOverflow(KvedgeError):
+    """A prompt or generation does not fit in the cache."""

@@ -1,0 +1,1 @@
+"""Offline export: Hugging Face model (folder or GGUF) -> ONNX graph + tokenizer + manifest."""

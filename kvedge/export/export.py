@@ -1,0 +1,175 @@
+"""`kvedge export`: Hugging Face model -> artifact folder (ONNX graph, tokenizer, manifest)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+from kvedge.contract import (
+    CHAT_TEMPLATE_FILE,
+    MANIFEST_FILE,
+    ONNX_FILE,
+    TOKENIZER_FILE,
+    CacheGeometry,
+    IONames,
+    Manifest,
+    RopeSpec,
+    sha256_files,
+)
+from kvedge.errors import KvedgeError
+from kvedge.export.graph import OPSET, STATIC_ROPE_TYPES, DecoderSpec, build_decoder_graph, rope_tables
+from kvedge.export.source import load_hf, resolve_source
+
+log = logging.getLogger(__name__)
+
+EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; keep well clear of it
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    max_len: int = 2048
+    logits: str = "last"
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
+            raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
+        if self.logits not in ("last", "all"):
+            raise KvedgeError(f"--logits {self.logits!r} is not allowed; choose 'last' or 'all'")
+
+
+def export_model(source_path: str | Path | None, out_dir: str | Path, options: ExportOptions) -> Manifest:
+    """Export `source_path` (HF folder, GGUF file, or None for the default) into `out_dir`."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not options.force:
+        raise KvedgeError(f"output folder {str(out)!r} is not empty; pass --force to overwrite it")
+    source = resolve_source(source_path)
+    model, tokenizer = load_hf(source)
+    config = model.config
+    geometry = geometry_from_config(config, options.max_len)
+    rope = rope_from_config(config, options.max_len)
+    rotary = model.model.rotary_emb
+    cos, sin = rope_tables(
+        rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0)), geometry.max_len
+    )
+    spec = DecoderSpec.from_config(config)
+    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    names = IONames()
+
+    with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
+        graph = build_decoder_graph(
+            spec, geometry, weights, cos, sin, names, options.logits, progress=bar.update
+        )
+    del weights, model
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        onnx_files = _save_onnx(graph, staging)
+        tokenizer.backend_tokenizer.save(str(staging / TOKENIZER_FILE))
+        template = getattr(tokenizer, "chat_template", None)
+        if template:
+            (staging / CHAT_TEMPLATE_FILE).write_text(template)
+        manifest = Manifest(
+            architecture=type(config).__name__.replace("Config", ""),
+            model_type=config.model_type,
+            source=source.description,
+            source_fingerprint=source.fingerprint(),
+            geometry=geometry,
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            num_heads=spec.num_heads,
+            opset=OPSET,
+            logits=options.logits,
+            eos_token_ids=eos_ids(
+                config, tokenizer, getattr(model_generation_config(source), "eos_token_id", None)
+            ),
+            rope=rope,
+            onnx_fingerprint=sha256_files(onnx_files),
+            names=names,
+            chat_template=bool(template),
+            special_tokens={
+                key: str(getattr(tokenizer, key))
+                for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+                if getattr(tokenizer, key, None) is not None
+            },
+        )
+        (staging / MANIFEST_FILE).write_text(manifest.to_json())
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in out.iterdir())
+    log.info("wrote %s (%.1f MiB)", out, size / 2**20)
+    return manifest
+
+
+def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and max_len > window:
+        raise KvedgeError(
+            f"--max-len {max_len} exceeds the model's sliding window ({window}), which the graph "
+            f"does not implement; use --max-len <= {window}"
+        )
+    return CacheGeometry(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        max_len=max_len,
+    )
+
+
+def rope_from_config(config: Any, max_len: int) -> RopeSpec:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise KvedgeError(f"rope type {rope_type!r} is not supported; supported: {list(STATIC_ROPE_TYPES)}")
+    return RopeSpec(theta=float(theta), rope_type=rope_type, scaling=params)
+
+
+def model_generation_config(source: Any) -> Any:
+    from transformers import GenerationConfig
+
+    try:
+        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        return GenerationConfig.from_pretrained(source.folder, **kwargs)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def eos_ids(config: Any, tokenizer: Any, generation_eos: Any) -> tuple[int, ...]:
+    """Union of every end-of-sequence id the config, generation config and tokenizer declare."""
+    found: set[int] = set()
+    for value in (
+        getattr(config, "eos_token_id", None),
+        generation_eos,
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if value is None:
+            continue
+        found.update(int(v) for v in np.atleast_1d(value))
+    if not found:
+        raise KvedgeError("the model declares no eos token id; cannot know when to stop")
+    return tuple(sorted(found))
+
+
+def _save_onnx(model: onnx.ModelProto, folder: Path) -> list[Path]:
+    path = folder / ONNX_FILE
+    if sum(len(t.raw_data) for t in model.graph.initializer) > EXTERNAL_DATA_BYTES:
+        data = ONNX_FILE + ".data"
+        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+        return [path, folder / data]
+    onnx.save_model(model, path)
+    return [path]

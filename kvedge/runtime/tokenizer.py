@@ -1,0 +1,104 @@
+"""Tokenizer and chat template, without transformers: `tokenizers` + a sandboxed jinja2.
+
+The chat template is rendered the way transformers renders it (trim_blocks, lstrip_blocks,
+`raise_exception`, `strftime_now`), so the ids equal `apply_chat_template`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from kvedge.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, Manifest
+from kvedge.errors import KvedgeError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _raise(message: str) -> None:
+    raise KvedgeError(f"chat template refused the conversation: {message}")
+
+
+class ChatTokenizer:
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        self.tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        self.special_tokens = dict(manifest.special_tokens)
+        self.template = None
+        path = folder / CHAT_TEMPLATE_FILE
+        if manifest.chat_template and path.is_file():
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self.template = env.from_string(path.read_text())
+            except jinja2.TemplateError as exc:
+                raise KvedgeError(f"{path}: chat template does not parse ({exc})") from exc
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat template writes it."""
+        if self.template is None:
+            raise KvedgeError("this model has no chat template; use raw prompts (--raw)")
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ROLES:
+                raise KvedgeError(f"message {i}: role {role!r} is not one of {ROLES}")
+            if not isinstance(message.get("content"), str):
+                raise KvedgeError(f"message {i}: content must be a string")
+        return self.template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        # The template writes any BOS itself, as transformers' apply_chat_template assumes.
+        return self.encode(self.render(messages), add_special_tokens=False)
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas, holding back what may still change.
+
+    Text is held back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD) or could
+    be the start of a stop string; `finish` releases the rest, cut at the first stop string.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already emitted
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        for stop in self.stop:
+            at = text.find(stop)
+            if at >= 0:
+                self.stopped = True
+                return self._emit(text[:at])
+        if text.endswith("\ufffd"):
+            return ""
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        return self._emit(text[: max(self.sent, len(text) - hold)])
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        return self._emit(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+
+    def _emit(self, text: str) -> str:
+        delta = text[self.sent :]
+        self.sent = max(self.sent, len(text))
+        return delta

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny models exported once per session, and the real default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from kvedge.export.export import ExportOptions, export_model
+from kvedge.runtime.model import Model
+
+FAMILIES = {
+    "llama": {},
+    "llama3-rope": {
+        "family": "llama",
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "qwen2": {},
+    "qwen2-tied": {"family": "qwen2", "tie_word_embeddings": True},
+    "mistral": {},
+}
+MAX_LEN = 128
+
+
+class Exported:
+    """A tiny source model, its HF reference and its kvedge export."""
+
+    def __init__(self, source: Path, out: Path) -> None:
+        self.source, self.out = source, out
+        self.hf = AutoModelForCausalLM.from_pretrained(source, dtype="float32").eval()
+
+    def model(self, slots: int = 1) -> Model:
+        return Model(self.out, slots=slots)
+
+    def hf_logits(self, ids: list[int]) -> np.ndarray:
+        """Reference logits [seq, vocab] of a full forward pass without cache."""
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def tiny(request, tmp_path_factory) -> Exported:
+    overrides = dict(FAMILIES[request.param])
+    family = overrides.pop("family", request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    source = make_tiny_model(root / "hf", family, **overrides)
+    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    return Exported(source, root / "out")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Exported:
+    root = tmp_path_factory.mktemp("llama_main")
+    source = make_tiny_model(root / "hf", "llama")
+    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    return Exported(source, root / "out")
+
+
+def random_ids(n: int, seed: int = 0, vocab: int = 300) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]

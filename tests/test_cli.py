@@ -1,0 +1,92 @@
+"""The `kvedge` command end to end, as a user runs it (real subprocesses, real files)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tiny import make_tiny_model
+
+
+def kvedge(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvedge", *args], capture_output=True, text=True, input=stdin, timeout=300
+    )
+
+
+def test_export_info_generate_chat(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "qwen2")
+    out = tmp_path / "artifact"
+    done = kvedge("export", str(source), "--out", str(out), "--max-len", "64")
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stdout and "MiB" in done.stdout
+
+    again = kvedge("export", str(source), "--out", str(out))
+    assert again.returncode != 0
+    assert "not empty; pass --force" in again.stderr and "Traceback" not in again.stderr
+
+    info = kvedge("info", str(out))
+    assert info.returncode == 0
+    assert "Qwen2" in info.stdout and "max_len 64" in info.stdout and "past_key_values.%d.key" in info.stdout
+
+    gen = kvedge(
+        "generate",
+        "--model",
+        str(out),
+        "Hello!",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.strip()
+    assert (
+        gen.stdout
+        == kvedge(
+            "generate",
+            "--model",
+            str(out),
+            "Hello!",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "3",
+        ).stdout
+    )
+
+    chat = kvedge(
+        "chat",
+        "--model",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        stdin="Hello!\nHow are you?\n/reset\nHi\n/exit\n",
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("assistant> ") == 3 and "(conversation reset)" in chat.stdout
+
+
+def test_user_errors_exit_nonzero_without_traceback(tmp_path):
+    for args, message in [
+        (("info", str(tmp_path / "nope")), "no manifest.json"),
+        (("export", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "o")), "does not exist"),
+        (("generate", "--model", str(tmp_path), "hi"), "no manifest.json"),
+    ]:
+        done = kvedge(*args)
+        assert done.returncode != 0
+        assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bad_sampling_option_is_named(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    out = tmp_path / "artifact"
+    assert kvedge("export", str(source), "--out", str(out), "--max-len", "32").returncode == 0
+    done = kvedge("generate", "--model", str(out), "hi", "--top-p", "1.5")
+    assert (
+        done.returncode != 0 and "top_p=1.5 is not allowed" in done.stderr and "Traceback" not in done.stderr
+    )

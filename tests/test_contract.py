@@ -1,0 +1,83 @@
+"""Manifests: round trip, and refusal of mismatched or tampered artifacts naming both sides."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+from tiny import make_tiny_model
+
+from kvedge.contract import MANIFEST_FILE, ONNX_FILE, CacheGeometry, Manifest
+from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.export.export import ExportOptions, export_model
+from kvedge.runtime.model import Model
+
+
+def test_manifest_round_trip(tiny_llama):
+    manifest = Manifest.load(tiny_llama.out)
+    again = Manifest.from_dict(json.loads(manifest.to_json()))
+    assert again == manifest
+    assert manifest.geometry == CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    assert manifest.names.layer(manifest.names.past_key, 3) == "past_key_values.3.key"
+
+
+def test_other_model_or_geometry_is_refused_naming_both(tiny_llama):
+    manifest = Manifest.load(tiny_llama.out)
+    other = dataclasses.replace(manifest, source_fingerprint="f" * 64)
+    with pytest.raises(
+        ArtifactMismatch,
+        match=f"made from model ffffffffffffffff, this model is {manifest.source_fingerprint[:16]}",
+    ):
+        manifest.check_compatible(other, "scales file")
+    longer = dataclasses.replace(manifest, geometry=dataclasses.replace(manifest.geometry, max_len=256))
+    with pytest.raises(ArtifactMismatch, match="'max_len': 256.*'max_len': 128"):
+        manifest.check_compatible(longer, "warm cache")
+
+
+def test_tampered_graph_or_version_is_refused(tiny_llama, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama.out, copy)
+    with open(copy / ONNX_FILE, "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ArtifactMismatch, match="graph fingerprint .* does not match the manifest's"):
+        Model(copy)
+    data = json.loads((copy / MANIFEST_FILE).read_text())
+    data["format_version"] = 99
+    (copy / MANIFEST_FILE).write_text(json.dumps(data))
+    with pytest.raises(ArtifactMismatch, match="format version 99 does not match this kvedge"):
+        Model(copy)
+
+
+def test_fingerprint_follows_the_weights(tmp_path):
+    a = make_tiny_model(tmp_path / "a", "llama", seed=0)
+    b = make_tiny_model(tmp_path / "b", "llama", seed=1)
+    ma = export_model(a, tmp_path / "out_a", ExportOptions(max_len=32))
+    mb = export_model(b, tmp_path / "out_b", ExportOptions(max_len=32))
+    assert ma.source_fingerprint != mb.source_fingerprint
+    with pytest.raises(ArtifactMismatch):
+        ma.check_compatible(mb, "b")
+
+
+def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    with pytest.raises(
+        KvedgeError, match="architecture 'gpt2' is not supported; supported: llama .*qwen2 .*mistral"
+    ):
+        export_model(tmp_path / "gpt2", tmp_path / "out", ExportOptions(max_len=32))
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_overwrite_and_bad_options(tiny_llama, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(KvedgeError, match="not empty; pass --force"):
+        export_model(tiny_llama.source, tmp_path / "out", ExportOptions(max_len=32))
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    with pytest.raises(KvedgeError, match="--max-len 4 is out of range"):
+        ExportOptions(max_len=4)

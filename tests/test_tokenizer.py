@@ -1,0 +1,43 @@
+"""Chat template and streaming detokenisation without transformers."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvedge.contract import Manifest
+from kvedge.errors import KvedgeError
+from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello! How are you?"},
+    {"role": "assistant", "content": "Fine, thank you."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def test_chat_ids_equal_transformers(tiny_llama):
+    ours = ChatTokenizer(tiny_llama.out, Manifest.load(tiny_llama.out))
+    theirs = AutoTokenizer.from_pretrained(tiny_llama.source)
+    expected = theirs.apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert ours.encode_chat(CONVERSATION) == list(expected)
+
+
+def test_bad_roles_are_refused(tiny_llama):
+    ours = ChatTokenizer(tiny_llama.out, Manifest.load(tiny_llama.out))
+    with pytest.raises(KvedgeError, match="role 'robot' is not one of"):
+        ours.encode_chat([{"role": "robot", "content": "hi"}])
+
+
+def test_stream_holds_back_stop_strings(tiny_llama):
+    ours = ChatTokenizer(tiny_llama.out, Manifest.load(tiny_llama.out))
+    ids = ours.encode("Hello! How are you today?", add_special_tokens=False)
+    stream = TextStream(ours, stop=["are you"])
+    text = "".join(stream.push(t) for t in ids) + stream.finish()
+    assert stream.stopped
+    assert text == "Hello! How "
+    plain = TextStream(ours)
+    assert "".join(plain.push(t) for t in ids) + plain.finish() == "Hello! How are you today?"
