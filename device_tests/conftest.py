@@ -2,11 +2,15 @@
 
     python -m pytest device_tests -q
 
-Everything here is skipped, with the reason, where no GPU execution provider is available.
+Each test says what it needs with a marker; where that is missing it is skipped with the reason:
+
+    ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu)
+    tensorrt   TensorRT and cuda-python, and a GPU they can see
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,10 +20,46 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
+def _ort_cuda_missing() -> str | None:
+    providers = ort.get_available_providers()
+    return (
+        None
+        if "CUDAExecutionProvider" in providers
+        else f"no CUDAExecutionProvider in onnxruntime ({providers})"
+    )
+
+
+def _tensorrt_missing() -> str | None:
+    if importlib.util.find_spec("tensorrt") is None:
+        return "tensorrt is not importable (JetPack ships it; `pip install tensorrt` on x86_64 CUDA)"
+    if importlib.util.find_spec("cuda") is None:
+        return "cuda-python is not installed (`pip install cuda-python`)"
+    from kvedge.errors import KvedgeError
+    from kvedge.export.tensorrt import current_device
+
+    try:
+        current_device()
+    except KvedgeError as exc:
+        return f"no GPU visible to CUDA ({exc})"
+    return None
+
+
+MISSING = {"ort_cuda": _ort_cuda_missing, "tensorrt": _tensorrt_missing}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ort_cuda: needs onnxruntime's CUDAExecutionProvider")
+    config.addinivalue_line("markers", "tensorrt: needs TensorRT, cuda-python and a GPU")
+
+
 def pytest_collection_modifyitems(config, items):
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        skip = pytest.mark.skip(
-            reason=f"no CUDAExecutionProvider in onnxruntime ({ort.get_available_providers()})"
-        )
-        for item in items:
-            item.add_marker(skip)
+    reasons: dict[str, str | None] = {}
+    for item in items:
+        needs = [name for name in MISSING if name in item.keywords]
+        if not needs:
+            item.add_marker(pytest.mark.skip(reason="device test without a ort_cuda/tensorrt marker"))
+        for name in needs:
+            if name not in reasons:
+                reasons[name] = MISSING[name]()
+            if reasons[name]:
+                item.add_marker(pytest.mark.skip(reason=reasons[name]))

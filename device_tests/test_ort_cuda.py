@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from tiny import make_tiny_model
 
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
+
+pytestmark = pytest.mark.ort_cuda
 
 ATOL = 1e-3  # CUDA fp32 matmuls may use TF32-free but differently ordered reductions
 

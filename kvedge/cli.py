@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from kvedge import __version__
+from kvedge.contract import VARIANTS, WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
 
 log = logging.getLogger("kvedge")
@@ -31,13 +32,15 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def runtime_options(func: Callable[..., Any]) -> Callable[..., Any]:
+def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
     """Options shared by the commands that load a model and generate."""
+    if func is None:
+        return functools.partial(runtime_options, model_required=model_required)
     options = [
         click.option(
             "--model",
             "model_dir",
-            required=True,
+            required=model_required,
             type=click.Path(path_type=Path),
             help="Folder written by `kvedge export`.",
         ),
@@ -50,6 +53,22 @@ def runtime_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option(
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
+        ),
+        click.option(
+            "--context-policy",
+            type=click.Choice(["error", "window", "truncate"]),
+            default="error",
+            show_default=True,
+            help="What to do when a conversation outgrows the cache.",
+        ),
+        click.option(
+            "--n-sink", default=4, show_default=True, type=int, help="window: tokens never evicted."
+        ),
+        click.option(
+            "--warmup", "warmup_config", default=None, type=click.Path(path_type=Path), help="Warm-up YAML."
+        ),
+        click.option(
+            "--warm-dir", default=None, type=click.Path(path_type=Path), help="Warm prefix cache folder."
         ),
     ]
     for option in reversed(options):
@@ -68,6 +87,18 @@ def _sampling(kwargs: dict[str, Any]):
         repetition_penalty=kwargs["repetition_penalty"],
         seed=kwargs["seed"],
         stop=tuple(kwargs["stop"]),
+    )
+
+
+def _load_model(model_dir: Path, kwargs: dict[str, Any]):
+    from kvedge.runtime.model import Model
+    from kvedge.runtime.sessions import ContextPolicy
+    from kvedge.runtime.warmup import load_warmup_config
+
+    warmup = load_warmup_config(kwargs["warmup_config"]) if kwargs["warmup_config"] else None
+    policy = ContextPolicy(mode=kwargs["context_policy"], n_sink=kwargs["n_sink"])
+    return Model(
+        model_dir, threads=kwargs["threads"], policy=policy, warmup=warmup, warm_dir=kwargs["warm_dir"]
     )
 
 
@@ -106,19 +137,76 @@ def main(verbose: int) -> None:
     help="Return logits for the last position only, or all.",
 )
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
+@click.option(
+    "--variant",
+    type=click.Choice(sorted(VARIANTS)),
+    default="portable",
+    show_default=True,
+    help="portable: standard ONNX ops (TensorRT); ort: onnxruntime fused attention, cache written in place.",
+)
+@click.option(
+    "--weights",
+    type=click.Choice(list(WEIGHT_FORMATS)),
+    default="float32",
+    show_default=True,
+    help="Weight-only quantization of the projections and LM head (blocked QDQ).",
+)
+@click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
+@click.option(
+    "--target",
+    type=click.Choice(["onnx", "tensorrt"]),
+    default="onnx",
+    show_default=True,
+    help="tensorrt: also build model.engine from the ONNX graph (needs TensorRT and a GPU).",
+)
+@click.option(
+    "--max-prefill", default=256, show_default=True, type=int, help="tensorrt: longest prefill chunk."
+)
+@click.option(
+    "--max-batch", default=1, show_default=True, type=int, help="tensorrt: most sequences per call."
+)
+@click.option("--workspace", default="1GiB", show_default=True, help="tensorrt: builder workspace limit.")
 @user_errors
-def export(source: Path | None, out_dir: Path, max_len: int, logits: str, force: bool) -> None:
+def export(
+    source: Path | None,
+    out_dir: Path,
+    max_len: int,
+    logits: str,
+    force: bool,
+    variant: str,
+    weights: str,
+    block_size: int,
+    target: str,
+    max_prefill: int,
+    max_batch: int,
+    workspace: str,
+) -> None:
     """Export SOURCE (HF folder or GGUF file; default: SmolLM2-135M-Instruct) to ONNX."""
     from kvedge.export.export import ExportOptions, export_model
 
-    options = ExportOptions(max_len=max_len, logits=logits, force=force)
+    if target == "tensorrt":  # fail before the slow ONNX export, not after it
+        from kvedge.export.tensorrt import require_tensorrt
+
+        require_tensorrt(variant, logits)
+    options = ExportOptions(
+        max_len=max_len, logits=logits, force=force, variant=variant, weights=weights, block_size=block_size
+    )
     manifest = export_model(source, out_dir, options)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
     click.echo(
         f"wrote {out_dir} ({size / 2**20:.1f} MiB): {manifest.architecture}, "
+        f"{manifest.variant} graph, {manifest.weights_dtype} weights, "
         f"{manifest.geometry.num_layers} layers, max_len {manifest.geometry.max_len}, "
         f"KV {manifest.geometry.bytes_per_slot() / 2**20:.1f} MiB per sequence"
     )
+    if target == "tensorrt":
+        from kvedge.export.tensorrt import build_engine
+        from kvedge.planner import parse_bytes
+
+        engine = build_engine(out_dir, out_dir, max_prefill, parse_bytes(workspace), max_batch=max_batch)
+        click.echo(
+            f"built {out_dir}/model.engine: TensorRT {engine.tensorrt_version}, {engine.device.describe()}"
+        )
 
 
 @main.command()
@@ -128,10 +216,8 @@ def export(source: Path | None, out_dir: Path, max_len: int, logits: str, force:
 @user_errors
 def generate(prompt: str, raw: bool, model_dir: Path, **kwargs: Any) -> None:
     """Answer PROMPT in one chat turn, streamed to stdout."""
-    from kvedge.runtime.model import Model
-
     config = _sampling(kwargs)
-    model = Model(model_dir, threads=kwargs["threads"])
+    model = _load_model(model_dir, kwargs)
     last = _print_stream(model.stream(prompt, config, raw=raw))
     log.info(
         "%d prompt + %d completion tokens, first token %.0f ms, %.1f tokens/s (%s)",
@@ -144,15 +230,22 @@ def generate(prompt: str, raw: bool, model_dir: Path, **kwargs: Any) -> None:
 
 
 @main.command()
-@runtime_options
+@runtime_options(model_required=False)
 @click.option("--system", default=None, help="System prompt (default: the model template's own).")
+@click.option("--url", default=None, help="Talk to a running `kvedge serve` (e.g. http://127.0.0.1:8000).")
 @user_errors
-def chat(model_dir: Path, system: str | None, **kwargs: Any) -> None:
+def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: Any) -> None:
     """Interactive multi-turn chat. /reset starts over, /exit quits."""
-    from kvedge.runtime.model import Model
-
     config = _sampling(kwargs)
-    model = Model(model_dir, threads=kwargs["threads"])
+    if url is not None:
+        from kvedge.serve.client import RemoteChat
+
+        answer = RemoteChat(url, config).stream
+    elif model_dir is None:
+        raise click.UsageError("give --model DIR, or --url of a running `kvedge serve`")
+    else:
+        model = _load_model(model_dir, kwargs)
+        answer = lambda messages: (event.text for event in model.chat(messages, config))  # noqa: E731
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     while True:
@@ -170,12 +263,56 @@ def chat(model_dir: Path, system: str | None, **kwargs: Any) -> None:
         messages.append({"role": "user", "content": line})
         click.echo("assistant> ", nl=False)
         reply = []
-        for event in model.chat(messages, config):
-            reply.append(event.text)
-            click.echo(event.text, nl=False)
+        for text in answer(messages):
+            reply.append(text)
+            click.echo(text, nl=False)
             sys.stdout.flush()
         click.echo()
         messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+@main.command()
+@click.option(
+    "--model", "model_dir", required=True, type=click.Path(path_type=Path), help="Exported model folder."
+)
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Warm-up YAML.")
+@click.option(
+    "--warm-dir", required=True, type=click.Path(path_type=Path), help="Folder for the warm prefix files."
+)
+@user_errors
+def warmup(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
+    """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
+    from kvedge.runtime.model import Model
+    from kvedge.runtime.warmup import load_warmup_config
+
+    model = Model(model_dir, warmup=load_warmup_config(config_path), warm_dir=warm_dir)
+    report = model.warmup_report
+    for prefix in model.prefixes.prefixes:
+        state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
+        click.echo(f"{prefix.name}: {len(prefix.token_ids)} tokens, {prefix.nbytes / 2**20:.2f} MiB, {state}")
+    click.echo(f"warm-up done in {report.seconds:.2f} s: {warm_dir}")
+
+
+@main.command()
+@click.option(
+    "--config", "config_path", type=click.Path(path_type=Path), help="Service YAML (configs/services/)."
+)
+@click.option("--model", type=click.Path(path_type=Path), help="Artifact folder; overrides the config's.")
+@click.option("--host", help="Bind address (default 127.0.0.1; others need api_key_env).")
+@click.option("--port", type=int)
+@click.option("--slots", type=int, help="KV slots preallocated = conversations served at once.")
+@click.option("--queue-size", type=int, help="Requests that may wait for a slot before 429.")
+@click.option("--threads", type=int, help="onnxruntime intra-op threads (default: all cores).")
+@click.option("--check", is_flag=True, help="Validate the config and load the model once, then exit.")
+@click.option("--print-systemd-unit", is_flag=True, help="Print a systemd unit for this install and exit.")
+@user_errors
+def serve(config_path: Path | None, check: bool, print_systemd_unit: bool, **overrides: Any) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (flags override --config)."""
+    from kvedge.serve.service import serve_command
+
+    text = serve_command(config_path, overrides, check=check, print_unit=print_systemd_unit)
+    if text:
+        click.echo(text, nl=False)
 
 
 @main.command()
@@ -201,7 +338,12 @@ def info(model_dir: Path, as_json: bool) -> None:
             f"max_len {g.max_len}, {g.dtype}",
         ),
         ("KV bytes", f"{g.bytes_per_token()} per token, {g.bytes_per_slot() / 2**20:.1f} MiB per sequence"),
-        ("graph", f"opset {manifest.opset}, logits: {manifest.logits}"),
+        (
+            "graph",
+            f"{manifest.variant}, opset {manifest.opset}, logits: {manifest.logits}, weights: "
+            + manifest.weights_dtype
+            + (f" (block {manifest.weight_block_size})" if manifest.weight_block_size else ""),
+        ),
         ("names", f"{manifest.names.past_key} -> {manifest.names.present_key}"),
         ("eos ids", ", ".join(map(str, manifest.eos_token_ids))),
         (
@@ -214,3 +356,222 @@ def info(model_dir: Path, as_json: bool) -> None:
     ]
     for key, value in rows:
         click.echo(f"{key:>12}  {value}")
+
+
+@main.command()
+@click.argument("model")
+@click.option(
+    "--device",
+    default=None,
+    help="Device profile (configs/devices name or YAML path); default: this machine.",
+)
+@click.option("--budget", default=None, help="A byte budget instead of a device, e.g. 6GiB.")
+@click.option(
+    "--reserve", default=None, help="Bytes kept for the OS (default: 1.5GiB with --device, else 0)."
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["cpu", "gpu"]),
+    default=None,
+    help="Overheads (default: gpu with --device).",
+)
+@click.option(
+    "--kv-dtype", "kv_dtypes", multiple=True, help="Cache dtype, repeatable (default: the model's)."
+)
+@click.option("--weights-dtype", default=None, help="Recipes only: float32 or float16 (TensorRT --fp16).")
+@click.option("--slots", default=None, help="Slot counts, e.g. 1,2,4 (default 1,2,4,8,16).")
+@click.option("--context", "contexts", default=None, help="Context lengths, e.g. 1024,2048.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@user_errors
+def plan(model: str, **kwargs: Any) -> None:
+    """Which slots x context combinations of MODEL (export folder or recipe) fit in memory."""
+    from kvedge.planner import plan_report
+
+    click.echo(plan_report(model, **kwargs))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@user_errors
+def doctor(as_json: bool) -> None:
+    """Report the Jetson model, JetPack, power mode, CUDA, onnxruntime, TensorRT and free memory."""
+    from kvedge.doctor import doctor_report
+
+    click.echo(doctor_report(as_json))
+
+
+@main.command()
+@click.option(
+    "--model", "model_dir", required=True, type=click.Path(path_type=Path), help="Exported model folder."
+)
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Folder for the scales."
+)
+@click.option(
+    "--prompts", default=None, type=click.Path(path_type=Path), help=".jsonl/.txt (default: built-in 68)."
+)
+@click.option(
+    "--method", type=click.Choice(["minmax", "percentile", "mse"]), default="mse", show_default=True
+)
+@click.option("--group-size", default=64, show_default=True, type=click.Choice(["16", "32", "64", "128"]))
+@click.option("--percentile", default=99.99, show_default=True, type=float)
+@click.option("--force", is_flag=True, help="Overwrite existing scales.")
+@user_errors
+def calibrate(
+    model_dir: Path,
+    out_dir: Path,
+    prompts: Path | None,
+    method: str,
+    group_size: str,
+    percentile: float,
+    force: bool,
+) -> None:
+    """Calibrate INT8 KV scales (per channel group) and write a quality report."""
+    import numpy as np
+
+    from kvedge.calibrate.calibrate import (
+        CalibrationOptions,
+        plot_errors,
+        read_prompts,
+    )
+    from kvedge.calibrate.calibrate import (
+        calibrate as run_calibration,
+    )
+    from kvedge.quant import SCALES_MANIFEST
+    from kvedge.runtime.model import Model
+
+    if (out_dir / SCALES_MANIFEST).exists() and not force:
+        raise KvedgeError(f"{out_dir} already holds scales; pass --force to overwrite them")
+    options = CalibrationOptions(method=method, group_size=int(group_size), percentile=percentile)
+    calibration_set = read_prompts(prompts)
+    scales = run_calibration(Model(model_dir), calibration_set, options)
+    scales.save(out_dir)
+    plot = plot_errors(scales, out_dir / "kv_scales.png")
+    errors = scales.manifest.layer_errors
+    click.echo(
+        f"wrote {out_dir}: {scales.manifest.calibration_tokens} tokens from {len(calibration_set)} prompts; "
+        f"mean relative error K per-group {np.mean(errors['k_group_rel']):.4f} "
+        f"(per-tensor {np.mean(errors['k_tensor_rel']):.4f}), "
+        f"V per-token {np.mean(errors['v_token_rel']):.4f}; "
+        f"plot {plot}"
+    )
+
+
+@main.command("eval-kv")
+@click.option(
+    "--model", "model_dir", required=True, type=click.Path(path_type=Path), help="Exported model folder."
+)
+@click.option(
+    "--scales", "scales_dir", required=True, type=click.Path(path_type=Path), help="From `kvedge calibrate`."
+)
+@click.option(
+    "--prompts", default=None, type=click.Path(path_type=Path), help="Held-out set (default: built-in 24)."
+)
+@click.option("--limit", default=20, show_default=True, type=int, help="Use the first N prompts.")
+@click.option(
+    "--tokens", default=256, show_default=True, type=int, help="Teacher-forced continuation length."
+)
+@click.option(
+    "--json", "json_path", default=None, type=click.Path(path_type=Path), help="Also write results here."
+)
+@user_errors
+def eval_kv(
+    model_dir: Path, scales_dir: Path, prompts: Path | None, limit: int, tokens: int, json_path: Path | None
+) -> None:
+    """Compare INT8 KV schemes with the fp32 cache: KL divergence, top-1, greedy match."""
+    import dataclasses
+
+    from kvedge.calibrate.calibrate import read_prompts
+    from kvedge.calibrate.evaluate import evaluate
+    from kvedge.quant import Scales
+    from kvedge.runtime.model import Model
+
+    if tokens < 1 or limit < 1:
+        raise KvedgeError(f"--tokens {tokens} and --limit {limit} must be >= 1")
+    model = Model(model_dir)
+    scales = Scales.load(scales_dir, model.manifest)
+    held_out = read_prompts(prompts, default="heldout")[:limit]
+    results = evaluate(model, scales, held_out, tokens=tokens)
+    click.echo(f"{'scheme':<48} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}")
+    for r in results:
+        click.echo(
+            f"{r.scheme:<48} {r.kl_mean:9.5f} {r.kl_p99:9.5f} {r.top1_agreement:7.2%} "
+            f"{r.greedy_match_mean:7.1f} {r.kv_bytes_ratio:6.3f}"
+        )
+    if json_path:
+        payload = {
+            "prompts": len(held_out),
+            "tokens": tokens,
+            "schemes": [dataclasses.asdict(r) for r in results],
+        }
+        json_path.write_text(json.dumps(payload, indent=2))
+
+
+@main.command()
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("bench/results"),
+    show_default=True,
+    help="Where bench.json and bench.png go.",
+)
+@click.option(
+    "--work",
+    type=click.Path(path_type=Path),
+    default=Path("artifacts/bench"),
+    show_default=True,
+    help="Artifacts (exports, HF folder, onnxruntime-genai builds), reused when present.",
+)
+@click.option("--source", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct GGUF).")
+@click.option("--threads", default=0, show_default=True, type=int, help="Threads per system (0: all cores).")
+@click.option(
+    "--rounds", default=3, show_default=True, type=int, help="Alternating rounds (medians over them)."
+)
+@click.option("--steps", default=12, show_default=True, type=int, help="Decode steps per case.")
+@click.option(
+    "--kvedge",
+    "kvedge_systems",
+    multiple=True,
+    help="kvedge system as variant:weights (repeatable; default: portable:float32 ort:float32 ort:int8 "
+    "ort:int4 portable:int4).",
+)
+@click.option(
+    "--peer",
+    "peers",
+    multiple=True,
+    type=click.Choice(["transformers", "onnxruntime-genai", "llama.cpp"]),
+    help="Peer to compare (repeatable; default: all three).",
+)
+@click.option("--no-peers", is_flag=True, help="kvedge systems only.")
+@click.option("--quick", is_flag=True, help="1 round, no quality / memory / allocation runs.")
+@user_errors
+def bench(
+    out: Path,
+    work: Path,
+    source: str | None,
+    threads: int,
+    rounds: int,
+    steps: int,
+    kvedge_systems: tuple[str, ...],
+    peers: tuple[str, ...],
+    no_peers: bool,
+    quick: bool,
+) -> None:
+    """Benchmark kvedge against transformers, onnxruntime-genai and llama.cpp, side by side."""
+    from kvedge.bench import DEFAULT_KVEDGE, PEERS, BenchConfig, run_benchmark
+
+    config = BenchConfig(
+        out=out,
+        work=work,
+        source=source,
+        threads=threads,
+        rounds=1 if quick else rounds,
+        steps=steps,
+        kvedge=kvedge_systems or DEFAULT_KVEDGE,
+        peers=() if no_peers else (peers or PEERS),
+        memory=not quick,
+        quality=not quick,
+        allocation_steps=0 if quick else 1000,
+        command=" ".join(["kvedge", *sys.argv[1:]]),
+    )
+    run_benchmark(config, echo=click.echo)

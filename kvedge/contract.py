@@ -37,6 +37,11 @@ TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+# Graph variants: what attention is built from, and whether present K/V alias the past buffers.
+# Manifests written before the field existed load as "portable" (same format version).
+VARIANTS = {"portable": "standard ONNX ops (TensorRT-compatible)", "ort": "onnxruntime fused attention"}
+IN_PLACE_VARIANTS = ("ort",)
+WEIGHT_FORMATS = {"float32": 32, "int8": 8, "int4": 4}  # weight-only formats -> bits
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,10 @@ class IONames:
     past_key: str = "past_key_values.%d.key"  # [batch, kv_heads, max_len, head_dim]
     past_value: str = "past_key_values.%d.value"  # [batch, kv_heads, max_len, head_dim]
     logits: str = "logits"  # [batch, 1 or seq, vocab] float32
-    present_key: str = "present.%d.key"  # [batch, kv_heads, seq, head_dim]: new tokens only
-    present_value: str = "present.%d.value"  # [batch, kv_heads, seq, head_dim]: new tokens only
+    # Portable graphs: [batch, kv_heads, seq, head_dim], the new tokens only. In-place variants
+    # ("ort"): [batch, kv_heads, max_len, head_dim], the past buffer itself, written in place.
+    present_key: str = "present.%d.key"
+    present_value: str = "present.%d.value"
 
     def layer(self, template: str, index: int) -> str:
         return template % index
@@ -105,11 +112,17 @@ class IONames:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """What positions mean to the graph: the tables are baked in, this records how."""
+    """What positions mean to the graph: the tables are baked in, this records how.
+
+    `inv_freq` [head_dim/2] are the rotation frequencies the tables were made from; the runtime
+    uses them to re-rotate cached keys when a sliding window moves them to new positions.
+    """
 
     theta: float
     rope_type: str
     scaling: dict[str, Any] = field(default_factory=dict)
+    inv_freq: tuple[float, ...] = ()
+    attention_scaling: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -130,12 +143,19 @@ class Manifest:
     rope: RopeSpec
     onnx_fingerprint: str
     names: IONames = IONames()
-    weights_dtype: str = "float32"
+    weights_dtype: str = "float32"  # "float32", "int8" or "int4" (weight-only, blocked)
+    weight_block_size: int = 0  # quantization block size; 0 for float32
+    variant: str = "portable"  # graph variant, see VARIANTS
     chat_template: bool = False
     special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables
     format: str = MANIFEST_FORMAT
     format_version: int = MANIFEST_VERSION
     kvedge_version: str = __version__
+
+    @property
+    def in_place(self) -> bool:
+        """True when the graph writes new K/V into the bound past buffers itself."""
+        return self.variant in IN_PLACE_VARIANTS
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -156,11 +176,19 @@ class Manifest:
             fields = dict(data)
             fields["geometry"] = CacheGeometry(**fields["geometry"])
             fields["names"] = IONames(**fields["names"])
-            fields["rope"] = RopeSpec(**fields["rope"])
+            fields["rope"] = RopeSpec(
+                **{**fields["rope"], "inv_freq": tuple(fields["rope"].get("inv_freq", ()))}
+            )
             fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-            return cls(**fields)
+            manifest = cls(**fields)
         except (KeyError, TypeError) as exc:
             raise ArtifactMismatch(f"{where}: malformed manifest ({exc})") from exc
+        if manifest.variant not in VARIANTS:
+            raise ArtifactMismatch(
+                f"{where}: graph variant {manifest.variant!r} is unknown to this kvedge "
+                f"(knows {sorted(VARIANTS)}); upgrade kvedge or re-export the model"
+            )
+        return manifest
 
     @classmethod
     def load(cls, folder: Path) -> Manifest:
@@ -179,6 +207,11 @@ class Manifest:
             raise ArtifactMismatch(
                 f"{what} was made from model {other.source_fingerprint[:16]}, "
                 f"this model is {self.source_fingerprint[:16]}"
+            )
+        if other.weights_dtype != self.weights_dtype:
+            raise ArtifactMismatch(
+                f"{what} was made with {other.weights_dtype} weights, "
+                f"this model has {self.weights_dtype} weights"
             )
         if other.geometry != self.geometry:
             raise ArtifactMismatch(

@@ -49,21 +49,30 @@ class Exported:
             return self.hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
 
 
-@pytest.fixture(scope="session", params=sorted(FAMILIES))
+# Every graph variant must pass every contract test: the fixtures below are parametrized over them.
+VARIANTS = ("portable", "ort")
+
+
+@pytest.fixture(
+    scope="session",
+    params=[(family, variant) for family in sorted(FAMILIES) for variant in VARIANTS],
+    ids=lambda param: "-".join(param),
+)
 def tiny(request, tmp_path_factory) -> Exported:
-    overrides = dict(FAMILIES[request.param])
-    family = overrides.pop("family", request.param)
-    root = tmp_path_factory.mktemp(request.param)
+    name, variant = request.param
+    overrides = dict(FAMILIES[name])
+    family = overrides.pop("family", name)
+    root = tmp_path_factory.mktemp(f"{name}-{variant}")
     source = make_tiny_model(root / "hf", family, **overrides)
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN, variant=variant))
     return Exported(source, root / "out")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Exported:
-    root = tmp_path_factory.mktemp("llama_main")
+@pytest.fixture(scope="session", params=VARIANTS)
+def tiny_llama(request, tmp_path_factory) -> Exported:
+    root = tmp_path_factory.mktemp(f"llama_main-{request.param}")
     source = make_tiny_model(root / "hf", "llama")
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN, variant=request.param))
     return Exported(source, root / "out")
 
 

@@ -1,1 +1,4 @@
-"""Offline KV cache calibration (INT8 per-group scales): see issue 4; not implemented yet."""
+"""Offline INT8 KV calibration (`kvedge calibrate`) and quality evaluation (`kvedge eval-kv`).
+
+The quantization math and the scales file format live in `kvedge.quant`, shared with the runtime.
+"""

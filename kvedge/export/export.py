@@ -25,7 +25,13 @@ from kvedge.contract import (
     sha256_files,
 )
 from kvedge.errors import KvedgeError
-from kvedge.export.graph import OPSET, STATIC_ROPE_TYPES, DecoderSpec, build_decoder_graph, rope_tables
+from kvedge.export.graph import (
+    STATIC_ROPE_TYPES,
+    DecoderSpec,
+    GraphOptions,
+    build_decoder_graph,
+    rope_tables,
+)
 from kvedge.export.source import load_hf, resolve_source
 
 log = logging.getLogger(__name__)
@@ -38,37 +44,59 @@ class ExportOptions:
     max_len: int = 2048
     logits: str = "last"
     force: bool = False
+    variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
+    weights: str = "float32"  # "float32", "int8" or "int4" (weight-only, blocked)
+    block_size: int = 32  # quantization block (input features per scale)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
-        if self.logits not in ("last", "all"):
-            raise KvedgeError(f"--logits {self.logits!r} is not allowed; choose 'last' or 'all'")
+        self.graph_options()  # validates logits, variant, weights and block size
+
+    def graph_options(self) -> GraphOptions:
+        return GraphOptions(
+            logits=self.logits, variant=self.variant, weights=self.weights, block_size=self.block_size
+        )
 
 
-def export_model(source_path: str | Path | None, out_dir: str | Path, options: ExportOptions) -> Manifest:
-    """Export `source_path` (HF folder, GGUF file, or None for the default) into `out_dir`."""
+def export_model(
+    source_path: str | Path | None,
+    out_dir: str | Path,
+    options: ExportOptions,
+    loaded: tuple[Any, Any] | None = None,
+) -> Manifest:
+    """Export `source_path` (HF folder, GGUF file, or None for the default) into `out_dir`.
+
+    `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
+    variants from one load (the benchmark does); by default the source is loaded here.
+    """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not options.force:
         raise KvedgeError(f"output folder {str(out)!r} is not empty; pass --force to overwrite it")
     source = resolve_source(source_path)
-    model, tokenizer = load_hf(source)
+    model, tokenizer = loaded or load_hf(source)
     config = model.config
     geometry = geometry_from_config(config, options.max_len)
-    rope = rope_from_config(config, options.max_len)
     rotary = model.model.rotary_emb
-    cos, sin = rope_tables(
-        rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0)), geometry.max_len
-    )
+    inv_freq, attention_scaling = rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0))
+    rope = rope_from_config(config, inv_freq, attention_scaling)
+    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len)
     spec = DecoderSpec.from_config(config)
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     names = IONames()
+    graph_options = options.graph_options()
+    _check_quantizable(spec, geometry, graph_options)
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
-            spec, geometry, weights, cos, sin, names, options.logits, progress=bar.update
+            spec, geometry, weights, cos, sin, names, graph_options, progress=bar.update
         )
     del weights, model
+    quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
+    if quant_error:
+        log.info(
+            "%s weights, block %d: max |w - w_hat| = %s", options.weights, options.block_size, quant_error
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -87,7 +115,7 @@ def export_model(source_path: str | Path | None, out_dir: str | Path, options: E
             vocab_size=spec.vocab_size,
             hidden_size=spec.hidden_size,
             num_heads=spec.num_heads,
-            opset=OPSET,
+            opset=graph_options.opset,
             logits=options.logits,
             eos_token_ids=eos_ids(
                 config, tokenizer, getattr(model_generation_config(source), "eos_token_id", None)
@@ -95,6 +123,9 @@ def export_model(source_path: str | Path | None, out_dir: str | Path, options: E
             rope=rope,
             onnx_fingerprint=sha256_files(onnx_files),
             names=names,
+            weights_dtype=options.weights,
+            weight_block_size=options.block_size if options.weights != "float32" else 0,
+            variant=options.variant,
             chat_template=bool(template),
             special_tokens={
                 key: str(getattr(tokenizer, key))
@@ -114,6 +145,23 @@ def export_model(source_path: str | Path | None, out_dir: str | Path, options: E
     return manifest
 
 
+def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: GraphOptions) -> None:
+    """Every quantized MatMul has hidden_size or intermediate_size input features."""
+    if options.weights == "float32":
+        return
+    for name, features in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)):
+        if features % options.block_size:
+            raise KvedgeError(
+                f"--block-size {options.block_size} does not divide the model's {name} ({features}); "
+                "choose a block size that does"
+            )
+    if options.variant == "ort" and geometry.head_dim % 16:
+        raise KvedgeError(
+            f"--variant ort needs a head_dim that is a multiple of 16 (GroupQueryAttention "
+            f"rotary); this model has {geometry.head_dim}"
+        )
+
+
 def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     window = getattr(config, "sliding_window", None)
@@ -130,13 +178,19 @@ def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
     )
 
 
-def rope_from_config(config: Any, max_len: int) -> RopeSpec:
+def rope_from_config(config: Any, inv_freq: np.ndarray, attention_scaling: float) -> RopeSpec:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
         raise KvedgeError(f"rope type {rope_type!r} is not supported; supported: {list(STATIC_ROPE_TYPES)}")
-    return RopeSpec(theta=float(theta), rope_type=rope_type, scaling=params)
+    return RopeSpec(
+        theta=float(theta),
+        rope_type=rope_type,
+        scaling=params,
+        inv_freq=tuple(float(f) for f in inv_freq),
+        attention_scaling=attention_scaling,
+    )
 
 
 def model_generation_config(source: Any) -> Any:

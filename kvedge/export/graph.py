@@ -1,31 +1,53 @@
 """Build the KV-bound decoder graph in ONNX, op by op, from a Hugging Face state dict.
 
 Why build by hand instead of tracing with `torch.onnx.export`: the op list is ours to choose
-(only ops TensorRT's ONNX parser accepts at opset 17), tied embeddings are stored once, and the
-KV binding below is exact rather than whatever a tracer makes of a cache class.
+(only ops TensorRT's ONNX parser accepts, in the portable variant), tied embeddings are stored
+once, and the KV binding below is exact rather than whatever a tracer makes of a cache class.
 
 The contract (names come from `kvedge.contract.IONames`)::
 
     inputs  input_ids      [b, s]                     int64
-            position_ids   [b, s]                     int64  (index into the RoPE tables)
+            position_ids   [b, s]                     int64  (portable only: index into the RoPE tables)
             past_lengths   [b]                        int64  (valid slots of each row's cache)
             last_index     [b]                        int64  (only when logits="last")
             past K/V per layer [b, kv_heads, L, d]    L = max_len, fixed
     outputs logits         [b, 1, vocab] ("last") or [b, s, vocab] ("all")
-            present K/V per layer [b, kv_heads, s, d] the new tokens only, K after RoPE
+            present K/V per layer                     portable: [b, kv_heads, s, d], the new tokens
+                                                      only, K after RoPE; ort: [b, kv_heads, L, d],
+                                                      the past buffer itself, written in place
 
-Attention, per layer, with g = heads / kv_heads query heads sharing each KV head::
+Two variants share everything but attention:
 
+`portable` (ONNX opset 17; 21 with quantized weights): standard ops only, for TensorRT and any
+runtime. Per layer, with g = heads / kv_heads query heads sharing each KV head and
+A = max(past_lengths) the longest valid past in the batch::
+
+    past_k, past_v = past[..., :A, :]                               (Slice: the valid part only)
     q4       = rope(q) * d**-0.5 reshaped to [b, kv_heads, g*s, d]   (scale folded into Wq)
-    scores   = concat(q4 @ past_k^T, q4 @ new_k^T) + mask            [b, kv_heads, g*s, L+s]
+    scores   = concat(q4 @ past_k^T, q4 @ new_k^T) + mask            [b, kv_heads, g*s, A+s]
     probs    = softmax(scores)
-    out      = probs[..., :L] @ past_v + probs[..., L:] @ new_v
+    out      = probs[..., :A] @ past_v + probs[..., A:] @ new_v
 
-GQA is a reshape of Q, never a repeat of K/V, and the cache is only read: nothing of size
-max_len is copied or concatenated. The mask is computed once per call from `past_lengths`
-(slot j of row b is visible iff j < past_lengths[b]) plus a causal mask over the new tokens;
-stale data beyond the valid length is masked out with -inf, so the runtime must keep buffers
-finite (they are zero-initialised and only ever written with finite K/V).
+GQA is a reshape of Q, never a repeat of K/V. The mask is computed once per call from
+`past_lengths` (slot j of row b is visible iff j < past_lengths[b]) plus a causal mask over the
+new tokens; stale data beyond a row's valid length is masked with -inf, so the runtime must keep
+buffers finite (they are zero-initialised and only ever written with finite K/V). Slicing to A
+makes the work follow the valid length, not max_len; the price is a copy of the valid K/V.
+
+`ort` (opset 17 + com.microsoft; 21 with quantized weights): onnxruntime's GroupQueryAttention
+with packed QKV, rotary applied inside the op from the same cos/sin tables, and the past buffer
+bound as both input and output (`past_present_share_buffer`), so the new K/V are written into
+the cache in place and attention reads only the valid slots::
+
+    seqlens_k              = past_lengths + s - 1                    [b] int32
+    total_sequence_length  = max(past_lengths) + s                   scalar int32
+
+GroupQueryAttention takes positions from `seqlens_k` (position of new token i = past length + i,
+the same rule as the portable graph), so `position_ids` is not a graph input there. It accepts
+s > 1 with a non-empty past only for batch 1; the runtime splits such calls by row.
+
+Weights: float32, or blocked int8/int4 `DequantizeLinear -> MatMul` (see `quantize.py`) for every
+projection and the LM head; the embedding table stays float32 (one row is read per token).
 """
 
 from __future__ import annotations
@@ -39,10 +61,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kvedge.contract import CacheGeometry, IONames
+from kvedge.contract import VARIANTS, CacheGeometry, IONames
 from kvedge.errors import KvedgeError
+from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
 
-OPSET = 17
+OPSET = 17  # float32 weights
+QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
+MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -69,6 +94,31 @@ class DecoderSpec:
         )
 
 
+@dataclass(frozen=True)
+class GraphOptions:
+    """How to build the graph; invalid values fail here, naming the allowed ones."""
+
+    logits: str = "last"  # "last" or "all"
+    variant: str = "portable"  # see VARIANTS
+    weights: str = "float32"  # see quantize.WEIGHT_FORMATS
+    block_size: int = 32  # quantization block along the input features
+
+    def __post_init__(self) -> None:
+        if self.logits not in ("last", "all"):
+            raise KvedgeError(f"--logits {self.logits!r} is not allowed; choose 'last' or 'all'")
+        if self.variant not in VARIANTS:
+            raise KvedgeError(f"--variant {self.variant!r} is not supported; allowed: {sorted(VARIANTS)}")
+        check_format(self.weights, self.block_size)
+
+    @property
+    def opset(self) -> int:
+        return OPSET if self.weights == "float32" else QUANTIZED_OPSET
+
+    @property
+    def bits(self) -> int:
+        return WEIGHT_FORMATS[self.weights]
+
+
 def rope_tables(
     inv_freq: np.ndarray, attention_scaling: float, max_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -82,21 +132,61 @@ def rope_tables(
 class _Builder:
     """Appends nodes and initializers; every op returns the name of its (first) output."""
 
-    def __init__(self) -> None:
+    def __init__(self, opset: int) -> None:
+        self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
         self._count = 0
+        self._shared: set[str] = set()
 
-    def op(self, op_type: str, inputs: list[str], name: str, outputs: int = 1, **attrs: Any):
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        name: str,
+        outputs: int | list[str] = 1,
+        **attrs: Any,
+    ):
+        """Add a node; `outputs` is a count (names derived from `name`) or the output names."""
         self._count += 1
-        outs = [f"{name}" if outputs == 1 else f"{name}_{i}" for i in range(outputs)]
+        if isinstance(outputs, list):
+            outs = outputs
+        else:
+            outs = [f"{name}" if outputs == 1 else f"{name}_{i}" for i in range(outputs)]
         node = helper.make_node(op_type, inputs, outs, name=f"{name}/{op_type}_{self._count}", **attrs)
         self.nodes.append(node)
-        return outs[0] if outputs == 1 else outs
+        return outs[0] if len(outs) == 1 else outs
 
     def const(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
+
+    def ints(self, *values: int) -> str:
+        """A shared int64 vector constant, e.g. ints(0) -> [0]."""
+        name = "const.i64_" + "_".join(str(v) for v in values)
+        if name not in self._shared:
+            self._shared.add(self.const(name, np.array(values, np.int64)))
+        return name
+
+    def reduce(self, op_type: str, x: str, axis: int, name: str, keepdims: int = 1) -> str:
+        """ReduceMean/ReduceMax over one axis: axes are an attribute before opset 18, an input after."""
+        if self.opset < 18:
+            return self.op(op_type, [x], name, axes=[axis], keepdims=keepdims)
+        return self.op(op_type, [x, self.ints(axis)], name, keepdims=keepdims)
+
+    def matmul_weight(self, x: str, w: np.ndarray, out: str, bits: int, block_size: int) -> str:
+        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear."""
+        if bits == 32:
+            return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
+        qw = quantize_blockwise(w, bits, block_size)
+        self.quant_errors.append(qw.max_error)
+        self.initializers.append(weight_tensor(f"{out}.weight_q", qw))
+        scale = self.const(f"{out}.weight_scale", qw.scale)
+        deq = self.op(
+            "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
+        )
+        return self.op("MatMul", [x, deq], out)
 
 
 def build_decoder_graph(
@@ -106,17 +196,15 @@ def build_decoder_graph(
     cos: np.ndarray,
     sin: np.ndarray,
     names: IONames,
-    logits: str = "last",
+    options: GraphOptions | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
-    if logits not in ("last", "all"):
-        raise KvedgeError(f"logits={logits!r} is not allowed; choose 'last' or 'all'")
+    options = options or GraphOptions()
     if geometry.dtype != "float32":
         raise KvedgeError(f"cache dtype {geometry.dtype!r} is not exported yet; allowed: 'float32'")
-    g = _Builder()
+    g = _Builder(options.opset)
     heads, kv_heads, d = spec.num_heads, geometry.num_kv_heads, geometry.head_dim
-    groups = heads // kv_heads
     length = geometry.max_len
     dtype = geometry.np_dtype
 
@@ -126,7 +214,7 @@ def build_decoder_graph(
     def linear(x: str, prefix: str, parts: list[str], out: str) -> str:
         """x @ concat(W_parts)^T + concat(b_parts): fused projections cost one MatMul."""
         mat = np.concatenate([w(f"{prefix}.{p}.weight") for p in parts], axis=0)
-        y = g.op("MatMul", [x, g.const(f"{out}.weight", mat.T)], out)
+        y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size)
         biases = [f"{prefix}.{p}.bias" for p in parts]
         if all(b in weights for b in biases):
             bias = np.concatenate([w(b) for b in biases])
@@ -138,95 +226,22 @@ def build_decoder_graph(
     def rms_norm(x: str, weight: np.ndarray, name: str) -> str:
         # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern onnxruntime fuses into one norm kernel.
         sq = g.op("Pow", [x, two], f"{name}.sq")
-        mean = g.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)
+        mean = g.reduce("ReduceMean", sq, -1, f"{name}.mean")
         root = g.op("Sqrt", [g.op("Add", [mean, g.const(f"{name}.eps", eps)], f"{name}.var")], name + ".rms")
         normed = g.op("Div", [x, root], f"{name}.normed")
         return g.op("Mul", [normed, g.const(f"{name}.weight", weight)], name)
 
-    def rope(x: str, name: str) -> str:
-        """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention)."""
-        x1, x2 = g.op("Split", [x, half_split], f"{name}.halves", outputs=2, axis=-1)
-        r1 = g.op(
-            "Sub",
-            [g.op("Mul", [x1, cos4], f"{name}.x1c"), g.op("Mul", [x2, sin4], f"{name}.x2s")],
-            f"{name}.r1",
-        )
-        r2 = g.op(
-            "Add",
-            [g.op("Mul", [x2, cos4], f"{name}.x2c"), g.op("Mul", [x1, sin4], f"{name}.x1s")],
-            f"{name}.r2",
-        )
-        return g.op("Concat", [r1, r2], name, axis=-1)
-
     two = g.const("const.two", np.array(2.0, np.float32))
     eps = np.array(spec.rms_norm_eps, np.float32)
-    half_split = g.const("const.rope_split", np.array([d // 2, d // 2], np.int64))
-    zero_i = g.const("const.zero_i64", np.array([0], np.int64))
-    one_i = g.const("const.one_i64", np.array([1], np.int64))
-    two_i = g.const("const.two_i64", np.array([2], np.int64))
-
-    # Per-call values shared by all layers: RoPE angles and the attention mask.
-    pos_cos = g.op("Gather", [g.const("rope.cos", cos), names.position_ids], "rope.pos_cos", axis=0)
-    pos_sin = g.op("Gather", [g.const("rope.sin", sin), names.position_ids], "rope.pos_sin", axis=0)
-    cos4 = g.op("Unsqueeze", [pos_cos, one_i], "rope.cos4")  # [b, 1, s, d/2]
-    sin4 = g.op("Unsqueeze", [pos_sin, one_i], "rope.sin4")  # [b, 1, s, d/2]
-
     batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
-    b_dim = g.op("Slice", [batch_seq, zero_i, one_i], "shape.b")
-    s_dim = g.op("Slice", [batch_seq, one_i, two_i], "shape.s")
-    neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
-    zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
-    slots = g.const("mask.slots", np.arange(length, dtype=np.int64)[None, :])  # [1, L]
-    lengths = g.op("Unsqueeze", [names.past_lengths, one_i], "mask.lengths")  # [b, 1]
-    past_ok = g.op("Less", [slots, lengths], "mask.past_ok")  # [b, L]
-    past_bias = g.op("Where", [past_ok, zero_f, neg_inf], "mask.past_bias")
-    past_bias4 = g.op(
-        "Unsqueeze", [past_bias, g.const("const.axes12", np.array([1, 2], np.int64))], "mask.past4"
-    )
-    scalar_s = g.op("Squeeze", [s_dim, zero_i], "shape.s_scalar")
-    new_idx = g.op(
-        "Range",
-        [
-            g.const("const.zero_scalar", np.array(0, np.int64)),
-            scalar_s,
-            g.const("const.one_scalar", np.array(1, np.int64)),
-        ],
-        "mask.new_idx",
-    )
-    rows = g.op("Unsqueeze", [new_idx, one_i], "mask.rows")  # [s, 1]
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [new_idx, zero_i], "mask.cols"), rows], "mask.causal")
-    new_bias = g.op("Where", [causal, zero_f, neg_inf], "mask.new_bias")  # [s, s]
-    const_1 = g.const("const.one_list", np.array([1], np.int64))
-    past_shape = g.op(
-        "Concat",
-        [b_dim, const_1, s_dim, g.const("const.L", np.array([length], np.int64))],
-        "mask.past_shape",
-        axis=0,
-    )
-    new_shape = g.op("Concat", [b_dim, const_1, s_dim, s_dim], "mask.new_shape", axis=0)
-    mask = g.op(
-        "Concat",
-        [
-            g.op("Expand", [past_bias4, past_shape], "mask.past_full"),
-            g.op("Expand", [new_bias, new_shape], "mask.new_full"),
-        ],
-        "mask.bs",
-        axis=-1,
-    )  # [b, 1, s, L+s]
-    mask = g.op(
-        "Tile", [mask, g.const("mask.tile", np.array([1, 1, groups, 1], np.int64))], "mask"
-    )  # [b, 1, g*s, L+s]
-    split_ls = g.op(
-        "Concat", [g.const("const.L_list", np.array([length], np.int64)), s_dim], "attn.split_ls", axis=0
-    )
-
-    q_shape = g.const("shape.q", np.array([0, 0, heads, d], np.int64))
-    kv_shape = g.const("shape.kv", np.array([0, 0, kv_heads, d], np.int64))
-    grouped = g.const("shape.grouped", np.array([0, kv_heads, -1, d], np.int64))
-    per_head = g.const("shape.per_head", np.array([0, heads, -1, d], np.int64))
-    merged = g.const("shape.merged", np.array([0, 0, heads * d], np.int64))
-    qkv_split = g.const("attn.qkv_split", np.array([heads * d, kv_heads * d, kv_heads * d], np.int64))
-    mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
+    b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
+    s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
+    cos_table, sin_table = g.const("rope.cos", cos), g.const("rope.sin", sin)  # [L, d/2]
+    ctx = dict(g=g, heads=heads, kv_heads=kv_heads, d=d, length=length, names=names, s_dim=s_dim)
+    if options.variant == "portable":
+        attention = _PortableAttention(**ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table)
+    else:
+        attention = _GroupQueryAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
 
     weights = dict(weights)
     scale = 1.0 / math.sqrt(d)
@@ -238,37 +253,235 @@ def build_decoder_graph(
             weights[f"model.layers.{i}.self_attn.q_proj.bias"] = (
                 w(f"model.layers.{i}.self_attn.q_proj.bias") * scale
             )
+    mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
+
+    def residual_norm(hidden: str, delta: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
+        """(rms_norm(hidden + delta), hidden + delta): onnxruntime's fused op in the ort variant."""
+        if delta is None:
+            return rms_norm(hidden, weight, name), hidden
+        if options.variant == "portable":
+            hidden = g.op("Add", [hidden, delta], f"{name}.residual")
+            return rms_norm(hidden, weight, name), hidden
+        normed, _, _, hidden = g.op(
+            "SkipSimplifiedLayerNormalization",
+            [delta, hidden, g.const(f"{name}.weight", weight)],
+            name,
+            outputs=[name, "", "", f"{name}.residual"],
+            domain=MS_DOMAIN,
+            epsilon=spec.rms_norm_eps,
+        )
+        return normed, hidden
 
     embed = w("model.embed_tokens.weight")  # [vocab, hidden]
     embed_name = g.const("model.embed_tokens.weight", embed)
     hidden = g.op("Gather", [embed_name, names.input_ids], "model.embed", axis=0)  # [b, s, H]
+    delta = None  # the last sublayer's output, added to `hidden` by the next norm
     outputs: list[onnx.ValueInfoProto] = []
     for i in range(geometry.num_layers):
         p = f"model.layers.{i}"
-        x = rms_norm(hidden, w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
-        qkv = linear(x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv")
-        q, k, v = g.op("Split", [qkv, qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
+        x, hidden = residual_norm(hidden, delta, w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
+        qkv = linear(
+            x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv"
+        )  # [b, s, (h+2kvh)d]
+        attn = attention.layer(i, qkv)  # [b, s, heads*d]
+        delta = linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
+        x, hidden = residual_norm(
+            hidden, delta, w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
+        )
+        gate, up = g.op(
+            "Split",
+            [linear(x, f"{p}.mlp", ["gate_proj", "up_proj"], f"{p}.mlp.gate_up"), mlp_split],
+            f"{p}.mlp.parts",
+            outputs=2,
+            axis=-1,
+        )
+        act = g.op(
+            "Mul",
+            [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.mlp.sig")], f"{p}.mlp.silu"), up],
+            f"{p}.mlp.act",
+        )
+        delta = linear(act, f"{p}.mlp", ["down_proj"], f"{p}.mlp.down")
+        present_len = "seq" if options.variant == "portable" else length
+        for template in (names.present_key, names.present_value):
+            outputs.append(
+                helper.make_tensor_value_info(
+                    names.layer(template, i), _onnx_dtype(dtype), ["batch", kv_heads, present_len, d]
+                )
+            )
+        if progress:
+            progress(1)
+
+    if options.variant == "portable":  # select rows first: the norm then runs on them only
+        hidden = g.op("Add", [hidden, delta], "model.residual")
+    else:
+        hidden, _ = residual_norm(hidden, delta, w("model.norm.weight"), "model.norm")
+    if options.logits == "last":
+        index = g.op("Unsqueeze", [names.last_index, g.ints(1)], "logits.index")  # [b, 1]
+        hidden = g.op("GatherND", [hidden, index], "logits.last_hidden", batch_dims=1)  # [b, H]
+    else:
+        hidden = g.op(
+            "Reshape",
+            [hidden, g.const("shape.rows", np.array([-1, spec.hidden_size], np.int64))],
+            "logits.rows",
+        )
+    if options.variant == "portable":
+        hidden = rms_norm(hidden, w("model.norm.weight"), "model.norm")
+    tied = spec.tie_word_embeddings or "lm_head.weight" not in weights
+    if options.bits < 32:
+        head = embed if tied else w("lm_head.weight")  # [vocab, H]
+        scores = g.matmul_weight(
+            hidden, np.ascontiguousarray(head.T), "logits.rows_vocab", options.bits, options.block_size
+        )
+    else:
+        head_name = embed_name if tied else g.const("lm_head.weight", w("lm_head.weight"))
+        scores = g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)
+    vocab = g.const("const.vocab", np.array([spec.vocab_size], np.int64))
+    if options.logits == "last":
+        out_shape = g.op("Concat", [b_dim, g.ints(1), vocab], "shape.logits", axis=0)
+    else:
+        out_shape = g.op("Concat", [b_dim, s_dim, vocab], "shape.logits", axis=0)
+    g.op("Reshape", [scores, out_shape], names.logits)
+
+    inputs = [helper.make_tensor_value_info(names.input_ids, TensorProto.INT64, ["batch", "seq"])]
+    if options.variant == "portable":
+        inputs.append(helper.make_tensor_value_info(names.position_ids, TensorProto.INT64, ["batch", "seq"]))
+    inputs.append(helper.make_tensor_value_info(names.past_lengths, TensorProto.INT64, ["batch"]))
+    if options.logits == "last":
+        inputs.append(helper.make_tensor_value_info(names.last_index, TensorProto.INT64, ["batch"]))
+    for i in range(geometry.num_layers):
+        for template in (names.past_key, names.past_value):
+            inputs.append(
+                helper.make_tensor_value_info(
+                    names.layer(template, i), _onnx_dtype(dtype), ["batch", kv_heads, length, d]
+                )
+            )
+    logits_shape = ["batch", 1 if options.logits == "last" else "seq", spec.vocab_size]
+    outputs.insert(0, helper.make_tensor_value_info(names.logits, TensorProto.FLOAT, logits_shape))
+    graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
+    opsets = [helper.make_opsetid("", options.opset)]
+    if options.variant == "ort":
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="kvedge")
+    # IR 8 is what onnxruntime and TensorRT 8.6+ both read; opset 21 (int4/int8 types) needs IR 10.
+    model.ir_version = 8 if options.opset < 21 else 10
+    if g.quant_errors:
+        helper.set_model_props(model, {"kvedge.max_quant_error": f"{max(g.quant_errors):.6g}"})
+    return model
+
+
+class _PortableAttention:
+    """Standard-op attention over the valid part of the past (see the module docstring)."""
+
+    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, b_dim, cos_table, sin_table) -> None:
+        self.g, self.names = g, names
+        self.heads, self.kv_heads, self.d = heads, kv_heads, d
+        groups = heads // kv_heads
+        self.half_split = g.ints(d // 2, d // 2)
+
+        # RoPE angles, shared by all layers.
+        pos_cos = g.op("Gather", [cos_table, names.position_ids], "rope.pos_cos", axis=0)
+        pos_sin = g.op("Gather", [sin_table, names.position_ids], "rope.pos_sin", axis=0)
+        self.cos4 = g.op("Unsqueeze", [pos_cos, g.ints(1)], "rope.cos4")  # [b, 1, s, d/2]
+        self.sin4 = g.op("Unsqueeze", [pos_sin, g.ints(1)], "rope.sin4")  # [b, 1, s, d/2]
+
+        # A = longest valid past in the batch: attention reads slots [0, A) only.
+        self.attend = longest = g.reduce("ReduceMax", names.past_lengths, 0, "attn.attend_len")  # [1]
+        neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
+        zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
+        slots = g.op(
+            "Slice",
+            [
+                g.const("mask.all_slots", np.arange(length, dtype=np.int64)[None, :]),
+                g.ints(0),
+                longest,
+                g.ints(1),
+            ],
+            "mask.slots",
+        )  # [1, A]
+        lengths = g.op("Unsqueeze", [names.past_lengths, g.ints(1)], "mask.lengths")  # [b, 1]
+        past_ok = g.op("Less", [slots, lengths], "mask.past_ok")  # [b, A]
+        past_bias = g.op("Where", [past_ok, zero_f, neg_inf], "mask.past_bias")
+        past_bias4 = g.op("Unsqueeze", [past_bias, g.ints(1, 2)], "mask.past4")
+        scalar_s = g.op("Squeeze", [s_dim, g.ints(0)], "shape.s_scalar")
+        new_idx = g.op(
+            "Range",
+            [
+                g.const("const.zero_scalar", np.array(0, np.int64)),
+                scalar_s,
+                g.const("const.one_scalar", np.array(1, np.int64)),
+            ],
+            "mask.new_idx",
+        )
+        rows = g.op("Unsqueeze", [new_idx, g.ints(1)], "mask.rows")  # [s, 1]
+        causal = g.op(
+            "LessOrEqual", [g.op("Unsqueeze", [new_idx, g.ints(0)], "mask.cols"), rows], "mask.causal"
+        )
+        new_bias = g.op("Where", [causal, zero_f, neg_inf], "mask.new_bias")  # [s, s]
+        past_shape = g.op("Concat", [b_dim, g.ints(1), s_dim, longest], "mask.past_shape", axis=0)
+        new_shape = g.op("Concat", [b_dim, g.ints(1), s_dim, s_dim], "mask.new_shape", axis=0)
+        mask = g.op(
+            "Concat",
+            [
+                g.op("Expand", [past_bias4, past_shape], "mask.past_full"),
+                g.op("Expand", [new_bias, new_shape], "mask.new_full"),
+            ],
+            "mask.bs",
+            axis=-1,
+        )  # [b, 1, s, A+s]
+        self.mask = g.op("Tile", [mask, g.ints(1, 1, groups, 1)], "mask")  # [b, 1, g*s, A+s]
+        self.split_as = g.op("Concat", [longest, s_dim], "attn.split_as", axis=0)
+        self.q_shape = g.ints(0, 0, heads, d)
+        self.kv_shape = g.ints(0, 0, kv_heads, d)
+        self.grouped = g.ints(0, kv_heads, -1, d)
+        self.per_head = g.ints(0, heads, -1, d)
+        self.merged = g.ints(0, 0, heads * d)
+        self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
+
+    def rope(self, x: str, name: str) -> str:
+        """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention)."""
+        g = self.g
+        x1, x2 = g.op("Split", [x, self.half_split], f"{name}.halves", outputs=2, axis=-1)
+        r1 = g.op(
+            "Sub",
+            [g.op("Mul", [x1, self.cos4], f"{name}.x1c"), g.op("Mul", [x2, self.sin4], f"{name}.x2s")],
+            f"{name}.r1",
+        )
+        r2 = g.op(
+            "Add",
+            [g.op("Mul", [x2, self.cos4], f"{name}.x2c"), g.op("Mul", [x1, self.sin4], f"{name}.x1s")],
+            f"{name}.r2",
+        )
+        return g.op("Concat", [r1, r2], name, axis=-1)
+
+    def layer(self, i: int, qkv: str) -> str:
+        g, names, p = self.g, self.names, f"model.layers.{i}"
+        q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
         q = g.op(
             "Transpose",
-            [g.op("Reshape", [q, q_shape], f"{p}.attn.q5")],
+            [g.op("Reshape", [q, self.q_shape], f"{p}.attn.q5")],
             f"{p}.attn.q_bhsd",
             perm=[0, 2, 1, 3],
         )
         k = g.op(
             "Transpose",
-            [g.op("Reshape", [k, kv_shape], f"{p}.attn.k4")],
+            [g.op("Reshape", [k, self.kv_shape], f"{p}.attn.k4")],
             f"{p}.attn.k_bhsd",
             perm=[0, 2, 1, 3],
         )
         v = g.op(
             "Transpose",
-            [g.op("Reshape", [v, kv_shape], f"{p}.attn.v4")],
+            [g.op("Reshape", [v, self.kv_shape], f"{p}.attn.v4")],
             names.layer(names.present_value, i),
             perm=[0, 2, 1, 3],
         )
-        q = g.op("Reshape", [rope(q, f"{p}.attn.q_rope"), grouped], f"{p}.attn.q_grouped")  # [b, kvh, g*s, d]
-        k = rope(k, names.layer(names.present_key, i))  # [b, kvh, s, d]
-        past_k, past_v = names.layer(names.past_key, i), names.layer(names.past_value, i)
+        q = g.op(
+            "Reshape", [self.rope(q, f"{p}.attn.q_rope"), self.grouped], f"{p}.attn.q_grouped"
+        )  # [b, kvh, g*s, d]
+        k = self.rope(k, names.layer(names.present_key, i))  # [b, kvh, s, d]
+        past_k, past_v = (
+            g.op("Slice", [names.layer(t, i), g.ints(0), self.attend, g.ints(2)], f"{p}.attn.{kind}")
+            for t, kind in ((names.past_key, "past_k"), (names.past_value, "past_v"))
+        )  # [b, kvh, A, d]
         scores = g.op(
             "Concat",
             [
@@ -286,8 +499,10 @@ def build_decoder_graph(
             f"{p}.attn.scores",
             axis=-1,
         )
-        probs = g.op("Softmax", [g.op("Add", [scores, mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1)
-        p_past, p_new = g.op("Split", [probs, split_ls], f"{p}.attn.probs_parts", outputs=2, axis=-1)
+        probs = g.op(
+            "Softmax", [g.op("Add", [scores, self.mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1
+        )
+        p_past, p_new = g.op("Split", [probs, self.split_as], f"{p}.attn.probs_parts", outputs=2, axis=-1)
         attn = g.op(
             "Add",
             [
@@ -296,82 +511,55 @@ def build_decoder_graph(
             ],
             f"{p}.attn.context",
         )  # [b, kvh, g*s, d]
-        attn = g.op("Reshape", [attn, per_head], f"{p}.attn.per_head")  # [b, heads, s, d]
-        attn = g.op(
+        attn = g.op("Reshape", [attn, self.per_head], f"{p}.attn.per_head")  # [b, heads, s, d]
+        return g.op(
             "Reshape",
-            [g.op("Transpose", [attn], f"{p}.attn.bshd", perm=[0, 2, 1, 3]), merged],
+            [g.op("Transpose", [attn], f"{p}.attn.bshd", perm=[0, 2, 1, 3]), self.merged],
             f"{p}.attn.merged",
-        )
-        hidden = g.op(
-            "Add", [hidden, linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")], f"{p}.attn.residual"
-        )
-        x = rms_norm(hidden, w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm")
-        gate, up = g.op(
-            "Split",
-            [linear(x, f"{p}.mlp", ["gate_proj", "up_proj"], f"{p}.mlp.gate_up"), mlp_split],
-            f"{p}.mlp.parts",
-            outputs=2,
-            axis=-1,
-        )
-        act = g.op(
-            "Mul",
-            [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.mlp.sig")], f"{p}.mlp.silu"), up],
-            f"{p}.mlp.act",
-        )
-        hidden = g.op(
-            "Add", [hidden, linear(act, f"{p}.mlp", ["down_proj"], f"{p}.mlp.down")], f"{p}.mlp.residual"
-        )
-        for template in (names.present_key, names.present_value):
-            outputs.append(
-                helper.make_tensor_value_info(
-                    names.layer(template, i), _onnx_dtype(dtype), ["batch", kv_heads, "seq", d]
-                )
-            )
-        if progress:
-            progress(1)
+        )  # [b, s, heads*d]
 
-    if logits == "last":
-        index = g.op("Unsqueeze", [names.last_index, one_i], "logits.index")  # [b, 1]
-        hidden = g.op("GatherND", [hidden, index], "logits.last_hidden", batch_dims=1)  # [b, H]
-    else:
-        hidden = g.op(
-            "Reshape",
-            [hidden, g.const("shape.rows", np.array([-1, spec.hidden_size], np.int64))],
-            "logits.rows",
-        )
-    hidden = rms_norm(hidden, w("model.norm.weight"), "model.norm")
-    if spec.tie_word_embeddings or "lm_head.weight" not in weights:
-        head = embed_name
-    else:
-        head = g.const("lm_head.weight", w("lm_head.weight"))
-    scores = g.op("Gemm", [hidden, head], "logits.rows_vocab", transB=1)
-    vocab = g.const("const.vocab", np.array([spec.vocab_size], np.int64))
-    if logits == "last":
-        out_shape = g.op("Concat", [b_dim, const_1, vocab], "shape.logits", axis=0)
-    else:
-        out_shape = g.op("Concat", [b_dim, s_dim, vocab], "shape.logits", axis=0)
-    g.op("Reshape", [scores, out_shape], names.logits)
 
-    inputs = [
-        helper.make_tensor_value_info(names.input_ids, TensorProto.INT64, ["batch", "seq"]),
-        helper.make_tensor_value_info(names.position_ids, TensorProto.INT64, ["batch", "seq"]),
-        helper.make_tensor_value_info(names.past_lengths, TensorProto.INT64, ["batch"]),
-    ]
-    if logits == "last":
-        inputs.append(helper.make_tensor_value_info(names.last_index, TensorProto.INT64, ["batch"]))
-    for i in range(geometry.num_layers):
-        for template in (names.past_key, names.past_value):
-            inputs.append(
-                helper.make_tensor_value_info(
-                    names.layer(template, i), _onnx_dtype(dtype), ["batch", kv_heads, length, d]
-                )
-            )
-    logits_shape = ["batch", 1 if logits == "last" else "seq", spec.vocab_size]
-    outputs.insert(0, helper.make_tensor_value_info(names.logits, TensorProto.FLOAT, logits_shape))
-    graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="kvedge")
-    model.ir_version = 8  # what onnxruntime and TensorRT 8.6+ both read
-    return model
+class _GroupQueryAttention:
+    """onnxruntime's GroupQueryAttention, past and present sharing one buffer (module docstring)."""
+
+    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
+        self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
+        self.cos_table, self.sin_table = cos_table, sin_table
+        s_minus_1 = g.op("Sub", [s_dim, g.ints(1)], "gqa.s_minus_1")
+        seqlens = g.op("Add", [names.past_lengths, s_minus_1], "gqa.seqlens_i64")  # [b]
+        self.seqlens = g.op("Cast", [seqlens], "gqa.seqlens_k", to=TensorProto.INT32)
+        longest = g.reduce("ReduceMax", names.past_lengths, 0, "gqa.longest_past", keepdims=0)
+        total = g.op("Add", [longest, g.op("Squeeze", [s_dim], "gqa.s_scalar")], "gqa.total_i64")
+        self.total = g.op("Cast", [total], "gqa.total_sequence_length", to=TensorProto.INT32)  # scalar
+
+    def layer(self, i: int, qkv: str) -> str:
+        g, names = self.g, self.names
+        return g.op(
+            "GroupQueryAttention",
+            [
+                qkv,
+                "",
+                "",
+                names.layer(names.past_key, i),
+                names.layer(names.past_value, i),
+                self.seqlens,
+                self.total,
+                self.cos_table,
+                self.sin_table,
+            ],
+            f"model.layers.{i}.attn.gqa",
+            outputs=[
+                f"model.layers.{i}.attn.merged",  # [b, s, heads*d]
+                names.layer(names.present_key, i),
+                names.layer(names.present_value, i),
+            ],
+            domain=MS_DOMAIN,
+            num_heads=self.heads,
+            kv_num_heads=self.kv_heads,
+            scale=1.0,  # folded into Wq
+            do_rotary=1,
+            rotary_interleaved=0,
+        )[0]
 
 
 def _onnx_dtype(dtype: np.dtype) -> int:

@@ -1,9 +1,21 @@
 """onnxruntime backend: binds the cache pool's buffers to the graph with I/O binding.
 
 Past K/V inputs are bound by pointer to views of the `KVCache` pool, so no cache byte is copied
-into onnxruntime. Decode outputs (logits [b, 1, vocab] and new K/V [b, kv_heads, 1, head_dim]
-per layer) go to scratch buffers allocated once per batch size; prefill outputs are allocated per
-call, proportional to the prompt chunk, never to the context.
+into onnxruntime. What happens to the new K/V depends on the manifest's graph variant:
+
+- portable: the graph returns them as outputs and the runtime copies them into the pool
+  (`KVCache.append`).
+- in place (ort): the same pool view is bound as a layer's past input and its present output,
+  so the graph writes the new K/V into the cache itself and the runtime only advances lengths
+  (`KVCache.commit`). onnxruntime's GroupQueryAttention takes s > 1 new tokens on top of a
+  non-empty past only for batch 1, and writes every column it is given; so multi-row prefill
+  runs one row at a time with exactly that row's real tokens, and no padding is ever written.
+
+Decode (one token per row) runs through an I/O binding made once per (batch, slot range) and
+reused: token ids, lengths, logits [b, 1, vocab], the pool views and (portable) the new-K/V
+scratch [b, kv_heads, 1, head_dim] per layer are bound by pointer once, and a step only rewrites
+the few input values, so it allocates nothing. Prefill outputs are allocated per call,
+proportional to the prompt chunk, never to the context.
 """
 
 from __future__ import annotations
@@ -22,19 +34,27 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 log = logging.getLogger(__name__)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+MAX_DECODE_BINDINGS = 8  # distinct (batch, slot range) decode bindings kept; beyond, start over
 
 
 @dataclass
 class StepOutput:
     logits: np.ndarray  # [batch, vocab] float32: next-token logits for each row
-    present: list[tuple[np.ndarray, np.ndarray]]  # per layer ([batch, kvh, seq, d] K, V)
+    # Per layer ([batch, kvh, seq, d] K, V) of the new tokens; None when the graph wrote them
+    # into the cache in place.
+    present: list[tuple[np.ndarray, np.ndarray]] | None
 
 
 class OrtBackend:
     """One onnxruntime session over an exported artifact folder."""
 
     def __init__(
-        self, folder: Path, manifest: Manifest, threads: int | None = None, provider: str = "cpu"
+        self,
+        folder: Path,
+        manifest: Manifest,
+        threads: int | None = None,
+        provider: str = "cpu",
+        optimized_model_path: Path | None = None,
     ) -> None:
         if provider not in PROVIDERS:
             raise KvedgeError(f"--provider {provider!r} is not supported; allowed: {sorted(PROVIDERS)}")
@@ -48,14 +68,18 @@ class OrtBackend:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.inter_op_num_threads = 1
+        if optimized_model_path is not None:  # for inspecting fusions (tests, benchmarks)
+            options.optimized_model_filepath = str(optimized_model_path)
         self.threads = options.intra_op_num_threads
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=[PROVIDERS[provider]])
         self._check_io()
-        self._decode_scratch: dict[int, tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]] = {}
+        self._decode_bindings: dict[tuple, _DecodeBinding] = {}
 
     def _check_io(self) -> None:
         names, geometry = self.manifest.names, self.manifest.geometry
-        want = {names.input_ids, names.position_ids, names.past_lengths}
+        want = {names.input_ids, names.past_lengths}
+        if not self.manifest.in_place:
+            want.add(names.position_ids)
         if self.manifest.logits == "last":
             want.add(names.last_index)
         for i in range(geometry.num_layers):
@@ -67,55 +91,144 @@ class OrtBackend:
                 f"manifest only {sorted(want - have)[:4]}"
             )
 
-    def _scratch(self, batch: int) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        if batch not in self._decode_scratch:
-            g = self.manifest.geometry
-            shape = (batch, g.num_kv_heads, 1, g.head_dim)
-            self._decode_scratch[batch] = (
-                np.zeros((batch, 1, self.manifest.vocab_size), np.float32),
-                [(np.zeros(shape, g.np_dtype), np.zeros(shape, g.np_dtype)) for _ in range(g.num_layers)],
-            )
-        return self._decode_scratch[batch]
-
     def run(
         self,
-        input_ids: np.ndarray,  # [batch, seq] int64
+        input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
         position_ids: np.ndarray,  # [batch, seq] int64
         past_lengths: np.ndarray,  # [batch] int64
         last_index: np.ndarray,  # [batch] int64
         past: list[tuple[np.ndarray, np.ndarray]],  # per layer [batch, kvh, max_len, d] views
+        counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
     ) -> StepOutput:
-        names = self.manifest.names
+        """Run one step. Logits of a row with no real tokens are zeros (in-place variant)."""
         batch, seq = input_ids.shape
+        counts = last_index + 1 if counts is None else np.asarray(counts, np.int64)
+        if seq == 1 and bool((counts == 1).all()):
+            return self._decode(input_ids, position_ids, past_lengths, past)
+        if not self.manifest.in_place:
+            return self._prefill_portable(input_ids, position_ids, past_lengths, last_index, past)
+        if batch == 1 and int(counts[0]) == seq:
+            return StepOutput(self._prefill_in_place(input_ids, past_lengths, last_index, past), None)
+        logits = np.zeros((batch, self.manifest.vocab_size), np.float32)
+        for r in range(batch):
+            n = int(counts[r])
+            if n:
+                logits[r] = self._prefill_in_place(
+                    input_ids[r : r + 1, :n],
+                    past_lengths[r : r + 1],
+                    np.array([n - 1], np.int64),
+                    [(k[r : r + 1], v[r : r + 1]) for k, v in past],
+                )[0]
+        return StepOutput(logits, None)
+
+    def _decode(self, input_ids, position_ids, past_lengths, past) -> StepOutput:
+        """One token per row through a binding made once per (batch, slots) and then reused."""
+        key = (input_ids.shape[0], past[0][0].ctypes.data, past[0][0].strides)
+        step = self._decode_bindings.get(key)
+        if step is None:
+            if len(self._decode_bindings) >= MAX_DECODE_BINDINGS:
+                self._decode_bindings.clear()
+            step = self._decode_bindings[key] = self._make_decode_binding(past)
+        step.input_ids[...] = input_ids
+        step.past_lengths[...] = past_lengths
+        if step.position_ids is not None:
+            step.position_ids[...] = position_ids
+        self.session.run_with_iobinding(step.binding)
+        return StepOutput(step.logits[:, 0].copy(), step.present)
+
+    def _make_decode_binding(self, past: list[tuple[np.ndarray, np.ndarray]]) -> _DecodeBinding:
+        names, g = self.manifest.names, self.manifest.geometry
+        batch = past[0][0].shape[0]
         binding = self.session.io_binding()
-        binding.bind_cpu_input(names.input_ids, input_ids)
-        binding.bind_cpu_input(names.position_ids, position_ids)
-        binding.bind_cpu_input(names.past_lengths, past_lengths)
+        step = _DecodeBinding(
+            binding=binding,
+            input_ids=np.zeros((batch, 1), np.int64),
+            position_ids=None if self.manifest.in_place else np.zeros((batch, 1), np.int64),
+            past_lengths=np.zeros(batch, np.int64),
+            last_index=np.zeros(batch, np.int64),
+            logits=np.zeros((batch, 1, self.manifest.vocab_size), np.float32),
+            present=None,
+            past=past,
+        )
+        self._bind_inputs(binding, step.input_ids, step.past_lengths, step.last_index, past, by_pointer=True)
+        if step.position_ids is not None:
+            _bind_array(binding, names.position_ids, step.position_ids, output=False)
+        _bind_array(binding, names.logits, step.logits, output=True)
+        if self.manifest.in_place:
+            outputs = past
+        else:
+            shape = (batch, g.num_kv_heads, 1, g.head_dim)
+            outputs = step.present = [
+                (np.zeros(shape, g.np_dtype), np.zeros(shape, g.np_dtype)) for _ in range(g.num_layers)
+            ]
+        for i, (k, v) in enumerate(outputs):
+            _bind_array(binding, names.layer(names.present_key, i), k, output=True)
+            _bind_array(binding, names.layer(names.present_value, i), v, output=True)
+        return step
+
+    def _bind_inputs(self, binding, input_ids, past_lengths, last_index, past, by_pointer=False) -> None:
+        names = self.manifest.names
+        small = [(names.input_ids, input_ids), (names.past_lengths, past_lengths)]
         if self.manifest.logits == "last":
-            binding.bind_cpu_input(names.last_index, last_index)
+            small.append((names.last_index, last_index))
+        for name, array in small:
+            if by_pointer:  # the caller keeps `array` alive and rewrites it before each run
+                _bind_array(binding, name, array, output=False)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for i, (k, v) in enumerate(past):
             _bind_array(binding, names.layer(names.past_key, i), k, output=False)
             _bind_array(binding, names.layer(names.past_value, i), v, output=False)
 
-        if seq == 1:
-            logits, present = self._scratch(batch)
-            _bind_array(binding, names.logits, logits, output=True)
-            for i, (k, v) in enumerate(present):
-                _bind_array(binding, names.layer(names.present_key, i), k, output=True)
-                _bind_array(binding, names.layer(names.present_value, i), v, output=True)
-            self.session.run_with_iobinding(binding)
-        else:
-            binding.bind_output(names.logits)
-            for i in range(len(past)):
-                binding.bind_output(names.layer(names.present_key, i))
-                binding.bind_output(names.layer(names.present_value, i))
-            self.session.run_with_iobinding(binding)
-            outs = binding.copy_outputs_to_cpu()
-            logits = outs[0]
-            present = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]
+    def _select_last(self, logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
+        """[batch, 1 or seq, vocab] -> [batch, vocab] at each row's last real token (a copy)."""
         if self.manifest.logits == "all":
-            logits = logits[np.arange(batch), last_index][:, None]
-        return StepOutput(logits=logits[:, 0].copy(), present=present)
+            logits = logits[np.arange(logits.shape[0]), last_index][:, None]
+        return logits[:, 0].copy()
+
+    def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
+        names = self.manifest.names
+        binding = self.session.io_binding()
+        self._bind_inputs(binding, input_ids, past_lengths, last_index, past)
+        binding.bind_cpu_input(names.position_ids, np.ascontiguousarray(position_ids))
+        binding.bind_output(names.logits)
+        for i in range(len(past)):
+            binding.bind_output(names.layer(names.present_key, i))
+            binding.bind_output(names.layer(names.present_value, i))
+        self.session.run_with_iobinding(binding)
+        outs = binding.copy_outputs_to_cpu()
+        present = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]
+        return StepOutput(logits=self._select_last(outs[0], last_index), present=present)
+
+    def _prefill_in_place(self, input_ids, past_lengths, last_index, past) -> np.ndarray:
+        """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
+        names = self.manifest.names
+        binding = self.session.io_binding()
+        self._bind_inputs(binding, input_ids, past_lengths, last_index, past)
+        batch, seq = input_ids.shape
+        logits = np.empty(
+            (batch, 1 if self.manifest.logits == "last" else seq, self.manifest.vocab_size), np.float32
+        )
+        _bind_array(binding, names.logits, logits, output=True)
+        for i, (k, v) in enumerate(past):
+            _bind_array(binding, names.layer(names.present_key, i), k, output=True)
+            _bind_array(binding, names.layer(names.present_value, i), v, output=True)
+        self.session.run_with_iobinding(binding)
+        return self._select_last(logits, last_index)
+
+
+@dataclass
+class _DecodeBinding:
+    """A decode step's I/O binding: every buffer bound by pointer once, values rewritten per step."""
+
+    binding: ort.IOBinding
+    input_ids: np.ndarray  # [batch, 1] int64
+    position_ids: np.ndarray | None  # [batch, 1] int64 (portable graphs only)
+    past_lengths: np.ndarray  # [batch] int64
+    last_index: np.ndarray  # [batch] int64, zeros: one token per row
+    logits: np.ndarray  # [batch, 1, vocab] float32
+    present: list[tuple[np.ndarray, np.ndarray]] | None  # portable: per layer [batch, kvh, 1, d]
+    past: list[tuple[np.ndarray, np.ndarray]]  # the bound pool views, kept alive with the binding
 
 
 def _bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool) -> None:

@@ -14,12 +14,13 @@ length and nothing is ever cleared.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvedge.contract import CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.runtime.rope import rotate_keys
 
 
 class KVCache:
@@ -33,6 +34,9 @@ class KVCache:
         self.pool = np.zeros(geometry.pool_shape(slots), geometry.np_dtype)
         self.lengths = np.zeros(slots, np.int64)
         self.tokens = np.zeros((slots, geometry.max_len), np.int64)
+        # Optional hook run on each block of new K/V [layers, 2, kv_heads, n, head_dim] as it
+        # becomes valid: `kvedge.quant.RoundTrip` uses it to measure INT8 schemes.
+        self.round_trip: Callable[[np.ndarray], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +90,26 @@ class KVCache:
             for layer, (new_k, new_v) in enumerate(present):
                 self.pool[layer, 0, slot, :, start : start + count] = new_k[row, :, :count]
                 self.pool[layer, 1, slot, :, start : start + count] = new_v[row, :, :count]
+        self.commit(slots, tokens, counts)
+
+    def commit(
+        self,
+        slots: Sequence[int],
+        tokens: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
+        counts: Sequence[int],
+    ) -> None:
+        """Make the first counts[r] new tokens of row r valid in slot slots[r].
+
+        Their K/V must already be in the pool at the slot's end: written by `append`, or by a
+        graph that writes into the bound buffers in place (the "ort" variant).
+        """
+        for row, (slot, count) in enumerate(zip(slots, counts, strict=True)):
+            if count == 0:
+                continue
+            self.check_room(slot, count)
+            start = self.length(slot)
+            if self.round_trip is not None:
+                self.round_trip(self.pool[:, :, slot, :, start : start + count])
             self.tokens[slot, start : start + count] = tokens[row, :count]
             self.lengths[slot] = start + count
 
@@ -97,3 +121,37 @@ class KVCache:
 
     def reset(self, slot: int) -> None:
         self.truncate(slot, 0)
+
+    def evict(self, slot: int, start: int, count: int, inv_freq: np.ndarray) -> None:
+        """Drop tokens start..start+count-1 of `slot`; later tokens move back by `count` positions.
+
+        The moved keys are re-rotated by -count (see `kvedge.runtime.rope`), so the slot then
+        holds exactly what a fresh run over the kept tokens would have written.
+        """
+        length = self.length(slot)
+        if not (0 <= start and count > 0 and start + count <= length):
+            raise KvedgeError(f"cannot evict {count} tokens at {start} from slot {slot} holding {length}")
+        moved = length - start - count
+        # numpy copies overlapping slices through a temporary, so moving left in place is safe
+        self.pool[:, :, slot, :, start : start + moved] = self.pool[:, :, slot, :, start + count : length]
+        rotate_keys(self.pool[:, 0, slot, :, start : start + moved], -count, inv_freq)
+        self.tokens[slot, start : start + moved] = self.tokens[slot, start + count : length].copy()
+        self.lengths[slot] = length - count
+
+    def read(self, slot: int, count: int) -> np.ndarray:
+        """A copy of the first `count` tokens' KV of `slot`: [layers, 2, kv_heads, count, head_dim]."""
+        if not 0 < count <= self.length(slot):
+            raise KvedgeError(f"cannot read {count} tokens from slot {slot} holding {self.length(slot)}")
+        return self.pool[:, :, slot, :, :count].copy()
+
+    def write(self, slot: int, kv: np.ndarray, token_ids: Sequence[int]) -> None:
+        """Replace `slot`'s contents with `kv` [layers, 2, kv_heads, n, head_dim] for `token_ids`."""
+        count = len(token_ids)
+        expected = (self.geometry.num_layers, 2, self.geometry.num_kv_heads, count, self.geometry.head_dim)
+        if kv.shape != expected:
+            raise KvedgeError(f"KV block of shape {kv.shape} does not fit this cache (expected {expected})")
+        if count > self.geometry.max_len:
+            raise ContextOverflow(f"a KV block of {count} tokens exceeds max_len {self.geometry.max_len}")
+        self.pool[:, :, slot, :, :count] = kv
+        self.tokens[slot, :count] = token_ids
+        self.lengths[slot] = count

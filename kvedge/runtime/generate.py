@@ -17,14 +17,15 @@ Sampling, applied in this order to one row's logits z (float64):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
+from kvedge.runtime.tokenizer import TextStream
 
 PREFILL_CHUNK = 256  # tokens per prefill call: bounds the [g*s, max_len+s] score buffers
 
@@ -86,28 +87,39 @@ def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator,
     return int(rng.choice(probs.size, p=probs))
 
 
+RoomFn = Callable[[int, int], None]  # (slot, tokens about to be written): make room or raise
+
+
 def prefill(
     backend: OrtBackend,
     cache: KVCache,
     first_slot: int,
     prompts: Sequence[Sequence[int]],
     chunk: int = PREFILL_CHUNK,
+    make_room: RoomFn | None = None,
 ) -> np.ndarray:
     """Append each prompt to slot first_slot+r and return next-token logits [batch, vocab].
 
     Rows of different lengths are right-padded; causal masking keeps padding invisible to real
-    tokens, and only each row's real tokens are written to its slot.
+    tokens, and only each row's real tokens are written to its slot. Without `make_room`, a
+    prompt that does not fit is refused before anything is written; with it (a window policy),
+    room is made chunk by chunk.
     """
     batch = len(prompts)
     if batch == 0 or any(len(p) == 0 for p in prompts):
         raise KvedgeError("prefill needs at least one prompt and no empty prompt")
     slots = list(range(first_slot, first_slot + batch))
-    for slot, prompt in zip(slots, prompts, strict=True):
-        cache.check_room(slot, len(prompt))
+    if make_room is None:
+        for slot, prompt in zip(slots, prompts, strict=True):
+            cache.check_room(slot, len(prompt))
     logits = np.zeros((batch, backend.manifest.vocab_size), np.float32)
     longest = max(len(p) for p in prompts)
     for start in range(0, longest, chunk):
         counts = [max(0, min(chunk, len(p) - start)) for p in prompts]
+        if make_room is not None:
+            for slot, count in zip(slots, counts, strict=True):
+                if count:
+                    make_room(slot, count)
         step = _run(backend, cache, slots, [list(p[start : start + chunk]) for p in prompts], counts)
         for row, prompt in enumerate(prompts):
             if start < len(prompt) <= start + chunk:
@@ -134,11 +146,17 @@ def _run(
     position_ids = past_lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]  # [batch, seq]
     # Padding rows and columns get in-range positions; their outputs are discarded.
     np.minimum(position_ids, cache.geometry.max_len - 1, out=position_ids)
-    last_index = np.maximum(np.asarray(counts, np.int64) - 1, 0)  # [batch]
+    count_arr = np.asarray(counts, np.int64)  # [batch]
+    last_index = np.maximum(count_arr - 1, 0)  # [batch]
+    for slot, count in zip(slots, counts, strict=True):  # before the run: in-place graphs write
+        cache.check_room(slot, count)
     out = backend.run(
-        input_ids, position_ids, past_lengths, last_index, cache.layer_views(slots[0], len(slots))
+        input_ids, position_ids, past_lengths, last_index, cache.layer_views(slots[0], len(slots)), count_arr
     )
-    cache.append(slots, input_ids, counts, out.present)
+    if out.present is None:  # the graph wrote the new K/V into the pool itself
+        cache.commit(slots, input_ids, counts)
+    else:
+        cache.append(slots, input_ids, counts, out.present)
     return out.logits
 
 
@@ -155,37 +173,25 @@ class Event:
     seconds: float = 0.0
 
 
-@dataclass
-class Generation:
-    """Generation state of one slot."""
-
-    slot: int
-    config: SamplingConfig
-    rng: np.random.Generator = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.config.seed)
-
-
-def generate(
+def decode_stream(
     backend: OrtBackend,
     cache: KVCache,
     slot: int,
-    prompt: Sequence[int],
+    logits: np.ndarray,  # [vocab] next-token logits after the prompt
     config: SamplingConfig,
     eos_ids: Sequence[int],
-    stream,  # TextStream
+    stream: TextStream,
+    seen: list[int],
+    make_room: RoomFn,
+    prompt_tokens: int,
+    started: float,
 ) -> Iterator[Event]:
-    """Append `prompt` to `slot` and stream the continuation, one event per token."""
-    started = time.perf_counter()
-    if len(prompt) > cache.room(slot):
-        raise ContextOverflow(
-            f"prompt of {len(prompt)} tokens does not fit: the cache has {cache.room(slot)} of "
-            f"{cache.geometry.max_len} slots free"
-        )
+    """Sample, stream and append tokens to `slot` until eos, a stop string, or a length limit.
+
+    An eos token ends the turn without being written; the cache then holds exactly the prompt
+    and the tokens shown. `seen` (prompt + history, for the repetition penalty) grows in place.
+    """
     rng = np.random.default_rng(config.seed)
-    seen = list(cache.token_ids(slot)) + list(prompt)
-    logits = prefill(backend, cache, slot, [prompt])[0]
     first_token_at = None
     produced = 0
     while True:
@@ -197,16 +203,17 @@ def generate(
         finish = "stop" if done or stream.stopped else None
         if finish is None and produced >= config.max_new_tokens:
             finish = "length"
-        if finish is None and cache.room(slot) == 0:
-            finish = "length"
+        if finish is None:
+            try:
+                make_room(slot, 1)
+            except ContextOverflow:
+                finish = "length"
         if finish:
-            # The final token is kept out of the cache only if it ends the turn by eos; a
-            # length stop leaves the sampled token unwritten, so the cache holds what was shown.
             yield Event(
                 text=text + stream.finish(),
                 token=None if done else token,
                 finish_reason=finish,
-                prompt_tokens=len(prompt),
+                prompt_tokens=prompt_tokens,
                 completion_tokens=produced,
                 time_to_first_token_s=first_token_at,
                 seconds=time.perf_counter() - started,
@@ -215,3 +222,26 @@ def generate(
         yield Event(text=text, token=token)
         seen.append(token)
         logits = decode_one_token(backend, cache, slot, [token])[0]
+
+
+def generate(
+    backend: OrtBackend,
+    cache: KVCache,
+    slot: int,
+    prompt: Sequence[int],
+    config: SamplingConfig,
+    eos_ids: Sequence[int],
+    stream: TextStream,
+) -> Iterator[Event]:
+    """Append `prompt` to `slot` and stream the continuation; a prompt that does not fit is refused."""
+    started = time.perf_counter()
+    if len(prompt) > cache.room(slot):
+        raise ContextOverflow(
+            f"prompt of {len(prompt)} tokens does not fit: the cache has {cache.room(slot)} of "
+            f"{cache.geometry.max_len} slots free"
+        )
+    seen = list(cache.token_ids(slot)) + list(prompt)
+    logits = prefill(backend, cache, slot, [prompt])[0]
+    yield from decode_stream(
+        backend, cache, slot, logits, config, eos_ids, stream, seen, cache.check_room, len(prompt), started
+    )

@@ -1,0 +1,94 @@
+"""TensorRT engine + TrtBackend against the onnxruntime CPU reference on a tiny exported model.
+
+Never run on hardware yet (see docs/JETSON.md). What each test establishes:
+
+    float32 engine   the graph converts exactly: logits within 1e-3 of onnxruntime CPU
+    float16 engine   what users run: logits within 2% of their range, same greedy tokens
+    batch of two     the prefill/decode profiles with 2 rows of different lengths
+    wrong device     an engine manifest naming another GPU is refused, naming both
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tiny import make_tiny_model
+
+from kvedge.errors import ArtifactMismatch
+from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.tensorrt import ENGINE_MANIFEST_FILE, build_engine
+from kvedge.runtime.cache import KVCache
+from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.model import Model
+from kvedge.runtime.trt_backend import TrtBackend
+
+pytestmark = pytest.mark.tensorrt
+
+MAX_PREFILL = 64
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trt")
+    source = make_tiny_model(root / "hf", "llama")
+    export_model(source, root / "out", ExportOptions(max_len=128))
+    return root / "out"
+
+
+def _engine(folder, fp16: bool) -> TrtBackend:
+    build_engine(folder, folder, MAX_PREFILL, 256 << 20, fp16=fp16, max_batch=2)
+    return TrtBackend(folder, Model(folder).manifest)
+
+
+def _compare(cpu: Model, trt: TrtBackend, prompts: list[list[int]], steps: int, atol: float) -> None:
+    trt_cache = KVCache(cpu.manifest.geometry, len(prompts))
+    a = prefill(cpu.backend, cpu.cache, 0, prompts)
+    b = prefill(trt, trt_cache, 0, prompts, chunk=MAX_PREFILL)
+    for _ in range(steps):
+        np.testing.assert_allclose(b, a, atol=atol, rtol=0)
+        tokens = [int(t) for t in np.argmax(a, axis=-1)]
+        assert tokens == [int(t) for t in np.argmax(b, axis=-1)]
+        a = decode_one_token(cpu.backend, cpu.cache, 0, tokens)
+        b = decode_one_token(trt, trt_cache, 0, tokens)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+def test_float32_engine_matches_cpu(exported):
+    trt = _engine(exported, fp16=False)
+    try:
+        _compare(Model(exported), trt, [_prompt(100)], steps=16, atol=1e-3)  # 100 > MAX_PREFILL: 2 chunks
+    finally:
+        trt.close()
+
+
+def test_float16_engine_matches_cpu_greedy(exported):
+    trt = _engine(exported, fp16=True)
+    try:
+        cpu = Model(exported)
+        reference = prefill(cpu.backend, KVCache(cpu.manifest.geometry, 1), 0, [_prompt(20)])
+        atol = 0.02 * float(reference.max() - reference.min())
+        _compare(cpu, trt, [_prompt(20)], steps=16, atol=atol)
+    finally:
+        trt.close()
+
+
+def test_batch_of_two_rows(exported):
+    trt = _engine(exported, fp16=False)
+    try:
+        _compare(Model(exported, slots=2), trt, [_prompt(30, 1), _prompt(11, 2)], steps=8, atol=1e-3)
+    finally:
+        trt.close()
+
+
+def test_engine_for_another_device_is_refused(exported):
+    build_engine(exported, exported, MAX_PREFILL, 256 << 20, fp16=True, max_batch=1)
+    path = exported / ENGINE_MANIFEST_FILE
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "device_name": "Some Other GPU"}))
+    with pytest.raises(ArtifactMismatch, match="built for Some Other GPU .* this machine has"):
+        TrtBackend(exported, Model(exported).manifest)

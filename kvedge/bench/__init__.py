@@ -1,0 +1,404 @@
+"""`kvedge bench`: kvedge and its peers side by side, in one process, alternating.
+
+Method. Every system is loaded once and warmed up (one 256-token prefill + 4 decode steps).
+Then, for each round, for each measurement case, every system runs the case once, the order of
+systems rotating from round to round; a case's figure is the median over rounds, and a ratio is
+the median over rounds of the per-round ratio (the machine is shared and noisy; ratios of
+neighbouring runs are what we quote). Cases, all batch 1, greedy, same random token ids:
+
+    prefill P   fresh sequence, P prompt tokens, until the first token is picked: tokens/s and
+                time to first token (P = 128, 512, 1024)
+    decode C    fresh sequence of C tokens, then `steps` decode steps: median ms/token
+                (C = 64, 512, 1536; caches sized max_len = 2048)
+
+Exact-size twins (kvedge exported with max_len = 128) run decode 64 only: they are the
+denominator of "no work over unused slots". Peak RSS is measured per system in a fresh process
+(prefill 1024 + 16 steps); allocation growth over 1000 decode steps likewise (kvedge only).
+
+Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
+table; see docs/PERFORMANCE.md for the latest figures.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import platform
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvedge.bench import measure
+from kvedge.bench.prepare import KvedgeBuild, Workdir
+from kvedge.bench.report import evaluate_targets, plot, table
+from kvedge.bench.systems import SystemSpec
+from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.errors import KvedgeError
+
+log = logging.getLogger(__name__)
+
+PREFILL_LENGTHS = (128, 512, 1024)
+DECODE_CONTEXTS = (64, 512, 1536)
+EXACT_SIZE_MAX_LEN = 128  # holds decode-64 plus its steps
+DEFAULT_KVEDGE = ("portable:float32", "ort:float32", "ort:int8", "ort:int4", "portable:int4")
+PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
+QUALITY_PROMPTS = (
+    "The history of the Roman Empire spans more than a thousand years, from the founding of the city",
+    "To bake a simple loaf of bread you need flour, water, salt and yeast. First,",
+    "Photosynthesis is the process by which green plants use sunlight to",
+    "In Python, a list comprehension is a compact way to build a list. For example,",
+    "The capital of France is Paris, and the capital of Germany is",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived",
+    "A KV cache stores the keys and values of past tokens so that a transformer",
+    "The three primary colors of light are red, green and",
+    "Dear customer, thank you for your order. Unfortunately, the item you requested",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes it",
+    "The quick brown fox jumps over the lazy dog. This sentence is famous because",
+    "Machine learning models are trained on data. Overfitting happens when a model",
+    "The Pacific Ocean is the largest and deepest of Earth's oceans. It covers",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Shakespeare wrote many plays, including Hamlet, Macbeth and",
+    "To stay healthy, doctors recommend regular exercise, a balanced diet and",
+    "The speed of light in a vacuum is about 300,000 kilometres per second, which means",
+    "In 1969, Neil Armstrong became the first person to walk on the Moon. He said",
+    "A good password should be long, unique and hard to guess. Many people",
+    "The mitochondria is often called the powerhouse of the cell because it",
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    out: Path = Path("bench/results")
+    work: Path = Path("artifacts/bench")
+    source: str | None = None  # HF folder or GGUF; default: SmolLM2-135M-Instruct GGUF
+    threads: int = 0  # 0: all cores
+    rounds: int = 3
+    steps: int = 12  # decode steps per case (the first 2 are dropped as warm-up)
+    kvedge: tuple[str, ...] = DEFAULT_KVEDGE  # "variant:weights"
+    peers: tuple[str, ...] = PEERS
+    block_size: int = 32
+    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+    decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
+    memory: bool = True  # peak RSS per system, in a child process each
+    allocation_steps: int = 1000  # 0: skip the allocation-growth measurement
+    quality: bool = True  # KL / top-1 of quantized weights against float32
+    exact_size: bool = True  # exact-size twins for the unused-slots target
+    seed: int = 0
+    command: str = ""  # recorded in the JSON
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.steps < 3:
+            raise KvedgeError(f"rounds={self.rounds}, steps={self.steps}: need rounds >= 1 and steps >= 3")
+        for item in self.kvedge:
+            if item.count(":") != 1:
+                raise KvedgeError(f"kvedge system {item!r} is not 'variant:weights' (e.g. 'ort:int4')")
+        for peer in self.peers:
+            if peer not in PEERS:
+                raise KvedgeError(f"peer {peer!r} is unknown; allowed: {list(PEERS)}")
+        longest = max((*self.prefill_lengths, *self.decode_contexts))
+        if longest + self.steps + 1 > 2048:
+            raise KvedgeError(f"cases up to {longest} tokens + {self.steps} steps do not fit max_len 2048")
+
+    @property
+    def thread_count(self) -> int:
+        return self.threads or os.cpu_count() or 1
+
+
+@dataclass
+class Results:
+    config: dict[str, Any]
+    machine: dict[str, Any]
+    systems: list[dict[str, Any]] = field(default_factory=list)
+    prefill: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    decode: dict[str, dict[int, float]] = field(default_factory=dict)
+    rounds: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # raw per-round figures
+    roofline: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    quality: dict[str, dict[str, float]] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    allocation: dict[str, dict[str, float]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> Results:
+    """Prepare artifacts, measure every system, write JSON + PNG into config.out, print a table."""
+    threads = config.thread_count
+    work = Workdir(config.work, config.source)
+    specs, skipped = _specs(config, work)
+    bandwidth = measure.copy_bandwidth()
+    results = Results(config=_jsonable(asdict(config)), machine=_machine(threads, bandwidth), skipped=skipped)
+    for reason in skipped.values():
+        echo(f"skipped: {reason}")
+    rng = np.random.default_rng(config.seed)
+    vocab = Manifest.load(next(s.path for s in specs if s.kind == "kvedge")).vocab_size
+    longest = max((*config.prefill_lengths, *config.decode_contexts))
+    tokens = [int(t) for t in rng.integers(100, vocab - 100, longest)]
+
+    echo(f"loading {len(specs)} systems ({threads} threads each)")
+    systems = {spec.name: spec.build(threads) for spec in specs}
+    for spec in specs:
+        systems[spec.name].run(tokens[: min(256, spec.max_len // 2)], 4)
+        log.info("warmed up %s", spec.name)
+
+    cases = [("prefill", n) for n in config.prefill_lengths] + [("decode", c) for c in config.decode_contexts]
+    raw: dict[str, dict[str, list[float]]] = {s.name: {} for s in specs}
+    for round_index in range(config.rounds):
+        order = specs[round_index % len(specs) :] + specs[: round_index % len(specs)]
+        for kind, n in cases:
+            for spec in order:
+                if spec.reference_for and (kind, n) != ("decode", min(config.decode_contexts)):
+                    continue
+                steps = config.steps if kind == "decode" else 0
+                ttft, times = systems[spec.name].run(tokens[:n], steps)
+                value = ttft if kind == "prefill" else float(np.median(times[2:]))
+                raw[spec.name].setdefault(f"{kind}:{n}", []).append(value)
+        echo(f"round {round_index + 1}/{config.rounds} done")
+    results.rounds = raw
+
+    for spec in specs:
+        figures = raw[spec.name]
+        results.prefill[spec.name] = {
+            n: {"ttft_ms": 1e3 * float(np.median(v)), "tokens_per_s": n / float(np.median(v))}
+            for n in config.prefill_lengths
+            if (v := figures.get(f"prefill:{n}"))
+        }
+        results.decode[spec.name] = {
+            c: 1e3 * float(np.median(v)) for c in config.decode_contexts if (v := figures.get(f"decode:{c}"))
+        }
+        results.roofline[spec.name] = {
+            c: _roofline(spec, c, ms, bandwidth) for c, ms in results.decode[spec.name].items()
+        }
+        results.systems.append(
+            {
+                "name": spec.name,
+                "kind": spec.kind,
+                "weights": spec.weights,
+                "path": str(spec.path),
+                "max_len": spec.max_len,
+                "threads": threads,
+                "weight_bytes_per_token": spec.weight_bytes_per_token,
+                "kv_bytes_per_token": spec.kv_bytes_per_token,
+                "reference_for": spec.reference_for,
+                **spec.extra,
+            }
+        )
+
+    if config.quality:
+        echo("quality: KL / top-1 against float32 weights over 20 prompts")
+        results.quality = _quality(config, specs, systems)
+    del systems
+    if config.memory:
+        echo("peak RSS: one fresh process per system")
+        for spec in specs:
+            if not spec.reference_for:
+                results.memory[spec.name] = measure.peak_rss_mib(spec, threads, tokens[:1024], 16)
+    if config.allocation_steps:
+        echo(f"allocation growth over {config.allocation_steps} decode steps (kvedge)")
+        for spec in specs:
+            if spec.kind == "kvedge" and not spec.reference_for:
+                results.allocation[spec.name] = measure.allocation_profile(
+                    spec, threads, tokens[:64], config.allocation_steps
+                )
+
+    results.targets = evaluate_targets(results, specs)
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "bench.json").write_text(json.dumps(_jsonable(asdict(results)), indent=2))
+    plot(results, config.out / "bench.png")
+    echo(table(results))
+    echo(f"wrote {config.out / 'bench.json'} and {config.out / 'bench.png'}")
+    return results
+
+
+def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[str, str]]:
+    specs: list[SystemSpec] = []
+    skipped: dict[str, str] = {}
+    for item in config.kvedge:
+        variant, weights = item.split(":")
+        build = KvedgeBuild(variant, weights, block_size=config.block_size)
+        specs.append(_kvedge_spec(work.kvedge(build), f"kvedge {variant} {weights}"))
+        if config.exact_size and weights == "float32":
+            twin = KvedgeBuild(variant, weights, max_len=EXACT_SIZE_MAX_LEN, block_size=config.block_size)
+            specs.append(
+                _kvedge_spec(
+                    work.kvedge(twin),
+                    f"kvedge {variant} {weights} max_len {EXACT_SIZE_MAX_LEN}",
+                    reference_for=f"kvedge {variant} {weights}",
+                )
+            )
+    geometry = Manifest.load(specs[0].path).geometry
+    fp32_kv = geometry.bytes_per_token()
+    if "transformers" in config.peers:
+        hf = work.hf_folder()
+        specs.append(
+            SystemSpec(
+                name="transformers eager",
+                kind="transformers",
+                path=hf,
+                weights="float32",
+                weight_bytes_per_token=_hf_weight_bytes(hf),
+                kv_bytes_per_token=fp32_kv,
+            )
+        )
+    if "onnxruntime-genai" in config.peers:
+        if importlib.util.find_spec("onnxruntime_genai") is None:
+            skipped["onnxruntime-genai"] = "onnxruntime-genai is not installed (pip install '.[bench]')"
+        else:
+            for precision in ("fp32", "int4"):
+                folder = work.ort_genai(precision)
+                specs.append(
+                    SystemSpec(
+                        name=f"onnxruntime-genai {precision}",
+                        kind="onnxruntime-genai",
+                        path=folder,
+                        weights="float32" if precision == "fp32" else "int4",
+                        weight_bytes_per_token=measure.onnx_weight_bytes_per_token(folder / "model.onnx"),
+                        kv_bytes_per_token=fp32_kv,
+                    )
+                )
+    if "llama.cpp" in config.peers:
+        if not work.source.gguf_file:
+            skipped["llama.cpp"] = "llama.cpp needs a GGUF source"
+        elif importlib.util.find_spec("llama_cpp") is None:
+            skipped["llama.cpp"] = (
+                "llama-cpp-python is not installed (pip install '.[bench]'; it compiles llama.cpp, ~20 min)"
+            )
+        else:
+            gguf = work.source.folder / work.source.gguf_file
+            specs.append(
+                SystemSpec(
+                    name=f"llama.cpp {_gguf_type(gguf)}",
+                    kind="llama.cpp",
+                    path=gguf,
+                    weights=_gguf_type(gguf),
+                    weight_bytes_per_token=measure.gguf_weight_bytes(gguf),
+                    kv_bytes_per_token=fp32_kv // 2,  # f16 K and V by default
+                )
+            )
+    return specs, skipped
+
+
+def _kvedge_spec(folder: Path, name: str, reference_for: str | None = None) -> SystemSpec:
+    manifest = Manifest.load(folder)
+    return SystemSpec(
+        name=name,
+        kind="kvedge",
+        path=folder,
+        weights=manifest.weights_dtype,
+        max_len=manifest.geometry.max_len,
+        weight_bytes_per_token=measure.onnx_weight_bytes_per_token(folder / ONNX_FILE),
+        kv_bytes_per_token=manifest.geometry.bytes_per_token(),
+        reference_for=reference_for,
+        extra={"variant": manifest.variant},
+    )
+
+
+def _hf_weight_bytes(folder: Path) -> int:
+    """float32 bytes of every saved tensor (a tied LM head is saved once and read in full)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "np") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += int(np.prod(handle.get_slice(key).get_shape())) * 4
+    return total
+
+
+def _gguf_type(path: Path) -> str:
+    """The most common quantization type of the GGUF's matrices, e.g. Q4_1."""
+    import gguf
+
+    kinds = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1)
+    return kinds.most_common(1)[0][0]
+
+
+def _roofline(spec: SystemSpec, context: int, ms: float, bandwidth: float) -> dict[str, float]:
+    total = spec.weight_bytes_per_token + context * spec.kv_bytes_per_token
+    bound_ms = 1e3 * total / bandwidth
+    return {"bytes_per_token": total, "bound_ms": bound_ms, "fraction_of_bound": bound_ms / ms}
+
+
+def _quality(
+    config: BenchConfig, specs: list[SystemSpec], systems: dict[str, Any]
+) -> dict[str, dict[str, float]]:
+    """Every non-reference system against the float32 reference (transformers, else kvedge fp32)."""
+    from tokenizers import Tokenizer
+
+    first = next(s for s in specs if s.kind == "kvedge")
+    tokenizer = Tokenizer.from_file(str(first.path / "tokenizer.json"))
+    prompts = [tokenizer.encode(p).ids for p in QUALITY_PROMPTS]
+    reference_name = next(
+        (s.name for s in specs if s.kind == "transformers"),
+        next(s.name for s in specs if s.kind == "kvedge" and s.weights == "float32"),
+    )
+    reference = [systems[reference_name].next_token_logits(p) for p in prompts]
+    out: dict[str, dict[str, float]] = {}
+    for spec in specs:
+        if spec.name == reference_name or spec.reference_for:
+            continue
+        kls, agree = [], []
+        for ids, ref in zip(prompts, reference, strict=True):
+            kl, top1 = measure.kl_and_top1(ref, systems[spec.name].next_token_logits(ids))
+            kls.append(kl)
+            agree.append(top1)
+        out[spec.name] = {
+            "reference": reference_name,
+            "positions": int(sum(len(k) for k in kls)),
+            "mean_kl": float(np.concatenate(kls).mean()),
+            "top1_agreement": float(np.concatenate(agree).mean()),
+        }
+    return out
+
+
+def _machine(threads: int, bandwidth: float) -> dict[str, Any]:
+    versions = {}
+    for package in (
+        "kvedge",
+        "onnxruntime",
+        "onnxruntime-genai",
+        "llama-cpp-python",
+        "torch",
+        "transformers",
+        "numpy",
+    ):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "load_average": os.getloadavg(),
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "python": sys.version.split()[0],
+        "versions": versions,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    return value

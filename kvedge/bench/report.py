@@ -1,0 +1,237 @@
+"""Benchmark output: the issue's targets as ratios, a printed table, a PNG plot.
+
+A ratio "a vs b" on a case is the median over rounds of (b's time / a's time) in the same round:
+above 1 means a is faster. Targets (issue 3):
+
+    unused slots      decode 64 at max_len 2048 / the same at an exact-size cache      <= 1.10
+    flat growth       decode 1536 / decode 64 (float32 weights; reported for all)      <= 1.30
+    no allocation     RSS growth < 2 MiB and Python heap growth < 16 KiB over the
+                      allocation run (a context-proportional buffer would add ~40 MiB)
+    prefill           kvedge vs onnxruntime-genai, same weight precision                >= 1.0
+    int4 decode       kvedge int4 vs onnxruntime-genai int4 (>= 1.0), vs llama.cpp (>= 1.4), 512 and 1536
+    fp32 decode       kvedge float32 vs onnxruntime-genai fp32                           >= 1.0
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvedge.bench.systems import SystemSpec
+
+
+def speedup(results: Any, a: str, b: str, case: str) -> float | None:
+    """Median over rounds of time_b / time_a for `case` (e.g. "decode:512"); None if missing."""
+    ta, tb = results.rounds.get(a, {}).get(case), results.rounds.get(b, {}).get(case)
+    if not ta or not tb:
+        return None
+    return float(np.median(np.asarray(tb) / np.asarray(ta)))
+
+
+def _target(name: str, value: float | None, goal: str, met: bool | None, note: str = "") -> dict[str, Any]:
+    return {"target": name, "value": value, "goal": goal, "met": met, "note": note}
+
+
+def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    names = {s.name: s for s in specs}
+    kvedge = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
+    contexts = sorted(next(iter(results.decode.values())).keys()) if results.decode else []
+    lengths = sorted(next(iter(results.prefill.values())).keys()) if results.prefill else []
+
+    for twin in (s for s in specs if s.reference_for):
+        case = f"decode:{contexts[0]}"
+        ratio = speedup(results, twin.name, twin.reference_for, case)
+        rows.append(
+            _target(
+                f"unused slots: {twin.reference_for}, ctx {contexts[0]}, max_len 2048 vs {twin.max_len}",
+                ratio,
+                "<= 1.10",
+                ratio is not None and ratio <= 1.10,
+            )
+        )
+    for spec in kvedge:
+        if len(contexts) < 2:
+            break
+        figures = results.rounds[spec.name]
+        low, high = figures[f"decode:{contexts[0]}"], figures[f"decode:{contexts[-1]}"]
+        ratio = float(np.median(np.asarray(high) / np.asarray(low)))
+        fp32 = spec.weights == "float32"
+        rows.append(
+            _target(
+                f"flat growth: {spec.name}, decode {contexts[-1]} / {contexts[0]}",
+                ratio,
+                "<= 1.30" if fp32 else "report",
+                (ratio <= 1.30) if fp32 else None,
+            )
+        )
+    for name, alloc in results.allocation.items():
+        ok = alloc["rss_growth_mib"] < 2 and alloc["heap_growth_kib"] < 16
+        rows.append(
+            _target(
+                f"no allocation: {name}, {alloc['steps']} steps, "
+                f"ctx {alloc['context_from']}->{alloc['context_to']}",
+                alloc["rss_growth_mib"],
+                "RSS growth < 2 MiB, heap growth < 16 KiB",
+                ok,
+                f"heap growth {alloc['heap_growth_kib']:.1f} KiB",
+            )
+        )
+    peers = {"float32": "onnxruntime-genai fp32", "int4": "onnxruntime-genai int4"}
+    llama = next((s.name for s in specs if s.kind == "llama.cpp"), None)
+    hf = next((s.name for s in specs if s.kind == "transformers"), None)
+    for spec in kvedge:
+        peer = peers.get(spec.weights)
+        if peer in names:
+            for n in lengths:
+                ratio = speedup(results, spec.name, peer, f"prefill:{n}")
+                rows.append(
+                    _target(
+                        f"prefill {n}: {spec.name} vs {peer}",
+                        ratio,
+                        ">= 1.0",
+                        ratio is not None and ratio >= 1.0,
+                    )
+                )
+        if spec.weights == "int4":
+            for c in contexts[1:]:
+                if peer in names:
+                    ratio = speedup(results, spec.name, peer, f"decode:{c}")
+                    rows.append(
+                        _target(
+                            f"int4 decode {c}: {spec.name} vs {peer}",
+                            ratio,
+                            ">= 1.0",
+                            ratio is not None and ratio >= 1.0,
+                        )
+                    )
+                if llama:
+                    ratio = speedup(results, spec.name, llama, f"decode:{c}")
+                    rows.append(
+                        _target(
+                            f"int4 decode {c}: {spec.name} vs {llama}",
+                            ratio,
+                            ">= 1.4",
+                            ratio is not None and ratio >= 1.4,
+                        )
+                    )
+        if spec.weights == "float32":
+            for c in contexts:
+                if peer in names:
+                    ratio = speedup(results, spec.name, peer, f"decode:{c}")
+                    rows.append(
+                        _target(
+                            f"fp32 decode {c}: {spec.name} vs {peer}",
+                            ratio,
+                            ">= 1.0",
+                            ratio is not None and ratio >= 1.0,
+                        )
+                    )
+            if hf and contexts:
+                ratio = speedup(
+                    results, spec.name, hf, f"decode:{contexts[1] if len(contexts) > 1 else contexts[0]}"
+                )
+                rows.append(
+                    _target(f"fp32 decode: {spec.name} vs {hf}", ratio, "report (~3x expected)", None)
+                )
+    if llama:
+        for spec in kvedge:
+            if spec.weights == "int4":
+                for n in lengths:
+                    ratio = speedup(results, spec.name, llama, f"prefill:{n}")
+                    rows.append(
+                        _target(f"prefill {n}: {spec.name} vs {llama}", ratio, "report (~2x expected)", None)
+                    )
+    return rows
+
+
+def table(results: Any) -> str:
+    """Plain-text tables: per-system figures, then the targets."""
+    lengths = sorted({n for v in results.prefill.values() for n in v})
+    contexts = sorted({c for v in results.decode.values() for c in v})
+    head = (
+        ["system", "thr"]
+        + [f"pf{n} tok/s" for n in lengths]
+        + [f"TTFT{lengths[0]} ms" if lengths else "TTFT"]
+        + [f"dec{c} ms" for c in contexts]
+        + ["bound%", "RSS MiB", "KL", "top1"]
+    )
+    rows = [head]
+    for system in results.systems:
+        name = system["name"]
+        pf, dec = results.prefill.get(name, {}), results.decode.get(name, {})
+        roof = results.roofline.get(name, {})
+        mid = contexts[len(contexts) // 2] if contexts else None
+        quality = results.quality.get(name, {})
+        rows.append(
+            [name, str(system["threads"])]
+            + [f"{pf[n]['tokens_per_s']:.0f}" if n in pf else "-" for n in lengths]
+            + [f"{pf[lengths[0]]['ttft_ms']:.0f}" if lengths and lengths[0] in pf else "-"]
+            + [f"{dec[c]:.1f}" if c in dec else "-" for c in contexts]
+            + [
+                f"{100 * roof[mid]['fraction_of_bound']:.0f}" if mid in roof else "-",
+                f"{results.memory[name]:.0f}" if name in results.memory else "-",
+                f"{quality['mean_kl']:.4f}" if quality else "-",
+                f"{quality['top1_agreement']:.3f}" if quality else "-",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    m = results.machine
+    lines.append(
+        f"copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s; bound% = roofline bound / measured at ctx "
+        f"{contexts[len(contexts) // 2] if contexts else '-'}; "
+        f"load average at start {m['load_average'][0]:.1f}"
+    )
+    lines.append("")
+    for t in results.targets:
+        mark = {True: "MET ", False: "MISS", None: "    "}[t["met"]]
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"{mark} {value:>8}  {t['goal']:<14} {t['target']} {t['note']}")
+    return "\n".join(lines)
+
+
+def plot(results: Any, path: Path) -> None:
+    """ms/token vs context (left) and prefill tokens/s vs prompt length (right), one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for system in results.systems:
+        if system["reference_for"]:
+            continue
+        name = system["name"]
+        dec = results.decode.get(name, {})
+        if dec:
+            xs = sorted(dec)
+            left.plot(xs, [dec[x] for x in xs], marker="o", label=name)
+        pf = results.prefill.get(name, {})
+        if pf:
+            xs = sorted(pf)
+            right.plot(xs, [pf[x]["tokens_per_s"] for x in xs], marker="o", label=name)
+    left.set(
+        xlabel="context (tokens), max_len 2048", ylabel="decode ms/token (lower is better)", title="Decode"
+    )
+    right.set(xlabel="prompt tokens", ylabel="prefill tokens/s (higher is better)", title="Prefill")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    m = results.machine
+    fig.suptitle(
+        f"{m['cpu']}, {m['threads']} threads, batch 1 "
+        f"(median of {results.config['rounds']} alternating rounds)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""The systems the benchmark compares, behind one small interface.
+
+A `SystemSpec` is plain data (picklable, so a child process can build it for the memory
+measurement); `SystemSpec.build(threads)` loads the system and returns a `System`:
+
+    run(ids, steps)          fresh sequence: prefill `ids`, pick the first token greedily, then
+                             `steps` greedy decode steps -> (time to first token, [step seconds])
+    next_token_logits(ids)   teacher-forced next-token logits at every position [len(ids), vocab]
+
+Each peer is driven the way its users drive it: kvedge through its prefill/decode functions,
+Hugging Face transformers through `generate` (eager attention, use_cache=True) timed by a
+streamer, onnxruntime-genai through its Generator (max_length = the kvedge max_len, so its
+shared past/present buffer has the same size), llama.cpp through llama-cpp-python's `eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvedge.errors import KvedgeError
+
+KINDS = ("kvedge", "transformers", "onnxruntime-genai", "llama.cpp")
+
+
+class System(Protocol):
+    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]: ...
+
+    def next_token_logits(self, ids: list[int]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """What to load: `path` is a kvedge artifact folder, an HF folder, an ort-genai folder or a GGUF."""
+
+    name: str  # label in tables and plots, e.g. "kvedge ort int4"
+    kind: str  # one of KINDS
+    path: Path
+    weights: str  # "float32", "int8", "int4", "Q4_1", ...
+    max_len: int = 2048
+    weight_bytes_per_token: int = 0  # weights read per decode token (see roofline in __init__)
+    kv_bytes_per_token: int = 0  # cache bytes per valid token read per decode step
+    reference_for: str | None = None  # exact-size twin: name of the max_len-2048 system it checks
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, threads: int) -> System:
+        if self.kind == "kvedge":
+            return KvedgeSystem(self.path, threads)
+        if self.kind == "transformers":
+            return TransformersSystem(self.path, threads)
+        if self.kind == "onnxruntime-genai":
+            return OrtGenaiSystem(self.path, threads, self.max_len)
+        if self.kind == "llama.cpp":
+            return LlamaCppSystem(self.path, threads, self.max_len)
+        raise KvedgeError(f"system kind {self.kind!r} is unknown; known: {list(KINDS)}")
+
+
+class KvedgeSystem:
+    """An exported artifact on kvedge's runtime: backend + one-slot cache, greedy."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        from kvedge.contract import Manifest
+        from kvedge.runtime.backend import OrtBackend
+        from kvedge.runtime.cache import KVCache
+
+        self.manifest = Manifest.load(folder)
+        self.backend = OrtBackend(folder, self.manifest, threads=threads)
+        self.cache = KVCache(self.manifest.geometry, 1)
+
+    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
+        from kvedge.runtime.generate import decode_one_token, prefill
+
+        started = time.perf_counter()
+        self.cache.reset(0)
+        token = int(np.argmax(prefill(self.backend, self.cache, 0, [ids])[0]))
+        ttft = time.perf_counter() - started
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            token = int(np.argmax(decode_one_token(self.backend, self.cache, 0, [token])[0]))
+            times.append(time.perf_counter() - started)
+        return ttft, times
+
+    def next_token_logits(self, ids: list[int]) -> np.ndarray:
+        from kvedge.runtime.generate import decode_one_token, prefill
+
+        self.cache.reset(0)
+        rows = [prefill(self.backend, self.cache, 0, [ids[:1]])[0]]
+        rows += [decode_one_token(self.backend, self.cache, 0, [t])[0] for t in ids[1:]]
+        return np.stack(rows)
+
+    def step_for_profile(self) -> Any:
+        """(cache, decode one token) for the allocation measurement."""
+        from kvedge.runtime.generate import decode_one_token
+
+        return self.cache, lambda token: decode_one_token(self.backend, self.cache, 0, [token])[0]
+
+
+class TransformersSystem:
+    """transformers `generate`, eager attention, use_cache=True, greedy; steps timed by a streamer."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype="float32", attn_implementation="eager"
+        ).eval()
+
+    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
+        stamps: list[float] = []
+
+        class Stamps:  # transformers' streamer protocol: put() per chunk of tokens, then end()
+            def put(self, value: Any) -> None:
+                stamps.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        tokens = self.torch.tensor([ids])
+        started = time.perf_counter()
+        with self.torch.no_grad():
+            self.model.generate(
+                tokens,
+                attention_mask=self.torch.ones_like(tokens),
+                max_new_tokens=steps + 1,
+                min_new_tokens=steps + 1,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+                streamer=Stamps(),
+            )
+        # stamps[0]: the prompt (before prefill); stamps[1]: first token; then one per step
+        return stamps[1] - started, list(np.diff(stamps[1:]))
+
+    def next_token_logits(self, ids: list[int]) -> np.ndarray:
+        with self.torch.no_grad():
+            return self.model(self.torch.tensor([ids]), use_cache=False).logits[0].numpy()
+
+
+class OrtGenaiSystem:
+    """onnxruntime-genai Generator; greedy; max_length fixes its shared KV buffer size."""
+
+    def __init__(self, folder: Path, threads: int, max_len: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(folder))
+        config.overlay(
+            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}})
+        )
+        self.model = og.Model(config)
+        self.max_len = max_len
+
+    def _generator(self) -> Any:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=self.max_len, do_sample=False)
+        return self.og.Generator(self.model, params)
+
+    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
+        generator = self._generator()
+        started = time.perf_counter()
+        generator.append_tokens(np.asarray(ids, np.int32))
+        generator.generate_next_token()  # picks the first token from the prompt's logits
+        ttft = time.perf_counter() - started
+        times = []
+        for _ in range(steps):  # each call runs the model on the previous token, then picks
+            started = time.perf_counter()
+            generator.generate_next_token()
+            times.append(time.perf_counter() - started)
+        return ttft, times
+
+    def next_token_logits(self, ids: list[int]) -> np.ndarray:
+        generator = self._generator()
+        rows = []
+        for t in ids:
+            generator.append_tokens(np.asarray([t], np.int32))
+            rows.append(np.array(generator.get_logits()).reshape(-1))
+        return np.stack(rows)
+
+
+class LlamaCppSystem:
+    """llama.cpp through llama-cpp-python `eval` (its defaults otherwise: n_batch 512, f16 KV)."""
+
+    def __init__(self, gguf: Path, threads: int, max_len: int) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=max_len, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
+        self.vocab = self.llm.n_vocab()
+
+    def _last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.vocab,))
+
+    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
+        self.llm.reset()
+        started = time.perf_counter()
+        self.llm.eval(ids)
+        token = int(np.argmax(self._last_logits()))
+        ttft = time.perf_counter() - started
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            self.llm.eval([token])
+            token = int(np.argmax(self._last_logits()))
+            times.append(time.perf_counter() - started)
+        return ttft, times
+
+    def next_token_logits(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        rows = []
+        for t in ids:
+            self.llm.eval([t])
+            rows.append(self._last_logits().copy())
+        return np.stack(rows)

@@ -1,0 +1,292 @@
+"""INT8 KV quantization: the math, the schemes, and the threshold methods.
+
+Symmetric INT8, no zero point, for a group of values x sharing one scale:
+
+    scale = threshold / 127
+    q     = clip(round_half_even(x / scale), -127, 127)          int8 (-128 is never used)
+    x'    = q * scale                                             dequantized
+    |x - x'| <= scale / 2  for |x| <= threshold; values beyond the threshold are clipped.
+
+Granularity (the `Scheme`):
+
+- K, `static-group`: one scale per (layer, kv head, group of `group_size` channels), fixed at
+  calibration. Keys have outlier channels that stay put across tokens, so a per-channel-group
+  scale keeps them from crushing the other channels.
+- V, `dynamic-token`: one scale per (layer, kv head, token, channel group), computed from the
+  token's own values when it is written (threshold = its absmax). Values have no stable
+  outlier channels; a per-token scale follows each token's range.
+- V, `static-group`: like K.
+- `static-tensor` (K or V): one scale per layer for all heads and channels; the per-tensor INT8
+  scheme TensorRT-LLM uses, kept as the baseline to compare against.
+
+Threshold methods (static scales), over calibration samples of a group:
+
+- `minmax`: threshold = max |x|.
+- `percentile`: threshold = the p-th percentile of |x| (p = 99.99 by default).
+- `mse`: threshold = a * max |x| for the a in [0.30, 1.00] (step 0.02) minimising the mean
+  squared quantize-dequantize error.
+
+Scales file (`kv_scales.npz`, written by `kvedge calibrate`):
+
+    k_scale        [layers, kv_heads, head_dim / group_size]  float32  K static-group scales
+    v_scale        [layers, kv_heads, head_dim / group_size]  float32  V static-group scales
+    k_tensor_scale [layers]                                   float32  K static-tensor scales
+    v_tensor_scale [layers]                                   float32  V static-tensor scales
+
+with a JSON manifest beside it (`kv_scales.json`): format + version, method, group size, the
+model's source fingerprint and cache geometry, the calibration-set hash and size, the sha256 of
+the npz, and per-layer error statistics. Loading refuses scales made for another model or
+geometry, naming both sides, and an npz whose bytes do not match its manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvedge import __version__
+from kvedge.contract import Manifest, sha256_files
+from kvedge.errors import ArtifactMismatch, KvedgeError
+
+SCALES_FORMAT = "kvedge-kv-scales"
+SCALES_VERSION = 1
+SCALES_FILE = "kv_scales.npz"
+SCALES_MANIFEST = "kv_scales.json"
+SCALE_ARRAYS = ("k_scale", "v_scale", "k_tensor_scale", "v_tensor_scale")
+
+QMAX = 127
+METHODS = ("minmax", "percentile", "mse")
+K_MODES = ("static-group", "static-tensor")
+V_MODES = ("dynamic-token", "static-group", "static-tensor")
+GROUP_SIZES = (16, 32, 64, 128)
+_TINY = np.float32(1e-8)  # floor for scales: an all-zero group must not divide by zero
+
+
+@dataclass(frozen=True)
+class Scheme:
+    k: str = "static-group"
+    v: str = "dynamic-token"
+    group_size: int = 64  # channels per static scale (K, and V static-group): the calibration's
+    v_group_size: int = 64  # channels per dynamic V scale (4 bytes each, per token)
+
+    def __post_init__(self) -> None:
+        if self.v_group_size not in GROUP_SIZES:
+            raise KvedgeError(
+                f"V group size {self.v_group_size!r} is not allowed; allowed: {list(GROUP_SIZES)}"
+            )
+        if self.k not in K_MODES:
+            raise KvedgeError(f"K mode {self.k!r} is not allowed; allowed: {list(K_MODES)}")
+        if self.v not in V_MODES:
+            raise KvedgeError(f"V mode {self.v!r} is not allowed; allowed: {list(V_MODES)}")
+        if self.group_size not in GROUP_SIZES:
+            raise KvedgeError(f"group size {self.group_size!r} is not allowed; allowed: {list(GROUP_SIZES)}")
+
+    @property
+    def name(self) -> str:
+        v_group = self.v_group_size if self.v == "dynamic-token" else self.group_size
+        k_group = f" g{self.group_size}" if self.k == "static-group" else ""
+        v_group = f" g{v_group}" if self.v != "static-tensor" else ""
+        return f"K {self.k}{k_group}, V {self.v}{v_group}"
+
+
+def quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 codes of `x` for a broadcastable `scale`."""
+    return np.clip(np.rint(x / scale), -QMAX, QMAX).astype(np.int8)
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * scale
+
+
+def grouped(x: np.ndarray, group_size: int) -> np.ndarray:
+    """[..., d] -> [..., d / group_size, group_size]."""
+    d = x.shape[-1]
+    if d % group_size:
+        raise KvedgeError(f"group size {group_size} does not divide head_dim {d}")
+    return x.reshape(*x.shape[:-1], d // group_size, group_size)
+
+
+def expand(scale: np.ndarray, group_size: int) -> np.ndarray:
+    """Per-group scales [..., groups] -> per-channel [..., groups * group_size]."""
+    return np.repeat(scale, group_size, axis=-1)
+
+
+def dynamic_scales(x: np.ndarray, group_size: int) -> np.ndarray:
+    """Per-token scales of `x` [..., d] -> [..., d / group_size] (threshold = the group's absmax)."""
+    return np.maximum(np.abs(grouped(x, group_size)).max(axis=-1) / QMAX, _TINY).astype(np.float32)
+
+
+def thresholds(samples: np.ndarray, group_size: int, method: str, percentile: float = 99.99) -> np.ndarray:
+    """Static thresholds per (kv head, channel group) from `samples` [tokens, kv_heads, d]."""
+    if method not in METHODS:
+        raise KvedgeError(f"method {method!r} is not allowed; allowed: {list(METHODS)}")
+    # [kv_heads, groups, tokens * group_size]: every value a group's scale must cover
+    g = (
+        grouped(samples, group_size)
+        .transpose(1, 2, 0, 3)
+        .reshape(samples.shape[1], -1, samples.shape[0] * group_size)
+    )
+    mags = np.abs(g)
+    if method == "minmax":
+        return mags.max(axis=-1)
+    if method == "percentile":
+        return np.percentile(mags, percentile, axis=-1).astype(np.float32)
+    absmax = mags.max(axis=-1)
+    best, best_err = absmax, np.full(absmax.shape, np.inf)
+    for alpha in np.arange(0.30, 1.0001, 0.02):
+        t = np.maximum(absmax * alpha, _TINY * QMAX)
+        s = (t / QMAX)[..., None]
+        err = ((dequantize(quantize(g, s), s) - g) ** 2).mean(axis=-1)
+        better = err < best_err
+        best, best_err = np.where(better, t, best), np.where(better, err, best_err)
+    return best.astype(np.float32)
+
+
+def tensor_threshold(samples: np.ndarray, method: str, percentile: float = 99.99) -> float:
+    """One static threshold for a whole layer's K or V (the per-tensor baseline)."""
+    flat = samples.reshape(-1, 1, 1)  # one head, one group
+    return float(thresholds(flat, 1, method, percentile)[0, 0])
+
+
+def scales_from_thresholds(t: np.ndarray) -> np.ndarray:
+    return np.maximum(np.asarray(t, np.float32) / QMAX, _TINY)
+
+
+def roundtrip_error(x: np.ndarray, scale: np.ndarray) -> tuple[float, float]:
+    """(relative L2 error, max abs error) of quantize-dequantize of `x` with `scale`."""
+    back = dequantize(quantize(x, scale), scale)
+    rel = float(np.linalg.norm(back - x) / max(np.linalg.norm(x), 1e-12))
+    return rel, float(np.abs(back - x).max())
+
+
+@dataclass(frozen=True)
+class ScalesManifest:
+    method: str
+    group_size: int
+    model_fingerprint: str
+    geometry: dict[str, Any]
+    calibration_hash: str
+    calibration_prompts: int
+    calibration_tokens: int
+    npz_sha256: str
+    layer_errors: dict[str, list[float]] = field(default_factory=dict)  # e.g. "k_rel": [per layer]
+    format: str = SCALES_FORMAT
+    format_version: int = SCALES_VERSION
+    kvedge_version: str = __version__
+
+
+@dataclass(frozen=True)
+class Scales:
+    """Calibrated static scales for one model (see the module docstring for shapes)."""
+
+    manifest: ScalesManifest
+    k_scale: np.ndarray  # [layers, kv_heads, groups] float32
+    v_scale: np.ndarray  # [layers, kv_heads, groups] float32
+    k_tensor_scale: np.ndarray  # [layers] float32
+    v_tensor_scale: np.ndarray  # [layers] float32
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.npz_sha256
+
+    def save(self, folder: Path) -> None:
+        """Write the npz and its manifest; the manifest last, so a partial write never loads."""
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / (SCALES_FILE + ".tmp.npz")
+        np.savez(tmp, **{name: getattr(self, name) for name in SCALE_ARRAYS})
+        tmp.replace(folder / SCALES_FILE)
+        manifest = dataclasses.replace(self.manifest, npz_sha256=sha256_files([folder / SCALES_FILE]))
+        (folder / SCALES_MANIFEST).write_text(
+            json.dumps(dataclasses.asdict(manifest), indent=2, sort_keys=True)
+        )
+
+    @classmethod
+    def load(cls, folder: Path, model: Manifest) -> Scales:
+        """Load scales from `folder` and refuse them unless they were made for `model`."""
+        folder = Path(folder)
+        path = folder / SCALES_MANIFEST
+        if not path.is_file():
+            raise KvedgeError(f"{folder}: no {SCALES_MANIFEST}; run `kvedge calibrate` first")
+        try:
+            data = json.loads(path.read_text())
+            manifest = ScalesManifest(**data)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ArtifactMismatch(f"{path}: malformed scales manifest ({exc})") from exc
+        if manifest.format != SCALES_FORMAT or manifest.format_version != SCALES_VERSION:
+            raise ArtifactMismatch(
+                f"{path}: format {manifest.format!r} v{manifest.format_version}, "
+                f"this kvedge reads {SCALES_FORMAT!r} v{SCALES_VERSION}"
+            )
+        if manifest.model_fingerprint != model.source_fingerprint:
+            raise ArtifactMismatch(
+                f"scales in {folder} were made for model {manifest.model_fingerprint[:16]}, "
+                f"this model is {model.source_fingerprint[:16]}"
+            )
+        expected = geometry_key(model)
+        if manifest.geometry != expected:
+            raise ArtifactMismatch(
+                f"scales in {folder} are for cache geometry {manifest.geometry}, this model has {expected}"
+            )
+        npz = folder / SCALES_FILE
+        if not npz.is_file() or sha256_files([npz]) != manifest.npz_sha256:
+            raise ArtifactMismatch(f"{npz}: missing or does not match its manifest (corrupt or replaced)")
+        with np.load(npz) as arrays:
+            values = {name: arrays[name].astype(np.float32) for name in SCALE_ARRAYS}
+        layers, heads = model.geometry.num_layers, model.geometry.num_kv_heads
+        groups = model.geometry.head_dim // manifest.group_size
+        if values["k_scale"].shape != (layers, heads, groups) or values["v_scale"].shape != (
+            layers,
+            heads,
+            groups,
+        ):
+            raise ArtifactMismatch(
+                f"{npz}: scale shapes {values['k_scale'].shape} do not match {(layers, heads, groups)}"
+            )
+        return cls(manifest=manifest, **values)
+
+
+def geometry_key(model: Manifest) -> dict[str, Any]:
+    g = model.geometry
+    return {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim}
+
+
+class RoundTrip:
+    """Replaces freshly written K/V with their INT8 round trip under `scheme` (in place).
+
+    Applied to each block of new tokens as it enters the cache, this gives exactly the values
+    an INT8 cache with the same scales would dequantize to, so quality can be measured for
+    any scheme on the fp32 buffers.
+    """
+
+    def __init__(self, scheme: Scheme, scales: Scales) -> None:
+        if scheme.group_size != scales.manifest.group_size and "static-group" in (scheme.k, scheme.v):
+            raise KvedgeError(
+                f"scheme group size {scheme.group_size} differs from the scales' {scales.manifest.group_size}"
+            )
+        self.scheme = scheme
+        self.k_scale = self._static(scheme.k, scales.k_scale, scales.k_tensor_scale)
+        self.v_scale = (
+            None
+            if scheme.v == "dynamic-token"
+            else self._static(scheme.v, scales.v_scale, scales.v_tensor_scale)
+        )
+
+    def _static(self, mode: str, group: np.ndarray, tensor: np.ndarray) -> np.ndarray:
+        if mode == "static-tensor":
+            return tensor.reshape(-1, 1, 1, 1)  # [layers, 1, 1, 1]
+        return expand(group, self.scheme.group_size)[:, :, None, :]  # [layers, kv_heads, 1, d]
+
+    def __call__(self, block: np.ndarray) -> None:
+        """`block` [layers, 2, kv_heads, n, head_dim]: new tokens' K and V, rewritten in place."""
+        k = block[:, 0]
+        k[...] = dequantize(quantize(k, self.k_scale), self.k_scale)
+        v = block[:, 1]
+        scale = self.v_scale
+        if scale is None:
+            scale = expand(dynamic_scales(v, self.scheme.v_group_size), self.scheme.v_group_size)
+        v[...] = dequantize(quantize(v, scale), scale)

@@ -1,0 +1,113 @@
+"""Chat sessions over cache slots: prefix reuse, self-checks, and long-conversation policies.
+
+A session is bound to one slot and remembers what that slot should hold. Each turn:
+
+1. **Check**: the slot's valid length and token record must equal what the session left there.
+   On any mismatch the slot is reset and the whole conversation re-prefilled (logged); the
+   runtime never continues on a suspect cache.
+2. **Reuse**: the slot rewinds to the longest common token prefix of what it holds and the new
+   conversation (so resent, edited or regenerated history stays exact); a warm prefix that
+   covers more of the conversation is copied in instead. Only the rest is prefilled.
+3. **Fit**, by `ContextPolicy.mode`:
+   - `error`: refuse with the token counts.
+   - `truncate`: drop the oldest whole turns (the system prompt stays), re-render, re-prefill.
+   - `window`: StreamingLLM. Keep the first `n_sink` tokens and the most recent ones; when the
+     slot is full, evict `evict_chunk` tokens after the sinks at once. Positions are reassigned
+     within the cache: kept keys are re-rotated by the shift (`kvedge.runtime.rope`), which
+     keeps the graph unchanged and costs one pass over the cache per eviction, not per token.
+     After an eviction the slot's tokens no longer equal the conversation, so the session
+     keeps the full (logical) token history separately and appends new turns to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.runtime.cache import KVCache
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("error", "window", "truncate")
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    mode: str = "error"
+    n_sink: int = 4  # window: tokens at the start that are never evicted
+    evict_chunk: int = 0  # window: tokens evicted at once when full (0: a quarter of max_len)
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise KvedgeError(f"context_policy={self.mode!r} is not allowed; allowed: {list(POLICIES)}")
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise KvedgeError(f"n_sink={self.n_sink!r} must be an integer >= 0")
+        if not isinstance(self.evict_chunk, int) or self.evict_chunk < 0:
+            raise KvedgeError(f"evict_chunk={self.evict_chunk!r} must be an integer >= 0")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass
+class ChatSession:
+    """What one slot should hold, as the session left it."""
+
+    slot: int
+    expected: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # slot's token record
+    history: list[int] = field(default_factory=list)  # every token of the conversation (logical)
+    evicted: int = 0  # tokens dropped by the window policy so far
+    reused_tokens: int = 0  # prefix tokens reused by the last turn (slot or warm prefix)
+
+    def verify(self, cache: KVCache) -> bool:
+        held = cache.token_ids(self.slot)
+        return len(held) == len(self.expected) and bool(np.array_equal(held, self.expected))
+
+    def reset(self, cache: KVCache) -> None:
+        cache.reset(self.slot)
+        self.expected = np.zeros(0, np.int64)
+        self.history = []
+        self.evicted = 0
+
+    def record(self, cache: KVCache, appended: Sequence[int]) -> None:
+        """Note what the slot holds now, after `appended` tokens were fed to it."""
+        self.expected = cache.token_ids(self.slot).copy()
+        self.history.extend(int(t) for t in appended)
+
+
+class RoomMaker:
+    """Makes room in a slot for n new tokens according to the policy (the `make_room` hook)."""
+
+    def __init__(
+        self, cache: KVCache, policy: ContextPolicy, inv_freq: np.ndarray, session: ChatSession
+    ) -> None:
+        self.cache, self.policy, self.inv_freq, self.session = cache, policy, inv_freq, session
+
+    def __call__(self, slot: int, count: int) -> None:
+        room = self.cache.room(slot)
+        if count <= room:
+            return
+        if self.policy.mode != "window":
+            self.cache.check_room(slot, count)  # raises ContextOverflow with the counts
+        max_len = self.cache.geometry.max_len
+        chunk = self.policy.evict_chunk or max(1, max_len // 4)
+        evictable = self.cache.length(slot) - self.policy.n_sink
+        evict = min(max(count - room, chunk), evictable)
+        if evict < count - room:
+            raise ContextOverflow(
+                f"{count} new tokens do not fit even after evicting all {evictable} non-sink tokens "
+                f"(max_len {max_len}, n_sink {self.policy.n_sink})"
+            )
+        log.debug("slot %d: window evicts %d tokens after %d sinks", slot, evict, self.policy.n_sink)
+        self.cache.evict(slot, self.policy.n_sink, evict, self.inv_freq)
+        self.session.evicted += evict

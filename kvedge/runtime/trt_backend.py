@@ -1,0 +1,189 @@
+"""TensorRT backend: the same `run(...) -> StepOutput` as `OrtBackend`, over `model.engine`.
+
+UNVERIFIED ON HARDWARE: written against TensorRT 10's and cuda-python's documented APIs; no GPU,
+TensorRT or cuda-python was available when it was written. device_tests/test_tensorrt.py
+compares it with the onnxruntime CPU reference; run that before trusting it.
+
+Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
+
+    cache pool   the KVCache's own numpy pool, page-locked once with cudaHostRegister(Mapped);
+                 past K/V [batch, kv_heads, max_len, head_dim] views are bound by device
+                 pointer, so the GPU reads the cache in place and nothing cache-sized is copied
+    inputs       input_ids, position_ids [B, P]; past_lengths, last_index [B]   engine int dtype
+    outputs      logits [B, 1, vocab] float32; present K/V [B, kv_heads, P, head_dim] float32
+                 per layer (the new tokens only; `KVCache.append` writes them into the pool)
+
+Inputs and outputs are mapped pinned host buffers (cudaHostAlloc Mapped), allocated once for
+the engine's largest profile (B = max_batch, P = max_prefill): the GPU reads and writes them
+directly and the hot path allocates nothing. On a discrete GPU the same code is correct but
+every cache read crosses PCIe; it is meant for Jetson. Not done yet: CUDA graph capture of the
+decode step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvedge.contract import Manifest
+from kvedge.errors import KvedgeError
+from kvedge.export.tensorrt import (
+    DECODE_PROFILE,
+    ENGINE_FILE,
+    PREFILL_PROFILE,
+    EngineManifest,
+    cuda_call,
+    current_device,
+    import_cudart,
+    import_tensorrt,
+)
+from kvedge.runtime.backend import StepOutput
+
+
+class TrtBackend:
+    """One TensorRT execution context over `model.engine` in an artifact folder."""
+
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        self.trt, self.cudart = import_tensorrt(), import_cudart()
+        self.manifest = manifest
+        self.engine_manifest = EngineManifest.load(folder)
+        self.engine_manifest.check_model(manifest)
+        self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart))
+        if not self._call(
+            self.cudart.cudaDeviceGetAttribute(
+                self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
+            ),
+            "cudaDeviceGetAttribute(HostRegisterSupported)",
+        ):
+            raise KvedgeError("this GPU cannot map host memory (cudaHostRegister); TrtBackend needs it")
+
+        self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
+        self.engine = self.runtime.deserialize_cuda_engine((Path(folder) / ENGINE_FILE).read_bytes())
+        if self.engine is None:
+            raise KvedgeError(f"TensorRT could not load {Path(folder) / ENGINE_FILE}; rebuild it")
+        self.context = self.engine.create_execution_context()
+        self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self.profile: int | None = None
+
+        names, g = manifest.names, manifest.geometry
+        b, p = self.engine_manifest.max_batch, self.engine_manifest.max_prefill
+        self.max_batch, self.max_prefill = b, p
+        self._pinned: list[int] = []  # cudaHostAlloc'd pointers, freed in close()
+        self._registered: dict[int, int] = {}  # page-aligned host address -> device address
+        self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
+        sizes = {
+            names.input_ids: b * p,
+            names.position_ids: b * p,
+            names.past_lengths: b,
+            names.logits: b * manifest.vocab_size,
+        }
+        if manifest.logits == "last":
+            sizes[names.last_index] = b
+        for i in range(g.num_layers):
+            for template in (names.present_key, names.present_value):
+                sizes[names.layer(template, i)] = b * g.num_kv_heads * p * g.head_dim
+        for name, count in sizes.items():
+            dtype = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name)))
+            self.buffers[name] = self._mapped(count, dtype)
+
+    def _call(self, result: tuple, what: str) -> Any:
+        return cuda_call(self.cudart, result, what)
+
+    def _mapped(self, count: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
+        nbytes = count * dtype.itemsize
+        host = self._call(self.cudart.cudaHostAlloc(nbytes, self.cudart.cudaHostAllocMapped), "cudaHostAlloc")
+        self._pinned.append(host)
+        device = self._call(self.cudart.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer")
+        array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host)).view(dtype)
+        return array, int(device)
+
+    def _device_address(self, view: np.ndarray) -> int:
+        """Device address of a view into a host array, page-locking the array's pages once."""
+        root = view
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        start = root.ctypes.data & ~(mmap.PAGESIZE - 1)
+        if start not in self._registered:
+            end = -(-(root.ctypes.data + root.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+            flags = self.cudart.cudaHostRegisterMapped
+            self._call(
+                self.cudart.cudaHostRegister(start, end - start, flags), "cudaHostRegister(cache pool)"
+            )
+            device = self._call(self.cudart.cudaHostGetDevicePointer(start, 0), "cudaHostGetDevicePointer")
+            self._registered[start] = int(device)
+        return self._registered[start] + (view.ctypes.data - start)
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # [batch, seq] int64
+        position_ids: np.ndarray,  # [batch, seq] int64
+        past_lengths: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64
+        past: list[tuple[np.ndarray, np.ndarray]],  # per layer [batch, kvh, max_len, d] pool views
+        counts: np.ndarray | None = None,  # [batch] real tokens per row; portable graphs ignore it
+    ) -> StepOutput:
+        names, g = self.manifest.names, self.manifest.geometry
+        batch, seq = input_ids.shape
+        if batch > self.max_batch or seq > self.max_prefill:
+            raise KvedgeError(
+                f"a call of {batch} rows x {seq} tokens exceeds the engine's profiles "
+                f"({self.max_batch} rows x {self.max_prefill} tokens); rebuild it with a larger "
+                "--max-batch or --max-prefill"
+            )
+        profile = DECODE_PROFILE if seq == 1 else PREFILL_PROFILE
+        if profile != self.profile:
+            self.context.set_optimization_profile_async(profile, self.stream)
+            self.profile = profile
+
+        inputs = [
+            (names.input_ids, input_ids),
+            (names.position_ids, position_ids),
+            (names.past_lengths, past_lengths),
+        ]
+        if self.manifest.logits == "last":
+            inputs.append((names.last_index, last_index))
+        for name, value in inputs:
+            host, device = self.buffers[name]
+            np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")
+            self.context.set_input_shape(name, value.shape)
+            self.context.set_tensor_address(name, device)
+        for i, (k, v) in enumerate(past):
+            for template, view in ((names.past_key, k), (names.past_value, v)):
+                name = names.layer(template, i)
+                self.context.set_input_shape(name, view.shape)
+                self.context.set_tensor_address(name, self._device_address(view))
+        outputs = [names.logits] + [
+            names.layer(t, i) for i in range(g.num_layers) for t in (names.present_key, names.present_value)
+        ]
+        for name in outputs:
+            self.context.set_tensor_address(name, self.buffers[name][1])
+
+        if not self.context.execute_async_v3(self.stream):
+            raise KvedgeError("TensorRT execute_async_v3 failed; see its log above")
+        self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
+        vocab = self.manifest.vocab_size
+        logits = self.buffers[names.logits][0][: batch * vocab].reshape(batch, vocab).copy()
+        shape = (batch, g.num_kv_heads, seq, g.head_dim)
+        size = batch * g.num_kv_heads * seq * g.head_dim
+        present = [
+            tuple(
+                self.buffers[names.layer(t, i)][0][:size].reshape(shape)
+                for t in (names.present_key, names.present_value)
+            )
+            for i in range(g.num_layers)
+        ]
+        return StepOutput(logits=logits, present=present)
+
+    def close(self) -> None:
+        """Give back pinned and registered memory; the backend is unusable afterwards."""
+        for start in self._registered:
+            self.cudart.cudaHostUnregister(start)
+        for host in self._pinned:
+            self.cudart.cudaFreeHost(host)
+        self._registered.clear()
+        self._pinned.clear()

@@ -1,0 +1,182 @@
+"""Warm-up: declare fixed prompts in YAML, compute their KV at boot, keep it on disk.
+
+Config (`configs/warmup/*.yaml`)::
+
+    prefixes:
+      - name: assistant            # file name: <cache folder>/assistant.kvw
+        messages:                  # rendered with the model's chat template (no generation prompt)
+          - {role: system, content: "You are ..."}
+      - name: notes
+        text: "raw text"           # or raw text, tokenized without special tokens
+
+At start-up every declared prefix is loaded from its warm file if the file is valid for this
+model, cache geometry and prompt, and recomputed and rewritten otherwise (the reason is logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from tqdm import tqdm
+
+from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.runtime.generate import prefill
+from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.sessions import common_prefix
+from kvedge.runtime.tokenizer import ROLES
+
+if TYPE_CHECKING:
+    from kvedge.runtime.model import Model
+
+log = logging.getLogger(__name__)
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    name: str
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    prefixes: tuple[PrefixSpec, ...]
+
+
+def load_warmup_config(path: str | Path) -> WarmupConfig:
+    """Read and validate a warm-up YAML file; errors name the file, the key and what is allowed."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise KvedgeError(f"{path}: cannot read ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise KvedgeError(f"{path}: not valid YAML ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("prefixes"), list) or not data["prefixes"]:
+        raise KvedgeError(f"{path}: key 'prefixes' must be a non-empty list")
+    unknown = set(data) - {"prefixes"}
+    if unknown:
+        raise KvedgeError(f"{path}: unknown keys {sorted(unknown)}; allowed: ['prefixes']")
+    specs: list[PrefixSpec] = []
+    for i, item in enumerate(data["prefixes"]):
+        where = f"{path}: prefixes[{i}]"
+        if not isinstance(item, dict) or set(item) - {"name", "messages", "text"}:
+            raise KvedgeError(f"{where}: must be a mapping with keys name and one of messages, text")
+        name = item.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise KvedgeError(f"{where}.name: {name!r} must match {NAME.pattern}")
+        if ("messages" in item) == ("text" in item):
+            raise KvedgeError(f"{where}: give exactly one of 'messages' or 'text'")
+        if "text" in item:
+            if not isinstance(item["text"], str) or not item["text"]:
+                raise KvedgeError(f"{where}.text: must be a non-empty string")
+            specs.append(PrefixSpec(name=name, text=item["text"]))
+            continue
+        messages = item["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise KvedgeError(f"{where}.messages: must be a non-empty list")
+        pairs = []
+        for j, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ROLES or not isinstance(message.get("content"), str):
+                raise KvedgeError(f"{where}.messages[{j}]: needs role in {list(ROLES)} and a string content")
+            pairs.append((role, message["content"]))
+        specs.append(PrefixSpec(name=name, messages=tuple(pairs)))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise KvedgeError(f"{path}: prefix names must be unique, got {names}")
+    return WarmupConfig(prefixes=tuple(specs))
+
+
+class PrefixStore:
+    """Warm prefixes held in memory (memory-mapped from their files), searched by token prefix."""
+
+    def __init__(self, prefixes: list[WarmPrefix] | None = None) -> None:
+        self.prefixes = list(prefixes or [])
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.prefixes)
+
+    def best_match(self, ids: list[int]) -> tuple[WarmPrefix | None, int]:
+        """The prefix sharing the most leading tokens with `ids`, and how many it shares."""
+        best, count = None, 0
+        for prefix in self.prefixes:
+            shared = common_prefix(prefix.token_ids, ids)
+            if shared > count:
+                best, count = prefix, shared
+        return best, count
+
+
+@dataclass
+class WarmupReport:
+    loaded: list[str]
+    rebuilt: dict[str, str]  # name -> why
+    seconds: float
+
+
+def prefix_ids(model: Model, spec: PrefixSpec) -> list[int]:
+    if spec.text is not None:
+        return model.tokenizer.encode(spec.text, add_special_tokens=False)
+    messages = [{"role": role, "content": content} for role, content in spec.messages]
+    return model.tokenizer.encode(
+        model.tokenizer.render(messages, add_generation_prompt=False), add_special_tokens=False
+    )
+
+
+def warm_up(model: Model, config: WarmupConfig, folder: str | Path) -> tuple[PrefixStore, WarmupReport]:
+    """Load every declared prefix from `folder`, recomputing and rewriting any that is not valid."""
+    folder = Path(folder)
+    started = time.perf_counter()
+    fingerprint = model.manifest.source_fingerprint
+    geometry = model.manifest.geometry
+    store, loaded, rebuilt = PrefixStore(), [], {}
+    for spec in tqdm(config.prefixes, desc="warm-up", unit="prefix", disable=len(config.prefixes) < 2):
+        ids = prefix_ids(model, spec)
+        if len(ids) >= geometry.max_len:
+            raise KvedgeError(
+                f"warm prefix {spec.name!r} has {len(ids)} tokens; max_len is {geometry.max_len}"
+            )
+        path = folder / f"{spec.name}{SUFFIX}"
+        try:
+            prefix = read_warm_file(path, geometry, fingerprint, ids)
+            loaded.append(spec.name)
+        except FileNotFoundError:
+            prefix, rebuilt[spec.name] = None, "missing"
+        except ArtifactMismatch as exc:
+            prefix, rebuilt[spec.name] = None, str(exc)
+        if prefix is None:
+            level = logging.INFO if rebuilt[spec.name] == "missing" else logging.WARNING
+            log.log(level, "warm prefix %s: recomputing (%s)", spec.name, rebuilt[spec.name])
+            prefix = compute_prefix(model, spec.name, ids)
+            write_warm_file(path, prefix, geometry, fingerprint)
+        store.prefixes.append(prefix)
+    for stale in folder.glob(f".*{SUFFIX}.*.tmp"):  # left by a crash mid-write
+        stale.unlink(missing_ok=True)
+    report = WarmupReport(loaded=loaded, rebuilt=rebuilt, seconds=time.perf_counter() - started)
+    log.info("warm-up: %d loaded, %d recomputed in %.2f s", len(loaded), len(rebuilt), report.seconds)
+    return store, report
+
+
+def compute_prefix(model: Model, name: str, ids: list[int]) -> WarmPrefix:
+    """Run `ids` through the model in a scratch slot (the last one) and copy out their KV."""
+    slot = model.cache.slots - 1
+    model.cache.reset(slot)
+    prefill(model.backend, model.cache, slot, [ids])
+    kv = model.cache.read(slot, len(ids))
+    model.cache.reset(slot)
+    return WarmPrefix(name=name, token_ids=tuple(ids), kv=kv)
+
+
+def describe(report: WarmupReport) -> dict[str, Any]:
+    return {"loaded": report.loaded, "rebuilt": report.rebuilt, "seconds": round(report.seconds, 3)}

@@ -1,0 +1,71 @@
+"""A streaming client for a running `kvedge serve` (what `kvedge chat --url` talks through).
+
+The bearer key, when the server wants one, is read from $KVEDGE_API_KEY.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import httpx
+
+from kvedge.errors import KvedgeError
+from kvedge.runtime.generate import SamplingConfig
+
+API_KEY_ENV = "KVEDGE_API_KEY"
+
+
+class RemoteChat:
+    def __init__(self, url: str, config: SamplingConfig, timeout_s: float = 300.0) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
+        self.config = config
+        key = os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    def request(self, messages: Sequence[dict[str, str]]) -> dict[str, Any]:
+        c = self.config
+        body: dict[str, Any] = {
+            "messages": list(messages),
+            "stream": True,
+            "max_tokens": c.max_new_tokens,
+            "temperature": c.temperature,
+            "top_p": c.top_p,
+        }
+        extras = {"seed": c.seed, "stop": list(c.stop) or None, "top_k": c.top_k or None}
+        if c.repetition_penalty != 1.0:
+            extras["repetition_penalty"] = c.repetition_penalty
+        return body | {k: v for k, v in extras.items() if v is not None}
+
+    def stream(self, messages: Sequence[dict[str, str]]) -> Iterator[str]:
+        """The assistant's reply to `messages`, as text deltas."""
+        try:
+            with self.client.stream("POST", self.url, json=self.request(messages)) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise KvedgeError(f"server answered {response.status_code}: {_message(response)}")
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line.removeprefix("data: ")
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise KvedgeError(f"server error: {chunk['error'].get('message')}")
+                    for choice in chunk.get("choices", []):
+                        text = choice.get("delta", {}).get("content")
+                        if text:
+                            yield text
+        except httpx.HTTPError as exc:
+            raise KvedgeError(f"cannot talk to {self.url}: {exc}") from None
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]

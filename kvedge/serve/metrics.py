@@ -1,0 +1,114 @@
+"""Service metrics in the Prometheus text exposition format (version 0.0.4), without a client library.
+
+Counters and the time-to-first-token histogram are updated by the engine thread and the request
+handlers under one lock; gauges (queue depth, slots in use, KV bytes) are read from the engine
+when /metrics is scraped. Tokens per second is the number of tokens generated in the last
+`RATE_WINDOW_S` seconds divided by that window, across all slots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RATE_WINDOW_S = 10
+
+# name: help text
+GAUGES = {
+    "kvedge_ready": "1 once the model is loaded and warmed up, else 0.",
+    "kvedge_queue_depth": "Requests waiting for a free slot.",
+    "kvedge_slots_in_use": "KV slots serving a request right now.",
+    "kvedge_slots_total": "KV slots preallocated at start-up.",
+    "kvedge_kv_bytes_in_use": "KV cache bytes holding valid tokens, idle slots' reusable prefixes included.",
+    "kvedge_kv_bytes_allocated": "KV cache bytes preallocated at start-up.",
+    "kvedge_tokens_per_second": f"Tokens generated per second over the last {RATE_WINDOW_S} s, all slots.",
+}
+COUNTERS = {
+    "kvedge_completion_tokens_total": "Tokens generated.",
+    "kvedge_prompt_tokens_total": "Prompt tokens of started requests (reused or prefilled).",
+    "kvedge_prefix_cache_hit_tokens_total": "Prompt tokens reused from a slot's cache instead of prefilled.",
+    "kvedge_prefix_cache_hits_total": "Requests that reused at least one token of their slot's cache.",
+    "kvedge_requests_cancelled_total": "Requests dropped because the client went away or the server stopped.",
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._responses: Counter[str] = Counter()  # HTTP status of chat completion requests
+        self._ttft_buckets = [0] * len(TTFT_BUCKETS_S)
+        self._ttft_sum = 0.0
+        self._ttft_count = 0
+        self._per_second: Counter[int] = Counter()  # whole second -> tokens generated in it
+
+    def add(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += value
+
+    def response(self, status: int) -> None:
+        with self._lock:
+            self._responses[str(status)] += 1
+
+    def token(self, now: float | None = None) -> None:
+        second = int(time.monotonic() if now is None else now)
+        with self._lock:
+            self._counters["kvedge_completion_tokens_total"] += 1
+            self._per_second[second] += 1
+            if len(self._per_second) > 2 * RATE_WINDOW_S:
+                for old in [s for s in self._per_second if s <= second - RATE_WINDOW_S]:
+                    del self._per_second[old]
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            for i, bound in enumerate(TTFT_BUCKETS_S):
+                if seconds <= bound:
+                    self._ttft_buckets[i] += 1
+            self._ttft_sum += seconds
+            self._ttft_count += 1
+
+    def tokens_per_second(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            recent = sum(n for s, n in self._per_second.items() if s > int(now) - RATE_WINDOW_S)
+        return recent / RATE_WINDOW_S
+
+    def render(self, gauges: Mapping[str, float]) -> str:
+        """The exposition text; `gauges` gives the current value of every name in GAUGES."""
+        lines: list[str] = []
+        gauges = {**gauges, "kvedge_tokens_per_second": self.tokens_per_second()}
+        with self._lock:
+            for name, help_text in GAUGES.items():
+                lines += [
+                    f"# HELP {name} {help_text}",
+                    f"# TYPE {name} gauge",
+                    f"{name} {_num(gauges[name])}",
+                ]
+            for name, help_text in COUNTERS.items():
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+                lines.append(f"{name} {self._counters[name]}")
+            name = "kvedge_chat_requests_total"
+            lines += [f"# HELP {name} Chat completion requests by HTTP status.", f"# TYPE {name} counter"]
+            lines += [f'{name}{{status="{s}"}} {n}' for s, n in sorted(self._responses.items())]
+            name = "kvedge_time_to_first_token_seconds"
+            lines += [
+                f"# HELP {name} From a request's arrival to its first generated token (queueing included).",
+                f"# TYPE {name} histogram",
+            ]
+            lines += [
+                f'{name}_bucket{{le="{bound}"}} {n}'
+                for bound, n in zip(TTFT_BUCKETS_S, self._ttft_buckets, strict=True)
+            ]
+            lines += [
+                f'{name}_bucket{{le="+Inf"}} {self._ttft_count}',
+                f"{name}_sum {_num(self._ttft_sum)}",
+                f"{name}_count {self._ttft_count}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _num(value: float) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(int(value))

@@ -1,0 +1,144 @@
+"""configs/devices and configs/models: the shipped files load, and bad files are refused naming
+the file, the key and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvedge.configs import (
+    DEVICES_DIR,
+    MODELS_DIR,
+    Architecture,
+    available,
+    load_device,
+    load_recipe,
+)
+from kvedge.errors import KvedgeError
+
+
+def test_shipped_device_profiles_load():
+    assert available(DEVICES_DIR) == ["agx-orin-32gb", "agx-orin-64gb", "orin-nano-8gb", "orin-nx-16gb"]
+    nano = load_device("orin-nano-8gb")
+    assert (nano.memory_bytes, nano.memory_bandwidth_gbps, nano.compute_capability) == (8 << 30, 68.0, "8.7")
+    assert all(load_device(name).compute_capability == "8.7" for name in available(DEVICES_DIR))
+
+
+def llama_family_params(a: Architecture) -> int:
+    """Parameters of a Llama/Qwen2/Mistral decoder, from its shape alone."""
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    attention = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + (q + 2 * kv if a.attention_bias else 0)
+    layer = attention + 3 * a.hidden_size * a.intermediate_size + 2 * a.hidden_size  # + two RMSNorms
+    embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+    return a.num_layers * layer + embeddings + a.hidden_size  # + final norm
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "tinyllama-1.1b", "llama-3.2-1b"])
+def test_recipe_param_count_matches_its_architecture(name):
+    recipe = load_recipe(name)
+    assert recipe.architecture.param_count == llama_family_params(recipe.architecture)
+    assert recipe.geometry().max_len == recipe.export.max_len
+
+
+def test_recipe_geometry_is_the_cache_geometry():
+    g = load_recipe("smollm2-135m").geometry(max_len=4096, kv_dtype="float16")
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.max_len, g.dtype) == (30, 3, 64, 4096, "float16")
+
+
+def _write(tmp_path: Path, data, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+DEVICE_CASES = [
+    (lambda d: d.pop("memory_bytes"), "memory_bytes: missing (required)"),
+    (lambda d: d.update(memory_bytes="8GB"), "memory_bytes: '8GB' is not allowed; allowed: an integer >= 1"),
+    (lambda d: d.update(memry_bytes=1), "memry_bytes: unknown key; allowed keys: compute_capability, "),
+    (lambda d: d.update(memory_bandwidth_gbps=-1), "memory_bandwidth_gbps: -1 is not allowed"),
+    (lambda d: d.update(compute_capability=8.7), "compute_capability: write it quoted ('8.7')"),
+    (
+        lambda d: d.update(compute_capability="sm87"),
+        "compute_capability: 'sm87' is not allowed; allowed: 'major.minor'",
+    ),
+    (lambda d: d["gpu"].update(cuda_cores=0), "gpu.cuda_cores: 0 is not allowed; allowed: an integer >= 1"),
+    (
+        lambda d: d["recommended"].update(kv=["int3"]),
+        "recommended.kv: ['int3'] is not allowed; allowed: a list of float32, float16, int8, int4",
+    ),
+    (lambda d: d.update(name="orin"), "name: 'orin' must equal the file name 'orin-nano-8gb'"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "message"), DEVICE_CASES)
+def test_bad_device_profile_is_refused_naming_file_and_key(tmp_path, mutate, message):
+    data = yaml.safe_load((DEVICES_DIR / "orin-nano-8gb.yaml").read_text())
+    mutate(data)
+    path = _write(tmp_path, data, "orin-nano-8gb")
+    with pytest.raises(KvedgeError) as error:
+        load_device(path)
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
+
+
+RECIPE_CASES = [
+    (
+        lambda d: d["architecture"].update(family="gpt2"),
+        "architecture.family: 'gpt2' is not allowed; allowed: llama, qwen2, mistral",
+    ),
+    (
+        lambda d: d["architecture"].update(num_kv_heads=4),
+        "architecture.num_kv_heads: 4 does not divide num_heads=9",
+    ),
+    (
+        lambda d: d["architecture"].update(tie_word_embeddings="yes"),
+        "architecture.tie_word_embeddings: 'yes' is not allowed; allowed: true, false",
+    ),
+    (lambda d: d["architecture"].pop("head_dim"), "architecture.head_dim: missing (required)"),
+    (
+        lambda d: d["export"].update(max_len=100000),
+        "export.max_len: 100000 is not allowed; allowed: 16..8192",
+    ),
+    (
+        lambda d: d["export"].update(max_prefill=4096),
+        "export.max_prefill: 4096 is not allowed; allowed: 1..2048",
+    ),
+    (
+        lambda d: d["export"].update(logits="first"),
+        "export.logits: 'first' is not allowed; allowed: last, all",
+    ),
+    (
+        lambda d: d["export"].update(weights_dtype="int4"),
+        "export.weights_dtype: 'int4' is not allowed; allowed: float32, float16",
+    ),
+    (
+        lambda d: d["export"].update(kv_dtype="int8"),
+        "export.kv_dtype: cache geometry: dtype='int8' is not supported; allowed:",
+    ),
+    (lambda d: d["export"].update(max_lenn=1), "export.max_lenn: unknown key"),
+    (lambda d: d.update(export=[1, 2]), "export: expected a mapping of keys, got list"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "message"), RECIPE_CASES)
+def test_bad_recipe_is_refused_naming_file_and_key(tmp_path, mutate, message):
+    data = yaml.safe_load((MODELS_DIR / "smollm2-135m.yaml").read_text())
+    mutate(data)
+    path = _write(tmp_path, data, "smollm2-135m")
+    with pytest.raises(KvedgeError) as error:
+        load_recipe(path)
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
+
+
+def test_unreadable_and_unknown_configs_are_refused(tmp_path):
+    broken = _write(tmp_path, "name: [unclosed\n", "broken")
+    with pytest.raises(KvedgeError, match=f"{broken}: not valid YAML"):
+        load_recipe(broken)
+    listed = _write(tmp_path, "- 1\n- 2\n", "listed")
+    with pytest.raises(KvedgeError, match=f"{listed}: expected a mapping of keys, got list"):
+        load_device(listed)
+    with pytest.raises(KvedgeError, match="no device named 'orin-nano-4gb'; allowed: agx-orin-32gb, "):
+        load_device("orin-nano-4gb")
+    with pytest.raises(KvedgeError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")

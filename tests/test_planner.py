@@ -1,0 +1,164 @@
+"""Memory planner: KV bytes equal what the runtime allocates, the table is right for
+hand-computed cases, and what does not fit is refused saying by how much."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kvedge.configs import DEVICES_DIR
+from kvedge.contract import KV_DTYPES, CacheGeometry
+from kvedge.errors import KvedgeError
+from kvedge.planner import (
+    OVERHEADS,
+    Budget,
+    ModelFootprint,
+    check_fits,
+    footprint,
+    kv_bytes,
+    live_budget,
+    make_plan,
+    parse_bytes,
+    plan_report,
+    render,
+)
+from kvedge.runtime.cache import KVCache
+
+RUNTIME = OVERHEADS["cpu"].runtime_bytes
+
+
+def kvedge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvedge", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("dtype", sorted(KV_DTYPES))
+def test_kv_bytes_equal_what_kvcache_allocates(dtype):
+    model = footprint("smollm2-135m")
+    for slots, context in ((1, 64), (3, 128), (2, 1000)):
+        geometry = CacheGeometry(
+            num_layers=30, num_kv_heads=3, head_dim=64, max_len=context, dtype=dtype
+        )  # SmolLM2-135M, written out
+        assert kv_bytes(model, slots, context, dtype) == KVCache(geometry, slots).nbytes
+
+
+def test_export_plan_equals_the_loaded_models_allocation(tiny_llama):
+    model = footprint(tiny_llama.out)
+    files = [tiny_llama.out / "model.onnx", tiny_llama.out / "model.onnx.data"]
+    assert model.weights_bytes == sum(f.stat().st_size for f in files if f.exists())
+    for slots in (1, 3):
+        loaded = tiny_llama.model(slots)
+        assert check_fits(tiny_llama.out, slots, budget_bytes=1 << 40).kv == loaded.cache.nbytes
+
+
+HAND = ModelFootprint(
+    name="hand",
+    origin="test",
+    weights_bytes=1000,
+    weights_note="",
+    geometry=CacheGeometry(num_layers=2, num_kv_heads=1, head_dim=4, max_len=16),  # 64 B per token
+    num_heads=2,
+    hidden_size=8,
+    intermediate_size=16,
+    vocab_size=10,
+    logits="last",
+    max_context=64,
+    fixed_context=False,
+)
+# Worked by hand (4 bytes per float; the prefill chunk is the whole context here):
+#   context 16, prefill of one row: 4 * (8*2*16*32 + 3*16*16 + 4*16*8 + 10) + 2*16*64 = 39,976
+#   context 32, prefill of one row: 4 * (8*2*32*64 + 3*32*16 + 4*32*8 + 10) + 2*32*64 = 145,448
+#   (decode of 4 rows is smaller: 4 * (8*4*2*17 + 3*4*16 + 4*4*8 + 4*10) + 2*4*64 = 6,304 at 16)
+#   kv: 64 B x context x slots; load 0.6 x 1000 = 600; weights 1000; + runtime
+EXPECTED = [
+    [1000 + 600 + 1024 + 39976, 1000 + 600 + 4096 + 39976],
+    [1000 + 600 + 2048 + 145448, 1000 + 600 + 8192 + 145448],
+]
+
+
+def test_table_matches_hand_computed_totals():
+    plan = make_plan(HAND, Budget(RUNTIME + 150_000, 0, "test"), "cpu", slots=(1, 4), contexts=(16, 32))
+    assert [[cell.total - RUNTIME for cell in row] for row in plan.cells] == EXPECTED
+    assert [[plan.fits(cell) for cell in row] for row in plan.cells] == [[True, True], [True, False]]
+    table = render(plan).splitlines()
+    assert table[-2].split()[:3] == [
+        "16",
+        f"{(RUNTIME + 40452) / 2**30:.2f}",
+        f"{(RUNTIME + 43524) / 2**30:.2f}",
+    ]
+    assert table[-1].split()[:3] == ["32", f"{(RUNTIME + 144900) / 2**30:.2f}", "-"]
+
+
+def test_check_fits_says_by_how_much():
+    assert check_fits(HAND, 1, RUNTIME + 150_000, context=32).total == RUNTIME + 149_096
+    with pytest.raises(KvedgeError) as error:
+        check_fits(HAND, 4, RUNTIME + 150_000, context=32)
+    message = str(error.value)
+    assert "hand: 4 slots x 32 tokens (float32 cache)" in message
+    assert "5,240 B over" in message and "at most 1 slot fit at this context" in message
+    with pytest.raises(KvedgeError, match="not even 1 slot fits"):
+        check_fits(HAND, 1, 1000)
+
+
+def test_context_beyond_the_model_is_refused():
+    with pytest.raises(KvedgeError, match="context 128 exceeds what hand supports; allowed: 1..64"):
+        make_plan(HAND, Budget(1 << 40, 0, "test"), contexts=(16, 128))
+
+
+def test_live_budget_reads_memavailable(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemFree:  100 kB\nMemAvailable:    6000000 kB\n")
+    budget = live_budget(reserve_bytes=1 << 20, meminfo=meminfo)
+    assert (budget.total_bytes, budget.usable) == (6_000_000 * 1024, 6_000_000 * 1024 - (1 << 20))
+    meminfo.write_text("MemTotal: 8000000 kB\n")
+    with pytest.raises(KvedgeError, match="cannot read MemAvailable"):
+        live_budget(meminfo=meminfo)
+
+
+def test_parse_bytes():
+    assert [parse_bytes(t) for t in ("6GiB", "512MiB", "1.5G", "64k", "123")] == [
+        6 << 30,
+        512 << 20,
+        3 << 29,
+        64 << 10,
+        123,
+    ]
+    with pytest.raises(KvedgeError, match="size '6 TB' is not allowed; allowed: bytes or a number with KiB"):
+        parse_bytes("6 TB")
+
+
+def test_plan_report_for_a_device_and_per_kv_dtype():
+    text = plan_report("smollm2-135m", device="orin-nano-8gb", kv_dtypes=["float32", "float16"], slots="1,4")
+    assert text.count("budget       6.50 GiB = orin-nano-8gb 8.00 GiB - reserve 1.50 GiB") == 2
+    assert "float32: 46,080 bytes per token" in text and "float16: 23,040 bytes per token" in text
+    rows = json.loads(plan_report("smollm2-135m", budget="4GiB", slots="1", contexts="2048", as_json=True))
+    assert rows[0]["rows"][0]["kv"] == 30 * 2 * 3 * 64 * 4 * 2048 and rows[0]["rows"][0]["fits"]
+    with pytest.raises(KvedgeError, match="--kv-dtype 'int8' is not allowed; allowed: float32, float16"):
+        plan_report("smollm2-135m", kv_dtypes=["int8"])
+    with pytest.raises(KvedgeError, match="--slots '1,x' is not allowed"):
+        plan_report("smollm2-135m", slots="1,x")
+
+
+def test_cli_plan(tmp_path, tiny_llama):
+    done = kvedge("plan", "smollm2-135m", "--device", "orin-nano-8gb", "--slots", "1,2")
+    assert done.returncode == 0, done.stderr
+    assert "<- recipe max_len" in done.stdout and "gpu (CUDA/TensorRT" in done.stdout
+
+    export = kvedge("plan", str(tiny_llama.out), "--budget", "1MiB")
+    assert export.returncode == 0, export.stderr
+    assert "<- this export" in export.stdout and export.stdout.splitlines()[-1].split()[1] == "-"
+    with pytest.raises(KvedgeError, match="--weights-dtype applies to recipes only"):
+        plan_report(tiny_llama.out, weights_dtype="float16")
+
+    bad = yaml.safe_load((DEVICES_DIR / "orin-nano-8gb.yaml").read_text())
+    bad["memory_bytes"] = "lots"
+    path = tmp_path / "orin-nano-8gb.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    refused = kvedge("plan", "smollm2-135m", "--device", str(path))
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert f"{path}: memory_bytes: 'lots' is not allowed" in refused.stderr

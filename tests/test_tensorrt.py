@@ -1,0 +1,336 @@
+"""The TensorRT path on a machine without TensorRT or a GPU: what it says and refuses, and
+`TrtBackend`'s buffer plumbing run against fakes.
+
+The fakes stand in for `tensorrt` and cuda-python's runtime: device pointers are host
+pointers (as on a Jetson, where both are one DRAM) and the fake engine computes with
+onnxruntime CPU, reading and writing exactly the addresses and shapes the backend bound. That
+checks allocation sizes, pool offsets, dtype conversion and profile switching; whether TensorRT
+itself builds and runs the graph is device_tests/test_tensorrt.py's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import subprocess
+import sys
+import types
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from conftest import random_ids
+
+from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.export.tensorrt import (
+    ENGINE_FILE,
+    ENGINE_MANIFEST_FILE,
+    DeviceInfo,
+    EngineManifest,
+    EngineOptions,
+    profile_shapes,
+    require_tensorrt,
+)
+from kvedge.runtime.cache import KVCache
+from kvedge.runtime.generate import decode_one_token, prefill
+
+HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+
+
+def portable(exported) -> Manifest:
+    manifest = Manifest.load(exported.out)
+    if manifest.variant != "portable":
+        pytest.skip("TensorRT takes the portable graph only")
+    return manifest
+
+
+@pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed here")
+def test_export_tensorrt_without_tensorrt_says_what_to_install(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedge", "export", "--target", "tensorrt", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "TensorRT is not installed" in done.stderr and "JetPack" in done.stderr
+    assert not (tmp_path / "out").exists()  # refused before the slow ONNX export
+
+
+def test_tensorrt_refuses_graphs_it_cannot_take():
+    with pytest.raises(KvedgeError, match="need the portable graph .*not --variant 'ort'"):
+        require_tensorrt("ort", "last")
+    with pytest.raises(KvedgeError, match="need --logits last, not 'all'"):
+        require_tensorrt("portable", "all")
+
+
+def test_engine_profiles(tiny_llama):
+    manifest = portable(tiny_llama)
+    g, names = manifest.geometry, manifest.names
+    prefill_profile, decode_profile = profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=4))
+    assert prefill_profile[names.input_ids] == ((1, 1), (1, 64), (4, 64))
+    assert decode_profile[names.input_ids] == ((1, 1), (4, 1), (4, 1))
+    assert prefill_profile[names.last_index] == ((1,), (1,), (4,))
+    assert decode_profile[names.past_lengths] == ((1,), (4,), (4,))
+    past = ((1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(4), g.layer_shape(4))
+    last_layer = names.layer(names.past_value, g.num_layers - 1)
+    assert prefill_profile[last_layer] == decode_profile[last_layer] == past
+    assert len(prefill_profile) == 4 + 2 * g.num_layers
+    with pytest.raises(KvedgeError, match=r"--max-prefill 500 is not allowed; allowed: 1..128"):
+        EngineOptions(max_prefill=500).check(manifest)
+
+
+def engine_manifest(manifest: Manifest, **changes) -> EngineManifest:
+    fields = dict(
+        source_fingerprint=manifest.source_fingerprint,
+        onnx_fingerprint=manifest.onnx_fingerprint,
+        tensorrt_version="10.3.0",
+        device_name="Orin",
+        compute_capability="8.7",
+        multiprocessors=8,
+        max_batch=2,
+        max_prefill=64,
+        fp16=True,
+        workspace_bytes=1 << 30,
+    )
+    return EngineManifest(**{**fields, **changes})
+
+
+def test_engine_manifest_refuses_another_tensorrt_device_or_model(tmp_path, tiny_llama):
+    manifest = Manifest.load(tiny_llama.out)
+    (tmp_path / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
+    loaded = EngineManifest.load(tmp_path)
+    assert loaded == engine_manifest(manifest)
+    loaded.check_model(manifest)
+    loaded.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 8))
+    with pytest.raises(
+        ArtifactMismatch, match="built with TensorRT 10.3.0, this machine has TensorRT 10.7.0"
+    ):
+        loaded.check_runtime("10.7.0", DeviceInfo("Orin", "8.7", 8))
+    with pytest.raises(
+        ArtifactMismatch, match=r"built for Orin \(sm_87, 8 SMs\), this machine has Orin \(sm_87, 16"
+    ):
+        loaded.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 16))
+    with pytest.raises(ArtifactMismatch, match="rebuild the engine"):
+        engine_manifest(manifest, onnx_fingerprint="0" * 64).check_model(manifest)
+
+
+# --- TrtBackend against fakes ------------------------------------------------------------------
+
+
+def _array(address: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(address)
+    return np.frombuffer(raw, dtype).reshape(shape)
+
+
+class FakeContext:
+    """Runs the ONNX graph on onnxruntime CPU over the addresses and shapes bound to it."""
+
+    def __init__(self, engine):
+        self.engine, self.shapes, self.addresses, self.profile = engine, {}, {}, 0
+
+    def set_optimization_profile_async(self, index, stream):
+        self.profile = index
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = tuple(shape)
+
+    def set_tensor_address(self, name, address):
+        self.addresses[name] = address
+
+    def execute_async_v3(self, stream):
+        names = self.engine.manifest.names
+        batch, seq = self.shapes[names.input_ids]
+        assert self.profile == (1 if seq == 1 else 0), "decode must run on profile 1, prefill on 0"
+        feeds = {
+            i.name: _array(
+                self.addresses[i.name], self.shapes[i.name], self.engine.get_tensor_dtype(i.name)
+            ).astype(np.float32 if i.type == "tensor(float)" else np.int64)
+            for i in self.engine.session.get_inputs()
+        }
+        outputs = self.engine.session.run(None, feeds)
+        for meta, value in zip(self.engine.session.get_outputs(), outputs, strict=True):
+            _array(self.addresses[meta.name], value.shape, np.float32)[...] = value
+        return True
+
+
+class FakeEngine:
+    def __init__(self, folder, manifest):
+        self.manifest = manifest
+        self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
+        names = manifest.names
+        # TensorRT 8 turned int64 inputs into int32: exercise the conversion
+        self.dtypes = {n: np.int32 for n in (names.input_ids, names.position_ids, names.past_lengths)}
+        self.dtypes[names.last_index] = np.int64
+
+    def get_tensor_dtype(self, name):
+        return self.dtypes.get(name, np.float32)
+
+    def create_execution_context(self):
+        return FakeContext(self)
+
+
+class FakeLayer:
+    def __init__(self, kind, op=None):
+        self.type, self.op, self.precision, self.output_types = kind, op, None, {}
+
+    def set_output_type(self, index, dtype):
+        self.output_types[index] = dtype
+
+
+class FakeElementWise(FakeLayer):
+    pass
+
+
+class FakeBuilder:
+    """Records what build_engine asks of TensorRT's builder."""
+
+    last: FakeBuilder | None = None
+
+    def __init__(self, logger):
+        FakeBuilder.last = self
+        self.layers = [FakeLayer("elementwise", "pow"), FakeLayer("elementwise", "sum"), FakeLayer("reduce")]
+        self.shapes: list[dict] = []
+        self.flags: set[str] = set()
+        self.limits: dict = {}
+        self.timing_seeds: list[bytes] = []
+
+    @staticmethod
+    def module_attributes() -> dict:
+        return dict(
+            Builder=FakeBuilder,
+            OnnxParser=lambda network, logger: types.SimpleNamespace(
+                parse_from_file=lambda path: path.endswith("model.onnx"), num_errors=0
+            ),
+            MemoryPoolType=types.SimpleNamespace(WORKSPACE="workspace"),
+            BuilderFlag=types.SimpleNamespace(FP16="fp16", PREFER_PRECISION_CONSTRAINTS="prefer"),
+            LayerType=types.SimpleNamespace(ELEMENTWISE="elementwise", REDUCE="reduce", SOFTMAX="softmax"),
+            ElementWiseOperation=types.SimpleNamespace(POW="pow"),
+            IElementWiseLayer=FakeElementWise,
+            float32="float32",
+        )
+
+    def create_network(self, flags):
+        assert flags == 0  # TensorRT 10
+        return types.SimpleNamespace(num_layers=len(self.layers), get_layer=self.layers.__getitem__)
+
+    def create_optimization_profile(self):
+        shapes: dict = {}
+        self.shapes.append(shapes)
+        return types.SimpleNamespace(
+            set_shape=lambda name, low, opt, high: shapes.update({name: (low, opt, high)})
+        )
+
+    def create_builder_config(self):
+        builder = self
+        cache = types.SimpleNamespace(serialize=lambda: b"timing")
+        return types.SimpleNamespace(
+            set_memory_pool_limit=lambda pool, size: builder.limits.update({pool: size}),
+            set_flag=builder.flags.add,
+            add_optimization_profile=lambda profile: None,
+            create_timing_cache=lambda seed: builder.timing_seeds.append(seed) or cache,
+            set_timing_cache=lambda cache, ignore_mismatch: None,
+            get_timing_cache=lambda: cache,
+        )
+
+    def build_serialized_network(self, network, config):
+        return b"plan"
+
+
+def fake_modules(folder, manifest) -> dict[str, types.ModuleType]:
+    keep_alive: list = []
+    ok = 0
+
+    def host_alloc(nbytes, flags):
+        buffer = (ctypes.c_uint8 * nbytes)()
+        keep_alive.append(buffer)
+        return ok, ctypes.addressof(buffer)
+
+    runtime = types.SimpleNamespace(
+        cudaError_t=types.SimpleNamespace(cudaSuccess=ok),
+        cudaDeviceAttr=types.SimpleNamespace(cudaDevAttrHostRegisterSupported=100),
+        cudaHostAllocMapped=2,
+        cudaHostRegisterMapped=2,
+        cudaGetErrorString=lambda error: (ok, b"fake error"),
+        cudaGetDeviceProperties=lambda index: (
+            ok,
+            types.SimpleNamespace(name=b"Orin\x00", major=8, minor=7, multiProcessorCount=8),
+        ),
+        cudaDeviceGetAttribute=lambda attribute, device: (ok, 1),
+        cudaStreamCreate=lambda: (ok, 7),
+        cudaStreamSynchronize=lambda stream: (ok,),
+        cudaHostAlloc=host_alloc,
+        cudaHostGetDevicePointer=lambda host, flags: (ok, host),  # one DRAM: same address
+        cudaHostRegister=lambda address, size, flags: (ok,),
+        cudaHostUnregister=lambda address: (ok,),
+        cudaFreeHost=lambda address: (ok,),
+    )
+
+    def logger(severity):
+        return None
+
+    logger.WARNING = 2
+    tensorrt = types.SimpleNamespace(
+        __version__="10.3.0",
+        Logger=logger,
+        nptype=lambda dtype: dtype,
+        Runtime=lambda logger: types.SimpleNamespace(
+            deserialize_cuda_engine=lambda data: FakeEngine(folder, manifest)
+        ),
+        **FakeBuilder.module_attributes(),
+    )
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.runtime = runtime
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    return {"tensorrt": tensorrt, "cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.runtime": runtime}
+
+
+def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    manifest = portable(tiny_llama)
+    (tiny_llama.out / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
+    (tiny_llama.out / ENGINE_FILE).write_bytes(b"fake plan")
+    try:
+        for name, module in fake_modules(tiny_llama.out, manifest).items():
+            monkeypatch.setitem(sys.modules, name, module)
+        trt = TrtBackend(tiny_llama.out, manifest)
+        cpu = tiny_llama.model(slots=3)
+        trt_cache = KVCache(manifest.geometry, 3)
+        prompts = [random_ids(100, seed=1), random_ids(37, seed=2)]  # 100 > max_prefill: two chunks
+        a = prefill(cpu.backend, cpu.cache, 1, prompts)
+        b = prefill(trt, trt_cache, 1, prompts, chunk=64)
+        for _ in range(6):
+            np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+            tokens = [int(t) for t in np.argmax(a, axis=-1)]
+            a = decode_one_token(cpu.backend, cpu.cache, 1, tokens)
+            b = decode_one_token(trt, trt_cache, 1, tokens)
+        np.testing.assert_array_equal(trt_cache.lengths, cpu.cache.lengths)
+        np.testing.assert_allclose(trt_cache.pool, cpu.cache.pool, atol=1e-5, rtol=0)
+        with pytest.raises(KvedgeError, match="exceeds the engine's profiles"):
+            prefill(trt, trt_cache, 0, [[5]] * 3)
+        trt.close()
+    finally:
+        (tiny_llama.out / ENGINE_MANIFEST_FILE).unlink()
+        (tiny_llama.out / ENGINE_FILE).unlink()
+
+
+def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_path, monkeypatch):
+    from kvedge.export.tensorrt import build_engine
+
+    manifest = portable(tiny_llama)
+    for name, module in fake_modules(tiny_llama.out, manifest).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    engine = build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
+    builder = FakeBuilder.last
+    assert builder.shapes == profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=2))
+    assert builder.limits == {"workspace": 256 << 20} and builder.flags == {"fp16", "prefer"}
+    assert [layer.precision for layer in builder.layers] == ["float32", None, "float32"]  # pow, add, reduce
+    assert (tmp_path / ENGINE_FILE).read_bytes() == b"plan"
+    assert EngineManifest.load(tmp_path) == engine == engine_manifest(manifest, workspace_bytes=256 << 20)
+    build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
+    assert FakeBuilder.last.timing_seeds == [b"timing"]  # the second build starts from the first's cache

@@ -1,0 +1,158 @@
+"""Warm prefixes: computed once, persisted, reloaded; every bad file refused and rebuilt."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvedge.errors import KvedgeError
+from kvedge.runtime.generate import SamplingConfig, prefill
+from kvedge.runtime.model import Model
+from kvedge.runtime.prefix import WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.warmup import load_warmup_config
+
+ATOL = 1e-4
+SYSTEM = "You are a helpful assistant on a Jetson. " * 2
+CONFIG = f"""
+prefixes:
+  - name: assistant
+    messages:
+      - {{role: system, content: "{SYSTEM}"}}
+  - name: notes
+    text: "The quick brown fox jumps over the lazy dog."
+"""
+
+
+@pytest.fixture()
+def warm(tmp_path):
+    path = tmp_path / "warmup.yaml"
+    path.write_text(CONFIG)
+    return load_warmup_config(path), tmp_path / "warm"
+
+
+def boot(tiny_llama, warm) -> Model:
+    config, folder = warm
+    return Model(tiny_llama.out, slots=2, warmup=config, warm_dir=folder)
+
+
+def test_first_boot_builds_then_reboot_loads(tiny_llama, warm):
+    first = boot(tiny_llama, warm)
+    assert first.warmup_report.rebuilt == {"assistant": "missing", "notes": "missing"}
+    again = boot(tiny_llama, warm)
+    assert again.warmup_report.loaded == ["assistant", "notes"] and not again.warmup_report.rebuilt
+    for a, b in zip(first.prefixes.prefixes, again.prefixes.prefixes, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_array_equal(a.kv, b.kv)
+
+
+def test_session_starting_with_warm_prefix_reuses_it_exactly(tiny_llama, warm):
+    model = boot(tiny_llama, warm)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]
+    ids = model.tokenizer.encode_chat(messages)
+    logits = model.prepare(0, ids)
+    assert model.sessions[0].reused_tokens == len(model.prefixes.prefixes[0].token_ids)
+    reference = tiny_llama.model()
+    expected = prefill(reference.backend, reference.cache, 0, [ids])[0]
+    np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
+    events = list(model.chat(messages, SamplingConfig(max_new_tokens=5)))
+    assert events[-1].finish_reason in ("stop", "length")
+
+
+def corrupt_truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def corrupt_bitflip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (corrupt_truncate, "bytes, header promises"),
+        (corrupt_bitflip, "checksum mismatch"),
+        (lambda p: p.write_bytes(b"garbage"), "truncated"),
+        (lambda p: p.unlink(), "missing"),
+    ],
+)
+def test_damaged_file_is_refused_and_rebuilt(tiny_llama, warm, damage, reason):
+    boot(tiny_llama, warm)
+    path = warm[1] / "assistant.kvw"
+    good = path.read_bytes()
+    damage(path)
+    model = boot(tiny_llama, warm)
+    assert reason in model.warmup_report.rebuilt["assistant"]
+    assert model.warmup_report.loaded == ["notes"]
+    assert path.read_bytes() == good
+
+
+def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
+    model = boot(tiny_llama, warm)
+    prefix = model.prefixes.prefixes[0]
+    geometry = model.manifest.geometry
+    path = warm[1] / "assistant.kvw"
+    fingerprint = model.manifest.source_fingerprint
+    cases = [
+        (dict(fingerprint="f" * 64), "model is 'ffffffffffffffff', expected"),
+        (dict(geometry=dataclasses.replace(geometry, num_kv_heads=1)), '"num_kv_heads": 1'),
+        (dict(geometry=dataclasses.replace(geometry, dtype="float16")), '"dtype": "float16"'),
+        (dict(ids=prefix.token_ids[:-1]), "token ids is"),
+    ]
+    for change, message in cases:
+        bad = WarmPrefix(
+            prefix.name,
+            change.get("ids", prefix.token_ids),
+            prefix.kv[:, :, :, : len(change.get("ids", prefix.token_ids))],
+        )
+        write_warm_file(path, bad, change.get("geometry", geometry), change.get("fingerprint", fingerprint))
+        with pytest.raises(KvedgeError, match=message):
+            read_warm_file(path, geometry, fingerprint, prefix.token_ids)
+        rebooted = boot(tiny_llama, warm)
+        assert "assistant" in rebooted.warmup_report.rebuilt
+        read_warm_file(path, geometry, fingerprint, prefix.token_ids)  # the rewritten file is valid
+
+
+KILL_DURING_WRITE = """
+import os, signal, sys
+import numpy as np
+from kvedge.contract import CacheGeometry
+from kvedge.runtime import prefix as warm
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # die after the bytes, before the rename
+geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+kv = np.ones((2, 2, 2, 3, 16), np.float32)
+warm.write_warm_file(warm.Path(sys.argv[1]), warm.WarmPrefix("assistant", (1, 2, 3), kv), geometry, "x")
+"""
+
+
+def test_process_killed_mid_write_never_leaves_a_loadable_file(tiny_llama, warm):
+    boot(tiny_llama, warm)
+    folder = warm[1]
+    target = folder / "assistant.kvw"
+    target.unlink()
+    done = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, str(target)], capture_output=True)
+    assert done.returncode == -signal.SIGKILL
+    leftovers = list(folder.glob(".assistant.kvw.*.tmp"))
+    assert leftovers and not target.exists()
+    rebooted = boot(tiny_llama, warm)
+    assert rebooted.warmup_report.rebuilt == {"assistant": "missing"}
+    assert target.exists() and not any(p.exists() for p in leftovers)
+
+
+def test_bad_config_names_file_and_key(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text("prefixes:\n  - name: a\n    messages:\n      - {role: wizard, content: hi}\n")
+    with pytest.raises(KvedgeError, match=r"w.yaml: prefixes\[0\].messages\[0\]: needs role in"):
+        load_warmup_config(path)
+    path.write_text("prefixes:\n  - name: a\n    text: x\n    messages: []\n")
+    with pytest.raises(KvedgeError, match="must be a mapping|exactly one"):
+        load_warmup_config(path)
+    path.write_text("prefix: []\n")
+    with pytest.raises(KvedgeError, match="key 'prefixes' must be a non-empty list"):
+        load_warmup_config(path)
