@@ -623,3 +623,42 @@ def test_serve_check_and_refusing_an_open_bind_without_a_key(artifact):
     )
     assert open_bind.returncode != 0 and "API key is required" in open_bind.stderr
     assert "Traceback" not in open_bind.stderr
+
+
+def test_warm_prefixes_load_before_ready_and_window_policy_serves_long_chats(artifact, tmp_path, reference):
+    system = "You are a helpful assistant."
+    warm = tmp_path / "warmup.yaml"
+    warm.write_text(
+        yaml.safe_dump({"prefixes": [{"name": "sys", "messages": [{"role": "system", "content": system}]}]})
+    )
+    srv = Server(
+        artifact,
+        tmp_path,
+        slots=1,
+        warmup_config=str(warm),
+        warm_dir=str(tmp_path / "warm"),
+        history_policy="window",
+        warmup_tokens=0,
+    )
+    try:
+        srv.startup()
+        assert (tmp_path / "warm" / "sys.kvw").is_file()  # built before /health said ready
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}]
+        answer = srv.http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0},
+        )
+        assert answer.status_code == 200, answer.text
+        assert (
+            answer.json()["choices"][0]["message"]["content"]
+            == run_alone(reference, messages, max_new_tokens=6)[0]
+        )
+        assert srv.metrics()["kvedge_prefix_cache_hit_tokens_total"] > 0  # the warm prefix was reused
+        long_chat = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 40}]
+        assert len(reference.tokenizer.encode_chat(long_chat)) > reference.manifest.geometry.max_len
+        window = srv.http.post(
+            "/v1/chat/completions", json={"model": "tiny", "messages": long_chat, "max_tokens": 4}
+        )
+        assert window.status_code == 200, window.text  # under `error` this is a 400
+    finally:
+        srv.stop()

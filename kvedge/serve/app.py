@@ -230,6 +230,25 @@ def plan_sampling(
     chat: ChatRequest, prompt_tokens: int, max_len: int, config: ServiceConfig
 ) -> SamplingConfig:
     """Sampling for one request; refuses (400) what cannot fit the model's context."""
+    if config.history_policy != "error":
+        # window / truncate: the runtime fits the conversation into the cache itself
+        max_new = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
+    else:
+        max_new = _fitting_max_tokens(chat, prompt_tokens, max_len, config)
+    return SamplingConfig(
+        max_new_tokens=max_new,
+        temperature=chat.temperature,
+        top_k=chat.top_k,
+        top_p=chat.top_p,
+        repetition_penalty=chat.repetition_penalty,
+        seed=chat.seed,
+        stop=chat.stop,
+    )
+
+
+def _fitting_max_tokens(chat: ChatRequest, prompt_tokens: int, max_len: int, config: ServiceConfig) -> int:
+    """max_tokens under the `error` history policy: the prompt (and, under `reject`, the whole
+    requested reply) must fit the context."""
     room = max_len - prompt_tokens
     if room < 1:
         raise ApiError(
@@ -251,15 +270,7 @@ def plan_sampling(
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-    return SamplingConfig(
-        max_new_tokens=max_new,
-        temperature=chat.temperature,
-        top_k=chat.top_k,
-        top_p=chat.top_p,
-        repetition_penalty=chat.repetition_penalty,
-        seed=chat.seed,
-        stop=chat.stop,
-    )
+    return max_new
 
 
 class Reply:

@@ -16,6 +16,10 @@ File format (every key optional except `model`, which may come from `--model` in
     threads: null                   # onnxruntime intra-op threads; null = all cores
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # greedy decode steps run before /health reports ready; 0 = none
+    history_policy: error           # conversations longer than the cache: error | window | truncate
+    warmup_config: null             # warm-up YAML (configs/warmup/...): prefixes loaded before ready
+    warm_dir: null                  # folder of the warm prefix files (needed with warmup_config)
+    memory_budget: null             # bytes the service may use; null = MemAvailable at start-up
 
 Command-line flags override the file. Every error names where the value came from (file or flag),
 the key and what is allowed.
@@ -36,6 +40,7 @@ import yaml
 
 from kvedge.contract import MANIFEST_FILE
 from kvedge.errors import KvedgeError
+from kvedge.runtime.sessions import POLICIES
 
 CONTEXT_POLICIES = ("clip", "reject")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -79,6 +84,10 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "threads": (_optional(_int_in(1, 1024)), "an integer >= 1, or null for all cores"),
     "shutdown_grace_s": (lambda v: _is_number(v) and 0 <= v <= 3600, "a number of seconds in 0..3600"),
     "warmup_tokens": (_int_in(0, 1_000_000), "an integer >= 0 (0 = no warm-up)"),
+    "history_policy": (lambda v: v in POLICIES, f"one of {list(POLICIES)}"),
+    "warmup_config": (_optional(_text), "a warm-up YAML file, or null"),
+    "warm_dir": (_optional(_text), "a folder for warm prefix files, or null"),
+    "memory_budget": (_optional(_int_in(1, 2**50)), "a number of bytes, or null for MemAvailable"),
 }
 
 
@@ -99,6 +108,10 @@ class ServiceConfig:
     threads: int | None = None
     shutdown_grace_s: float = 10.0
     warmup_tokens: int = 8
+    history_policy: str = "error"
+    warmup_config: Path | None = None
+    warm_dir: Path | None = None
+    memory_budget: int | None = None
     api_key: str | None = field(default=None, repr=False)  # read from $api_key_env, never logged
 
     @property
@@ -147,6 +160,13 @@ def load_service_config(
             "`kvedge export --out DIR` first"
         )
     values["model"] = model
+    for key in ("warmup_config", "warm_dir"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    if (values.get("warmup_config") is None) != (values.get("warm_dir") is None):
+        raise KvedgeError("warmup_config and warm_dir go together: set both or neither")
+    if values.get("warmup_config") is not None and not values["warmup_config"].is_file():
+        raise KvedgeError(f"{origin['warmup_config']}={str(values['warmup_config'])!r}: no such file")
     values["model_name"] = values.get("model_name") or model.resolve().name
     if "shutdown_grace_s" in values:
         values["shutdown_grace_s"] = float(values["shutdown_grace_s"])

@@ -32,6 +32,7 @@ import numpy as np
 from kvedge.errors import KvedgeError
 from kvedge.runtime.generate import Event, SamplingConfig
 from kvedge.runtime.model import Model
+from kvedge.runtime.sessions import common_prefix
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.protocol import ApiError
 
@@ -63,18 +64,11 @@ class Job:
     deliver: Callable[[Event | ApiError], None]  # called on the engine thread; must not block
     submitted: float = field(default_factory=time.monotonic)
     slot: int | None = None
-    reused: int = 0  # prompt tokens the slot already held
+    reused: int = 0  # prompt tokens reused from the slot or a warm prefix
     steps: Iterator[Event] | None = None
     produced: int = 0
     cancelled: bool = False
     done: bool = False
-
-
-def shared_prefix(held: np.ndarray, ids: np.ndarray) -> int:
-    """Length of the common prefix of two token arrays."""
-    n = min(len(held), len(ids))
-    differ = np.flatnonzero(held[:n] != ids[:n])
-    return int(differ[0]) if differ.size else n
 
 
 def pick_slot(
@@ -82,8 +76,7 @@ def pick_slot(
 ) -> tuple[int, int]:
     """(slot, shared tokens): the free slot sharing the longest token prefix with `ids`, and among
     equals (no match included) the least recently used."""
-    want = np.asarray(ids, np.int64)
-    shared = {slot: shared_prefix(held(slot), want) for slot in free}
+    shared = {slot: common_prefix(held(slot), ids) for slot in free}
     slot = max(free, key=lambda s: (shared[s], -last_used[s]))
     return slot, shared[slot]
 
@@ -243,10 +236,9 @@ class Engine:
         assert self.model is not None
         while self._waiting and self._free:
             job = self._waiting.popleft()
-            slot, shared = pick_slot(self._free, job.ids, self.model.cache.token_ids, self._last_used)
+            slot, _ = pick_slot(self._free, job.ids, self.model.cache.token_ids, self._last_used)
             self._free.remove(slot)
             job.slot = slot
-            job.reused = min(shared, len(job.ids) - 1)  # Model.chat reruns the last prompt token
             self._active.append(job)
 
     def _step(self, job: Job) -> None:
@@ -272,6 +264,7 @@ class Engine:
         if job.produced == 0:
             self.metrics.first_token(now - job.submitted)
             self.metrics.add("kvedge_prompt_tokens_total", len(job.ids))
+            job.reused = self.model.sessions[job.slot].reused_tokens  # slot or warm prefix
             self.metrics.add("kvedge_prefix_cache_hit_tokens_total", job.reused)
             self.metrics.add("kvedge_prefix_cache_hits_total", int(job.reused > 0))
         job.produced += 1

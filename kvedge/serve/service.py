@@ -32,15 +32,41 @@ def serve_command(
         grace_s = ServiceConfig.shutdown_grace_s  # the default; raise TimeoutStopSec with the config's
         return render_unit(sys.executable, config, Path.cwd(), getpass.getuser(), grace_s)
     config = load_service_config(config_path, overrides)
+    need = check_memory(config)
     if check:
-        model = Model(config.model, slots=1, threads=config.threads)
+        model = load_model(config, slots=1)  # verifies the graph, loads or rebuilds warm files
         kv = model.manifest.geometry.bytes_per_slot() * config.slots
         return (
             f"ok: {config.model_name} on {config.host}:{config.port}, {config.slots} slots "
-            f"({kv / 2**20:.1f} MiB KV), queue {config.queue_size}\n"
+            f"({kv / 2**20:.1f} MiB KV, {need / 2**20:.0f} MiB planned), queue {config.queue_size}, "
+            f"{len(model.prefixes)} warm prefixes\n"
         )
     serve(config)
     return None
+
+
+def check_memory(config: ServiceConfig) -> int:
+    """Refuse at start-up a config whose slots do not fit the memory budget (the planner's figure)."""
+    from kvedge.planner import check_fits, live_budget
+
+    budget = config.memory_budget or live_budget().usable
+    return check_fits(config.model, config.slots, budget).total
+
+
+def load_model(config: ServiceConfig, slots: int) -> Model:
+    """The service's Model: history policy, and warm prefixes loaded (or rebuilt) before ready."""
+    from kvedge.runtime.sessions import ContextPolicy
+    from kvedge.runtime.warmup import load_warmup_config
+
+    warmup = load_warmup_config(config.warmup_config) if config.warmup_config else None
+    return Model(
+        config.model,
+        slots=slots,
+        threads=config.threads,
+        policy=ContextPolicy(mode=config.history_policy),
+        warmup=warmup,
+        warm_dir=config.warm_dir,
+    )
 
 
 class _Server(uvicorn.Server):
@@ -72,7 +98,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     )
     metrics = Metrics()
     engine = Engine(
-        load=lambda: Model(config.model, slots=config.slots, threads=config.threads),
+        load=lambda: load_model(config, config.slots),
         queue_size=config.queue_size,
         metrics=metrics,
         warmup=warmup if warmup is not None else decode_warmup(config.warmup_tokens),
