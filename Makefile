@@ -39,7 +39,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 bench: install
-	$(BIN)/python bench/decode.py
+	$(BIN)/kvedge bench
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache

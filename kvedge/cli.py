@@ -32,6 +32,15 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+model_option = click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Folder written by `kvedge export`.",
+)
+
+
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
     """Options shared by the commands that load a model and generate."""
     if func is None:
@@ -272,9 +281,7 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
 
 
 @main.command()
-@click.option(
-    "--model", "model_dir", required=True, type=click.Path(path_type=Path), help="Exported model folder."
-)
+@model_option
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Warm-up YAML.")
 @click.option(
     "--warm-dir", required=True, type=click.Path(path_type=Path), help="Folder for the warm prefix files."
@@ -401,9 +408,7 @@ def doctor(as_json: bool) -> None:
 
 
 @main.command()
-@click.option(
-    "--model", "model_dir", required=True, type=click.Path(path_type=Path), help="Exported model folder."
-)
+@model_option
 @click.option(
     "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Folder for the scales."
 )
@@ -458,9 +463,7 @@ def calibrate(
 
 
 @main.command("eval-kv")
-@click.option(
-    "--model", "model_dir", required=True, type=click.Path(path_type=Path), help="Exported model folder."
-)
+@model_option
 @click.option(
     "--scales", "scales_dir", required=True, type=click.Path(path_type=Path), help="From `kvedge calibrate`."
 )

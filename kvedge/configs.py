@@ -272,7 +272,8 @@ def _name(top: _Section, path: Path) -> str:
     return name
 
 
-def _read_yaml(path: Path) -> Any:
+def read_yaml(path: Path) -> Any:
+    """Parse a YAML file; a missing, unreadable or malformed file is a KvedgeError naming it."""
     try:
         return yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -302,7 +303,7 @@ def available(folder: Path) -> list[str]:
 
 def _load(name_or_path: str | Path, folder: Path, kind: str, build: Callable[[Any, Path], Any]) -> Any:
     path = _resolve(name_or_path, folder, kind)
-    return build(_read_yaml(path), path)
+    return build(read_yaml(path), path)
 
 
 def load_device(name_or_path: str | Path) -> DeviceProfile:

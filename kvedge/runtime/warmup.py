@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from tqdm import tqdm
 
+from kvedge.configs import read_yaml
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
@@ -53,12 +53,7 @@ class WarmupConfig:
 def load_warmup_config(path: str | Path) -> WarmupConfig:
     """Read and validate a warm-up YAML file; errors name the file, the key and what is allowed."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise KvedgeError(f"{path}: cannot read ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise KvedgeError(f"{path}: not valid YAML ({exc})") from exc
+    data = read_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("prefixes"), list) or not data["prefixes"]:
         raise KvedgeError(f"{path}: key 'prefixes' must be a non-empty list")
     unknown = set(data) - {"prefixes"}

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from kvedge.configs import read_yaml
 from kvedge.contract import MANIFEST_FILE
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
@@ -177,12 +176,7 @@ def load_service_config(
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise KvedgeError(f"{path}: cannot read the service config ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise KvedgeError(f"{path}: not valid YAML ({exc})") from None
+    data = read_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
