@@ -10,8 +10,8 @@ distributions with the fp32 cache's:
     greedy match length      per prompt, positions before the first argmax disagreement
                              (= how long free-running greedy decoding stays identical)
 
-KV bytes are computed from the geometry: INT8 codes plus float32 scales (static scales are a
-few KB per model; dynamic per-token V scales cost 4 bytes per group of channels per token).
+KV bytes are computed, not yet measured: INT8 codes plus scales (static scales are a few KB per
+model; a dynamic per-token scale costs 2 bytes, float16, per group of channels per token).
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
 log = logging.getLogger(__name__)
+SCALE_BYTES = 2  # a dynamic scale is stored as float16
 
 
 def default_schemes(group_size: int, head_dim: int) -> tuple[Scheme, ...]:
-    """Per-group static K with per-token or per-group V, and the per-tensor baseline."""
+    """Calibrated per-group static K, per-token dynamic K, and the per-tensor baseline."""
+    small = min(32, head_dim)
     return (
         Scheme(k="static-group", v="dynamic-token", group_size=group_size, v_group_size=min(64, head_dim)),
-        Scheme(k="static-group", v="static-group", group_size=group_size),
+        Scheme(k="dynamic-token", v="dynamic-token", group_size=group_size, v_group_size=small),
         Scheme(k="static-tensor", v="static-tensor", group_size=group_size),
     )
 
@@ -58,9 +60,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def kv_bytes_ratio(scheme: Scheme, head_dim: int) -> float:
-    """INT8 bytes per cached value incl. scales, over fp32's 4 (static scales amortise to ~0)."""
-    k = 1.0
-    v = 1.0 + (4.0 / scheme.v_group_size if scheme.v == "dynamic-token" else 0.0)
+    """INT8 bytes per cached value incl. scales, over fp32's 4. Dynamic scales are float16 (2 bytes
+    per group per token); static scales are a few KB per model and amortise to ~0."""
+    k = 1.0 + (SCALE_BYTES / scheme.v_group_size if scheme.k == "dynamic-token" else 0.0)
+    v = 1.0 + (SCALE_BYTES / scheme.v_group_size if scheme.v == "dynamic-token" else 0.0)
     return (k + v) / 8.0
 
 

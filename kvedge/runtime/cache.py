@@ -35,8 +35,9 @@ class KVCache:
         self.lengths = np.zeros(slots, np.int64)
         self.tokens = np.zeros((slots, geometry.max_len), np.int64)
         # Optional hook run on each block of new K/V [layers, 2, kv_heads, n, head_dim] as it
-        # becomes valid: `kvedge.quant.RoundTrip` uses it to measure INT8 schemes.
-        self.round_trip: Callable[[np.ndarray], None] | None = None
+        # becomes valid, with the block's first position: `kvedge.quant.RoundTrip` uses it to
+        # measure INT8 schemes.
+        self.round_trip: Callable[[np.ndarray, int], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +110,7 @@ class KVCache:
             self.check_room(slot, count)
             start = self.length(slot)
             if self.round_trip is not None:
-                self.round_trip(self.pool[:, :, slot, :, start : start + count])
+                self.round_trip(self.pool[:, :, slot, :, start : start + count], start)
             self.tokens[slot, start : start + count] = tokens[row, :count]
             self.lengths[slot] = start + count
 
