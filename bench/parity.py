@@ -1,6 +1,6 @@
 """Measure kvedge-vs-transformers logit parity on the real default model (figures for docs).
 
-    python bench/parity.py [--steps 32]
+    python bench/parity.py [--steps 32] [--variant portable|ort] [--weights float32|int8|int4]
 
 Prints the max absolute logit difference over prefill + teacher-forced decode, the greedy
 match length over 64 tokens, and cache-on vs cache-off difference.
@@ -28,11 +28,13 @@ def main() -> None:
     parser.add_argument(
         "--artifact", type=Path, default=None, help="existing export (default: export to a temp dir)"
     )
+    parser.add_argument("--variant", default="portable", choices=["portable", "ort"])
+    parser.add_argument("--weights", default="float32", choices=["float32", "int8", "int4"])
     args = parser.parse_args()
     folder = args.artifact
     if folder is None:
         folder = Path(tempfile.mkdtemp()) / "smol"
-        export_model(None, folder, ExportOptions(max_len=2048))
+        export_model(None, folder, ExportOptions(max_len=2048, variant=args.variant, weights=args.weights))
     hf, _ = load_hf(resolve_source(default_gguf()))
     model = Model(folder)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Explain what a KV cache is."}])

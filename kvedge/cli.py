@@ -530,7 +530,7 @@ def eval_kv(
 @click.option(
     "--rounds", default=3, show_default=True, type=int, help="Alternating rounds (medians over them)."
 )
-@click.option("--steps", default=12, show_default=True, type=int, help="Decode steps per case.")
+@click.option("--steps", default=24, show_default=True, type=int, help="Decode steps per case.")
 @click.option(
     "--kvedge",
     "kvedge_systems",

@@ -3,18 +3,24 @@
 Tolerance: 1e-4 absolute on logits of magnitude ~3. Both sides compute in fp32 with different
 op orders (fused QKV, scale folded into Wq, softmax over split past/new scores); measured
 differences are ~1e-6, so 1e-4 leaves margin while still catching any mask or position bug,
-which moves logits by 1e-1 or more.
+which moves logits by 1e-1 or more. The `tiny` fixture runs every test here for each graph
+variant (tests/conftest.py); the real model's in-place variant is checked at the end.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import random_ids
 
+from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.model import Model
 
 ATOL = 1e-4
+REAL_ATOL = 1e-3  # real model, logits up to ~40: the tolerance of tests/test_real_model.py
 
 
 def test_prefill_and_teacher_forced_decode_match_hf(tiny):
@@ -47,3 +53,24 @@ def test_greedy_64_tokens_identical_to_hf_generate(tiny):
         got.append(int(np.argmax(logits)))
         logits = decode_one_token(model.backend, model.cache, 0, [got[-1]])[0]
     assert got == ref
+
+
+@pytest.mark.real_model
+def test_real_model_ort_variant_matches_transformers(tmp_path):
+    """The in-place GroupQueryAttention graph on SmolLM2-135M: same 1e-3 as the portable graph."""
+    hf, tokenizer = loaded = load_hf(resolve_source(default_gguf()))
+    export_model(None, tmp_path / "ort", ExportOptions(variant="ort"), loaded=loaded)
+    model = Model(tmp_path / "ort")
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    with torch.no_grad():
+        continuation = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+        )[0]
+        ref = hf(continuation[None], use_cache=False).logits[0].numpy()[len(prompt) - 1 : -1]
+    ids = continuation.tolist()
+    got = [prefill(model.backend, model.cache, 0, [prompt])[0]]
+    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[len(prompt) : -1]]
+    got = np.stack(got)
+    np.testing.assert_allclose(got, ref, atol=REAL_ATOL, rtol=0)
+    got[:, list(model.manifest.eos_token_ids)] = -np.inf  # as min_new_tokens does on the HF side
+    assert list(got.argmax(-1)) == ids[len(prompt) :]  # greedy tokens identical

@@ -8,8 +8,11 @@ neighbouring runs are what we quote). Cases, all batch 1, greedy, same random to
 
     prefill P   fresh sequence, P prompt tokens, until the first token is picked: tokens/s and
                 time to first token (P = 128, 512, 1024)
-    decode C    fresh sequence of C tokens, then `steps` decode steps: median ms/token
-                (C = 64, 512, 1536; caches sized max_len = 2048)
+    decode C    every system prefilled to C tokens (untimed), then `steps` decode steps taken
+                in turn, one step of each system after the other, so load changes hit all
+                systems alike: median ms/token (C = 64, 512, 1536; caches sized max_len = 2048).
+                transformers `generate` cannot be stepped from outside: it runs its steps as
+                one block after the others.
 
 Exact-size twins (kvedge exported with max_len = 128) run decode 64 only: they are the
 denominator of "no work over unused slots". Peak RSS is measured per system in a fresh process
@@ -29,6 +32,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,7 +44,7 @@ import numpy as np
 from kvedge.bench import measure
 from kvedge.bench.prepare import KvedgeBuild, Workdir
 from kvedge.bench.report import evaluate_targets, plot, table
-from kvedge.bench.systems import SystemSpec
+from kvedge.bench.systems import Steppable, SystemSpec
 from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import KvedgeError
 
@@ -82,7 +86,7 @@ class BenchConfig:
     source: str | None = None  # HF folder or GGUF; default: SmolLM2-135M-Instruct GGUF
     threads: int = 0  # 0: all cores
     rounds: int = 3
-    steps: int = 12  # decode steps per case (the first 2 are dropped as warm-up)
+    steps: int = 24  # decode steps per case (the first 2 are dropped as warm-up)
     kvedge: tuple[str, ...] = DEFAULT_KVEDGE  # "variant:weights"
     peers: tuple[str, ...] = PEERS
     block_size: int = 32
@@ -149,18 +153,17 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         systems[spec.name].run(tokens[: min(256, spec.max_len // 2)], 4)
         log.info("warmed up %s", spec.name)
 
-    cases = [("prefill", n) for n in config.prefill_lengths] + [("decode", c) for c in config.decode_contexts]
     raw: dict[str, dict[str, list[float]]] = {s.name: {} for s in specs}
     for round_index in range(config.rounds):
         order = specs[round_index % len(specs) :] + specs[: round_index % len(specs)]
-        for kind, n in cases:
-            for spec in order:
-                if spec.reference_for and (kind, n) != ("decode", min(config.decode_contexts)):
-                    continue
-                steps = config.steps if kind == "decode" else 0
-                ttft, times = systems[spec.name].run(tokens[:n], steps)
-                value = ttft if kind == "prefill" else float(np.median(times[2:]))
-                raw[spec.name].setdefault(f"{kind}:{n}", []).append(value)
+        for n in config.prefill_lengths:
+            for spec in (s for s in order if not s.reference_for):
+                ttft, _ = systems[spec.name].run(tokens[:n], 0)
+                raw[spec.name].setdefault(f"prefill:{n}", []).append(ttft)
+        for c in config.decode_contexts:
+            here = [s for s in order if not s.reference_for or c == min(config.decode_contexts)]
+            for name, seconds in _decode_case(systems, here, tokens[:c], config.steps).items():
+                raw[name].setdefault(f"decode:{c}", []).append(seconds)
         echo(f"round {round_index + 1}/{config.rounds} done")
     results.rounds = raw
 
@@ -216,6 +219,29 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     echo(table(results))
     echo(f"wrote {config.out / 'bench.json'} and {config.out / 'bench.png'}")
     return results
+
+
+def _decode_case(
+    systems: dict[str, Any], specs: list[SystemSpec], ids: list[int], steps: int
+) -> dict[str, float]:
+    """Median seconds per decode step at context len(ids), the first 2 steps dropped.
+
+    Steppable systems are prefilled (untimed), then their steps interleave one by one; the
+    others (transformers `generate`) run their steps as one block.
+    """
+    stepped = [s.name for s in specs if isinstance(systems[s.name], Steppable)]
+    times: dict[str, list[float]] = {name: [] for name in stepped}
+    for name in stepped:
+        systems[name].start(ids)
+    for _ in range(steps):
+        for name in stepped:
+            started = time.perf_counter()
+            systems[name].step()
+            times[name].append(time.perf_counter() - started)
+    for spec in specs:
+        if spec.name not in times:
+            times[spec.name] = systems[spec.name].run(ids, steps)[1]
+    return {name: float(np.median(t[2:])) for name, t in times.items()}
 
 
 def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[str, str]]:

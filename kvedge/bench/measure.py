@@ -98,7 +98,10 @@ def peak_rss_mib(spec: SystemSpec, threads: int, prompt: list[int], steps: int) 
 def _peak_rss_child(spec: SystemSpec, threads: int, prompt: list[int], steps: int) -> float:
     system = spec.build(threads)
     system.run(prompt, steps)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # VmHWM, not ru_maxrss: the latter survives fork + exec and would report the parent's peak.
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024  # kB -> MiB
 
 
 def allocation_profile(spec: SystemSpec, threads: int, prompt: list[int], steps: int) -> dict[str, float]:

@@ -7,6 +7,10 @@ measurement); `SystemSpec.build(threads)` loads the system and returns a `System
                              `steps` greedy decode steps -> (time to first token, [step seconds])
     next_token_logits(ids)   teacher-forced next-token logits at every position [len(ids), vocab]
 
+Systems that can be driven one step at a time (all but transformers, whose `generate` is one
+call) are `Steppable`: `start(ids)` prefills and picks the first token, `step()` decodes one;
+the benchmark interleaves their decode steps so neighbouring systems see the same machine load.
+
 Each peer is driven the way its users drive it: kvedge through its prefill/decode functions,
 Hugging Face transformers through `generate` (eager attention, use_cache=True) timed by a
 streamer, onnxruntime-genai through its Generator (max_length = the kvedge max_len, so its
@@ -32,6 +36,27 @@ class System(Protocol):
     def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]: ...
 
     def next_token_logits(self, ids: list[int]) -> np.ndarray: ...
+
+
+class Steppable:
+    """`run` in terms of `start` (prefill + first token) and `step` (one decode step)."""
+
+    def start(self, ids: list[int]) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
+        started = time.perf_counter()
+        self.start(ids)
+        ttft = time.perf_counter() - started
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - started)
+        return ttft, times
 
 
 @dataclass(frozen=True)
@@ -60,7 +85,7 @@ class SystemSpec:
         raise KvedgeError(f"system kind {self.kind!r} is unknown; known: {list(KINDS)}")
 
 
-class KvedgeSystem:
+class KvedgeSystem(Steppable):
     """An exported artifact on kvedge's runtime: backend + one-slot cache, greedy."""
 
     def __init__(self, folder: Path, threads: int) -> None:
@@ -72,19 +97,16 @@ class KvedgeSystem:
         self.backend = OrtBackend(folder, self.manifest, threads=threads)
         self.cache = KVCache(self.manifest.geometry, 1)
 
-    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
-        from kvedge.runtime.generate import decode_one_token, prefill
+    def start(self, ids: list[int]) -> None:
+        from kvedge.runtime.generate import prefill
 
-        started = time.perf_counter()
         self.cache.reset(0)
-        token = int(np.argmax(prefill(self.backend, self.cache, 0, [ids])[0]))
-        ttft = time.perf_counter() - started
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            token = int(np.argmax(decode_one_token(self.backend, self.cache, 0, [token])[0]))
-            times.append(time.perf_counter() - started)
-        return ttft, times
+        self.token = int(np.argmax(prefill(self.backend, self.cache, 0, [ids])[0]))
+
+    def step(self) -> None:
+        from kvedge.runtime.generate import decode_one_token
+
+        self.token = int(np.argmax(decode_one_token(self.backend, self.cache, 0, [self.token])[0]))
 
     def next_token_logits(self, ids: list[int]) -> np.ndarray:
         from kvedge.runtime.generate import decode_one_token, prefill
@@ -145,7 +167,7 @@ class TransformersSystem:
             return self.model(self.torch.tensor([ids]), use_cache=False).logits[0].numpy()
 
 
-class OrtGenaiSystem:
+class OrtGenaiSystem(Steppable):
     """onnxruntime-genai Generator; greedy; max_length fixes its shared KV buffer size."""
 
     def __init__(self, folder: Path, threads: int, max_len: int) -> None:
@@ -164,18 +186,13 @@ class OrtGenaiSystem:
         params.set_search_options(max_length=self.max_len, do_sample=False)
         return self.og.Generator(self.model, params)
 
-    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
-        generator = self._generator()
-        started = time.perf_counter()
-        generator.append_tokens(np.asarray(ids, np.int32))
-        generator.generate_next_token()  # picks the first token from the prompt's logits
-        ttft = time.perf_counter() - started
-        times = []
-        for _ in range(steps):  # each call runs the model on the previous token, then picks
-            started = time.perf_counter()
-            generator.generate_next_token()
-            times.append(time.perf_counter() - started)
-        return ttft, times
+    def start(self, ids: list[int]) -> None:
+        self.generator = self._generator()
+        self.generator.append_tokens(np.asarray(ids, np.int32))
+        self.generator.generate_next_token()  # picks the first token from the prompt's logits
+
+    def step(self) -> None:
+        self.generator.generate_next_token()  # runs the model on the previous token, then picks
 
     def next_token_logits(self, ids: list[int]) -> np.ndarray:
         generator = self._generator()
@@ -186,7 +203,7 @@ class OrtGenaiSystem:
         return np.stack(rows)
 
 
-class LlamaCppSystem:
+class LlamaCppSystem(Steppable):
     """llama.cpp through llama-cpp-python `eval` (its defaults otherwise: n_batch 512, f16 KV)."""
 
     def __init__(self, gguf: Path, threads: int, max_len: int) -> None:
@@ -200,19 +217,14 @@ class LlamaCppSystem:
     def _last_logits(self) -> np.ndarray:
         return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.vocab,))
 
-    def run(self, ids: list[int], steps: int) -> tuple[float, list[float]]:
+    def start(self, ids: list[int]) -> None:
         self.llm.reset()
-        started = time.perf_counter()
         self.llm.eval(ids)
-        token = int(np.argmax(self._last_logits()))
-        ttft = time.perf_counter() - started
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            self.llm.eval([token])
-            token = int(np.argmax(self._last_logits()))
-            times.append(time.perf_counter() - started)
-        return ttft, times
+        self.token = int(np.argmax(self._last_logits()))
+
+    def step(self) -> None:
+        self.llm.eval([self.token])
+        self.token = int(np.argmax(self._last_logits()))
 
     def next_token_logits(self, ids: list[int]) -> np.ndarray:
         self.llm.reset()

@@ -1,0 +1,15 @@
+"""`make bench`: the side-by-side benchmark, i.e. `kvedge bench` with any extra options given.
+
+    python bench/decode.py [--threads 1] [--quick] ...
+
+Results go to bench/results/ (bench.json, bench.png); docs/PERFORMANCE.md explains them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvedge.cli import main
+
+if __name__ == "__main__":
+    main(["bench", *sys.argv[1:]])

@@ -1,0 +1,135 @@
+"""The benchmark harness: its small pure functions, and one end-to-end run on a tiny model.
+
+No timing is asserted anywhere: speed targets are judged in `kvedge bench` output, not in tests.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from tiny import make_tiny_model
+
+from kvedge.bench import BenchConfig, run_benchmark
+from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
+from kvedge.bench.report import evaluate_targets, speedup
+from kvedge.bench.systems import SystemSpec
+from kvedge.errors import KvedgeError
+
+
+def test_kl_and_top1():
+    logits = np.array([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    kl, top1 = kl_and_top1(logits, logits)
+    assert np.allclose(kl, 0) and top1.all()
+    other = np.array([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    kl, top1 = kl_and_top1(logits, other)
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    assert kl[0] == pytest.approx(float((p * np.log(p * 3)).sum())) and kl[1] == pytest.approx(0)
+    assert list(top1) == [True, True]  # argmax of an all-equal row is index 0
+
+
+def test_weight_bytes_count_full_reads_only(tmp_path):
+    embed = numpy_helper.from_array(np.zeros((100, 8), np.float32), "embed")  # gathered: ~0 per token
+    w = numpy_helper.from_array(np.zeros((8, 4), np.float32), "w")  # 128 bytes
+    q = helper.make_tensor("q", TensorProto.INT4, [8, 4], bytes(16), raw=True)  # 32 values: 16 bytes
+    scale = numpy_helper.from_array(np.zeros((1, 4), np.float32), "s")  # 16 bytes
+    nodes = [
+        helper.make_node("Gather", ["embed", "ids"], ["x"]),
+        helper.make_node("MatMul", ["x", "w"], ["y"]),
+        helper.make_node("DequantizeLinear", ["q", "s"], ["wq"], axis=0, block_size=8),
+        helper.make_node("MatMul", ["y", "wq"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])],
+        [embed, w, q, scale],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
+    assert onnx_weight_bytes_per_token(tmp_path / "m.onnx") == 128 + 16 + 16
+
+
+def test_copy_bandwidth_is_a_rate():
+    assert copy_bandwidth(mib=8, repeats=2) > 1e8  # any machine copies more than 100 MB/s
+
+
+def fake_results(rounds: dict) -> SimpleNamespace:
+    return SimpleNamespace(
+        rounds=rounds,
+        decode={name: {64: 1.0, 1536: 1.0} for name in rounds},
+        prefill={name: {128: {}} for name in rounds},
+        allocation={},
+    )
+
+
+def test_speedup_is_the_median_of_per_round_ratios():
+    results = fake_results({"a": {"decode:64": [1.0, 2.0, 1.0]}, "b": {"decode:64": [2.0, 2.0, 3.0]}})
+    assert speedup(results, "a", "b", "decode:64") == 2.0  # ratios 2, 1, 3
+    assert speedup(results, "a", "missing", "decode:64") is None
+
+
+def test_targets_judge_unused_slots_and_flat_growth():
+    full, twin = "kvedge ort float32", "kvedge ort float32 max_len 128"
+    results = fake_results(
+        {
+            full: {"decode:64": [1.05, 1.2], "decode:1536": [1.5, 1.5], "prefill:128": [1.0, 1.0]},
+            twin: {"decode:64": [1.0, 1.0]},
+        }
+    )
+    specs = [
+        SystemSpec(name=full, kind="kvedge", path=".", weights="float32"),
+        SystemSpec(name=twin, kind="kvedge", path=".", weights="float32", max_len=128, reference_for=full),
+    ]
+    rows = {row["target"].split(":")[0]: row for row in evaluate_targets(results, specs)}
+    assert rows["unused slots"]["value"] == pytest.approx(1.125) and rows["unused slots"]["met"] is False
+    assert (
+        rows["flat growth"]["value"] == pytest.approx((1.5 / 1.05 + 1.5 / 1.2) / 2)
+        and rows["flat growth"]["met"] is False
+    )
+
+
+def test_bad_config_is_named():
+    with pytest.raises(KvedgeError, match="peer 'vllm' is unknown"):
+        BenchConfig(peers=("vllm",))
+    with pytest.raises(KvedgeError, match="'ort' is not 'variant:weights'"):
+        BenchConfig(kvedge=("ort",))
+
+
+def test_end_to_end_on_a_tiny_model(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    config = BenchConfig(
+        out=tmp_path / "results",
+        work=tmp_path / "work",
+        source=str(source),
+        threads=1,
+        rounds=1,
+        steps=3,
+        kvedge=("portable:float32", "ort:int4"),
+        peers=("transformers",),
+        prefill_lengths=(16,),
+        decode_contexts=(8, 32),
+        memory=False,
+        allocation_steps=30,
+    )
+    lines: list[str] = []
+    results = run_benchmark(config, echo=lines.append)
+    data = json.loads((tmp_path / "results" / "bench.json").read_text())
+    assert (tmp_path / "results" / "bench.png").stat().st_size > 0
+    names = [s["name"] for s in data["systems"]]
+    assert names == [
+        "kvedge portable float32",
+        "kvedge portable float32 max_len 128",
+        "kvedge ort int4",
+        "transformers eager",
+    ]
+    assert set(data["decode"]["kvedge ort int4"]) == {"8", "32"}
+    assert data["quality"]["kvedge portable float32"]["mean_kl"] < 1e-6  # fp32 against transformers
+    assert data["quality"]["kvedge ort int4"]["positions"] > 100
+    assert any(t["target"].startswith("unused slots") for t in results.targets)
+    assert data["allocation"]["kvedge ort int4"]["steps"] == 27
+    assert any("transformers eager" in line for line in lines)
