@@ -229,7 +229,7 @@ def plot(results: Any, path: Path) -> None:
     left.legend(fontsize=7)
     m = results.machine
     fig.suptitle(
-        f"{m['cpu']}, {m['threads']} threads, batch 1 "
+        f"{m['cpu']}, threads: {m['threads']}, batch 1 "
         f"(median of {results.config['rounds']} alternating rounds)"
     )
     fig.tight_layout()
