@@ -82,53 +82,31 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
     peers = {"float32": "onnxruntime-genai fp32", "int4": "onnxruntime-genai int4"}
     llama = next((s.name for s in specs if s.kind == "llama.cpp"), None)
     hf = next((s.name for s in specs if s.kind == "transformers"), None)
+
+    def faster(label: str, spec_name: str, other: str, case: str, floor: float) -> None:
+        """A speed-ratio target row: `spec_name` over `other` on `case`, met at >= `floor`."""
+        ratio = speedup(results, spec_name, other, case)
+        rows.append(
+            _target(
+                f"{label}: {spec_name} vs {other}", ratio, f">= {floor}", ratio is not None and ratio >= floor
+            )
+        )
+
     for spec in kvedge:
         peer = peers.get(spec.weights)
         if peer in names:
             for n in lengths:
-                ratio = speedup(results, spec.name, peer, f"prefill:{n}")
-                rows.append(
-                    _target(
-                        f"prefill {n}: {spec.name} vs {peer}",
-                        ratio,
-                        ">= 1.0",
-                        ratio is not None and ratio >= 1.0,
-                    )
-                )
+                faster(f"prefill {n}", spec.name, peer, f"prefill:{n}", 1.0)
         if spec.weights == "int4":
             for c in contexts[1:]:
                 if peer in names:
-                    ratio = speedup(results, spec.name, peer, f"decode:{c}")
-                    rows.append(
-                        _target(
-                            f"int4 decode {c}: {spec.name} vs {peer}",
-                            ratio,
-                            ">= 1.0",
-                            ratio is not None and ratio >= 1.0,
-                        )
-                    )
+                    faster(f"int4 decode {c}", spec.name, peer, f"decode:{c}", 1.0)
                 if llama:
-                    ratio = speedup(results, spec.name, llama, f"decode:{c}")
-                    rows.append(
-                        _target(
-                            f"int4 decode {c}: {spec.name} vs {llama}",
-                            ratio,
-                            ">= 1.4",
-                            ratio is not None and ratio >= 1.4,
-                        )
-                    )
+                    faster(f"int4 decode {c}", spec.name, llama, f"decode:{c}", 1.4)
         if spec.weights == "float32":
             for c in contexts:
                 if peer in names:
-                    ratio = speedup(results, spec.name, peer, f"decode:{c}")
-                    rows.append(
-                        _target(
-                            f"fp32 decode {c}: {spec.name} vs {peer}",
-                            ratio,
-                            ">= 1.0",
-                            ratio is not None and ratio >= 1.0,
-                        )
-                    )
+                    faster(f"fp32 decode {c}", spec.name, peer, f"decode:{c}", 1.0)
             if hf and contexts:
                 ratio = speedup(
                     results, spec.name, hf, f"decode:{contexts[1] if len(contexts) > 1 else contexts[0]}"
