@@ -162,6 +162,19 @@ def main(verbose: int) -> None:
 )
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
 @click.option(
+    "--kv-dtype",
+    type=click.Choice(["float32", "int8"]),
+    default="float32",
+    show_default=True,
+    help="KV cache dtype. int8: codes plus a float16 scale per token per channel group (portable graph).",
+)
+@click.option(
+    "--kv-group-size",
+    default=0,
+    type=int,
+    help="int8 cache: channels per scale (16, 32, 64, 128; default head_dim, one scale per token per head).",
+)
+@click.option(
     "--target",
     type=click.Choice(["onnx", "tensorrt"]),
     default="onnx",
@@ -185,6 +198,8 @@ def export(
     variant: str,
     weights: str,
     block_size: int,
+    kv_dtype: str,
+    kv_group_size: int,
     target: str,
     max_prefill: int,
     max_batch: int,
@@ -196,9 +211,16 @@ def export(
     if target == "tensorrt":  # fail before the slow ONNX export, not after it
         from kvedge.export.tensorrt import require_tensorrt
 
-        require_tensorrt(variant, logits)
+        require_tensorrt(variant, logits, kv_dtype)
     options = ExportOptions(
-        max_len=max_len, logits=logits, force=force, variant=variant, weights=weights, block_size=block_size
+        max_len=max_len,
+        logits=logits,
+        force=force,
+        variant=variant,
+        weights=weights,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        kv_group_size=kv_group_size,
     )
     manifest = export_model(source, out_dir, options)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
@@ -206,6 +228,7 @@ def export(
         f"wrote {out_dir} ({size / 2**20:.1f} MiB): {manifest.architecture}, "
         f"{manifest.variant} graph, {manifest.weights_dtype} weights, "
         f"{manifest.geometry.num_layers} layers, max_len {manifest.geometry.max_len}, "
+        f"{manifest.geometry.dtype} cache, "
         f"KV {manifest.geometry.bytes_per_slot() / 2**20:.1f} MiB per sequence"
     )
     if target == "tensorrt":
@@ -465,7 +488,14 @@ def calibrate(
 @main.command("eval-kv")
 @model_option
 @click.option(
-    "--scales", "scales_dir", required=True, type=click.Path(path_type=Path), help="From `kvedge calibrate`."
+    "--scales", "scales_dir", default=None, type=click.Path(path_type=Path), help="From `kvedge calibrate`."
+)
+@click.option(
+    "--int8-model",
+    "int8_dir",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="An export of the same model with --kv-dtype int8: measure the real INT8 cache too.",
 )
 @click.option(
     "--prompts", default=None, type=click.Path(path_type=Path), help="Held-out set (default: built-in 24)."
@@ -479,9 +509,15 @@ def calibrate(
 )
 @user_errors
 def eval_kv(
-    model_dir: Path, scales_dir: Path, prompts: Path | None, limit: int, tokens: int, json_path: Path | None
+    model_dir: Path,
+    scales_dir: Path | None,
+    int8_dir: Path | None,
+    prompts: Path | None,
+    limit: int,
+    tokens: int,
+    json_path: Path | None,
 ) -> None:
-    """Compare INT8 KV schemes with the fp32 cache: KL divergence, top-1, greedy match."""
+    """Compare INT8 KV schemes (and a real --kv-dtype int8 export) with the fp32 cache."""
     import dataclasses
 
     from kvedge.calibrate.calibrate import read_prompts
@@ -492,9 +528,10 @@ def eval_kv(
     if tokens < 1 or limit < 1:
         raise KvedgeError(f"--tokens {tokens} and --limit {limit} must be >= 1")
     model = Model(model_dir)
-    scales = Scales.load(scales_dir, model.manifest)
+    scales = Scales.load(scales_dir, model.manifest) if scales_dir else None
+    int8_model = Model(int8_dir) if int8_dir else None
     held_out = read_prompts(prompts, default="heldout")[:limit]
-    results = evaluate(model, scales, held_out, tokens=tokens)
+    results = evaluate(model, scales, held_out, tokens=tokens, int8_model=int8_model)
     click.echo(f"{'scheme':<48} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}")
     for r in results:
         click.echo(
@@ -535,8 +572,8 @@ def eval_kv(
     "--kvedge",
     "kvedge_systems",
     multiple=True,
-    help="kvedge system as variant:weights (repeatable; default: portable:float32 ort:float32 ort:int8 "
-    "ort:int4 portable:int4).",
+    help="kvedge system as variant:weights[:kv_dtype] (repeatable; default: portable:float32 ort:float32 "
+    "ort:int8 ort:int4 portable:int4).",
 )
 @click.option(
     "--peer",

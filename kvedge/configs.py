@@ -203,8 +203,7 @@ class ModelRecipe:
             num_kv_heads=a.num_kv_heads,
             head_dim=a.head_dim,
             max_len=max_len or self.export.max_len,
-            dtype=kv_dtype or self.export.kv_dtype,
-        )
+        ).with_dtype(kv_dtype or self.export.kv_dtype)
 
     @classmethod
     def from_dict(cls, data: Any, path: Path) -> ModelRecipe:

@@ -36,7 +36,10 @@ ONNX_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
-KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+QUANTIZED_KV_DTYPES = ("int8",)  # stored as codes plus one float16 scale per token per channel group
+KV_SCALE_DTYPE = np.float16
+KV_GROUP_SIZES = (16, 32, 64, 128)
 # Graph variants: what attention is built from, and whether present K/V alias the past buffers.
 # Manifests written before the field existed load as "portable" (same format version).
 VARIANTS = {"portable": "standard ONNX ops (TensorRT-compatible)", "ort": "onnxruntime fused attention"}
@@ -53,6 +56,8 @@ class CacheGeometry:
     head_dim: int
     max_len: int
     dtype: str = "float32"
+    # int8 caches: channels of head_dim sharing one scale per token (see kvedge.quant); 0 for float.
+    group_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
@@ -63,10 +68,44 @@ class CacheGeometry:
             raise KvedgeError(
                 f"cache geometry: dtype={self.dtype!r} is not supported; allowed: {sorted(KV_DTYPES)}"
             )
+        if not self.quantized and self.group_size != 0:
+            raise KvedgeError(f"cache geometry: group_size={self.group_size!r} is only for int8 caches")
+        allowed = [g for g in KV_GROUP_SIZES if g <= self.head_dim and self.head_dim % g == 0]
+        if self.quantized and self.group_size not in allowed:
+            raise KvedgeError(
+                f"cache geometry: group_size={self.group_size!r} is not allowed for head_dim "
+                f"{self.head_dim}; allowed: {allowed}"
+            )
+
+    @classmethod
+    def default_group_size(cls, head_dim: int) -> int:
+        """One scale per token per head: it folds into the attention scores and probabilities."""
+        return head_dim
+
+    def with_dtype(self, dtype: str, group_size: int | None = None) -> CacheGeometry:
+        """The same cache in another dtype (int8: `group_size`, default one scale per head)."""
+        if dtype in QUANTIZED_KV_DTYPES:
+            group_size = group_size or self.group_size or self.default_group_size(self.head_dim)
+        else:
+            group_size = 0
+        return dataclasses.replace(self, dtype=dtype, group_size=group_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_KV_DTYPES
 
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(KV_DTYPES[self.dtype])
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per token per head (int8 caches); 0 for float caches."""
+        return self.head_dim // self.group_size if self.quantized else 0
+
+    def scale_pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the scale pool: [layers, 2 (K, V), slots, kv_heads, max_len, groups] float16."""
+        return (self.num_layers, 2, slots, self.num_kv_heads, self.max_len, self.scale_groups)
 
     def layer_shape(self, batch: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V) for `batch` rows: [batch, kv_heads, max_len, head_dim]."""
@@ -77,8 +116,11 @@ class CacheGeometry:
         return (self.num_layers, 2, slots, self.num_kv_heads, self.max_len, self.head_dim)
 
     def bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers (K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.np_dtype.itemsize
+        """KV bytes one token occupies across all layers (K and V), scales included."""
+        per_head = (
+            self.head_dim * self.np_dtype.itemsize + self.scale_groups * np.dtype(KV_SCALE_DTYPE).itemsize
+        )
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def bytes_per_slot(self) -> int:
         return self.bytes_per_token() * self.max_len
@@ -100,6 +142,11 @@ class IONames:
     last_index: str = "last_index"  # [batch] int64: row's last real token (last-logits graphs)
     past_key: str = "past_key_values.%d.key"  # [batch, kv_heads, max_len, head_dim]
     past_value: str = "past_key_values.%d.value"  # [batch, kv_heads, max_len, head_dim]
+    # int8 caches only: float16 scales [batch, kv_heads, max_len or seq, head_dim / group_size]
+    past_key_scale: str = "past_key_values.%d.key_scale"
+    past_value_scale: str = "past_key_values.%d.value_scale"
+    present_key_scale: str = "present.%d.key_scale"
+    present_value_scale: str = "present.%d.value_scale"
     logits: str = "logits"  # [batch, 1 or seq, vocab] float32
     # Portable graphs: [batch, kv_heads, seq, head_dim], the new tokens only. In-place variants
     # ("ort"): [batch, kv_heads, max_len, head_dim], the past buffer itself, written in place.
@@ -108,6 +155,18 @@ class IONames:
 
     def layer(self, template: str, index: int) -> str:
         return template % index
+
+    def past(self, quantized: bool) -> tuple[str, ...]:
+        """Per-layer past templates, in the order of `KVCache.layer_views` tuples."""
+        if quantized:
+            return (self.past_key, self.past_value, self.past_key_scale, self.past_value_scale)
+        return (self.past_key, self.past_value)
+
+    def present(self, quantized: bool) -> tuple[str, ...]:
+        """Per-layer present templates, in the order of `StepOutput.present` tuples."""
+        if quantized:
+            return (self.present_key, self.present_value, self.present_key_scale, self.present_value_scale)
+        return (self.present_key, self.present_value)
 
 
 @dataclass(frozen=True)
@@ -201,8 +260,9 @@ class Manifest:
             raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(data, where=str(path))
 
-    def check_compatible(self, other: Manifest, what: str) -> None:
-        """Refuse `other` (describing `what`) unless it was made from the same model and geometry."""
+    def check_compatible(self, other: Manifest, what: str, cache_dtype: bool = True) -> None:
+        """Refuse `other` (describing `what`) unless it was made from the same model and geometry
+        (with `cache_dtype=False`, the geometry may differ in its cache dtype only)."""
         if other.source_fingerprint != self.source_fingerprint:
             raise ArtifactMismatch(
                 f"{what} was made from model {other.source_fingerprint[:16]}, "
@@ -213,7 +273,12 @@ class Manifest:
                 f"{what} was made with {other.weights_dtype} weights, "
                 f"this model has {self.weights_dtype} weights"
             )
-        if other.geometry != self.geometry:
+        mine = (
+            self.geometry
+            if cache_dtype
+            else self.geometry.with_dtype(other.geometry.dtype, other.geometry.group_size or None)
+        )
+        if other.geometry != mine:
             raise ArtifactMismatch(
                 f"{what} has cache geometry {other.geometry.to_dict()}, "
                 f"this model has {self.geometry.to_dict()}"

@@ -186,7 +186,9 @@ class Estimate:
 
 def kv_bytes(model: ModelFootprint, slots: int, context: int, kv_dtype: str | None = None) -> int:
     """Exact KV pool bytes, asked of CacheGeometry (the only place they are computed)."""
-    geometry = dataclasses.replace(model.geometry, max_len=context, dtype=kv_dtype or model.geometry.dtype)
+    geometry = dataclasses.replace(model.geometry, max_len=context).with_dtype(
+        kv_dtype or model.geometry.dtype
+    )
     return geometry.pool_bytes(slots)
 
 
@@ -324,7 +326,7 @@ def make_plan(
 
 def render(plan: Plan) -> str:
     m, b, first = plan.model, plan.budget, plan.cells[0][0]
-    per_token = dataclasses.replace(m.geometry, dtype=plan.kv_dtype).bytes_per_token()
+    per_token = m.geometry.with_dtype(plan.kv_dtype).bytes_per_token()
     overheads = OVERHEADS[plan.backend]
     lines = [
         f"model        {m.name} ({m.origin})",

@@ -22,6 +22,20 @@ Granularity (the `Scheme`):
 - `static-tensor` (K or V): one scale per layer for all heads and channels; the per-tensor INT8
   scheme TensorRT-LLM uses, kept as the baseline to compare against.
 
+The INT8 cache in memory (`kvedge export --kv-dtype int8`, `CacheGeometry.dtype == "int8"`) stores
+K and V both `dynamic-token`, the scheme that measured best: per (layer, kv head, token, group of
+`group_size` channels) one float16 scale, so it needs no scales file. The graph quantizes each
+new token's K (after RoPE) and V as it is computed and attends over the dequantized values, the
+same values every later step reads back, so a cached run and a full re-prefill see identical K/V:
+
+    s16   = float16(max(absmax(x_group) / 127, 2**-14))               the stored scale
+    q     = int8(clip(round_half_even(x / float32(s16)), -127, 127))  the stored codes
+    x'    = q * float32(s16)
+
+`quantize_tokens` / `dequantize_tokens` below are the numpy twins of the graph's ops (used when a
+sliding window re-rotates kept keys: dequantize, rotate, quantize again). The floor 2**-14 is
+float16's smallest normal number, so no scale rounds to zero.
+
 Threshold methods (static scales), over calibration samples of a group:
 
 - `minmax`: threshold = max |x|.
@@ -68,6 +82,7 @@ K_MODES = ("static-group", "dynamic-token", "static-tensor")
 V_MODES = ("dynamic-token", "static-group", "static-tensor")
 GROUP_SIZES = (16, 32, 64, 128)
 _TINY = np.float32(1e-8)  # floor for scales: an all-zero group must not divide by zero
+SCALE_FLOOR = np.float32(2.0**-14)  # float16's smallest normal: stored scales never round to zero
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,19 @@ def expand(scale: np.ndarray, group_size: int) -> np.ndarray:
 def dynamic_scales(x: np.ndarray, group_size: int) -> np.ndarray:
     """Per-token scales of `x` [..., d] -> [..., d / group_size] (threshold = the group's absmax)."""
     return np.maximum(np.abs(grouped(x, group_size)).max(axis=-1) / QMAX, _TINY).astype(np.float32)
+
+
+def quantize_tokens(x: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """INT8 cache codes of `x` [..., d] float32 -> (codes [..., d] int8, scales [..., d/g] float16)."""
+    x = np.asarray(x, np.float32)
+    absmax = np.abs(grouped(x, group_size)).max(axis=-1)
+    scales = np.maximum(absmax / np.float32(QMAX), SCALE_FLOOR).astype(np.float16)
+    return quantize(x, expand(scales.astype(np.float32), group_size)), scales
+
+
+def dequantize_tokens(codes: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
+    """Inverse of `quantize_tokens`: codes [..., d] int8, scales [..., d/g] float16 -> float32."""
+    return dequantize(codes, expand(scales.astype(np.float32), group_size))
 
 
 def thresholds(samples: np.ndarray, group_size: int, method: str, percentile: float = 99.99) -> np.ndarray:

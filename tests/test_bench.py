@@ -96,7 +96,7 @@ def test_targets_judge_unused_slots_and_flat_growth():
 def test_bad_config_is_named():
     with pytest.raises(KvedgeError, match="peer 'vllm' is unknown"):
         BenchConfig(peers=("vllm",))
-    with pytest.raises(KvedgeError, match="'ort' is not 'variant:weights'"):
+    with pytest.raises(KvedgeError, match=r"'ort' is not 'variant:weights\[:kv_dtype\]'"):
         BenchConfig(kvedge=("ort",))
 
 

@@ -113,8 +113,8 @@ RECIPE_CASES = [
         "export.weights_dtype: 'int4' is not allowed; allowed: float32, float16",
     ),
     (
-        lambda d: d["export"].update(kv_dtype="int8"),
-        "export.kv_dtype: cache geometry: dtype='int8' is not supported; allowed:",
+        lambda d: d["export"].update(kv_dtype="int3"),
+        "export.kv_dtype: cache geometry: dtype='int3' is not supported; allowed:",
     ),
     (lambda d: d["export"].update(max_lenn=1), "export.max_lenn: unknown key"),
     (lambda d: d.update(export=[1, 2]), "export: expected a mapping of keys, got list"),

@@ -41,9 +41,9 @@ def kvedge(*args: str) -> subprocess.CompletedProcess:
 def test_kv_bytes_equal_what_kvcache_allocates(dtype):
     model = footprint("smollm2-135m")
     for slots, context in ((1, 64), (3, 128), (2, 1000)):
-        geometry = CacheGeometry(
-            num_layers=30, num_kv_heads=3, head_dim=64, max_len=context, dtype=dtype
-        )  # SmolLM2-135M, written out
+        geometry = CacheGeometry(num_layers=30, num_kv_heads=3, head_dim=64, max_len=context).with_dtype(
+            dtype
+        )  # SmolLM2-135M, written out (int8: one float16 scale per token per head)
         assert kv_bytes(model, slots, context, dtype) == KVCache(geometry, slots).nbytes
 
 
@@ -133,13 +133,18 @@ def test_parse_bytes():
 
 
 def test_plan_report_for_a_device_and_per_kv_dtype():
-    text = plan_report("smollm2-135m", device="orin-nano-8gb", kv_dtypes=["float32", "float16"], slots="1,4")
-    assert text.count("budget       6.50 GiB = orin-nano-8gb 8.00 GiB - reserve 1.50 GiB") == 2
+    text = plan_report(
+        "smollm2-135m", device="orin-nano-8gb", kv_dtypes=["float32", "float16", "int8"], slots="1,4"
+    )
+    assert text.count("budget       6.50 GiB = orin-nano-8gb 8.00 GiB - reserve 1.50 GiB") == 3
     assert "float32: 46,080 bytes per token" in text and "float16: 23,040 bytes per token" in text
+    assert "int8: 11,880 bytes per token" in text  # 30 layers x 2 x 3 heads x (64 codes + 2-byte scale)
     rows = json.loads(plan_report("smollm2-135m", budget="4GiB", slots="1", contexts="2048", as_json=True))
     assert rows[0]["rows"][0]["kv"] == 30 * 2 * 3 * 64 * 4 * 2048 and rows[0]["rows"][0]["fits"]
-    with pytest.raises(KvedgeError, match="--kv-dtype 'int8' is not allowed; allowed: float32, float16"):
-        plan_report("smollm2-135m", kv_dtypes=["int8"])
+    with pytest.raises(
+        KvedgeError, match="--kv-dtype 'int4' is not allowed; allowed: float32, float16, int8"
+    ):
+        plan_report("smollm2-135m", kv_dtypes=["int4"])
     with pytest.raises(KvedgeError, match="--slots '1,x' is not allowed"):
         plan_report("smollm2-135m", slots="1,x")
 

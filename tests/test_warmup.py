@@ -47,7 +47,7 @@ def test_first_boot_builds_then_reboot_loads(tiny_llama, warm):
     assert again.warmup_report.loaded == ["assistant", "notes"] and not again.warmup_report.rebuilt
     for a, b in zip(first.prefixes.prefixes, again.prefixes.prefixes, strict=True):
         assert a.token_ids == b.token_ids
-        np.testing.assert_array_equal(a.kv, b.kv)
+        np.testing.assert_array_equal(a.block.kv, b.block.kv)
 
 
 def test_session_starting_with_warm_prefix_reuses_it_exactly(tiny_llama, warm):
@@ -109,7 +109,7 @@ def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
         bad = WarmPrefix(
             prefix.name,
             change.get("ids", prefix.token_ids),
-            prefix.kv[:, :, :, : len(change.get("ids", prefix.token_ids))],
+            prefix.block.head(len(change.get("ids", prefix.token_ids))),
         )
         write_warm_file(path, bad, change.get("geometry", geometry), change.get("fingerprint", fingerprint))
         with pytest.raises(KvedgeError, match=message):
@@ -124,10 +124,11 @@ import os, signal, sys
 import numpy as np
 from kvedge.contract import CacheGeometry
 from kvedge.runtime import prefix as warm
+from kvedge.runtime.cache import KVBlock
 os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # die after the bytes, before the rename
 geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
-kv = np.ones((2, 2, 2, 3, 16), np.float32)
-warm.write_warm_file(warm.Path(sys.argv[1]), warm.WarmPrefix("assistant", (1, 2, 3), kv), geometry, "x")
+block = KVBlock(np.ones((2, 2, 2, 3, 16), np.float32))
+warm.write_warm_file(warm.Path(sys.argv[1]), warm.WarmPrefix("assistant", (1, 2, 3), block), geometry, "x")
 """
 
 

@@ -24,6 +24,7 @@ table; see docs/PERFORMANCE.md for the latest figures.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
@@ -103,8 +104,7 @@ class BenchConfig:
         if self.rounds < 1 or self.steps < 3:
             raise KvedgeError(f"rounds={self.rounds}, steps={self.steps}: need rounds >= 1 and steps >= 3")
         for item in self.kvedge:
-            if item.count(":") != 1:
-                raise KvedgeError(f"kvedge system {item!r} is not 'variant:weights' (e.g. 'ort:int4')")
+            kvedge_system(item)
         for peer in self.peers:
             if peer not in PEERS:
                 raise KvedgeError(f"peer {peer!r} is unknown; allowed: {list(PEERS)}")
@@ -248,17 +248,14 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
     specs: list[SystemSpec] = []
     skipped: dict[str, str] = {}
     for item in config.kvedge:
-        variant, weights = item.split(":")
-        build = KvedgeBuild(variant, weights, block_size=config.block_size)
-        specs.append(_kvedge_spec(work.kvedge(build), f"kvedge {variant} {weights}"))
-        if config.exact_size and weights == "float32":
-            twin = KvedgeBuild(variant, weights, max_len=EXACT_SIZE_MAX_LEN, block_size=config.block_size)
+        variant, weights, kv_dtype = kvedge_system(item)
+        build = KvedgeBuild(variant, weights, block_size=config.block_size, kv_dtype=kv_dtype)
+        name = build.system_name
+        specs.append(_kvedge_spec(work.kvedge(build), name))
+        if config.exact_size and weights == "float32" and kv_dtype == "float32":
+            twin = dataclasses.replace(build, max_len=EXACT_SIZE_MAX_LEN)
             specs.append(
-                _kvedge_spec(
-                    work.kvedge(twin),
-                    f"kvedge {variant} {weights} max_len {EXACT_SIZE_MAX_LEN}",
-                    reference_for=f"kvedge {variant} {weights}",
-                )
+                _kvedge_spec(work.kvedge(twin), f"{name} max_len {EXACT_SIZE_MAX_LEN}", reference_for=name)
             )
     geometry = Manifest.load(specs[0].path).geometry
     fp32_kv = geometry.bytes_per_token()
@@ -310,6 +307,17 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                 )
             )
     return specs, skipped
+
+
+def kvedge_system(item: str) -> tuple[str, str, str]:
+    """'variant:weights[:kv_dtype]' -> (variant, weights, kv_dtype); the cache defaults to float32."""
+    parts = item.split(":")
+    if len(parts) not in (2, 3):
+        raise KvedgeError(
+            f"kvedge system {item!r} is not 'variant:weights[:kv_dtype]' (e.g. 'ort:int4', "
+            "'portable:float32:int8')"
+        )
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else "float32"
 
 
 def _kvedge_spec(folder: Path, name: str, reference_for: str | None = None) -> SystemSpec:

@@ -30,11 +30,18 @@ class KvedgeBuild:
     weights: str
     max_len: int = 2048
     block_size: int = 32
+    kv_dtype: str = "float32"
 
     @property
     def folder_name(self) -> str:
         suffix = "" if self.max_len == 2048 else f"-L{self.max_len}"
-        return f"kvedge-{self.variant}-{self.weights}{suffix}"
+        kv = "" if self.kv_dtype == "float32" else f"-kv{self.kv_dtype}"
+        return f"kvedge-{self.variant}-{self.weights}{kv}{suffix}"
+
+    @property
+    def system_name(self) -> str:
+        kv = "" if self.kv_dtype == "float32" else f" kv {self.kv_dtype}"
+        return f"kvedge {self.variant} {self.weights}{kv}"
 
 
 class Workdir:
@@ -58,6 +65,7 @@ class Workdir:
             variant=build.variant,
             weights=build.weights,
             block_size=build.block_size,
+            kv_dtype=build.kv_dtype,
             force=True,
         )
         if (out / MANIFEST_FILE).is_file():
@@ -67,6 +75,7 @@ class Workdir:
                 and manifest.variant == build.variant
                 and manifest.weights_dtype == build.weights
                 and manifest.geometry.max_len == build.max_len
+                and manifest.geometry.dtype == build.kv_dtype
             ):
                 return out
         log.info("exporting %s", out)

@@ -110,7 +110,7 @@ def collect_kv(
             break
         model.cache.reset(0)
         prefill(model.backend, model.cache, 0, [ids])
-        block = model.cache.read(0, len(ids))  # [layers, 2, kv_heads, n, d]
+        block = model.cache.read(0, len(ids)).kv  # [layers, 2, kv_heads, n, d]
         keys.append(block[:, 0].transpose(0, 2, 1, 3))
         values.append(block[:, 1].transpose(0, 2, 1, 3))
         total += len(ids)
@@ -138,6 +138,11 @@ class CalibrationOptions:
 def calibrate(model: Model, prompts: list[Prompt], options: CalibrationOptions) -> Scales:
     """Static scales and per-layer error statistics for `model` over `prompts`."""
     head_dim = model.manifest.geometry.head_dim
+    if model.manifest.geometry.quantized:
+        raise KvedgeError(
+            f"calibration reads float K/V: give the float32-cache export, not a "
+            f"{model.manifest.geometry.dtype} one"
+        )
     if head_dim % options.group_size:
         raise KvedgeError(f"--group-size {options.group_size} does not divide head_dim {head_dim}")
     k, v, tokens = collect_kv(model, prompts, options.max_tokens)

@@ -10,8 +10,10 @@ distributions with the fp32 cache's:
     greedy match length      per prompt, positions before the first argmax disagreement
                              (= how long free-running greedy decoding stays identical)
 
-KV bytes are computed, not yet measured: INT8 codes plus scales (static scales are a few KB per
-model; a dynamic per-token scale costs 2 bytes, float16, per group of channels per token).
+KV bytes of the simulated schemes are computed: INT8 codes plus scales (static scales are a few
+KB per model; a dynamic per-token scale costs 2 bytes, float16, per group of channels per
+token). The real INT8 cache (`--int8-model`, an export with `--kv-dtype int8`) runs its own graph
+on int8 buffers; its bytes ratio is the allocated pool's, measured.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 from kvedge.calibrate.calibrate import Prompt, prompt_ids
+from kvedge.errors import KvedgeError
 from kvedge.quant import RoundTrip, Scales, Scheme
+from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -69,34 +73,50 @@ def kv_bytes_ratio(scheme: Scheme, head_dim: int) -> float:
 
 def evaluate(
     model: Model,
-    scales: Scales,
+    scales: Scales | None,
     prompts: list[Prompt],
     tokens: int = 256,
     schemes: tuple[Scheme, ...] | None = None,
     batch: int = 4,
+    int8_model: Model | None = None,
 ) -> list[SchemeQuality]:
-    """Compare every scheme with the fp32 cache over `prompts` (see the module docstring)."""
-    schemes = schemes or default_schemes(scales.manifest.group_size, model.manifest.geometry.head_dim)
+    """Compare every scheme (simulated on `model`'s fp32 cache with `scales`) and the real INT8
+    cache of `int8_model` (an export of the same weights with --kv-dtype int8) with the fp32
+    cache over `prompts` (see the module docstring)."""
     geometry = model.manifest.geometry
+    if geometry.quantized:
+        raise KvedgeError(f"eval-kv needs the float32-cache export as --model, not a {geometry.dtype} one")
+    candidates: list[tuple[str, OrtBackend, KVCache, float]] = []  # name, backend, cache, bytes ratio
+    if scales is not None:
+        for scheme in schemes or default_schemes(scales.manifest.group_size, geometry.head_dim):
+            cache = KVCache(geometry, batch)
+            cache.round_trip = RoundTrip(scheme, scales)
+            candidates.append((scheme.name, model.backend, cache, kv_bytes_ratio(scheme, geometry.head_dim)))
+    if int8_model is not None:
+        model.manifest.check_compatible(int8_model.manifest, "--int8-model", cache_dtype=False)
+        cache = KVCache(int8_model.manifest.geometry, batch)
+        name = f"INT8 cache in memory (per-token, g{cache.geometry.group_size})"
+        candidates.append((name, int8_model.backend, cache, cache.nbytes / KVCache(geometry, batch).nbytes))
+    if not candidates:
+        raise KvedgeError("nothing to evaluate: give scales (--scales) and/or an INT8 export (--int8-model)")
     eos = list(model.manifest.eos_token_ids)
-    kls: list[list[np.ndarray]] = [[] for _ in schemes]
-    agree: list[list[np.ndarray]] = [[] for _ in schemes]
-    match: list[list[int]] = [[] for _ in schemes]
-    caches = [KVCache(geometry, batch) for _ in range(1 + len(schemes))]
-    for cache, scheme in zip(caches[1:], schemes, strict=True):
-        cache.round_trip = RoundTrip(scheme, scales)
+    reference = KVCache(geometry, batch)
+    runs = [(model.backend, reference)] + [(backend, cache) for _, backend, cache, _ in candidates]
+    kls: list[list[np.ndarray]] = [[] for _ in candidates]
+    agree: list[list[np.ndarray]] = [[] for _ in candidates]
+    match: list[list[int]] = [[] for _ in candidates]
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     for group in tqdm(groups, desc="eval-kv", unit="batch"):
         ids = [prompt_ids(model, p)[: geometry.max_len - tokens - 1] for p in group]
-        for cache in caches:
+        for _, cache in runs:
             cache.lengths[:] = 0
-        logits = [prefill(model.backend, cache, 0, ids) for cache in caches]
-        first_miss = np.full((len(schemes), len(group)), tokens)
+        logits = [prefill(backend, cache, 0, ids) for backend, cache in runs]
+        first_miss = np.full((len(candidates), len(group)), tokens)
         for step in range(tokens):
             ref = log_softmax(logits[0])
             p = np.exp(ref)
             top = ref.argmax(axis=-1)
-            for s in range(len(schemes)):
+            for s in range(len(candidates)):
                 q = log_softmax(logits[1 + s])
                 kls[s].append((p * (ref - q)).sum(axis=-1))
                 same = q.argmax(axis=-1) == top
@@ -107,21 +127,21 @@ def evaluate(
             ref_masked = logits[0].copy()
             ref_masked[:, eos] = -np.inf  # keep writing: a continuation of exactly `tokens` tokens
             forced = [int(t) for t in ref_masked.argmax(axis=-1)]
-            logits = [decode_one_token(model.backend, cache, 0, forced) for cache in caches]
-        for s in range(len(schemes)):
+            logits = [decode_one_token(backend, cache, 0, forced) for backend, cache in runs]
+        for s in range(len(candidates)):
             match[s].extend(int(m) for m in first_miss[s])
     results = []
-    for s, scheme in enumerate(schemes):
+    for s, (name, _, _, ratio) in enumerate(candidates):
         kl = np.concatenate(kls[s])
         results.append(
             SchemeQuality(
-                scheme=scheme.name,
+                scheme=name,
                 kl_mean=float(kl.mean()),
                 kl_p99=float(np.percentile(kl, 99)),
                 top1_agreement=float(np.concatenate(agree[s]).mean()),
                 greedy_match_mean=float(np.mean(match[s])),
                 greedy_match_min=int(np.min(match[s])),
-                kv_bytes_ratio=kv_bytes_ratio(scheme, geometry.head_dim),
+                kv_bytes_ratio=ratio,
             )
         )
     return results

@@ -30,6 +30,7 @@ from kvedge.export.graph import (
     DecoderSpec,
     GraphOptions,
     build_decoder_graph,
+    check_kv_dtype,
     rope_tables,
 )
 from kvedge.export.source import load_hf, resolve_source
@@ -47,11 +48,16 @@ class ExportOptions:
     variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
     weights: str = "float32"  # "float32", "int8" or "int4" (weight-only, blocked)
     block_size: int = 32  # quantization block (input features per scale)
+    kv_dtype: str = "float32"  # "float32" or "int8" (codes + per-token float16 scales)
+    kv_group_size: int = 0  # int8: channels per scale; 0 = head_dim (one scale per token per head)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
         self.graph_options()  # validates logits, variant, weights and block size
+        check_kv_dtype(self.kv_dtype, self.variant)
+        if self.kv_dtype != "int8" and self.kv_group_size:
+            raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 
     def graph_options(self) -> GraphOptions:
         return GraphOptions(
@@ -76,7 +82,9 @@ def export_model(
     source = resolve_source(source_path)
     model, tokenizer = loaded or load_hf(source)
     config = model.config
-    geometry = geometry_from_config(config, options.max_len)
+    geometry = geometry_from_config(config, options.max_len).with_dtype(
+        options.kv_dtype, options.kv_group_size or None
+    )
     rotary = model.model.rotary_emb
     inv_freq, attention_scaling = rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0))
     rope = rope_from_config(config, inv_freq, attention_scaling)

@@ -69,6 +69,7 @@ OPSET = 17  # float32 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+EXPORTED_KV_DTYPES = ("float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,17 @@ class GraphOptions:
     @property
     def bits(self) -> int:
         return WEIGHT_FORMATS[self.weights]
+
+
+def check_kv_dtype(kv_dtype: str, variant: str) -> None:
+    """Refuse a cache dtype the graph cannot be built with, naming the allowed ones."""
+    if kv_dtype not in EXPORTED_KV_DTYPES:
+        raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
+    if kv_dtype != "float32" and variant != "portable":
+        raise KvedgeError(
+            f"--kv-dtype {kv_dtype} needs --variant portable (onnxruntime's GroupQueryAttention "
+            f"reads a float cache); got --variant {variant}"
+        )
 
 
 def rope_tables(
@@ -201,8 +213,7 @@ def build_decoder_graph(
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
     options = options or GraphOptions()
-    if geometry.dtype != "float32":
-        raise KvedgeError(f"cache dtype {geometry.dtype!r} is not exported yet; allowed: 'float32'")
+    check_kv_dtype(geometry.dtype, options.variant)
     g = _Builder(options.opset)
     heads, kv_heads, d = spec.num_heads, geometry.num_kv_heads, geometry.head_dim
     length = geometry.max_len
@@ -238,8 +249,13 @@ def build_decoder_graph(
     s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
     cos_table, sin_table = g.const("rope.cos", cos), g.const("rope.sin", sin)  # [L, d/2]
     ctx = dict(g=g, heads=heads, kv_heads=kv_heads, d=d, length=length, names=names, s_dim=s_dim)
+    # (ONNX element type, last dim) of each per-layer cache tensor, in IONames.past/present order
+    kv_types = [(_onnx_dtype(dtype), d)] * 2 + [(TensorProto.FLOAT16, geometry.scale_groups)] * 2
     if options.variant == "portable":
-        attention = _PortableAttention(**ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table)
+        codec = _Int8Codec(g, kv_heads, d, geometry.group_size) if geometry.quantized else None
+        attention = _PortableAttention(
+            **ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table, codec=codec
+        )
     else:
         attention = _GroupQueryAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
 
@@ -302,10 +318,10 @@ def build_decoder_graph(
         )
         delta = linear(act, f"{p}.mlp", ["down_proj"], f"{p}.mlp.down")
         present_len = "seq" if options.variant == "portable" else length
-        for template in (names.present_key, names.present_value):
+        for template, (elem, last) in zip(names.present(geometry.quantized), kv_types, strict=False):
             outputs.append(
                 helper.make_tensor_value_info(
-                    names.layer(template, i), _onnx_dtype(dtype), ["batch", kv_heads, present_len, d]
+                    names.layer(template, i), elem, ["batch", kv_heads, present_len, last]
                 )
             )
         if progress:
@@ -349,10 +365,10 @@ def build_decoder_graph(
     if options.logits == "last":
         inputs.append(helper.make_tensor_value_info(names.last_index, TensorProto.INT64, ["batch"]))
     for i in range(geometry.num_layers):
-        for template in (names.past_key, names.past_value):
+        for template, (elem, last) in zip(names.past(geometry.quantized), kv_types, strict=False):
             inputs.append(
                 helper.make_tensor_value_info(
-                    names.layer(template, i), _onnx_dtype(dtype), ["batch", kv_heads, length, d]
+                    names.layer(template, i), elem, ["batch", kv_heads, length, last]
                 )
             )
     logits_shape = ["batch", 1 if options.logits == "last" else "seq", spec.vocab_size]
@@ -372,8 +388,10 @@ def build_decoder_graph(
 class _PortableAttention:
     """Standard-op attention over the valid part of the past (see the module docstring)."""
 
-    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, b_dim, cos_table, sin_table) -> None:
-        self.g, self.names = g, names
+    def __init__(
+        self, g, heads, kv_heads, d, length, names, s_dim, b_dim, cos_table, sin_table, codec=None
+    ) -> None:
+        self.g, self.names, self.codec = g, names, codec
         self.heads, self.kv_heads, self.d = heads, kv_heads, d
         groups = heads // kv_heads
         self.half_split = g.ints(d // 2, d // 2)
@@ -468,28 +486,40 @@ class _PortableAttention:
             f"{p}.attn.k_bhsd",
             perm=[0, 2, 1, 3],
         )
+        codec = self.codec
         v = g.op(
             "Transpose",
             [g.op("Reshape", [v, self.kv_shape], f"{p}.attn.v4")],
-            names.layer(names.present_value, i),
+            f"{p}.attn.v_new" if codec else names.layer(names.present_value, i),
             perm=[0, 2, 1, 3],
         )
         q = g.op(
             "Reshape", [self.rope(q, f"{p}.attn.q_rope"), self.grouped], f"{p}.attn.q_grouped"
         )  # [b, kvh, g*s, d]
-        k = self.rope(k, names.layer(names.present_key, i))  # [b, kvh, s, d]
-        past_k, past_v = (
-            g.op("Slice", [names.layer(t, i), g.ints(0), self.attend, g.ints(2)], f"{p}.attn.{kind}")
-            for t, kind in ((names.past_key, "past_k"), (names.past_value, "past_v"))
-        )  # [b, kvh, A, d]
+        k = self.rope(k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i))  # [b, kvh, s, d]
+        past = [
+            g.op("Slice", [names.layer(t, i), g.ints(0), self.attend, g.ints(2)], f"{p}.attn.past{n}")
+            for n, t in enumerate(names.past(codec is not None))
+        ]  # K, V [b, kvh, A, d] (int8: codes, then K, V scales [b, kvh, A, groups])
+        k_scale = v_scale = None  # per-token factors folded into the scores and probabilities
+        if codec:  # the new tokens attend over exactly what the cache will hold
+            k, v = codec.write(k, v, [names.layer(t, i) for t in names.present(True)], f"{p}.attn.int8")
+            (past_k, k_scale), (past_v, v_scale) = (
+                codec.read(past[n], past[n + 2], f"{p}.attn.past_{kind}") for n, kind in ((0, "k"), (1, "v"))
+            )
+        else:
+            past_k, past_v = past
+        past_scores = g.op(
+            "MatMul",
+            [q, g.op("Transpose", [past_k], f"{p}.attn.past_kT", perm=[0, 1, 3, 2])],
+            f"{p}.attn.past_scores",
+        )  # [b, kvh, g*s, A]
+        if k_scale is not None:
+            past_scores = g.op("Mul", [past_scores, k_scale], f"{p}.attn.past_scores_scaled")
         scores = g.op(
             "Concat",
             [
-                g.op(
-                    "MatMul",
-                    [q, g.op("Transpose", [past_k], f"{p}.attn.past_kT", perm=[0, 1, 3, 2])],
-                    f"{p}.attn.past_scores",
-                ),
+                past_scores,
                 g.op(
                     "MatMul",
                     [q, g.op("Transpose", [k], f"{p}.attn.new_kT", perm=[0, 1, 3, 2])],
@@ -503,6 +533,8 @@ class _PortableAttention:
             "Softmax", [g.op("Add", [scores, self.mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1
         )
         p_past, p_new = g.op("Split", [probs, self.split_as], f"{p}.attn.probs_parts", outputs=2, axis=-1)
+        if v_scale is not None:
+            p_past = g.op("Mul", [p_past, v_scale], f"{p}.attn.probs_scaled")
         attn = g.op(
             "Add",
             [
@@ -517,6 +549,88 @@ class _PortableAttention:
             [g.op("Transpose", [attn], f"{p}.attn.bshd", perm=[0, 2, 1, 3]), self.merged],
             f"{p}.attn.merged",
         )  # [b, s, heads*d]
+
+
+class _Int8Codec:
+    """The INT8 cache's math in graph ops (`kvedge.quant`: quantize_tokens / dequantize_tokens).
+
+    Round, Clip and Cast rather than QuantizeLinear: the scales are computed per token at run
+    time, which QuantizeLinear (and TensorRT's Q/DQ layers) take only as constants.
+    """
+
+    def __init__(self, g: _Builder, kv_heads: int, d: int, group_size: int) -> None:
+        self.g, self.d, self.groups = g, d, d // group_size
+        self.heads = g.ints(kv_heads, kv_heads)  # splits [b, 2 kvh, ...] into K and V
+        self.to_groups = g.ints(0, 0, 0, self.groups, group_size)  # [b, kvh, n, d] -> [..., groups, gs]
+        self.to_channels = g.ints(0, 0, 0, d)
+        self.qmax = g.const("int8.qmax", np.array(127.0, np.float32))
+        self.qmin = g.const("int8.qmin", np.array(-127.0, np.float32))
+        self.floor = g.const("int8.scale_floor", np.array(2.0**-14, np.float32))
+
+    def write(self, k: str, v: str, outputs: list[str], name: str) -> tuple[str, str]:
+        """New K and V [b, kvh, n, d] float -> the layer's four present outputs (`IONames.present`
+        order: K, V codes int8; K, V scales [b, kvh, n, groups] float16). Returns the dequantized
+        K and V, i.e. exactly what later reads of the cache give. K and V go through one chain of
+        ops (concatenated along heads): at one token per step, per-op overhead is the cost."""
+        g = self.g
+        both = g.op("Concat", [k, v], f"{name}.kv", axis=1)  # [b, 2 kvh, n, d]
+        grouped = g.op("Reshape", [both, self.to_groups], f"{name}.grouped")  # [b, 2 kvh, n, groups, gs]
+        absmax = g.reduce("ReduceMax", g.op("Abs", [grouped], f"{name}.abs"), -1, f"{name}.absmax")
+        scale = g.op(
+            "Max", [g.op("Div", [absmax, self.qmax], f"{name}.raw_scale"), self.floor], f"{name}.s32"
+        )
+        scale16 = g.op("Cast", [scale], f"{name}.s16", to=TensorProto.FLOAT16)  # [b, 2 kvh, n, groups, 1]
+        stored = g.op("Cast", [scale16], f"{name}.stored_scale", to=TensorProto.FLOAT)
+        levels = g.op(
+            "Clip",
+            [
+                g.op("Round", [g.op("Div", [grouped, stored], f"{name}.ratio")], f"{name}.round"),
+                self.qmin,
+                self.qmax,
+            ],
+            f"{name}.levels",
+        )  # integers in [-127, 127], as float
+        codes = g.op("Cast", [levels], f"{name}.codes5", to=TensorProto.INT8)
+        g.op(
+            "Split",
+            [g.op("Reshape", [codes, self.to_channels], f"{name}.codes"), self.heads],
+            f"{name}.codes_kv",
+            outputs=outputs[:2],
+            axis=1,
+        )
+        g.op(
+            "Split",
+            [g.op("Squeeze", [scale16, g.ints(-1)], f"{name}.scales"), self.heads],
+            f"{name}.scales_kv",
+            outputs=outputs[2:],
+            axis=1,
+        )
+        deq = g.op(
+            "Reshape", [g.op("Mul", [levels, stored], f"{name}.deq5"), self.to_channels], f"{name}.deq"
+        )
+        k_deq, v_deq = g.op("Split", [deq, self.heads], f"{name}.deq_kv", outputs=2, axis=1)
+        return k_deq, v_deq
+
+    def read(self, codes: str, scales: str, name: str) -> tuple[str, str | None]:
+        """Cached codes [b, kvh, A, d] int8 and scales [b, kvh, A, groups] float16 -> (x, factor).
+
+        With one group per head the scale is a per-token factor, returned as [b, kvh, 1, A] for the
+        caller to fold into the scores (K) or probabilities (V), and x is the codes as float;
+        otherwise x is fully dequantized and the factor is None."""
+        g = self.g
+        x = g.op("Cast", [codes], f"{name}.float", to=TensorProto.FLOAT)
+        scale = g.op("Cast", [scales], f"{name}.scale", to=TensorProto.FLOAT)
+        if self.groups == 1:
+            return x, g.op("Transpose", [scale], f"{name}.scale_row", perm=[0, 1, 3, 2])
+        deq = g.op(
+            "Mul",
+            [
+                g.op("Reshape", [x, self.to_groups], f"{name}.grouped"),
+                g.op("Unsqueeze", [scale, g.ints(-1)], f"{name}.scale5"),
+            ],
+            f"{name}.deq5",
+        )
+        return g.op("Reshape", [deq, self.to_channels], f"{name}.deq"), None
 
 
 class _GroupQueryAttention:

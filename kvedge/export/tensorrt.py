@@ -81,15 +81,20 @@ def import_cudart() -> Any:
     return runtime
 
 
-def require_tensorrt(variant: str, logits: str) -> None:
+def require_tensorrt(variant: str, logits: str, kv_dtype: str = "float32") -> None:
     """Everything a TensorRT build needs that can be checked before exporting: graph options
     TensorRT can take, and the packages."""
-    _check_graph(variant, logits)
+    _check_graph(variant, logits, kv_dtype)
     import_tensorrt()
     import_cudart()
 
 
-def _check_graph(variant: str, logits: str) -> None:
+def _check_graph(variant: str, logits: str, kv_dtype: str = "float32") -> None:
+    if kv_dtype != "float32":
+        raise KvedgeError(
+            f"TensorRT builds take a float32 cache for now, not --kv-dtype {kv_dtype!r} (the TensorRT "
+            "backend binds float K/V only); export with --kv-dtype float32"
+        )
     if variant != "portable":
         raise KvedgeError(
             f"TensorRT builds need the portable graph (standard ONNX ops), not --variant {variant!r}; "
@@ -145,7 +150,7 @@ class EngineOptions:
             raise KvedgeError(
                 f"--workspace {self.workspace_bytes} bytes is too small; allowed: 64 MiB or more"
             )
-        _check_graph(manifest.variant, manifest.logits)
+        _check_graph(manifest.variant, manifest.logits, manifest.geometry.dtype)
 
 
 Shape = tuple[int, ...]

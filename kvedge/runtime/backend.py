@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract import KV_SCALE_DTYPE, ONNX_FILE, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,10 @@ MAX_DECODE_BINDINGS = 8  # distinct (batch, slot range) decode bindings kept; be
 @dataclass
 class StepOutput:
     logits: np.ndarray  # [batch, vocab] float32: next-token logits for each row
-    # Per layer ([batch, kvh, seq, d] K, V) of the new tokens; None when the graph wrote them
-    # into the cache in place.
-    present: list[tuple[np.ndarray, np.ndarray]] | None
+    # Per layer, the new tokens' cache tensors in `IONames.present` order ((K, V) [batch, kvh,
+    # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
+    # wrote them into the cache in place.
+    present: list[tuple[np.ndarray, ...]] | None
 
 
 class OrtBackend:
@@ -83,7 +84,7 @@ class OrtBackend:
         if self.manifest.logits == "last":
             want.add(names.last_index)
         for i in range(geometry.num_layers):
-            want |= {names.layer(names.past_key, i), names.layer(names.past_value, i)}
+            want |= {names.layer(t, i) for t in names.past(geometry.quantized)}
         have = {i.name for i in self.session.get_inputs()}
         if have != want:
             raise ArtifactMismatch(
@@ -97,7 +98,7 @@ class OrtBackend:
         position_ids: np.ndarray,  # [batch, seq] int64
         past_lengths: np.ndarray,  # [batch] int64
         last_index: np.ndarray,  # [batch] int64
-        past: list[tuple[np.ndarray, np.ndarray]],  # per layer [batch, kvh, max_len, d] views
+        past: list[tuple[np.ndarray, ...]],  # per layer views, `KVCache.layer_views`
         counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
     ) -> StepOutput:
         """Run one step. Logits of a row with no real tokens are zeros (in-place variant)."""
@@ -117,7 +118,7 @@ class OrtBackend:
                     input_ids[r : r + 1, :n],
                     past_lengths[r : r + 1],
                     np.array([n - 1], np.int64),
-                    [(k[r : r + 1], v[r : r + 1]) for k, v in past],
+                    [tuple(a[r : r + 1] for a in views) for views in past],
                 )[0]
         return StepOutput(logits, None)
 
@@ -136,7 +137,7 @@ class OrtBackend:
         self.session.run_with_iobinding(step.binding)
         return StepOutput(step.logits[:, 0].copy(), step.present)
 
-    def _make_decode_binding(self, past: list[tuple[np.ndarray, np.ndarray]]) -> _DecodeBinding:
+    def _make_decode_binding(self, past: list[tuple[np.ndarray, ...]]) -> _DecodeBinding:
         names, g = self.manifest.names, self.manifest.geometry
         batch = past[0][0].shape[0]
         binding = self.session.io_binding()
@@ -158,12 +159,16 @@ class OrtBackend:
             outputs = past
         else:
             shape = (batch, g.num_kv_heads, 1, g.head_dim)
+            scale_shape = (batch, g.num_kv_heads, 1, g.scale_groups)
+            scratch = [(shape, g.np_dtype)] * 2 + [(scale_shape, KV_SCALE_DTYPE)] * 2
+            templates = names.present(g.quantized)
             outputs = step.present = [
-                (np.zeros(shape, g.np_dtype), np.zeros(shape, g.np_dtype)) for _ in range(g.num_layers)
+                tuple(np.zeros(shape, dtype) for shape, dtype in scratch[: len(templates)])
+                for _ in range(g.num_layers)
             ]
-        for i, (k, v) in enumerate(outputs):
-            _bind_array(binding, names.layer(names.present_key, i), k, output=True)
-            _bind_array(binding, names.layer(names.present_value, i), v, output=True)
+        for i, arrays in enumerate(outputs):
+            for template, array in zip(names.present(g.quantized), arrays, strict=True):
+                _bind_array(binding, names.layer(template, i), array, output=True)
         return step
 
     def _bind_inputs(self, binding, input_ids, past_lengths, last_index, past, by_pointer=False) -> None:
@@ -176,9 +181,9 @@ class OrtBackend:
                 _bind_array(binding, name, array, output=False)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        for i, (k, v) in enumerate(past):
-            _bind_array(binding, names.layer(names.past_key, i), k, output=False)
-            _bind_array(binding, names.layer(names.past_value, i), v, output=False)
+        for i, views in enumerate(past):
+            for template, view in zip(names.past(self.manifest.geometry.quantized), views, strict=True):
+                _bind_array(binding, names.layer(template, i), view, output=False)
 
     def _select_last(self, logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
         """[batch, 1 or seq, vocab] -> [batch, vocab] at each row's last real token (a copy)."""
@@ -192,12 +197,14 @@ class OrtBackend:
         self._bind_inputs(binding, input_ids, past_lengths, last_index, past)
         binding.bind_cpu_input(names.position_ids, np.ascontiguousarray(position_ids))
         binding.bind_output(names.logits)
+        templates = names.present(self.manifest.geometry.quantized)
         for i in range(len(past)):
-            binding.bind_output(names.layer(names.present_key, i))
-            binding.bind_output(names.layer(names.present_value, i))
+            for template in templates:
+                binding.bind_output(names.layer(template, i))
         self.session.run_with_iobinding(binding)
         outs = binding.copy_outputs_to_cpu()
-        present = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]
+        n = len(templates)
+        present = [tuple(outs[1 + n * i : 1 + n * (i + 1)]) for i in range(len(past))]
         return StepOutput(logits=self._select_last(outs[0], last_index), present=present)
 
     def _prefill_in_place(self, input_ids, past_lengths, last_index, past) -> np.ndarray:
@@ -227,8 +234,8 @@ class _DecodeBinding:
     past_lengths: np.ndarray  # [batch] int64
     last_index: np.ndarray  # [batch] int64, zeros: one token per row
     logits: np.ndarray  # [batch, 1, vocab] float32
-    present: list[tuple[np.ndarray, np.ndarray]] | None  # portable: per layer [batch, kvh, 1, d]
-    past: list[tuple[np.ndarray, np.ndarray]]  # the bound pool views, kept alive with the binding
+    present: list[tuple[np.ndarray, ...]] | None  # portable: per layer [batch, kvh, 1, d or groups]
+    past: list[tuple[np.ndarray, ...]]  # the bound pool views, kept alive with the binding
 
 
 def _bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool) -> None:

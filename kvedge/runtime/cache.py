@@ -3,24 +3,48 @@
 Memory layout (one allocation, made at construction and reused forever)::
 
     pool     [layers, 2 (K, V), slots, kv_heads, max_len, head_dim]   geometry dtype
+    scales   [layers, 2 (K, V), slots, kv_heads, max_len, groups]     float16, int8 caches only
     lengths  [slots]             int64   valid tokens in each slot
     tokens   [slots, max_len]    int64   the token id held at each valid position
 
 `pool[layer, 0, a:b]` is a contiguous [b-a, kv_heads, max_len, head_dim] view, which is what the
-backend binds as a layer's past K for a batch of consecutive slots. Slots past `lengths[s]`
-hold stale but finite data; the graph masks them by length, so a rewind is just a smaller
-length and nothing is ever cleared.
+backend binds as a layer's past K for a batch of consecutive slots (with `scales[layer, 0, a:b]`
+as its past K scales in an int8 cache). Slots past `lengths[s]` hold stale but finite data; the
+graph masks them by length, so a rewind is just a smaller length and nothing is ever cleared.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from kvedge.contract import CacheGeometry
+from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.quant import dequantize_tokens, quantize_tokens
 from kvedge.runtime.rope import rotate_keys
+
+
+class KVBlock(NamedTuple):
+    """The KV of a run of tokens, as a slot stores it (copied out, or for writing in)."""
+
+    kv: np.ndarray  # [layers, 2 (K, V), kv_heads, n, head_dim] cache dtype
+    scales: np.ndarray | None = None  # [layers, 2, kv_heads, n, groups] float16 (int8 caches only)
+
+    @property
+    def count(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    def head(self, count: int) -> KVBlock:
+        """The first `count` tokens (views)."""
+        return KVBlock(
+            self.kv[:, :, :, :count], None if self.scales is None else self.scales[:, :, :, :count]
+        )
 
 
 class KVCache:
@@ -32,6 +56,9 @@ class KVCache:
         self.geometry = geometry
         self.slots = slots
         self.pool = np.zeros(geometry.pool_shape(slots), geometry.np_dtype)
+        self.scales = (
+            np.ones(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE) if geometry.quantized else None
+        )
         self.lengths = np.zeros(slots, np.int64)
         self.tokens = np.zeros((slots, geometry.max_len), np.int64)
         # Optional hook run on each block of new K/V [layers, 2, kv_heads, n, head_dim] as it
@@ -41,7 +68,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.nbytes
+        return self.pool.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def __len__(self) -> int:
         return self.slots
@@ -58,13 +85,16 @@ class KVCache:
         view.flags.writeable = False
         return view
 
-    def layer_views(self, first: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer (K, V) views of slots first..first+count-1: [count, kv_heads, max_len, head_dim]."""
+    def layer_views(self, first: int, count: int) -> list[tuple[np.ndarray, ...]]:
+        """Per layer views of slots first..first+count-1, in `IONames.past` order: (K, V) each
+        [count, kv_heads, max_len, head_dim], then for int8 caches (K scales, V scales) each
+        [count, kv_heads, max_len, groups]."""
         end = first + count
         if not 0 <= first < end <= self.slots:
             raise KvedgeError(f"slots {first}..{end - 1} are outside the pool of {self.slots}")
+        arrays = (self.pool,) if self.scales is None else (self.pool, self.scales)
         return [
-            (self.pool[layer, 0, first:end], self.pool[layer, 1, first:end])
+            tuple(a[layer, kind, first:end] for a in arrays for kind in (0, 1))
             for layer in range(self.geometry.num_layers)
         ]
 
@@ -80,17 +110,21 @@ class KVCache:
         slots: Sequence[int],
         tokens: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
         counts: Sequence[int],
-        present: Sequence[tuple[np.ndarray, np.ndarray]],  # per layer ([batch, kvh, seq, d] K, V)
+        # per layer, in `IONames.present` order: (K, V) [batch, kvh, seq, d], then for int8
+        # caches (K scales, V scales) [batch, kvh, seq, groups]
+        present: Sequence[tuple[np.ndarray, ...]],
     ) -> None:
         """Write the first counts[r] new tokens of row r at the end of slot slots[r]."""
+        arrays = (self.pool,) if self.scales is None else (self.pool, self.scales)
         for row, (slot, count) in enumerate(zip(slots, counts, strict=True)):
             if count == 0:
                 continue
             self.check_room(slot, count)
             start = self.length(slot)
-            for layer, (new_k, new_v) in enumerate(present):
-                self.pool[layer, 0, slot, :, start : start + count] = new_k[row, :, :count]
-                self.pool[layer, 1, slot, :, start : start + count] = new_v[row, :, :count]
+            for layer, outputs in enumerate(present):
+                targets = [(a, kind) for a in arrays for kind in (0, 1)]
+                for (array, kind), new in zip(targets, outputs, strict=True):
+                    array[layer, kind, slot, :, start : start + count] = new[row, :, :count]
         self.commit(slots, tokens, counts)
 
     def commit(
@@ -133,26 +167,44 @@ class KVCache:
         if not (0 <= start and count > 0 and start + count <= length):
             raise KvedgeError(f"cannot evict {count} tokens at {start} from slot {slot} holding {length}")
         moved = length - start - count
+        kept, dest = slice(start + count, length), slice(start, start + moved)
         # numpy copies overlapping slices through a temporary, so moving left in place is safe
-        self.pool[:, :, slot, :, start : start + moved] = self.pool[:, :, slot, :, start + count : length]
-        rotate_keys(self.pool[:, 0, slot, :, start : start + moved], -count, inv_freq)
+        self.pool[:, :, slot, :, dest] = self.pool[:, :, slot, :, kept]
+        if self.scales is None:
+            rotate_keys(self.pool[:, 0, slot, :, dest], -count, inv_freq)
+        else:  # int8: V codes and scales move as they are; K is dequantized, rotated, requantized
+            self.scales[:, 1, slot, :, dest] = self.scales[:, 1, slot, :, kept]
+            group = self.geometry.group_size
+            # the K codes are already at `dest`; their scales still at `kept`
+            keys = dequantize_tokens(self.pool[:, 0, slot, :, dest], self.scales[:, 0, slot, :, kept], group)
+            rotate_keys(keys, -count, inv_freq)
+            self.pool[:, 0, slot, :, dest], self.scales[:, 0, slot, :, dest] = quantize_tokens(keys, group)
         self.tokens[slot, start : start + moved] = self.tokens[slot, start + count : length].copy()
         self.lengths[slot] = length - count
 
-    def read(self, slot: int, count: int) -> np.ndarray:
-        """A copy of the first `count` tokens' KV of `slot`: [layers, 2, kv_heads, count, head_dim]."""
+    def read(self, slot: int, count: int) -> KVBlock:
+        """A copy of the first `count` tokens' KV (and scales) of `slot`."""
         if not 0 < count <= self.length(slot):
             raise KvedgeError(f"cannot read {count} tokens from slot {slot} holding {self.length(slot)}")
-        return self.pool[:, :, slot, :, :count].copy()
+        scales = None if self.scales is None else self.scales[:, :, slot, :, :count].copy()
+        return KVBlock(self.pool[:, :, slot, :, :count].copy(), scales)
 
-    def write(self, slot: int, kv: np.ndarray, token_ids: Sequence[int]) -> None:
-        """Replace `slot`'s contents with `kv` [layers, 2, kv_heads, n, head_dim] for `token_ids`."""
+    def write(self, slot: int, block: KVBlock, token_ids: Sequence[int]) -> None:
+        """Replace `slot`'s contents with `block` (as `read` returns it) for `token_ids`."""
         count = len(token_ids)
-        expected = (self.geometry.num_layers, 2, self.geometry.num_kv_heads, count, self.geometry.head_dim)
-        if kv.shape != expected:
-            raise KvedgeError(f"KV block of shape {kv.shape} does not fit this cache (expected {expected})")
-        if count > self.geometry.max_len:
-            raise ContextOverflow(f"a KV block of {count} tokens exceeds max_len {self.geometry.max_len}")
-        self.pool[:, :, slot, :, :count] = kv
+        g = self.geometry
+        if count > g.max_len:
+            raise ContextOverflow(f"a KV block of {count} tokens exceeds max_len {g.max_len}")
+        expected = (g.num_layers, 2, g.num_kv_heads, count, g.head_dim)
+        if block.kv.shape != expected or block.kv.dtype != g.np_dtype:
+            raise KvedgeError(
+                f"KV block {block.kv.shape} {block.kv.dtype} does not fit this cache "
+                f"(expected {expected} {g.dtype})"
+            )
+        if (block.scales is None) != (self.scales is None):
+            raise KvedgeError(f"KV block scales do not match this {g.dtype} cache")
+        self.pool[:, :, slot, :, :count] = block.kv
+        if self.scales is not None:
+            self.scales[:, :, slot, :, :count] = block.scales
         self.tokens[slot, :count] = token_ids
         self.lengths[slot] = count

@@ -127,7 +127,7 @@ class Model:
             keep = common_prefix(self.cache.token_ids(slot), ids)
             warm, shared = self.prefixes.best_match(ids)
             if warm is not None and shared > keep:
-                self.cache.write(slot, warm.kv[:, :, :, :shared], ids[:shared])
+                self.cache.write(slot, warm.block.head(shared), ids[:shared])
                 keep = shared
             keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
             self.cache.truncate(slot, keep)

@@ -6,11 +6,13 @@ Warm file (`<name>.kvw`, one per prefix)::
                u32 LE    format version (WARM_VERSION)
                u32 LE    header length H
     16         H bytes   JSON header (below), space-padded so the data starts 64-byte aligned
-    16+H       N bytes   KV [layers, 2 (K, V), kv_heads, count, head_dim] in the cache dtype
+    16+H       N bytes   KV [layers, 2 (K, V), kv_heads, count, head_dim] in the cache dtype, then for
+                         int8 caches their scales [layers, 2, kv_heads, count, groups] float16
     16+H+N     32 bytes  sha256 of every byte before it
 
 Header: name, model_fingerprint (source fingerprint from the model manifest), scales_fingerprint
-("" for an fp cache), geometry (layers, kv heads, head dim, dtype), count, token_ids, data_bytes,
+("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, and the
+scale group size for int8), count, token_ids, data_bytes,
 kvedge_version. A file is used only if its magic, version, size, checksum, fingerprints,
 geometry and token ids all match what is expected now; otherwise it is recomputed and rewritten.
 Files are written to a temporary name in the same folder, flushed, fsync'ed and renamed, so a
@@ -33,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from kvedge import __version__
-from kvedge.contract import CacheGeometry
+from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.errors import ArtifactMismatch
+from kvedge.runtime.cache import KVBlock
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +51,28 @@ _DIGEST = 32
 
 @dataclass(frozen=True)
 class WarmPrefix:
-    """A prefix's tokens and KV; `kv` [layers, 2, kv_heads, count, head_dim] may be memory-mapped."""
+    """A prefix's tokens and KV, as a slot stores them (the arrays may be memory-mapped)."""
 
     name: str
     token_ids: tuple[int, ...]
-    kv: np.ndarray
+    block: KVBlock
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        return self.block.nbytes
 
 
 def _geometry_key(geometry: CacheGeometry) -> dict:
     """The parts of the geometry a prefix's KV depends on (not max_len: only count <= max_len)."""
-    return {
+    key = {
         "num_layers": geometry.num_layers,
         "num_kv_heads": geometry.num_kv_heads,
         "head_dim": geometry.head_dim,
         "dtype": geometry.dtype,
     }
+    if geometry.quantized:
+        key["group_size"] = geometry.group_size
+    return key
 
 
 def write_warm_file(
@@ -77,7 +83,9 @@ def write_warm_file(
     scales_fingerprint: str = "",
 ) -> None:
     """Write `prefix` to `path` atomically (temp file + fsync + rename)."""
-    data = np.ascontiguousarray(prefix.kv, dtype=geometry.np_dtype)
+    parts = [np.ascontiguousarray(prefix.block.kv, dtype=geometry.np_dtype)]
+    if geometry.quantized:
+        parts.append(np.ascontiguousarray(prefix.block.scales, dtype=KV_SCALE_DTYPE))
     header = {
         "name": prefix.name,
         "model_fingerprint": model_fingerprint,
@@ -85,7 +93,7 @@ def write_warm_file(
         "geometry": _geometry_key(geometry),
         "count": len(prefix.token_ids),
         "token_ids": list(prefix.token_ids),
-        "data_bytes": data.nbytes,
+        "data_bytes": sum(part.nbytes for part in parts),
         "kvedge_version": __version__,
     }
     raw = json.dumps(header, sort_keys=True).encode()
@@ -95,7 +103,8 @@ def write_warm_file(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            for chunk in (_PREAMBLE.pack(MAGIC, WARM_VERSION, len(raw)), raw, memoryview(data).cast("B")):
+            chunks = [_PREAMBLE.pack(MAGIC, WARM_VERSION, len(raw)), raw]
+            for chunk in chunks + [memoryview(part).cast("B") for part in parts]:
                 digest.update(chunk)
                 handle.write(chunk)
             handle.write(digest.digest())
@@ -154,7 +163,13 @@ def read_warm_file(
     kv = np.frombuffer(mapped, dtype=geometry.np_dtype, count=int(np.prod(shape)), offset=start).reshape(
         shape
     )
-    return WarmPrefix(name=header["name"], token_ids=tuple(token_ids), kv=kv)
+    scales = None
+    if geometry.quantized:
+        scale_shape = (*shape[:-1], geometry.scale_groups)
+        scales = np.frombuffer(
+            mapped, dtype=KV_SCALE_DTYPE, count=int(np.prod(scale_shape)), offset=start + kv.nbytes
+        ).reshape(scale_shape)
+    return WarmPrefix(name=header["name"], token_ids=tuple(token_ids), block=KVBlock(kv, scales))
 
 
 def _short(value: object) -> str:

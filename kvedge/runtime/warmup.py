@@ -168,9 +168,9 @@ def compute_prefix(model: Model, name: str, ids: list[int]) -> WarmPrefix:
     slot = model.cache.slots - 1
     model.cache.reset(slot)
     prefill(model.backend, model.cache, slot, [ids])
-    kv = model.cache.read(slot, len(ids))
+    block = model.cache.read(slot, len(ids))
     model.cache.reset(slot)
-    return WarmPrefix(name=name, token_ids=tuple(ids), kv=kv)
+    return WarmPrefix(name=name, token_ids=tuple(ids), block=block)
 
 
 def describe(report: WarmupReport) -> dict[str, Any]:
