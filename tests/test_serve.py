@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ import numpy as np
 import openai
 import pytest
 import yaml
+from conftest import random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,10 +31,12 @@ from tiny import make_tiny_model
 
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.runtime.generate import SamplingConfig
+from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, prefill
 from kvedge.runtime.model import Model
 from kvedge.serve.config import load_service_config
-from kvedge.serve.engine import pick_slot
+from kvedge.serve.engine import Engine, Job, decode_ranges, pick_slot
+from kvedge.serve.metrics import Metrics
+from kvedge.serve.protocol import ApiError
 from kvedge.serve.service import serve_command
 from kvedge.serve.systemd import render_unit
 
@@ -278,6 +282,9 @@ def test_concurrent_conversations_each_equal_running_alone(server, client, refer
     assert got == wanted
     after = server.wait_idle()
     assert after["kvedge_completion_tokens_total"] - before["kvedge_completion_tokens_total"] == 8 * 24
+    calls, rows = (after[k] - before[k] for k in ("kvedge_decode_calls_total", "kvedge_decode_rows_total"))
+    assert rows == 8 * 23  # every token but each request's first came from a decode call
+    assert calls < rows, (rows, calls)  # some slots were decoded together
 
 
 def test_next_turn_reuses_the_slots_cache(server, client):
@@ -558,6 +565,119 @@ def test_sigterm_ends_open_streams_cleanly_and_exits(artifact, tmp_path):
     assert "Traceback" not in (tmp_path / "server.log").read_text()
 
 
+def engine_run(exported, conversations, samplings, slots: int, batch_decode: bool):
+    """Every conversation through an in-process Engine at once: (each one's deliveries, counters)."""
+    metrics = Metrics()
+    engine = Engine(
+        lambda: exported.model(slots=slots), len(conversations), metrics, batch_decode=batch_decode
+    )
+    engine.start()
+    deadline = time.monotonic() + 60
+    while engine.state != "ready":
+        assert engine.state in ("loading", "warming") and time.monotonic() < deadline, engine.state
+        time.sleep(0.01)
+    delivered: list[list[Event | ApiError]] = [[] for _ in conversations]
+    ended = [threading.Event() for _ in conversations]
+
+    def deliver_to(i: int):
+        def deliver(item: Event | ApiError) -> None:
+            delivered[i].append(item)
+            if isinstance(item, ApiError) or item.finish_reason is not None:
+                ended[i].set()
+
+        return deliver
+
+    try:
+        for i, (messages, sampling) in enumerate(zip(conversations, samplings, strict=True)):
+            ids = engine.model.tokenizer.encode_chat(messages)
+            engine.submit(Job(messages, ids, SamplingConfig(**sampling), deliver_to(i)))
+        assert all(done.wait(60) for done in ended)
+    finally:
+        engine.stop()
+    counters = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(metrics.render(engine.gauges()))
+        for sample in family.samples
+    }
+    return delivered, counters
+
+
+def test_engine_batches_decode_and_each_conversation_equals_running_alone(tiny_llama):
+    """Both graph variants: 8 conversations on 4 slots give exactly the events each gives alone,
+    batched or not. Lengths are chosen so that slots 1 and 2 fall idle while 0 and 3 still run."""
+    reference = tiny_llama.model()
+    lengths = [40, 6, 8, 36, 6, 6, 6, 6]
+    samplings = [
+        {"max_new_tokens": n, **({"temperature": 0.0} if i % 2 else {"temperature": 0.9, "seed": i})}
+        for i, n in enumerate(lengths)
+    ]
+    alone = [
+        list(reference.chat(m, SamplingConfig(**s))) for m, s in zip(CONVERSATIONS, samplings, strict=True)
+    ]
+    assert [len(events) for events in alone] == lengths  # no early eos: the slot pattern holds
+    for batch_decode in (True, False):
+        delivered, counters = engine_run(tiny_llama, CONVERSATIONS, samplings, 4, batch_decode)
+        for got, want in zip(delivered, alone, strict=True):
+            assert [(e.text, e.token, e.finish_reason, e.completion_tokens) for e in got] == [
+                (e.text, e.token, e.finish_reason, e.completion_tokens) for e in want
+            ]
+        calls, rows = counters["kvedge_decode_calls_total"], counters["kvedge_decode_rows_total"]
+        assert rows == sum(lengths) - len(lengths)  # every token but each request's first
+        if batch_decode:
+            assert rows / calls > 1.5, (rows, calls)
+            assert counters["kvedge_decode_idle_rows_total"] > 0  # slots 1, 2 rode along idle
+        else:
+            assert rows == calls and counters["kvedge_decode_idle_rows_total"] == 0
+
+
+def test_idle_rows_ride_along_without_touching_their_slots(tiny_llama):
+    """Slots 0 and 2 decode in one call with slot 1 idle between them: each busy row equals its
+    slot decoding alone, and slot 1 neither changes nor lets the call change what it decodes next."""
+    prompts = [random_ids(n, seed=n) for n in (9, 30, 17)]
+    model = tiny_llama.model(slots=3)
+    first = [prefill(model.backend, model.cache, slot, [p])[0] for slot, p in enumerate(prompts)]
+    tokens = [int(np.argmax(row)) for row in first]
+    steps = []
+    for _ in range(6):
+        logits = decode_one_token(model.backend, model.cache, 0, [tokens[0], None, tokens[2]])
+        steps.append(logits)
+        tokens = [int(np.argmax(row)) for row in logits]
+    assert list(model.cache.lengths) == [15, 30, 23]
+    assert list(model.cache.token_ids(1)) == prompts[1]
+    idle_next = decode_one_token(model.backend, model.cache, 1, [int(np.argmax(first[1]))])[0]
+
+    for row in (0, 2):
+        solo = tiny_llama.model()
+        logits = prefill(solo.backend, solo.cache, 0, [prompts[row]])[0]
+        for step in steps:
+            logits = decode_one_token(solo.backend, solo.cache, 0, [int(np.argmax(logits))])[0]
+            np.testing.assert_allclose(step[row], logits, atol=1e-4, rtol=0)
+    solo = tiny_llama.model()
+    logits = prefill(solo.backend, solo.cache, 0, [prompts[1]])[0]
+    alone_next = decode_one_token(solo.backend, solo.cache, 0, [int(np.argmax(logits))])[0]
+    np.testing.assert_allclose(idle_next, alone_next, atol=1e-4, rtol=0)
+
+    prefill(model.backend, model.cache, 1, [random_ids(model.cache.room(1), seed=1)])  # now full
+    assert model.cache.room(1) == 0
+    if model.manifest.in_place:  # the graph would write a column beyond the pool
+        with pytest.raises(KvedgeError, match="slot 1 is full"):
+            decode_one_token(model.backend, model.cache, 0, [tokens[0], None, tokens[2]])
+    else:
+        decode_one_token(model.backend, model.cache, 0, [tokens[0], None, tokens[2]])
+        assert list(model.cache.lengths) == [16, 128, 24]
+
+
+def test_decode_ranges_span_idle_slots_that_can_idle():
+    def anyone(slot: int) -> bool:
+        return True
+
+    assert decode_ranges([], anyone) == []
+    assert decode_ranges([3, 0, 1], anyone) == [(0, 4)]
+    assert decode_ranges([0, 2, 5], lambda s: s != 4) == [(0, 3), (5, 1)]
+    assert decode_ranges([0, 9], anyone, max_idle=8) == [(0, 10)]
+    assert decode_ranges([0, 10, 11], anyone, max_idle=8) == [(0, 1), (10, 2)]
+
+
 def test_pick_slot_prefers_the_longest_shared_prefix_then_least_recently_used():
     held = {0: [1, 2, 3], 1: [1, 2, 3, 4, 5], 2: [], 3: [9, 9]}
 
@@ -577,6 +697,7 @@ def test_service_config_errors_name_file_key_and_allowed_values(tmp_path, artifa
         ({"model": str(artifact), "slotz": 2}, ["svc.yaml", "unknown key 'slotz'", "queue_size"]),
         ({"model": str(artifact), "slots": 0}, ["svc.yaml: slots=0", "1..256"]),
         ({"model": str(artifact), "context_policy": "drop"}, ["context_policy='drop'", "['clip', 'reject']"]),
+        ({"model": str(artifact), "batch_decode": "yes"}, ["batch_decode='yes'", "true or false"]),
         ({"model": str(tmp_path)}, ["svc.yaml: model=", "no manifest.json"]),
         ({"model": str(artifact), "host": "0.0.0.0"}, ["host='0.0.0.0'", "API key is required"]),
         ({"model": str(artifact), "api_key_env": "NOT_SET_X"}, ["api_key_env='NOT_SET_X'", "not set"]),

@@ -17,13 +17,13 @@ Sampling, applied in this order to one row's logits z (float64):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvedge.errors import ContextOverflow, KvedgeError
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backend import OrtBackend, StepOutput
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.tokenizer import TextStream
 
@@ -128,11 +128,42 @@ def prefill(
 
 
 def decode_one_token(
-    backend: OrtBackend, cache: KVCache, first_slot: int, tokens: Sequence[int]
+    backend: OrtBackend, cache: KVCache, first_slot: int, tokens: Sequence[int | None]
 ) -> np.ndarray:
-    """Append one token per row and return next-token logits [batch, vocab]."""
+    """Append one token per row and return next-token logits [batch, vocab].
+
+    A row whose token is None is idle: it rides along so that the busy slots of a contiguous
+    range decode in one call (the pool binds only contiguous slot ranges), nothing is committed
+    to its slot and its logits mean nothing. Portable graphs run it at past length 0, so it does
+    not widen the batch's attention; in-place graphs write every row's new K/V at the row's past
+    length, so an idle row runs at its slot's valid length, writing one column of stale space
+    (masked by length), and needs room for it (`can_idle`).
+    """
     slots = list(range(first_slot, first_slot + len(tokens)))
-    return _run(backend, cache, slots, [[t] for t in tokens], [1] * len(tokens))
+    busy = np.array([t is not None for t in tokens])  # [batch]
+    for slot, token in zip(slots, tokens, strict=True):
+        if token is not None:
+            cache.check_room(slot, 1)
+        elif not can_idle(backend, cache, slot):
+            raise KvedgeError(f"slot {slot} is full, so it cannot idle in an in-place decode call")
+    input_ids = np.array([[0 if t is None else t] for t in tokens], np.int64)  # [batch, 1]
+    past_lengths = cache.lengths[slots].copy()  # [batch]
+    if not backend.manifest.in_place:
+        past_lengths[~busy] = 0
+    out = backend.run(
+        input_ids,
+        past_lengths[:, None].copy(),  # position_ids [batch, 1]
+        past_lengths,
+        np.zeros(len(slots), np.int64),  # last_index [batch]
+        cache.layer_views(first_slot, len(slots)),
+    )
+    _keep(cache, out, slots, input_ids, busy.astype(np.int64).tolist())
+    return out.logits
+
+
+def can_idle(backend: OrtBackend, cache: KVCache, slot: int) -> bool:
+    """Whether `slot` may be an idle row of a `decode_one_token` call."""
+    return not backend.manifest.in_place or cache.room(slot) > 0
 
 
 def _run(
@@ -153,11 +184,18 @@ def _run(
     out = backend.run(
         input_ids, position_ids, past_lengths, last_index, cache.layer_views(slots[0], len(slots)), count_arr
     )
+    _keep(cache, out, slots, input_ids, counts)
+    return out.logits
+
+
+def _keep(
+    cache: KVCache, out: StepOutput, slots: list[int], input_ids: np.ndarray, counts: list[int]
+) -> None:
+    """Make the first counts[r] tokens of row r valid in slot slots[r]."""
     if out.present is None:  # the graph wrote the new K/V into the pool itself
         cache.commit(slots, input_ids, counts)
     else:
         cache.append(slots, input_ids, counts, out.present)
-    return out.logits
 
 
 @dataclass
@@ -185,11 +223,16 @@ def decode_stream(
     make_room: RoomFn,
     prompt_tokens: int,
     started: float,
-) -> Iterator[Event]:
+) -> Generator[Event, np.ndarray | None, None]:
     """Sample, stream and append tokens to `slot` until eos, a stop string, or a length limit.
 
     An eos token ends the turn without being written; the cache then holds exactly the prompt
     and the tokens shown. `seen` (prompt + history, for the repetition penalty) grows in place.
+
+    After each event that is not the last, the event's token still has to be appended to `slot`.
+    `next()` does it here, one row alone. A consumer that decodes many slots in one call (the
+    service engine) appends it itself with `decode_one_token` and hands this row's next-token
+    logits [vocab] back with `send(logits)`; sampling and stopping stay here either way.
     """
     rng = np.random.default_rng(config.seed)
     first_token_at = None
@@ -219,9 +262,9 @@ def decode_stream(
                 seconds=time.perf_counter() - started,
             )
             return
-        yield Event(text=text, token=token)
+        decoded = yield Event(text=text, token=token)
         seen.append(token)
-        logits = decode_one_token(backend, cache, slot, [token])[0]
+        logits = decode_one_token(backend, cache, slot, [token])[0] if decoded is None else decoded
 
 
 def generate(

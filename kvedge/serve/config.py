@@ -14,6 +14,7 @@ File format (every key optional except `model`, which may come from `--model` in
     context_policy: reject          # reject: prompt + max_tokens must fit the context (OpenAI's rule)
                                     # clip: only the prompt must fit; the reply stops at the context end
     threads: null                   # onnxruntime intra-op threads; null = all cores
+    batch_decode: true              # decode all active slots in one call per round (false: one by one)
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # greedy decode steps run before /health reports ready; 0 = none
     history_policy: error           # conversations longer than the cache: error | window | truncate
@@ -81,6 +82,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "default_max_tokens": (_int_in(1, 1_000_000), "an integer >= 1"),
     "context_policy": (lambda v: v in CONTEXT_POLICIES, f"one of {list(CONTEXT_POLICIES)}"),
     "threads": (_optional(_int_in(1, 1024)), "an integer >= 1, or null for all cores"),
+    "batch_decode": (lambda v: isinstance(v, bool), "true or false"),
     "shutdown_grace_s": (lambda v: _is_number(v) and 0 <= v <= 3600, "a number of seconds in 0..3600"),
     "warmup_tokens": (_int_in(0, 1_000_000), "an integer >= 0 (0 = no warm-up)"),
     "history_policy": (lambda v: v in POLICIES, f"one of {list(POLICIES)}"),
@@ -105,6 +107,7 @@ class ServiceConfig:
     default_max_tokens: int = 256
     context_policy: str = "reject"
     threads: int | None = None
+    batch_decode: bool = True
     shutdown_grace_s: float = 10.0
     warmup_tokens: int = 8
     history_policy: str = "error"

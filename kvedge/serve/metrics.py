@@ -32,6 +32,9 @@ COUNTERS = {
     "kvedge_prefix_cache_hit_tokens_total": "Prompt tokens reused from a slot's cache instead of prefilled.",
     "kvedge_prefix_cache_hits_total": "Requests that reused at least one token of their slot's cache.",
     "kvedge_requests_cancelled_total": "Requests dropped because the client went away or the server stopped.",
+    "kvedge_decode_calls_total": "Decode calls to the model, each one token for one or more requests.",
+    "kvedge_decode_rows_total": "Tokens decoded by those calls: divided by the calls, the mean batch.",
+    "kvedge_decode_idle_rows_total": "Idle slots run along in those calls (a call covers a slot range).",
 }
 
 
@@ -48,6 +51,12 @@ class Metrics:
     def add(self, name: str, value: int = 1) -> None:
         with self._lock:
             self._counters[name] += value
+
+    def decode_call(self, rows: int, idle_rows: int = 0) -> None:
+        with self._lock:
+            self._counters["kvedge_decode_calls_total"] += 1
+            self._counters["kvedge_decode_rows_total"] += rows
+            self._counters["kvedge_decode_idle_rows_total"] += idle_rows
 
     def response(self, status: int) -> None:
         with self._lock:

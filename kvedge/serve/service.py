@@ -102,6 +102,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
         queue_size=config.queue_size,
         metrics=metrics,
         warmup=warmup if warmup is not None else decode_warmup(config.warmup_tokens),
+        batch_decode=config.batch_decode,
     )
     server = _Server(
         uvicorn.Config(
