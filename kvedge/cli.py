@@ -172,7 +172,7 @@ def main(verbose: int) -> None:
     "--kv-group-size",
     default=0,
     type=int,
-    help="int8 cache: channels per scale (16, 32, 64, 128; default head_dim, one scale per token per head).",
+    help="int8 cache: channels per scale per token (16, 32, 64, 128 up to head_dim; default 32).",
 )
 @click.option(
     "--target",
@@ -498,6 +498,14 @@ def calibrate(
     help="An export of the same model with --kv-dtype int8: measure the real INT8 cache too.",
 )
 @click.option(
+    "--llama-cpp",
+    "llama_cpp",
+    is_flag=True,
+    help="Also compare llama.cpp's q8_0 KV cache with its f16 cache on the model's GGUF source "
+    "(needs llama-cpp-python, the [bench] extra).",
+)
+@click.option("--threads", default=1, show_default=True, type=int, help="llama.cpp threads.")
+@click.option(
     "--prompts", default=None, type=click.Path(path_type=Path), help="Held-out set (default: built-in 24)."
 )
 @click.option("--limit", default=20, show_default=True, type=int, help="Use the first N prompts.")
@@ -512,6 +520,8 @@ def eval_kv(
     model_dir: Path,
     scales_dir: Path | None,
     int8_dir: Path | None,
+    llama_cpp: bool,
+    threads: int,
     prompts: Path | None,
     limit: int,
     tokens: int,
@@ -531,7 +541,17 @@ def eval_kv(
     scales = Scales.load(scales_dir, model.manifest) if scales_dir else None
     int8_model = Model(int8_dir) if int8_dir else None
     held_out = read_prompts(prompts, default="heldout")[:limit]
-    results = evaluate(model, scales, held_out, tokens=tokens, int8_model=int8_model)
+    gguf = None
+    if llama_cpp:
+        gguf = Path(model.manifest.source)
+        if gguf.suffix != ".gguf" or not gguf.is_file():
+            raise KvedgeError(
+                f"--llama-cpp needs the model's GGUF source; this export was made from "
+                f"{model.manifest.source!r}"
+            )
+    results = evaluate(
+        model, scales, held_out, tokens=tokens, int8_model=int8_model, llama_cpp_gguf=gguf, threads=threads
+    )
     click.echo(f"{'scheme':<48} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}")
     for r in results:
         click.echo(
@@ -583,7 +603,17 @@ def eval_kv(
     help="Peer to compare (repeatable; default: all three).",
 )
 @click.option("--no-peers", is_flag=True, help="kvedge systems only.")
-@click.option("--quick", is_flag=True, help="1 round, no quality / memory / allocation runs.")
+@click.option(
+    "--quick", is_flag=True, help="1 round, no quality / memory / allocation runs, warm prefixes: first."
+)
+@click.option(
+    "--warm",
+    type=click.Choice(["all", "first", "none"]),
+    default=None,
+    help="kvedge systems that get the warm-prefix section, ~40 s per system and round "
+    "(default: all; first with --quick).",
+)
+@click.option("--no-warm", is_flag=True, help="Same as --warm none.")
 @user_errors
 def bench(
     out: Path,
@@ -596,6 +626,8 @@ def bench(
     peers: tuple[str, ...],
     no_peers: bool,
     quick: bool,
+    warm: str | None,
+    no_warm: bool,
 ) -> None:
     """Benchmark kvedge against transformers, onnxruntime-genai and llama.cpp, side by side."""
     from kvedge.bench import DEFAULT_KVEDGE, PEERS, BenchConfig, run_benchmark
@@ -612,6 +644,7 @@ def bench(
         memory=not quick,
         quality=not quick,
         allocation_steps=0 if quick else 1000,
+        warm="none" if no_warm else warm or ("first" if quick else "all"),
         command=" ".join(["kvedge", *sys.argv[1:]]),
     )
     run_benchmark(config, echo=click.echo)

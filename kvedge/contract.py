@@ -79,8 +79,9 @@ class CacheGeometry:
 
     @classmethod
     def default_group_size(cls, head_dim: int) -> int:
-        """One scale per token per head: it folds into the attention scores and probabilities."""
-        return head_dim
+        """32 channels per scale: on SmolLM2 (head_dim 64) one scale per head measured top-1 98.9%
+        against the fp32 cache, 32 channels 99.4% at 0.266x the bytes (docs/PERFORMANCE.md)."""
+        return min(32, head_dim)
 
     def with_dtype(self, dtype: str, group_size: int | None = None) -> CacheGeometry:
         """The same cache in another dtype (int8: `group_size`, default one scale per head)."""

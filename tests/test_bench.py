@@ -16,9 +16,12 @@ from tiny import make_tiny_model
 
 from kvedge.bench import BenchConfig, run_benchmark
 from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
-from kvedge.bench.report import evaluate_targets, speedup
+from kvedge.bench.report import evaluate_targets, speedup, warm_targets
 from kvedge.bench.systems import SystemSpec
+from kvedge.bench.warm import TURNS, sized_text
+from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
+from kvedge.runtime.tokenizer import ChatTokenizer
 
 
 def test_kl_and_top1():
@@ -64,6 +67,7 @@ def fake_results(rounds: dict) -> SimpleNamespace:
         decode={name: {64: 1.0, 1536: 1.0} for name in rounds},
         prefill={name: {128: {}} for name in rounds},
         allocation={},
+        warm={},
     )
 
 
@@ -98,6 +102,58 @@ def test_bad_config_is_named():
         BenchConfig(peers=("vllm",))
     with pytest.raises(KvedgeError, match=r"'ort' is not 'variant:weights\[:kv_dtype\]'"):
         BenchConfig(kvedge=("ort",))
+    with pytest.raises(KvedgeError, match=r"warm='some' is not allowed; allowed: \['all', 'first', 'none'\]"):
+        BenchConfig(warm="some")
+
+
+def warm_figures(ttft_speedup: float, warmup_speedup: float, growth: float) -> dict:
+    turns = [
+        {
+            "turn": t,
+            "conversation_tokens": 40 * t,
+            "new_tokens": 33,
+            "ttft_reuse_ms": 1.0,
+            "ttft_full_ms": 1.0,
+        }
+        for t in range(1, TURNS + 1)
+    ]
+    return {
+        "system_prompt_tokens": 300,
+        "user_message_tokens": 20,
+        "prompt_tokens": 334,
+        "new_tokens": 26,
+        "ttft_cold_median_ms": 1000.0,
+        "ttft_warm_median_ms": 100.0,
+        "ttft_speedup": ttft_speedup,
+        "warm_prefixes": 4,
+        "warmup_recompute_s": [5.0, 6.0],
+        "warmup_load_s": [0.1, 0.1],
+        "warmup_speedup": warmup_speedup,
+        "boot_recompute_s": 7.0,
+        "boot_load_s": 2.5,
+        "boot_speedup": 2.8,
+        "turns": turns,
+        "turn_growth_reuse": growth,
+        "turn_growth_full": 9.0,
+    }
+
+
+def test_warm_targets_are_judged_at_their_bounds():
+    rows = warm_targets({"a": warm_figures(10.0, 20.0, 1.3), "b": warm_figures(9.99, 19.9, 1.31)})
+    kinds = ["warm TTFT", "warm start-up", "warm boot", "turn growth"]
+    assert [row["target"].split(":")[0] for row in rows] == kinds * 2
+    assert [row["met"] for row in rows] == [True, True, None, True, False, False, None, False]
+    assert rows[0]["target"] == "warm TTFT: a, 300-token system prompt + 20-token message, cold / warm prefix"
+    assert rows[2]["value"] == 2.8 and rows[2]["goal"] == "report"
+    assert rows[3]["note"] == "full re-prefill 9.0x; conversation 40->320 tokens, new 33, 33"
+
+
+def test_sized_text_is_the_shortest_run_of_words_reaching_the_count(tiny_llama):
+    tokenizer = ChatTokenizer(tiny_llama.out, Manifest.load(tiny_llama.out))
+    text = sized_text(tokenizer, "Jetson Orin boards share memory between the CPU and the GPU.", 50)
+    assert len(tokenizer.encode(text, add_special_tokens=False)) >= 50
+    shorter = text.rsplit(" ", 1)[0]
+    assert len(tokenizer.encode(shorter, add_special_tokens=False)) < 50
 
 
 def test_end_to_end_on_a_tiny_model(tmp_path):
@@ -133,3 +189,28 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     assert any(t["target"].startswith("unused slots") for t in results.targets)
     assert data["allocation"]["kvedge ort int4"]["steps"] == 27
     assert any("transformers eager" in line for line in lines)
+
+    assert set(data["warm"]) == {"kvedge portable float32", "kvedge ort int4"}  # every kvedge system
+    for name, warm in data["warm"].items():
+        assert warm["system_prompt_tokens"] >= 300 and warm["user_message_tokens"] >= 20
+        assert warm["cold_reused_tokens"] == 0
+        # the warm prefix covers the system message and the opening of the user turn
+        assert warm["warm_prefix_tokens"] > warm["system_prompt_tokens"]
+        assert warm["warm_prefix_tokens"] + warm["new_tokens"] == warm["prompt_tokens"]
+        assert len(warm["ttft_cold_ms"]) == len(warm["ttft_warm_ms"]) == 3  # 2 * rounds + 1 pairs
+        assert len(warm["warmup_recompute_s"]) == len(warm["warmup_load_s"]) == 1
+        turns = warm["turns"]
+        assert [t["turn"] for t in turns] == list(range(1, TURNS + 1))
+        assert turns[0]["new_tokens"] == turns[0]["conversation_tokens"]  # nothing to reuse yet
+        assert all(t["new_tokens"] < t["conversation_tokens"] / 2 for t in turns[2:])  # the rest is reused
+        judged = [
+            t for t in results.targets if name in t["target"] and t["target"].startswith(("warm", "turn"))
+        ]
+        assert [t["target"].split(":")[0] for t in judged] == [
+            "warm TTFT",
+            "warm start-up",
+            "warm boot",
+            "turn growth",
+        ]
+        assert all(isinstance(t["met"], bool) for t in judged if t["goal"] != "report")
+    assert any("\nwarm prefixes, kvedge portable float32: TTFT cold" in line for line in lines)  # the table

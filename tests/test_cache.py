@@ -115,3 +115,15 @@ def test_geometry_rejects_bad_values():
         CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=8, max_len=0)
     with pytest.raises(KvedgeError, match="dtype='int4'.*allowed"):
         CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=8, max_len=8, dtype="int4")
+
+
+def test_load_reserves_decode_memory_without_touching_valid_state(tiny_llama):
+    """Model load runs one throwaway decode at the longest past (arena sized once, RSS flat
+    later): nothing may become valid, and only stale space past every slot may be written."""
+    model = tiny_llama.model(slots=3)
+    assert (model.cache.lengths == 0).all()
+    written = np.argwhere(model.cache.pool != 0)[:, 4]  # max_len index of every nonzero value
+    if model.manifest.in_place:
+        assert set(written.tolist()) == {model.manifest.geometry.max_len - 1}
+    else:
+        assert written.size == 0

@@ -35,7 +35,7 @@ MAX_LEN = 256
 @pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 0), ("llama-hd32", 16)], ids=str)
 def int8_pair(request, tmp_path_factory):
     """(float32 export, int8 export) of one tiny model; "hd32" has head_dim 32, so group 16 gives
-    two scales per token per head (the explicit-dequantize path) instead of one (the folded path)."""
+    two scales per token per head (a Slice, MatMul and scale per channel group) instead of one."""
     family, group = request.param
     root = tmp_path_factory.mktemp(f"int8-{family}-{group}")
     overrides = {"num_attention_heads": 2, "num_key_value_heads": 1} if family.endswith("hd32") else {}

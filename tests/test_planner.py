@@ -43,7 +43,7 @@ def test_kv_bytes_equal_what_kvcache_allocates(dtype):
     for slots, context in ((1, 64), (3, 128), (2, 1000)):
         geometry = CacheGeometry(num_layers=30, num_kv_heads=3, head_dim=64, max_len=context).with_dtype(
             dtype
-        )  # SmolLM2-135M, written out (int8: one float16 scale per token per head)
+        )  # SmolLM2-135M, written out (int8: a float16 scale per 32 channels)
         assert kv_bytes(model, slots, context, dtype) == KVCache(geometry, slots).nbytes
 
 
@@ -138,7 +138,7 @@ def test_plan_report_for_a_device_and_per_kv_dtype():
     )
     assert text.count("budget       6.50 GiB = orin-nano-8gb 8.00 GiB - reserve 1.50 GiB") == 3
     assert "float32: 46,080 bytes per token" in text and "float16: 23,040 bytes per token" in text
-    assert "int8: 11,880 bytes per token" in text  # 30 layers x 2 x 3 heads x (64 codes + 2-byte scale)
+    assert "int8: 12,240 bytes per token" in text  # 30 layers x 2 x 3 heads x (64 codes + 2 x 2-byte scales)
     rows = json.loads(plan_report("smollm2-135m", budget="4GiB", slots="1", contexts="2048", as_json=True))
     assert rows[0]["rows"][0]["kv"] == 30 * 2 * 3 * 64 * 4 * 2048 and rows[0]["rows"][0]["fits"]
     with pytest.raises(

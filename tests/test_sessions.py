@@ -9,10 +9,13 @@ import pytest
 from conftest import random_ids
 from tiny import make_tiny_model
 
+from kvedge.contract import CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
+from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
+from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.sessions import ContextPolicy
 
 ATOL = 1e-4  # fp32 both sides, same graph; measured differences ~1e-6 (see test_parity)
@@ -187,3 +190,130 @@ def test_window_logits_exact_on_one_layer_model(tmp_path):
     logits = model.prepare(0, model.sessions[0].history + ids)
     kept = [int(t) for t in model.cache.token_ids(0)]
     np.testing.assert_allclose(logits, fresh_logits(reference, kept), atol=ATOL, rtol=0)
+
+
+# Run-time prefix store (PrefixLRU): pure tests on a small cache, then end to end on tiny models.
+GEOMETRY = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=32, max_len=128)
+INT8 = GEOMETRY.with_dtype("int8", 16)
+BLOCK = 8  # tokens per arena block in the pure tests
+
+
+def filled(geometry: CacheGeometry, ids: list[int], seed: int, slots: int = 2) -> KVCache:
+    """A cache whose slot 0 holds `ids` with random KV (and scales)."""
+    rng = np.random.default_rng(seed)
+    shape = (geometry.num_layers, 2, geometry.num_kv_heads, len(ids), geometry.head_dim)
+    kv = (rng.standard_normal(shape) * 50).astype(geometry.np_dtype)
+    scales = None
+    if geometry.quantized:
+        scales = rng.random((*shape[:-1], geometry.scale_groups)).astype(np.float16)
+    cache = KVCache(geometry, slots)
+    cache.write(0, KVBlock(kv, scales), ids)
+    return cache
+
+
+def test_lru_keeps_its_arena_within_the_budget_over_many_saves():
+    budget = 5 * BLOCK * GEOMETRY.bytes_per_token() + 123  # room for 5 blocks, not 6
+    lru = PrefixLRU(GEOMETRY, budget, block_tokens=BLOCK)
+    assert lru.capacity_blocks == 5 and lru.kv.nbytes <= budget
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        ids = random_ids(int(rng.integers(1, 60)), seed=100 + i)
+        lru.save(filled(GEOMETRY, ids, seed=i), 0)
+        assert lru.nbytes <= lru.capacity_bytes <= budget
+        used = [b for entry in lru.entries.values() for b in entry.blocks]
+        assert sorted(used + lru.free) == list(range(5))  # every block owned exactly once
+        kept = min(len(ids), 5 * BLOCK)  # a sequence longer than the arena keeps its head
+        entry, shared = lru.best_match(ids)
+        assert shared == kept and list(entry.token_ids) == ids[:kept]
+    assert lru.evictions > 100
+
+
+def test_lru_evicts_the_least_recently_used_entry():
+    lru = PrefixLRU(GEOMETRY, 4 * BLOCK * GEOMETRY.bytes_per_token(), block_tokens=BLOCK)  # 2 x 16 tokens
+    a, b, c = (random_ids(16, seed=s) for s in (1, 2, 3))
+    lru.save(filled(GEOMETRY, a, seed=1), 0)
+    lru.save(filled(GEOMETRY, b, seed=2), 0)
+    target = KVCache(GEOMETRY, 1)
+    lru.load(target, 0, *lru.best_match(a + [7]))  # a hit makes `a` the most recent
+    lru.save(filled(GEOMETRY, c, seed=3), 0)
+    assert lru.best_match(b)[1] == 0 and lru.best_match(a)[1] == 16 and lru.best_match(c)[1] == 16
+    lru.save(filled(GEOMETRY, a, seed=1), 0)  # saving what an entry holds counts as a use too
+    lru.save(filled(GEOMETRY, b, seed=2), 0)
+    assert lru.best_match(c)[1] == 0 and lru.best_match(a)[1] == 16
+    assert (lru.hits, lru.hit_tokens, lru.evictions) == (1, 16, 2)
+
+
+def test_lru_longer_sequence_replaces_the_entry_it_extends():
+    lru = PrefixLRU(GEOMETRY, 20 * BLOCK * GEOMETRY.bytes_per_token(), block_tokens=BLOCK)
+    ids = random_ids(40, seed=5)
+    lru.save(filled(GEOMETRY, ids[:20], seed=5), 0)
+    lru.save(filled(GEOMETRY, ids, seed=5), 0)
+    lru.save(filled(GEOMETRY, ids[:30], seed=5), 0)  # already held by the longer entry
+    assert len(lru) == 1 and lru.nbytes == 5 * BLOCK * GEOMETRY.bytes_per_token()
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRY, INT8], ids=["float32", "int8"])
+def test_lru_load_copies_exactly_what_was_saved(geometry):
+    ids = random_ids(45, seed=6)
+    source = filled(geometry, ids, seed=6)
+    lru = PrefixLRU(geometry, 10 * BLOCK * geometry.bytes_per_token(), block_tokens=BLOCK)
+    lru.save(source, 0)
+    target = filled(geometry, ids[:11] + random_ids(20, seed=7), seed=7, slots=1)
+    entry, shared = lru.best_match(ids[:37] + [1, 2])
+    lru.load(target, 0, entry, shared, start=11)  # the target already holds the first 11 tokens
+    assert shared == 37 and target.length(0) == 37 and list(target.token_ids(0)) == ids[:37]
+    expected, got = source.read(0, 37), target.read(0, 37)
+    np.testing.assert_array_equal(got.kv[:, :, :, 11:], expected.kv[:, :, :, 11:])
+    if geometry.quantized:
+        np.testing.assert_array_equal(got.scales[:, :, :, 11:], expected.scales[:, :, :, 11:])
+
+
+def test_lru_budget_below_one_block_is_named():
+    with pytest.raises(KvedgeError, match=r"prefix_cache_bytes=1000 is less than one block of 32 tokens"):
+        PrefixLRU(GEOMETRY, 1000)
+    assert not PrefixLRU(GEOMETRY, 0)  # 0: off
+
+
+def returning_user(folder, budget: int, atol: float) -> None:
+    """User A's conversation loses its slot to user B; A's next turn must come from the store
+    and give the logits of a full re-prefill."""
+    model, reference = Model(folder, prefix_cache_bytes=budget), Model(folder)
+    a = [
+        {"role": "system", "content": "You are assistant A. " * 3},
+        {"role": "user", "content": QUESTIONS[0]},
+    ]
+    a.append({"role": "assistant", "content": reply(model, a)})
+    a.append({"role": "user", "content": QUESTIONS[1]})
+    held_a = model.cache.length(0)
+    reply(model, [{"role": "user", "content": QUESTIONS[2]}])  # user B takes the slot
+    assert len(model.prefix_lru) == 1 and model.prefix_lru.hits == 0
+    ids = model.tokenizer.encode_chat(a)
+    logits = model.prepare(0, ids)
+    assert model.prefix_lru.hits == 1 and model.sessions[0].reused_tokens >= held_a - 4
+    np.testing.assert_allclose(logits, fresh_logits(reference, ids), atol=atol, rtol=0)
+    assert len(model.prefix_lru) == 2  # B's conversation was kept in turn
+    assert model.prefix_lru.nbytes <= budget
+
+
+def test_returning_conversation_reuses_the_store_exactly(long_llama):
+    returning_user(long_llama, 2**20, ATOL)
+
+
+def test_returning_conversation_reuses_the_store_exactly_int8(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama", seed=3)
+    export_model(source, tmp_path / "int8", ExportOptions(max_len=256, kv_dtype="int8"))
+    returning_user(tmp_path / "int8", 2**20, 2e-3)  # tolerance of tests/test_kv_int8.py, same reason
+
+
+def test_service_config_passes_the_store_budget_to_the_model(long_llama):
+    from kvedge.serve.config import load_service_config
+    from kvedge.serve.service import load_model
+
+    with pytest.raises(
+        KvedgeError, match=r"--prefix-cache-bytes=-1 is not allowed; allowed: a number of bytes"
+    ):
+        load_service_config(None, {"model": long_llama, "prefix_cache_bytes": -1})
+    assert load_service_config(None, {"model": long_llama}).prefix_cache_bytes == 0
+    config = load_service_config(None, {"model": long_llama, "prefix_cache_bytes": 2**20})
+    model = load_model(config, slots=1)
+    assert 2**20 - model.prefix_lru.block_bytes < model.prefix_lru.capacity_bytes <= 2**20

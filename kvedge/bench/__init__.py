@@ -17,6 +17,9 @@ neighbouring runs are what we quote). Cases, all batch 1, greedy, same random to
 Exact-size twins (kvedge exported with max_len = 128) run decode 64 only: they are the
 denominator of "no work over unused slots". Peak RSS is measured per system in a fresh process
 (prefill 1024 + 16 steps); allocation growth over 1000 decode steps likewise (kvedge only).
+Warm prefixes (issue 5: warm vs cold TTFT, warm-file start-up, turn-N TTFT; `kvedge.bench.warm`)
+are measured after the other systems are unloaded, for every kvedge system (`warm="all"`), the
+first one only (`"first"`, what `--quick` does) or none.
 
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
 table; see docs/PERFORMANCE.md for the latest figures.
@@ -46,6 +49,7 @@ from kvedge.bench import measure
 from kvedge.bench.prepare import KvedgeBuild, Workdir
 from kvedge.bench.report import evaluate_targets, plot, table
 from kvedge.bench.systems import Steppable, SystemSpec
+from kvedge.bench.warm import measure_warm
 from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import KvedgeError
 
@@ -56,6 +60,7 @@ DECODE_CONTEXTS = (64, 512, 1536)
 EXACT_SIZE_MAX_LEN = 128  # holds decode-64 plus its steps
 DEFAULT_KVEDGE = ("portable:float32", "ort:float32", "ort:int8", "ort:int4", "portable:int4")
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
+WARM = ("all", "first", "none")  # which kvedge systems get the warm-prefix section
 QUALITY_PROMPTS = (
     "The history of the Roman Empire spans more than a thousand years, from the founding of the city",
     "To bake a simple loaf of bread you need flour, water, salt and yeast. First,",
@@ -97,6 +102,7 @@ class BenchConfig:
     allocation_steps: int = 1000  # 0: skip the allocation-growth measurement
     quality: bool = True  # KL / top-1 of quantized weights against float32
     exact_size: bool = True  # exact-size twins for the unused-slots target
+    warm: str = "all"  # warm prefixes and multi-turn reuse for kvedge systems: one of WARM
     seed: int = 0
     command: str = ""  # recorded in the JSON
 
@@ -108,6 +114,8 @@ class BenchConfig:
         for peer in self.peers:
             if peer not in PEERS:
                 raise KvedgeError(f"peer {peer!r} is unknown; allowed: {list(PEERS)}")
+        if self.warm not in WARM:
+            raise KvedgeError(f"warm={self.warm!r} is not allowed; allowed: {list(WARM)}")
         longest = max((*self.prefill_lengths, *self.decode_contexts))
         if longest + self.steps + 1 > 2048:
             raise KvedgeError(f"cases up to {longest} tokens + {self.steps} steps do not fit max_len 2048")
@@ -129,6 +137,7 @@ class Results:
     quality: dict[str, dict[str, float]] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
     allocation: dict[str, dict[str, float]] = field(default_factory=dict)
+    warm: dict[str, dict[str, Any]] = field(default_factory=dict)  # system -> `measure_warm` figures
     skipped: dict[str, str] = field(default_factory=dict)
     targets: list[dict[str, Any]] = field(default_factory=list)
 
@@ -199,6 +208,10 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         echo("quality: KL / top-1 against float32 weights over 20 prompts")
         results.quality = _quality(config, specs, systems)
     del systems
+    warm = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
+    for spec in {"all": warm, "first": warm[:1], "none": []}[config.warm]:
+        echo(f"warm prefixes: {spec.name}")
+        results.warm[spec.name] = measure_warm(spec.path, threads, config.rounds, echo)
     if config.memory:
         echo("peak RSS: one fresh process per system")
         for spec in specs:

@@ -10,6 +10,13 @@ above 1 means a is faster. Targets (issue 3):
     prefill           kvedge vs onnxruntime-genai, same weight precision                >= 1.0
     int4 decode       kvedge int4 vs onnxruntime-genai int4 (>= 1.0), vs llama.cpp (>= 1.4), 512 and 1536
     fp32 decode       kvedge float32 vs onnxruntime-genai fp32                           >= 1.0
+
+Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measured:
+
+    warm TTFT         cold / warm-prefix time to first token, 300-token system prompt
+                      + 20-token user message                                            >= 10
+    warm start-up     recomputing 4 warm prefixes / loading + verifying their files      >= 20
+    turn growth       reuse-path TTFT at turn 8 / at turn 1 (full re-prefill's beside)   <= 1.30
 """
 
 from __future__ import annotations
@@ -122,7 +129,65 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                     rows.append(
                         _target(f"prefill {n}: {spec.name} vs {llama}", ratio, "report (~2x expected)", None)
                     )
+    rows.extend(warm_targets(results.warm))
     return rows
+
+
+def warm_targets(warm: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Target rows of the warm-prefix section, from `kvedge.bench.warm.measure_warm` figures."""
+    rows: list[dict[str, Any]] = []
+    for name, w in warm.items():
+        ttft = w["ttft_speedup"]
+        rows.append(
+            _target(
+                f"warm TTFT: {name}, {w['system_prompt_tokens']}-token system prompt + "
+                f"{w['user_message_tokens']}-token message, cold / warm prefix",
+                ttft,
+                ">= 10",
+                ttft >= 10,
+                f"{w['ttft_cold_median_ms']:.0f} vs {w['ttft_warm_median_ms']:.0f} ms; "
+                f"{w['new_tokens']} of {w['prompt_tokens']} tokens prefilled when warm",
+            )
+        )
+        stage = w["warmup_speedup"]
+        rows.append(
+            _target(
+                f"warm start-up: {name}, {w['warm_prefixes']} prefixes, recompute / load + verify",
+                stage,
+                ">= 20",
+                stage >= 20,
+                f"{np.median(w['warmup_recompute_s']):.2f} vs {np.median(w['warmup_load_s']):.3f} s",
+            )
+        )
+        rows.append(
+            _target(
+                f"warm boot: {name}, Model() recomputing / loading {w['warm_prefixes']} prefixes",
+                w["boot_speedup"],
+                "report",
+                None,
+                f"{w['boot_recompute_s']:.2f} vs {w['boot_load_s']:.2f} s, graph loading included",
+            )
+        )
+        first, last = w["turns"][0], w["turns"][-1]
+        growth = w["turn_growth_reuse"]
+        rows.append(
+            _target(
+                f"turn growth: {name}, reuse TTFT turn {last['turn']} / turn 1",
+                growth,
+                "<= 1.30",
+                growth <= 1.30,
+                f"full re-prefill {w['turn_growth_full']:.1f}x; conversation "
+                f"{first['conversation_tokens']}->{last['conversation_tokens']} tokens, "
+                f"new {first['new_tokens']}, {last['new_tokens']}",
+            )
+        )
+    return rows
+
+
+def format_target(row: dict[str, Any]) -> str:
+    mark = {True: "MET ", False: "MISS", None: "    "}[row["met"]]
+    value = "-" if row["value"] is None else f"{row['value']:.3f}"
+    return f"{mark} {value:>8}  {row['goal']:<14} {row['target']} {row['note']}"
 
 
 def table(results: Any) -> str:
@@ -170,11 +235,15 @@ def table(results: Any) -> str:
         f"{contexts[len(contexts) // 2] if contexts else '-'}; "
         f"load average at start {m['load_average'][0]:.1f}"
     )
+    for name, w in results.warm.items():
+        reuse = " ".join(f"{t['ttft_reuse_ms']:.0f}" for t in w["turns"])
+        full = " ".join(f"{t['ttft_full_ms']:.0f}" for t in w["turns"])
+        lines.append(
+            f"warm prefixes, {name}: TTFT cold {w['ttft_cold_median_ms']:.0f} ms, warm "
+            f"{w['ttft_warm_median_ms']:.0f} ms; TTFT per turn, reuse: {reuse} ms; full re-prefill: {full} ms"
+        )
     lines.append("")
-    for t in results.targets:
-        mark = {True: "MET ", False: "MISS", None: "    "}[t["met"]]
-        value = "-" if t["value"] is None else f"{t['value']:.3f}"
-        lines.append(f"{mark} {value:>8}  {t['goal']:<14} {t['target']} {t['note']}")
+    lines.extend(format_target(t) for t in results.targets)
     return "\n".join(lines)
 
 

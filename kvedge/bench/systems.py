@@ -96,6 +96,7 @@ class KvedgeSystem(Steppable):
         self.manifest = Manifest.load(folder)
         self.backend = OrtBackend(folder, self.manifest, threads=threads)
         self.cache = KVCache(self.manifest.geometry, 1)
+        self.backend.reserve(self.cache.layer_views(0, 1), self.manifest.geometry.max_len)  # as Model does
 
     def start(self, ids: list[int]) -> None:
         from kvedge.runtime.generate import prefill

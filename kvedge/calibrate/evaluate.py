@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -79,6 +80,8 @@ def evaluate(
     schemes: tuple[Scheme, ...] | None = None,
     batch: int = 4,
     int8_model: Model | None = None,
+    llama_cpp_gguf: Path | None = None,
+    threads: int = 1,
 ) -> list[SchemeQuality]:
     """Compare every scheme (simulated on `model`'s fp32 cache with `scales`) and the real INT8
     cache of `int8_model` (an export of the same weights with --kv-dtype int8) with the fp32
@@ -97,17 +100,21 @@ def evaluate(
         cache = KVCache(int8_model.manifest.geometry, batch)
         name = f"INT8 cache in memory (per-token, g{cache.geometry.group_size})"
         candidates.append((name, int8_model.backend, cache, cache.nbytes / KVCache(geometry, batch).nbytes))
-    if not candidates:
-        raise KvedgeError("nothing to evaluate: give scales (--scales) and/or an INT8 export (--int8-model)")
+    if not candidates and llama_cpp_gguf is None:
+        raise KvedgeError(
+            "nothing to evaluate: give scales (--scales), an INT8 export (--int8-model) or --llama-cpp"
+        )
     eos = list(model.manifest.eos_token_ids)
     reference = KVCache(geometry, batch)
     runs = [(model.backend, reference)] + [(backend, cache) for _, backend, cache, _ in candidates]
     kls: list[list[np.ndarray]] = [[] for _ in candidates]
     agree: list[list[np.ndarray]] = [[] for _ in candidates]
     match: list[list[int]] = [[] for _ in candidates]
+    sequences: list[tuple[list[int], list[int]]] = []  # (prompt ids, forced continuation) per prompt
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     for group in tqdm(groups, desc="eval-kv", unit="batch"):
         ids = [prompt_ids(model, p)[: geometry.max_len - tokens - 1] for p in group]
+        continuations: list[list[int]] = [[] for _ in group]
         for _, cache in runs:
             cache.lengths[:] = 0
         logits = [prefill(backend, cache, 0, ids) for backend, cache in runs]
@@ -127,21 +134,78 @@ def evaluate(
             ref_masked = logits[0].copy()
             ref_masked[:, eos] = -np.inf  # keep writing: a continuation of exactly `tokens` tokens
             forced = [int(t) for t in ref_masked.argmax(axis=-1)]
+            for continuation, token in zip(continuations, forced, strict=True):
+                continuation.append(token)
             logits = [decode_one_token(backend, cache, 0, forced) for backend, cache in runs]
+        sequences.extend(zip(ids, continuations, strict=True))
         for s in range(len(candidates)):
             match[s].extend(int(m) for m in first_miss[s])
-    results = []
-    for s, (name, _, _, ratio) in enumerate(candidates):
-        kl = np.concatenate(kls[s])
-        results.append(
-            SchemeQuality(
-                scheme=name,
-                kl_mean=float(kl.mean()),
-                kl_p99=float(np.percentile(kl, 99)),
-                top1_agreement=float(np.concatenate(agree[s]).mean()),
-                greedy_match_mean=float(np.mean(match[s])),
-                greedy_match_min=int(np.min(match[s])),
-                kv_bytes_ratio=ratio,
-            )
-        )
+    results = [
+        quality(name, kls[s], agree[s], match[s], ratio) for s, (name, _, _, ratio) in enumerate(candidates)
+    ]
+    if llama_cpp_gguf is not None:
+        results.extend(llama_cpp_cache_quality(llama_cpp_gguf, sequences, threads))
     return results
+
+
+def quality(
+    name: str, kls: list[np.ndarray], agree: list[np.ndarray], match: list[int], ratio: float
+) -> SchemeQuality:
+    """Summarise per-position KL divergences, argmax agreements and per-prompt match lengths."""
+    kl = np.concatenate(kls)
+    return SchemeQuality(
+        scheme=name,
+        kl_mean=float(kl.mean()),
+        kl_p99=float(np.percentile(kl, 99)),
+        top1_agreement=float(np.concatenate(agree).mean()),
+        greedy_match_mean=float(np.mean(match)),
+        greedy_match_min=int(np.min(match)),
+        kv_bytes_ratio=ratio,
+    )
+
+
+def llama_cpp_cache_quality(
+    gguf: Path, sequences: list[tuple[list[int], list[int]]], threads: int = 1
+) -> list[SchemeQuality]:
+    """llama.cpp's q8_0 KV cache against its own f16 cache on the same GGUF and the same
+    teacher-forced sequences (llama.cpp writes K/V into its cache before attending, so evaluating
+    a whole sequence in one batch reads the quantized cache as decoding would). Bytes: q8_0 packs
+    32 values in 34 bytes, against f16's 64 (and our fp32 reference's 128)."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise KvedgeError("--llama-cpp needs llama-cpp-python (pip install '.[bench]')") from exc
+    longest = max(len(p) + len(c) for p, c in sequences)
+    logits: dict[str, list[np.ndarray]] = {}
+    for name, kv_type in (("f16", llama_cpp.GGML_TYPE_F16), ("q8_0", llama_cpp.GGML_TYPE_Q8_0)):
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=longest,
+            n_batch=longest,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=True,
+            flash_attn=True,  # llama.cpp quantizes V only with flash attention
+            type_k=kv_type,
+            type_v=kv_type,
+            verbose=False,
+        )
+        logits[name] = []
+        for prompt, continuation in tqdm(sequences, desc=f"llama.cpp {name} cache", unit="prompt"):
+            llm.reset()
+            llm.eval(prompt + continuation)
+            start = len(prompt) - 1  # the logits that predict each continuation token
+            logits[name].append(np.array(llm.scores[start : start + len(continuation)], np.float32))
+        del llm
+    aligned = np.concatenate(
+        [rows.argmax(axis=-1) == c for rows, (_, c) in zip(logits["f16"], sequences, strict=True)]
+    )
+    log.info("llama.cpp f16 argmax = kvedge fp32 continuation at %.1f%% of positions", 100 * aligned.mean())
+    kls, agree, match = [], [], []
+    for ref_rows, q_rows in zip(logits["f16"], logits["q8_0"], strict=True):
+        ref, q = log_softmax(ref_rows), log_softmax(q_rows)
+        kls.append((np.exp(ref) * (ref - q)).sum(axis=-1))
+        same = ref.argmax(axis=-1) == q.argmax(axis=-1)
+        agree.append(same)
+        match.append(int(np.argmin(same)) if not same.all() else len(same))
+    return [quality("llama.cpp q8_0 cache vs its f16 cache", kls, agree, match, 34 / 128)]

@@ -49,7 +49,7 @@ class ExportOptions:
     weights: str = "float32"  # "float32", "int8" or "int4" (weight-only, blocked)
     block_size: int = 32  # quantization block (input features per scale)
     kv_dtype: str = "float32"  # "float32" or "int8" (codes + per-token float16 scales)
-    kv_group_size: int = 0  # int8: channels per scale; 0 = head_dim (one scale per token per head)
+    kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:

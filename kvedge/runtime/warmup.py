@@ -4,13 +4,19 @@ Config (`configs/warmup/*.yaml`)::
 
     prefixes:
       - name: assistant            # file name: <cache folder>/assistant.kvw
-        messages:                  # rendered with the model's chat template (no generation prompt)
+        messages:                  # rendered with the model's chat template, + the next user turn's opening
           - {role: system, content: "You are ..."}
       - name: notes
         text: "raw text"           # or raw text, tokenized without special tokens
 
 At start-up every declared prefix is loaded from its warm file if the file is valid for this
 model, cache geometry and prompt, and recomputed and rewritten otherwise (the reason is logged).
+
+A `messages` prefix holds what every conversation made of those messages and then a user message
+starts with: the rendered messages plus the template's opening of the user turn (for ChatML
+`<|im_start|>user\n`, 3 tokens), found as the tokens shared by renderings that continue with
+differently starting user messages (`USER_PROBES`). Those tokens would otherwise be prefilled on
+every first turn; a conversation that continues differently still reuses the shared part.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+USER_PROBES = ("Hi", "42", "?", "(")  # user messages starting with different kinds of characters
 
 
 @dataclass(frozen=True)
@@ -124,9 +131,15 @@ def prefix_ids(model: Model, spec: PrefixSpec) -> list[int]:
     if spec.text is not None:
         return model.tokenizer.encode(spec.text, add_special_tokens=False)
     messages = [{"role": role, "content": content} for role, content in spec.messages]
-    return model.tokenizer.encode(
-        model.tokenizer.render(messages, add_generation_prompt=False), add_special_tokens=False
-    )
+    try:
+        renders = [
+            model.tokenizer.encode_chat([*messages, {"role": "user", "content": p}]) for p in USER_PROBES
+        ]
+    except KvedgeError:  # the template refuses a user message here (e.g. two in a row)
+        return model.tokenizer.encode(
+            model.tokenizer.render(messages, add_generation_prompt=False), add_special_tokens=False
+        )
+    return renders[0][: min(common_prefix(renders[0], other) for other in renders[1:])]
 
 
 def warm_up(model: Model, config: WarmupConfig, folder: str | Path) -> tuple[PrefixStore, WarmupReport]:

@@ -21,6 +21,8 @@ File format (every key optional except `model`, which may come from `--model` in
     warmup_config: null             # warm-up YAML (configs/warmup/...): prefixes loaded before ready
     warm_dir: null                  # folder of the warm prefix files (needed with warmup_config)
     memory_budget: null             # bytes the service may use; null = MemAvailable at start-up
+    prefix_cache_bytes: 0           # in-memory store of conversation prefixes seen at run time, kept
+                                    # when their slot goes to another conversation (LRU); 0 = off
 
 Command-line flags override the file. Every error names where the value came from (file or flag),
 the key and what is allowed.
@@ -89,6 +91,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "warmup_config": (_optional(_text), "a warm-up YAML file, or null"),
     "warm_dir": (_optional(_text), "a folder for warm prefix files, or null"),
     "memory_budget": (_optional(_int_in(1, 2**50)), "a number of bytes, or null for MemAvailable"),
+    "prefix_cache_bytes": (_int_in(0, 2**50), "a number of bytes >= 0 (0 = off)"),
 }
 
 
@@ -114,6 +117,7 @@ class ServiceConfig:
     warmup_config: Path | None = None
     warm_dir: Path | None = None
     memory_budget: int | None = None
+    prefix_cache_bytes: int = 0
     api_key: str | None = field(default=None, repr=False)  # read from $api_key_env, never logged
 
     @property

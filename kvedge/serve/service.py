@@ -66,6 +66,7 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
         policy=ContextPolicy(mode=config.history_policy),
         warmup=warmup,
         warm_dir=config.warm_dir,
+        prefix_cache_bytes=config.prefix_cache_bytes,
     )
 
 
