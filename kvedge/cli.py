@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from kvedge import __version__
-from kvedge.contract import VARIANTS, WEIGHT_FORMATS
+from kvedge.contract import EXPORTED_KV_DTYPES, VARIANTS, WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
 
 log = logging.getLogger("kvedge")
@@ -163,7 +163,7 @@ def main(verbose: int) -> None:
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
 @click.option(
     "--kv-dtype",
-    type=click.Choice(["float32", "int8"]),
+    type=click.Choice(list(EXPORTED_KV_DTYPES)),
     default="float32",
     show_default=True,
     help="KV cache dtype. int8: codes plus a float16 scale per token per channel group (portable graph).",
@@ -593,7 +593,7 @@ def eval_kv(
     "kvedge_systems",
     multiple=True,
     help="kvedge system as variant:weights[:kv_dtype] (repeatable; default: portable:float32 ort:float32 "
-    "ort:int8 ort:int4 portable:int4).",
+    "ort:int8 ort:int4 portable:int4 portable:float32:int8 portable:int4:int8).",
 )
 @click.option(
     "--peer",

@@ -37,7 +37,7 @@ from kvedge.serve.config import load_service_config
 from kvedge.serve.engine import Engine, Job, decode_ranges, pick_slot
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.protocol import ApiError
-from kvedge.serve.service import serve_command
+from kvedge.serve.service import check_memory, serve_command
 from kvedge.serve.systemd import render_unit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -783,3 +783,22 @@ def test_warm_prefixes_load_before_ready_and_window_policy_serves_long_chats(art
         assert window.status_code == 200, window.text  # under `error` this is a 400
     finally:
         srv.stop()
+
+
+def test_memory_check_counts_the_prefix_store(artifact):
+    """The run-time prefix store is allocated in full at start-up, so the budget must hold it
+    beside the slots: a budget that fits the slots alone is refused once the store is added."""
+    fits = load_service_config(None, {"model": artifact, "slots": 2, "memory_budget": 1 << 40})
+    need = check_memory(fits)
+    exact = load_service_config(None, {"model": artifact, "slots": 2, "memory_budget": need})
+    assert check_memory(exact) == need
+    store = 1 << 20
+    with_store = load_service_config(
+        None, {"model": artifact, "slots": 2, "memory_budget": need, "prefix_cache_bytes": store}
+    )
+    with pytest.raises(KvedgeError, match="need .* but the budget is"):
+        check_memory(with_store)
+    roomy = load_service_config(
+        None, {"model": artifact, "slots": 2, "memory_budget": need + store, "prefix_cache_bytes": store}
+    )
+    assert check_memory(roomy) == need + store

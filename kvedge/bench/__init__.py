@@ -58,7 +58,15 @@ log = logging.getLogger(__name__)
 PREFILL_LENGTHS = (128, 512, 1024)
 DECODE_CONTEXTS = (64, 512, 1536)
 EXACT_SIZE_MAX_LEN = 128  # holds decode-64 plus its steps
-DEFAULT_KVEDGE = ("portable:float32", "ort:float32", "ort:int8", "ort:int4", "portable:int4")
+DEFAULT_KVEDGE = (
+    "portable:float32",
+    "ort:float32",
+    "ort:int8",
+    "ort:int4",
+    "portable:int4",
+    "portable:float32:int8",
+    "portable:int4:int8",
+)
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
 WARM = ("all", "first", "none")  # which kvedge systems get the warm-prefix section
 QUALITY_PROMPTS = (

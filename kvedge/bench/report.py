@@ -10,6 +10,8 @@ above 1 means a is faster. Targets (issue 3):
     prefill           kvedge vs onnxruntime-genai, same weight precision                >= 1.0
     int4 decode       kvedge int4 vs onnxruntime-genai int4 (>= 1.0), vs llama.cpp (>= 1.4), 512 and 1536
     fp32 decode       kvedge float32 vs onnxruntime-genai fp32                           >= 1.0
+    int8 cache        kvedge with --kv-dtype int8 vs the same graph with the fp32 cache,
+                      decode at the longest context (issue 4)                           >= 1.0
 
 Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measured:
 
@@ -121,6 +123,10 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                 rows.append(
                     _target(f"fp32 decode: {spec.name} vs {hf}", ratio, "report (~3x expected)", None)
                 )
+    for spec in kvedge:
+        float_cache = spec.name.removesuffix(" kv int8")
+        if float_cache != spec.name and float_cache in names and contexts:
+            faster(f"int8 cache decode {contexts[-1]}", spec.name, float_cache, f"decode:{contexts[-1]}", 1.0)
     if llama:
         for spec in kvedge:
             if spec.weights == "int4":

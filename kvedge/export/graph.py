@@ -61,7 +61,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kvedge.contract import VARIANTS, CacheGeometry, IONames
+from kvedge.contract import EXPORTED_KV_DTYPES, VARIANTS, CacheGeometry, IONames
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
 
@@ -69,7 +69,6 @@ OPSET = 17  # float32 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-EXPORTED_KV_DTYPES = ("float32", "int8")
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,15 @@ def check_memory(config: ServiceConfig) -> int:
     from kvedge.planner import check_fits, live_budget
 
     budget = config.memory_budget or live_budget().usable
-    return check_fits(config.model, config.slots, budget).total
+    if config.prefix_cache_bytes >= budget:
+        raise KvedgeError(
+            f"prefix_cache_bytes {config.prefix_cache_bytes} leaves nothing of the memory budget "
+            f"({budget} bytes) for the model and its slots"
+        )
+    # the run-time prefix store is allocated in full at start-up, beside the slots
+    return check_fits(config.model, config.slots, budget - config.prefix_cache_bytes).total + (
+        config.prefix_cache_bytes
+    )
 
 
 def load_model(config: ServiceConfig, slots: int) -> Model:
