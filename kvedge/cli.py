@@ -6,7 +6,7 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,11 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             raise click.ClickException(str(exc)) from None
 
     return wrapper
+
+
+def choice_option(flag: str, choices: Sequence[str], default: str, help: str) -> Any:
+    """`--flag` taking one of `choices`, showing its default in --help."""
+    return click.option(flag, type=click.Choice(list(choices)), default=default, show_default=True, help=help)
 
 
 model_option = click.option(
@@ -138,35 +143,26 @@ def main(verbose: int) -> None:
 @click.option(
     "--max-len", default=2048, show_default=True, type=int, help="Cache length (tokens) per sequence."
 )
-@click.option(
-    "--logits",
-    type=click.Choice(["last", "all"]),
-    default="last",
-    show_default=True,
-    help="Return logits for the last position only, or all.",
-)
+@choice_option("--logits", ["last", "all"], "last", "Return logits for the last position only, or all.")
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
-@click.option(
+@choice_option(
     "--variant",
-    type=click.Choice(sorted(VARIANTS)),
-    default="portable",
-    show_default=True,
-    help="portable: standard ONNX ops (TensorRT); ort: onnxruntime fused attention, cache written in place.",
+    sorted(VARIANTS),
+    "portable",
+    "portable: standard ONNX ops (TensorRT); ort: onnxruntime fused attention, cache written in place.",
 )
-@click.option(
+@choice_option(
     "--weights",
-    type=click.Choice(list(WEIGHT_FORMATS)),
-    default="float32",
-    show_default=True,
-    help="Weight-only quantization of the projections and LM head (blocked QDQ).",
+    WEIGHT_FORMATS,
+    "float32",
+    "Weight-only quantization of the projections and LM head (blocked QDQ).",
 )
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
-@click.option(
+@choice_option(
     "--kv-dtype",
-    type=click.Choice(list(EXPORTED_KV_DTYPES)),
-    default="float32",
-    show_default=True,
-    help="KV cache dtype. int8: codes plus a float16 scale per token per channel group (portable graph).",
+    EXPORTED_KV_DTYPES,
+    "float32",
+    "KV cache dtype. int8: codes plus a float16 scale per token per channel group (portable graph).",
 )
 @click.option(
     "--kv-group-size",
@@ -174,12 +170,11 @@ def main(verbose: int) -> None:
     type=int,
     help="int8 cache: channels per scale per token (16, 32, 64, 128 up to head_dim; default 32).",
 )
-@click.option(
+@choice_option(
     "--target",
-    type=click.Choice(["onnx", "tensorrt"]),
-    default="onnx",
-    show_default=True,
-    help="tensorrt: also build model.engine from the ONNX graph (needs TensorRT and a GPU).",
+    ["onnx", "tensorrt"],
+    "onnx",
+    "tensorrt: also build model.engine from the ONNX graph (needs TensorRT and a GPU).",
 )
 @click.option(
     "--max-prefill", default=256, show_default=True, type=int, help="tensorrt: longest prefill chunk."
