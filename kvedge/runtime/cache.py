@@ -60,6 +60,7 @@ class KVCache:
             np.ones(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE) if geometry.quantized else None
         )
         self.lengths = np.zeros(slots, np.int64)
+        self._views: dict[tuple[int, int], list[tuple[np.ndarray, ...]]] = {}  # layer_views, made once
         self.tokens = np.zeros((slots, geometry.max_len), np.int64)
         # Optional hook run on each block of new K/V [layers, 2, kv_heads, n, head_dim] as it
         # becomes valid, with the block's first position: `kvedge.quant.RoundTrip` uses it to
@@ -89,14 +90,19 @@ class KVCache:
         """Per layer views of slots first..first+count-1, in `IONames.past` order: (K, V) each
         [count, kv_heads, max_len, head_dim], then for int8 caches (K scales, V scales) each
         [count, kv_heads, max_len, groups]."""
+        views = self._views.get((first, count))
+        if views is not None:  # the pool never moves, so views made once stay valid
+            return views
         end = first + count
         if not 0 <= first < end <= self.slots:
             raise KvedgeError(f"slots {first}..{end - 1} are outside the pool of {self.slots}")
         arrays = (self.pool,) if self.scales is None else (self.pool, self.scales)
-        return [
+        views = [
             tuple(a[layer, kind, first:end] for a in arrays for kind in (0, 1))
             for layer in range(self.geometry.num_layers)
         ]
+        self._views[(first, count)] = views
+        return views
 
     def check_room(self, slot: int, count: int) -> None:
         if count > self.room(slot):
