@@ -352,7 +352,7 @@ def _kvedge_spec(folder: Path, name: str, reference_for: str | None = None) -> S
         weight_bytes_per_token=measure.onnx_weight_bytes_per_token(folder / ONNX_FILE),
         kv_bytes_per_token=manifest.geometry.bytes_per_token(),
         reference_for=reference_for,
-        extra={"variant": manifest.variant},
+        extra={"variant": manifest.variant, "kv_dtype": manifest.geometry.dtype},
     )
 
 

@@ -123,10 +123,18 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                 rows.append(
                     _target(f"fp32 decode: {spec.name} vs {hf}", ratio, "report (~3x expected)", None)
                 )
-    for spec in kvedge:
-        float_cache = spec.name.removesuffix(" kv int8")
-        if float_cache != spec.name and float_cache in names and contexts:
-            faster(f"int8 cache decode {contexts[-1]}", spec.name, float_cache, f"decode:{contexts[-1]}", 1.0)
+    for spec in kvedge:  # each INT8-cache system against the same graph and weights with an fp32 cache
+        twin = next(
+            (
+                s
+                for s in kvedge
+                if s.extra.get("kv_dtype") == "float32"
+                and (s.weights, s.extra.get("variant")) == (spec.weights, spec.extra.get("variant"))
+            ),
+            None,
+        )
+        if spec.extra.get("kv_dtype") == "int8" and twin is not None and contexts:
+            faster(f"int8 cache decode {contexts[-1]}", spec.name, twin.name, f"decode:{contexts[-1]}", 1.0)
     if llama:
         for spec in kvedge:
             if spec.weights == "int4":

@@ -99,7 +99,7 @@ def evaluate(
         model.manifest.check_compatible(int8_model.manifest, "--int8-model", cache_dtype=False)
         cache = KVCache(int8_model.manifest.geometry, batch)
         name = f"INT8 cache in memory (per-token, g{cache.geometry.group_size})"
-        candidates.append((name, int8_model.backend, cache, cache.nbytes / KVCache(geometry, batch).nbytes))
+        candidates.append((name, int8_model.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(
             "nothing to evaluate: give scales (--scales), an INT8 export (--int8-model) or --llama-cpp"

@@ -555,7 +555,7 @@ class _Int8Codec:
     """
 
     def __init__(self, g: _Builder, kv_heads: int, d: int, group_size: int, attend: str) -> None:
-        self.g, self.d, self.groups, self.attend = g, d, d // group_size, attend
+        self.g, self.groups, self.attend = g, d // group_size, attend
         self.heads = g.ints(kv_heads, kv_heads)  # splits [b, 2 kvh, ...] into K and V
         self.ones = g.ints(*[1] * self.groups)  # splits [b, kvh, groups, A] into groups
         self.widths = g.ints(*[group_size] * self.groups)  # splits [..., d] into channel groups

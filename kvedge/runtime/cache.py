@@ -188,12 +188,19 @@ class KVCache:
         self.tokens[slot, start : start + moved] = self.tokens[slot, start + count : length].copy()
         self.lengths[slot] = length - count
 
+    def view(self, slot: int, start: int, stop: int) -> KVBlock:
+        """Views of the KV (and scales) of positions start..stop-1 of `slot` (not copies)."""
+        if not 0 <= start < stop <= self.length(slot):
+            raise KvedgeError(
+                f"cannot read tokens {start}..{stop} from slot {slot} holding {self.length(slot)}"
+            )
+        scales = None if self.scales is None else self.scales[:, :, slot, :, start:stop]
+        return KVBlock(self.pool[:, :, slot, :, start:stop], scales)
+
     def read(self, slot: int, count: int) -> KVBlock:
         """A copy of the first `count` tokens' KV (and scales) of `slot`."""
-        if not 0 < count <= self.length(slot):
-            raise KvedgeError(f"cannot read {count} tokens from slot {slot} holding {self.length(slot)}")
-        scales = None if self.scales is None else self.scales[:, :, slot, :, :count].copy()
-        return KVBlock(self.pool[:, :, slot, :, :count].copy(), scales)
+        block = self.view(slot, 0, count)
+        return KVBlock(block.kv.copy(), None if block.scales is None else block.scales.copy())
 
     def write(self, slot: int, block: KVBlock, token_ids: Sequence[int], start: int = 0) -> None:
         """Make `slot` hold its first `start` tokens, then `block` (as `read` returns it) for

@@ -283,9 +283,10 @@ class PrefixLRU:
         for i, block in enumerate(blocks):
             start = i * self.block_tokens
             n = min(self.block_tokens, len(ids) - start)
-            self.kv[:, :, block, :, :n] = cache.pool[:, :, slot, :, start : start + n]
+            held = cache.view(slot, start, start + n)
+            self.kv[:, :, block, :, :n] = held.kv
             if self.scales is not None:
-                self.scales[:, :, block, :, :n] = cache.scales[:, :, slot, :, start : start + n]
+                self.scales[:, :, block, :, :n] = held.scales
         self.entries[self._next_key] = LRUEntry(self._next_key, ids.copy(), blocks)
         self._next_key += 1
 
