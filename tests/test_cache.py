@@ -127,3 +127,20 @@ def test_load_reserves_decode_memory_without_touching_valid_state(tiny_llama):
         assert set(written.tolist()) == {model.manifest.geometry.max_len - 1}
     else:
         assert written.size == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096
+
+
+def test_pool_is_resident_from_construction():
+    """Preallocated means resident: every page of the pool is written when the cache is made,
+    so a pool that does not fit fails at load and decoding never faults in pages as it grows
+    (np.zeros would map zero pages lazily and RSS would grow with the context)."""
+    geometry = CacheGeometry(num_layers=4, num_kv_heads=4, head_dim=64, max_len=8192)  # 64 MiB
+    before = _rss_bytes()
+    cache = KVCache(geometry, slots=2)
+    grown = _rss_bytes() - before
+    assert cache.pool.nbytes == 2 * geometry.bytes_per_slot()
+    assert grown >= 0.9 * cache.pool.nbytes, f"pool {cache.pool.nbytes} bytes, RSS grew {grown}"

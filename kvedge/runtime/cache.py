@@ -55,13 +55,16 @@ class KVCache:
             raise KvedgeError(f"slots={slots!r} must be a positive integer")
         self.geometry = geometry
         self.slots = slots
-        self.pool = np.zeros(geometry.pool_shape(slots), geometry.np_dtype)
+        # np.full writes every page now (np.zeros would map zero pages lazily, as tokens arrive):
+        # the whole pool is resident from the start, so a cache that does not fit fails at load,
+        # not mid-conversation, and decoding never faults in new pages as the context grows.
+        self.pool = np.full(geometry.pool_shape(slots), 0, geometry.np_dtype)
         self.scales = (
-            np.ones(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE) if geometry.quantized else None
+            np.full(geometry.scale_pool_shape(slots), 1, KV_SCALE_DTYPE) if geometry.quantized else None
         )
+        self.tokens = np.full((slots, geometry.max_len), 0, np.int64)
         self.lengths = np.zeros(slots, np.int64)
         self._views: dict[tuple[int, int], list[tuple[np.ndarray, ...]]] = {}  # layer_views, made once
-        self.tokens = np.zeros((slots, geometry.max_len), np.int64)
         # Optional hook run on each block of new K/V [layers, 2, kv_heads, n, head_dim] as it
         # becomes valid, with the block's first position: `kvedge.quant.RoundTrip` uses it to
         # measure INT8 schemes.
