@@ -126,7 +126,8 @@ def check_kv_dtype(kv_dtype: str, variant: str) -> None:
     if kv_dtype != "float32" and variant != "portable":
         raise KvedgeError(
             f"--kv-dtype {kv_dtype} needs --variant portable (onnxruntime's GroupQueryAttention "
-            f"reads a float cache); got --variant {variant}"
+            f"quantizes its cache with static scales only, which lose ~85x more than per-token "
+            f"scales: docs/PERFORMANCE.md); got --variant {variant}"
         )
 
 

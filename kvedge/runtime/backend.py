@@ -147,7 +147,8 @@ class OrtBackend:
 
     def _decode(self, input_ids, position_ids, past_lengths, past) -> StepOutput:
         """One token per row through a binding made once per (batch, slots) and then reused."""
-        key = (input_ids.shape[0], past[0][0].ctypes.data, past[0][0].strides)
+        # the buffer address without a ctypes object: made every step, it would churn the heap
+        key = (input_ids.shape[0], past[0][0].__array_interface__["data"][0], past[0][0].strides)
         step = self._decode_bindings.get(key)
         if step is None:
             if len(self._decode_bindings) >= self.max_decode_bindings:
