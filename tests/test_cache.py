@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+
 import numpy as np
 import pytest
 from conftest import random_ids
@@ -131,7 +133,7 @@ def test_load_reserves_decode_memory_without_touching_valid_state(tiny_llama):
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096
+        return int(handle.read().split()[1]) * resource.getpagesize()
 
 
 def test_pool_is_resident_from_construction():
