@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import resource
-
 import numpy as np
 import pytest
 from conftest import random_ids
 
+from kvedge.bench.measure import rss_bytes
 from kvedge.contract import CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
@@ -131,18 +130,13 @@ def test_load_reserves_decode_memory_without_touching_valid_state(tiny_llama):
         assert written.size == 0
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * resource.getpagesize()
-
-
 def test_pool_is_resident_from_construction():
     """Preallocated means resident: every page of the pool is written when the cache is made,
     so a pool that does not fit fails at load and decoding never faults in pages as it grows
     (np.zeros would map zero pages lazily and RSS would grow with the context)."""
     geometry = CacheGeometry(num_layers=4, num_kv_heads=4, head_dim=64, max_len=8192)  # 64 MiB
-    before = _rss_bytes()
+    before = rss_bytes()
     cache = KVCache(geometry, slots=2)
-    grown = _rss_bytes() - before
+    grown = rss_bytes() - before
     assert cache.pool.nbytes == 2 * geometry.bytes_per_slot()
     assert grown >= 0.9 * cache.pool.nbytes, f"pool {cache.pool.nbytes} bytes, RSS grew {grown}"

@@ -111,7 +111,8 @@ def allocation_profile(spec: SystemSpec, threads: int, prompt: list[int], steps:
         return pool.apply(_allocation_child, (spec, threads, prompt, steps))
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """Resident set size of this process, in bytes."""
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * resource.getpagesize()
 
@@ -125,20 +126,20 @@ def _allocation_child(spec: SystemSpec, threads: int, prompt: list[int], steps: 
     for _ in range(warmup):
         token = int(np.argmax(step(token)))
     tracemalloc.start()
-    rss_start, heap_start = _rss_bytes(), tracemalloc.get_traced_memory()[0]
+    rss_start, heap_start = rss_bytes(), tracemalloc.get_traced_memory()[0]
     start_len = cache.length(0)
     rss_samples = []
     for i in range(steps - warmup):
         token = int(np.argmax(step(token)))
         if i % 100 == 0:
-            rss_samples.append(_rss_bytes())
+            rss_samples.append(rss_bytes())
     heap_end, heap_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return {
         "steps": steps - warmup,
         "context_from": start_len,
         "context_to": cache.length(0),
-        "rss_growth_mib": (_rss_bytes() - rss_start) / 2**20,
+        "rss_growth_mib": (rss_bytes() - rss_start) / 2**20,
         "rss_max_growth_mib": (max(rss_samples) - rss_start) / 2**20,
         "heap_growth_kib": (heap_end - heap_start) / 1024,
         "heap_peak_above_start_kib": (heap_peak - heap_start) / 1024,

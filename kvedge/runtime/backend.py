@@ -179,19 +179,19 @@ class OrtBackend:
         if step.position_ids is not None:
             _bind_array(binding, names.position_ids, step.position_ids, output=False)
         _bind_array(binding, names.logits, step.logits, output=True)
+        templates = names.present(g.quantized)
         if self.manifest.in_place:
             outputs = past
         else:
             shape = (batch, g.num_kv_heads, 1, g.head_dim)
             scale_shape = (batch, g.num_kv_heads, 1, g.scale_groups)
             scratch = [(shape, g.np_dtype)] * 2 + [(scale_shape, KV_SCALE_DTYPE)] * 2
-            templates = names.present(g.quantized)
             outputs = step.present = [
                 tuple(np.zeros(shape, dtype) for shape, dtype in scratch[: len(templates)])
                 for _ in range(g.num_layers)
             ]
         for i, arrays in enumerate(outputs):
-            for template, array in zip(names.present(g.quantized), arrays, strict=True):
+            for template, array in zip(templates, arrays, strict=True):
                 _bind_array(binding, names.layer(template, i), array, output=True)
         return step
 
