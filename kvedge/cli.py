@@ -162,7 +162,8 @@ def main(verbose: int) -> None:
     "--kv-dtype",
     EXPORTED_KV_DTYPES,
     "float32",
-    "KV cache dtype. int8: codes plus a float16 scale per token per channel group (portable graph).",
+    "KV cache dtype. int8: codes plus a float16 scale per token per channel group (with --variant ort "
+    "it runs kvedge's own attention kernel, built at install).",
 )
 @click.option(
     "--kv-group-size",

@@ -45,6 +45,9 @@ EXPORTED_KV_DTYPES = ("float32", "int8")  # what `kvedge export --kv-dtype` buil
 # Manifests written before the field existed load as "portable" (same format version).
 VARIANTS = {"portable": "standard ONNX ops (TensorRT-compatible)", "ort": "onnxruntime fused attention"}
 IN_PLACE_VARIANTS = ("ort",)
+# kvedge's own onnxruntime kernels (kvedge/runtime/csrc): "ort" graphs over an INT8 cache use them
+KVEDGE_OPS_DOMAIN = "kvedge"
+INT8_ATTENTION_OP = "Int8CacheAttention"
 WEIGHT_FORMATS = {"float32": 32, "int8": 8, "int4": 4}  # weight-only formats -> bits
 
 
@@ -217,6 +220,11 @@ class Manifest:
     def in_place(self) -> bool:
         """True when the graph writes new K/V into the bound past buffers itself."""
         return self.variant in IN_PLACE_VARIANTS
+
+    @property
+    def uses_kvedge_ops(self) -> bool:
+        """True when the graph needs kvedge's kernel library (`kvedge.runtime.kernels`)."""
+        return self.variant == "ort" and self.geometry.quantized
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -32,17 +32,38 @@ ATOL = 2e-3
 MAX_LEN = 256
 
 
-@pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 0), ("llama-hd32", 16)], ids=str)
+# (family, cache group size, graph variant). "ort" graphs run kvedge's own attention kernel
+# (kvedge/runtime/csrc): head_dim 16 takes its generic path, 32 and 64 its vectorized one.
+INT8_CASES = [
+    ("llama", 0, "portable"),
+    ("qwen2", 0, "portable"),
+    ("llama-hd32", 16, "portable"),
+    ("llama", 0, "ort"),
+    ("llama-hd32", 16, "ort"),
+    ("qwen2-hd64", 32, "ort"),
+]
+HEAD_DIMS = {  # config overrides giving the named head_dim
+    "hd32": {"num_attention_heads": 2, "num_key_value_heads": 1},
+    "hd64": {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+}
+
+
+def export_int8(root, case: tuple[str, int, str]):
+    """(float32 export, int8 export) of one tiny model, both under `root`."""
+    family, group, variant = case
+    overrides = HEAD_DIMS.get(family.partition("-")[2], {})
+    source = make_tiny_model(root / "hf", family.split("-")[0], **overrides)
+    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN))
+    options = ExportOptions(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=group, variant=variant)
+    export_model(source, root / "int8", options)
+    return root / "fp", root / "int8"
+
+
+@pytest.fixture(scope="module", params=INT8_CASES, ids=lambda case: "-".join(map(str, case)))
 def int8_pair(request, tmp_path_factory):
     """(float32 export, int8 export) of one tiny model; "hd32" has head_dim 32, so group 16 gives
     two scales per token per head (a Slice, MatMul and scale per channel group) instead of one."""
-    family, group = request.param
-    root = tmp_path_factory.mktemp(f"int8-{family}-{group}")
-    overrides = {"num_attention_heads": 2, "num_key_value_heads": 1} if family.endswith("hd32") else {}
-    source = make_tiny_model(root / "hf", family.split("-")[0], **overrides)
-    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN))
-    export_model(source, root / "int8", ExportOptions(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=group))
-    return root / "fp", root / "int8"
+    return export_int8(tmp_path_factory.mktemp("int8-" + "-".join(map(str, request.param))), request.param)
 
 
 def test_pool_is_int8_with_float16_scales_counted_exactly(int8_pair):
@@ -176,8 +197,6 @@ def test_warm_file_round_trip_and_dtype_refusal(int8_pair, tmp_path):
 
 
 def test_bad_int8_options_are_refused_by_name(tmp_path):
-    with pytest.raises(KvedgeError, match="needs --variant portable"):
-        ExportOptions(kv_dtype="int8", variant="ort")
     with pytest.raises(KvedgeError, match="allowed: \\['float32', 'int8'\\]"):
         ExportOptions(kv_dtype="int4")
     with pytest.raises(KvedgeError, match="applies to --kv-dtype int8 only"):
@@ -186,10 +205,8 @@ def test_bad_int8_options_are_refused_by_name(tmp_path):
         KvedgeError, match="group_size=24 is not allowed for head_dim 64; allowed: \\[16, 32, 64\\]"
     ):
         CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=64, max_len=16, dtype="int8", group_size=24)
-    result = CliRunner().invoke(
-        main, ["export", "--out", str(tmp_path / "x"), "--kv-dtype", "int8", "--variant", "ort"]
-    )
-    assert result.exit_code != 0 and "needs --variant portable" in result.output
+    result = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "x"), "--kv-dtype", "int5"])
+    assert result.exit_code != 0 and "'int5' is not one of" in result.output
     assert "Traceback" not in result.output
 
 
@@ -208,3 +225,73 @@ def test_eval_kv_measures_the_real_int8_cache_and_calibration_refuses_it(int8_pa
     refused = CliRunner().invoke(main, ["calibrate", "--model", str(int8_dir), "--out", str(tmp_path / "s")])
     assert refused.exit_code != 0 and "calibration reads float K/V" in refused.output
     assert not (tmp_path / "s").exists()
+
+
+@pytest.fixture(scope="module")
+def int8_variants(tmp_path_factory):
+    """The same tiny model (head_dim 64, cache group 32: SmolLM2's shapes) exported with the INT8
+    cache as the portable graph (standard ops) and the ort graph (kvedge's kernel)."""
+    root = tmp_path_factory.mktemp("int8-variants")
+    source = make_tiny_model(root / "hf", "llama", **HEAD_DIMS["hd64"])
+    for variant in ("portable", "ort"):
+        options = ExportOptions(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=32, variant=variant)
+        export_model(source, root / variant, options)
+    return root / "portable", root / "ort"
+
+
+def test_int8_kernel_equals_the_portable_int8_graph(int8_variants):
+    """kvedge.Int8CacheAttention against the standard-op INT8 graph, which is the reference for the
+    INT8 cache's math: same codes and scales stored, same logits up to float summation order
+    (ATOL, as for a re-prefill: the kernel sums 8 channels at a time and exponentiates with its own
+    polynomial, so a value at a rounding tie may land one code step away), through prefills, and
+    batched decodes of rows at different lengths, with and without an idle row."""
+    portable, ort = Model(int8_variants[0], slots=2), Model(int8_variants[1], slots=2)
+    prompts = [random_ids(37, seed=11), random_ids(90, seed=12)]
+    for slot, ids in enumerate(prompts):
+        np.testing.assert_allclose(
+            prefill(ort.backend, ort.cache, slot, [ids]),
+            prefill(portable.backend, portable.cache, slot, [ids]),
+            atol=ATOL,
+            rtol=0,
+        )
+    for step, tokens in enumerate(zip(random_ids(20, seed=13), random_ids(20, seed=14), strict=True)):
+        rows = list(tokens) if step % 3 else [tokens[0], None]  # every third step slot 1 idles
+        got = decode_one_token(ort.backend, ort.cache, 0, rows)
+        want = decode_one_token(portable.backend, portable.cache, 0, rows)
+        busy = [r for r, t in enumerate(rows) if t is not None]
+        np.testing.assert_allclose(got[busy], want[busy], atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(ort.cache.lengths, portable.cache.lengths)
+    for slot in range(2):
+        n = ort.cache.length(slot)
+        codes = np.abs(ort.cache.pool[:, :, slot, :, :n].astype(int) - portable.cache.pool[:, :, slot, :, :n])
+        assert codes.max() <= 1 and (codes == 0).mean() > 0.999  # a tie may round the other way
+        np.testing.assert_allclose(
+            ort.cache.scales[:, :, slot, :, :n], portable.cache.scales[:, :, slot, :, :n], rtol=1e-3
+        )
+
+
+def test_int8_kernel_refuses_a_past_that_does_not_fit(int8_variants):
+    """The kernel checks each row's past length against the cache before writing anything."""
+    model = Model(int8_variants[1])
+    views = model.cache.layer_views(0, 1)
+    before = model.cache.pool.copy()
+    overflow = f"past length {MAX_LEN} \\+ 1 new tokens does not fit {MAX_LEN} slots"
+    with pytest.raises(Exception, match=overflow):
+        model.backend.run(
+            np.zeros((1, 1), np.int64),
+            np.array([[MAX_LEN]]),
+            np.array([MAX_LEN], np.int64),
+            np.zeros(1, np.int64),
+            views,
+        )
+    np.testing.assert_array_equal(model.cache.pool, before)
+
+
+def test_missing_kernel_library_is_named(tmp_path):
+    from kvedge.runtime import kernels
+
+    with pytest.raises(KvedgeError, match="is not built in .*pip install -e .*--variant portable"):
+        kernels.library_path(tmp_path)
+    (tmp_path / f"{kernels.LIBRARY_STEM}.so").write_bytes(b"not a library")
+    with pytest.raises(KvedgeError, match="is not a usable kvedge kernel library"):
+        kernels.library_path(tmp_path)

@@ -55,7 +55,7 @@ class ExportOptions:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
         self.graph_options()  # validates logits, variant, weights and block size
-        check_kv_dtype(self.kv_dtype, self.variant)
+        check_kv_dtype(self.kv_dtype)
         if self.kv_dtype != "int8" and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 

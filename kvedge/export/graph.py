@@ -46,6 +46,12 @@ GroupQueryAttention takes positions from `seqlens_k` (position of new token i = 
 the same rule as the portable graph), so `position_ids` is not a graph input there. It accepts
 s > 1 with a non-empty past only for batch 1; the runtime splits such calls by row.
 
+`ort` with the INT8 cache (`--kv-dtype int8`): GroupQueryAttention's own 8-bit cache has static
+scales only, so attention is kvedge's onnxruntime kernel `kvedge.Int8CacheAttention`
+(`kvedge/runtime/csrc/kvedge_ops.cc`, loaded by the runtime): the same inputs as above plus the
+K/V scale buffers, in place; it quantizes the new tokens per token exactly as the portable INT8
+graph does and reads each KV head's int8 codes once per step for its whole query group.
+
 Weights: float32, or blocked int8/int4 `DequantizeLinear -> MatMul` (see `quantize.py`) for every
 projection and the LM head; the embedding table stays float32 (one row is read per token).
 """
@@ -61,7 +67,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kvedge.contract import EXPORTED_KV_DTYPES, VARIANTS, CacheGeometry, IONames
+from kvedge.contract import (
+    EXPORTED_KV_DTYPES,
+    INT8_ATTENTION_OP,
+    KVEDGE_OPS_DOMAIN,
+    VARIANTS,
+    CacheGeometry,
+    IONames,
+)
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
 
@@ -119,16 +132,10 @@ class GraphOptions:
         return WEIGHT_FORMATS[self.weights]
 
 
-def check_kv_dtype(kv_dtype: str, variant: str) -> None:
+def check_kv_dtype(kv_dtype: str) -> None:
     """Refuse a cache dtype the graph cannot be built with, naming the allowed ones."""
     if kv_dtype not in EXPORTED_KV_DTYPES:
         raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
-    if kv_dtype != "float32" and variant != "portable":
-        raise KvedgeError(
-            f"--kv-dtype {kv_dtype} needs --variant portable (onnxruntime's GroupQueryAttention "
-            f"quantizes its cache with static scales only, which lose ~85x more than per-token "
-            f"scales: docs/PERFORMANCE.md); got --variant {variant}"
-        )
 
 
 def rope_tables(
@@ -213,7 +220,7 @@ def build_decoder_graph(
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
     options = options or GraphOptions()
-    check_kv_dtype(geometry.dtype, options.variant)
+    check_kv_dtype(geometry.dtype)
     g = _Builder(options.opset)
     heads, kv_heads, d = spec.num_heads, geometry.num_kv_heads, geometry.head_dim
     length = geometry.max_len
@@ -255,6 +262,8 @@ def build_decoder_graph(
         attention = _PortableAttention(
             **ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table, kv_group_size=geometry.group_size
         )
+    elif geometry.quantized:
+        attention = _Int8CacheAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
     else:
         attention = _GroupQueryAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
 
@@ -376,6 +385,8 @@ def build_decoder_graph(
     opsets = [helper.make_opsetid("", options.opset)]
     if options.variant == "ort":
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        if geometry.quantized:
+            opsets.append(helper.make_opsetid(KVEDGE_OPS_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="kvedge")
     # IR 8 is what onnxruntime and TensorRT 8.6+ both read; opset 21 (int4/int8 types) needs IR 10.
     model.ir_version = 8 if options.opset < 21 else 10
@@ -732,6 +743,28 @@ class _GroupQueryAttention:
             scale=1.0,  # folded into Wq
             do_rotary=1,
             rotary_interleaved=0,
+        )[0]
+
+
+class _Int8CacheAttention:
+    """kvedge's own onnxruntime kernel (`kvedge/runtime/csrc/kvedge_ops.cc`): GroupQueryAttention's
+    counterpart over the INT8 cache, past and present sharing one buffer per tensor."""
+
+    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
+        self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
+        self.cos_table, self.sin_table = cos_table, sin_table
+
+    def layer(self, i: int, qkv: str) -> str:
+        g, names = self.g, self.names
+        past = [names.layer(t, i) for t in names.past(True)]  # K, V codes, K, V scales
+        return g.op(
+            INT8_ATTENTION_OP,
+            [qkv, names.past_lengths, *past, self.cos_table, self.sin_table],
+            f"model.layers.{i}.attn.int8",
+            outputs=[f"model.layers.{i}.attn.merged", *[names.layer(t, i) for t in names.present(True)]],
+            domain=KVEDGE_OPS_DOMAIN,
+            num_heads=self.heads,
+            kv_num_heads=self.kv_heads,
         )[0]
 
 

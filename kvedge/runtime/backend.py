@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from kvedge.contract import KV_SCALE_DTYPE, ONNX_FILE, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.runtime import kernels
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class OrtBackend:
         if optimized_model_path is not None:  # for inspecting fusions (tests, benchmarks)
             options.optimized_model_filepath = str(optimized_model_path)
         self.threads = options.intra_op_num_threads
+        if manifest.uses_kvedge_ops:
+            options.register_custom_ops_library(str(kernels.library_path()))
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=[PROVIDERS[provider]])
         self._check_io()
         self._decode_bindings: dict[tuple, _DecodeBinding] = {}
@@ -241,9 +244,10 @@ class OrtBackend:
             (batch, 1 if self.manifest.logits == "last" else seq, self.manifest.vocab_size), np.float32
         )
         _bind_array(binding, names.logits, logits, output=True)
-        for i, (k, v) in enumerate(past):
-            _bind_array(binding, names.layer(names.present_key, i), k, output=True)
-            _bind_array(binding, names.layer(names.present_value, i), v, output=True)
+        templates = names.present(self.manifest.geometry.quantized)
+        for i, views in enumerate(past):
+            for template, view in zip(templates, views, strict=True):
+                _bind_array(binding, names.layer(template, i), view, output=True)
         self.session.run_with_iobinding(binding)
         return self._select_last(logits, last_index)
 

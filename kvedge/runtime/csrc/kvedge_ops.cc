@@ -1,0 +1,586 @@
+// kvedge's onnxruntime custom operator: attention over an INT8 per-token-scaled KV cache.
+//
+// kvedge.Int8CacheAttention (domain "kvedge", CPU) is the INT8-cache counterpart of
+// onnxruntime's GroupQueryAttention in the "ort" export variant: one op per layer takes the fused
+// QKV projection, applies RoPE, quantizes the new tokens' K and V exactly as kvedge's INT8 cache
+// does (per token, per channel group: scale = max(absmax / 127, 2^-14) stored as float16, codes
+// = clip(round_half_even(x / scale), -127, 127)), writes them into the cache at each row's
+// valid length, and attends each query over the row's dequantized cache, causally.
+//
+// Why a kernel: onnxruntime's own 8-bit GroupQueryAttention cache has static scales only, and
+// standard ops dequantize the whole valid cache to float32 every step (more bytes moved than the
+// float32 cache itself). Here each KV head's codes are read once per step for all the query heads
+// of its group, as int8: 1 byte per element instead of 4.
+//
+// Inputs (b = batch, s = new tokens, L = cache slots, d = head_dim, G = d / group_size):
+//   0 qkv            float [b, s, (heads + 2 kv_heads) d], Q (scaled by 1/sqrt(d)), K, V unrotated
+//   1 past_lengths   int64 [b], valid cache length of each row; row r's new tokens take
+//                    positions past_lengths[r] .. past_lengths[r] + s - 1
+//   2, 3 K, V codes  int8 [b, kv_heads, L, d]
+//   4, 5 K, V scales float16 [b, kv_heads, L, G]
+//   6, 7 cos, sin    float [max_positions, d / 2] (rotate_half convention)
+// Outputs:
+//   0 attention      float [b, s, heads d]
+//   1..4             the cache tensors of inputs 2..5, same shapes, with the new tokens written.
+//                    Bind each to the same buffer as its input (in place); otherwise the input is
+//                    copied first.
+// Attributes: num_heads, kv_num_heads (int).
+
+#include <onnxruntime_c_api.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+#if defined(__aarch64__) || defined(__arm__)
+typedef __fp16 half_t;
+#else
+typedef _Float16 half_t;
+#endif
+static_assert(sizeof(half_t) == 2, "float16 storage");
+
+constexpr int kMinApiVersion = 17;  // KernelContext_ParallelFor (onnxruntime >= 1.17)
+constexpr float kQmax = 127.0f;
+constexpr float kScaleFloor = 6.103515625e-05f;  // 2^-14: the smallest normal float16
+constexpr int kQueryBlock = 12;                   // query rows sharing one pass over the cache
+
+const OrtApi* g_api = nullptr;
+
+struct Tensor {
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  int64_t size() const {
+    int64_t n = 1;
+    for (int64_t v : shape) n *= v;
+    return n;
+  }
+};
+
+OrtStatus* Fail(const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvedge.Int8CacheAttention: " + message).c_str());
+}
+
+#define KV_RETURN_IF_ERROR(expr)      \
+  do {                                \
+    OrtStatus* _status = (expr);      \
+    if (_status != nullptr) return _status; \
+  } while (0)
+
+OrtStatus* Describe(const OrtValue* value, Tensor* out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  KV_RETURN_IF_ERROR(g_api->GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus* status = g_api->GetDimensionsCount(info, &rank);
+  if (status == nullptr) {
+    out->shape.resize(rank);
+    status = g_api->GetDimensions(info, out->shape.data(), rank);
+  }
+  if (status == nullptr) status = g_api->GetTensorElementType(info, &out->type);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  if (status != nullptr) return status;
+  return g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+struct Kernel {
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  // scratch kept across calls: a decode step allocates nothing
+  std::vector<float> rotated;  // scratch kept across calls
+
+  OrtStatus* Compute(OrtKernelContext* context);
+};
+
+// The new tokens' K or V of one head, rotated or not, quantized into one cache row.
+void QuantizeRow(const float* x, int64_t d, int64_t group_size, int8_t* codes, half_t* scales) {
+  for (int64_t g0 = 0, g = 0; g0 < d; g0 += group_size, ++g) {
+    float absmax = 0.0f;
+    for (int64_t c = g0; c < g0 + group_size; ++c) absmax = std::max(absmax, std::fabs(x[c]));
+    const half_t stored16 = static_cast<half_t>(std::max(absmax / kQmax, kScaleFloor));
+    const float stored = static_cast<float>(stored16);
+    scales[g] = stored16;
+    for (int64_t c = g0; c < g0 + group_size; ++c) {
+      const float level = std::nearbyint(x[c] / stored);  // the default rounding: half to even
+      codes[c] = static_cast<int8_t>(std::min(kQmax, std::max(-kQmax, level)));
+    }
+  }
+}
+
+void Rotate(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+  }
+}
+
+
+// ---- the attention arithmetic, vectorized with GCC/Clang vector extensions (AVX2 or NEON) ----
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int8_t v8b __attribute__((vector_size(8)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+constexpr int64_t kPosBlock = 32;  // cache rows converted to float at a time (L1-resident)
+
+inline v8f Load(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline v8f Splat(float x) { return v8f{} + x; }
+inline v8f Codes(const int8_t* p) {  // 8 int8 codes as floats
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  v8f v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#elif defined(__ARM_NEON)
+  const int16x8_t w = vmovl_s8(vld1_s8(p));
+  const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)));
+  v8f v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+#else
+  v8b b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, v8f);
+#endif
+}
+inline float Sum(v8f v) {
+  typedef float v4f __attribute__((vector_size(16)));
+  v4f lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  lo += hi;
+  return (lo[0] + lo[2]) + (lo[1] + lo[3]);
+}
+
+// The sums of 8 vectors, as one vector: s[j] = Sum(t[j]).
+inline v8f Sum8(const v8f* t) {
+#if defined(__AVX2__)
+  __m256 m[8];
+  std::memcpy(m, t, sizeof m);
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(m[0], m[1]), _mm256_hadd_ps(m[2], m[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(m[4], m[5]), _mm256_hadd_ps(m[6], m[7]));
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  v8f v;
+  std::memcpy(&v, &sums, sizeof v);
+  return v;
+#else
+  v8f v;
+  for (int j = 0; j < 8; ++j) v[j] = Sum(t[j]);
+  return v;
+#endif
+}
+
+// e^x for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of
+// degree 6 (relative error < 2e-7); below -87.3 the result is 0, as in float32.
+inline v8f Exp(v8f x) {
+  const v8f lo = Splat(-87.33654f);
+  const v8f n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  const v8f r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  v8f p = Splat(1.0f / 720) * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < lo ? v8f{} : p * scale;
+}
+
+struct Block {
+  int64_t n_rows = 0;
+  int64_t limit[kQueryBlock];  // row i attends to cache positions [0, limit[i])
+  float* out[kQueryBlock];     // where row i's context vector goes
+  const float* q = nullptr;    // [n_rows, d] rotated queries
+  float* scores = nullptr;     // [n_rows, stride]
+  int64_t stride = 0;
+  const int8_t* k_codes = nullptr;  // this KV head's cache: [slots, d] codes, [slots, groups] scales
+  const int8_t* v_codes = nullptr;
+  const half_t* k_scales = nullptr;
+  const half_t* v_scales = nullptr;
+  int64_t groups = 0;
+};
+
+template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
+void AttendD(const Block& b, std::vector<float>* scratch) {
+  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;  // vectors per row, per group
+  int64_t longest = 0;
+  for (int64_t i = 0; i < b.n_rows; ++i) longest = std::max(longest, b.limit[i]);
+  scratch->resize(kPosBlock * D);
+  float* buf = scratch->data();
+
+  // scores[i, p] = sum over groups g of k_scale[p, g] * (q_i . codes_k[p]) over g's channels
+  for (int64_t p0 = 0; p0 < longest; p0 += kPosBlock) {
+    const int64_t np = std::min(kPosBlock, longest - p0);
+    for (int64_t p = 0; p < np; ++p)
+      for (int v = 0; v < V; ++v) Store(buf + p * D + v * 8, Codes(b.k_codes + (p0 + p) * D + v * 8));
+    for (int64_t i = 0; i < b.n_rows; ++i) {
+      v8f q[V];
+      for (int v = 0; v < V; ++v) q[v] = Load(b.q + i * D + v * 8);
+      float* s = b.scores + i * b.stride + p0;
+      const int64_t valid = std::min(np, b.limit[i] - p0);
+      auto dot = [&](int64_t p) {  // q_i . K[p0 + p], scaled per group, as 8 partial sums
+        const float* k = buf + p * D;
+        const half_t* scale = b.k_scales + (p0 + p) * groups;
+        v8f total{};
+        for (int g = 0; g < groups; ++g) {
+          v8f acc{};
+          for (int v = g * per_group; v < (g + 1) * per_group; ++v) acc += q[v] * Load(k + v * 8);
+          total += acc * static_cast<float>(scale[g]);
+        }
+        return total;
+      };
+      int64_t p = 0;
+      for (; p + 8 <= valid; p += 8) {  // 8 positions' sums reduced together
+        v8f t[8];
+        for (int j = 0; j < 8; ++j) t[j] = dot(p + j);
+        Store(s + p, Sum8(t));
+      }
+      for (; p < valid; ++p) s[p] = Sum(dot(p));
+    }
+  }
+  // softmax over each row's [0, limit)
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    float* s = b.scores + i * b.stride;
+    const int64_t n = b.limit[i];
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) top = std::max(top, s[p]);
+    v8f sum{};
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8) {
+      const v8f e = Exp(Load(s + p) - top);
+      Store(s + p, e);
+      sum += e;
+    }
+    float tail = 0.0f;
+    for (; p < n; ++p) tail += (s[p] = std::exp(s[p] - top));
+    const float inv = 1.0f / (Sum(sum) + tail);
+    for (p = 0; p < n; ++p) s[p] *= inv;
+  }
+  // out_i = sum over p of probs[i, p] * v_scale[p, g] * codes_v[p] (channels of group g)
+  v8f acc[kQueryBlock][V];
+  for (int64_t i = 0; i < b.n_rows; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = v8f{};
+  for (int64_t p0 = 0; p0 < longest; p0 += kPosBlock) {
+    const int64_t np = std::min(kPosBlock, longest - p0);
+    for (int64_t p = 0; p < np; ++p)
+      for (int v = 0; v < V; ++v) Store(buf + p * D + v * 8, Codes(b.v_codes + (p0 + p) * D + v * 8));
+    for (int64_t i = 0; i < b.n_rows; ++i) {
+      const float* prob = b.scores + i * b.stride + p0;
+      const int64_t valid = std::min(np, b.limit[i] - p0);
+      v8f a[V];
+      for (int v = 0; v < V; ++v) a[v] = acc[i][v];
+      for (int64_t p = 0; p < valid; ++p) {
+        const float* val = buf + p * D;
+        const half_t* scale = b.v_scales + (p0 + p) * groups;
+        for (int g = 0; g < groups; ++g) {
+          const float w = prob[p] * static_cast<float>(scale[g]);
+          for (int v = g * per_group; v < (g + 1) * per_group; ++v) a[v] += w * Load(val + v * 8);
+        }
+      }
+      for (int v = 0; v < V; ++v) acc[i][v] = a[v];
+    }
+  }
+  for (int64_t i = 0; i < b.n_rows; ++i)
+    for (int v = 0; v < V; ++v) Store(b.out[i] + v * 8, acc[i][v]);
+}
+
+// Any head_dim: the same arithmetic, one channel at a time.
+void AttendAny(int64_t d, const Block& b) {
+  const int64_t group_size = d / b.groups;
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    const float* q = b.q + i * d;
+    float* s = b.scores + i * b.stride;
+    const int64_t n = b.limit[i];
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < b.groups; ++g) {
+        float dot = 0.0f;
+        for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) dot += q[c] * b.k_codes[p * d + c];
+        total += dot * static_cast<float>(b.k_scales[p * b.groups + g]);
+      }
+      top = std::max(top, s[p] = total);
+    }
+    float sum = 0.0f;
+    for (int64_t p = 0; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
+    float* out = b.out[i];
+    std::fill(out, out + d, 0.0f);
+    for (int64_t p = 0; p < n; ++p) {
+      for (int64_t c = 0; c < d; ++c)
+        out[c] += s[p] / sum * static_cast<float>(b.v_scales[p * b.groups + c / group_size]) * b.v_codes[p * d + c];
+    }
+  }
+}
+
+template <int D>
+bool AttendGrouped(int64_t group_size, const Block& b, std::vector<float>* scratch) {
+  switch (group_size) {
+    case 16: return AttendD<D, 16>(b, scratch), true;
+    case 32: return AttendD<D, 32>(b, scratch), true;
+    case 64: if constexpr (D % 64 == 0) return AttendD<D, 64>(b, scratch), true; break;
+    case 128: if constexpr (D % 128 == 0) return AttendD<D, 128>(b, scratch), true; break;
+  }
+  return false;
+}
+
+// The vectorized path for the usual head sizes and every cache group size; otherwise AttendAny.
+void Attend(int64_t d, const Block& b, std::vector<float>* scratch) {
+  const int64_t gs = d / b.groups;
+  bool done = false;
+  switch (d) {
+    case 32: done = AttendGrouped<32>(gs, b, scratch); break;
+    case 64: done = AttendGrouped<64>(gs, b, scratch); break;
+    case 96: done = AttendGrouped<96>(gs, b, scratch); break;
+    case 128: done = AttendGrouped<128>(gs, b, scratch); break;
+    case 256: done = AttendGrouped<256>(gs, b, scratch); break;
+  }
+  if (!done) AttendAny(d, b);
+}
+
+// Everything a work item of the attention needs (read-only while the items run).
+struct Work {
+  const float* x;
+  float* y;
+  const int64_t* past;
+  const float *cos, *sin;
+  const int8_t *k_codes, *v_codes;
+  const half_t *k_scales, *v_scales;
+  int64_t seq, heads, kv_heads, d, groups, slots, width, blocks;
+
+  void Run(size_t item) const {
+    thread_local std::vector<float> rows, scores, scratch;  // per thread, kept: steps allocate nothing
+    const int64_t blk = static_cast<int64_t>(item) % blocks, rh = static_cast<int64_t>(item) / blocks;
+    const int64_t r = rh / kv_heads, h = rh % kv_heads, group = heads / kv_heads, half = d / 2;
+    const int64_t base = (r * kv_heads + h) * slots, first = blk * kQueryBlock;
+    rows.resize(kQueryBlock * d);
+    scores.resize(kQueryBlock * slots);
+    Block block;
+    block.n_rows = std::min<int64_t>(kQueryBlock, group * seq - first);
+    for (int64_t i = 0; i < block.n_rows; ++i) {
+      const int64_t t = (first + i) / group, head = h * group + (first + i) % group, pos = past[r] + t;
+      Rotate(x + (r * seq + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
+      block.limit[i] = pos + 1;
+      block.out[i] = y + ((r * seq + t) * heads + head) * d;
+    }
+    block.q = rows.data();
+    block.scores = scores.data();
+    block.stride = slots;
+    block.k_codes = k_codes + base * d;
+    block.v_codes = v_codes + base * d;
+    block.k_scales = k_scales + base * groups;
+    block.v_scales = v_scales + base * groups;
+    block.groups = groups;
+    Attend(d, block, &scratch);
+  }
+};
+
+OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
+  Tensor in[8];
+  for (size_t i = 0; i < 8; ++i) {
+    const OrtValue* value = nullptr;
+    KV_RETURN_IF_ERROR(g_api->KernelContext_GetInput(ctx, i, &value));
+    if (value == nullptr) return Fail("input " + std::to_string(i) + " is missing");
+    KV_RETURN_IF_ERROR(Describe(value, &in[i]));
+  }
+  const Tensor &qkv = in[0], &lengths = in[1], &cos_t = in[6], &sin_t = in[7];
+  if (qkv.shape.size() != 3) return Fail("qkv must be [batch, seq, width], got " + ShapeText(qkv.shape));
+  const int64_t batch = qkv.shape[0], seq = qkv.shape[1];
+  const Tensor& kc = in[2];
+  if (kc.shape.size() != 4 || kc.shape[0] != batch || kc.shape[1] != kv_heads)
+    return Fail("K codes must be [batch, kv_heads=" + std::to_string(kv_heads) + ", slots, head_dim], got " +
+                ShapeText(kc.shape));
+  const int64_t slots = kc.shape[2], d = kc.shape[3];
+  if (qkv.shape[2] != (heads + 2 * kv_heads) * d)
+    return Fail("qkv width " + std::to_string(qkv.shape[2]) + " is not (heads + 2 kv_heads) * head_dim = " +
+                std::to_string((heads + 2 * kv_heads) * d));
+  const int64_t groups = in[4].shape.size() == 4 ? in[4].shape[3] : 0;
+  if (groups <= 0 || d % groups || d % 2) return Fail("K scales must be [batch, kv_heads, slots, groups] "
+                                                      "with groups dividing head_dim, got " + ShapeText(in[4].shape));
+  for (int i = 3; i < 6; ++i) {
+    const std::vector<int64_t>& want = i == 3 ? kc.shape : in[4].shape;
+    if (in[i].shape != want) return Fail("input " + std::to_string(i) + " has shape " + ShapeText(in[i].shape) +
+                                         ", expected " + ShapeText(want));
+  }
+  if (lengths.shape != std::vector<int64_t>{batch}) return Fail("past_lengths must be [batch]");
+  if (cos_t.shape.size() != 2 || cos_t.shape[1] != d / 2 || sin_t.shape != cos_t.shape)
+    return Fail("cos/sin must be [positions, head_dim / 2], got " + ShapeText(cos_t.shape));
+  const int64_t* past = static_cast<const int64_t*>(lengths.data);
+  for (int64_t r = 0; r < batch; ++r) {
+    if (past[r] < 0 || past[r] + seq > slots || past[r] + seq > cos_t.shape[0])
+      return Fail("row " + std::to_string(r) + ": past length " + std::to_string(past[r]) + " + " +
+                  std::to_string(seq) + " new tokens does not fit " + std::to_string(slots) + " slots");
+  }
+
+  Tensor out[5];
+  {
+    const int64_t attn_shape[3] = {batch, seq, heads * d};
+    OrtValue* value = nullptr;
+    KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 0, attn_shape, 3, &value));
+    KV_RETURN_IF_ERROR(Describe(value, &out[0]));
+    for (size_t i = 1; i < 5; ++i) {
+      KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, i, in[i + 1].shape.data(), 4, &value));
+      KV_RETURN_IF_ERROR(Describe(value, &out[i]));
+      if (out[i].data != in[i + 1].data)  // not bound in place: start from the past
+        std::memcpy(out[i].data, in[i + 1].data, in[i + 1].size() * (i < 3 ? 1 : sizeof(half_t)));
+    }
+  }
+  int8_t* k_codes = static_cast<int8_t*>(out[1].data);
+  int8_t* v_codes = static_cast<int8_t*>(out[2].data);
+  half_t* k_scales = static_cast<half_t*>(out[3].data);
+  half_t* v_scales = static_cast<half_t*>(out[4].data);
+  const float* x = static_cast<const float*>(qkv.data);
+  const float* cos_p = static_cast<const float*>(cos_t.data);
+  const float* sin_p = static_cast<const float*>(sin_t.data);
+  float* y = static_cast<float*>(out[0].data);
+  const int64_t group = heads / kv_heads, group_size = d / groups, half = d / 2, width = qkv.shape[2];
+
+  // 1. The new tokens' K and V: rotate K, quantize both into the cache at their positions.
+  std::vector<float>& tmp = rotated;
+  tmp.resize(d);
+  for (int64_t r = 0; r < batch; ++r) {
+    for (int64_t t = 0; t < seq; ++t) {
+      const int64_t pos = past[r] + t;
+      const float* token = x + (r * seq + t) * width;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t row = (r * kv_heads + h) * slots + pos;
+        Rotate(token + (heads + h) * d, cos_p + pos * half, sin_p + pos * half, d, tmp.data());
+        QuantizeRow(tmp.data(), d, group_size, k_codes + row * d, k_scales + row * groups);
+        QuantizeRow(token + (heads + kv_heads + h) * d, d, group_size, v_codes + row * d, v_scales + row * groups);
+      }
+    }
+  }
+
+  // 2. Attention. A work item is one (row, KV head, block of up to kQueryBlock query rows): the
+  //    block's queries (its heads' `group` x the new tokens) go through the cache together, so each
+  //    cached K/V row is read once per block. Items write disjoint outputs and run on
+  //    onnxruntime's intra-op threads.
+  Work work;
+  work.x = x;
+  work.y = y;
+  work.past = past;
+  work.cos = cos_p;
+  work.sin = sin_p;
+  work.k_codes = k_codes;
+  work.v_codes = v_codes;
+  work.k_scales = k_scales;
+  work.v_scales = v_scales;
+  work.seq = seq;
+  work.heads = heads;
+  work.kv_heads = kv_heads;
+  work.d = d;
+  work.groups = groups;
+  work.slots = slots;
+  work.width = width;
+  work.blocks = (group * seq + kQueryBlock - 1) / kQueryBlock;
+  const size_t items = static_cast<size_t>(batch * kv_heads * work.blocks);
+  if (items == 1) {
+    work.Run(0);
+    return nullptr;
+  }
+  return g_api->KernelContext_ParallelFor(
+      ctx, [](void* data, size_t item) { static_cast<const Work*>(data)->Run(item); }, items, 0, &work);
+}
+
+// ---- OrtCustomOp plumbing (C API) ----
+
+const ONNXTensorElementDataType kInputTypes[8] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,   ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+const ONNXTensorElementDataType kOutputTypes[5] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
+
+OrtStatusPtr ORT_API_CALL CreateKernelV2(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info,
+                                         void** kernel) {
+  auto* k = new Kernel();
+  OrtStatus* status = api->KernelInfoGetAttribute_int64(info, "num_heads", &k->heads);
+  if (status == nullptr) status = api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_heads);
+  if (status == nullptr && (k->kv_heads <= 0 || k->heads <= 0 || k->heads % k->kv_heads))
+    status = Fail("num_heads " + std::to_string(k->heads) + " is not a positive multiple of kv_num_heads " +
+                  std::to_string(k->kv_heads));
+  if (status != nullptr) {
+    delete k;
+    return status;
+  }
+  *kernel = k;
+  return nullptr;
+}
+
+OrtStatusPtr ORT_API_CALL KernelComputeV2(void* kernel, OrtKernelContext* context) {
+  return static_cast<Kernel*>(kernel)->Compute(context);
+}
+
+void ORT_API_CALL KernelDestroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+struct Int8CacheAttentionOp : OrtCustomOp {
+  Int8CacheAttentionOp() {
+    std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
+    version = kMinApiVersion;
+    GetName = [](const OrtCustomOp*) { return "Int8CacheAttention"; };
+    GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
+    GetInputType = [](const OrtCustomOp*, size_t i) { return kInputTypes[i]; };
+    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{8}; };
+    GetOutputType = [](const OrtCustomOp*, size_t i) { return kOutputTypes[i]; };
+    GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{5}; };
+    KernelDestroy = ::KernelDestroy;
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = ::CreateKernelV2;
+    KernelComputeV2 = ::KernelComputeV2;
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
+  }
+};
+
+Int8CacheAttentionOp g_op;
+
+}  // namespace
+
+extern "C" {
+
+// The entry point onnxruntime looks up (SessionOptions.register_custom_ops_library).
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* api_base) {
+  g_api = api_base->GetApi(kMinApiVersion);
+  if (g_api == nullptr) return nullptr;  // onnxruntime older than 1.16: the session then reports the op unknown
+  OrtCustomOpDomain* domain = nullptr;
+  KV_RETURN_IF_ERROR(g_api->CreateCustomOpDomain("kvedge", &domain));
+  KV_RETURN_IF_ERROR(g_api->CustomOpDomain_Add(domain, &g_op));
+  return g_api->AddCustomOpDomain(options, domain);
+}
+
+// The library's format version: the Python side refuses a library built from other sources.
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 1; }
+
+}  // extern "C"

@@ -1,0 +1,43 @@
+"""kvedge's compiled onnxruntime kernels: where the library is and whether it is the right one.
+
+The library (`kvedge/runtime/csrc/kvedge_ops.cc`) holds `kvedge.Int8CacheAttention`, the
+attention of "ort" graphs over an INT8 cache (`kvedge export --variant ort --kv-dtype int8`).
+`pip install` builds it next to this module with the machine's C++ compiler (setup.py); nothing
+else in kvedge needs it, so an install without a compiler still works for every other graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from kvedge.errors import KvedgeError
+
+# Bumped with every change to the kernel's inputs, outputs or arithmetic; the library reports its
+# own (kvedge_ops_version) and a stale build is refused rather than run.
+OPS_VERSION = 1
+LIBRARY_STEM = "_kvedge_ops"
+
+
+@functools.cache
+def library_path(here: Path = Path(__file__).parent) -> Path:
+    """The built kernel library in `here` (where setup.py builds it), checked against OPS_VERSION."""
+    found = sorted(here.glob(f"{LIBRARY_STEM}*.so"))
+    if not found:
+        raise KvedgeError(
+            f"this graph uses kvedge's INT8-cache attention kernel, but its library ({LIBRARY_STEM}*.so) "
+            f"is not built in {here}: reinstall kvedge where a C++17 compiler is present "
+            "(`pip install -e .` builds it), or export with --variant portable"
+        )
+    path = found[0]
+    try:
+        version = ctypes.CDLL(str(path)).kvedge_ops_version()
+    except (OSError, AttributeError) as exc:
+        raise KvedgeError(f"{path} is not a usable kvedge kernel library: {exc}") from exc
+    if version != OPS_VERSION:
+        raise KvedgeError(
+            f"{path} is kernel library version {version}, this kvedge needs {OPS_VERSION}: "
+            "rebuild it (`pip install -e .`)"
+        )
+    return path
