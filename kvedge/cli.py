@@ -589,7 +589,8 @@ def eval_kv(
     "kvedge_systems",
     multiple=True,
     help="kvedge system as variant:weights[:kv_dtype] (repeatable; default: portable:float32 ort:float32 "
-    "ort:int8 ort:int4 portable:int4 portable:float32:int8 portable:int4:int8).",
+    "ort:int8 ort:int4 portable:int4 portable:float32:int8 portable:int4:int8 ort:float32:int8 "
+    "ort:int4:int8).",
 )
 @click.option(
     "--peer",

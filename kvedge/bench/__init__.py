@@ -66,6 +66,8 @@ DEFAULT_KVEDGE = (
     "portable:int4",
     "portable:float32:int8",
     "portable:int4:int8",
+    "ort:float32:int8",
+    "ort:int4:int8",
 )
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
 WARM = ("all", "first", "none")  # which kvedge systems get the warm-prefix section
