@@ -11,6 +11,7 @@ absent, with what to do about it when that is known.
     gpu         `nvidia-smi` (discrete GPUs), else the device tree's Tegra SoC (Jetson's integrated GPU)
     cuda        `nvcc --version`, else the libcudart the dynamic loader finds
     onnxruntime version and execution providers
+    kernels     kvedge's own onnxruntime kernel library (built by pip install, kvedge.runtime.kernels)
     tensorrt    `import tensorrt`
     cuda-python `import cuda.bindings` (TensorRT buffers)
     memory      MemTotal and MemAvailable from /proc/meminfo (on Jetson the GPU allocates from it)
@@ -146,6 +147,17 @@ def onnxruntime() -> Check:
     return Check("onnxruntime", ort.__version__, detail)
 
 
+def kernels() -> Check:
+    from kvedge.errors import KvedgeError
+    from kvedge.runtime import kernels as library
+
+    try:
+        path = library.library_path()
+    except KvedgeError as exc:
+        return Check("kernels", None, str(exc))
+    return Check("kernels", f"version {library.OPS_VERSION}", f"{path.name} (--variant ort --kv-dtype int8)")
+
+
 def tensorrt() -> Check:
     try:
         import tensorrt as trt
@@ -187,6 +199,7 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         lambda: gpu(root),
         cuda,
         onnxruntime,
+        kernels,
         tensorrt,
         cuda_python,
         lambda: memory(root),

@@ -9,6 +9,9 @@ cache because the graph attends over exactly the dequantized values it stores.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -295,3 +298,39 @@ def test_missing_kernel_library_is_named(tmp_path):
     (tmp_path / f"{kernels.LIBRARY_STEM}.so").write_bytes(b"not a library")
     with pytest.raises(KvedgeError, match="is not a usable kvedge kernel library"):
         kernels.library_path(tmp_path)
+
+
+CSRC = Path(__file__).resolve().parent.parent / "kvedge" / "runtime" / "csrc"
+
+
+def build_and_run_selftest(compiler: list[str], runner: list[str], out: Path) -> str:
+    include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
+    subprocess.run(
+        [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    run = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run.stdout
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_kernel_vector_paths_match_its_scalar_path(tmp_path):
+    """Every vectorized (head_dim, group size) instantiation of the kernel against its
+    channel-at-a-time path (`csrc/selftest.cc`; 1e-5 relative: float summation order only), built
+    for this machine's CPU."""
+    out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest")
+    assert out.count("ok  ") == 60 and "FAIL" not in out
+
+
+@pytest.mark.skipif(
+    shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+    reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
+)
+def test_kernel_neon_path_matches_its_scalar_path(tmp_path):
+    """The same self-test built for a Jetson Orin's CPU (Cortex-A78AE: the NEON code path) and run
+    under qemu."""
+    compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
+    out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64")
+    assert out.count("ok  ") == 60 and "FAIL" not in out

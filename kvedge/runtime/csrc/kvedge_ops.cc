@@ -102,8 +102,6 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 struct Kernel {
   int64_t heads = 0;
   int64_t kv_heads = 0;
-  // scratch kept across calls: a decode step allocates nothing
-  std::vector<float> rotated;  // scratch kept across calls
 
   OrtStatus* Compute(OrtKernelContext* context);
 };
@@ -459,7 +457,8 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   const int64_t group = heads / kv_heads, group_size = d / groups, half = d / 2, width = qkv.shape[2];
 
   // 1. The new tokens' K and V: rotate K, quantize both into the cache at their positions.
-  std::vector<float>& tmp = rotated;
+  // scratch per thread (onnxruntime may run one session from several threads), kept across calls
+  thread_local std::vector<float> tmp;
   tmp.resize(d);
   for (int64_t r = 0; r < batch; ++r) {
     for (int64_t t = 0; t < seq; ++t) {
@@ -573,10 +572,14 @@ extern "C" {
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                                 const OrtApiBase* api_base) {
   g_api = api_base->GetApi(kMinApiVersion);
-  if (g_api == nullptr) return nullptr;  // onnxruntime older than 1.16: the session then reports the op unknown
-  OrtCustomOpDomain* domain = nullptr;
-  KV_RETURN_IF_ERROR(g_api->CreateCustomOpDomain("kvedge", &domain));
-  KV_RETURN_IF_ERROR(g_api->CustomOpDomain_Add(domain, &g_op));
+  if (g_api == nullptr) return nullptr;  // onnxruntime older than 1.17: the session then reports the op unknown
+  // One domain for the process (it must outlive every session that uses it), made on first use.
+  static OrtCustomOpDomain* domain = nullptr;
+  static OrtStatus* made = [] {
+    OrtStatus* status = g_api->CreateCustomOpDomain("kvedge", &domain);
+    return status != nullptr ? status : g_api->CustomOpDomain_Add(domain, &g_op);
+  }();
+  if (made != nullptr) return g_api->CreateStatus(g_api->GetErrorCode(made), g_api->GetErrorMessage(made));
   return g_api->AddCustomOpDomain(options, domain);
 }
 
