@@ -155,7 +155,8 @@ def kernels() -> Check:
         path = library.library_path()
     except KvedgeError as exc:
         return Check("kernels", None, str(exc))
-    return Check("kernels", f"version {library.OPS_VERSION}", f"{path.name} (--variant ort --kv-dtype int8)")
+    detail = f"{path.name}, for --variant ort --kv-dtype int8 graphs"
+    return Check("kernels", f"version {library.OPS_VERSION}", detail)
 
 
 def tensorrt() -> Check:
