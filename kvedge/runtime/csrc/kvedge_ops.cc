@@ -72,9 +72,9 @@ OrtStatus* Fail(const std::string& message) {
   return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvedge.Int8CacheAttention: " + message).c_str());
 }
 
-#define KV_RETURN_IF_ERROR(expr)      \
-  do {                                \
-    OrtStatus* _status = (expr);      \
+#define KV_RETURN_IF_ERROR(expr)            \
+  do {                                      \
+    OrtStatus* _status = (expr);            \
     if (_status != nullptr) return _status; \
   } while (0)
 
@@ -128,7 +128,6 @@ void Rotate(const float* x, const float* cos, const float* sin, int64_t d, float
     out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
   }
 }
-
 
 // ---- the attention arithmetic, vectorized with GCC/Clang vector extensions (AVX2 or NEON) ----
 
