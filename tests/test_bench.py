@@ -214,3 +214,28 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
         ]
         assert all(isinstance(t["met"], bool) for t in judged if t["goal"] != "report")
     assert any("\nwarm prefixes, kvedge portable float32: TTFT cold" in line for line in lines)  # the table
+
+
+def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):
+    """Quantized kvedge systems alone, no transformers: nothing to measure quality against, so the
+    run says so and finishes (it used to stop with StopIteration)."""
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    config = BenchConfig(
+        out=tmp_path / "results",
+        work=tmp_path / "work",
+        source=str(source),
+        threads=1,
+        rounds=1,
+        steps=3,
+        kvedge=("ort:int4",),
+        peers=(),
+        prefill_lengths=(16,),
+        decode_contexts=(8,),
+        memory=False,
+        allocation_steps=0,
+        warm="none",
+    )
+    lines: list[str] = []
+    results = run_benchmark(config, echo=lines.append)
+    assert results.quality == {} and "needs a float32 reference" in results.skipped["quality"]
+    assert any("skipped: quality needs a float32 reference" in line for line in lines)

@@ -214,9 +214,15 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
             }
         )
 
-    if config.quality:
+    reference = _quality_reference(specs)
+    if config.quality and reference is None:
+        results.skipped["quality"] = (
+            "quality needs a float32 reference: transformers among the peers or a kvedge float32 system"
+        )
+        echo(f"skipped: {results.skipped['quality']}")
+    elif config.quality:
         echo("quality: KL / top-1 against float32 weights over 20 prompts")
-        results.quality = _quality(config, specs, systems)
+        results.quality = _quality(reference, specs, systems)
     del systems
     warm = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
     for spec in {"all": warm, "first": warm[:1], "none": []}[config.warm]:
@@ -384,19 +390,27 @@ def _roofline(spec: SystemSpec, context: int, ms: float, bandwidth: float) -> di
     return {"bytes_per_token": total, "bound_ms": bound_ms, "fraction_of_bound": bound_ms / ms}
 
 
+def _quality_reference(specs: list[SystemSpec]) -> str | None:
+    """The float32 reference quality is measured against: transformers, else a kvedge float32
+    system with the float32 cache; None when the run has neither."""
+    for spec in specs:
+        if spec.kind == "transformers":
+            return spec.name
+    for spec in specs:
+        if spec.kind == "kvedge" and spec.weights == "float32" and spec.extra.get("kv_dtype") == "float32":
+            return spec.name
+    return None
+
+
 def _quality(
-    config: BenchConfig, specs: list[SystemSpec], systems: dict[str, Any]
+    reference_name: str, specs: list[SystemSpec], systems: dict[str, Any]
 ) -> dict[str, dict[str, float]]:
-    """Every non-reference system against the float32 reference (transformers, else kvedge fp32)."""
+    """Every other system against the float32 reference `reference_name`."""
     from tokenizers import Tokenizer
 
     first = next(s for s in specs if s.kind == "kvedge")
     tokenizer = Tokenizer.from_file(str(first.path / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in QUALITY_PROMPTS]
-    reference_name = next(
-        (s.name for s in specs if s.kind == "transformers"),
-        next(s.name for s in specs if s.kind == "kvedge" and s.weights == "float32"),
-    )
     reference = [systems[reference_name].next_token_logits(p) for p in prompts]
     out: dict[str, dict[str, float]] = {}
     for spec in specs:
