@@ -156,20 +156,28 @@ def test_sized_text_is_the_shortest_run_of_words_reaching_the_count(tiny_llama):
     assert len(tokenizer.encode(shorter, add_special_tokens=False)) < 50
 
 
-def test_end_to_end_on_a_tiny_model(tmp_path):
+def tiny_bench(tmp_path, **settings) -> BenchConfig:
+    """A bench run small enough for a test: a tiny random llama, one round, one thread."""
     source = make_tiny_model(tmp_path / "hf", "llama")
-    config = BenchConfig(
+    return BenchConfig(
         out=tmp_path / "results",
         work=tmp_path / "work",
         source=str(source),
         threads=1,
         rounds=1,
         steps=3,
+        prefill_lengths=(16,),
+        memory=False,
+        **settings,
+    )
+
+
+def test_end_to_end_on_a_tiny_model(tmp_path):
+    config = tiny_bench(
+        tmp_path,
         kvedge=("portable:float32", "ort:int4"),
         peers=("transformers",),
-        prefill_lengths=(16,),
         decode_contexts=(8, 32),
-        memory=False,
         allocation_steps=30,
     )
     lines: list[str] = []
@@ -219,21 +227,8 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
 def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):
     """Quantized kvedge systems alone, no transformers: nothing to measure quality against, so the
     run says so and finishes (it used to stop with StopIteration)."""
-    source = make_tiny_model(tmp_path / "hf", "llama")
-    config = BenchConfig(
-        out=tmp_path / "results",
-        work=tmp_path / "work",
-        source=str(source),
-        threads=1,
-        rounds=1,
-        steps=3,
-        kvedge=("ort:int4",),
-        peers=(),
-        prefill_lengths=(16,),
-        decode_contexts=(8,),
-        memory=False,
-        allocation_steps=0,
-        warm="none",
+    config = tiny_bench(
+        tmp_path, kvedge=("ort:int4",), peers=(), decode_contexts=(8,), allocation_steps=0, warm="none"
     )
     lines: list[str] = []
     results = run_benchmark(config, echo=lines.append)
