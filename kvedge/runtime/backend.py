@@ -193,9 +193,7 @@ class OrtBackend:
                 tuple(np.zeros(shape, dtype) for shape, dtype in scratch[: len(templates)])
                 for _ in range(g.num_layers)
             ]
-        for i, arrays in enumerate(outputs):
-            for template, array in zip(templates, arrays, strict=True):
-                _bind_array(binding, names.layer(template, i), array, output=True)
+        self._bind_layers(binding, templates, outputs, output=True)
         return step
 
     def _bind_inputs(self, binding, input_ids, past_lengths, last_index, past, by_pointer=False) -> None:
@@ -208,9 +206,14 @@ class OrtBackend:
                 _bind_array(binding, name, array, output=False)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        for i, views in enumerate(past):
-            for template, view in zip(names.past(self.manifest.geometry.quantized), views, strict=True):
-                _bind_array(binding, names.layer(template, i), view, output=False)
+        self._bind_layers(binding, names.past(self.manifest.geometry.quantized), past, output=False)
+
+    def _bind_layers(self, binding, templates, per_layer: list[tuple[np.ndarray, ...]], output: bool) -> None:
+        """Bind each layer's arrays by pointer to that layer's names (`templates`, in order)."""
+        names = self.manifest.names
+        for i, arrays in enumerate(per_layer):
+            for template, array in zip(templates, arrays, strict=True):
+                _bind_array(binding, names.layer(template, i), array, output=output)
 
     def _select_last(self, logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
         """[batch, 1 or seq, vocab] -> [batch, vocab] at each row's last real token (a copy)."""
@@ -244,10 +247,7 @@ class OrtBackend:
             (batch, 1 if self.manifest.logits == "last" else seq, self.manifest.vocab_size), np.float32
         )
         _bind_array(binding, names.logits, logits, output=True)
-        templates = names.present(self.manifest.geometry.quantized)
-        for i, views in enumerate(past):
-            for template, view in zip(templates, views, strict=True):
-                _bind_array(binding, names.layer(template, i), view, output=True)
+        self._bind_layers(binding, names.present(self.manifest.geometry.quantized), past, output=True)
         self.session.run_with_iobinding(binding)
         return self._select_last(logits, last_index)
 
