@@ -10,4 +10,9 @@ class ArtifactMismatch(KvedgeError):
 
 
 class ContextOverflow(KvedgeError):
-    """A prompt or generation does not fit in the cache."""
+    """A prompt or generation does not fit in the cache. `cause` says which: "prompt" (the
+    conversation) or "reply" (the requested reply length)."""
+
+    def __init__(self, message: str, cause: str = "prompt") -> None:
+        super().__init__(message)
+        self.cause = cause

@@ -31,10 +31,11 @@ from tiny import make_tiny_model
 
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, prefill
+from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, decode_ranges, prefill
 from kvedge.runtime.model import Model
+from kvedge.runtime.sessions import pick_slot
 from kvedge.serve.config import load_service_config
-from kvedge.serve.engine import Engine, Job, decode_ranges, pick_slot
+from kvedge.serve.engine import Engine, Job
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.protocol import ApiError
 from kvedge.serve.service import check_memory, serve_command
@@ -590,7 +591,7 @@ def engine_run(exported, conversations, samplings, slots: int, batch_decode: boo
     try:
         for i, (messages, sampling) in enumerate(zip(conversations, samplings, strict=True)):
             ids = engine.model.tokenizer.encode_chat(messages)
-            engine.submit(Job(messages, ids, SamplingConfig(**sampling), deliver_to(i)))
+            engine.submit(Job(ids, SamplingConfig(**sampling), deliver_to(i)))
         assert all(done.wait(60) for done in ended)
     finally:
         engine.stop()

@@ -38,7 +38,7 @@ from typing import Any
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
 from kvedge.runtime.tokenizer import ChatTokenizer
-from kvedge.runtime.warmup import PrefixSpec, PrefixStore, WarmupConfig, warm_up
+from kvedge.runtime.warmup import PrefixSpec, PrefixStore, WarmupConfig
 
 SYSTEM_TOKENS = 300
 USER_TOKENS = 20
@@ -128,7 +128,7 @@ def measure_warm(
     with tempfile.TemporaryDirectory(prefix="kvedge-warm-") as tmp:
         figures.update(_start_up(model, config, Path(tmp), threads, rounds))
         echo(f"  start-up: recompute / load {figures['warmup_speedup']:.0f}x")
-        warm_store, _ = warm_up(model, config, Path(tmp) / "round0")
+        warm_store, _ = model.warm_up(config, Path(tmp) / "round0")
         figures.update(_first_token(model, messages, warm_store, 2 * rounds + 1))
         echo(f"  TTFT: cold / warm {figures['ttft_speedup']:.1f}x")
     figures.update(_turns(model, user, rounds))
@@ -141,8 +141,8 @@ def measure_warm(
 def _start_up(model: Model, config: WarmupConfig, tmp: Path, threads: int, rounds: int) -> dict[str, Any]:
     recompute, load = [], []
     for r in range(rounds):
-        recompute.append(_seconds(warm_up, model, config, tmp / f"round{r}"))  # an empty folder
-        load.append(_seconds(warm_up, model, config, tmp / f"round{r}"))  # the files just written
+        recompute.append(_seconds(model.warm_up, config, tmp / f"round{r}"))  # an empty folder
+        load.append(_seconds(model.warm_up, config, tmp / f"round{r}"))  # the files just written
     boot = {"folder": model.folder, "slots": 2, "threads": threads, "warmup": config}
     boot_load = _seconds(Model, **boot, warm_dir=tmp / "round0")
     boot_recompute = _seconds(Model, **boot, warm_dir=tmp / "boot")

@@ -17,8 +17,8 @@ Sampling, applied in this order to one row's logits z (float64):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -198,93 +198,169 @@ def _keep(
         cache.append(slots, input_ids, counts, out.present)
 
 
+# A run of more idle slots than this between two busy ones is cheaper as a second decode call:
+# on SmolLM2-135M (1 thread) a call costs ~31 ms and each more row 3.5-4.5 ms (docs/PERFORMANCE.md).
+MAX_IDLE_ROWS = 8
+
+
+def decode_ranges(
+    busy: Sequence[int], can_idle: Callable[[int], bool], max_idle: int = MAX_IDLE_ROWS
+) -> list[tuple[int, int]]:
+    """(first slot, count) ranges, one per decode call, covering the `busy` slots in as few calls
+    as possible: the slots between two busy ones ride along idle when each `can_idle` and there
+    are at most `max_idle` of them; otherwise a new range starts."""
+    ranges: list[tuple[int, int]] = []
+    for slot in sorted(busy):
+        if ranges:
+            first, count = ranges[-1]
+            gap = range(first + count, slot)
+            if len(gap) <= max_idle and all(can_idle(s) for s in gap):
+                ranges[-1] = (first, slot - first + 1)
+                continue
+        ranges.append((slot, 1))
+    return ranges
+
+
 @dataclass
 class Event:
-    """One step of a stream: new text, and when finished, why and the usage counts."""
+    """One step of a turn: new text, and when finished, why and the usage counts."""
 
     text: str
     token: int | None = None
-    finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
+    # "stop" (eos or stop string), "length", or "error" (then `error` says what went wrong)
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     time_to_first_token_s: float | None = None
     seconds: float = 0.0
+    error: Exception | None = None
 
 
-def decode_stream(
-    backend: OrtBackend,
-    cache: KVCache,
-    slot: int,
-    logits: np.ndarray,  # [vocab] next-token logits after the prompt
-    config: SamplingConfig,
-    eos_ids: Sequence[int],
-    stream: TextStream,
-    seen: list[int],
-    make_room: RoomFn,
-    prompt_tokens: int,
-    started: float,
-) -> Generator[Event, np.ndarray | None, None]:
-    """Sample, stream and append tokens to `slot` until eos, a stop string, or a length limit.
+@dataclass(eq=False)
+class Turn:
+    """One turn of one slot: the prompt tokens still to prefill, then one sampled token per step
+    until eos, a stop string or a limit. Made by `Model.begin`, advanced only by `step_turns`
+    (through `Model.step`), ended by `Model.end`.
 
-    An eos token ends the turn without being written; the cache then holds exactly the prompt
-    and the tokens shown. `seen` (prompt + history, for the repetition penalty) grows in place.
+    An eos token ends the turn without being written; the slot then holds exactly the prompt and
+    the tokens shown. Every other sampled token is `pending` until the next step writes it."""
 
-    After each event that is not the last, the event's token still has to be appended to `slot`.
-    `next()` does it here, one row alone. A consumer that decodes many slots in one call (the
-    service engine) appends it itself with `decode_one_token` and hands this row's next-token
-    logits [vocab] back with `send(logits)`; sampling and stopping stay here either way.
-    """
-    rng = np.random.default_rng(config.seed)
-    first_token_at = None
-    produced = 0
-    while True:
-        token = sample(logits, config, rng, seen)
-        produced += 1
-        first_token_at = first_token_at or time.perf_counter() - started
-        done = token in eos_ids
-        text = "" if done else stream.push(token)
-        finish = "stop" if done or stream.stopped else None
-        if finish is None and produced >= config.max_new_tokens:
+    slot: int
+    prompt_tokens: int  # the whole conversation's length, for usage
+    todo: list[int]  # prompt tokens not in the slot yet, prefilled `chunk` at a time
+    chunk: int
+    config: SamplingConfig
+    stream: TextStream
+    seen: list[int]  # the conversation and the tokens sampled so far (repetition penalty)
+    make_room: RoomFn  # before a token is written: make room by the context policy, or raise
+    reused_tokens: int  # prompt tokens the slot already held or took from a stored prefix
+    rng: np.random.Generator
+    eos_ids: tuple[int, ...]
+    started: float = field(default_factory=time.perf_counter)
+    written: list[int] = field(default_factory=list)  # tokens this turn appended to the slot
+    pending: int | None = None
+    produced: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.done and bool(self.todo)
+
+    def prefill_chunk(self, backend: OrtBackend, cache: KVCache) -> np.ndarray:
+        """Prefill the next chunk of the prompt; return the logits after it [vocab]."""
+        tokens, self.todo = self.todo[: self.chunk], self.todo[self.chunk :]
+        logits = prefill(backend, cache, self.slot, [tokens], chunk=self.chunk, make_room=self.make_room)[0]
+        self.written.extend(tokens)
+        return logits
+
+    def wrote_pending(self) -> None:
+        """The pending token is in the slot now."""
+        assert self.pending is not None
+        self.seen.append(self.pending)
+        self.written.append(self.pending)
+        self.pending = None
+
+    def sample(self, logits: np.ndarray) -> Event:
+        """Sample the next token from `logits` [vocab] and say what it means for the stream."""
+        token = sample(logits, self.config, self.rng, self.seen)
+        self.produced += 1
+        self.first_token_at = self.first_token_at or time.perf_counter() - self.started
+        eos = token in self.eos_ids
+        text = "" if eos else self.stream.push(token)
+        finish = "stop" if eos or self.stream.stopped else None
+        if finish is None and self.produced >= self.config.max_new_tokens:
             finish = "length"
         if finish is None:
             try:
-                make_room(slot, 1)
+                self.make_room(self.slot, 1)
             except ContextOverflow:
                 finish = "length"
-        if finish:
-            yield Event(
-                text=text + stream.finish(),
-                token=None if done else token,
-                finish_reason=finish,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=produced,
-                time_to_first_token_s=first_token_at,
-                seconds=time.perf_counter() - started,
-            )
-            return
-        decoded = yield Event(text=text, token=token)
-        seen.append(token)
-        logits = decode_one_token(backend, cache, slot, [token])[0] if decoded is None else decoded
+        if finish is None:
+            self.pending = token
+            return Event(text=text, token=token)
+        return self.finish(finish, text + self.stream.finish(), None if eos else token)
 
-
-def generate(
-    backend: OrtBackend,
-    cache: KVCache,
-    slot: int,
-    prompt: Sequence[int],
-    config: SamplingConfig,
-    eos_ids: Sequence[int],
-    stream: TextStream,
-) -> Iterator[Event]:
-    """Append `prompt` to `slot` and stream the continuation; a prompt that does not fit is refused."""
-    started = time.perf_counter()
-    if len(prompt) > cache.room(slot):
-        raise ContextOverflow(
-            f"prompt of {len(prompt)} tokens does not fit: the cache has {cache.room(slot)} of "
-            f"{cache.geometry.max_len} slots free"
+    def finish(
+        self, reason: str, text: str = "", token: int | None = None, error: Exception | None = None
+    ) -> Event:
+        self.finish_reason, self.pending = reason, None
+        return Event(
+            text=text,
+            token=token,
+            finish_reason=reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.produced,
+            time_to_first_token_s=self.first_token_at,
+            seconds=time.perf_counter() - self.started,
+            error=error,
         )
-    seen = list(cache.token_ids(slot)) + list(prompt)
-    logits = prefill(backend, cache, slot, [prompt])[0]
-    yield from decode_stream(
-        backend, cache, slot, logits, config, eos_ids, stream, seen, cache.check_room, len(prompt), started
-    )
+
+
+@dataclass
+class StepResult:
+    """What one `step_turns` call did: an event per turn that produced one, and the decode calls."""
+
+    events: dict[Turn, Event] = field(default_factory=dict)
+    decode_calls: list[tuple[int, int]] = field(default_factory=list)  # (busy rows, idle rows)
+
+
+def step_turns(backend: OrtBackend, cache: KVCache, turns: Sequence[Turn], batch: bool = True) -> StepResult:
+    """Advance every unfinished turn by one step: a turn still prefilling runs its next prompt
+    chunk; every other turn writes its pending token, decoded together in as few calls over
+    contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call per turn), and
+    samples the next. A failure ends the turns it touched with an "error" event."""
+    result = StepResult()
+    for turn in turns:
+        if turn.prefilling:
+            try:
+                logits = turn.prefill_chunk(backend, cache)
+            except Exception as exc:
+                result.events[turn] = turn.finish("error", error=exc)
+                continue
+            if not turn.todo:  # the whole prompt is in: sample the first token
+                result.events[turn] = turn.sample(logits)
+    by_slot = {t.slot: t for t in turns if not t.done and t.pending is not None and t not in result.events}
+    if batch:
+        ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
+    else:
+        ranges = [(slot, 1) for slot in by_slot]
+    for first, count in ranges:
+        rows = [by_slot.get(slot) for slot in range(first, first + count)]
+        try:
+            logits = decode_one_token(backend, cache, first, [None if t is None else t.pending for t in rows])
+        except Exception as exc:
+            for turn in rows:
+                if turn is not None:
+                    result.events[turn] = turn.finish("error", error=exc)
+            continue
+        result.decode_calls.append((count - rows.count(None), rows.count(None)))
+        for turn, row in zip(rows, logits, strict=True):  # [vocab] each
+            if turn is not None:
+                turn.wrote_pending()
+                result.events[turn] = turn.sample(row)
+    return result

@@ -1,4 +1,17 @@
-"""The runtime's public API: load an artifact folder once, then stream chat turns."""
+"""The runtime's public API: load an artifact folder once, then run chat turns in its slots.
+
+One turn, as the CLI (a batch of one) and the service (many slots) both drive it::
+
+    ids  = model.encode_chat(messages, reserve)     # tokenize once (the truncate policy drops turns)
+    n    = model.fit_reply(len(ids), max_tokens)    # the fit rule: how long the reply may be
+    slot = model.pick_slot(ids, free)               # the free slot sharing the longest prefix
+    turn = model.begin(slot, ids, sampling)         # reuse what the slot holds, plan the prefill
+    while not turn.done:
+        events = model.step([turn, ...]).events     # a prefill chunk or one batched decode step
+    model.end(turn)                                 # the slot's session notes what it holds
+
+`Model.chat` runs that loop for one conversation and yields its events.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +23,18 @@ from pathlib import Path
 import numpy as np
 
 from kvedge.contract import ONNX_FILE, Manifest, sha256_files
-from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
+from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.generate import PREFILL_CHUNK, Event, SamplingConfig, decode_stream, prefill
+from kvedge.runtime.generate import PREFILL_CHUNK, Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.prefix import PrefixLRU
-from kvedge.runtime.sessions import ChatSession, ContextPolicy, RoomMaker, common_prefix
+from kvedge.runtime.sessions import ChatSession, ContextPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Model", "common_prefix"]
+__all__ = ["Event", "Model", "SamplingConfig", "StepResult", "Turn", "common_prefix"]
 
 
 class Model:
@@ -57,6 +70,8 @@ class Model:
         self.cache = KVCache(self.manifest.geometry, slots)
         self.backend.reserve(self.cache.layer_views(0, slots), self.manifest.geometry.max_len)
         self.sessions = [ChatSession(slot) for slot in range(slots)]
+        self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
+        self._last_used = [0.0] * slots
         self.prefix_lru = PrefixLRU(self.manifest.geometry, prefix_cache_bytes)
         self.inv_freq = np.asarray(self.manifest.rope.inv_freq, np.float64)
         if self.policy.mode == "window" and self.inv_freq.size != self.manifest.geometry.head_dim // 2:
@@ -68,7 +83,7 @@ class Model:
         if warmup is not None:
             if warm_dir is None:
                 raise KvedgeError("a warm-up config needs a warm cache folder (--warm-dir)")
-            self.prefixes, self.warmup_report = warm_up(self, warmup, warm_dir)
+            self.prefixes, self.warmup_report = self.warm_up(warmup, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
         log.info(
@@ -93,28 +108,170 @@ class Model:
                 f"manifest's {self.manifest.onnx_fingerprint[:16]}; re-export the model"
             )
 
+    def warm_up(self, config: WarmupConfig, folder: str | Path) -> tuple[PrefixStore, WarmupReport]:
+        """Load the warm prefixes `config` declares from `folder`, recomputing any that is not
+        valid (in the last slot, which is left empty)."""
+        return warm_up(self.tokenizer, self.backend, self.cache, self.manifest, config, folder)
+
+    # -- what the service and the CLI call ---------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self.cache.slots
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return self.cache.nbytes
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the pool holding valid tokens, over all slots."""
+        return int(self.cache.lengths.sum()) * self.manifest.geometry.bytes_per_token()
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], reserve: int = 0) -> list[int]:
+        """The conversation's token ids; under the truncate policy the oldest whole turns are
+        dropped (system messages stay) until it fits with `reserve` tokens left for the reply."""
+        messages = list(messages)
+        ids = self.tokenizer.encode_chat(messages)
+        if self.policy.mode == "truncate":
+            messages, ids = self._truncate_turns(messages, ids, reserve)
+        return ids
+
+    def _truncate_turns(
+        self, messages: list[dict[str, str]], ids: list[int], reserve: int
+    ) -> tuple[list[dict[str, str]], list[int]]:
+        max_len = self.manifest.geometry.max_len
+        budget = self.policy.truncate_budget(max_len, reserve)
+        while len(ids) > budget:
+            first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+            later_user = next(
+                (i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), None
+            )
+            if later_user is None:
+                raise self.policy.overflow_last_turn(len(ids), budget, max_len, reserve)
+            log.info("truncate: dropping %d oldest messages", later_user - first)
+            messages = messages[:first] + messages[later_user:]
+            ids = self.tokenizer.encode_chat(messages)
+        return messages, ids
+
+    def fit_reply(
+        self, prompt_tokens: int, requested: int | None, default: int = 256, overflow: str = "clip"
+    ) -> int:
+        """How many tokens a reply to `prompt_tokens` may have (`ContextPolicy.fit_reply`)."""
+        return self.policy.fit_reply(
+            prompt_tokens, self.manifest.geometry.max_len, requested, default, overflow
+        )
+
+    def pick_slot(self, ids: Sequence[int], free: Sequence[int]) -> int:
+        """The free slot sharing the longest token prefix with `ids`; among equals the least
+        recently used."""
+        return pick_slot(free, ids, self.cache.token_ids, self._last_used)[0]
+
+    def begin(self, slot: int, ids: Sequence[int], config: SamplingConfig) -> Turn:
+        """Start a turn answering the conversation `ids` in `slot`: rewind the slot to what it
+        shares with `ids` (or copy in a stored prefix that shares more) and plan the prefill of
+        the rest. Nothing runs on the model until `step`. An unfinished turn in the slot is
+        ended first."""
+        if self._turns[slot] is not None:
+            self.end(self._turns[slot])
+        ids = [int(t) for t in ids]
+        self.policy.check_prompt(len(ids), self.manifest.geometry.max_len)
+        session = self.sessions[slot]
+        new = self._reuse(slot, ids)
+        window = self.policy.mode == "window"
+        chunk = PREFILL_CHUNK
+        if window:
+            chunk = max(1, min(PREFILL_CHUNK, (self.manifest.geometry.max_len - self.policy.n_sink) // 2))
+        turn = Turn(
+            slot=slot,
+            prompt_tokens=len(ids),
+            todo=new,
+            chunk=chunk,
+            config=config,
+            stream=TextStream(self.tokenizer, config.stop),
+            seen=list(ids),
+            make_room=RoomMaker(self.cache, self.policy, self.inv_freq, session),
+            reused_tokens=session.reused_tokens,
+            rng=np.random.default_rng(config.seed),
+            eos_ids=tuple(self.manifest.eos_token_ids),
+        )
+        self._turns[slot] = turn
+        return turn
+
+    def step(self, turns: Sequence[Turn], batch: bool = True) -> StepResult:
+        """Advance each turn by one step (`step_turns`; `batch`: decode contiguous slots in one
+        call); a turn that finished is ended."""
+        result = step_turns(self.backend, self.cache, turns, batch=batch)
+        for turn, event in result.events.items():
+            if event.finish_reason is not None:
+                self.end(turn)
+        return result
+
+    def end(self, turn: Turn) -> None:
+        """End `turn` (finished, failed or abandoned): its slot's session notes what the slot
+        holds, so the next turn there reuses it. Safe to call more than once."""
+        if self._turns[turn.slot] is not turn:
+            return
+        self._turns[turn.slot] = None
+        self._last_used[turn.slot] = time.monotonic()
+        session = self.sessions[turn.slot]
+        if turn.finish_reason == "error":
+            session.reset(self.cache)  # a half-written step is never reused
+            return
+        if not turn.done:
+            turn.finish("cancelled")
+        session.record(self.cache, turn.written)
+
+    # -- one conversation at a time --------------------------------------------------------
+
     def stream(
         self, prompt: str, config: SamplingConfig, raw: bool = False, slot: int = 0
     ) -> Iterator[Event]:
         """One turn on its own: `prompt` as a user message (or raw text), ignoring earlier turns."""
         if raw:
-            ids = self.tokenizer.encode(prompt)
             self.sessions[slot].reset(self.cache)
-            return self._turn(slot, ids, config)
+            return self._run(self.begin(slot, self.tokenizer.encode(prompt), config))
         return self.chat([{"role": "user", "content": prompt}], config, slot=slot)
 
     def chat(
         self, messages: Sequence[dict[str, str]], config: SamplingConfig, slot: int = 0
     ) -> Iterator[Event]:
         """Answer the conversation `messages` in `slot`, reusing whatever prefix the slot holds."""
-        messages = list(messages)
-        ids = self.tokenizer.encode_chat(messages)
-        if self.policy.mode == "truncate":
-            messages, ids = self._truncate_turns(messages, ids, config.max_new_tokens)
-        return self._turn(slot, ids, config)
+        ids = self.encode_chat(messages, config.max_new_tokens)
+        return self._run(self.begin(slot, ids, config))
 
     def prepare(self, slot: int, ids: Sequence[int]) -> np.ndarray:
         """Bring `slot` to hold `ids` (reusing what it can) and return next-token logits [vocab]."""
+        turn = self.begin(slot, ids, SamplingConfig(max_new_tokens=1))
+        try:
+            while turn.todo:
+                logits = turn.prefill_chunk(self.backend, self.cache)
+        except BaseException:
+            turn.finish("error")
+            raise
+        finally:
+            self.end(turn)
+        return logits
+
+    def _run(self, turn: Turn) -> Iterator[Event]:
+        """The turn's events, one `step` at a time; an error is raised. Ending the iteration
+        early (or dropping it) ends the turn."""
+        try:
+            while not turn.done:
+                event = self.step([turn]).events.get(turn)
+                if event is None:
+                    continue
+                if event.error is not None:
+                    raise event.error
+                yield event
+        finally:
+            self.end(turn)
+
+    # -- reuse -------------------------------------------------------------------------------
+
+    def _reuse(self, slot: int, ids: list[int]) -> list[int]:
+        """Rewind `slot` to the longest prefix of `ids` it holds or can copy in, note it in the
+        slot's session, and return the tokens still to prefill (at least the last one, whose
+        logits give the first token)."""
         session = self.sessions[slot]
         if not session.verify(self.cache):
             log.warning(
@@ -124,45 +281,26 @@ class Model:
                 len(session.expected),
             )
             session.reset(self.cache)
-        ids = list(ids)
         if session.evicted and common_prefix(session.history, ids) == len(session.history):
             new = ids[len(session.history) :]  # windowed slot: append the new turn to what is kept
             session.reused_tokens = len(session.history)
             if not new:
                 raise KvedgeError("the conversation has no new tokens after the cached history")
-        else:
-            if session.evicted:
-                log.info("slot %d: history changed before the window; re-prefilling", slot)
-                session.reset(self.cache)
-            held = self.cache.token_ids(slot)
-            keep = common_prefix(held, ids)
-            if self.prefix_lru and len(held) - keep >= self.prefix_lru.block_tokens:
-                self.prefix_lru.save(self.cache, slot)  # another conversation is about to replace it
-            keep = self._copy_prefix(slot, ids, keep)
-            keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
-            self.cache.truncate(slot, keep)
-            session.history = ids[:keep]
-            session.reused_tokens = keep
-            new = ids[keep:]
-        make_room = None
-        if self.policy.mode == "window":
-            make_room = RoomMaker(self.cache, self.policy, self.inv_freq, session)
-        elif len(new) > self.cache.room(slot):
-            raise ContextOverflow(
-                f"the conversation has {len(ids)} tokens; the cache holds at most "
-                f"{self.manifest.geometry.max_len} (max_len). Start a new conversation or use "
-                "context_policy 'window' or 'truncate'"
-            )
-        chunk = PREFILL_CHUNK
-        if make_room is not None:
-            chunk = max(1, min(PREFILL_CHUNK, (self.manifest.geometry.max_len - self.policy.n_sink) // 2))
-        try:
-            logits = prefill(self.backend, self.cache, slot, [new], chunk=chunk, make_room=make_room)[0]
-        except BaseException:
-            session.reset(self.cache)  # a half-written turn is never reused
-            raise
-        session.record(self.cache, new)
-        return logits
+            return new
+        if session.evicted:
+            log.info("slot %d: history changed before the window; re-prefilling", slot)
+            session.reset(self.cache)
+        held = self.cache.token_ids(slot)
+        keep = common_prefix(held, ids)
+        if self.prefix_lru and len(held) - keep >= self.prefix_lru.block_tokens:
+            self.prefix_lru.save(self.cache, slot)  # another conversation is about to replace it
+        keep = self._copy_prefix(slot, ids, keep)
+        keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
+        self.cache.truncate(slot, keep)
+        session.history = ids[:keep]
+        session.expected = self.cache.token_ids(slot).copy()
+        session.reused_tokens = keep
+        return ids[keep:]
 
     def _copy_prefix(self, slot: int, ids: list[int], keep: int) -> int:
         """Copy in the warm or run-time prefix that shares the most leading tokens with `ids`, if
@@ -176,55 +314,3 @@ class Model:
             self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared])
             return warm_shared
         return keep
-
-    def _turn(self, slot: int, ids: list[int], config: SamplingConfig) -> Iterator[Event]:
-        started = time.perf_counter()
-        session = self.sessions[slot]
-        logits = self.prepare(slot, ids)
-        make_room = RoomMaker(self.cache, self.policy, self.inv_freq, session)
-        seen = list(session.history)
-        generated_from = len(seen)
-        events = decode_stream(
-            self.backend,
-            self.cache,
-            slot,
-            logits,
-            config,
-            self.manifest.eos_token_ids,
-            TextStream(self.tokenizer, config.stop),
-            seen,
-            make_room,
-            len(ids),
-            started,
-        )
-        return self._recorded(session, events, seen, generated_from)
-
-    def _recorded(
-        self, session: ChatSession, events: Iterator[Event], seen: list[int], start: int
-    ) -> Iterator[Event]:
-        """Pass events through; whenever the stream ends (even abandoned), note what the slot holds."""
-        try:
-            yield from events
-        finally:
-            written = seen[start:]  # tokens appended to the slot during decoding
-            session.record(self.cache, written)
-
-    def _truncate_turns(
-        self, messages: list[dict[str, str]], ids: list[int], reserve: int
-    ) -> tuple[list[dict[str, str]], list[int]]:
-        """Drop the oldest whole turns (keeping system messages) until prompt + reply fit."""
-        budget = self.manifest.geometry.max_len - min(reserve, self.manifest.geometry.max_len // 2)
-        while len(ids) > budget:
-            first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
-            later_user = next(
-                (i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), None
-            )
-            if later_user is None:
-                raise ContextOverflow(
-                    f"the last turn alone has {len(ids)} tokens; at most {budget} fit "
-                    f"(max_len {self.manifest.geometry.max_len} minus {reserve} reserved for the reply)"
-                )
-            log.info("truncate: dropping %d oldest messages", later_user - first)
-            messages = messages[:first] + messages[later_user:]
-            ids = self.tokenizer.encode_chat(messages)
-        return messages, ids

@@ -22,7 +22,7 @@ A session is bound to one slot and remembers what that slot should hold. Each tu
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +48,64 @@ class ContextPolicy:
             raise KvedgeError(f"n_sink={self.n_sink!r} must be an integer >= 0")
         if not isinstance(self.evict_chunk, int) or self.evict_chunk < 0:
             raise KvedgeError(f"evict_chunk={self.evict_chunk!r} must be an integer >= 0")
+
+    # The fit rule, one owner: what fits a cache of max_len tokens under this policy. The cache
+    # itself only guards its bounds (`KVCache.check_room`).
+
+    def check_prompt(self, prompt_tokens: int, max_len: int) -> None:
+        """Refuse, under `error`, a conversation that leaves no room for a reply; the window
+        policy makes room itself and truncate has already dropped turns (`truncate_budget`)."""
+        if self.mode == "error" and prompt_tokens >= max_len:
+            raise ContextOverflow(
+                f"the conversation has {prompt_tokens} tokens; the cache holds at most {max_len} "
+                "(max_len), leaving no room for a reply. Start a new conversation or use "
+                "context_policy 'window' or 'truncate'",
+                cause="prompt",
+            )
+
+    def fit_reply(
+        self, prompt_tokens: int, max_len: int, requested: int | None, default: int, overflow: str = "clip"
+    ) -> int:
+        """How many tokens a reply may have. Under `error` the prompt must leave room; a reply
+        that would not fit is cut at the end of the cache ("clip") or refused ("reject"); under
+        window and truncate the runtime makes the conversation fit itself."""
+        if self.mode != "error":
+            return default if requested is None else requested
+        self.check_prompt(prompt_tokens, max_len)
+        room = max_len - prompt_tokens
+        if requested is None:
+            return min(default, room)
+        if requested > room and overflow == "reject":
+            raise ContextOverflow(
+                f"the model's context is {max_len} tokens: the messages take {prompt_tokens} and "
+                f"max_tokens asks for {requested} more ({prompt_tokens + requested} in total)",
+                cause="reply",
+            )
+        return requested
+
+    def truncate_budget(self, max_len: int, reserve: int) -> int:
+        """Prompt tokens the truncate policy keeps: room for `reserve` reply tokens, at most
+        half the cache."""
+        return max_len - min(reserve, max_len // 2)
+
+    def overflow_last_turn(
+        self, prompt_tokens: int, budget: int, max_len: int, reserve: int
+    ) -> ContextOverflow:
+        return ContextOverflow(
+            f"the last turn alone has {prompt_tokens} tokens; at most {budget} fit "
+            f"(max_len {max_len} minus {reserve} reserved for the reply)",
+            cause="prompt",
+        )
+
+
+def pick_slot(
+    free: Sequence[int], ids: Sequence[int], held: Callable[[int], np.ndarray], last_used: Sequence[float]
+) -> tuple[int, int]:
+    """(slot, shared tokens): the free slot sharing the longest token prefix with `ids`, and among
+    equals (no match included) the least recently used."""
+    shared = {slot: common_prefix(held(slot), ids) for slot in free}
+    slot = max(free, key=lambda s: (shared[s], -last_used[s]))
+    return slot, shared[slot]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

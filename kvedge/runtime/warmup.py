@@ -26,19 +26,19 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
 from kvedge.configs import read_yaml
+from kvedge.contract import Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
 from kvedge.runtime.sessions import common_prefix
-from kvedge.runtime.tokenizer import ROLES
-
-if TYPE_CHECKING:
-    from kvedge.runtime.model import Model
+from kvedge.runtime.tokenizer import ROLES, ChatTokenizer
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -127,30 +127,36 @@ class WarmupReport:
     seconds: float
 
 
-def prefix_ids(model: Model, spec: PrefixSpec) -> list[int]:
+def prefix_ids(tokenizer: ChatTokenizer, spec: PrefixSpec) -> list[int]:
     if spec.text is not None:
-        return model.tokenizer.encode(spec.text, add_special_tokens=False)
+        return tokenizer.encode(spec.text, add_special_tokens=False)
     messages = [{"role": role, "content": content} for role, content in spec.messages]
     try:
-        renders = [
-            model.tokenizer.encode_chat([*messages, {"role": "user", "content": p}]) for p in USER_PROBES
-        ]
+        renders = [tokenizer.encode_chat([*messages, {"role": "user", "content": p}]) for p in USER_PROBES]
     except KvedgeError:  # the template refuses a user message here (e.g. two in a row)
-        return model.tokenizer.encode(
-            model.tokenizer.render(messages, add_generation_prompt=False), add_special_tokens=False
+        return tokenizer.encode(
+            tokenizer.render(messages, add_generation_prompt=False), add_special_tokens=False
         )
     return renders[0][: min(common_prefix(renders[0], other) for other in renders[1:])]
 
 
-def warm_up(model: Model, config: WarmupConfig, folder: str | Path) -> tuple[PrefixStore, WarmupReport]:
-    """Load every declared prefix from `folder`, recomputing and rewriting any that is not valid."""
+def warm_up(
+    tokenizer: ChatTokenizer,
+    backend: OrtBackend,
+    cache: KVCache,
+    manifest: Manifest,
+    config: WarmupConfig,
+    folder: str | Path,
+) -> tuple[PrefixStore, WarmupReport]:
+    """Load every declared prefix from `folder`, recomputing (in the cache's last slot) and
+    rewriting any that is not valid."""
     folder = Path(folder)
     started = time.perf_counter()
-    fingerprint = model.manifest.source_fingerprint
-    geometry = model.manifest.geometry
+    fingerprint = manifest.source_fingerprint
+    geometry = manifest.geometry
     store, loaded, rebuilt = PrefixStore(), [], {}
     for spec in tqdm(config.prefixes, desc="warm-up", unit="prefix", disable=len(config.prefixes) < 2):
-        ids = prefix_ids(model, spec)
+        ids = prefix_ids(tokenizer, spec)
         if len(ids) >= geometry.max_len:
             raise KvedgeError(
                 f"warm prefix {spec.name!r} has {len(ids)} tokens; max_len is {geometry.max_len}"
@@ -166,7 +172,7 @@ def warm_up(model: Model, config: WarmupConfig, folder: str | Path) -> tuple[Pre
         if prefix is None:
             level = logging.INFO if rebuilt[spec.name] == "missing" else logging.WARNING
             log.log(level, "warm prefix %s: recomputing (%s)", spec.name, rebuilt[spec.name])
-            prefix = compute_prefix(model, spec.name, ids)
+            prefix = compute_prefix(backend, cache, spec.name, ids)
             write_warm_file(path, prefix, geometry, fingerprint)
         store.prefixes.append(prefix)
     for stale in folder.glob(f".*{SUFFIX}.*.tmp"):  # left by a crash mid-write
@@ -176,13 +182,13 @@ def warm_up(model: Model, config: WarmupConfig, folder: str | Path) -> tuple[Pre
     return store, report
 
 
-def compute_prefix(model: Model, name: str, ids: list[int]) -> WarmPrefix:
+def compute_prefix(backend: OrtBackend, cache: KVCache, name: str, ids: list[int]) -> WarmPrefix:
     """Run `ids` through the model in a scratch slot (the last one) and copy out their KV."""
-    slot = model.cache.slots - 1
-    model.cache.reset(slot)
-    prefill(model.backend, model.cache, slot, [ids])
-    block = model.cache.read(slot, len(ids))
-    model.cache.reset(slot)
+    slot = cache.slots - 1
+    cache.reset(slot)
+    prefill(backend, cache, slot, [ids])
+    block = cache.read(slot, len(ids))
+    cache.reset(slot)
     return WarmPrefix(name=name, token_ids=tuple(ids), block=block)
 
 

@@ -30,11 +30,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvedge.errors import KvedgeError
-from kvedge.runtime.generate import Event, SamplingConfig
+from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.runtime.model import Event, SamplingConfig
 from kvedge.serve import protocol
 from kvedge.serve.config import ServiceConfig
-from kvedge.serve.engine import Engine, Job, NotReady, QueueFull
+from kvedge.serve.engine import Engine, Job, NotReady, QueueFull, ShuttingDown
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.protocol import ApiError, ChatRequest
 
@@ -125,22 +125,26 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         model = engine.model
         if engine.state != "ready" or model is None:
             raise _not_ready(engine.state)
+        requested = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
         try:
-            ids = await run_in_threadpool(model.tokenizer.encode_chat, list(chat.messages))
-        except KvedgeError as exc:  # the chat template refused the conversation
-            raise ApiError(400, str(exc), param="messages", code="invalid_conversation") from None
-        sampling = plan_sampling(chat, len(ids), model.manifest.geometry.max_len, config)
+            ids = await run_in_threadpool(model.encode_chat, list(chat.messages), requested)
+            max_new = model.fit_reply(
+                len(ids), chat.max_tokens, config.default_max_tokens, config.context_policy
+            )
+            sampling = sampling_config(chat, max_new)
+        except KvedgeError as exc:
+            raise api_error(exc) from None
 
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event | ApiError] = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()
 
-        def deliver(item: Event | ApiError) -> None:
+        def deliver(item: Event) -> None:
             try:
                 loop.call_soon_threadsafe(events.put_nowait, item)
             except RuntimeError:  # the event loop is gone: nobody is listening any more
                 pass
 
-        job = Job(messages=chat.messages, ids=ids, config=sampling, deliver=deliver)
+        job = Job(ids=ids, config=sampling, deliver=deliver)
         try:
             engine.submit(job)
         except QueueFull as full:
@@ -226,17 +230,9 @@ async def read_json(request: Request, limit: int) -> Any:
     return value
 
 
-def plan_sampling(
-    chat: ChatRequest, prompt_tokens: int, max_len: int, config: ServiceConfig
-) -> SamplingConfig:
-    """Sampling for one request; refuses (400) what cannot fit the model's context."""
-    if config.history_policy != "error":
-        # window / truncate: the runtime fits the conversation into the cache itself
-        max_new = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
-    else:
-        max_new = _fitting_max_tokens(chat, prompt_tokens, max_len, config)
+def sampling_config(chat: ChatRequest, max_new_tokens: int) -> SamplingConfig:
     return SamplingConfig(
-        max_new_tokens=max_new,
+        max_new_tokens=max_new_tokens,
         temperature=chat.temperature,
         top_k=chat.top_k,
         top_p=chat.top_p,
@@ -246,31 +242,16 @@ def plan_sampling(
     )
 
 
-def _fitting_max_tokens(chat: ChatRequest, prompt_tokens: int, max_len: int, config: ServiceConfig) -> int:
-    """max_tokens under the `error` history policy: the prompt (and, under `reject`, the whole
-    requested reply) must fit the context."""
-    room = max_len - prompt_tokens
-    if room < 1:
-        raise ApiError(
-            400,
-            f"the messages take {prompt_tokens} tokens but the model's context is {max_len} tokens, "
-            "leaving no room for a reply",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    if chat.max_tokens is None:
-        max_new = min(config.default_max_tokens, room)
-    else:
-        max_new = chat.max_tokens
-        if max_new > room and config.context_policy == "reject":
-            raise ApiError(
-                400,
-                f"the model's context is {max_len} tokens: the messages take {prompt_tokens} and "
-                f"max_tokens asks for {max_new} more ({prompt_tokens + max_new} in total)",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-    return max_new
+def api_error(exc: Exception) -> ApiError:
+    """The HTTP error for what went wrong in the runtime or the engine."""
+    if isinstance(exc, ShuttingDown):
+        return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    if isinstance(exc, ContextOverflow):
+        param = "max_tokens" if exc.cause == "reply" else "messages"
+        return ApiError(400, str(exc), param=param, code="context_length_exceeded")
+    if isinstance(exc, KvedgeError):  # e.g. the chat template refuses the conversation
+        return ApiError(400, str(exc), param="messages", code="invalid_conversation")
+    return ApiError(500, "internal error while generating", type="server_error")
 
 
 class Reply:
@@ -282,7 +263,7 @@ class Reply:
     def usage(self, final: Event) -> dict[str, int]:
         return protocol.usage(self.prompt_tokens, final.completion_tokens)
 
-    async def collect(self, events: asyncio.Queue[Event | ApiError], request: Request) -> Response:
+    async def collect(self, events: asyncio.Queue[Event], request: Request) -> Response:
         """Wait for the whole reply, or give up as soon as the client disconnects."""
         result = asyncio.ensure_future(self._gather(events))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -294,27 +275,25 @@ class Reply:
         if not result.done() or result.cancelled():
             return Response(status_code=499)  # nobody reads it: the client is gone
         text, final = result.result()
-        if isinstance(final, ApiError):
-            return error_response(final)
+        if final.error is not None:
+            return error_response(api_error(final.error))
         body = protocol.completion_body(self.id, self.model, text, final.finish_reason, self.usage(final))
         return JSONResponse(body)
 
-    async def _gather(self, events: asyncio.Queue[Event | ApiError]) -> tuple[str, Event | ApiError]:
+    async def _gather(self, events: asyncio.Queue[Event]) -> tuple[str, Event]:
         parts = []
         while True:
             item = await events.get()
-            if isinstance(item, ApiError):
-                return "", item
             parts.append(item.text)
             if item.finish_reason is not None:
                 return "".join(parts), item
 
-    async def stream(self, events: asyncio.Queue[Event | ApiError]) -> AsyncIterator[str]:
+    async def stream(self, events: asyncio.Queue[Event]) -> AsyncIterator[str]:
         yield sse(protocol.chunk_body(self.id, self.model, {"role": "assistant", "content": ""}))
         while True:
             item = await events.get()
-            if isinstance(item, ApiError):
-                yield sse(item.body())
+            if item.error is not None:
+                yield sse(api_error(item.error).body())
                 break
             if item.text:
                 yield sse(protocol.chunk_body(self.id, self.model, {"content": item.text}))

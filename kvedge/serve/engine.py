@@ -1,25 +1,22 @@
 """The engine: one thread owns the `Model` and steps every active job once per round, decoding
 the jobs' slots together in one batched call.
 
-Life of a request (a `Job`)::
+Life of a request (a `Job`, its conversation tokenized once by the app)::
 
     submit   handler thread: refused with QueueFull (-> 429) when `queue_size` jobs already wait
              beyond the free slots, with NotReady (-> 503) before warm-up ends or while draining
-    admit    engine thread: the oldest waiting job takes the free slot whose held tokens share the
-             longest prefix with its conversation (ties and no match: least recently used)
-    prefill  engine thread, one job at a time: the job's first step calls `Model.chat` on the slot,
-             which rewinds it to that prefix, prefills the rest and samples the first token
-    decode   engine thread, once per round: every job with a token pending (the one its last
-             event showed) is decoded in one `decode_one_token` call over a contiguous slot range
-             (`decode_ranges`); each job's generator gets its row of logits with `send` and does
-             its own sampling, stop strings, limits and events, exactly as when run alone.
-             With `batch_decode` off, each job decodes alone instead (`next()`), one after another
-    finish   on the final event, an error, or `cancel`: the generator is closed, the slot is free
-             again and keeps its tokens for a later turn of the same conversation
+    admit    engine thread: the oldest waiting job takes the free slot `Model.pick_slot` chooses
+             (the longest shared prefix, then least recently used) and `Model.begin`s its turn
+    step     engine thread, once per round: `Model.step` over every active job's turn, which
+             prefills the next chunk of each new prompt and decodes every other turn's pending
+             token in batched calls; each job gets its event, exactly as when run alone
+    finish   on the final event, an error, or `cancel`: `Model.end` notes what the slot holds,
+             the slot is free again and keeps its tokens for a later turn of the same conversation
 
-Every onnxruntime call happens on this one thread (the backend is not shared), so no lock is held
+Every onnxruntime call happens on this one thread (the model is not shared), so no lock is held
 while the model runs; the lock only guards the queue and the slot lists. A job that is cancelled
-while active is dropped at the start of the next round, at most one round later.
+while active is dropped at the start of the next round, at most one prefill chunk or decode step
+later. Errors reach the app as events carrying the exception; the app turns them into HTTP.
 """
 
 from __future__ import annotations
@@ -29,25 +26,17 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvedge.errors import KvedgeError
-from kvedge.runtime.generate import Event, SamplingConfig, can_idle, decode_one_token
-from kvedge.runtime.model import Model
-from kvedge.runtime.sessions import common_prefix
+from kvedge.runtime.model import Event, Model, SamplingConfig, Turn
 from kvedge.serve.metrics import Metrics
-from kvedge.serve.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
 WARMUP_MESSAGES = ({"role": "user", "content": "Hello! What can you do?"},)
 STATES = ("loading", "warming", "ready", "draining", "stopped", "failed")
-# A run of more idle slots than this between two busy ones is cheaper as a second decode call:
-# on SmolLM2-135M (1 thread) a call costs ~31 ms and each more row 3.5-4.5 ms (docs/PERFORMANCE.md).
-MAX_IDLE_ROWS = 8
 
 
 class QueueFull(Exception):
@@ -62,50 +51,23 @@ class NotReady(Exception):
         self.state = state
 
 
+class ShuttingDown(Exception):
+    """The job was cut off because the server is shutting down."""
+
+
 @dataclass(eq=False)
 class Job:
     """One chat completion request on its way through the engine."""
 
-    messages: Sequence[dict[str, str]]
-    ids: Sequence[int]  # the rendered conversation, used to pick a slot
+    ids: Sequence[int]  # the rendered conversation
     config: SamplingConfig
-    deliver: Callable[[Event | ApiError], None]  # called on the engine thread; must not block
+    deliver: Callable[[Event], None]  # called on the engine thread; must not block
     submitted: float = field(default_factory=time.monotonic)
     slot: int | None = None
-    reused: int = 0  # prompt tokens reused from the slot or a warm prefix
-    steps: Generator[Event, np.ndarray | None, None] | None = None  # Model.chat's stream
-    pending: int | None = None  # the token the last event showed, still to be decoded into the slot
+    turn: Turn | None = None
     produced: int = 0
     cancelled: bool = False
     done: bool = False
-
-
-def pick_slot(
-    free: Sequence[int], ids: Sequence[int], held: Callable[[int], np.ndarray], last_used: Sequence[float]
-) -> tuple[int, int]:
-    """(slot, shared tokens): the free slot sharing the longest token prefix with `ids`, and among
-    equals (no match included) the least recently used."""
-    shared = {slot: common_prefix(held(slot), ids) for slot in free}
-    slot = max(free, key=lambda s: (shared[s], -last_used[s]))
-    return slot, shared[slot]
-
-
-def decode_ranges(
-    busy: Sequence[int], can_idle: Callable[[int], bool], max_idle: int = MAX_IDLE_ROWS
-) -> list[tuple[int, int]]:
-    """(first slot, count) ranges, one per decode call, covering the `busy` slots in as few calls
-    as possible: the slots between two busy ones ride along idle when each `can_idle` and there
-    are at most `max_idle` of them; otherwise a new range starts."""
-    ranges: list[tuple[int, int]] = []
-    for slot in sorted(busy):
-        if ranges:
-            first, count = ranges[-1]
-            gap = range(first + count, slot)
-            if len(gap) <= max_idle and all(can_idle(s) for s in gap):
-                ranges[-1] = (first, slot - first + 1)
-                continue
-        ranges.append((slot, 1))
-    return ranges
 
 
 def decode_warmup(steps: int) -> Callable[[Model], None]:
@@ -144,7 +106,6 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._free: list[int] = []
-        self._last_used: list[float] = []
         self._seconds_per_job = 1.0  # moving average, for Retry-After
         self._deadline: float | None = None  # when draining: cancel what is left at this time
         self._stopping = False
@@ -200,9 +161,7 @@ class Engine:
         if model is None:
             slots = held = allocated = 0
         else:
-            slots = model.cache.slots
-            held = int(model.cache.lengths.sum()) * model.manifest.geometry.bytes_per_token()
-            allocated = model.cache.nbytes
+            slots, held, allocated = model.slots, model.kv_bytes_in_use(), model.kv_bytes_allocated
         return {
             "kvedge_ready": int(self.state == "ready"),
             "kvedge_queue_depth": waiting,
@@ -213,7 +172,7 @@ class Engine:
         }
 
     def _retry_after(self) -> int:
-        slots = max(1, len(self._last_used))
+        slots = max(1, self.model.slots if self.model is not None else 1)
         rounds = (len(self._waiting) + 1) / slots
         return max(1, min(60, math.ceil(self._seconds_per_job * rounds)))
 
@@ -224,8 +183,7 @@ class Engine:
             model = self._load()
             with self._cond:
                 self.model = model
-                self._free = list(range(model.cache.slots))
-                self._last_used = [0.0] * model.cache.slots
+                self._free = list(range(model.slots))
                 if self.state == "loading":
                     self.state = "warming"
             if self._warmup is not None:
@@ -251,128 +209,100 @@ class Engine:
         while True:
             with self._cond:
                 self._cancel_past_deadline()
-                self._admit()
+                admitted = self._admit()
                 if not self._active:
                     if self._stopping:
                         return
                     self._cond.wait(timeout=None if self._deadline is None else 0.2)
                     continue
                 active = list(self._active)
-            if not self.batch_decode:
-                for job in active:
-                    self._step(job)
-                continue
-            for job in active:  # drop the cancelled, prefill the new
-                if job.cancelled or job.steps is None:
-                    self._step(job)
-            self._decode(
-                [job for job in active if not (job.done or job.cancelled) and job.pending is not None]
-            )
+            for job in admitted:
+                self._begin(job)
+            for job in active:
+                if job.cancelled and not job.done:
+                    self._finish(job, None)
+            live = [job for job in active if not job.done]
+            for group in [live] if self.batch_decode else [[job] for job in live]:
+                self._step(group)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Job]:
+        """Give waiting jobs the free slots `Model.pick_slot` chooses (lock held)."""
         assert self.model is not None
+        admitted = []
         while self._waiting and self._free:
             job = self._waiting.popleft()
-            slot, _ = pick_slot(self._free, job.ids, self.model.cache.token_ids, self._last_used)
-            self._free.remove(slot)
-            job.slot = slot
+            job.slot = self.model.pick_slot(job.ids, self._free)
+            self._free.remove(job.slot)
             self._active.append(job)
+            admitted.append(job)
+        return admitted
 
-    def _decode(self, jobs: list[Job]) -> None:
-        """One decode step for each of `jobs`, in as few batched calls as `decode_ranges` allows."""
-        model = self.model
-        assert model is not None
-        by_slot = {job.slot: job for job in jobs}
-        for first, count in decode_ranges(list(by_slot), lambda s: can_idle(model.backend, model.cache, s)):
-            rows = [by_slot.get(slot) for slot in range(first, first + count)]
-            try:
-                logits = decode_one_token(
-                    model.backend, model.cache, first, [None if job is None else job.pending for job in rows]
-                )  # [count, vocab]
-            except Exception:
-                log.exception("slots %d..%d: batched decode failed", first, first + count - 1)
-                for job in rows:
-                    if job is not None:
-                        self._finish(
-                            job, ApiError(500, "internal error while generating", type="server_error")
-                        )
-                continue
-            self.metrics.decode_call(len(rows) - rows.count(None), rows.count(None))
-            for job, row in zip(rows, logits, strict=True):
-                if job is not None:
-                    self._step(job, row)
-
-    def _step(self, job: Job, logits: np.ndarray | None = None) -> None:
-        """Advance `job` by one event: its first step (prefill and first token), or one decode step,
-        done by the job's own generator or, given `logits` [vocab], already done by `_decode`.
-        Those logits are always handed over, so that the stream's history includes the token the
-        call wrote; a job cancelled meanwhile is dropped at the next round."""
-        if job.cancelled and logits is None:
-            self._finish(job, None)
-            return
+    def _begin(self, job: Job) -> None:
         assert self.model is not None and job.slot is not None
-        decoding = job.steps is not None
         try:
-            if job.steps is None:  # the first step: Model.chat rewinds the slot and prefills
-                job.steps = self.model.chat(job.messages, job.config, slot=job.slot)
-            event = next(job.steps) if logits is None else job.steps.send(logits)
-        except StopIteration:
-            self._finish(job, ApiError(500, "generation ended without a result", type="server_error"))
-            return
-        except KvedgeError as exc:  # e.g. the chat template refuses the conversation
-            self._finish(job, ApiError(400, str(exc), param="messages", code="invalid_conversation"))
-            return
-        except Exception:
-            log.exception("slot %s: generation failed", job.slot)
-            self._finish(job, ApiError(500, "internal error while generating", type="server_error"))
-            return
-        if decoding and logits is None:  # the generator decoded the pending token alone
-            self.metrics.decode_call(1)
-        now = time.monotonic()
-        if job.produced == 0:
-            self.metrics.first_token(now - job.submitted)
-            self.metrics.add("kvedge_prompt_tokens_total", len(job.ids))
-            job.reused = self.model.sessions[job.slot].reused_tokens  # slot or warm prefix
-            self.metrics.add("kvedge_prefix_cache_hit_tokens_total", job.reused)
-            self.metrics.add("kvedge_prefix_cache_hits_total", int(job.reused > 0))
-        job.produced += 1
-        job.pending = event.token if event.finish_reason is None else None
-        self.metrics.token(now)
-        job.deliver(event)
-        if event.finish_reason is not None:
-            self._finish(job, event)
+            job.turn = self.model.begin(job.slot, job.ids, job.config)
+        except Exception as exc:
+            if not isinstance(exc, KvedgeError):
+                log.exception("slot %d: cannot start the turn", job.slot)
+            self._finish(job, Event(text="", finish_reason="error", error=exc))
 
-    def _finish(self, job: Job, outcome: Event | ApiError | None) -> None:
-        """Release the job's slot; `outcome` is its final event, an error to deliver, or None."""
-        if job.steps is not None:
-            job.steps.close()
+    def _step(self, jobs: list[Job]) -> None:
+        """One `Model.step` over `jobs`: each gets the event its turn produced, if any."""
+        assert self.model is not None
+        turns = {job.turn: job for job in jobs if job.turn is not None}
+        result = self.model.step(list(turns), batch=self.batch_decode)
+        for busy, idle in result.decode_calls:
+            self.metrics.decode_call(busy, idle)
+        now = time.monotonic()
+        for turn, event in result.events.items():
+            job = turns[turn]
+            if event.error is not None:
+                if not isinstance(event.error, KvedgeError):
+                    log.error("slot %s: generation failed", job.slot, exc_info=event.error)
+                self._finish(job, event)
+                continue
+            if job.produced == 0:
+                self.metrics.first_token(now - job.submitted)
+                self.metrics.add("kvedge_prompt_tokens_total", len(job.ids))
+                self.metrics.add("kvedge_prefix_cache_hit_tokens_total", turn.reused_tokens)
+                self.metrics.add("kvedge_prefix_cache_hits_total", int(turn.reused_tokens > 0))
+            job.produced += 1
+            self.metrics.token(now)
+            job.deliver(event)
+            if event.finish_reason is not None:
+                self._finish(job, event)
+
+    def _finish(self, job: Job, outcome: Event | None) -> None:
+        """Release the job's slot; `outcome` is its final event (delivered already unless it is an
+        error), or None when it was cancelled."""
+        if job.turn is not None and self.model is not None:
+            self.model.end(job.turn)
         now = time.monotonic()
         with self._cond:
             job.done = True
             if job in self._active:
                 self._active.remove(job)
                 self._free.append(job.slot)
-                self._last_used[job.slot] = now
             self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (now - job.submitted)
-        if isinstance(outcome, ApiError):
-            job.deliver(outcome)
-        elif outcome is None:
+        if outcome is None:
             self.metrics.add("kvedge_requests_cancelled_total")
+        elif outcome.error is not None:
+            job.deliver(outcome)
 
     def _cancel_past_deadline(self) -> None:
-        """While draining, after the grace period: end every job with a 503 (lock held)."""
+        """While draining, after the grace period: end every job with ShuttingDown (lock held)."""
         if self._deadline is None or time.monotonic() < self._deadline:
             return
-        shutting_down = ApiError(
-            503, "the server is shutting down", type="server_error", code="shutting_down"
+        shutting_down = Event(
+            text="", finish_reason="error", error=ShuttingDown("the server is shutting down")
         )
         while self._waiting:
             job = self._waiting.popleft()
             job.done = True
             job.deliver(shutting_down)
         for job in list(self._active):
-            if job.steps is not None:
-                job.steps.close()
+            if job.turn is not None and self.model is not None:
+                self.model.end(job.turn)
             job.done = True
             self._active.remove(job)
             self._free.append(job.slot)
