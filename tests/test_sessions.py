@@ -317,3 +317,57 @@ def test_service_config_passes_the_store_budget_to_the_model(long_llama):
     config = load_service_config(None, {"model": long_llama, "prefix_cache_bytes": 2**20})
     model = load_model(config, slots=1)
     assert 2**20 - model.prefix_lru.block_bytes < model.prefix_lru.capacity_bytes <= 2**20
+
+
+def test_long_prefill_is_chunked_between_decode_steps_of_other_turns(long_llama):
+    """`Model.step` runs one prefill chunk of a long prompt per step while another slot keeps
+    decoding, and both give exactly the events each gives alone."""
+    model, alone = Model(long_llama, slots=2), Model(long_llama)
+    long_ids, short_ids = random_ids(3 * 128 + 40, seed=7), random_ids(9, seed=8)
+    config = SamplingConfig(max_new_tokens=6)
+    want_long = list(alone._run(alone.begin(0, long_ids, config)))
+    want_short = list(alone._run(alone.begin(0, short_ids, config)))
+
+    short = model.begin(1, short_ids, config)
+    model.step([short])  # its prompt, and its first token
+    long = model.begin(0, long_ids, SamplingConfig(max_new_tokens=6))
+    long.chunk = 128  # four chunks, so the interleaving is visible on a 512-token cache
+    got_long, got_short, steps = [], [], 0
+    while not (long.done and short.done):
+        result = model.step([t for t in (long, short) if not t.done])
+        steps += 1
+        got_long += [result.events[long]] if long in result.events else []
+        got_short += [result.events[short]] if short in result.events else []
+        if steps <= 3:  # the long prompt is still being prefilled, the short turn decodes
+            assert long not in result.events and short in result.events
+    key = [(e.text, e.token, e.finish_reason) for e in want_long]
+    assert [(e.text, e.token, e.finish_reason) for e in got_long] == key
+    assert [(e.text, e.token, e.finish_reason) for e in got_short] == [
+        (e.text, e.token, e.finish_reason) for e in want_short[1:]
+    ]
+
+
+def test_a_turn_ended_mid_prefill_leaves_a_reusable_prefix(long_llama):
+    """Cancelled after two chunks, the slot holds exactly those tokens; the next turn with the
+    same conversation reuses them and its logits equal a full re-prefill."""
+    model, reference = Model(long_llama), Model(long_llama)
+    ids = random_ids(300, seed=9)
+    turn = model.begin(0, ids, GREEDY)
+    turn.chunk = 100
+    model.step([turn])
+    model.step([turn])
+    model.end(turn)
+    assert list(model.cache.token_ids(0)) == ids[:200]
+    logits = model.prepare(0, ids)
+    assert model.sessions[0].reused_tokens == 200
+    np.testing.assert_allclose(logits, fresh_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+def test_a_failed_prefill_resets_the_slot(long_llama):
+    model = Model(long_llama)
+    model.prepare(0, random_ids(50, seed=10))
+    turn = model.begin(0, random_ids(60, seed=11), GREEDY)
+    turn.todo = [10**9]  # not a token: onnxruntime's Gather refuses it
+    event = model.step([turn]).events[turn]
+    assert event.finish_reason == "error" and event.error is not None
+    assert model.cache.length(0) == 0 and model.sessions[0].history == []
