@@ -4,7 +4,7 @@
                           [--threads 1] [--json out.json]
 
 First, in process: the cost of one `decode_one_token` call by batch size (slots 0..b-1 at ~40
-tokens of context), which is what `kvedge.serve.engine.MAX_IDLE_ROWS` is set from. Then for each
+tokens of context), which is what `kvedge.runtime.generate.MAX_IDLE_ROWS` is set from. Then for each
 round and each mode (`batch_decode: true`, then false; the order flips every round) a
 fresh server process is started on 127.0.0.1 with `slots = streams`, then:
 
