@@ -16,15 +16,18 @@ Sampling, applied in this order to one row's logits z (float64):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.backend import OrtBackend, StepOutput
 from kvedge.runtime.cache import KVCache
+from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.tokenizer import TextStream
 
 PREFILL_CHUNK = 256  # tokens per prefill call: bounds the [g*s, max_len+s] score buffers
@@ -39,6 +42,9 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None  # output must match it (kvedge.runtime.constrain)
+    logprobs: int | None = None  # None: off; k: each token's log probability and the k most likely
+    max_top_logprobs: ClassVar[int] = 20
 
     def __post_init__(self) -> None:
         checks = [
@@ -56,6 +62,13 @@ class SamplingConfig:
                 self.repetition_penalty,
                 0.0 < self.repetition_penalty <= 10.0,
                 "in (0, 10]",
+            ),
+            (
+                "logprobs",
+                self.logprobs,
+                self.logprobs is None
+                or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_top_logprobs),
+                f"None or 0..{self.max_top_logprobs}",
             ),
         ]
         for name, value, ok, allowed in checks:
@@ -198,6 +211,16 @@ def _keep(
         cache.append(slots, input_ids, counts, out.present)
 
 
+def _logprobs(logits: np.ndarray, token: int, top: int) -> dict[str, object]:
+    """Log-softmax of one row's raw logits [vocab]: the chosen token's and the `top` largest."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    logp = z - np.log(np.exp(z).sum())  # [vocab]
+    best = np.argpartition(-logp, top)[:top] if top else np.zeros(0, np.int64)
+    best = best[np.argsort(-logp[best], kind="stable")]
+    return {"logprob": float(logp[token]), "top_logprobs": tuple((int(t), float(logp[t])) for t in best)}
+
+
 # A run of more idle slots than this between two busy ones is cheaper as a second decode call:
 # on SmolLM2-135M (1 thread) a call costs ~31 ms and each more row 3.5-4.5 ms (docs/PERFORMANCE.md).
 MAX_IDLE_ROWS = 8
@@ -234,6 +257,10 @@ class Event:
     time_to_first_token_s: float | None = None
     seconds: float = 0.0
     error: Exception | None = None
+    # with SamplingConfig.logprobs: the token's log probability under the model (before sampling
+    # settings and constraints) and the most likely tokens with theirs
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -256,6 +283,7 @@ class Turn:
     reused_tokens: int  # prompt tokens the slot already held or took from a stored prefix
     rng: np.random.Generator
     eos_ids: tuple[int, ...]
+    matcher: Matcher | None = None  # the constraint's grammar state, if the turn has one
     started: float = field(default_factory=time.perf_counter)
     written: list[int] = field(default_factory=list)  # tokens this turn appended to the slot
     pending: int | None = None
@@ -285,14 +313,27 @@ class Turn:
         self.written.append(self.pending)
         self.pending = None
 
+    def will_sample(self) -> None:
+        """The next model call gives this turn's logits: start the constraint's mask now."""
+        if self.matcher is not None:
+            self.matcher.start_mask()
+
     def sample(self, logits: np.ndarray) -> Event:
         """Sample the next token from `logits` [vocab] and say what it means for the stream."""
-        token = sample(logits, self.config, self.rng, self.seen)
+        try:
+            allowed = logits if self.matcher is None else self.matcher.apply(logits)
+            token = sample(allowed, self.config, self.rng, self.seen)
+            if self.matcher is not None:
+                self.matcher.accept(token)
+        except KvedgeError as exc:
+            return self.finish("error", error=exc)
         self.produced += 1
         self.first_token_at = self.first_token_at or time.perf_counter() - self.started
         eos = token in self.eos_ids
         text = "" if eos else self.stream.push(token)
         finish = "stop" if eos or self.stream.stopped else None
+        if finish is None and self.matcher is not None and self.matcher.stopped:
+            finish = "stop"  # the grammar is complete and admits nothing more
         if finish is None and self.produced >= self.config.max_new_tokens:
             finish = "length"
         if finish is None:
@@ -300,10 +341,12 @@ class Turn:
                 self.make_room(self.slot, 1)
             except ContextOverflow:
                 finish = "length"
+        probs = {} if self.config.logprobs is None or eos else _logprobs(logits, token, self.config.logprobs)
         if finish is None:
             self.pending = token
-            return Event(text=text, token=token)
-        return self.finish(finish, text + self.stream.finish(), None if eos else token)
+            return Event(text=text, token=token, **probs)
+        event = self.finish(finish, text + self.stream.finish(), None if eos else token)
+        return dataclasses.replace(event, **probs)
 
     def finish(
         self, reason: str, text: str = "", token: int | None = None, error: Exception | None = None
@@ -337,6 +380,8 @@ def step_turns(backend: OrtBackend, cache: KVCache, turns: Sequence[Turn], batch
     result = StepResult()
     for turn in turns:
         if turn.prefilling:
+            if len(turn.todo) <= turn.chunk:  # the last chunk: its logits are sampled
+                turn.will_sample()
             try:
                 logits = turn.prefill_chunk(backend, cache)
             except Exception as exc:
@@ -349,6 +394,8 @@ def step_turns(backend: OrtBackend, cache: KVCache, turns: Sequence[Turn], batch
         ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
     else:
         ranges = [(slot, 1) for slot in by_slot]
+    for turn in by_slot.values():
+        turn.will_sample()
     for first, count in ranges:
         rows = [by_slot.get(slot) for slot in range(first, first + count)]
         try:

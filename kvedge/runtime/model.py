@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvedge.contract import ONNX_FILE, Manifest, sha256_files
+from kvedge.contract import ONNX_FILE, TOKENIZER_FILE, Manifest, sha256_files
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
+from kvedge.runtime.constrain import Constraint, Grammars
 from kvedge.runtime.generate import PREFILL_CHUNK, Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.sessions import ChatSession, ContextPolicy, RoomMaker, common_prefix, pick_slot
@@ -34,7 +35,7 @@ from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Event", "Model", "SamplingConfig", "StepResult", "Turn", "common_prefix"]
+__all__ = ["Constraint", "Event", "Model", "SamplingConfig", "StepResult", "Turn", "common_prefix"]
 
 
 class Model:
@@ -67,6 +68,9 @@ class Model:
             self.folder, self.manifest, threads=threads, provider=provider, max_decode_bindings=ranges
         )
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
+        self.grammars = Grammars(
+            self.folder / TOKENIZER_FILE, self.manifest.vocab_size, self.manifest.eos_token_ids
+        )
         self.cache = KVCache(self.manifest.geometry, slots)
         self.backend.reserve(self.cache.layer_views(0, slots), self.manifest.geometry.max_len)
         self.sessions = [ChatSession(slot) for slot in range(slots)]
@@ -175,6 +179,7 @@ class Model:
             self.end(self._turns[slot])
         ids = [int(t) for t in ids]
         self.policy.check_prompt(len(ids), self.manifest.geometry.max_len)
+        matcher = None if config.constraint is None else self.grammars.matcher(config.constraint)
         session = self.sessions[slot]
         new = self._reuse(slot, ids)
         window = self.policy.mode == "window"
@@ -193,6 +198,7 @@ class Model:
             reused_tokens=session.reused_tokens,
             rng=np.random.default_rng(config.seed),
             eos_ids=tuple(self.manifest.eos_token_ids),
+            matcher=matcher,
         )
         self._turns[slot] = turn
         return turn
