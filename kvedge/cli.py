@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -116,11 +117,16 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
     )
 
 
-def _print_stream(events: Iterator[Any]) -> Any:
+def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> Any:
+    """Echo the events' text; with a tokenizer, each token's log probabilities to stderr too."""
     last = None
     for event in events:
         click.echo(event.text, nl=False)
         sys.stdout.flush()
+        if logprob_tokenizer is not None and event.logprob is not None:
+            best = ", ".join(f"{logprob_tokenizer.decode([t])!r} {p:.3f}" for t, p in event.top_logprobs)
+            token = logprob_tokenizer.decode([event.token])
+            click.echo(f"\n  [{token!r} {event.logprob:.3f}; top: {best}]", err=True)
         last = event
     click.echo()
     return last
@@ -237,16 +243,75 @@ def export(
         )
 
 
+def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None):
+    """The output constraint the options ask for, or None; at most one may be given."""
+    from kvedge.runtime.constrain import Constraint
+
+    given = [
+        (name, value)
+        for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+        if value
+    ]
+    if len(given) > 1:
+        raise KvedgeError(
+            f"give at most one of --json-schema, --regex, --grammar (got {', '.join(n for n, _ in given)})"
+        )
+    if json_schema is not None:
+        return Constraint("json_schema", _read_text(json_schema, "--json-schema"))
+    if grammar is not None:
+        return Constraint("lark", _read_text(grammar, "--grammar"))
+    return Constraint("regex", regex) if regex else None
+
+
+def _read_text(path: Path, option: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise KvedgeError(f"{option} {path}: cannot read it ({exc.strerror})") from None
+
+
 @main.command()
 @click.argument("prompt")
 @runtime_options
 @click.option("--raw", is_flag=True, help="Send PROMPT as is, without the chat template.")
+@click.option(
+    "--json-schema",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The answer is JSON valid against this JSON Schema file.",
+)
+@click.option("--regex", default=None, help="The answer matches this regular expression.")
+@click.option(
+    "--grammar",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The answer follows this Lark grammar file.",
+)
+@click.option(
+    "--logprobs",
+    type=int,
+    default=None,
+    help="Log each token's log probability and the N most likely (0-20).",
+)
 @user_errors
-def generate(prompt: str, raw: bool, model_dir: Path, **kwargs: Any) -> None:
+def generate(
+    prompt: str,
+    raw: bool,
+    json_schema: Path | None,
+    regex: str | None,
+    grammar: Path | None,
+    logprobs: int | None,
+    model_dir: Path,
+    **kwargs: Any,
+) -> None:
     """Answer PROMPT in one chat turn, streamed to stdout."""
-    config = _sampling(kwargs)
+    config = dataclasses.replace(
+        _sampling(kwargs), constraint=_constraint(json_schema, regex, grammar), logprobs=logprobs
+    )
     model = _load_model(model_dir, kwargs)
-    last = _print_stream(model.stream(prompt, config, raw=raw))
+    last = _print_stream(
+        model.stream(prompt, config, raw=raw), model.tokenizer if logprobs is not None else None
+    )
     log.info(
         "%d prompt + %d completion tokens, first token %.0f ms, %.1f tokens/s (%s)",
         last.prompt_tokens,
@@ -524,8 +589,6 @@ def eval_kv(
     json_path: Path | None,
 ) -> None:
     """Compare INT8 KV schemes (and a real --kv-dtype int8 export) with the fp32 cache."""
-    import dataclasses
-
     from kvedge.calibrate.calibrate import read_prompts
     from kvedge.calibrate.evaluate import evaluate
     from kvedge.quant import Scales

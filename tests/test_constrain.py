@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import numpy as np
@@ -173,3 +175,28 @@ def test_logprobs_are_the_models_log_softmax(tiny_llama):
     assert first.logprob == pytest.approx(logp[first.token], abs=1e-5)
     assert [t for t, _ in first.top_logprobs] == list(np.argsort(-logp)[:3])
     assert first.top_logprobs[0][1] == pytest.approx(first.logprob, abs=1e-9)
+
+
+def test_cli_generate_with_a_schema_a_regex_and_bad_options(tiny_llama, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+
+    def kvedge(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "kvedge", "generate", "--model", str(tiny_llama.out), "Hello!"]
+        return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+
+    done = kvedge(
+        "--json-schema", str(schema), "--temperature", "1", "--seed", "4", "--max-new-tokens", "120"
+    )
+    assert done.returncode == 0, done.stderr
+    jsonschema.validate(json.loads(done.stdout), SCHEMA)
+    done = kvedge("--regex", REGEX, "--temperature", "1", "--seed", "5", "--logprobs", "2")
+    assert done.returncode == 0 and re.fullmatch(REGEX, done.stdout.strip()), done.stderr
+    assert "top:" in done.stderr
+    for args, message in [
+        (("--regex", "("), "unclosed group"),
+        (("--json-schema", str(tmp_path / "missing.json")), "cannot read it"),
+        (("--regex", "a", "--json-schema", str(schema)), "at most one of"),
+    ]:
+        done = kvedge(*args)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
