@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -131,18 +132,34 @@ class Model:
         """Bytes of the pool holding valid tokens, over all slots."""
         return int(self.cache.lengths.sum()) * self.manifest.geometry.bytes_per_token()
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], reserve: int = 0) -> list[int]:
-        """The conversation's token ids; under the truncate policy the oldest whole turns are
-        dropped (system messages stay) until it fits with `reserve` tokens left for the reply."""
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        reserve: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The conversation's token ids (`tools` and `template_kwargs` go to the chat template);
+        under the truncate policy the oldest whole turns are dropped (system messages stay) until
+        it fits with `reserve` tokens left for the reply."""
         messages = list(messages)
-        ids = self.tokenizer.encode_chat(messages)
+
+        def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
+            return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
+
+        ids = encode(messages)
         if self.policy.mode == "truncate":
-            messages, ids = self._truncate_turns(messages, ids, reserve)
+            messages, ids = self._truncate_turns(messages, ids, reserve, encode)
         return ids
 
     def _truncate_turns(
-        self, messages: list[dict[str, str]], ids: list[int], reserve: int
-    ) -> tuple[list[dict[str, str]], list[int]]:
+        self,
+        messages: list[dict[str, Any]],
+        ids: list[int],
+        reserve: int,
+        encode: Callable[[Sequence[dict[str, Any]]], list[int]] | None = None,
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        encode = encode or self.tokenizer.encode_chat
         max_len = self.manifest.geometry.max_len
         budget = self.policy.truncate_budget(max_len, reserve)
         while len(ids) > budget:
@@ -154,7 +171,7 @@ class Model:
                 raise self.policy.overflow_last_turn(len(ids), budget, max_len, reserve)
             log.info("truncate: dropping %d oldest messages", later_user - first)
             messages = messages[:first] + messages[later_user:]
-            ids = self.tokenizer.encode_chat(messages)
+            ids = encode(messages)
         return messages, ids
 
     def fit_reply(

@@ -6,9 +6,11 @@ The chat template is rendered the way transformers renders it (trim_blocks, lstr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -20,6 +22,16 @@ from kvedge.errors import KvedgeError
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    """transformers' `tojson` (plain json.dumps, keys in order), not jinja2's HTML-safe one, so
+    templates that write tools and tool calls render the same text as apply_chat_template."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def _raise(message: str) -> None:
     raise KvedgeError(f"chat template refused the conversation: {message}")
 
@@ -29,15 +41,18 @@ class ChatTokenizer:
         self.tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
         self.special_tokens = dict(manifest.special_tokens)
         self.template = None
+        self._source = ""
         path = folder / CHAT_TEMPLATE_FILE
         if manifest.chat_template and path.is_file():
+            self._source = path.read_text()
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson
             try:
-                self.template = env.from_string(path.read_text())
+                self.template = env.from_string(self._source)
             except jinja2.TemplateError as exc:
                 raise KvedgeError(f"{path}: chat template does not parse ({exc})") from exc
 
@@ -47,23 +62,46 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it."""
+    @property
+    def template_source(self) -> str:
+        """The chat template's text ("" without one): what it can render (tools, thinking)."""
+        return self._source
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The conversation as the model's chat template writes it; `tools` (OpenAI function
+        definitions) and `template_kwargs` (e.g. enable_thinking) are passed to the template, as
+        transformers' apply_chat_template does. An assistant message may carry `tool_calls`
+        instead of content."""
         if self.template is None:
             raise KvedgeError("this model has no chat template; use raw prompts (--raw)")
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ROLES:
                 raise KvedgeError(f"message {i}: role {role!r} is not one of {ROLES}")
-            if not isinstance(message.get("content"), str):
+            content = message.get("content")
+            if not (isinstance(content, str) or (content is None and message.get("tool_calls"))):
                 raise KvedgeError(f"message {i}: content must be a string")
+        variables = {**self.special_tokens, **template_kwargs}
+        if tools:
+            variables["tools"] = list(tools)
         return self.template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
         )
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
         # The template writes any BOS itself, as transformers' apply_chat_template assumes.
-        return self.encode(self.render(messages), add_special_tokens=False)
+        return self.encode(self.render(messages, tools=tools, **template_kwargs), add_special_tokens=False)
 
 
 class TextStream:

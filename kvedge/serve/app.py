@@ -15,6 +15,7 @@ count the prompt (tokenizer only, in a worker thread), submit a `Job` and relay 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -31,12 +32,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from kvedge.errors import ContextOverflow, KvedgeError
-from kvedge.runtime.model import Event, SamplingConfig
-from kvedge.serve import protocol
+from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
+from kvedge.serve import protocol, tools
 from kvedge.serve.config import ServiceConfig
 from kvedge.serve.engine import Engine, Job, NotReady, QueueFull, ShuttingDown
 from kvedge.serve.metrics import Metrics
-from kvedge.serve.protocol import ApiError, ChatRequest
+from kvedge.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -112,29 +113,90 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
             raise ApiError(404, "no such model", param="model", code="model_not_found")
         return JSONResponse(model_card)
 
-    async def chat_completions(request: Request) -> Response:
-        try:
-            response = await _chat(request)
-        except ApiError as error:
-            response = error_response(error)
-        metrics.response(response.status_code)
-        return response
+    def counted(handler: Handler) -> Handler:
+        async def respond(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ApiError as error:
+                response = error_response(error)
+            metrics.response(response.status_code)
+            return response
 
-    async def _chat(request: Request) -> Response:
-        chat = protocol.parse_chat_request(await read_json(request, config.max_body_bytes))
+        return respond
+
+    def ready_model() -> Model:
         model = engine.model
         if engine.state != "ready" or model is None:
             raise _not_ready(engine.state)
+        return model
+
+    async def chat_completions(request: Request) -> Response:
+        chat = protocol.parse_chat_request(await read_json(request, config.max_body_bytes))
+        model = ready_model()
+        template = model.tokenizer.template_source
+        tool_fmt = tools.tool_format(template)
+        if chat.tools and tool_fmt == "refused":
+            raise ApiError(
+                400,
+                "this model's chat template writes tool calls in a format kvedge does not read yet "
+                "(it reads <tool_call> blocks: Qwen2.5, Qwen3, and templates without tools)",
+                param="tools",
+                code="unsupported_parameter",
+            )
+        messages = tools.prompt_messages(list(chat.messages), chat.tools, tool_fmt)
+        template_tools = [t.openai() for t in chat.tools] if tool_fmt == "native" else None
         requested = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
+        constraint = chat.constraint or tools.tool_constraint(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         try:
-            ids = await run_in_threadpool(model.encode_chat, list(chat.messages), requested)
+            ids = await run_in_threadpool(
+                functools.partial(
+                    model.encode_chat, messages, requested, template_tools, **chat.template_kwargs
+                )
+            )
             max_new = model.fit_reply(
                 len(ids), chat.max_tokens, config.default_max_tokens, config.context_policy
             )
-            sampling = sampling_config(chat, max_new)
         except KvedgeError as exc:
             raise api_error(exc) from None
+        try:  # compile (cached) now, so a schema llguidance cannot take is a 400 before queueing
+            if constraint is not None:
+                await run_in_threadpool(model.grammars.compile, constraint)
+        except KvedgeError as exc:
+            raise api_error(exc, "response_format" if chat.constraint else "tools") from None
+        sampling = sampling_config(chat, max_new, constraint, chat.logprobs)
+        job, events = submit(ids, sampling)
+        parser = tools.ReplyParser(tools=chat.tool_choice != "none", thinking=tools.THINK_OPEN in template)
+        reply = ChatReply(
+            protocol.completion_id(),
+            config.model_name,
+            len(ids),
+            chat.include_usage,
+            parser,
+            model.tokenizer if chat.logprobs is not None else None,
+        )
+        return await respond(request, job, events, reply, chat.stream)
 
+    async def completions(request: Request) -> Response:
+        body = protocol.parse_completion_request(await read_json(request, config.max_body_bytes))
+        model = ready_model()
+        ids = await run_in_threadpool(model.tokenizer.encode, body.prompt)
+        try:
+            max_new = model.fit_reply(
+                len(ids), body.max_tokens, config.default_max_tokens, config.context_policy
+            )
+        except KvedgeError as exc:
+            raise api_error(exc, "prompt") from None
+        job, events = submit(ids, sampling_config(body, max_new, None, body.logprobs))
+        reply = TextReply(
+            protocol.completion_id("cmpl-"),
+            config.model_name,
+            len(ids),
+            body.include_usage,
+            model.tokenizer if body.logprobs is not None else None,
+        )
+        return await respond(request, job, events, reply, body.stream)
+
+    def submit(ids: list[int], sampling: SamplingConfig) -> tuple[Job, asyncio.Queue[Event]]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -158,9 +220,12 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
             ) from None
         except NotReady as not_ready:
             raise _not_ready(not_ready.state) from None
+        return job, events
 
-        reply = Reply(protocol.completion_id(), config.model_name, len(ids), chat.include_usage)
-        if chat.stream:
+    async def respond(
+        request: Request, job: Job, events: asyncio.Queue[Event], reply: Reply, stream: bool
+    ) -> Response:
+        if stream:
             return EventStream(reply.stream(events), on_close=lambda: engine.cancel(job))
         try:
             return await reply.collect(events, request)
@@ -168,7 +233,8 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
             engine.cancel(job)
 
     routes = [
-        Route("/v1/chat/completions", protected(chat_completions), methods=["POST"]),
+        Route("/v1/chat/completions", protected(counted(chat_completions)), methods=["POST"]),
+        Route("/v1/completions", protected(counted(completions)), methods=["POST"]),
         Route("/v1/models", protected(list_models), methods=["GET"]),
         Route("/v1/models/{name:path}", protected(get_model), methods=["GET"]),
         Route("/metrics", protected(metrics_text), methods=["GET"]),
@@ -230,35 +296,45 @@ async def read_json(request: Request, limit: int) -> Any:
     return value
 
 
-def sampling_config(chat: ChatRequest, max_new_tokens: int) -> SamplingConfig:
+def sampling_config(
+    request: ChatRequest | CompletionRequest,
+    max_new_tokens: int,
+    constraint: Constraint | None,
+    logprobs: int | None,
+) -> SamplingConfig:
     return SamplingConfig(
         max_new_tokens=max_new_tokens,
-        temperature=chat.temperature,
-        top_k=chat.top_k,
-        top_p=chat.top_p,
-        repetition_penalty=chat.repetition_penalty,
-        seed=chat.seed,
-        stop=chat.stop,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        repetition_penalty=request.repetition_penalty,
+        seed=request.seed,
+        stop=request.stop,
+        constraint=constraint,
+        logprobs=logprobs,
     )
 
 
-def api_error(exc: Exception) -> ApiError:
-    """The HTTP error for what went wrong in the runtime or the engine."""
+def api_error(exc: Exception, param: str = "messages") -> ApiError:
+    """The HTTP error for what went wrong in the runtime or the engine; `param`: the request
+    field a plain KvedgeError is about."""
     if isinstance(exc, ShuttingDown):
         return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
     if isinstance(exc, ContextOverflow):
-        param = "max_tokens" if exc.cause == "reply" else "messages"
-        return ApiError(400, str(exc), param=param, code="context_length_exceeded")
-    if isinstance(exc, KvedgeError):  # e.g. the chat template refuses the conversation
-        return ApiError(400, str(exc), param="messages", code="invalid_conversation")
+        field = "max_tokens" if exc.cause == "reply" else ("prompt" if param == "prompt" else "messages")
+        return ApiError(400, str(exc), param=field, code="context_length_exceeded")
+    if isinstance(exc, KvedgeError):  # the chat template refuses the conversation, a bad schema...
+        code = "invalid_conversation" if param == "messages" else "invalid_value"
+        return ApiError(400, str(exc), param=param, code=code)
     return ApiError(500, "internal error while generating", type="server_error")
 
 
 class Reply:
-    """Turns a job's events into the OpenAI response: one JSON body, or SSE chunks."""
+    """Turns a job's events into an OpenAI response: one JSON body, or SSE chunks."""
 
-    def __init__(self, id: str, model: str, prompt_tokens: int, include_usage: bool) -> None:
+    def __init__(self, id: str, model: str, prompt_tokens: int, include_usage: bool, tokenizer: Any) -> None:
         self.id, self.model, self.prompt_tokens, self.include_usage = id, model, prompt_tokens, include_usage
+        self.tokenizer = tokenizer  # set when log probabilities were asked for
 
     def usage(self, final: Event) -> dict[str, int]:
         return protocol.usage(self.prompt_tokens, final.completion_tokens)
@@ -274,40 +350,155 @@ class Reply:
             result.cancel()
         if not result.done() or result.cancelled():
             return Response(status_code=499)  # nobody reads it: the client is gone
-        text, final = result.result()
+        seen, final = result.result()
         if final.error is not None:
             return error_response(api_error(final.error))
-        body = protocol.completion_body(self.id, self.model, text, final.finish_reason, self.usage(final))
-        return JSONResponse(body)
+        return JSONResponse(self.body(seen, final))
 
-    async def _gather(self, events: asyncio.Queue[Event]) -> tuple[str, Event]:
-        parts = []
+    async def _gather(self, events: asyncio.Queue[Event]) -> tuple[list[Event], Event]:
+        seen = []
         while True:
             item = await events.get()
-            parts.append(item.text)
+            seen.append(item)
             if item.finish_reason is not None:
-                return "".join(parts), item
+                return seen, item
 
     async def stream(self, events: asyncio.Queue[Event]) -> AsyncIterator[str]:
-        yield sse(protocol.chunk_body(self.id, self.model, {"role": "assistant", "content": ""}))
+        for chunk in self.opening():
+            yield sse(chunk)
         while True:
             item = await events.get()
             if item.error is not None:
                 yield sse(api_error(item.error).body())
                 break
-            if item.text:
-                yield sse(protocol.chunk_body(self.id, self.model, {"content": item.text}))
+            for chunk in self.chunks(item):
+                yield sse(chunk)
             if item.finish_reason is not None:
-                usage = self.usage(item)
-                yield sse(
-                    protocol.chunk_body(
-                        self.id, self.model, {}, item.finish_reason, None if self.include_usage else usage
-                    )
-                )
                 if self.include_usage:
-                    yield sse(protocol.chunk_body(self.id, self.model, {}, usage=usage, choices=False))
+                    yield sse(self.usage_chunk(self.usage(item)))
                 break
         yield sse("[DONE]")
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def body(self, events: list[Event], final: Event) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunks(self, event: Event) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatReply(Reply):
+    """A chat completion: content, reasoning and tool calls as `tools.ReplyParser` reads them."""
+
+    def __init__(self, id, model, prompt_tokens, include_usage, parser: tools.ReplyParser, tokenizer) -> None:
+        super().__init__(id, model, prompt_tokens, include_usage, tokenizer)
+        self.parser = parser
+
+    def logprobs(self, event: Event) -> list[dict[str, Any]] | None:
+        if self.tokenizer is None:
+            return None
+        if event.logprob is None or event.token is None:
+            return []
+        top = [(self.token_text(t), p) for t, p in event.top_logprobs]
+        return [protocol.token_logprob(self.token_text(event.token), event.logprob, top)]
+
+    def finish(self, event: Event) -> tuple[list[dict[str, Any]], str]:
+        """The last deltas and the finish reason ("tool_calls" when the reply is calls)."""
+        deltas, calls = self.parser.finish()
+        return deltas, "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [protocol.chunk_body(self.id, self.model, {"role": "assistant", "content": ""})]
+
+    def chunks(self, event: Event) -> list[dict[str, Any]]:
+        deltas = self.parser.push(event.text)
+        logprobs = self.logprobs(event)
+        finish = None
+        if event.finish_reason is not None:
+            last, finish = self.finish(event)
+            deltas += last
+        chunks = [protocol.chunk_body(self.id, self.model, d) for d in deltas]
+        if logprobs:  # on the event's first chunk, or a chunk of its own when the text is held back
+            if not chunks:
+                chunks.append(protocol.chunk_body(self.id, self.model, {}))
+            chunks[0]["choices"][0]["logprobs"] = {"content": logprobs}
+        if finish is not None:
+            usage = None if self.include_usage else self.usage(event)
+            chunks.append(protocol.chunk_body(self.id, self.model, {}, finish, usage))
+        return chunks
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return protocol.chunk_body(self.id, self.model, {}, usage=usage, choices=False)
+
+    def body(self, events: list[Event], final: Event) -> dict[str, Any]:
+        deltas = [d for e in events for d in self.parser.push(e.text)]
+        last, finish = self.finish(final)
+        message = merge_deltas(deltas + last)
+        logprobs = None if self.tokenizer is None else [x for e in events for x in self.logprobs(e) or []]
+        return protocol.completion_body(self.id, self.model, message, finish, self.usage(final), logprobs)
+
+
+def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message that streamed `deltas` add up to (what an OpenAI client reassembles)."""
+    message: dict[str, Any] = {"content": None}
+    for delta in deltas:
+        for key in ("content", "reasoning_content"):
+            if key in delta:
+                message[key] = (message.get(key) or "") + delta[key]
+        if "tool_calls" in delta:
+            message.setdefault("tool_calls", []).extend(
+                {k: v for k, v in call.items() if k != "index"} for call in delta["tool_calls"]
+            )
+    if message["content"] is None and "tool_calls" not in message:
+        message["content"] = ""
+    return message
+
+
+class TextReply(Reply):
+    """A `/v1/completions` text completion."""
+
+    def logprobs(self, events: list[Event]) -> dict[str, Any] | None:
+        if self.tokenizer is None:
+            return None
+        entries = [e for e in events if e.logprob is not None and e.token is not None]
+        tokens = [self.token_text(e.token) for e in entries]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.token_text(t): p for t, p in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chunks(self, event: Event) -> list[dict[str, Any]]:
+        usage = None
+        if event.finish_reason is not None and not self.include_usage:
+            usage = self.usage(event)
+        body = protocol.text_completion_body(
+            self.id, self.model, event.text, event.finish_reason, usage, self.logprobs([event])
+        )
+        return (
+            [body] if event.text or event.finish_reason is not None or body["choices"][0]["logprobs"] else []
+        )
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        body = protocol.text_completion_body(self.id, self.model, "", None, usage)
+        body["choices"] = []
+        return body
+
+    def body(self, events: list[Event], final: Event) -> dict[str, Any]:
+        text = "".join(e.text for e in events)
+        return protocol.text_completion_body(
+            self.id, self.model, text, final.finish_reason, self.usage(final), self.logprobs(events)
+        )
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,19 +1,26 @@
-"""The OpenAI chat-completions wire format: request validation, response and chunk bodies.
+"""The OpenAI wire format: request validation, response and chunk bodies.
 
 Request fields of `POST /v1/chat/completions`:
 
     honoured   messages, model (echoed as the served model's id), max_tokens / max_completion_tokens,
                temperature (0..2, default 1), top_p (0 < p <= 1), stop (string or up to 4), seed,
-               stream, stream_options.include_usage;
+               stream, stream_options.include_usage, response_format (text, json_object,
+               json_schema), tools, tool_choice, parallel_tool_calls, logprobs, top_logprobs (0..20),
+               chat_template_kwargs.enable_thinking;
                kvedge extensions: top_k, repetition_penalty
-    ignored    user, metadata, store, service_tier, parallel_tool_calls
+    ignored    user, metadata, store, service_tier
     accepted only at their neutral value (else 400)
-               n (1), presence_penalty / frequency_penalty (0), logprobs (false), top_logprobs,
-               logit_bias ({}), tools / functions ([]), tool_choice ("none"), response_format (text)
+               n (1), presence_penalty / frequency_penalty (0), logit_bias ({}),
+               functions ([]), function_call ("none")
     anything else: 400 naming the argument
 
-Messages: role system, user, assistant (developer is read as system); content a string or a list
-of text parts. Tool messages and tool calls are refused (this runtime has no tool support).
+Messages: role system, user, assistant (developer is read as system), tool; content a string or a
+list of text parts; an assistant message may carry `tool_calls` (content then may be null), a
+tool message answers one by `tool_call_id`. Tools and reasoning: kvedge/serve/tools.py.
+
+`POST /v1/completions` (raw prompt, no chat template): prompt (one string), max_tokens,
+temperature, top_p, stop, seed, stream, stream_options, logprobs (0..5), echo (false), n (1),
+and the kvedge extensions above.
 
 Every error is `{"error": {"message", "type", "param", "code"}}` with a 4xx status (5xx only for
 the server's own faults); messages never name files or internals.
@@ -21,35 +28,34 @@ the server's own faults); messages never name files or internals.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvedge.runtime.model import Constraint
+from kvedge.serve import tools as toolkit
+from kvedge.serve.tools import Tool, ToolError
 
 MAX_STOP = 4
 INT64 = 2**63
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+MAX_TOP_LOGPROBS = 20
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+IGNORED = {"user", "metadata", "store", "service_tier"}
 # argument: (its neutral values, what we say)
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "only n=1 is supported"),
     "presence_penalty": ((0, 0.0), "presence_penalty is not supported; use repetition_penalty"),
     "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported; use repetition_penalty"),
-    "logprobs": ((False,), "logprobs are not supported"),
-    "top_logprobs": ((), "logprobs are not supported"),
     "logit_bias": (({},), "logit_bias is not supported"),
-    "tools": (([],), "tools are not supported"),
-    "functions": (([],), "function calling is not supported"),
-    "tool_choice": (("none",), "tools are not supported"),
-    "function_call": (("none",), "function calling is not supported"),
-    "response_format": (({"type": "text"},), "only response_format {'type': 'text'} is supported"),
+    "functions": (([],), "the legacy functions argument is not supported; use tools"),
+    "function_call": (("none",), "the legacy function_call argument is not supported; use tool_choice"),
 }
-HONOURED = {
-    "messages",
+SAMPLING = {
     "model",
     "max_tokens",
-    "max_completion_tokens",
     "temperature",
     "top_p",
     "stop",
@@ -59,6 +65,19 @@ HONOURED = {
     "top_k",
     "repetition_penalty",
 }
+HONOURED = SAMPLING | {
+    "messages",
+    "max_completion_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "parallel_tool_calls",
+}
+COMPLETION_ARGS = SAMPLING | {"prompt", "logprobs", "echo", "n", "suffix", "best_of"}
+TEMPLATE_KWARGS = ("enable_thinking",)
 
 
 class ApiError(Exception):
@@ -83,7 +102,7 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     max_tokens: int | None  # None: the service's default, clipped to the room left
     temperature: float
     top_p: float
@@ -93,6 +112,27 @@ class ChatRequest:
     seed: int | None  # already mapped into 0..2**64-1
     stream: bool
     include_usage: bool
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "none"  # "none", "auto", "required" or a function name
+    parallel_tool_calls: bool = True  # False: at most one call per reply
+    constraint: Constraint | None = None  # from response_format
+    logprobs: int | None = None  # None: off; k: log probabilities with the k most likely
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -109,10 +149,73 @@ def _number(value: Any) -> bool:
 
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a decoded JSON body; raise ApiError(400) naming the first bad argument."""
+    _check_arguments(body, HONOURED)
+    try:
+        tools = toolkit.parse_tools(body.get("tools"))
+        tool_choice = toolkit.parse_tool_choice(body.get("tool_choice"), tools)
+        constraint = toolkit.response_constraint(body.get("response_format"))
+    except ToolError as exc:
+        raise _bad(exc.param, str(exc)) from None
+    if constraint is not None and tool_choice != "none":
+        raise _bad("response_format", "response_format and tools cannot be combined; give one")
+    logprobs = _optional(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+    top = _optional(
+        body,
+        "top_logprobs",
+        lambda v: _int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+        f"an integer in 0..{MAX_TOP_LOGPROBS}",
+        None,
+    )
+    if top is not None and not logprobs:
+        raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+    kwargs = _optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    if set(kwargs) - set(TEMPLATE_KWARGS) or not all(isinstance(v, bool) for v in kwargs.values()):
+        raise _bad(
+            "chat_template_kwargs", f"chat_template_kwargs allows only {list(TEMPLATE_KWARGS)} (booleans)"
+        )
+    max_tokens = _optional(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", None)
+    max_completion = _optional(
+        body, "max_completion_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", None
+    )
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise _bad("max_tokens", "max_tokens and max_completion_tokens differ; give one")
+    return ChatRequest(
+        messages=parse_messages(body.get("messages")),
+        max_tokens=max_tokens if max_tokens is not None else max_completion,
+        **_sampling_fields(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=_optional(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True),
+        constraint=constraint,
+        logprobs=(top or 0) if logprobs else None,
+        template_kwargs=dict(kwargs),
+    )
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """`/v1/completions`: validate a decoded JSON body; raise ApiError(400) naming what is wrong."""
+    _check_arguments(body, COMPLETION_ARGS)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("prompt", "prompt must be a non-empty string (one prompt per request)")
+    for key, neutral in (("echo", False), ("n", 1), ("best_of", 1), ("suffix", None)):
+        value = body.get(key)
+        if value is not None and not (value == neutral and type(value) is type(neutral)):
+            raise _bad(key, f"{key}={_show(value)} is not supported", code="unsupported_parameter")
+    logprobs = _optional(body, "logprobs", lambda v: _int(v) and 0 <= v <= 5, "an integer in 0..5", None)
+    return CompletionRequest(
+        prompt=prompt,
+        max_tokens=_optional(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", None),
+        **_sampling_fields(body),
+        logprobs=logprobs,
+    )
+
+
+def _check_arguments(body: Any, honoured: set[str]) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_body")
     for key, value in body.items():
-        if key in HONOURED or key in IGNORED:
+        if key in honoured or key in IGNORED:
             continue
         if key in NEUTRAL:
             neutral, message = NEUTRAL[key]
@@ -121,6 +224,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
             continue
         raise _bad(key, f"unrecognized request argument: {key!r}", code="unknown_parameter")
 
+
+def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "model must be a string")
@@ -129,33 +234,27 @@ def parse_chat_request(body: Any) -> ChatRequest:
     include_usage = options.get("include_usage", False)
     if set(options) - {"include_usage"} or not isinstance(include_usage, bool | None):
         raise _bad("stream_options", "stream_options allows only include_usage (a boolean)")
-
-    max_tokens = _optional(body, "max_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", None)
-    max_completion = _optional(
-        body, "max_completion_tokens", lambda v: _int(v) and v >= 1, "an integer >= 1", None
-    )
-    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise _bad("max_tokens", "max_tokens and max_completion_tokens differ; give one")
     seed = _optional(body, "seed", lambda v: _int(v) and -INT64 <= v < 2 * INT64, "a 64-bit integer", None)
-
-    return ChatRequest(
-        messages=parse_messages(body.get("messages")),
-        max_tokens=max_tokens if max_tokens is not None else max_completion,
-        temperature=float(
+    return {
+        "temperature": float(
             _optional(body, "temperature", lambda v: _number(v) and 0 <= v <= 2, "a number in 0..2", 1.0)
         ),
-        top_p=float(_optional(body, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)),
-        top_k=_optional(body, "top_k", lambda v: _int(v) and 0 <= v < INT64, "an integer >= 0 (0 = off)", 0),
-        repetition_penalty=float(
+        "top_p": float(
+            _optional(body, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
+        ),
+        "top_k": _optional(
+            body, "top_k", lambda v: _int(v) and 0 <= v < INT64, "an integer >= 0 (0 = off)", 0
+        ),
+        "repetition_penalty": float(
             _optional(
                 body, "repetition_penalty", lambda v: _number(v) and 0 < v <= 10, "a number in (0, 10]", 1.0
             )
         ),
-        stop=parse_stop(body.get("stop")),
-        seed=None if seed is None else seed % (2 * INT64),
-        stream=stream,
-        include_usage=bool(include_usage),
-    )
+        "stop": parse_stop(body.get("stop")),
+        "seed": None if seed is None else seed % (2 * INT64),
+        "stream": stream,
+        "include_usage": bool(include_usage),
+    }
 
 
 def _optional(body: dict[str, Any], key: str, ok, allowed: str, default: Any) -> Any:
@@ -182,7 +281,7 @@ def parse_stop(stop: Any) -> tuple[str, ...]:
     raise _bad("stop", f"stop must be a string or a list of at most {MAX_STOP} strings")
 
 
-def parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
     out = []
@@ -191,12 +290,68 @@ def parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
         if not isinstance(message, dict):
             raise _bad(param, f"message {i} must be an object with role and content")
         role = message.get("role")
-        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-            raise _bad(param, "tool and function messages are not supported", code="unsupported_parameter")
+        if role == "function" or message.get("function_call"):
+            raise _bad(
+                param, "legacy function messages are not supported; use tools", code="unsupported_parameter"
+            )
         if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"{param}.role", f"message {i}: role {_show(role)} is not one of {sorted(ROLES)}")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), i)})
+        calls = message.get("tool_calls")
+        if calls and role == "assistant":
+            content = message.get("content")
+            text = None if content is None else _content(content, i)
+            out.append({"role": "assistant", "content": text, "tool_calls": _tool_calls(calls, i)})
+            continue
+        if calls:
+            raise _bad(f"{param}.tool_calls", f"message {i}: only assistant messages carry tool_calls")
+        entry = {"role": ROLES[role], "content": _content(message.get("content"), i)}
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{param}.tool_call_id", f"message {i}: a tool message needs its tool_call_id")
+            asked = {c["id"] for m in out if m.get("tool_calls") for c in m["tool_calls"]}
+            if call_id not in asked:
+                raise _bad(
+                    param,
+                    f"message {i}: a tool message must answer a tool call of an earlier assistant message",
+                )
+            entry["tool_call_id"] = call_id
+        out.append(entry)
     return tuple(out)
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, arguments decoded to objects."""
+    param = f"messages.[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(param, f"message {i}: tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise _bad(
+                f"{param}.[{j}]",
+                f"message {i}: tool call {j} needs function.name and function.arguments (a string)",
+            )
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        if not isinstance(decoded, dict):
+            raise _bad(
+                f"{param}.[{j}].function.arguments",
+                f"message {i}: tool call {j}: arguments must be a JSON object",
+            )
+        out.append(
+            {
+                "id": str(call.get("id", "")),
+                "type": "function",
+                "function": {"name": name, "arguments": decoded},
+            }
+        )
+    return out
 
 
 def _content(content: Any, i: int) -> str:
@@ -217,8 +372,8 @@ def _content(content: Any, i: int) -> str:
     raise _bad(f"messages.[{i}].content", f"message {i}: content must be a string or a list of text parts")
 
 
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex
+def completion_id(prefix: str = "chatcmpl-") -> str:
+    return prefix + uuid.uuid4().hex
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -230,7 +385,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_body(
-    id: str, model: str, text: str, finish_reason: str, usage: dict[str, int]
+    id: str,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage: dict[str, int],
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": id,
@@ -240,8 +400,8 @@ def completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "message": {"role": "assistant", **message},
+                "logprobs": None if logprobs is None else {"content": logprobs},
                 "finish_reason": finish_reason,
             }
         ],
@@ -252,21 +412,57 @@ def completion_body(
 def chunk_body(
     id: str,
     model: str,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish_reason: str | None = None,
     usage: dict[str, int] | None = None,
     choices: bool = True,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`; `choices=False` makes OpenAI's usage-only final chunk."""
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+        "finish_reason": finish_reason,
+    }
     body: dict[str, Any] = {
         "id": id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        if choices
-        else [],
+        "choices": [choice] if choices else [],
     }
     if usage is not None:
         body["usage"] = usage
     return body
+
+
+def text_completion_body(
+    id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A `text_completion` (whole, or one streamed chunk when `usage` is None)."""
+    body: dict[str, Any] = {
+        "id": id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def token_logprob(token: str, logprob: float, top: list[tuple[str, float]]) -> dict[str, Any]:
+    """One entry of a chat completion's logprobs.content."""
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in top],
+    }
