@@ -146,7 +146,9 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         messages = tools.prompt_messages(list(chat.messages), chat.tools, tool_fmt)
         template_tools = [t.openai() for t in chat.tools] if tool_fmt == "native" else None
         requested = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
-        constraint = chat.constraint or tools.tool_constraint(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        constraint = chat.constraint or tools.tool_constraint(
+            chat.tools, chat.tool_choice, chat.parallel_tool_calls
+        )
         try:
             ids = await run_in_threadpool(
                 functools.partial(

@@ -139,6 +139,10 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -185,7 +189,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         **_sampling_fields(body),
         tools=tools,
         tool_choice=tool_choice,
-        parallel_tool_calls=_optional(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True),
+        parallel_tool_calls=_optional(
+            body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True
+        ),
         constraint=constraint,
         logprobs=(top or 0) if logprobs else None,
         template_kwargs=dict(kwargs),
