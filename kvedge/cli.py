@@ -105,9 +105,9 @@ def _sampling(kwargs: dict[str, Any]):
 
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
+    from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
     from kvedge.runtime.sessions import ContextPolicy
-    from kvedge.runtime.warmup import load_warmup_config
 
     warmup = load_warmup_config(kwargs["warmup_config"]) if kwargs["warmup_config"] else None
     policy = ContextPolicy(mode=kwargs["context_policy"], n_sink=kwargs["n_sink"])
@@ -308,8 +308,8 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
 @user_errors
 def warmup(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
+    from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
-    from kvedge.runtime.warmup import load_warmup_config
 
     model = Model(model_dir, warmup=load_warmup_config(config_path), warm_dir=warm_dir)
     report = model.warmup_report

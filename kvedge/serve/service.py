@@ -63,8 +63,8 @@ def check_memory(config: ServiceConfig) -> int:
 
 def load_model(config: ServiceConfig, slots: int) -> Model:
     """The service's Model: history policy, and warm prefixes loaded (or rebuilt) before ready."""
+    from kvedge.configs import load_warmup_config
     from kvedge.runtime.sessions import ContextPolicy
-    from kvedge.runtime.warmup import load_warmup_config
 
     warmup = load_warmup_config(config.warmup_config) if config.warmup_config else None
     return Model(
