@@ -66,13 +66,13 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
     from kvedge.configs import load_warmup_config
     from kvedge.runtime.sessions import ContextPolicy
 
-    warmup = load_warmup_config(config.warmup_config) if config.warmup_config else None
+    prefixes = load_warmup_config(config.warm_prefixes) if config.warm_prefixes else None
     return Model(
         config.model,
         slots=slots,
         threads=config.threads,
         policy=ContextPolicy(mode=config.history_policy),
-        warmup=warmup,
+        warmup=prefixes,
         warm_dir=config.warm_dir,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
