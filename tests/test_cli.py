@@ -109,24 +109,12 @@ def test_history_policy_and_warm_prefixes_and_their_old_spellings(tmp_path):
     config.write_text("prefixes:\n  - {name: notes, text: hello there}\n")
     warm_dir = ["--config", str(config), "--warm-dir", str(tmp_path / "warm")]
     built = kvedge("warm-prefixes", "--model", str(out), *warm_dir)
-    assert (
-        built.returncode == 0 and "notes: " in built.stdout and "recomputed (missing)" in built.stdout
-    )
+    assert built.returncode == 0 and "notes: " in built.stdout and "recomputed (missing)" in built.stdout
     old = kvedge("warmup", "--model", str(out), *warm_dir)
     assert old.returncode == 0 and "notes: " in old.stdout and ", loaded" in old.stdout
     assert "'warmup' is deprecated. Use `kvedge warm-prefixes`" in old.stderr
+    generate = ["-v", "generate", "--model", str(out), "hello there", "--max-new-tokens", "2"]
     for flag in ("--warm-prefixes", "--warmup"):
-        args = [
-            "-v",
-            "generate",
-            "--model",
-            str(out),
-            "hello there",
-            "--max-new-tokens",
-            "2",
-            flag,
-            str(config),
-        ]
-        done = kvedge(*args, "--warm-dir", str(tmp_path / "warm"))
+        done = kvedge(*generate, flag, str(config), "--warm-dir", str(tmp_path / "warm"))
         assert done.returncode == 0 and "1 warm prefixes" in done.stderr, done.stderr
         assert ("--warmup is deprecated; use --warm-prefixes" in done.stderr) == (flag == "--warmup")
