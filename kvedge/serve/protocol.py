@@ -27,9 +27,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvedge.runtime.tokenizer import ROLES
+
 MAX_STOP = 4
 INT64 = 2**63
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+API_ROLES = sorted({*ROLES, *ROLE_ALIASES} - {"tool"})  # the chat roles, less tool (no tool support)
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # argument: (its neutral values, what we say)
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -193,9 +196,10 @@ def parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
         role = message.get("role")
         if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
             raise _bad(param, "tool and function messages are not supported", code="unsupported_parameter")
-        if not isinstance(role, str) or role not in ROLES:
-            raise _bad(f"{param}.role", f"message {i}: role {_show(role)} is not one of {sorted(ROLES)}")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), i)})
+        chat_role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
+        if chat_role not in API_ROLES:
+            raise _bad(f"{param}.role", f"message {i}: role {_show(role)} is not one of {API_ROLES}")
+        out.append({"role": chat_role, "content": _content(message.get("content"), i)})
     return tuple(out)
 
 
