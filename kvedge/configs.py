@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import re
 import types
-from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -106,10 +105,10 @@ class ConfigProblem:
         return f"{at}{self.value!r} is not allowed; allowed: {self.allowed}"
 
 
-def parse(data: Any, schema: type[T], path: Path, dec_hook: Callable[[type, Any], Any] | None = None) -> T:
+def parse(data: Any, schema: type[T], path: Path) -> T:
     """`data` (parsed YAML) as a `schema` instance, or a KvedgeError naming `path`, key and allowed."""
     try:
-        return msgspec.convert(data, schema, dec_hook=dec_hook)
+        return msgspec.convert(data, schema)
     except msgspec.ValidationError as exc:
         raise KvedgeError(find_problem(exc, data, schema).message(f"{path}: ")) from None
 
