@@ -16,6 +16,7 @@ import click
 from kvedge import __version__
 from kvedge.contract import EXPORTED_KV_DTYPES, VARIANTS, WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
+from kvedge.runtime.sessions import POLICIES
 
 log = logging.getLogger("kvedge")
 
@@ -36,6 +37,25 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 def choice_option(flag: str, choices: Sequence[str], default: str, help: str) -> Any:
     """`--flag` taking one of `choices`, showing its default in --help."""
     return click.option(flag, type=click.Choice(list(choices)), default=default, show_default=True, help=help)
+
+
+def old_spelling(old: str, new: str, dest: str, **kwargs: Any) -> Any:
+    """A hidden option `old`, the former name of `new`, kept for scripts that still use it: it warns
+    naming `new`, and `new`'s option (with `callback=or_old_spelling`) takes its value unless given."""
+
+    def store(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            log.warning("%s is deprecated; use %s", old, new)
+            ctx.meta[("old spelling", dest)] = value
+
+    return click.option(old, hidden=True, expose_value=False, callback=store, **kwargs)
+
+
+def or_old_spelling(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    # Options given on the command line are processed before defaulted ones, so `store` has run.
+    if ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+        return ctx.meta.get(("old spelling", param.name), value)
+    return value
 
 
 model_option = click.option(
@@ -70,20 +90,30 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
         ),
         click.option(
-            "--context-policy",
-            type=click.Choice(["error", "window", "truncate"]),
+            "--history-policy",
+            type=click.Choice(POLICIES),
             default="error",
             show_default=True,
-            help="What to do when a conversation outgrows the cache.",
+            callback=or_old_spelling,
+            help="What to do when a conversation outgrows the cache (the service's history_policy).",
         ),
+        old_spelling("--context-policy", "--history-policy", "history_policy", type=click.Choice(POLICIES)),
         click.option(
             "--n-sink", default=4, show_default=True, type=int, help="window: tokens never evicted."
         ),
         click.option(
-            "--warmup", "warmup_config", default=None, type=click.Path(path_type=Path), help="Warm-up YAML."
+            "--warm-prefixes",
+            default=None,
+            type=click.Path(path_type=Path),
+            callback=or_old_spelling,
+            help="Warm-prefix YAML (configs/warmup/): fixed prompts whose KV is kept in --warm-dir.",
         ),
+        old_spelling("--warmup", "--warm-prefixes", "warm_prefixes", type=click.Path(path_type=Path)),
         click.option(
-            "--warm-dir", default=None, type=click.Path(path_type=Path), help="Warm prefix cache folder."
+            "--warm-dir",
+            default=None,
+            type=click.Path(path_type=Path),
+            help="Folder of the warm prefix files.",
         ),
     ]
     for option in reversed(options):
@@ -106,14 +136,14 @@ def _sampling(kwargs: dict[str, Any]):
 
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
+    from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
-    from kvedge.runtime.sessions import ContextPolicy
-    from kvedge.runtime.warmup import load_warmup_config
+    from kvedge.runtime.sessions import HistoryPolicy
 
-    warmup = load_warmup_config(kwargs["warmup_config"]) if kwargs["warmup_config"] else None
-    policy = ContextPolicy(mode=kwargs["context_policy"], n_sink=kwargs["n_sink"])
+    prefixes = load_warmup_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None
+    policy = HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"])
     return Model(
-        model_dir, threads=kwargs["threads"], policy=policy, warmup=warmup, warm_dir=kwargs["warm_dir"]
+        model_dir, threads=kwargs["threads"], policy=policy, warmup=prefixes, warm_dir=kwargs["warm_dir"]
     )
 
 
@@ -364,24 +394,42 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-@main.command()
+@main.command("warm-prefixes")
 @model_option
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Warm-up YAML.")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Warm-prefix YAML (configs/warmup/).",
+)
 @click.option(
     "--warm-dir", required=True, type=click.Path(path_type=Path), help="Folder for the warm prefix files."
 )
 @user_errors
-def warmup(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
+def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
+    from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
-    from kvedge.runtime.warmup import load_warmup_config
 
     model = Model(model_dir, warmup=load_warmup_config(config_path), warm_dir=warm_dir)
     report = model.warmup_report
     for prefix in model.prefixes.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
         click.echo(f"{prefix.name}: {len(prefix.token_ids)} tokens, {prefix.nbytes / 2**20:.2f} MiB, {state}")
-    click.echo(f"warm-up done in {report.seconds:.2f} s: {warm_dir}")
+    click.echo(f"warm prefixes ready in {report.seconds:.2f} s: {warm_dir}")
+
+
+main.add_command(  # the former name of warm-prefixes, kept for scripts that still use it
+    click.Command(
+        "warmup",
+        callback=warm_prefixes.callback,
+        params=warm_prefixes.params,
+        help=warm_prefixes.help,
+        hidden=True,
+        deprecated="Use `kvedge warm-prefixes`.",
+    )
+)
 
 
 @main.command()

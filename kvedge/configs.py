@@ -1,6 +1,10 @@
-"""Typed configs loaded from YAML under `configs/`, validated once at load.
+"""Typed configs loaded from YAML under `configs/`, validated once at load, and the one validator
+every kvedge YAML goes through (service configs, in `kvedge/serve/config.py`, use it too).
 
-Two kinds live here (service configs belong to `kvedge serve`):
+Each kind is a frozen `msgspec.Struct` that refuses unknown keys; `parse` converts the plain
+YAML data into it, and a mismatch becomes a `KvedgeError` naming the file, the dotted key, the
+value and what is allowed there (worded from the field's type and `msgspec.Meta` constraints,
+or its `Meta(description=...)`). Checks between fields follow the conversion, in the loader.
 
 `configs/devices/NAME.yaml`, a Jetson module as NVIDIA publishes it::
 
@@ -22,22 +26,34 @@ Two kinds live here (service configs belong to `kvedge serve`):
                    max_position_embeddings, param_count}
     export: {max_len, logits, weights_dtype, kv_dtype, max_prefill, max_batch}
 
-Every key is required unless shown with a default below; unknown keys are refused. Errors name
-the file, the key and what is allowed, and are raised as `KvedgeError` when the file is loaded,
-never later.
+`configs/warmup/NAME.yaml`, warm prefixes: fixed prompts whose KV `kvedge warm-prefixes` (or
+start-up) computes once and keeps on disk (see `kvedge/runtime/warmup.py`)::
+
+    prefixes:
+      - name: assistant            # file name: <warm dir>/assistant.kvw
+        messages:                  # rendered with the model's chat template
+          - {role: system, content: "You are ..."}
+      - name: notes
+        text: "raw text"           # or raw text, tokenized without special tokens
+
+Every key is required unless shown with a default below; unknown keys are refused. Errors are
+raised as `KvedgeError` when the file is loaded, never later.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
+import types
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+import msgspec
 import yaml
 
 from kvedge.contract import CacheGeometry
 from kvedge.errors import KvedgeError
+from kvedge.runtime.tokenizer import ROLES
 
 CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"  # the repository's; pass paths otherwise
 DEVICES_DIR = CONFIG_ROOT / "devices"
@@ -47,154 +63,226 @@ PRECISIONS = ("float32", "float16", "int8", "int4")  # what a recommendation may
 WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
 FAMILIES = ("llama", "qwen2", "mistral")  # what `kvedge export` supports
 LOGITS = ("last", "all")
+PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is its file name
+
+T = TypeVar("T")
+Count = Annotated[int, msgspec.Meta(ge=1)]
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+Precisions = Annotated[tuple[Literal[PRECISIONS], ...], msgspec.Meta(min_length=1)]  # best first
 
 
-_REQUIRED = object()  # default of a key that must be present
+class Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A config section: immutable, and a key it does not declare is an error, not ignored."""
 
 
-class _Section:
-    """Reads one mapping of a YAML file; every error names the file and the dotted key."""
+# --- the validator -------------------------------------------------------------------------------
 
-    def __init__(self, data: Any, path: Path, prefix: str = "") -> None:
-        self.path, self.prefix = path, prefix
-        if not isinstance(data, dict):
-            where = f"{prefix.rstrip('.')}: " if prefix else ""
-            raise KvedgeError(f"{path}: {where}expected a mapping of keys, got {type(data).__name__}")
-        self.data = data
-        self.used: set[str] = set()
-
-    def error(self, key: str, problem: str) -> KvedgeError:
-        return KvedgeError(f"{self.path}: {self.prefix}{key}: {problem}")
-
-    def _get(self, key: str, default: Any) -> Any:
-        self.used.add(key)
-        if key in self.data:
-            return self.data[key]
-        if default is _REQUIRED:
-            raise self.error(key, "missing (required)")
-        return default
-
-    def integer(self, key: str, minimum: int = 1, default: Any = _REQUIRED) -> int:
-        value = self._get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(key, f"{value!r} is not allowed; allowed: an integer >= {minimum}")
-        return value
-
-    def number(self, key: str) -> float:
-        value = self._get(key, _REQUIRED)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise self.error(key, f"{value!r} is not allowed; allowed: a positive number")
-        return float(value)
-
-    def flag(self, key: str) -> bool:
-        value = self._get(key, _REQUIRED)
-        if not isinstance(value, bool):
-            raise self.error(key, f"{value!r} is not allowed; allowed: true, false")
-        return value
-
-    def text(self, key: str, choices: tuple[str, ...] = (), default: Any = _REQUIRED) -> str:
-        value = self._get(key, default)
-        if not isinstance(value, str) or not value or (choices and value not in choices):
-            allowed = ", ".join(choices) if choices else "a non-empty string"
-            raise self.error(key, f"{value!r} is not allowed; allowed: {allowed}")
-        return value
-
-    def precisions(self, key: str, choices: tuple[str, ...]) -> tuple[str, ...]:
-        value = self._get(key, _REQUIRED)
-        if not isinstance(value, list) or not value or any(v not in choices for v in value):
-            raise self.error(key, f"{value!r} is not allowed; allowed: a list of {', '.join(choices)}")
-        return tuple(value)
-
-    def section(self, key: str) -> _Section:
-        return _Section(self._get(key, _REQUIRED), self.path, f"{self.prefix}{key}.")
-
-    def done(self) -> None:
-        """Refuse keys nobody read: a typo must not silently fall back to a default."""
-        unknown = sorted(set(self.data) - self.used)
-        if unknown:
-            raise self.error(unknown[0], f"unknown key; allowed keys: {', '.join(sorted(self.used))}")
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")  # msgspec: "<what> - at `$.a[0].b`"
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_MISSING = object()
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
+class ConfigProblem:
+    """The first thing wrong in a config, in the user's terms."""
+
+    key: str  # dotted path: "gpu.cuda_cores", "prefixes[0].name"; "" for the whole document
+    kind: str  # "missing" | "unknown" | "mapping" | "value" | "other" (msgspec's words in `allowed`)
+    value: Any  # what the config holds at `key`
+    allowed: str  # what is allowed there, in words ("unknown": the keys allowed beside it)
+
+    def message(self, where: str) -> str:
+        """The error text; `where` names the file ("path: ")."""
+        at = f"{where}{self.key}: " if self.key else where
+        if self.kind == "missing":
+            return f"{at}missing (required)"
+        if self.kind == "unknown":
+            return f"{at}unknown key; allowed keys: {self.allowed}"
+        if self.kind == "mapping":
+            return f"{at}expected a mapping of keys, got {type(self.value).__name__}"
+        if self.kind == "other":
+            return f"{at}{self.allowed}"
+        return f"{at}{self.value!r} is not allowed; allowed: {self.allowed}"
+
+
+def parse(data: Any, schema: type[T], path: Path) -> T:
+    """`data` (parsed YAML) as a `schema` instance, or a KvedgeError naming `path`, key and allowed."""
+    try:
+        return msgspec.convert(data, schema)
+    except msgspec.ValidationError as exc:
+        raise KvedgeError(find_problem(exc, data, schema).message(f"{path}: ")) from None
+
+
+def find_problem(error: msgspec.ValidationError, data: Any, schema: Any) -> ConfigProblem:
+    """Turn msgspec's "Expected `int` >= 1 - at `$.gpu.cuda_cores`" into key, value and allowed."""
+    what, at = _AT.match(str(error)).group("what", "path")
+    steps: list[str | int] = [name or int(index) for name, index in _STEP.findall(at or "")]
+    if what.startswith(("Object missing required field", "Object contains unknown field")):
+        keys = ", ".join(sorted(get_type_hints(_strip(_hint_at(schema, steps)))))
+        steps.append(what.split("`")[1])
+        kind = "missing" if what.startswith("Object missing") else "unknown"
+        return ConfigProblem(key=_dotted(steps), kind=kind, value=_value_at(data, steps), allowed=keys)
+    if at is None and isinstance(data, dict):  # not about one key (a key that is not a string): as is
+        return ConfigProblem(key="", kind="other", value=data, allowed=str(error))
+    if steps and isinstance(steps[-1], int) and not _is_mapping(_strip(_hint_at(schema, steps))):
+        steps.pop()  # a bad item of a list of plain values: show the list, so all its choices are named
+    hint, value = _hint_at(schema, steps), _value_at(data, steps)
+    kind = "mapping" if _is_mapping(_strip(hint)) and not isinstance(value, dict) else "value"
+    return ConfigProblem(key=_dotted(steps), kind=kind, value=value, allowed=describe(hint))
+
+
+def describe(hint: Any) -> str:
+    """What a type allows, as shown to the user: "an integer in 1..256", "last, all", ..."""
+    metas = get_args(hint)[1:] if get_origin(hint) is Annotated else ()
+    for meta in metas:
+        if isinstance(meta, msgspec.Meta) and meta.description:
+            return meta.description
+    base = get_args(hint)[0] if metas else hint
+    bound = {
+        k: getattr(m, k)
+        for m in metas
+        for k in ("ge", "le", "gt", "min_length", "pattern")
+        if getattr(m, k) is not None
+    }
+    args = get_args(base)
+    if get_origin(base) in (Union, types.UnionType) and type(None) in args:
+        return f"{describe(next(a for a in args if a is not type(None)))}, or null"
+    if get_origin(base) is Literal:
+        return ", ".join(map(str, args))
+    if get_origin(base) in (tuple, list):
+        return f"a list of {describe(args[0])}"
+    if base is bool:
+        return "true, false"
+    if base in (int, float):
+        noun = "an integer" if base is int else "a number"
+        if "ge" in bound and "le" in bound:
+            return f"{noun} in {bound['ge']}..{bound['le']}"
+        if bound.get("gt") == 0:
+            return f"a positive {noun.split()[-1]}"
+        return f"{noun} >= {bound['ge']}" if "ge" in bound else noun
+    if base is str:
+        if "pattern" in bound:
+            return f"a string matching {bound['pattern']}"
+        return "a non-empty string" if "min_length" in bound else "a string"
+    if _is_mapping(base):
+        return "a mapping of keys"
+    return getattr(base, "__name__", str(base))
+
+
+def _strip(hint: Any) -> Any:
+    """The type under `Annotated[...]` and `... | None`."""
+    while True:
+        if get_origin(hint) is Annotated:
+            hint = get_args(hint)[0]
+        elif get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint):
+            hint = next(a for a in get_args(hint) if a is not type(None))
+        else:
+            return hint
+
+
+def _is_mapping(hint: Any) -> bool:
+    return isinstance(hint, type) and (issubclass(hint, msgspec.Struct) or is_dataclass(hint))
+
+
+def _hint_at(schema: Any, steps: list[str | int]) -> Any:
+    hint = schema
+    for step in steps:
+        outer = _strip(hint)
+        hint = (
+            get_args(outer)[0] if isinstance(step, int) else get_type_hints(outer, include_extras=True)[step]
+        )
+    return hint
+
+
+def _dotted(steps: list[str | int]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in steps).lstrip(".")
+
+
+def _value_at(data: Any, steps: list[str | int]) -> Any:
+    for step in steps:
+        try:
+            data = data[step]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return data
+
+
+# --- device profiles -----------------------------------------------------------------------------
+
+
+class Gpu(Strict):
+    cuda_cores: Count
+    tensor_cores: Count
+
+
+class Recommended(Strict):
+    """Our advice for this device, best first."""
+
+    weights: Precisions
+    kv: Precisions
+
+
+class DeviceFile(Strict):
+    """`configs/devices/NAME.yaml` as written."""
+
+    name: Text
+    description: Text
+    memory_bytes: Count
+    memory_bandwidth_gbps: Annotated[float, msgspec.Meta(gt=0)]
+    compute_capability: Annotated[str, msgspec.Meta(pattern=r"^\d+\.\d+$", description="'major.minor'")]
+    gpu: Gpu
+    recommended: Recommended
+
+
+class DeviceProfile(DeviceFile, frozen=True):
     """A Jetson module: published memory, bandwidth and compute capability, and our advice."""
 
-    name: str
-    description: str
-    memory_bytes: int
-    memory_bandwidth_gbps: float
-    compute_capability: str  # "8.7"
-    cuda_cores: int
-    tensor_cores: int
-    recommended_weights: tuple[str, ...]  # best first
-    recommended_kv: tuple[str, ...]  # best first
-    path: Path
-
-    @classmethod
-    def from_dict(cls, data: Any, path: Path) -> DeviceProfile:
-        top = _Section(data, path)
-        gpu, advice = top.section("gpu"), top.section("recommended")
-        if isinstance(top.data.get("compute_capability"), float):
-            raise top.error("compute_capability", "write it quoted ('8.7'): YAML reads 8.7 as a number")
-        capability = top.text("compute_capability")
-        major, _, minor = capability.partition(".")
-        if not (major.isdigit() and minor.isdigit()):
-            raise top.error("compute_capability", f"{capability!r} is not allowed; allowed: 'major.minor'")
-        profile = cls(
-            name=_name(top, path),
-            description=top.text("description"),
-            memory_bytes=top.integer("memory_bytes"),
-            memory_bandwidth_gbps=top.number("memory_bandwidth_gbps"),
-            compute_capability=capability,
-            cuda_cores=gpu.integer("cuda_cores"),
-            tensor_cores=gpu.integer("tensor_cores"),
-            recommended_weights=advice.precisions("weights", PRECISIONS),
-            recommended_kv=advice.precisions("kv", PRECISIONS),
-            path=path,
-        )
-        for section in (gpu, advice, top):
-            section.done()
-        return profile
+    path: Path  # the file it was loaded from
 
 
-@dataclass(frozen=True)
-class Architecture:
+# --- model recipes -------------------------------------------------------------------------------
+
+
+class Architecture(Strict):
     """The numbers of a decoder-only transformer that memory depends on."""
 
-    family: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
+    family: Literal[FAMILIES]
+    num_layers: Count
+    num_heads: Count
+    num_kv_heads: Count
+    head_dim: Count
+    hidden_size: Count
+    intermediate_size: Count
+    vocab_size: Count
     tie_word_embeddings: bool
     attention_bias: bool
-    max_position_embeddings: int
-    param_count: int
+    max_position_embeddings: Count
+    param_count: Count
 
 
-@dataclass(frozen=True)
-class ExportSettings:
-    max_len: int = 2048  # cache length per sequence, baked into the graph
-    logits: str = "last"
-    weights_dtype: str = "float32"  # of the exported graph (TensorRT --fp16 engines halve it)
-    kv_dtype: str = "float32"
-    max_prefill: int = 256  # TensorRT prefill profile: longest chunk
-    max_batch: int = 1  # TensorRT profiles: most rows per call
+class ExportSettings(Strict):
+    max_len: Annotated[int, msgspec.Meta(ge=16)] = 2048  # cache length per sequence, baked into the graph
+    logits: Literal[LOGITS] = "last"
+    weights_dtype: Literal[tuple(WEIGHT_BYTES)] = "float32"  # of the graph (TensorRT --fp16 halves it)
+    kv_dtype: Text = "float32"  # CacheGeometry's to allow: checked by `load_recipe`
+    max_prefill: Count = 256  # TensorRT prefill profile: longest chunk
+    max_batch: Count = 1  # TensorRT profiles: most rows per call
 
 
-@dataclass(frozen=True)
-class ModelRecipe:
-    """How to export one model, and its architecture for planning before any export exists."""
+class RecipeFile(Strict):
+    """`configs/models/NAME.yaml` as written."""
 
-    name: str
-    description: str
-    source: str
+    name: Text
+    description: Text
+    source: Text
     architecture: Architecture
     export: ExportSettings
-    path: Path
+
+
+class ModelRecipe(RecipeFile, frozen=True):
+    """How to export one model, and its architecture for planning before any export exists."""
+
+    path: Path  # the file it was loaded from
 
     def geometry(self, max_len: int | None = None, kv_dtype: str | None = None) -> CacheGeometry:
         a = self.architecture
@@ -205,70 +293,33 @@ class ModelRecipe:
             max_len=max_len or self.export.max_len,
         ).with_dtype(kv_dtype or self.export.kv_dtype)
 
-    @classmethod
-    def from_dict(cls, data: Any, path: Path) -> ModelRecipe:
-        top = _Section(data, path)
-        arch, exp = top.section("architecture"), top.section("export")
-        defaults = ExportSettings()
-        architecture = Architecture(
-            family=arch.text("family", FAMILIES),
-            num_layers=arch.integer("num_layers"),
-            num_heads=arch.integer("num_heads"),
-            num_kv_heads=arch.integer("num_kv_heads"),
-            head_dim=arch.integer("head_dim"),
-            hidden_size=arch.integer("hidden_size"),
-            intermediate_size=arch.integer("intermediate_size"),
-            vocab_size=arch.integer("vocab_size"),
-            tie_word_embeddings=arch.flag("tie_word_embeddings"),
-            attention_bias=arch.flag("attention_bias"),
-            max_position_embeddings=arch.integer("max_position_embeddings"),
-            param_count=arch.integer("param_count"),
-        )
-        if architecture.num_heads % architecture.num_kv_heads:
-            raise arch.error(
-                "num_kv_heads",
-                f"{architecture.num_kv_heads} does not divide num_heads={architecture.num_heads}",
-            )
-        export = ExportSettings(
-            max_len=exp.integer("max_len", minimum=16, default=defaults.max_len),
-            logits=exp.text("logits", LOGITS, default=defaults.logits),
-            weights_dtype=exp.text("weights_dtype", tuple(WEIGHT_BYTES), default=defaults.weights_dtype),
-            kv_dtype=exp.text("kv_dtype", default=defaults.kv_dtype),
-            max_prefill=exp.integer("max_prefill", default=defaults.max_prefill),
-            max_batch=exp.integer("max_batch", default=defaults.max_batch),
-        )
-        if export.max_len > architecture.max_position_embeddings:
-            raise exp.error(
-                "max_len",
-                f"{export.max_len} is not allowed; allowed: 16..{architecture.max_position_embeddings} "
-                "(architecture.max_position_embeddings)",
-            )
-        if export.max_prefill > export.max_len:
-            raise exp.error(
-                "max_prefill", f"{export.max_prefill} is not allowed; allowed: 1..{export.max_len}"
-            )
-        recipe = cls(
-            name=_name(top, path),
-            description=top.text("description"),
-            source=top.text("source"),
-            architecture=architecture,
-            export=export,
-            path=path,
-        )
-        try:  # the cache dtype is CacheGeometry's to allow; let it name the allowed values
-            recipe.geometry()
-        except KvedgeError as exc:
-            raise exp.error("kv_dtype", str(exc)) from None
-        for section in (arch, exp, top):
-            section.done()
-        return recipe
+
+# --- warm prefixes -------------------------------------------------------------------------------
 
 
-def _name(top: _Section, path: Path) -> str:
-    name = top.text("name")
-    if name != path.stem:
-        raise top.error("name", f"{name!r} must equal the file name {path.stem!r}")
-    return name
+class Message(Strict):
+    role: Literal[ROLES]
+    content: str
+
+
+class PrefixSpec(Strict):
+    """One warm prefix: chat `messages` or raw `text` (exactly one)."""
+
+    name: Annotated[str, msgspec.Meta(pattern=PREFIX_NAME)]
+    messages: tuple[Message, ...] | None = None
+    text: Text | None = None
+
+
+class WarmupConfig(Strict):
+    """A warm-prefix file (`configs/warmup/*.yaml`)."""
+
+    prefixes: Annotated[
+        tuple[PrefixSpec, ...],
+        msgspec.Meta(min_length=1, description="a non-empty list of {name, messages or text}"),
+    ]
+
+
+# --- loading -------------------------------------------------------------------------------------
 
 
 def read_yaml(path: Path) -> Any:
@@ -300,16 +351,64 @@ def available(folder: Path) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
-def _load(name_or_path: str | Path, folder: Path, kind: str, build: Callable[[Any, Path], Any]) -> Any:
-    path = _resolve(name_or_path, folder, kind)
-    return build(read_yaml(path), path)
+def _refuse(path: Path, key: str, problem: str) -> KvedgeError:
+    return KvedgeError(f"{path}: {key}: {problem}")
+
+
+def _check_name(name: str, path: Path) -> None:
+    if name != path.stem:
+        raise _refuse(path, "name", f"{name!r} must equal the file name {path.stem!r}")
 
 
 def load_device(name_or_path: str | Path) -> DeviceProfile:
     """A device profile by name (`configs/devices/NAME.yaml`) or path."""
-    return _load(name_or_path, DEVICES_DIR, "device", DeviceProfile.from_dict)
+    path = _resolve(name_or_path, DEVICES_DIR, "device")
+    data = read_yaml(path)
+    if isinstance(data, dict) and isinstance(data.get("compute_capability"), float):
+        raise _refuse(path, "compute_capability", "write it quoted ('8.7'): YAML reads 8.7 as a number")
+    device = parse(data, DeviceFile, path)
+    _check_name(device.name, path)
+    return DeviceProfile(**msgspec.structs.asdict(device), path=path)
 
 
 def load_recipe(name_or_path: str | Path) -> ModelRecipe:
     """A model recipe by name (`configs/models/NAME.yaml`) or path."""
-    return _load(name_or_path, MODELS_DIR, "model recipe", ModelRecipe.from_dict)
+    path = _resolve(name_or_path, MODELS_DIR, "model recipe")
+    recipe = ModelRecipe(**msgspec.structs.asdict(parse(read_yaml(path), RecipeFile, path)), path=path)
+    _check_name(recipe.name, path)
+    a, export = recipe.architecture, recipe.export
+    if a.num_heads % a.num_kv_heads:
+        raise _refuse(
+            path, "architecture.num_kv_heads", f"{a.num_kv_heads} does not divide num_heads={a.num_heads}"
+        )
+    if export.max_len > a.max_position_embeddings:
+        raise _refuse(
+            path,
+            "export.max_len",
+            f"{export.max_len} is not allowed; allowed: 16..{a.max_position_embeddings} "
+            "(architecture.max_position_embeddings)",
+        )
+    if export.max_prefill > export.max_len:
+        raise _refuse(
+            path, "export.max_prefill", f"{export.max_prefill} is not allowed; allowed: 1..{export.max_len}"
+        )
+    try:  # the cache dtype is CacheGeometry's to allow; let it name the allowed values
+        recipe.geometry()
+    except KvedgeError as exc:
+        raise _refuse(path, "export.kv_dtype", str(exc)) from None
+    return recipe
+
+
+def load_warmup_config(path: str | Path) -> WarmupConfig:
+    """Read and validate a warm-prefix file; errors name the file, the key and what is allowed."""
+    path = Path(path)
+    config = parse(read_yaml(path), WarmupConfig, path)
+    for i, spec in enumerate(config.prefixes):
+        if (spec.messages is None) == (spec.text is None):
+            raise _refuse(path, f"prefixes[{i}]", "give exactly one of 'messages' or 'text'")
+        if spec.messages == ():
+            raise _refuse(path, f"prefixes[{i}].messages", "[] is not allowed; allowed: a non-empty list")
+    names = [spec.name for spec in config.prefixes]
+    if len(set(names)) != len(names):
+        raise _refuse(path, "prefixes", f"names must be unique, got {names}")
+    return config

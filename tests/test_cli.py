@@ -90,3 +90,31 @@ def test_bad_sampling_option_is_named(tmp_path):
     assert (
         done.returncode != 0 and "top_p=1.5 is not allowed" in done.stderr and "Traceback" not in done.stderr
     )
+
+
+def test_history_policy_and_warm_prefixes_and_their_old_spellings(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "qwen2")
+    out = tmp_path / "artifact"
+    assert kvedge("export", str(source), "--out", str(out), "--max-len", "64").returncode == 0
+    long_prompt = "word " * 80  # > 64 tokens: refused under `error`, served under `window`
+    refused = kvedge("generate", "--model", str(out), long_prompt, "--max-new-tokens", "2")
+    assert refused.returncode != 0 and "the cache holds at most 64" in refused.stderr
+    for flag in ("--history-policy", "--context-policy"):
+        done = kvedge("generate", "--model", str(out), long_prompt, "--max-new-tokens", "2", flag, "window")
+        assert done.returncode == 0, done.stderr
+        deprecated = "--context-policy is deprecated; use --history-policy" in done.stderr
+        assert deprecated == (flag == "--context-policy"), done.stderr
+
+    config = tmp_path / "warm.yaml"
+    config.write_text("prefixes:\n  - {name: notes, text: hello there}\n")
+    warm_dir = ["--config", str(config), "--warm-dir", str(tmp_path / "warm")]
+    built = kvedge("warm-prefixes", "--model", str(out), *warm_dir)
+    assert built.returncode == 0 and "notes: " in built.stdout and "recomputed (missing)" in built.stdout
+    old = kvedge("warmup", "--model", str(out), *warm_dir)
+    assert old.returncode == 0 and "notes: " in old.stdout and ", loaded" in old.stdout
+    assert "'warmup' is deprecated. Use `kvedge warm-prefixes`" in old.stderr
+    generate = ["-v", "generate", "--model", str(out), "hello there", "--max-new-tokens", "2"]
+    for flag in ("--warm-prefixes", "--warmup"):
+        done = kvedge(*generate, flag, str(config), "--warm-dir", str(tmp_path / "warm"))
+        assert done.returncode == 0 and "1 warm prefixes" in done.stderr, done.stderr
+        assert ("--warmup is deprecated; use --warm-prefixes" in done.stderr) == (flag == "--warmup")

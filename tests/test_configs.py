@@ -69,6 +69,12 @@ DEVICE_CASES = [
         "recommended.kv: ['int3'] is not allowed; allowed: a list of float32, float16, int8, int4",
     ),
     (lambda d: d.update(name="orin"), "name: 'orin' must equal the file name 'orin-nano-8gb'"),
+    (
+        lambda d: d["gpu"].update(rt_cores=2),
+        "gpu.rt_cores: unknown key; allowed keys: cuda_cores, tensor_cores",
+    ),
+    (lambda d: d.update(gpu=1024), "gpu: expected a mapping of keys, got int"),
+    (lambda d: d["recommended"].pop("kv"), "recommended.kv: missing (required)"),
 ]
 
 
@@ -116,7 +122,16 @@ RECIPE_CASES = [
         lambda d: d["export"].update(kv_dtype="int3"),
         "export.kv_dtype: cache geometry: dtype='int3' is not supported; allowed:",
     ),
+    (lambda d: d["export"].update(max_len=8), "export.max_len: 8 is not allowed; allowed: an integer >= 16"),
+    (
+        lambda d: d["export"].update(max_batch=1.5),
+        "export.max_batch: 1.5 is not allowed; allowed: an integer >= 1",
+    ),
     (lambda d: d["export"].update(max_lenn=1), "export.max_lenn: unknown key"),
+    (
+        lambda d: d.update(sauce=1),
+        "sauce: unknown key; allowed keys: architecture, description, export, name,",
+    ),
     (lambda d: d.update(export=[1, 2]), "export: expected a mapping of keys, got list"),
 ]
 

@@ -27,7 +27,7 @@ from kvedge.quant import dequantize_tokens, quantize_tokens
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import read_warm_file, write_warm_file
-from kvedge.runtime.sessions import ContextPolicy
+from kvedge.runtime.sessions import HistoryPolicy
 
 # Same INT8 graph on both sides; the only differences are float summation order, which can move
 # a value across a rounding boundary (one code step, ~1% of a head's range) once in a while.
@@ -160,7 +160,7 @@ def test_multi_turn_reuse_equals_fresh_session(int8_pair):
 def test_window_eviction_requantizes_rerotated_keys(int8_pair):
     """After eviction the kept keys are dequantized, re-rotated and quantized again: layer 0 must
     equal a fresh INT8 run over the kept tokens within one quantization step."""
-    policy = ContextPolicy(mode="window", n_sink=4, evict_chunk=32)
+    policy = HistoryPolicy(mode="window", n_sink=4, evict_chunk=32)
     model, reference = Model(int8_pair[1], policy=policy), Model(int8_pair[1])
     ids = random_ids(MAX_LEN, seed=4)
     model.prepare(0, ids)

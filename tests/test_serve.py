@@ -7,6 +7,7 @@ The model is a tiny random Qwen2 built in code (seed 3: its greedy replies are m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -720,6 +721,27 @@ def test_service_config_errors_name_file_key_and_allowed_values(tmp_path, artifa
     assert keyed.api_key == "secret" and "secret" not in repr(keyed)
 
 
+def test_service_config_old_key_names_still_read_with_a_warning(tmp_path, artifact, caplog):
+    warm = tmp_path / "w.yaml"
+    warm.write_text("prefixes: [{name: a, text: hi}]\n")
+    path = tmp_path / "svc.yaml"
+    old = {"model": str(artifact), "context_policy": "clip", "warmup_config": str(warm), "warm_dir": "w"}
+    path.write_text(yaml.safe_dump(old))
+    with caplog.at_level(logging.WARNING, logger="kvedge.serve.config"):
+        config = load_service_config(path, {})
+    assert (config.reply_overflow, config.warm_prefixes) == ("clip", warm)
+    assert "'context_policy' is deprecated; write 'reply_overflow'" in caplog.text
+    assert "'warmup_config' is deprecated; write 'warm_prefixes'" in caplog.text
+    path.write_text(yaml.safe_dump({**old, "reply_overflow": "reject"}))
+    with pytest.raises(KvedgeError, match="svc.yaml: 'context_policy' is the old name of 'reply_overflow'"):
+        load_service_config(path, {})
+    path.write_text(yaml.safe_dump({"model": str(artifact), "threads": "four"}))  # wrong type
+    with pytest.raises(
+        KvedgeError, match="svc.yaml: threads='four' is not allowed; allowed: an integer >= 1"
+    ):
+        load_service_config(path, {})
+
+
 def test_systemd_unit_is_the_checked_in_one_and_prints_for_this_install():
     unit = render_unit(
         "/opt/kvedge/.venv/bin/python", Path("/etc/kvedge/default.yaml"), Path("/opt/kvedge"), "kvedge", 10
@@ -758,7 +780,7 @@ def test_warm_prefixes_load_before_ready_and_window_policy_serves_long_chats(art
         artifact,
         tmp_path,
         slots=1,
-        warmup_config=str(warm),
+        warm_prefixes=str(warm),
         warm_dir=str(tmp_path / "warm"),
         history_policy="window",
         warmup_tokens=0,

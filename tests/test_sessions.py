@@ -16,7 +16,7 @@ from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import PrefixLRU
-from kvedge.runtime.sessions import ContextPolicy
+from kvedge.runtime.sessions import HistoryPolicy
 
 ATOL = 1e-4  # fp32 both sides, same graph; measured differences ~1e-6 (see test_parity)
 GREEDY = SamplingConfig(max_new_tokens=12)
@@ -129,7 +129,7 @@ def test_error_policy_names_the_counts_and_keeps_serving(long_llama):
 
 
 def test_truncate_policy_drops_oldest_turns_keeping_system(long_llama):
-    model = Model(long_llama, policy=ContextPolicy(mode="truncate"))
+    model = Model(long_llama, policy=HistoryPolicy(mode="truncate"))
     system = {"role": "system", "content": "Be brief."}
     messages = [system]
     for question in QUESTIONS * 3:
@@ -144,9 +144,9 @@ def test_truncate_policy_drops_oldest_turns_keeping_system(long_llama):
 
 def test_bad_policy_is_named():
     with pytest.raises(
-        KvedgeError, match="context_policy='slide' is not allowed; allowed: \\['error', 'window'"
+        KvedgeError, match="history_policy='slide' is not allowed; allowed: \\['error', 'window'"
     ):
-        ContextPolicy(mode="slide")
+        HistoryPolicy(mode="slide")
 
 
 def kept_layer0(model: Model, reference: Model) -> None:
@@ -161,7 +161,7 @@ def kept_layer0(model: Model, reference: Model) -> None:
 
 
 def test_window_eviction_matches_fresh_run_over_kept_tokens(tiny):
-    policy = ContextPolicy(mode="window", n_sink=4, evict_chunk=32)
+    policy = HistoryPolicy(mode="window", n_sink=4, evict_chunk=32)
     model, reference = Model(tiny.out, policy=policy), tiny.model()
     ids = random_ids(128, seed=11)
     model.prepare(0, ids)
@@ -180,7 +180,7 @@ def test_window_logits_exact_on_one_layer_model(tmp_path):
     output after eviction must equal a fresh run over exactly the kept tokens."""
     source = make_tiny_model(tmp_path / "hf", "llama", num_hidden_layers=1)
     export_model(source, tmp_path / "out", ExportOptions(max_len=64))
-    model = Model(tmp_path / "out", policy=ContextPolicy(mode="window", n_sink=2, evict_chunk=16))
+    model = Model(tmp_path / "out", policy=HistoryPolicy(mode="window", n_sink=2, evict_chunk=16))
     reference = Model(tmp_path / "out")
     events = list(
         model.chat([{"role": "user", "content": " ".join(QUESTIONS[:3])}], SamplingConfig(max_new_tokens=150))

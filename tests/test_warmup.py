@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
+from kvedge.configs import load_warmup_config
 from kvedge.errors import KvedgeError
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import WarmPrefix, read_warm_file, write_warm_file
-from kvedge.runtime.warmup import load_warmup_config
 
 ATOL = 1e-4
 SYSTEM = "You are a helpful assistant on a Jetson. " * 2
@@ -149,11 +149,35 @@ def test_process_killed_mid_write_never_leaves_a_loadable_file(tiny_llama, warm)
 def test_bad_config_names_file_and_key(tmp_path):
     path = tmp_path / "w.yaml"
     path.write_text("prefixes:\n  - name: a\n    messages:\n      - {role: wizard, content: hi}\n")
-    with pytest.raises(KvedgeError, match=r"w.yaml: prefixes\[0\].messages\[0\]: needs role in"):
+    with pytest.raises(
+        KvedgeError,
+        match=r"w.yaml: prefixes\[0\].messages\[0\].role: 'wizard' is not allowed; allowed: system, user",
+    ):
         load_warmup_config(path)
     path.write_text("prefixes:\n  - name: a\n    text: x\n    messages: []\n")
     with pytest.raises(KvedgeError, match="must be a mapping|exactly one"):
         load_warmup_config(path)
-    path.write_text("prefix: []\n")
-    with pytest.raises(KvedgeError, match="key 'prefixes' must be a non-empty list"):
+    path.write_text("prefixes:\n  - name: a\n    messages: []\n")
+    with pytest.raises(KvedgeError, match=r"w.yaml: prefixes\[0\].messages: \[\] is not allowed"):
+        load_warmup_config(path)
+    path.write_text("prefixes: []\n")
+    with pytest.raises(
+        KvedgeError, match=r"w.yaml: prefixes: \[\] is not allowed; allowed: a non-empty list"
+    ):
+        load_warmup_config(path)
+    path.write_text("prefix: []\n")  # unknown key
+    with pytest.raises(KvedgeError, match="w.yaml: prefix: unknown key; allowed keys: prefixes"):
+        load_warmup_config(path)
+    path.write_text("prefixes:\n  - {name: a, text: 5}\n")  # wrong type
+    with pytest.raises(
+        KvedgeError, match=r"w.yaml: prefixes\[0\].text: 5 is not allowed; allowed: a non-empty"
+    ):
+        load_warmup_config(path)
+    path.write_text("prefixes:\n  - {name: ../etc, text: x}\n")  # out of the allowed names
+    with pytest.raises(
+        KvedgeError, match=r"w.yaml: prefixes\[0\].name: '../etc' is not allowed; allowed: a str"
+    ):
+        load_warmup_config(path)
+    path.write_text("prefixes:\n  - {name: a, text: x}\n  - {name: a, text: y}\n")
+    with pytest.raises(KvedgeError, match=r"w.yaml: prefixes: names must be unique, got \['a', 'a'\]"):
         load_warmup_config(path)

@@ -35,10 +35,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvedge.configs import Message, PrefixSpec, WarmupConfig
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
 from kvedge.runtime.tokenizer import ChatTokenizer
-from kvedge.runtime.warmup import PrefixSpec, PrefixStore, WarmupConfig
+from kvedge.runtime.warmup import PrefixStore
 
 SYSTEM_TOKENS = 300
 USER_TOKENS = 20
@@ -113,7 +114,7 @@ def measure_warm(
     variants = [f"Site {i}. {system}" for i in range(1, WARM_PREFIXES)]
     config = WarmupConfig(
         prefixes=tuple(
-            PrefixSpec(name=f"prefix{i}", messages=(("system", text),))
+            PrefixSpec(name=f"prefix{i}", messages=(Message(role="system", content=text),))
             for i, text in enumerate([system, *variants])
         )
     )

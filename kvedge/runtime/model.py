@@ -30,7 +30,7 @@ from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
 from kvedge.runtime.generate import PREFILL_CHUNK, Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.prefix import PrefixLRU
-from kvedge.runtime.sessions import ChatSession, ContextPolicy, RoomMaker, common_prefix, pick_slot
+from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
 
@@ -50,7 +50,7 @@ class Model:
         slots: int = 1,
         threads: int | None = None,
         provider: str = "cpu",
-        policy: ContextPolicy | None = None,
+        policy: HistoryPolicy | None = None,
         warmup: WarmupConfig | None = None,
         warm_dir: str | Path | None = None,
         verify: bool = True,
@@ -62,7 +62,7 @@ class Model:
         self.manifest = Manifest.load(self.folder)
         if verify:
             self._verify_graph()
-        self.policy = policy or ContextPolicy()
+        self.policy = policy or HistoryPolicy()
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.backend = OrtBackend(
@@ -81,13 +81,13 @@ class Model:
         self.inv_freq = np.asarray(self.manifest.rope.inv_freq, np.float64)
         if self.policy.mode == "window" and self.inv_freq.size != self.manifest.geometry.head_dim // 2:
             raise KvedgeError(
-                "context_policy 'window' needs RoPE frequencies in the manifest; re-export the model"
+                "history_policy 'window' needs RoPE frequencies in the manifest; re-export the model"
             )
         self.prefixes = PrefixStore()
         self.warmup_report: WarmupReport | None = None
         if warmup is not None:
             if warm_dir is None:
-                raise KvedgeError("a warm-up config needs a warm cache folder (--warm-dir)")
+                raise KvedgeError("warm prefixes need a warm folder (--warm-dir)")
             self.prefixes, self.warmup_report = self.warm_up(warmup, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
@@ -177,7 +177,7 @@ class Model:
     def fit_reply(
         self, prompt_tokens: int, requested: int | None, default: int = 256, overflow: str = "clip"
     ) -> int:
-        """How many tokens a reply to `prompt_tokens` may have (`ContextPolicy.fit_reply`)."""
+        """How many tokens a reply to `prompt_tokens` may have (`HistoryPolicy.fit_reply`)."""
         return self.policy.fit_reply(
             prompt_tokens, self.manifest.geometry.max_len, requested, default, overflow
         )

@@ -8,7 +8,7 @@ A session is bound to one slot and remembers what that slot should hold. Each tu
 2. **Reuse**: the slot rewinds to the longest common token prefix of what it holds and the new
    conversation (so resent, edited or regenerated history stays exact); a warm prefix that
    covers more of the conversation is copied in instead. Only the rest is prefilled.
-3. **Fit**, by `ContextPolicy.mode`:
+3. **Fit**, by `HistoryPolicy.mode`:
    - `error`: refuse with the token counts.
    - `truncate`: drop the oldest whole turns (the system prompt stays), re-render, re-prefill.
    - `window`: StreamingLLM. Keep the first `n_sink` tokens and the most recent ones; when the
@@ -36,14 +36,14 @@ POLICIES = ("error", "window", "truncate")
 
 
 @dataclass(frozen=True)
-class ContextPolicy:
+class HistoryPolicy:
     mode: str = "error"
     n_sink: int = 4  # window: tokens at the start that are never evicted
     evict_chunk: int = 0  # window: tokens evicted at once when full (0: a quarter of max_len)
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
-            raise KvedgeError(f"context_policy={self.mode!r} is not allowed; allowed: {list(POLICIES)}")
+            raise KvedgeError(f"history_policy={self.mode!r} is not allowed; allowed: {list(POLICIES)}")
         if not isinstance(self.n_sink, int) or self.n_sink < 0:
             raise KvedgeError(f"n_sink={self.n_sink!r} must be an integer >= 0")
         if not isinstance(self.evict_chunk, int) or self.evict_chunk < 0:
@@ -59,7 +59,7 @@ class ContextPolicy:
             raise ContextOverflow(
                 f"the conversation has {prompt_tokens} tokens; the cache holds at most {max_len} "
                 "(max_len), leaving no room for a reply. Start a new conversation or use "
-                "context_policy 'window' or 'truncate'",
+                "history_policy 'window' or 'truncate' (--history-policy)",
                 cause="prompt",
             )
 
@@ -147,7 +147,7 @@ class RoomMaker:
     """Makes room in a slot for n new tokens according to the policy (the `make_room` hook)."""
 
     def __init__(
-        self, cache: KVCache, policy: ContextPolicy, inv_freq: np.ndarray, session: ChatSession
+        self, cache: KVCache, policy: HistoryPolicy, inv_freq: np.ndarray, session: ChatSession
     ) -> None:
         self.cache, self.policy, self.inv_freq, self.session = cache, policy, inv_freq, session
 

@@ -1,13 +1,6 @@
-"""Warm-up: declare fixed prompts in YAML, compute their KV at boot, keep it on disk.
+"""Warm prefixes: declare fixed prompts in YAML, compute their KV at boot, keep it on disk.
 
-Config (`configs/warmup/*.yaml`)::
-
-    prefixes:
-      - name: assistant            # file name: <cache folder>/assistant.kvw
-        messages:                  # rendered with the model's chat template, + the next user turn's opening
-          - {role: system, content: "You are ..."}
-      - name: notes
-        text: "raw text"           # or raw text, tokenized without special tokens
+Config: `configs/warmup/*.yaml`, read by `kvedge.configs.load_warmup_config` (format there).
 
 At start-up every declared prefix is loaded from its warm file if the file is valid for this
 model, cache geometry and prompt, and recomputed and rewritten otherwise (the reason is logged).
@@ -22,7 +15,6 @@ every first turn; a conversation that continues differently still reuses the sha
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvedge.configs import read_yaml
+from kvedge.configs import PrefixSpec, WarmupConfig
 from kvedge.contract import Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.backend import OrtBackend
@@ -38,63 +30,10 @@ from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
 from kvedge.runtime.sessions import common_prefix
-from kvedge.runtime.tokenizer import ROLES, ChatTokenizer
+from kvedge.runtime.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 USER_PROBES = ("Hi", "42", "?", "(")  # user messages starting with different kinds of characters
-
-
-@dataclass(frozen=True)
-class PrefixSpec:
-    name: str
-    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
-    text: str | None = None
-
-
-@dataclass(frozen=True)
-class WarmupConfig:
-    prefixes: tuple[PrefixSpec, ...]
-
-
-def load_warmup_config(path: str | Path) -> WarmupConfig:
-    """Read and validate a warm-up YAML file; errors name the file, the key and what is allowed."""
-    path = Path(path)
-    data = read_yaml(path)
-    if not isinstance(data, dict) or not isinstance(data.get("prefixes"), list) or not data["prefixes"]:
-        raise KvedgeError(f"{path}: key 'prefixes' must be a non-empty list")
-    unknown = set(data) - {"prefixes"}
-    if unknown:
-        raise KvedgeError(f"{path}: unknown keys {sorted(unknown)}; allowed: ['prefixes']")
-    specs: list[PrefixSpec] = []
-    for i, item in enumerate(data["prefixes"]):
-        where = f"{path}: prefixes[{i}]"
-        if not isinstance(item, dict) or set(item) - {"name", "messages", "text"}:
-            raise KvedgeError(f"{where}: must be a mapping with keys name and one of messages, text")
-        name = item.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
-            raise KvedgeError(f"{where}.name: {name!r} must match {NAME.pattern}")
-        if ("messages" in item) == ("text" in item):
-            raise KvedgeError(f"{where}: give exactly one of 'messages' or 'text'")
-        if "text" in item:
-            if not isinstance(item["text"], str) or not item["text"]:
-                raise KvedgeError(f"{where}.text: must be a non-empty string")
-            specs.append(PrefixSpec(name=name, text=item["text"]))
-            continue
-        messages = item["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise KvedgeError(f"{where}.messages: must be a non-empty list")
-        pairs = []
-        for j, message in enumerate(messages):
-            role = message.get("role") if isinstance(message, dict) else None
-            if role not in ROLES or not isinstance(message.get("content"), str):
-                raise KvedgeError(f"{where}.messages[{j}]: needs role in {list(ROLES)} and a string content")
-            pairs.append((role, message["content"]))
-        specs.append(PrefixSpec(name=name, messages=tuple(pairs)))
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise KvedgeError(f"{path}: prefix names must be unique, got {names}")
-    return WarmupConfig(prefixes=tuple(specs))
 
 
 class PrefixStore:
@@ -130,7 +69,7 @@ class WarmupReport:
 def prefix_ids(tokenizer: ChatTokenizer, spec: PrefixSpec) -> list[int]:
     if spec.text is not None:
         return tokenizer.encode(spec.text, add_special_tokens=False)
-    messages = [{"role": role, "content": content} for role, content in spec.messages]
+    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
     try:
         renders = [tokenizer.encode_chat([*messages, {"role": "user", "content": p}]) for p in USER_PROBES]
     except KvedgeError:  # the template refuses a user message here (e.g. two in a row)

@@ -156,7 +156,7 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
                 )
             )
             max_new = model.fit_reply(
-                len(ids), chat.max_tokens, config.default_max_tokens, config.context_policy
+                len(ids), chat.max_tokens, config.default_max_tokens, config.reply_overflow
             )
         except KvedgeError as exc:
             raise api_error(exc) from None
@@ -184,7 +184,7 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         ids = await run_in_threadpool(model.tokenizer.encode, body.prompt)
         try:
             max_new = model.fit_reply(
-                len(ids), body.max_tokens, config.default_max_tokens, config.context_policy
+                len(ids), body.max_tokens, config.default_max_tokens, config.reply_overflow
             )
         except KvedgeError as exc:
             raise api_error(exc, "prompt") from None

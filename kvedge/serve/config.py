@@ -11,118 +11,108 @@ File format (every key optional except `model`, which may come from `--model` in
     api_key_env: null               # name of the environment variable holding the bearer key
     max_body_bytes: 1048576         # larger request bodies get 413
     default_max_tokens: 256         # completion length when a request gives no max_tokens
-    context_policy: reject          # reject: prompt + max_tokens must fit the context (OpenAI's rule)
-                                    # clip: only the prompt must fit; the reply stops at the context end
+    reply_overflow: reject          # a reply that may not fit the context: reject (prompt + max_tokens
+                                    # must fit, OpenAI's rule: else 400) | clip (only the prompt must
+                                    # fit; the reply stops at the context end, finish_reason "length")
     threads: null                   # onnxruntime intra-op threads; null = all cores
     batch_decode: true              # decode all active slots in one call per round (false: one by one)
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
-    warmup_tokens: 8                # greedy decode steps run before /health reports ready; 0 = none
+    warmup_tokens: 8                # warm-up: greedy decode steps run before /health reports ready;
+                                    # 0 = none
     history_policy: error           # conversations longer than the cache: error | window | truncate
-    warmup_config: null             # warm-up YAML (configs/warmup/...): prefixes loaded before ready
-    warm_dir: null                  # folder of the warm prefix files (needed with warmup_config)
+    warm_prefixes: null             # warm-prefix YAML (configs/warmup/...): fixed prompts whose KV is
+                                    # loaded from warm_dir (rebuilt there if missing) before ready
+    warm_dir: null                  # folder of the warm prefix files (needed with warm_prefixes)
     memory_budget: null             # bytes the service may use; null = MemAvailable at start-up
     prefix_cache_bytes: 0           # in-memory store of conversation prefixes seen at run time, kept
                                     # when their slot goes to another conversation (LRU); 0 = off
 
 Command-line flags override the file. Every error names where the value came from (file or flag),
-the key and what is allowed.
+the key and what is allowed. Old key names still read, with a warning naming the new one:
+`context_policy` (now `reply_overflow`), `warmup_config` (now `warm_prefixes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from kvedge.configs import read_yaml
+import msgspec
+from msgspec import Meta
+
+from kvedge.configs import find_problem, read_yaml
 from kvedge.contract import MANIFEST_FILE
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
 
-CONTEXT_POLICIES = ("clip", "reject")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _int_in(low: int, high: int) -> Callable[[Any], bool]:
-    return lambda v: _is_int(v) and low <= v <= high
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-def _text(v: Any) -> bool:
-    return isinstance(v, str) and v.strip() != ""
-
-
-# key: (check, allowed values as shown to the user)
-_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "model": (_text, "an artifact folder written by `kvedge export`"),
-    "model_name": (_optional(_text), "a non-empty string, or null for the folder name"),
-    "host": (_text, "an IP address or host name, e.g. 127.0.0.1"),
-    "port": (_int_in(1, 65535), "an integer in 1..65535"),
-    "slots": (_int_in(1, 256), "an integer in 1..256"),
-    "queue_size": (_int_in(0, 4096), "an integer in 0..4096"),
-    "api_key_env": (
-        _optional(lambda v: isinstance(v, str) and bool(_ENV_NAME.match(v))),
-        "an environment variable name such as KVEDGE_API_KEY, or null",
-    ),
-    "max_body_bytes": (_int_in(1024, 64 * 2**20), "an integer in 1024..67108864"),
-    "default_max_tokens": (_int_in(1, 1_000_000), "an integer >= 1"),
-    "context_policy": (lambda v: v in CONTEXT_POLICIES, f"one of {list(CONTEXT_POLICIES)}"),
-    "threads": (_optional(_int_in(1, 1024)), "an integer >= 1, or null for all cores"),
-    "batch_decode": (lambda v: isinstance(v, bool), "true or false"),
-    "shutdown_grace_s": (lambda v: _is_number(v) and 0 <= v <= 3600, "a number of seconds in 0..3600"),
-    "warmup_tokens": (_int_in(0, 1_000_000), "an integer >= 0 (0 = no warm-up)"),
-    "history_policy": (lambda v: v in POLICIES, f"one of {list(POLICIES)}"),
-    "warmup_config": (_optional(_text), "a warm-up YAML file, or null"),
-    "warm_dir": (_optional(_text), "a folder for warm prefix files, or null"),
-    "memory_budget": (_optional(_int_in(1, 2**50)), "a number of bytes, or null for MemAvailable"),
-    "prefix_cache_bytes": (_int_in(0, 2**50), "a number of bytes >= 0 (0 = off)"),
-}
+log = logging.getLogger(__name__)
+REPLY_OVERFLOW = ("clip", "reject")
+RENAMED = {"context_policy": "reply_overflow", "warmup_config": "warm_prefixes"}  # old key: new key
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_NOT_BLANK = r"\S"
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """What `kvedge serve` runs with. Build it with `load_service_config`, which validates."""
+    """What `kvedge serve` runs with. Build it with `load_service_config`, which validates.
 
-    model: Path
-    model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    slots: int = 4
-    queue_size: int = 8
-    api_key_env: str | None = None
-    max_body_bytes: int = 2**20
-    default_max_tokens: int = 256
-    context_policy: str = "reject"
-    threads: int | None = None
-    batch_decode: bool = True
-    shutdown_grace_s: float = 10.0
-    warmup_tokens: int = 8
-    history_policy: str = "error"
-    warmup_config: Path | None = None
-    warm_dir: Path | None = None
-    memory_budget: int | None = None
-    prefix_cache_bytes: int = 0
+    Each field's type states what a file or flag may give it; a `Meta(description=...)` is the
+    "allowed:" text of its error message."""
+
+    model: Annotated[Path, Meta(description="an artifact folder written by `kvedge export`")]
+    model_name: Annotated[  # None only until load_service_config fills in the folder name
+        Annotated[str, Meta(pattern=_NOT_BLANK)] | None,
+        Meta(description="a non-empty string, or null for the folder name"),
+    ] = None
+    host: Annotated[
+        str, Meta(pattern=_NOT_BLANK, description="an IP address or host name, e.g. 127.0.0.1")
+    ] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535)] = 8000
+    slots: Annotated[int, Meta(ge=1, le=256)] = 4
+    queue_size: Annotated[int, Meta(ge=0, le=4096)] = 8
+    api_key_env: Annotated[
+        Annotated[str, Meta(pattern=_ENV_NAME)] | None,
+        Meta(description="an environment variable name such as KVEDGE_API_KEY, or null"),
+    ] = None
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=64 * 2**20)] = 2**20
+    default_max_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer >= 1")] = 256
+    reply_overflow: Annotated[Literal[REPLY_OVERFLOW], Meta(description=f"one of {list(REPLY_OVERFLOW)}")] = (
+        "reject"
+    )
+    threads: Annotated[
+        Annotated[int, Meta(ge=1, le=1024)] | None, Meta(description="an integer >= 1, or null for all cores")
+    ] = None
+    batch_decode: Annotated[bool, Meta(description="true or false")] = True
+    shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
+        10.0
+    )
+    warmup_tokens: Annotated[
+        int, Meta(ge=0, le=1_000_000, description="an integer >= 0 (0 = no warm-up)")
+    ] = 8
+    history_policy: Annotated[Literal[POLICIES], Meta(description=f"one of {list(POLICIES)}")] = "error"
+    warm_prefixes: Annotated[Path | None, Meta(description="a warm-prefix YAML file, or null")] = None
+    warm_dir: Annotated[Path | None, Meta(description="a folder for warm prefix files, or null")] = None
+    memory_budget: Annotated[
+        Annotated[int, Meta(ge=1, le=2**50)] | None,
+        Meta(description="a number of bytes, or null for MemAvailable"),
+    ] = None
+    prefix_cache_bytes: Annotated[
+        int, Meta(ge=0, le=2**50, description="a number of bytes >= 0 (0 = off)")
+    ] = 0
     api_key: str | None = field(default=None, repr=False)  # read from $api_key_env, never logged
 
     @property
     def loopback(self) -> bool:
         return is_loopback(self.host)
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(ServiceConfig) if f.name != "api_key")  # a file's keys
 
 
 def is_loopback(host: str) -> bool:
@@ -140,60 +130,69 @@ def load_service_config(
     """Read `path` (optional), apply the non-None `overrides` (from flags), validate everything once."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    origin: dict[str, str] = {}
+    origin: dict[str, str] = {}  # key -> where its value came from, as the user wrote it
     if path is not None:
-        values = _read_yaml(path)
-        origin = {key: f"{path}: {key}" for key in values}
+        values, origin = _read_yaml(path)
     for key, value in overrides.items():
-        if key not in _FIELDS:
-            raise KvedgeError(f"unknown service option {key!r}; allowed: {sorted(_FIELDS)}")
+        if key not in KEYS:
+            raise KvedgeError(f"unknown service option {key!r}; allowed: {sorted(KEYS)}")
         if value is not None:
-            values[key] = str(value) if isinstance(value, Path) else value
+            values[key] = value
             origin[key] = "--" + key.replace("_", "-")
 
     if "model" not in values:
         where = f"set `model` in {path} or pass --model" if path else "pass --model or --config"
         raise KvedgeError(f"no model folder given: {where}")
-    for key, value in values.items():
-        check, allowed = _FIELDS[key]
-        if not check(value):
-            raise KvedgeError(f"{origin[key]}={value!r} is not allowed; allowed: {allowed}")
+    try:
+        config = msgspec.convert(values, ServiceConfig, dec_hook=_path)
+    except msgspec.ValidationError as exc:
+        problem = find_problem(exc, values, ServiceConfig)
+        where = origin.get(problem.key, problem.key)
+        raise KvedgeError(f"{where}={problem.value!r} is not allowed; allowed: {problem.allowed}") from None
 
-    model = Path(values["model"])
-    if not (model / MANIFEST_FILE).is_file():
+    if not (config.model / MANIFEST_FILE).is_file():
         raise KvedgeError(
-            f"{origin['model']}={values['model']!r}: no {MANIFEST_FILE} there; export a model with "
+            f"{origin['model']}={str(values['model'])!r}: no {MANIFEST_FILE} there; export a model with "
             "`kvedge export --out DIR` first"
         )
-    values["model"] = model
-    for key in ("warmup_config", "warm_dir"):
-        if values.get(key) is not None:
-            values[key] = Path(values[key])
-    if (values.get("warmup_config") is None) != (values.get("warm_dir") is None):
-        raise KvedgeError("warmup_config and warm_dir go together: set both or neither")
-    if values.get("warmup_config") is not None and not values["warmup_config"].is_file():
-        raise KvedgeError(f"{origin['warmup_config']}={str(values['warmup_config'])!r}: no such file")
-    values["model_name"] = values.get("model_name") or model.resolve().name
-    if "shutdown_grace_s" in values:
-        values["shutdown_grace_s"] = float(values["shutdown_grace_s"])
-
-    names = {f.name for f in dataclasses.fields(ServiceConfig)}
-    config = ServiceConfig(**{k: v for k, v in values.items() if k in names})
+    if (config.warm_prefixes is None) != (config.warm_dir is None):
+        raise KvedgeError("warm_prefixes and warm_dir go together: set both or neither")
+    if config.warm_prefixes is not None and not config.warm_prefixes.is_file():
+        raise KvedgeError(f"{origin['warm_prefixes']}={str(config.warm_prefixes)!r}: no such file")
+    config = dataclasses.replace(config, model_name=config.model_name or config.model.resolve().name)
     return dataclasses.replace(config, api_key=_api_key(config, origin, environ))
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _path(kind: type, value: Any) -> Any:
+    """msgspec's hook for the Path fields: a non-blank string (or a Path, from a flag)."""
+    if kind is not Path:
+        raise NotImplementedError(kind)
+    if not isinstance(value, str | Path) or not str(value).strip():
+        raise ValueError("not a path")
+    return Path(value)
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The file's keys and values, old key names moved to the new ones (with a warning), and
+    where each value came from."""
     data = read_yaml(path)
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise KvedgeError(
-            f"{path}: a service config is a mapping of keys to values; allowed keys: {sorted(_FIELDS)}"
+            f"{path}: a service config is a mapping of keys to values; allowed keys: {sorted(KEYS)}"
         )
-    unknown = sorted(str(k) for k in data if k not in _FIELDS)
-    if unknown:
-        raise KvedgeError(f"{path}: unknown key {unknown[0]!r}; allowed keys: {sorted(_FIELDS)}")
-    return dict(data)
+    values, origin = {}, {}
+    for key, value in data.items():
+        new = RENAMED.get(key, key)
+        if new not in KEYS:
+            raise KvedgeError(f"{path}: unknown key {str(key)!r}; allowed keys: {sorted(KEYS)}")
+        if new != key:
+            if new in data:
+                raise KvedgeError(f"{path}: {key!r} is the old name of {new!r}; keep only {new!r}")
+            log.warning("%s: key %r is deprecated; write %r (same values)", path, key, new)
+        values[new], origin[new] = value, f"{path}: {key}"
+    return values, origin
 
 
 def _api_key(config: ServiceConfig, origin: Mapping[str, str], environ: Mapping[str, str]) -> str | None:

@@ -1,9 +1,12 @@
-"""Service metrics in the Prometheus text exposition format (version 0.0.4), without a client library.
+"""Service metrics in the Prometheus text exposition format (version 0.0.4), written by prometheus_client.
 
-Counters and the time-to-first-token histogram are updated by the engine thread and the request
-handlers under one lock; gauges (queue depth, slots in use, KV bytes) are read from the engine
-when /metrics is scraped. Tokens per second is the number of tokens generated in the last
-`RATE_WINDOW_S` seconds divided by that window, across all slots.
+Each `Metrics` has its own `CollectorRegistry`, not the library's process-wide one, so services
+and tests in one process never share counts. Counters and the time-to-first-token histogram are
+updated by the engine thread and the request handlers (prometheus_client's metrics lock
+themselves); gauges (queue depth, slots in use, KV bytes) are read from the engine when /metrics
+is scraped. Tokens per second is the number of tokens generated in the last `RATE_WINDOW_S`
+seconds divided by that window, across all slots. Counters and the histogram also carry the
+library's `_created` sample (when the series started).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATE_WINDOW_S = 10
@@ -40,44 +46,50 @@ COUNTERS = {
 
 class Metrics:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
-        self._responses: Counter[str] = Counter()  # HTTP status of chat completion requests
-        self._ttft_buckets = [0] * len(TTFT_BUCKETS_S)
-        self._ttft_sum = 0.0
-        self._ttft_count = 0
+        self.registry = CollectorRegistry()
+        self._gauges = {name: Gauge(name, text, registry=self.registry) for name, text in GAUGES.items()}
+        self._counters = {
+            name: prometheus_client.Counter(name, text, registry=self.registry)
+            for name, text in COUNTERS.items()
+        }
+        self._responses = prometheus_client.Counter(
+            "kvedge_chat_requests_total",
+            "Chat completion requests by HTTP status.",
+            ["status"],
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "kvedge_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token (queueing included).",
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._tokens = self._counters["kvedge_completion_tokens_total"]
+        self._lock = threading.Lock()  # guards _per_second
         self._per_second: Counter[int] = Counter()  # whole second -> tokens generated in it
 
     def add(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += value
+        self._counters[name].inc(value)
 
     def decode_call(self, rows: int, idle_rows: int = 0) -> None:
-        with self._lock:
-            self._counters["kvedge_decode_calls_total"] += 1
-            self._counters["kvedge_decode_rows_total"] += rows
-            self._counters["kvedge_decode_idle_rows_total"] += idle_rows
+        self._counters["kvedge_decode_calls_total"].inc()
+        self._counters["kvedge_decode_rows_total"].inc(rows)
+        self._counters["kvedge_decode_idle_rows_total"].inc(idle_rows)
 
     def response(self, status: int) -> None:
-        with self._lock:
-            self._responses[str(status)] += 1
+        self._responses.labels(status=str(status)).inc()
 
     def token(self, now: float | None = None) -> None:
         second = int(time.monotonic() if now is None else now)
+        self._tokens.inc()
         with self._lock:
-            self._counters["kvedge_completion_tokens_total"] += 1
             self._per_second[second] += 1
             if len(self._per_second) > 2 * RATE_WINDOW_S:
                 for old in [s for s in self._per_second if s <= second - RATE_WINDOW_S]:
                     del self._per_second[old]
 
     def first_token(self, seconds: float) -> None:
-        with self._lock:
-            for i, bound in enumerate(TTFT_BUCKETS_S):
-                if seconds <= bound:
-                    self._ttft_buckets[i] += 1
-            self._ttft_sum += seconds
-            self._ttft_count += 1
+        self._ttft.observe(seconds)
 
     def tokens_per_second(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
@@ -86,38 +98,7 @@ class Metrics:
         return recent / RATE_WINDOW_S
 
     def render(self, gauges: Mapping[str, float]) -> str:
-        """The exposition text; `gauges` gives the current value of every name in GAUGES."""
-        lines: list[str] = []
-        gauges = {**gauges, "kvedge_tokens_per_second": self.tokens_per_second()}
-        with self._lock:
-            for name, help_text in GAUGES.items():
-                lines += [
-                    f"# HELP {name} {help_text}",
-                    f"# TYPE {name} gauge",
-                    f"{name} {_num(gauges[name])}",
-                ]
-            for name, help_text in COUNTERS.items():
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-                lines.append(f"{name} {self._counters[name]}")
-            name = "kvedge_chat_requests_total"
-            lines += [f"# HELP {name} Chat completion requests by HTTP status.", f"# TYPE {name} counter"]
-            lines += [f'{name}{{status="{s}"}} {n}' for s, n in sorted(self._responses.items())]
-            name = "kvedge_time_to_first_token_seconds"
-            lines += [
-                f"# HELP {name} From a request's arrival to its first generated token (queueing included).",
-                f"# TYPE {name} histogram",
-            ]
-            lines += [
-                f'{name}_bucket{{le="{bound}"}} {n}'
-                for bound, n in zip(TTFT_BUCKETS_S, self._ttft_buckets, strict=True)
-            ]
-            lines += [
-                f'{name}_bucket{{le="+Inf"}} {self._ttft_count}',
-                f"{name}_sum {_num(self._ttft_sum)}",
-                f"{name}_count {self._ttft_count}",
-            ]
-        return "\n".join(lines) + "\n"
-
-
-def _num(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(int(value))
+        """The exposition text; `gauges` gives the current value of every name in GAUGES but the rate."""
+        for name, value in {**gauges, "kvedge_tokens_per_second": self.tokens_per_second()}.items():
+            self._gauges[name].set(value)
+        return prometheus_client.generate_latest(self.registry).decode()

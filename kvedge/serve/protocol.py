@@ -36,13 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvedge.runtime.model import Constraint
+from kvedge.runtime.tokenizer import ROLES
 from kvedge.serve import tools as toolkit
 from kvedge.serve.tools import Tool, ToolError
 
 MAX_STOP = 4
 INT64 = 2**63
 MAX_TOP_LOGPROBS = 20
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+API_ROLES = sorted({*ROLES, *ROLE_ALIASES})
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # argument: (its neutral values, what we say)
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -300,8 +302,9 @@ def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
             raise _bad(
                 param, "legacy function messages are not supported; use tools", code="unsupported_parameter"
             )
-        if not isinstance(role, str) or role not in ROLES:
-            raise _bad(f"{param}.role", f"message {i}: role {_show(role)} is not one of {sorted(ROLES)}")
+        chat_role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
+        if chat_role not in ROLES:
+            raise _bad(f"{param}.role", f"message {i}: role {_show(role)} is not one of {API_ROLES}")
         calls = message.get("tool_calls")
         if calls and role == "assistant":
             content = message.get("content")
@@ -310,7 +313,7 @@ def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
             continue
         if calls:
             raise _bad(f"{param}.tool_calls", f"message {i}: only assistant messages carry tool_calls")
-        entry = {"role": ROLES[role], "content": _content(message.get("content"), i)}
+        entry = {"role": chat_role, "content": _content(message.get("content"), i)}
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):

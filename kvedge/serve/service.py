@@ -63,16 +63,16 @@ def check_memory(config: ServiceConfig) -> int:
 
 def load_model(config: ServiceConfig, slots: int) -> Model:
     """The service's Model: history policy, and warm prefixes loaded (or rebuilt) before ready."""
-    from kvedge.runtime.sessions import ContextPolicy
-    from kvedge.runtime.warmup import load_warmup_config
+    from kvedge.configs import load_warmup_config
+    from kvedge.runtime.sessions import HistoryPolicy
 
-    warmup = load_warmup_config(config.warmup_config) if config.warmup_config else None
+    prefixes = load_warmup_config(config.warm_prefixes) if config.warm_prefixes else None
     return Model(
         config.model,
         slots=slots,
         threads=config.threads,
-        policy=ContextPolicy(mode=config.history_policy),
-        warmup=warmup,
+        policy=HistoryPolicy(mode=config.history_policy),
+        warmup=prefixes,
         warm_dir=config.warm_dir,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
