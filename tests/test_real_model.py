@@ -6,6 +6,9 @@ than transformers (fused QKV, folded scale, split softmax inputs); measured ~1e-
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -115,3 +118,82 @@ def test_llama_cpp_q8_0_cache_comparison(smol):
     (row,) = llama_cpp_cache_quality(default_gguf(), [(ids, continuation)])
     assert row.scheme.startswith("llama.cpp q8_0") and row.kv_bytes_ratio == pytest.approx(34 / 128)
     assert 0 <= row.kl_mean < 0.1 and row.top1_agreement >= 0.8
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+        # an integer: a small model may write a float's digits on and on (docs/ARCHITECTURE.md)
+        "population_thousands": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "population_thousands", "languages", "capital"],
+    "additionalProperties": False,
+}
+PLACES = [
+    "Paris",
+    "Tokyo",
+    "Lagos",
+    "Lima",
+    "Oslo",
+    "Cairo",
+    "Delhi",
+    "Quito",
+    "Hanoi",
+    "Rome",
+    "Berlin",
+    "Nairobi",
+    "Seoul",
+    "Madrid",
+    "Toronto",
+    "Sydney",
+    "Dakar",
+    "Bogota",
+    "Vienna",
+    "Lisbon",
+    "Manila",
+    "Dublin",
+    "Accra",
+    "Havana",
+    "Prague",
+]
+ASKS = ["Describe the city of {} as a JSON object.", "Give me facts about {} in JSON."]
+
+
+def test_json_schema_replies_of_the_real_model_all_validate(smol, tmp_path):
+    """50 varied prompts through the official openai client against a real server: every reply
+    parses and validates against the schema (jsonschema), sampled and greedy."""
+    import jsonschema
+    import openai
+    from test_serve import KEY, Server
+
+    out, _, _ = smol
+    server = Server(out, tmp_path, slots=4, queue_size=64, default_max_tokens=200)
+    try:
+        server.startup(timeout_s=180)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+
+        def ask(i: int) -> tuple[str, str]:
+            prompt = ASKS[i % 2].format(PLACES[i % len(PLACES)])
+            done = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": prompt}],
+                response_format=fmt,
+                max_tokens=200,
+                temperature=0.0 if i < 25 else 0.8,
+                seed=i,
+            )
+            return done.choices[0].message.content, done.choices[0].finish_reason
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, range(50)))
+    finally:
+        server.stop()
+    assert [finish for _, finish in replies] == ["stop"] * 50
+    for text, _ in replies:
+        jsonschema.validate(json.loads(text), CITY)
+    assert len({text for text, _ in replies}) > 25  # the prompts really vary the replies

@@ -59,7 +59,7 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # key order is output order
         return cls("json_schema", text)
 
     def grammar(self) -> str:
