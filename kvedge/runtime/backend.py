@@ -24,6 +24,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
@@ -45,6 +46,30 @@ class StepOutput:
     # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
     # wrote them into the cache in place.
     present: list[tuple[np.ndarray, ...]] | None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load.
+    `OrtBackend` (here) and `kvedge.runtime.trt_backend.TrtBackend` implement it."""
+
+    manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
+        position_ids: np.ndarray,  # [batch, seq] int64
+        past_lengths: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64
+        past: list[tuple[np.ndarray, ...]],  # per layer views of the pool, `KVCache.layer_views`
+        counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
+    ) -> StepOutput:
+        """One step over `past`: next-token logits per row, and the new K/V unless written in place."""
+        ...
+
+    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+        """Take now, at load, the memory later steps over `past` (all slots' views) will need."""
+        ...
 
 
 class OrtBackend:

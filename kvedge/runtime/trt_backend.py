@@ -1,4 +1,4 @@
-"""TensorRT backend: the same `run(...) -> StepOutput` as `OrtBackend`, over `model.engine`.
+"""TensorRT backend: `Backend` (`run(...) -> StepOutput`, `reserve`) over `model.engine`.
 
 UNVERIFIED ON HARDWARE: written against TensorRT 10's and cuda-python's documented APIs; no GPU,
 TensorRT or cuda-python was available when it was written. device_tests/test_tensorrt.py
@@ -30,18 +30,10 @@ from typing import Any
 import numpy as np
 
 from kvedge.contract import Manifest
+from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest
 from kvedge.errors import KvedgeError
-from kvedge.export.tensorrt import (
-    DECODE_PROFILE,
-    ENGINE_FILE,
-    PREFILL_PROFILE,
-    EngineManifest,
-    cuda_call,
-    current_device,
-    import_cudart,
-    import_tensorrt,
-)
 from kvedge.runtime.backend import StepOutput
+from kvedge.runtime.cuda import cuda_call, current_device, import_cudart, import_tensorrt
 
 
 class TrtBackend:
@@ -116,6 +108,13 @@ class TrtBackend:
             device = self._call(self.cudart.cudaHostGetDevicePointer(start, 0), "cudaHostGetDevicePointer")
             self._registered[start] = int(device)
         return self._registered[start] + (view.ctypes.data - start)
+
+    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+        """Page-lock the cache pool now rather than at the first step; every other buffer was
+        allocated at construction for the largest profile, so nothing grows later."""
+        for views in past:
+            for view in views:
+                self._device_address(view)
 
     def run(
         self,

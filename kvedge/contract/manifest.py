@@ -1,14 +1,8 @@
-"""The export/runtime contract: cache geometry, graph I/O names and the artifact manifest.
+"""The model manifest: cache geometry, graph I/O names and what the exported graph is.
 
 Everything that crosses the boundary between the exporter and the runtime lives here, so that
-both sides compute shapes, byte counts and binding names from one place.
-
-Artifact folder written by `kvedge export`::
-
-    model.onnx          the graph (weights inline, or in model.onnx.data when large)
-    tokenizer.json      Hugging Face `tokenizers` file
-    chat_template.jinja the model's chat template (absent for models without one)
-    manifest.json       `Manifest` below, as JSON
+both sides compute shapes, byte counts and binding names from one place. The artifact folder it
+describes is listed in `kvedge.contract`.
 
 The runtime reads every graph input/output name from `manifest.json`; nothing downstream
 hard-codes a name.
