@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from kvedge.contract import CacheGeometry
+from kvedge.contract import PREFILL_CHUNK, CacheGeometry
 from kvedge.errors import KvedgeError
 
 CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"  # the repository's; pass paths otherwise
@@ -181,7 +181,7 @@ class ExportSettings:
     logits: str = "last"
     weights_dtype: str = "float32"  # of the exported graph (TensorRT --fp16 engines halve it)
     kv_dtype: str = "float32"
-    max_prefill: int = 256  # TensorRT prefill profile: longest chunk
+    max_prefill: int = PREFILL_CHUNK  # TensorRT prefill profile: longest chunk
     max_batch: int = 1  # TensorRT profiles: most rows per call
 
 

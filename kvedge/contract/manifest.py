@@ -43,6 +43,10 @@ IN_PLACE_VARIANTS = ("ort",)
 KVEDGE_OPS_DOMAIN = "kvedge"
 INT8_ATTENTION_OP = "Int8CacheAttention"
 WEIGHT_FORMATS = {"float32": 32, "int8": 8, "int4": 4}  # weight-only formats -> bits
+# Tokens per prefill call: bounds the [g*s, max_len+s] score buffers. The runtime prefills in
+# chunks of this, the planner sizes the activation peak for it, and a TensorRT engine's prefill
+# profile defaults to it.
+PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,83 @@ class IONames:
         return (self.present_key, self.present_value)
 
 
+Dim = int | str  # a fixed size, or an axis that varies per call: "batch" or "seq"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: its name, element type and shape."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[Dim, ...]
+    layer: int | None = None  # per-layer cache tensors: the layer's index; None for the others
+
+    def shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        """The concrete shape of a call of `batch` rows x `seq` tokens."""
+        sizes = {"batch": batch, "seq": seq}
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
+
+    def describe(self) -> str:
+        return f"[{', '.join(str(d) for d in self.dims)}] {self.dtype}"
+
+
+@dataclass(frozen=True)
+class GraphInterface:
+    """Which inputs and outputs an exported graph has, with their types and shapes: decided here
+    once, from the manifest's variant, logits mode and geometry. The exporter declares the graph's
+    inputs and outputs from it, the backends check and bind against it.
+
+    Inputs: input_ids [batch, seq]; position_ids [batch, seq] (not in place variants: in-place
+    graphs take positions from past_lengths); past_lengths [batch]; last_index [batch] (logits
+    "last"); per layer, past K, V [batch, kv_heads, max_len, head_dim] in the cache dtype, and for
+    int8 caches K, V scales [batch, kv_heads, max_len, groups] float16.
+    Outputs: logits [batch, 1 or seq, vocab] float32; per layer, present tensors like the past
+    ones, of length seq (the new tokens, portable) or max_len (the past buffer, in place).
+    """
+
+    names: IONames
+    geometry: CacheGeometry
+    variant: str
+    logits: str
+    vocab_size: int
+
+    @property
+    def in_place(self) -> bool:
+        return self.variant in IN_PLACE_VARIANTS
+
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        names, int64 = self.names, np.dtype(np.int64)
+        specs = [TensorSpec(names.input_ids, int64, ("batch", "seq"))]
+        if not self.in_place:
+            specs.append(TensorSpec(names.position_ids, int64, ("batch", "seq")))
+        specs.append(TensorSpec(names.past_lengths, int64, ("batch",)))
+        if self.logits == "last":
+            specs.append(TensorSpec(names.last_index, int64, ("batch",)))
+        for i in range(self.geometry.num_layers):
+            specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.max_len)
+        return tuple(specs)
+
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        logits_len = 1 if self.logits == "last" else "seq"
+        specs = [TensorSpec(self.names.logits, np.dtype(np.float32), ("batch", logits_len, self.vocab_size))]
+        length = self.geometry.max_len if self.in_place else "seq"
+        for i in range(self.geometry.num_layers):
+            specs += self._cache(self.names.present(self.geometry.quantized), i, length)
+        return tuple(specs)
+
+    def _cache(self, templates: tuple[str, ...], layer: int, length: Dim) -> list[TensorSpec]:
+        """One layer's cache tensors named by `templates` (`IONames.past` / `present` order)."""
+        g = self.geometry
+        kinds = [(g.np_dtype, g.head_dim)] * 2 + [(np.dtype(KV_SCALE_DTYPE), g.scale_groups)] * 2
+        return [
+            TensorSpec(
+                self.names.layer(template, layer), dtype, ("batch", g.num_kv_heads, length, last), layer
+            )
+            for template, (dtype, last) in zip(templates, kinds, strict=False)
+        ]
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """What positions mean to the graph: the tables are baked in, this records how.
@@ -214,6 +295,18 @@ class Manifest:
     def in_place(self) -> bool:
         """True when the graph writes new K/V into the bound past buffers itself."""
         return self.variant in IN_PLACE_VARIANTS
+
+    @property
+    def interface(self) -> GraphInterface:
+        return GraphInterface(self.names, self.geometry, self.variant, self.logits, self.vocab_size)
+
+    def graph_inputs(self) -> tuple[TensorSpec, ...]:
+        """The graph's inputs, in graph order (`GraphInterface`)."""
+        return self.interface.inputs()
+
+    def graph_outputs(self) -> tuple[TensorSpec, ...]:
+        """The graph's outputs, in graph order (`GraphInterface`)."""
+        return self.interface.outputs()
 
     @property
     def uses_kvedge_ops(self) -> bool:

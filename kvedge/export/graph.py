@@ -73,7 +73,9 @@ from kvedge.contract import (
     KVEDGE_OPS_DOMAIN,
     VARIANTS,
     CacheGeometry,
+    GraphInterface,
     IONames,
+    TensorSpec,
 )
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
@@ -224,7 +226,6 @@ def build_decoder_graph(
     g = _Builder(options.opset)
     heads, kv_heads, d = spec.num_heads, geometry.num_kv_heads, geometry.head_dim
     length = geometry.max_len
-    dtype = geometry.np_dtype
 
     def w(name: str) -> np.ndarray:
         return weights[name].astype(np.float32)
@@ -256,8 +257,6 @@ def build_decoder_graph(
     s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
     cos_table, sin_table = g.const("rope.cos", cos), g.const("rope.sin", sin)  # [L, d/2]
     ctx = dict(g=g, heads=heads, kv_heads=kv_heads, d=d, length=length, names=names, s_dim=s_dim)
-    # (ONNX element type, last dim) of each per-layer cache tensor, in IONames.past/present order
-    kv_types = [(_onnx_dtype(dtype), d)] * 2 + [(TensorProto.FLOAT16, geometry.scale_groups)] * 2
     if options.variant == "portable":
         attention = _PortableAttention(
             **ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table, kv_group_size=geometry.group_size
@@ -300,7 +299,6 @@ def build_decoder_graph(
     embed_name = g.const("model.embed_tokens.weight", embed)
     hidden = g.op("Gather", [embed_name, names.input_ids], "model.embed", axis=0)  # [b, s, H]
     delta = None  # the last sublayer's output, added to `hidden` by the next norm
-    outputs: list[onnx.ValueInfoProto] = []
     for i in range(geometry.num_layers):
         p = f"model.layers.{i}"
         x, hidden = residual_norm(hidden, delta, w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
@@ -325,13 +323,6 @@ def build_decoder_graph(
             f"{p}.mlp.act",
         )
         delta = linear(act, f"{p}.mlp", ["down_proj"], f"{p}.mlp.down")
-        present_len = "seq" if options.variant == "portable" else length
-        for template, (elem, last) in zip(names.present(geometry.quantized), kv_types, strict=False):
-            outputs.append(
-                helper.make_tensor_value_info(
-                    names.layer(template, i), elem, ["batch", kv_heads, present_len, last]
-                )
-            )
         if progress:
             progress(1)
 
@@ -366,21 +357,9 @@ def build_decoder_graph(
         out_shape = g.op("Concat", [b_dim, s_dim, vocab], "shape.logits", axis=0)
     g.op("Reshape", [scores, out_shape], names.logits)
 
-    inputs = [helper.make_tensor_value_info(names.input_ids, TensorProto.INT64, ["batch", "seq"])]
-    if options.variant == "portable":
-        inputs.append(helper.make_tensor_value_info(names.position_ids, TensorProto.INT64, ["batch", "seq"]))
-    inputs.append(helper.make_tensor_value_info(names.past_lengths, TensorProto.INT64, ["batch"]))
-    if options.logits == "last":
-        inputs.append(helper.make_tensor_value_info(names.last_index, TensorProto.INT64, ["batch"]))
-    for i in range(geometry.num_layers):
-        for template, (elem, last) in zip(names.past(geometry.quantized), kv_types, strict=False):
-            inputs.append(
-                helper.make_tensor_value_info(
-                    names.layer(template, i), elem, ["batch", kv_heads, length, last]
-                )
-            )
-    logits_shape = ["batch", 1 if options.logits == "last" else "seq", spec.vocab_size]
-    outputs.insert(0, helper.make_tensor_value_info(names.logits, TensorProto.FLOAT, logits_shape))
+    interface = GraphInterface(names, geometry, options.variant, options.logits, spec.vocab_size)
+    inputs = [_value_info(t) for t in interface.inputs()]
+    outputs = [_value_info(t) for t in interface.outputs()]
     graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
     opsets = [helper.make_opsetid("", options.opset)]
     if options.variant == "ort":
@@ -768,5 +747,7 @@ class _Int8CacheAttention:
         )[0]
 
 
-def _onnx_dtype(dtype: np.dtype) -> int:
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+def _value_info(tensor: TensorSpec) -> onnx.ValueInfoProto:
+    """A graph input/output declared as the contract's `GraphInterface` states it."""
+    elem = helper.np_dtype_to_tensor_dtype(tensor.dtype)
+    return helper.make_tensor_value_info(tensor.name, elem, list(tensor.dims))

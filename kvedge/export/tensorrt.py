@@ -25,8 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvedge.contract import ONNX_FILE, Manifest
-from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, EngineManifest
+from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, Manifest
+from kvedge.contract.engine import (
+    DECODE_PROFILE,
+    ENGINE_FILE,
+    ENGINE_MANIFEST_FILE,
+    PREFILL_PROFILE,
+    EngineManifest,
+)
 from kvedge.errors import KvedgeError
 from kvedge.runtime.cuda import current_device, import_cudart, import_tensorrt
 
@@ -64,7 +70,7 @@ def _check_graph(variant: str, logits: str, kv_dtype: str = "float32") -> None:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_prefill: int = 256  # longest prefill chunk (the runtime prefills in chunks of 256)
+    max_prefill: int = PREFILL_CHUNK  # longest prefill chunk: the runtime prefills in chunks of it
     max_batch: int = 1  # most sequences per call
     workspace_bytes: int = DEFAULT_WORKSPACE
     fp16: bool = True
@@ -86,27 +92,22 @@ Shape = tuple[int, ...]
 
 
 def profile_shapes(manifest: Manifest, options: EngineOptions) -> list[dict[str, tuple[Shape, Shape, Shape]]]:
-    """(min, opt, max) shape of every input, for the prefill profile and the decode profile."""
-    names, g = manifest.names, manifest.geometry
+    """(min, opt, max) shape of every graph input, for the prefill profile and the decode profile
+    (`kvedge.contract.engine`): "batch" axes 1..max_batch, "seq" axes 1..max_prefill or 1."""
     b, p = options.max_batch, options.max_prefill
-    past = ((1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(b), g.layer_shape(b))
-    profiles = []
-    for tokens in (((1, 1), (1, p), (b, p)), ((1, 1), (b, 1), (b, 1))):  # prefill, decode
-        rows = ((1,), (tokens[1][0],), (b,))
-        shapes = {names.input_ids: tokens, names.position_ids: tokens, names.past_lengths: rows}
-        if manifest.logits == "last":
-            shapes[names.last_index] = rows
-        for i in range(g.num_layers):
-            shapes[names.layer(names.past_key, i)] = past
-            shapes[names.layer(names.past_value, i)] = past
-        profiles.append(shapes)
+    profiles: list[dict[str, tuple[Shape, Shape, Shape]]] = [{}, {}]
+    for profile, seq, opt_batch in ((PREFILL_PROFILE, p, 1), (DECODE_PROFILE, 1, b)):
+        for spec in manifest.graph_inputs():
+            # the cache pool's views are bound whole at every batch size: opt is the largest
+            opt = spec.shape(b if spec.layer is not None else opt_batch, seq)
+            profiles[profile][spec.name] = (spec.shape(1, 1), opt, spec.shape(b, seq))
     return profiles
 
 
 def build_engine(
     artifact_dir: str | Path,
     out: str | Path | None = None,
-    max_prefill: int = 256,
+    max_prefill: int = PREFILL_CHUNK,
     workspace_bytes: int = DEFAULT_WORKSPACE,
     fp16: bool = True,
     max_batch: int = 1,

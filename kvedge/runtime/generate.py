@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvedge.contract import PREFILL_CHUNK
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.backend import OrtBackend, StepOutput
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.tokenizer import TextStream
-
-PREFILL_CHUNK = 256  # tokens per prefill call: bounds the [g*s, max_len+s] score buffers
 
 
 @dataclass(frozen=True)
