@@ -114,3 +114,46 @@ def test_graph_interface_follows_variant_and_logits(tiny_llama):
     assert len(present) == g.num_layers * len(names.present(g.quantized))
     new_len = g.max_len if manifest.in_place else 5
     assert present[0].shape(3, 5) == (3, g.num_kv_heads, new_len, g.head_dim)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[1, 2]", "expected a JSON object, found a list"),
+        ('"manifest"', "expected a JSON object, found a str"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("{", "not valid JSON"),
+        (
+            '{"format": "kvedge-manifest", "format_version": "1"}',
+            r"Expected `int`, got `str` - at `\$.format_version`",
+        ),
+    ],
+)
+def test_manifest_that_is_not_a_manifest_object_is_refused(tiny_llama, tmp_path, text, message):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama.out, copy)
+    (copy / MANIFEST_FILE).write_text(text)
+    with pytest.raises(ArtifactMismatch, match=message):
+        Manifest.load(copy)
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("geometry", "max_len"), "128", r"Expected `int`, got `str` - at `\$.geometry.max_len`"),
+        (("geometry", "num_layers"), True, r"Expected `int`, got `bool` - at `\$.geometry.num_layers`"),
+        (("geometry",), [2, 2, 16, 128], r"Expected `object`, got `array` - at `\$.geometry`"),
+        (("eos_token_ids",), 2, r"Expected `array`, got `int` - at `\$.eos_token_ids`"),
+        (("names", "logits"), None, r"Expected `str`, got `null` - at `\$.names.logits`"),
+        (("geometry", "max_len"), 0, "max_len=0 must be a positive integer"),
+    ],
+)
+def test_manifest_field_of_the_wrong_type_is_refused_naming_it(tiny_llama, path, value, message):
+    data = json.loads(Manifest.load(tiny_llama.out).to_json())
+    *parents, last = path
+    target = data
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    with pytest.raises(ArtifactMismatch, match=message):
+        Manifest.from_dict(data)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import inspect
+import json
 import subprocess
 import sys
 import types
@@ -109,6 +110,23 @@ def test_engine_manifest_refuses_another_tensorrt_device_or_model(tmp_path, tiny
         loaded.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 16))
     with pytest.raises(ArtifactMismatch, match="rebuild the engine"):
         engine_manifest(manifest, onnx_fingerprint="0" * 64).check_model(manifest)
+
+
+def test_engine_manifest_of_the_wrong_type_or_format_is_refused(tmp_path, tiny_llama):
+    good = json.loads(engine_manifest(Manifest.load(tiny_llama.out)).to_json())
+    cases = [
+        ("[]", "expected a JSON object, found a list"),
+        (json.dumps({**good, "max_batch": "2"}), r"Expected `int`, got `str` - at `\$.max_batch`"),
+        (json.dumps({**good, "format_version": 7}), "format version 7 does not match this kvedge"),
+        (
+            json.dumps({**good, "format": "kvedge-manifest"}),
+            "format 'kvedge-manifest' is not 'kvedge-engine'",
+        ),
+    ]
+    for text, message in cases:
+        (tmp_path / ENGINE_MANIFEST_FILE).write_text(text)
+        with pytest.raises(ArtifactMismatch, match=message):
+            EngineManifest.load(tmp_path)
 
 
 # --- TrtBackend against fakes ------------------------------------------------------------------

@@ -12,7 +12,8 @@ Artifact folder written by `kvedge export`::
     engine_manifest.json  `EngineManifest` (`kvedge.contract.engine`)
 
 Modules: `manifest` (cache geometry, graph names and interface, the model manifest), `engine`
-(the TensorRT engine manifest and profiles).
+(the TensorRT engine manifest and profiles), `header` (the one header check every artifact kind
+is loaded through: JSON shape, field types, format, version, model, cache geometry).
 """
 
 from kvedge.contract.manifest import (

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvedge import __version__
+from kvedge.contract.header import Header, check_header, decode_json, read_artifact
 from kvedge.contract.manifest import Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
@@ -34,6 +35,7 @@ ENGINE_MANIFEST_FILE = "engine_manifest.json"
 ENGINE_FORMAT = "kvedge-engine"
 ENGINE_VERSION = 1
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
+REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
 
 
 def profile_for(seq: int) -> int:
@@ -83,31 +85,16 @@ class EngineManifest:
             raise KvedgeError(
                 f"{folder}: no {ENGINE_MANIFEST_FILE}; build one with `kvedge export --target tensorrt`"
             )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from None
-        if data.get("format") != ENGINE_FORMAT or data.get("format_version") != ENGINE_VERSION:
-            raise ArtifactMismatch(
-                f"{path}: format {data.get('format')!r} v{data.get('format_version')!r} is not "
-                f"{ENGINE_FORMAT!r} v{ENGINE_VERSION}; rebuild the engine"
-            )
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ArtifactMismatch(f"{path}: malformed engine manifest ({exc})") from None
+        data = decode_json(path.read_bytes(), str(path))
+        return read_artifact(data, cls, Header(ENGINE_FORMAT, ENGINE_VERSION), str(path), REBUILD)
 
     def check_model(self, manifest: Manifest) -> None:
-        """Refuse an engine built from another graph than the folder's model.onnx."""
-        if (self.source_fingerprint, self.onnx_fingerprint) != (
-            manifest.source_fingerprint,
-            manifest.onnx_fingerprint,
-        ):
-            raise ArtifactMismatch(
-                f"the engine was built from model {self.source_fingerprint[:16]} / graph "
-                f"{self.onnx_fingerprint[:16]}, this folder holds model {manifest.source_fingerprint[:16]} "
-                f"/ graph {manifest.onnx_fingerprint[:16]}; rebuild the engine"
-            )
+        """Refuse an engine built from another model or graph than the folder's model.onnx."""
+        built = {"graph": self.onnx_fingerprint}
+        found = Header(self.format, self.format_version, model=self.source_fingerprint, made_from=built)
+        folder = {"graph": manifest.onnx_fingerprint}
+        expected = Header(ENGINE_FORMAT, ENGINE_VERSION, model=manifest.source_fingerprint, made_from=folder)
+        check_header(ENGINE_FILE, found, expected, REBUILD)
 
     def check_runtime(self, tensorrt_version: str, device: DeviceInfo) -> None:
         """Refuse an engine built by another TensorRT or for another GPU, naming both sides."""

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvedge import __version__
+from kvedge.contract.header import Header, decode_json, read_artifact
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 MANIFEST_FORMAT = "kvedge-manifest"
@@ -133,6 +134,22 @@ class CacheGeometry:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def artifact_key(self, holds_cache: bool) -> dict[str, Any]:
+        """The geometry fields an artifact made for this cache depends on (its header's
+        "geometry"): layers, kv heads and head_dim; with `holds_cache` (warm prefixes: cache
+        bytes) also the dtype and an int8 cache's group size. Never max_len: an artifact holds at
+        most max_len tokens, whatever the cache length."""
+        key: dict[str, Any] = {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+        if holds_cache:
+            key["dtype"] = self.dtype
+            if self.quantized:
+                key["group_size"] = self.group_size
+        return key
 
 
 @dataclass(frozen=True)
@@ -318,27 +335,10 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest") -> Manifest:
-        if data.get("format") != MANIFEST_FORMAT:
-            raise ArtifactMismatch(
-                f"{where}: format {data.get('format')!r} is not a kvedge manifest "
-                f"(expected {MANIFEST_FORMAT!r})"
-            )
-        if data.get("format_version") != MANIFEST_VERSION:
-            raise ArtifactMismatch(
-                f"{where}: format version {data.get('format_version')!r} does not match this "
-                f"kvedge ({MANIFEST_VERSION}); re-export the model"
-            )
-        try:
-            fields = dict(data)
-            fields["geometry"] = CacheGeometry(**fields["geometry"])
-            fields["names"] = IONames(**fields["names"])
-            fields["rope"] = RopeSpec(
-                **{**fields["rope"], "inv_freq": tuple(fields["rope"].get("inv_freq", ()))}
-            )
-            fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-            manifest = cls(**fields)
-        except (KeyError, TypeError) as exc:
-            raise ArtifactMismatch(f"{where}: malformed manifest ({exc})") from exc
+        """`data` (manifest.json, decoded) as a Manifest: format and version first, then every
+        field's type (`kvedge.contract.header`); ArtifactMismatch naming what is wrong."""
+        kind = Header(MANIFEST_FORMAT, MANIFEST_VERSION)
+        manifest = read_artifact(data, cls, kind, where, "re-export the model")
         if manifest.variant not in VARIANTS:
             raise ArtifactMismatch(
                 f"{where}: graph variant {manifest.variant!r} is unknown to this kvedge "
@@ -351,11 +351,7 @@ class Manifest:
         path = Path(folder) / MANIFEST_FILE
         if not path.is_file():
             raise KvedgeError(f"{folder}: no {MANIFEST_FILE}; is this a `kvedge export` folder?")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(decode_json(path.read_bytes(), str(path)), where=str(path))
 
     def check_compatible(self, other: Manifest, what: str, cache_dtype: bool = True) -> None:
         """Refuse `other` (describing `what`) unless it was made from the same model and geometry
