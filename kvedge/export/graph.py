@@ -4,7 +4,7 @@ Why build by hand instead of tracing with `torch.onnx.export`: the op list is ou
 (only ops TensorRT's ONNX parser accepts, in the portable variant), tied embeddings are stored
 once, and the KV binding below is exact rather than whatever a tracer makes of a cache class.
 
-The contract (names come from `kvedge.contract.IONames`)::
+The contract (declared from `kvedge.contract.GraphInterface`, names from `IONames`)::
 
     inputs  input_ids      [b, s]                     int64
             position_ids   [b, s]                     int64  (portable only: index into the RoPE tables)
