@@ -35,7 +35,7 @@ def _tensorrt_missing() -> str | None:
     if importlib.util.find_spec("cuda") is None:
         return "cuda-python is not installed (`pip install cuda-python`)"
     from kvedge.errors import KvedgeError
-    from kvedge.export.tensorrt import current_device
+    from kvedge.runtime.cuda import current_device
 
     try:
         current_device()

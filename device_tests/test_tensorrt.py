@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from tiny import make_tiny_model
 
+from kvedge.contract.engine import ENGINE_MANIFEST_FILE
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.export.tensorrt import ENGINE_MANIFEST_FILE, build_engine
+from kvedge.export.tensorrt import build_engine
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from kvedge import __version__
-from kvedge.contract import EXPORTED_KV_DTYPES, VARIANTS, WEIGHT_FORMATS
+from kvedge.contract import EXPORTED_KV_DTYPES, PREFILL_CHUNK, VARIANTS, WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
 
@@ -214,7 +214,11 @@ def main(verbose: int) -> None:
     "tensorrt: also build model.engine from the ONNX graph (needs TensorRT and a GPU).",
 )
 @click.option(
-    "--max-prefill", default=256, show_default=True, type=int, help="tensorrt: longest prefill chunk."
+    "--max-prefill",
+    default=PREFILL_CHUNK,
+    show_default=True,
+    type=int,
+    help="tensorrt: longest prefill chunk.",
 )
 @click.option(
     "--max-batch", default=1, show_default=True, type=int, help="tensorrt: most sequences per call."

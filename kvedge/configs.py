@@ -51,7 +51,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-from kvedge.contract import CacheGeometry
+from kvedge.contract import PREFILL_CHUNK, CacheGeometry
 from kvedge.errors import KvedgeError
 from kvedge.runtime.tokenizer import ROLES
 
@@ -265,7 +265,7 @@ class ExportSettings(Strict):
     logits: Literal[LOGITS] = "last"
     weights_dtype: Literal[tuple(WEIGHT_BYTES)] = "float32"  # of the graph (TensorRT --fp16 halves it)
     kv_dtype: Text = "float32"  # CacheGeometry's to allow: checked by `load_recipe`
-    max_prefill: Count = 256  # TensorRT prefill profile: longest chunk
+    max_prefill: Count = PREFILL_CHUNK  # TensorRT prefill profile: longest chunk
     max_batch: Count = 1  # TensorRT profiles: most rows per call
 
 

@@ -48,9 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvedge.configs import WEIGHT_BYTES, DeviceProfile, ModelRecipe, load_device, load_recipe
-from kvedge.contract import KV_DTYPES, MANIFEST_FILE, ONNX_FILE, CacheGeometry, Manifest
+from kvedge.contract import KV_DTYPES, MANIFEST_FILE, ONNX_FILE, PREFILL_CHUNK, CacheGeometry, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.runtime.generate import PREFILL_CHUNK
 
 MiB, GiB = 1 << 20, 1 << 30
 FLOAT32 = 4  # the graph computes activations in float32

@@ -68,6 +68,7 @@ import numpy as np
 
 from kvedge import __version__
 from kvedge.contract import Manifest, sha256_files
+from kvedge.contract.header import Header, check_header, decode_json, read_artifact
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 SCALES_FORMAT = "kvedge-kv-scales"
@@ -75,6 +76,7 @@ SCALES_VERSION = 1
 SCALES_FILE = "kv_scales.npz"
 SCALES_MANIFEST = "kv_scales.json"
 SCALE_ARRAYS = ("k_scale", "v_scale", "k_tensor_scale", "v_tensor_scale")
+RECALIBRATE = "run `kvedge calibrate` for this model"
 
 QMAX = 127
 METHODS = ("minmax", "percentile", "mse")
@@ -247,26 +249,22 @@ class Scales:
         path = folder / SCALES_MANIFEST
         if not path.is_file():
             raise KvedgeError(f"{folder}: no {SCALES_MANIFEST}; run `kvedge calibrate` first")
-        try:
-            data = json.loads(path.read_text())
-            manifest = ScalesManifest(**data)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise ArtifactMismatch(f"{path}: malformed scales manifest ({exc})") from exc
-        if manifest.format != SCALES_FORMAT or manifest.format_version != SCALES_VERSION:
-            raise ArtifactMismatch(
-                f"{path}: format {manifest.format!r} v{manifest.format_version}, "
-                f"this kvedge reads {SCALES_FORMAT!r} v{SCALES_VERSION}"
-            )
-        if manifest.model_fingerprint != model.source_fingerprint:
-            raise ArtifactMismatch(
-                f"scales in {folder} were made for model {manifest.model_fingerprint[:16]}, "
-                f"this model is {model.source_fingerprint[:16]}"
-            )
-        expected = geometry_key(model)
-        if manifest.geometry != expected:
-            raise ArtifactMismatch(
-                f"scales in {folder} are for cache geometry {manifest.geometry}, this model has {expected}"
-            )
+        data = decode_json(path.read_bytes(), str(path))
+        kind = Header(SCALES_FORMAT, SCALES_VERSION)
+        manifest = read_artifact(data, ScalesManifest, kind, str(path), RECALIBRATE)
+        found = Header(
+            manifest.format,
+            manifest.format_version,
+            model=manifest.model_fingerprint,
+            geometry=manifest.geometry,
+        )
+        expected = Header(
+            SCALES_FORMAT,
+            SCALES_VERSION,
+            model=model.source_fingerprint,
+            geometry=model.geometry.artifact_key(holds_cache=False),
+        )
+        check_header(str(path), found, expected, RECALIBRATE)
         npz = folder / SCALES_FILE
         if not npz.is_file() or sha256_files([npz]) != manifest.npz_sha256:
             raise ArtifactMismatch(f"{npz}: missing or does not match its manifest (corrupt or replaced)")
@@ -283,11 +281,6 @@ class Scales:
                 f"{npz}: scale shapes {values['k_scale'].shape} do not match {(layers, heads, groups)}"
             )
         return cls(manifest=manifest, **values)
-
-
-def geometry_key(model: Manifest) -> dict[str, Any]:
-    g = model.geometry
-    return {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim}
 
 
 class RoundTrip:

@@ -17,6 +17,7 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.quant import (
     SCALES_FILE,
+    SCALES_MANIFEST,
     Scales,
     Scheme,
     dequantize,
@@ -76,9 +77,8 @@ def test_scales_round_trip_and_refusals(tiny_llama, scales_dir, tmp_path):
     other = export_model(
         make_tiny_model(tmp_path / "b", "llama", seed=5), tmp_path / "b_out", ExportOptions(max_len=32)
     )
-    expected = (
-        f"made for model {manifest.source_fingerprint[:16]}, this model is {other.source_fingerprint[:16]}"
-    )
+    # one wording for every artifact (kvedge.contract.header): the field, then both values
+    expected = f"model is '{manifest.source_fingerprint[:16]}', expected '{other.source_fingerprint[:16]}'"
     with pytest.raises(ArtifactMismatch, match=expected):
         Scales.load(scales_dir, other)
     copy = tmp_path / "copy"
@@ -88,6 +88,28 @@ def test_scales_round_trip_and_refusals(tiny_llama, scales_dir, tmp_path):
     (copy / SCALES_FILE).write_bytes((copy / SCALES_FILE).read_bytes()[:-10])
     with pytest.raises(ArtifactMismatch, match="does not match its manifest"):
         Scales.load(copy, manifest)
+
+
+def test_scales_manifest_of_the_wrong_shape_or_type_is_refused(tiny_llama, scales_dir, tmp_path):
+    manifest = Model(tiny_llama.out).manifest
+    data = json.loads((scales_dir / SCALES_MANIFEST).read_text())
+    cases = [
+        ([data], "expected a JSON object, found a list"),
+        ({**data, "group_size": "16"}, r"Expected `int`, got `str` - at `\$.group_size`"),
+        (
+            {**data, "layer_errors": {"k_rel": ["x"]}},
+            r"Expected `float`, got `str` - at `\$.layer_errors\[...\]\[0\]`",
+        ),
+        ({**data, "format_version": 2}, "format version 2 does not match this kvedge"),
+        ({**data, "geometry": {**data["geometry"], "head_dim": 8}}, 'cache geometry is {"head_dim": 8'),
+    ]
+    for bad, message in cases:
+        copy = tmp_path / "copy"
+        copy.mkdir(exist_ok=True)
+        (copy / SCALES_FILE).write_bytes((scales_dir / SCALES_FILE).read_bytes())
+        (copy / SCALES_MANIFEST).write_text(json.dumps(bad))
+        with pytest.raises(ArtifactMismatch, match=message):
+            Scales.load(copy, manifest)
 
 
 def test_bad_calibration_sets_are_refused(tmp_path, tiny_llama):

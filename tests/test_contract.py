@@ -81,3 +81,79 @@ def test_export_refuses_overwrite_and_bad_options(tiny_llama, tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
     with pytest.raises(KvedgeError, match="--max-len 4 is out of range"):
         ExportOptions(max_len=4)
+
+
+@pytest.mark.parametrize("field,value", [("max_len", 64), ("num_kv_heads", 1), ("head_dim", 8)])
+def test_manifest_geometry_disagreeing_with_the_graph_is_refused_at_load(tiny_llama, tmp_path, field, value):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama.out, copy)
+    data = json.loads((copy / MANIFEST_FILE).read_text())
+    data["geometry"][field] = value
+    (copy / MANIFEST_FILE).write_text(json.dumps(data))
+    manifest = Manifest.load(copy)
+    layer0 = manifest.names.layer(manifest.names.past_key, 0)
+    good, bad = Manifest.load(tiny_llama.out).graph_inputs(), manifest.graph_inputs()
+    graph_shape = next(spec for spec in good if spec.name == layer0).describe()
+    said = next(spec for spec in bad if spec.name == layer0).describe()
+    with pytest.raises(ArtifactMismatch) as refused:
+        Model(copy, verify=False)
+    message = str(refused.value)
+    assert "\n" not in message and f"graph input {layer0}" in message
+    assert f"the manifest says {said}, the graph has {graph_shape}" in message
+
+
+def test_graph_interface_follows_variant_and_logits(tiny_llama):
+    manifest = Manifest.load(tiny_llama.out)
+    g, names = manifest.geometry, manifest.names
+    inputs = {spec.name: spec for spec in manifest.graph_inputs()}
+    assert (names.position_ids in inputs) == (not manifest.in_place)
+    assert (names.last_index in inputs) == (manifest.logits == "last")
+    assert inputs[names.layer(names.past_value, 1)].shape(3, 5) == g.layer_shape(3)
+    logits, *present = manifest.graph_outputs()
+    assert logits.shape(3, 5) == (3, 1 if manifest.logits == "last" else 5, manifest.vocab_size)
+    assert len(present) == g.num_layers * len(names.present(g.quantized))
+    new_len = g.max_len if manifest.in_place else 5
+    assert present[0].shape(3, 5) == (3, g.num_kv_heads, new_len, g.head_dim)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[1, 2]", "expected a JSON object, found a list"),
+        ('"manifest"', "expected a JSON object, found a str"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("{", "not valid JSON"),
+        (
+            '{"format": "kvedge-manifest", "format_version": "1"}',
+            r"Expected `int`, got `str` - at `\$.format_version`",
+        ),
+    ],
+)
+def test_manifest_that_is_not_a_manifest_object_is_refused(tiny_llama, tmp_path, text, message):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama.out, copy)
+    (copy / MANIFEST_FILE).write_text(text)
+    with pytest.raises(ArtifactMismatch, match=message):
+        Manifest.load(copy)
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("geometry", "max_len"), "128", r"Expected `int`, got `str` - at `\$.geometry.max_len`"),
+        (("geometry", "num_layers"), True, r"Expected `int`, got `bool` - at `\$.geometry.num_layers`"),
+        (("geometry",), [2, 2, 16, 128], r"Expected `object`, got `array` - at `\$.geometry`"),
+        (("eos_token_ids",), 2, r"Expected `array`, got `int` - at `\$.eos_token_ids`"),
+        (("names", "logits"), None, r"Expected `str`, got `null` - at `\$.names.logits`"),
+        (("geometry", "max_len"), 0, "max_len=0 must be a positive integer"),
+    ],
+)
+def test_manifest_field_of_the_wrong_type_is_refused_naming_it(tiny_llama, path, value, message):
+    data = json.loads(Manifest.load(tiny_llama.out).to_json())
+    *parents, last = path
+    target = data
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    with pytest.raises(ArtifactMismatch, match=message):
+        Manifest.from_dict(data)

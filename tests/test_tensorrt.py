@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import inspect
+import json
 import subprocess
 import sys
 import types
@@ -22,16 +24,10 @@ import pytest
 from conftest import random_ids
 
 from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.tensorrt import (
-    ENGINE_FILE,
-    ENGINE_MANIFEST_FILE,
-    DeviceInfo,
-    EngineManifest,
-    EngineOptions,
-    profile_shapes,
-    require_tensorrt,
-)
+from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
+from kvedge.runtime.backend import Backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 
@@ -114,6 +110,23 @@ def test_engine_manifest_refuses_another_tensorrt_device_or_model(tmp_path, tiny
         loaded.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 16))
     with pytest.raises(ArtifactMismatch, match="rebuild the engine"):
         engine_manifest(manifest, onnx_fingerprint="0" * 64).check_model(manifest)
+
+
+def test_engine_manifest_of_the_wrong_type_or_format_is_refused(tmp_path, tiny_llama):
+    good = json.loads(engine_manifest(Manifest.load(tiny_llama.out)).to_json())
+    cases = [
+        ("[]", "expected a JSON object, found a list"),
+        (json.dumps({**good, "max_batch": "2"}), r"Expected `int`, got `str` - at `\$.max_batch`"),
+        (json.dumps({**good, "format_version": 7}), "format version 7 does not match this kvedge"),
+        (
+            json.dumps({**good, "format": "kvedge-manifest"}),
+            "format 'kvedge-manifest' is not 'kvedge-engine'",
+        ),
+    ]
+    for text, message in cases:
+        (tmp_path / ENGINE_MANIFEST_FILE).write_text(text)
+        with pytest.raises(ArtifactMismatch, match=message):
+            EngineManifest.load(tmp_path)
 
 
 # --- TrtBackend against fakes ------------------------------------------------------------------
@@ -301,6 +314,8 @@ def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
         trt = TrtBackend(tiny_llama.out, manifest)
         cpu = tiny_llama.model(slots=3)
         trt_cache = KVCache(manifest.geometry, 3)
+        assert isinstance(trt, Backend) and isinstance(cpu.backend, Backend)
+        trt.reserve(trt_cache.layer_views(0, 3), manifest.geometry.max_len)
         prompts = [random_ids(100, seed=1), random_ids(37, seed=2)]  # 100 > max_prefill: two chunks
         a = prefill(cpu.backend, cpu.cache, 1, prompts)
         b = prefill(trt, trt_cache, 1, prompts, chunk=64)
@@ -317,6 +332,20 @@ def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
     finally:
         (tiny_llama.out / ENGINE_MANIFEST_FILE).unlink()
         (tiny_llama.out / ENGINE_FILE).unlink()
+
+
+def test_both_backends_implement_the_backend_protocol():
+    from kvedge.runtime.backend import OrtBackend
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    def parameters(function) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    methods = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and name[0] != "_"]
+    assert sorted(methods) == ["reserve", "run"]
+    for cls in (OrtBackend, TrtBackend):
+        for name in methods:
+            assert parameters(getattr(cls, name)) == parameters(getattr(Backend, name)), (cls, name)
 
 
 def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_path, monkeypatch):

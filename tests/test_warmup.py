@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
+import struct
 import subprocess
 import sys
 
@@ -11,10 +13,11 @@ import numpy as np
 import pytest
 
 from kvedge.configs import load_warmup_config
-from kvedge.errors import KvedgeError
+from kvedge.contract import CacheGeometry
+from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
-from kvedge.runtime.prefix import WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.prefix import MAGIC, WARM_VERSION, WarmPrefix, read_warm_file, write_warm_file
 
 ATOL = 1e-4
 SYSTEM = "You are a helpful assistant on a Jetson. " * 2
@@ -117,6 +120,39 @@ def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
         rebooted = boot(tiny_llama, warm)
         assert "assistant" in rebooted.warmup_report.rebuilt
         read_warm_file(path, geometry, fingerprint, prefix.token_ids)  # the rewritten file is valid
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(data_bytes="64"), r"Expected `int`, got `str` - at `\$.data_bytes`"),
+        (dict(count=-1), r"Expected `int` >= 0 - at `\$.count`"),
+        (dict(token_ids=[1, "2"]), r"Expected `int`, got `str` - at `\$.token_ids\[1\]`"),
+        (dict(geometry=[2, 2, 16]), r"Expected `object`, got `array` - at `\$.geometry`"),
+    ],
+)
+def test_warm_file_header_of_the_wrong_type_is_refused_naming_the_field(tmp_path, change, message):
+    header = dict(
+        name="p",
+        model_fingerprint="x",
+        scales_fingerprint="",
+        geometry={"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"},
+        count=1,
+        token_ids=[1],
+        data_bytes=2 * 2 * 2 * 16 * 4,
+        kvedge_version="0",
+    )
+    raw = json.dumps({**header, **change}).encode()
+    path = tmp_path / "p.kvw"
+    path.write_bytes(
+        struct.pack("<8sII", MAGIC, WARM_VERSION, len(raw)) + raw + bytes(header["data_bytes"] + 32)
+    )
+    geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    with pytest.raises(ArtifactMismatch, match=message):
+        read_warm_file(path, geometry, "x", [1])
+    path.write_bytes(struct.pack("<8sII", MAGIC, WARM_VERSION, 2) + b"[]" + bytes(32))
+    with pytest.raises(ArtifactMismatch, match="expected a JSON object, found a list"):
+        read_warm_file(path, geometry, "x", [1])
 
 
 KILL_DURING_WRITE = """

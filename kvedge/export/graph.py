@@ -4,7 +4,7 @@ Why build by hand instead of tracing with `torch.onnx.export`: the op list is ou
 (only ops TensorRT's ONNX parser accepts, in the portable variant), tied embeddings are stored
 once, and the KV binding below is exact rather than whatever a tracer makes of a cache class.
 
-The contract (names come from `kvedge.contract.IONames`)::
+The contract (declared from `kvedge.contract.GraphInterface`, names from `IONames`)::
 
     inputs  input_ids      [b, s]                     int64
             position_ids   [b, s]                     int64  (portable only: index into the RoPE tables)
@@ -73,7 +73,9 @@ from kvedge.contract import (
     KVEDGE_OPS_DOMAIN,
     VARIANTS,
     CacheGeometry,
+    GraphInterface,
     IONames,
+    TensorSpec,
 )
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
@@ -221,171 +223,199 @@ def build_decoder_graph(
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
-    g = _Builder(options.opset)
-    heads, kv_heads, d = spec.num_heads, geometry.num_kv_heads, geometry.head_dim
-    length = geometry.max_len
-    dtype = geometry.np_dtype
+    decoder = _Decoder(spec, geometry, _fold_softmax_scale(weights, geometry), cos, sin, names, options)
+    hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
+    for i in range(geometry.num_layers):
+        hidden, delta = decoder.layer(i, hidden, delta)
+        if progress:
+            progress(1)
+    decoder.logits(hidden, delta)
+    interface = GraphInterface(names, geometry, options.variant, options.logits, spec.vocab_size)
+    return _onnx_model(decoder.g, interface, options)
 
-    def w(name: str) -> np.ndarray:
-        return weights[name].astype(np.float32)
 
-    def linear(x: str, prefix: str, parts: list[str], out: str) -> str:
-        """x @ concat(W_parts)^T + concat(b_parts): fused projections cost one MatMul."""
-        mat = np.concatenate([w(f"{prefix}.{p}.weight") for p in parts], axis=0)
+def _fold_softmax_scale(weights: dict[str, np.ndarray], geometry: CacheGeometry) -> dict[str, np.ndarray]:
+    """`weights` with Wq (and its bias) scaled by head_dim**-0.5: RoPE is linear, so attention
+    needs no scale op."""
+    weights = dict(weights)
+    scale = 1.0 / math.sqrt(geometry.head_dim)
+    for i in range(geometry.num_layers):
+        for part in ("weight", "bias"):
+            name = f"model.layers.{i}.self_attn.q_proj.{part}"
+            if name in weights:
+                weights[name] = weights[name].astype(np.float32) * scale
+    return weights
+
+
+class _Decoder:
+    """The decoder's blocks as ops on one `_Builder`: tensors shared by all layers are made at
+    construction, then `embed`, `layer` (once per layer) and `logits` add the rest in order."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        geometry: CacheGeometry,
+        weights: dict[str, np.ndarray],
+        cos: np.ndarray,
+        sin: np.ndarray,
+        names: IONames,
+        options: GraphOptions,
+    ) -> None:
+        self.spec, self.weights, self.names, self.options = spec, weights, names, options
+        self.portable = options.variant == "portable"
+        self.g = g = _Builder(options.opset)
+        self.two = g.const("const.two", np.array(2.0, np.float32))
+        self.eps = np.array(spec.rms_norm_eps, np.float32)
+        batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
+        self.b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
+        self.s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
+        self.attention = self._attention(geometry, cos, sin)
+        self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
+
+    def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray):
+        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]."""
+        g = self.g
+        tables = dict(cos_table=g.const("rope.cos", cos), sin_table=g.const("rope.sin", sin))
+        ctx = dict(
+            g=g,
+            heads=self.spec.num_heads,
+            kv_heads=geometry.num_kv_heads,
+            d=geometry.head_dim,
+            length=geometry.max_len,
+            names=self.names,
+            s_dim=self.s_dim,
+        )
+        if self.portable:
+            return _PortableAttention(**ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size)
+        if geometry.quantized:
+            return _Int8CacheAttention(**ctx, **tables)
+        return _GroupQueryAttention(**ctx, **tables)
+
+    def w(self, name: str) -> np.ndarray:
+        return self.weights[name].astype(np.float32)
+
+    def linear(self, x: str, prefix: str, parts: list[str], out: str) -> str:
+        """x @ concat(W_parts)^T + concat(b_parts): fused projections cost one MatMul. The only
+        place layer weights enter the graph (float32 or quantized, `_Builder.matmul_weight`)."""
+        g, options = self.g, self.options
+        mat = np.concatenate([self.w(f"{prefix}.{p}.weight") for p in parts], axis=0)
         y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size)
         biases = [f"{prefix}.{p}.bias" for p in parts]
-        if all(b in weights for b in biases):
-            bias = np.concatenate([w(b) for b in biases])
+        if all(b in self.weights for b in biases):
+            bias = np.concatenate([self.w(b) for b in biases])
             y = g.op("Add", [y, g.const(f"{out}.bias", bias)], f"{out}.biased")
-        elif any(b in weights for b in biases):
+        elif any(b in self.weights for b in biases):
             raise KvedgeError(f"{prefix}: some of {parts} have a bias and some do not")
         return y
 
-    def rms_norm(x: str, weight: np.ndarray, name: str) -> str:
+    def rms_norm(self, x: str, weight: np.ndarray, name: str) -> str:
         # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern onnxruntime fuses into one norm kernel.
-        sq = g.op("Pow", [x, two], f"{name}.sq")
+        g = self.g
+        sq = g.op("Pow", [x, self.two], f"{name}.sq")
         mean = g.reduce("ReduceMean", sq, -1, f"{name}.mean")
-        root = g.op("Sqrt", [g.op("Add", [mean, g.const(f"{name}.eps", eps)], f"{name}.var")], name + ".rms")
+        var = g.op("Add", [mean, g.const(f"{name}.eps", self.eps)], f"{name}.var")
+        root = g.op("Sqrt", [var], name + ".rms")
         normed = g.op("Div", [x, root], f"{name}.normed")
         return g.op("Mul", [normed, g.const(f"{name}.weight", weight)], name)
 
-    two = g.const("const.two", np.array(2.0, np.float32))
-    eps = np.array(spec.rms_norm_eps, np.float32)
-    batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
-    b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
-    s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
-    cos_table, sin_table = g.const("rope.cos", cos), g.const("rope.sin", sin)  # [L, d/2]
-    ctx = dict(g=g, heads=heads, kv_heads=kv_heads, d=d, length=length, names=names, s_dim=s_dim)
-    # (ONNX element type, last dim) of each per-layer cache tensor, in IONames.past/present order
-    kv_types = [(_onnx_dtype(dtype), d)] * 2 + [(TensorProto.FLOAT16, geometry.scale_groups)] * 2
-    if options.variant == "portable":
-        attention = _PortableAttention(
-            **ctx, b_dim=b_dim, cos_table=cos_table, sin_table=sin_table, kv_group_size=geometry.group_size
-        )
-    elif geometry.quantized:
-        attention = _Int8CacheAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
-    else:
-        attention = _GroupQueryAttention(**ctx, cos_table=cos_table, sin_table=sin_table)
-
-    weights = dict(weights)
-    scale = 1.0 / math.sqrt(d)
-    for i in range(geometry.num_layers):  # fold the softmax scale into Wq (RoPE is linear)
-        weights[f"model.layers.{i}.self_attn.q_proj.weight"] = (
-            w(f"model.layers.{i}.self_attn.q_proj.weight") * scale
-        )
-        if f"model.layers.{i}.self_attn.q_proj.bias" in weights:
-            weights[f"model.layers.{i}.self_attn.q_proj.bias"] = (
-                w(f"model.layers.{i}.self_attn.q_proj.bias") * scale
-            )
-    mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
-
-    def residual_norm(hidden: str, delta: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
+    def residual_norm(self, hidden: str, delta: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
         """(rms_norm(hidden + delta), hidden + delta): onnxruntime's fused op in the ort variant."""
+        g = self.g
         if delta is None:
-            return rms_norm(hidden, weight, name), hidden
-        if options.variant == "portable":
+            return self.rms_norm(hidden, weight, name), hidden
+        if self.portable:
             hidden = g.op("Add", [hidden, delta], f"{name}.residual")
-            return rms_norm(hidden, weight, name), hidden
+            return self.rms_norm(hidden, weight, name), hidden
         normed, _, _, hidden = g.op(
             "SkipSimplifiedLayerNormalization",
             [delta, hidden, g.const(f"{name}.weight", weight)],
             name,
             outputs=[name, "", "", f"{name}.residual"],
             domain=MS_DOMAIN,
-            epsilon=spec.rms_norm_eps,
+            epsilon=self.spec.rms_norm_eps,
         )
         return normed, hidden
 
-    embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-    embed_name = g.const("model.embed_tokens.weight", embed)
-    hidden = g.op("Gather", [embed_name, names.input_ids], "model.embed", axis=0)  # [b, s, H]
-    delta = None  # the last sublayer's output, added to `hidden` by the next norm
-    outputs: list[onnx.ValueInfoProto] = []
-    for i in range(geometry.num_layers):
+    def embed(self) -> str:
+        """Token embeddings [b, s, H]; the table is kept for a tied LM head."""
+        self.embed_table = self.w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.embed_name = self.g.const("model.embed_tokens.weight", self.embed_table)
+        return self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
+
+    def layer(self, i: int, hidden: str, delta: str | None) -> tuple[str, str]:
+        """Decoder layer i: attention and MLP blocks. Returns (residual stream, MLP output)."""
         p = f"model.layers.{i}"
-        x, hidden = residual_norm(hidden, delta, w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm")
-        qkv = linear(
+        x, hidden = self.residual_norm(
+            hidden, delta, self.w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm"
+        )
+        qkv = self.linear(
             x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv"
         )  # [b, s, (h+2kvh)d]
-        attn = attention.layer(i, qkv)  # [b, s, heads*d]
-        delta = linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
-        x, hidden = residual_norm(
-            hidden, delta, w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
+        attn = self.attention.layer(i, qkv)  # [b, s, heads*d]
+        delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
+        x, hidden = self.residual_norm(
+            hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
         )
-        gate, up = g.op(
-            "Split",
-            [linear(x, f"{p}.mlp", ["gate_proj", "up_proj"], f"{p}.mlp.gate_up"), mlp_split],
-            f"{p}.mlp.parts",
-            outputs=2,
-            axis=-1,
-        )
-        act = g.op(
-            "Mul",
-            [g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.mlp.sig")], f"{p}.mlp.silu"), up],
-            f"{p}.mlp.act",
-        )
-        delta = linear(act, f"{p}.mlp", ["down_proj"], f"{p}.mlp.down")
-        present_len = "seq" if options.variant == "portable" else length
-        for template, (elem, last) in zip(names.present(geometry.quantized), kv_types, strict=False):
-            outputs.append(
-                helper.make_tensor_value_info(
-                    names.layer(template, i), elem, ["batch", kv_heads, present_len, last]
-                )
-            )
-        if progress:
-            progress(1)
+        return hidden, self.mlp(x, f"{p}.mlp")
 
-    if options.variant == "portable":  # select rows first: the norm then runs on them only
-        hidden = g.op("Add", [hidden, delta], "model.residual")
-    else:
-        hidden, _ = residual_norm(hidden, delta, w("model.norm.weight"), "model.norm")
-    if options.logits == "last":
-        index = g.op("Unsqueeze", [names.last_index, g.ints(1)], "logits.index")  # [b, 1]
-        hidden = g.op("GatherND", [hidden, index], "logits.last_hidden", batch_dims=1)  # [b, H]
-    else:
-        hidden = g.op(
-            "Reshape",
-            [hidden, g.const("shape.rows", np.array([-1, spec.hidden_size], np.int64))],
-            "logits.rows",
-        )
-    if options.variant == "portable":
-        hidden = rms_norm(hidden, w("model.norm.weight"), "model.norm")
-    tied = spec.tie_word_embeddings or "lm_head.weight" not in weights
-    if options.bits < 32:
-        head = embed if tied else w("lm_head.weight")  # [vocab, H]
-        scores = g.matmul_weight(
-            hidden, np.ascontiguousarray(head.T), "logits.rows_vocab", options.bits, options.block_size
-        )
-    else:
-        head_name = embed_name if tied else g.const("lm_head.weight", w("lm_head.weight"))
-        scores = g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)
-    vocab = g.const("const.vocab", np.array([spec.vocab_size], np.int64))
-    if options.logits == "last":
-        out_shape = g.op("Concat", [b_dim, g.ints(1), vocab], "shape.logits", axis=0)
-    else:
-        out_shape = g.op("Concat", [b_dim, s_dim, vocab], "shape.logits", axis=0)
-    g.op("Reshape", [scores, out_shape], names.logits)
+    def mlp(self, x: str, p: str) -> str:
+        """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one MatMul."""
+        g = self.g
+        gate_up = self.linear(x, p, ["gate_proj", "up_proj"], f"{p}.gate_up")
+        gate, up = g.op("Split", [gate_up, self.mlp_split], f"{p}.parts", outputs=2, axis=-1)
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
+        act = g.op("Mul", [silu, up], f"{p}.act")
+        return self.linear(act, p, ["down_proj"], f"{p}.down")
 
-    inputs = [helper.make_tensor_value_info(names.input_ids, TensorProto.INT64, ["batch", "seq"])]
-    if options.variant == "portable":
-        inputs.append(helper.make_tensor_value_info(names.position_ids, TensorProto.INT64, ["batch", "seq"]))
-    inputs.append(helper.make_tensor_value_info(names.past_lengths, TensorProto.INT64, ["batch"]))
-    if options.logits == "last":
-        inputs.append(helper.make_tensor_value_info(names.last_index, TensorProto.INT64, ["batch"]))
-    for i in range(geometry.num_layers):
-        for template, (elem, last) in zip(names.past(geometry.quantized), kv_types, strict=False):
-            inputs.append(
-                helper.make_tensor_value_info(
-                    names.layer(template, i), elem, ["batch", kv_heads, length, last]
-                )
+    def logits(self, hidden: str, delta: str) -> str:
+        """The final norm, the LM head and the logits output [b, 1 or s, vocab]."""
+        g = self.g
+        scores = self.lm_head(self.final_rows(hidden, delta))  # [rows, vocab]
+        vocab = g.const("const.vocab", np.array([self.spec.vocab_size], np.int64))
+        seq = g.ints(1) if self.options.logits == "last" else self.s_dim
+        out_shape = g.op("Concat", [self.b_dim, seq, vocab], "shape.logits", axis=0)
+        return g.op("Reshape", [scores, out_shape], self.names.logits)
+
+    def final_rows(self, hidden: str, delta: str) -> str:
+        """The normed last hidden state of the rows logits are wanted for: [b, H] at each row's
+        last_index ("last"), or [b*s, H] ("all"). Portable graphs pick the rows before the norm,
+        so it runs on them only; ort graphs keep the fused residual norm."""
+        if not self.portable:
+            hidden, _ = self.residual_norm(hidden, delta, self.w("model.norm.weight"), "model.norm")
+            return self._select_rows(hidden)
+        hidden = self.g.op("Add", [hidden, delta], "model.residual")
+        return self.rms_norm(self._select_rows(hidden), self.w("model.norm.weight"), "model.norm")
+
+    def _select_rows(self, hidden: str) -> str:
+        g = self.g
+        if self.options.logits == "last":
+            index = g.op("Unsqueeze", [self.names.last_index, g.ints(1)], "logits.index")  # [b, 1]
+            return g.op("GatherND", [hidden, index], "logits.last_hidden", batch_dims=1)  # [b, H]
+        rows = g.const("shape.rows", np.array([-1, self.spec.hidden_size], np.int64))
+        return g.op("Reshape", [hidden, rows], "logits.rows")
+
+    def lm_head(self, hidden: str) -> str:
+        """hidden [rows, H] @ head^T: the embedding table when tied (stored once, float32 weights)."""
+        g, options = self.g, self.options
+        tied = self.spec.tie_word_embeddings or "lm_head.weight" not in self.weights
+        if options.bits < 32:
+            head = self.embed_table if tied else self.w("lm_head.weight")  # [vocab, H]
+            return g.matmul_weight(
+                hidden, np.ascontiguousarray(head.T), "logits.rows_vocab", options.bits, options.block_size
             )
-    logits_shape = ["batch", 1 if options.logits == "last" else "seq", spec.vocab_size]
-    outputs.insert(0, helper.make_tensor_value_info(names.logits, TensorProto.FLOAT, logits_shape))
+        head_name = self.embed_name if tied else g.const("lm_head.weight", self.w("lm_head.weight"))
+        return g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)
+
+
+def _onnx_model(g: _Builder, interface: GraphInterface, options: GraphOptions) -> onnx.ModelProto:
+    """The model around `g`'s nodes, its inputs and outputs declared as `interface` states them."""
+    inputs = [_value_info(t) for t in interface.inputs()]
+    outputs = [_value_info(t) for t in interface.outputs()]
     graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
     opsets = [helper.make_opsetid("", options.opset)]
     if options.variant == "ort":
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        if geometry.quantized:
+        if interface.geometry.quantized:
             opsets.append(helper.make_opsetid(KVEDGE_OPS_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="kvedge")
     # IR 8 is what onnxruntime and TensorRT 8.6+ both read; opset 21 (int4/int8 types) needs IR 10.
@@ -768,5 +798,7 @@ class _Int8CacheAttention:
         )[0]
 
 
-def _onnx_dtype(dtype: np.dtype) -> int:
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+def _value_info(tensor: TensorSpec) -> onnx.ValueInfoProto:
+    """A graph input/output declared as the contract's `GraphInterface` states it."""
+    elem = helper.np_dtype_to_tensor_dtype(tensor.dtype)
+    return helper.make_tensor_value_info(tensor.name, elem, list(tensor.dims))

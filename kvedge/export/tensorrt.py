@@ -5,28 +5,19 @@ OnnxParser, IBuilderConfig, optimization profiles, timing cache); no GPU and no 
 available when it was written. docs/JETSON.md keeps the list of what has run on a device, and
 device_tests/test_tensorrt.py is the check to run first.
 
-Files added to the artifact folder::
+Files added to the artifact folder: `model.engine` and `engine_manifest.json` (the contract both
+this builder and `kvedge.runtime.trt_backend` follow, in `kvedge.contract.engine`), and::
 
-    model.engine          serialized engine; FP16 kernels (with --fp16), float32/int I/O as exported
-    engine_manifest.json  `EngineManifest`: format + version, what it was built from and with,
-                          and for which GPU
     timing.cache          TensorRT's timing cache, reused by the next build on the same device
 
-One engine, two optimization profiles (B = max_batch, P = max_prefill, L = the export's max_len)::
-
-    profile 0, prefill   input_ids, position_ids [1..B, 1..P]; past_lengths, last_index [1..B]
-    profile 1, decode    input_ids, position_ids [1..B, 1];    past_lengths, last_index [1..B]
-    both                 past K/V [1..B, kv_heads, L, head_dim]: only the batch axis varies
-
-The cache inputs keep the exported static length L so the runtime binds its preallocated pool
-in place, as it does with onnxruntime. An engine runs only on the TensorRT version and the GPU
-it was built for: `EngineManifest.check_runtime` refuses any other, naming both sides.
+Engine kernels are FP16 (with --fp16), with float32/int I/O as exported. The two optimization
+profiles (prefill, decode) are made from the manifest's graph inputs by `profile_shapes`; the
+cache inputs keep the exported static length L so the runtime binds its preallocated pool in
+place, as it does with onnxruntime.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import tempfile
@@ -34,51 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvedge import __version__
-from kvedge.contract import ONNX_FILE, Manifest
-from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, Manifest
+from kvedge.contract.engine import (
+    DECODE_PROFILE,
+    ENGINE_FILE,
+    ENGINE_MANIFEST_FILE,
+    PREFILL_PROFILE,
+    EngineManifest,
+)
+from kvedge.errors import KvedgeError
+from kvedge.runtime.cuda import current_device, import_cudart, import_tensorrt
 
 log = logging.getLogger(__name__)
 
-ENGINE_FILE = "model.engine"
-ENGINE_MANIFEST_FILE = "engine_manifest.json"
 TIMING_CACHE_FILE = "timing.cache"
-ENGINE_FORMAT = "kvedge-engine"
-ENGINE_VERSION = 1
-PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 DEFAULT_WORKSPACE = 1 << 30  # builder scratch; 1 GiB leaves room for weights on an 8 GB Orin Nano
-
-INSTALL_TENSORRT = (
-    "TensorRT is not installed for this Python. On a Jetson it ships with JetPack "
-    "(`sudo apt install nvidia-jetpack`; use the system python3, or a venv made with "
-    "--system-site-packages); on an x86_64 machine with CUDA: `pip install 'kvedge[trt]'` "
-    "(tensorrt and cuda-python). `kvedge doctor` shows what this machine has."
-)
-INSTALL_CUDA_PYTHON = (
-    "cuda-python is not installed: `pip install cuda-python` (the CUDA runtime bindings TensorRT's "
-    "buffers are allocated with; part of `pip install 'kvedge[trt]'`)."
-)
-
-
-def import_tensorrt() -> Any:
-    """The `tensorrt` module, or a KvedgeError saying what to install."""
-    try:
-        import tensorrt
-    except ImportError:
-        raise KvedgeError(INSTALL_TENSORRT) from None
-    return tensorrt
-
-
-def import_cudart() -> Any:
-    """cuda-python's CUDA runtime bindings (`cuda.bindings.runtime`, or `cuda.cudart` before 12.6)."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError:
-            raise KvedgeError(INSTALL_CUDA_PYTHON) from None
-    return runtime
 
 
 def require_tensorrt(variant: str, logits: str, kv_dtype: str = "float32") -> None:
@@ -107,35 +68,9 @@ def _check_graph(variant: str, logits: str, kv_dtype: str = "float32") -> None:
         )
 
 
-def cuda_call(cudart: Any, result: tuple, what: str) -> Any:
-    """Unpack a cuda-python result `(error, value...)`, raising on any error."""
-    error, *values = result
-    if error != cudart.cudaError_t.cudaSuccess:
-        _, message = cudart.cudaGetErrorString(error)
-        raise KvedgeError(f"{what} failed: {message.decode() if isinstance(message, bytes) else message}")
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    name: str  # "Orin" on every Jetson Orin module
-    compute_capability: str  # "8.7"
-    multiprocessors: int  # tells an Orin Nano (8) from an AGX Orin 64GB (16)
-
-    def describe(self) -> str:
-        return f"{self.name} (sm_{self.compute_capability.replace('.', '')}, {self.multiprocessors} SMs)"
-
-
-def current_device(cudart: Any | None = None, index: int = 0) -> DeviceInfo:
-    cudart = cudart or import_cudart()
-    props = cuda_call(cudart, cudart.cudaGetDeviceProperties(index), "cudaGetDeviceProperties")
-    name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-    return DeviceInfo(name.rstrip("\x00").strip(), f"{props.major}.{props.minor}", props.multiProcessorCount)
-
-
 @dataclass(frozen=True)
 class EngineOptions:
-    max_prefill: int = 256  # longest prefill chunk (the runtime prefills in chunks of 256)
+    max_prefill: int = PREFILL_CHUNK  # longest prefill chunk: the runtime prefills in chunks of it
     max_batch: int = 1  # most sequences per call
     workspace_bytes: int = DEFAULT_WORKSPACE
     fp16: bool = True
@@ -157,99 +92,22 @@ Shape = tuple[int, ...]
 
 
 def profile_shapes(manifest: Manifest, options: EngineOptions) -> list[dict[str, tuple[Shape, Shape, Shape]]]:
-    """(min, opt, max) shape of every input, for the prefill profile and the decode profile."""
-    names, g = manifest.names, manifest.geometry
+    """(min, opt, max) shape of every graph input, for the prefill profile and the decode profile
+    (`kvedge.contract.engine`): "batch" axes 1..max_batch, "seq" axes 1..max_prefill or 1."""
     b, p = options.max_batch, options.max_prefill
-    past = ((1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(b), g.layer_shape(b))
-    profiles = []
-    for tokens in (((1, 1), (1, p), (b, p)), ((1, 1), (b, 1), (b, 1))):  # prefill, decode
-        rows = ((1,), (tokens[1][0],), (b,))
-        shapes = {names.input_ids: tokens, names.position_ids: tokens, names.past_lengths: rows}
-        if manifest.logits == "last":
-            shapes[names.last_index] = rows
-        for i in range(g.num_layers):
-            shapes[names.layer(names.past_key, i)] = past
-            shapes[names.layer(names.past_value, i)] = past
-        profiles.append(shapes)
+    profiles: list[dict[str, tuple[Shape, Shape, Shape]]] = [{}, {}]
+    for profile, seq, opt_batch in ((PREFILL_PROFILE, p, 1), (DECODE_PROFILE, 1, b)):
+        for spec in manifest.graph_inputs():
+            # the cache pool's views are bound whole at every batch size: opt is the largest
+            opt = spec.shape(b if spec.layer is not None else opt_batch, seq)
+            profiles[profile][spec.name] = (spec.shape(1, 1), opt, spec.shape(b, seq))
     return profiles
-
-
-@dataclass(frozen=True)
-class EngineManifest:
-    """What `model.engine` was built from, with which TensorRT, for which GPU (engine_manifest.json)."""
-
-    source_fingerprint: str  # the model manifest's: which weights
-    onnx_fingerprint: str  # the model manifest's: which graph
-    tensorrt_version: str
-    device_name: str
-    compute_capability: str
-    multiprocessors: int
-    max_batch: int
-    max_prefill: int
-    fp16: bool
-    workspace_bytes: int
-    format: str = ENGINE_FORMAT
-    format_version: int = ENGINE_VERSION
-    kvedge_version: str = __version__
-
-    @property
-    def device(self) -> DeviceInfo:
-        return DeviceInfo(self.device_name, self.compute_capability, self.multiprocessors)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def load(cls, folder: str | Path) -> EngineManifest:
-        path = Path(folder) / ENGINE_MANIFEST_FILE
-        if not path.is_file():
-            raise KvedgeError(
-                f"{folder}: no {ENGINE_MANIFEST_FILE}; build one with `kvedge export --target tensorrt`"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from None
-        if data.get("format") != ENGINE_FORMAT or data.get("format_version") != ENGINE_VERSION:
-            raise ArtifactMismatch(
-                f"{path}: format {data.get('format')!r} v{data.get('format_version')!r} is not "
-                f"{ENGINE_FORMAT!r} v{ENGINE_VERSION}; rebuild the engine"
-            )
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ArtifactMismatch(f"{path}: malformed engine manifest ({exc})") from None
-
-    def check_model(self, manifest: Manifest) -> None:
-        """Refuse an engine built from another graph than the folder's model.onnx."""
-        if (self.source_fingerprint, self.onnx_fingerprint) != (
-            manifest.source_fingerprint,
-            manifest.onnx_fingerprint,
-        ):
-            raise ArtifactMismatch(
-                f"the engine was built from model {self.source_fingerprint[:16]} / graph "
-                f"{self.onnx_fingerprint[:16]}, this folder holds model {manifest.source_fingerprint[:16]} "
-                f"/ graph {manifest.onnx_fingerprint[:16]}; rebuild the engine"
-            )
-
-    def check_runtime(self, tensorrt_version: str, device: DeviceInfo) -> None:
-        """Refuse an engine built by another TensorRT or for another GPU, naming both sides."""
-        if tensorrt_version != self.tensorrt_version:
-            raise ArtifactMismatch(
-                f"the engine was built with TensorRT {self.tensorrt_version}, this machine has "
-                f"TensorRT {tensorrt_version}; rebuild it here with `kvedge export --target tensorrt`"
-            )
-        if device != self.device:
-            raise ArtifactMismatch(
-                f"the engine was built for {self.device.describe()}, this machine has "
-                f"{device.describe()}; rebuild it here with `kvedge export --target tensorrt`"
-            )
 
 
 def build_engine(
     artifact_dir: str | Path,
     out: str | Path | None = None,
-    max_prefill: int = 256,
+    max_prefill: int = PREFILL_CHUNK,
     workspace_bytes: int = DEFAULT_WORKSPACE,
     fp16: bool = True,
     max_batch: int = 1,

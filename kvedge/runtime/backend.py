@@ -24,11 +24,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
 
-from kvedge.contract import KV_SCALE_DTYPE, ONNX_FILE, Manifest
+from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 
@@ -45,6 +46,30 @@ class StepOutput:
     # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
     # wrote them into the cache in place.
     present: list[tuple[np.ndarray, ...]] | None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load.
+    `OrtBackend` (here) and `kvedge.runtime.trt_backend.TrtBackend` implement it."""
+
+    manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
+        position_ids: np.ndarray,  # [batch, seq] int64
+        past_lengths: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64
+        past: list[tuple[np.ndarray, ...]],  # per layer views of the pool, `KVCache.layer_views`
+        counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
+    ) -> StepOutput:
+        """One step over `past`: next-token logits per row, and the new K/V unless written in place."""
+        ...
+
+    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+        """Take now, at load, the memory later steps over `past` (all slots' views) will need."""
+        ...
 
 
 class OrtBackend:
@@ -78,24 +103,45 @@ class OrtBackend:
             options.register_custom_ops_library(str(kernels.library_path()))
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=[PROVIDERS[provider]])
         self._check_io()
+        self._step_names = [spec.name for spec in manifest.graph_inputs() if spec.layer is None]
+        self._outputs = manifest.graph_outputs()
         self._decode_bindings: dict[tuple, _DecodeBinding] = {}
         self.max_decode_bindings = max_decode_bindings
 
     def _check_io(self) -> None:
-        names, geometry = self.manifest.names, self.manifest.geometry
-        want = {names.input_ids, names.past_lengths}
-        if not self.manifest.in_place:
-            want.add(names.position_ids)
-        if self.manifest.logits == "last":
-            want.add(names.last_index)
-        for i in range(geometry.num_layers):
-            want |= {names.layer(t, i) for t in names.past(geometry.quantized)}
-        have = {i.name for i in self.session.get_inputs()}
-        if have != want:
-            raise ArtifactMismatch(
-                f"graph inputs do not match the manifest: graph only {sorted(have - want)[:4]}, "
-                f"manifest only {sorted(want - have)[:4]}"
-            )
+        """Refuse a graph whose inputs or outputs differ from the manifest's `graph_inputs()` /
+        `graph_outputs()` in name, element type or any fixed dimension."""
+        for kind, specs, args in (
+            ("input", self.manifest.graph_inputs(), self.session.get_inputs()),
+            ("output", self.manifest.graph_outputs(), self.session.get_outputs()),
+        ):
+            have = {arg.name: arg for arg in args}
+            want = {spec.name: spec for spec in specs}
+            if have.keys() != want.keys():
+                raise ArtifactMismatch(
+                    f"graph {kind}s do not match the manifest: graph only {sorted(have - want.keys())[:4]}, "
+                    f"manifest only {sorted(want - have.keys())[:4]}"
+                )
+            for spec in specs:
+                arg = have[spec.name]
+                dtype = _ORT_TYPES.get(arg.type)
+                if dtype is None or dtype != spec.dtype or not _dims_agree(spec.dims, arg.shape):
+                    graph = f"[{', '.join(str(d) for d in arg.shape)}] {arg.type if dtype is None else dtype}"
+                    raise ArtifactMismatch(
+                        f"graph {kind} {spec.name}: the manifest says {spec.describe()}, the graph has "
+                        f"{graph}; re-export the model"
+                    )
+
+    def _step_inputs(self, input_ids, position_ids, past_lengths, last_index) -> list[tuple[str, np.ndarray]]:
+        """(name, value) of the graph's per-call inputs; which exist is `Manifest.graph_inputs`'s call."""
+        names = self.manifest.names
+        values = {
+            names.input_ids: input_ids,
+            names.position_ids: position_ids,
+            names.past_lengths: past_lengths,
+            names.last_index: last_index,
+        }
+        return [(name, values[name]) for name in self._step_names]
 
     def run(
         self,
@@ -159,8 +205,7 @@ class OrtBackend:
             step = self._decode_bindings[key] = self._make_decode_binding(past)
         step.input_ids[...] = input_ids
         step.past_lengths[...] = past_lengths
-        if step.position_ids is not None:
-            step.position_ids[...] = position_ids
+        step.position_ids[...] = position_ids  # bound only where the graph takes positions
         self.session.run_with_iobinding(step.binding)
         return StepOutput(step.logits[:, 0].copy(), step.present)
 
@@ -168,45 +213,40 @@ class OrtBackend:
         names, g = self.manifest.names, self.manifest.geometry
         batch = past[0][0].shape[0]
         binding = self.session.io_binding()
+        logits, *present = self._outputs
         step = _DecodeBinding(
             binding=binding,
             input_ids=np.zeros((batch, 1), np.int64),
-            position_ids=None if self.manifest.in_place else np.zeros((batch, 1), np.int64),
+            position_ids=np.zeros((batch, 1), np.int64),
             past_lengths=np.zeros(batch, np.int64),
             last_index=np.zeros(batch, np.int64),
-            logits=np.zeros((batch, 1, self.manifest.vocab_size), np.float32),
+            logits=np.zeros(logits.shape(batch, 1), logits.dtype),
             present=None,
             past=past,
         )
-        self._bind_inputs(binding, step.input_ids, step.past_lengths, step.last_index, past, by_pointer=True)
-        if step.position_ids is not None:
-            _bind_array(binding, names.position_ids, step.position_ids, output=False)
+        inputs = self._step_inputs(step.input_ids, step.position_ids, step.past_lengths, step.last_index)
+        self._bind_inputs(binding, inputs, past, by_pointer=True)
         _bind_array(binding, names.logits, step.logits, output=True)
         templates = names.present(g.quantized)
         if self.manifest.in_place:
             outputs = past
-        else:
-            shape = (batch, g.num_kv_heads, 1, g.head_dim)
-            scale_shape = (batch, g.num_kv_heads, 1, g.scale_groups)
-            scratch = [(shape, g.np_dtype)] * 2 + [(scale_shape, KV_SCALE_DTYPE)] * 2
+        else:  # scratch for the new token's K/V [batch, kvh, 1, d or groups], per layer
+            layers = [[spec for spec in present if spec.layer == i] for i in range(g.num_layers)]
             outputs = step.present = [
-                tuple(np.zeros(shape, dtype) for shape, dtype in scratch[: len(templates)])
-                for _ in range(g.num_layers)
+                tuple(np.zeros(spec.shape(batch, 1), spec.dtype) for spec in specs) for specs in layers
             ]
         self._bind_layers(binding, templates, outputs, output=True)
         return step
 
-    def _bind_inputs(self, binding, input_ids, past_lengths, last_index, past, by_pointer=False) -> None:
-        names = self.manifest.names
-        small = [(names.input_ids, input_ids), (names.past_lengths, past_lengths)]
-        if self.manifest.logits == "last":
-            small.append((names.last_index, last_index))
-        for name, array in small:
+    def _bind_inputs(self, binding, inputs: list[tuple[str, np.ndarray]], past, by_pointer=False) -> None:
+        for name, array in inputs:
             if by_pointer:  # the caller keeps `array` alive and rewrites it before each run
                 _bind_array(binding, name, array, output=False)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        self._bind_layers(binding, names.past(self.manifest.geometry.quantized), past, output=False)
+        self._bind_layers(
+            binding, self.manifest.names.past(self.manifest.geometry.quantized), past, output=False
+        )
 
     def _bind_layers(self, binding, templates, per_layer: list[tuple[np.ndarray, ...]], output: bool) -> None:
         """Bind each layer's arrays by pointer to that layer's names (`templates`, in order)."""
@@ -222,18 +262,13 @@ class OrtBackend:
         return logits[:, 0].copy()
 
     def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
-        names = self.manifest.names
         binding = self.session.io_binding()
-        self._bind_inputs(binding, input_ids, past_lengths, last_index, past)
-        binding.bind_cpu_input(names.position_ids, np.ascontiguousarray(position_ids))
-        binding.bind_output(names.logits)
-        templates = names.present(self.manifest.geometry.quantized)
-        for i in range(len(past)):
-            for template in templates:
-                binding.bind_output(names.layer(template, i))
+        self._bind_inputs(binding, self._step_inputs(input_ids, position_ids, past_lengths, last_index), past)
+        for spec in self._outputs:  # logits, then each layer's present tensors
+            binding.bind_output(spec.name)
         self.session.run_with_iobinding(binding)
         outs = binding.copy_outputs_to_cpu()
-        n = len(templates)
+        n = len(self.manifest.names.present(self.manifest.geometry.quantized))
         present = [tuple(outs[1 + n * i : 1 + n * (i + 1)]) for i in range(len(past))]
         return StepOutput(logits=self._select_last(outs[0], last_index), present=present)
 
@@ -241,11 +276,8 @@ class OrtBackend:
         """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
         names = self.manifest.names
         binding = self.session.io_binding()
-        self._bind_inputs(binding, input_ids, past_lengths, last_index, past)
-        batch, seq = input_ids.shape
-        logits = np.empty(
-            (batch, 1 if self.manifest.logits == "last" else seq, self.manifest.vocab_size), np.float32
-        )
+        self._bind_inputs(binding, self._step_inputs(input_ids, None, past_lengths, last_index), past)
+        logits = np.empty(self._outputs[0].shape(*input_ids.shape), np.float32)  # [batch, 1 or seq, vocab]
         _bind_array(binding, names.logits, logits, output=True)
         self._bind_layers(binding, names.present(self.manifest.geometry.quantized), past, output=True)
         self.session.run_with_iobinding(binding)
@@ -258,12 +290,34 @@ class _DecodeBinding:
 
     binding: ort.IOBinding
     input_ids: np.ndarray  # [batch, 1] int64
-    position_ids: np.ndarray | None  # [batch, 1] int64 (portable graphs only)
+    position_ids: np.ndarray  # [batch, 1] int64 (bound where the graph takes positions)
     past_lengths: np.ndarray  # [batch] int64
     last_index: np.ndarray  # [batch] int64, zeros: one token per row
     logits: np.ndarray  # [batch, 1, vocab] float32
     present: list[tuple[np.ndarray, ...]] | None  # portable: per layer [batch, kvh, 1, d or groups]
     past: list[tuple[np.ndarray, ...]]  # the bound pool views, kept alive with the binding
+
+
+# onnxruntime's element type names -> numpy dtypes, for checking a session against the manifest
+_ORT_TYPES = {
+    f"tensor({name})": np.dtype(dtype)
+    for name, dtype in (
+        ("float", np.float32),
+        ("float16", np.float16),
+        ("int8", np.int8),
+        ("int64", np.int64),
+    )
+}
+
+
+def _dims_agree(dims: tuple, graph_shape: list) -> bool:
+    """Every fixed dimension of the manifest's equal to the graph's; every varying one varying there."""
+    if len(dims) != len(graph_shape):
+        return False
+    return all(
+        graph == dim if isinstance(dim, int) else not isinstance(graph, int)
+        for dim, graph in zip(dims, graph_shape, strict=True)
+    )
 
 
 def _bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool) -> None:

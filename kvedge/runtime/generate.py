@@ -24,13 +24,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvedge.contract import PREFILL_CHUNK
 from kvedge.errors import ContextOverflow, KvedgeError
-from kvedge.runtime.backend import OrtBackend, StepOutput
+from kvedge.runtime.backend import Backend, StepOutput
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.tokenizer import TextStream
-
-PREFILL_CHUNK = 256  # tokens per prefill call: bounds the [g*s, max_len+s] score buffers
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ RoomFn = Callable[[int, int], None]  # (slot, tokens about to be written): make 
 
 
 def prefill(
-    backend: OrtBackend,
+    backend: Backend,
     cache: KVCache,
     first_slot: int,
     prompts: Sequence[Sequence[int]],
@@ -141,7 +140,7 @@ def prefill(
 
 
 def decode_one_token(
-    backend: OrtBackend, cache: KVCache, first_slot: int, tokens: Sequence[int | None]
+    backend: Backend, cache: KVCache, first_slot: int, tokens: Sequence[int | None]
 ) -> np.ndarray:
     """Append one token per row and return next-token logits [batch, vocab].
 
@@ -174,13 +173,13 @@ def decode_one_token(
     return out.logits
 
 
-def can_idle(backend: OrtBackend, cache: KVCache, slot: int) -> bool:
+def can_idle(backend: Backend, cache: KVCache, slot: int) -> bool:
     """Whether `slot` may be an idle row of a `decode_one_token` call."""
     return not backend.manifest.in_place or cache.room(slot) > 0
 
 
 def _run(
-    backend: OrtBackend, cache: KVCache, slots: list[int], rows: list[list[int]], counts: list[int]
+    backend: Backend, cache: KVCache, slots: list[int], rows: list[list[int]], counts: list[int]
 ) -> np.ndarray:
     width = max(1, max(counts))
     input_ids = np.zeros((len(rows), width), np.int64)  # [batch, seq]
@@ -299,7 +298,7 @@ class Turn:
     def prefilling(self) -> bool:
         return not self.done and bool(self.todo)
 
-    def prefill_chunk(self, backend: OrtBackend, cache: KVCache) -> np.ndarray:
+    def prefill_chunk(self, backend: Backend, cache: KVCache) -> np.ndarray:
         """Prefill the next chunk of the prompt; return the logits after it [vocab]."""
         tokens, self.todo = self.todo[: self.chunk], self.todo[self.chunk :]
         logits = prefill(backend, cache, self.slot, [tokens], chunk=self.chunk, make_room=self.make_room)[0]
@@ -372,7 +371,7 @@ class StepResult:
     decode_calls: list[tuple[int, int]] = field(default_factory=list)  # (busy rows, idle rows)
 
 
-def step_turns(backend: OrtBackend, cache: KVCache, turns: Sequence[Turn], batch: bool = True) -> StepResult:
+def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: bool = True) -> StepResult:
     """Advance every unfinished turn by one step: a turn still prefilling runs its next prompt
     chunk; every other turn writes its pending token, decoded together in as few calls over
     contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call per turn), and

@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from kvedge.contract import ONNX_FILE, TOKENIZER_FILE, Manifest, sha256_files
+from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, Manifest, sha256_files
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backend import Backend, OrtBackend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
-from kvedge.runtime.generate import PREFILL_CHUNK, Event, SamplingConfig, StepResult, Turn, step_turns
+from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
@@ -65,7 +65,7 @@ class Model:
         self.policy = policy or HistoryPolicy()
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
-        self.backend = OrtBackend(
+        self.backend: Backend = OrtBackend(
             self.folder, self.manifest, threads=threads, provider=provider, max_decode_bindings=ranges
         )
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)

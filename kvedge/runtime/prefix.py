@@ -13,8 +13,9 @@ Warm file (`<name>.kvw`, one per prefix)::
 Header: name, model_fingerprint (source fingerprint from the model manifest), scales_fingerprint
 ("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, and the
 scale group size for int8), count, token_ids, data_bytes,
-kvedge_version. A file is used only if its magic, version, size, checksum, fingerprints,
-geometry and token ids all match what is expected now; otherwise it is recomputed and rewritten.
+kvedge_version (`WarmHeader`; each field's type is checked on load). A file is used only if its
+magic, version, size, checksum, fingerprints, geometry and token ids all match what is expected
+now (`kvedge.contract.header.check_header`); otherwise it is recomputed and rewritten.
 Files are written to a temporary name in the same folder, flushed, fsync'ed and renamed, so a
 crash mid-write never leaves a file under the final name. Loading memory-maps the data.
 
@@ -48,11 +49,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
 from kvedge import __version__
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
+from kvedge.contract.header import Header, check_header, convert, decode_json
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.sessions import common_prefix
@@ -81,17 +85,18 @@ class WarmPrefix:
         return self.block.nbytes
 
 
-def _geometry_key(geometry: CacheGeometry) -> dict:
-    """The parts of the geometry a prefix's KV depends on (not max_len: only count <= max_len)."""
-    key = {
-        "num_layers": geometry.num_layers,
-        "num_kv_heads": geometry.num_kv_heads,
-        "head_dim": geometry.head_dim,
-        "dtype": geometry.dtype,
-    }
-    if geometry.quantized:
-        key["group_size"] = geometry.group_size
-    return key
+@dataclass(frozen=True)
+class WarmHeader:
+    """A warm file's JSON header (module docstring), typed: loading checks every field's type."""
+
+    name: str
+    model_fingerprint: str
+    scales_fingerprint: str
+    geometry: dict[str, int | str]  # `CacheGeometry.artifact_key(holds_cache=True)`
+    count: Annotated[int, msgspec.Meta(ge=0)]
+    token_ids: tuple[int, ...]
+    data_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    kvedge_version: str
 
 
 def write_warm_file(
@@ -109,7 +114,7 @@ def write_warm_file(
         "name": prefix.name,
         "model_fingerprint": model_fingerprint,
         "scales_fingerprint": scales_fingerprint,
-        "geometry": _geometry_key(geometry),
+        "geometry": geometry.artifact_key(holds_cache=True),
         "count": len(prefix.token_ids),
         "token_ids": list(prefix.token_ids),
         "data_bytes": sum(part.nbytes for part in parts),
@@ -149,33 +154,24 @@ def read_warm_file(
             raise ArtifactMismatch(f"{path.name}: truncated ({size} bytes)")
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     magic, version, header_len = _PREAMBLE.unpack_from(mapped, 0)
-    if magic != MAGIC:
-        raise ArtifactMismatch(f"{path.name}: not a kvedge warm file (magic {magic!r})")
-    if version != WARM_VERSION:
-        raise ArtifactMismatch(f"{path.name}: format version {version}, this kvedge reads {WARM_VERSION}")
+    kind = Header(MAGIC.decode(), WARM_VERSION)
+    check_header(path.name, Header(magic.decode("latin-1"), version), kind)
     start = _PREAMBLE.size + header_len
     if start > size - _DIGEST:
         raise ArtifactMismatch(f"{path.name}: truncated header")
-    try:
-        header = json.loads(bytes(mapped[_PREAMBLE.size : start]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactMismatch(f"{path.name}: unreadable header ({exc})") from exc
-    if size != start + header.get("data_bytes", -1) + _DIGEST:
+    header = convert(decode_json(bytes(mapped[_PREAMBLE.size : start]), path.name), WarmHeader, path.name)
+    if size != start + header.data_bytes + _DIGEST:
         raise ArtifactMismatch(
-            f"{path.name}: {size} bytes, header promises {start + header.get('data_bytes', 0) + _DIGEST}"
+            f"{path.name}: {size} bytes, header promises {start + header.data_bytes + _DIGEST}"
         )
     if hashlib.sha256(mapped[: size - _DIGEST]).digest() != mapped[size - _DIGEST :]:
         raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
-    checks = [
-        ("model", header.get("model_fingerprint"), model_fingerprint),
-        ("scales", header.get("scales_fingerprint"), scales_fingerprint),
-        ("cache geometry", header.get("geometry"), _geometry_key(geometry)),
-        ("token ids", header.get("token_ids"), list(token_ids)),
-    ]
-    for what, found, expected in checks:
-        if found != expected:
-            raise ArtifactMismatch(f"{path.name}: {what} is {_short(found)}, expected {_short(expected)}")
-    count = header["count"]
+    made_from = {"scales": header.scales_fingerprint, "token ids": header.token_ids}
+    found = Header(kind.format, version, header.model_fingerprint, header.geometry, made_from)
+    wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids)}
+    expected = Header(kind.format, WARM_VERSION, model_fingerprint, geometry.artifact_key(True), wanted)
+    check_header(path.name, found, expected)
+    count = header.count
     if count > geometry.max_len:
         raise ArtifactMismatch(f"{path.name}: {count} tokens exceed max_len {geometry.max_len}")
     shape = (geometry.num_layers, 2, geometry.num_kv_heads, count, geometry.head_dim)
@@ -188,12 +184,7 @@ def read_warm_file(
         scales = np.frombuffer(
             mapped, dtype=KV_SCALE_DTYPE, count=int(np.prod(scale_shape)), offset=start + kv.nbytes
         ).reshape(scale_shape)
-    return WarmPrefix(name=header["name"], token_ids=tuple(token_ids), block=KVBlock(kv, scales))
-
-
-def _short(value: object) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return repr(text[:16]) if isinstance(value, str) and len(text) > 16 else text[:80]
+    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(kv, scales))
 
 
 @dataclass

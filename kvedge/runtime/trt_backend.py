@@ -1,4 +1,4 @@
-"""TensorRT backend: the same `run(...) -> StepOutput` as `OrtBackend`, over `model.engine`.
+"""TensorRT backend: `Backend` (`run(...) -> StepOutput`, `reserve`) over `model.engine`.
 
 UNVERIFIED ON HARDWARE: written against TensorRT 10's and cuda-python's documented APIs; no GPU,
 TensorRT or cuda-python was available when it was written. device_tests/test_tensorrt.py
@@ -29,19 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from kvedge.contract import Manifest
+from kvedge.contract import Manifest, TensorSpec
+from kvedge.contract.engine import ENGINE_FILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
-from kvedge.export.tensorrt import (
-    DECODE_PROFILE,
-    ENGINE_FILE,
-    PREFILL_PROFILE,
-    EngineManifest,
-    cuda_call,
-    current_device,
-    import_cudart,
-    import_tensorrt,
-)
 from kvedge.runtime.backend import StepOutput
+from kvedge.runtime.cuda import cuda_call, current_device, import_cudart, import_tensorrt
 
 
 class TrtBackend:
@@ -69,26 +61,17 @@ class TrtBackend:
         self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.profile: int | None = None
 
-        names, g = manifest.names, manifest.geometry
         b, p = self.engine_manifest.max_batch, self.engine_manifest.max_prefill
         self.max_batch, self.max_prefill = b, p
         self._pinned: list[int] = []  # cudaHostAlloc'd pointers, freed in close()
         self._registered: dict[int, int] = {}  # page-aligned host address -> device address
         self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
-        sizes = {
-            names.input_ids: b * p,
-            names.position_ids: b * p,
-            names.past_lengths: b,
-            names.logits: b * manifest.vocab_size,
-        }
-        if manifest.logits == "last":
-            sizes[names.last_index] = b
-        for i in range(g.num_layers):
-            for template in (names.present_key, names.present_value):
-                sizes[names.layer(template, i)] = b * g.num_kv_heads * p * g.head_dim
-        for name, count in sizes.items():
-            dtype = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name)))
-            self.buffers[name] = self._mapped(count, dtype)
+        # per-call inputs and every output get a buffer for the largest call; past K/V are the pool
+        self.step_inputs = [spec for spec in manifest.graph_inputs() if spec.layer is None]
+        self.outputs = manifest.graph_outputs()  # logits, then each layer's present K, V
+        for spec in self.step_inputs + list(self.outputs):
+            dtype = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(spec.name)))
+            self.buffers[spec.name] = self._mapped(int(np.prod(spec.shape(b, p))), dtype)
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
@@ -117,13 +100,20 @@ class TrtBackend:
             self._registered[start] = int(device)
         return self._registered[start] + (view.ctypes.data - start)
 
+    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+        """Page-lock the cache pool now rather than at the first step; every other buffer was
+        allocated at construction for the largest profile, so nothing grows later."""
+        for views in past:
+            for view in views:
+                self._device_address(view)
+
     def run(
         self,
         input_ids: np.ndarray,  # [batch, seq] int64
         position_ids: np.ndarray,  # [batch, seq] int64
         past_lengths: np.ndarray,  # [batch] int64
         last_index: np.ndarray,  # [batch] int64
-        past: list[tuple[np.ndarray, np.ndarray]],  # per layer [batch, kvh, max_len, d] pool views
+        past: list[tuple[np.ndarray, ...]],  # per layer [batch, kvh, max_len, d] pool views
         counts: np.ndarray | None = None,  # [batch] real tokens per row; portable graphs ignore it
     ) -> StepOutput:
         names, g = self.manifest.names, self.manifest.geometry
@@ -134,50 +124,43 @@ class TrtBackend:
                 f"({self.max_batch} rows x {self.max_prefill} tokens); rebuild it with a larger "
                 "--max-batch or --max-prefill"
             )
-        profile = DECODE_PROFILE if seq == 1 else PREFILL_PROFILE
+        profile = profile_for(seq)
         if profile != self.profile:
             self.context.set_optimization_profile_async(profile, self.stream)
             self.profile = profile
 
-        inputs = [
-            (names.input_ids, input_ids),
-            (names.position_ids, position_ids),
-            (names.past_lengths, past_lengths),
-        ]
-        if self.manifest.logits == "last":
-            inputs.append((names.last_index, last_index))
-        for name, value in inputs:
-            host, device = self.buffers[name]
+        values = {
+            names.input_ids: input_ids,
+            names.position_ids: position_ids,
+            names.past_lengths: past_lengths,
+            names.last_index: last_index,
+        }
+        for spec in self.step_inputs:
+            value, (host, device) = values[spec.name], self.buffers[spec.name]
             np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")
-            self.context.set_input_shape(name, value.shape)
-            self.context.set_tensor_address(name, device)
-        for i, (k, v) in enumerate(past):
-            for template, view in ((names.past_key, k), (names.past_value, v)):
+            self.context.set_input_shape(spec.name, value.shape)
+            self.context.set_tensor_address(spec.name, device)
+        for i, views in enumerate(past):
+            for template, view in zip(names.past(g.quantized), views, strict=True):
                 name = names.layer(template, i)
                 self.context.set_input_shape(name, view.shape)
                 self.context.set_tensor_address(name, self._device_address(view))
-        outputs = [names.logits] + [
-            names.layer(t, i) for i in range(g.num_layers) for t in (names.present_key, names.present_value)
-        ]
-        for name in outputs:
-            self.context.set_tensor_address(name, self.buffers[name][1])
+        for spec in self.outputs:
+            self.context.set_tensor_address(spec.name, self.buffers[spec.name][1])
 
         if not self.context.execute_async_v3(self.stream):
             raise KvedgeError("TensorRT execute_async_v3 failed; see its log above")
         self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
-        vocab = self.manifest.vocab_size
-        logits = self.buffers[names.logits][0][: batch * vocab].reshape(batch, vocab).copy()
-        shape = (batch, g.num_kv_heads, seq, g.head_dim)
-        size = batch * g.num_kv_heads * seq * g.head_dim
-        present = [
-            tuple(
-                self.buffers[names.layer(t, i)][0][:size].reshape(shape)
-                for t in (names.present_key, names.present_value)
-            )
-            for i in range(g.num_layers)
-        ]
-        return StepOutput(logits=logits, present=present)
+        logits, *layers = [self._output(spec, batch, seq) for spec in self.outputs]
+        per_layer = len(layers) // g.num_layers
+        present = [tuple(layers[i * per_layer : (i + 1) * per_layer]) for i in range(g.num_layers)]
+        return StepOutput(logits=logits[:, 0].copy(), present=present)  # "last" logits only
+
+    def _output(self, spec: TensorSpec, batch: int, seq: int) -> np.ndarray:
+        """The output `spec` of the last call, a view of its pinned buffer."""
+        shape = spec.shape(batch, seq)
+        return self.buffers[spec.name][0][: int(np.prod(shape))].reshape(shape)
 
     def close(self) -> None:
         """Give back pinned and registered memory; the backend is unusable afterwards."""

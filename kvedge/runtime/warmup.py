@@ -25,7 +25,7 @@ from tqdm import tqdm
 from kvedge.configs import PrefixSpec, WarmupConfig
 from kvedge.contract import Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backend import Backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
@@ -81,7 +81,7 @@ def prefix_ids(tokenizer: ChatTokenizer, spec: PrefixSpec) -> list[int]:
 
 def warm_up(
     tokenizer: ChatTokenizer,
-    backend: OrtBackend,
+    backend: Backend,
     cache: KVCache,
     manifest: Manifest,
     config: WarmupConfig,
@@ -121,7 +121,7 @@ def warm_up(
     return store, report
 
 
-def compute_prefix(backend: OrtBackend, cache: KVCache, name: str, ids: list[int]) -> WarmPrefix:
+def compute_prefix(backend: Backend, cache: KVCache, name: str, ids: list[int]) -> WarmPrefix:
     """Run `ids` through the model in a scratch slot (the last one) and copy out their KV."""
     slot = cache.slots - 1
     cache.reset(slot)

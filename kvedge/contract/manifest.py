@@ -1,14 +1,8 @@
-"""The export/runtime contract: cache geometry, graph I/O names and the artifact manifest.
+"""The model manifest: cache geometry, graph I/O names and what the exported graph is.
 
 Everything that crosses the boundary between the exporter and the runtime lives here, so that
-both sides compute shapes, byte counts and binding names from one place.
-
-Artifact folder written by `kvedge export`::
-
-    model.onnx          the graph (weights inline, or in model.onnx.data when large)
-    tokenizer.json      Hugging Face `tokenizers` file
-    chat_template.jinja the model's chat template (absent for models without one)
-    manifest.json       `Manifest` below, as JSON
+both sides compute shapes, byte counts and binding names from one place. The artifact folder it
+describes is listed in `kvedge.contract`.
 
 The runtime reads every graph input/output name from `manifest.json`; nothing downstream
 hard-codes a name.
@@ -27,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvedge import __version__
+from kvedge.contract.header import Header, decode_json, read_artifact
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 MANIFEST_FORMAT = "kvedge-manifest"
@@ -49,6 +44,10 @@ IN_PLACE_VARIANTS = ("ort",)
 KVEDGE_OPS_DOMAIN = "kvedge"
 INT8_ATTENTION_OP = "Int8CacheAttention"
 WEIGHT_FORMATS = {"float32": 32, "int8": 8, "int4": 4}  # weight-only formats -> bits
+# Tokens per prefill call: bounds the [g*s, max_len+s] score buffers. The runtime prefills in
+# chunks of this, the planner sizes the activation peak for it, and a TensorRT engine's prefill
+# profile defaults to it.
+PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -136,6 +135,22 @@ class CacheGeometry:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def artifact_key(self, holds_cache: bool) -> dict[str, Any]:
+        """The geometry fields an artifact made for this cache depends on (its header's
+        "geometry"): layers, kv heads and head_dim; with `holds_cache` (warm prefixes: cache
+        bytes) also the dtype and an int8 cache's group size. Never max_len: an artifact holds at
+        most max_len tokens, whatever the cache length."""
+        key: dict[str, Any] = {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+        if holds_cache:
+            key["dtype"] = self.dtype
+            if self.quantized:
+                key["group_size"] = self.group_size
+        return key
+
 
 @dataclass(frozen=True)
 class IONames:
@@ -172,6 +187,83 @@ class IONames:
         if quantized:
             return (self.present_key, self.present_value, self.present_key_scale, self.present_value_scale)
         return (self.present_key, self.present_value)
+
+
+Dim = int | str  # a fixed size, or an axis that varies per call: "batch" or "seq"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: its name, element type and shape."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[Dim, ...]
+    layer: int | None = None  # per-layer cache tensors: the layer's index; None for the others
+
+    def shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        """The concrete shape of a call of `batch` rows x `seq` tokens."""
+        sizes = {"batch": batch, "seq": seq}
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
+
+    def describe(self) -> str:
+        return f"[{', '.join(str(d) for d in self.dims)}] {self.dtype}"
+
+
+@dataclass(frozen=True)
+class GraphInterface:
+    """Which inputs and outputs an exported graph has, with their types and shapes: decided here
+    once, from the manifest's variant, logits mode and geometry. The exporter declares the graph's
+    inputs and outputs from it, the backends check and bind against it.
+
+    Inputs: input_ids [batch, seq]; position_ids [batch, seq] (not in place variants: in-place
+    graphs take positions from past_lengths); past_lengths [batch]; last_index [batch] (logits
+    "last"); per layer, past K, V [batch, kv_heads, max_len, head_dim] in the cache dtype, and for
+    int8 caches K, V scales [batch, kv_heads, max_len, groups] float16.
+    Outputs: logits [batch, 1 or seq, vocab] float32; per layer, present tensors like the past
+    ones, of length seq (the new tokens, portable) or max_len (the past buffer, in place).
+    """
+
+    names: IONames
+    geometry: CacheGeometry
+    variant: str
+    logits: str
+    vocab_size: int
+
+    @property
+    def in_place(self) -> bool:
+        return self.variant in IN_PLACE_VARIANTS
+
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        names, int64 = self.names, np.dtype(np.int64)
+        specs = [TensorSpec(names.input_ids, int64, ("batch", "seq"))]
+        if not self.in_place:
+            specs.append(TensorSpec(names.position_ids, int64, ("batch", "seq")))
+        specs.append(TensorSpec(names.past_lengths, int64, ("batch",)))
+        if self.logits == "last":
+            specs.append(TensorSpec(names.last_index, int64, ("batch",)))
+        for i in range(self.geometry.num_layers):
+            specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.max_len)
+        return tuple(specs)
+
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        logits_len = 1 if self.logits == "last" else "seq"
+        specs = [TensorSpec(self.names.logits, np.dtype(np.float32), ("batch", logits_len, self.vocab_size))]
+        length = self.geometry.max_len if self.in_place else "seq"
+        for i in range(self.geometry.num_layers):
+            specs += self._cache(self.names.present(self.geometry.quantized), i, length)
+        return tuple(specs)
+
+    def _cache(self, templates: tuple[str, ...], layer: int, length: Dim) -> list[TensorSpec]:
+        """One layer's cache tensors named by `templates` (`IONames.past` / `present` order)."""
+        g = self.geometry
+        kinds = [(g.np_dtype, g.head_dim)] * 2 + [(np.dtype(KV_SCALE_DTYPE), g.scale_groups)] * 2
+        return [
+            TensorSpec(
+                self.names.layer(template, layer), dtype, ("batch", g.num_kv_heads, length, last), layer
+            )
+            for template, (dtype, last) in zip(templates, kinds, strict=False)
+        ]
 
 
 @dataclass(frozen=True)
@@ -222,6 +314,18 @@ class Manifest:
         return self.variant in IN_PLACE_VARIANTS
 
     @property
+    def interface(self) -> GraphInterface:
+        return GraphInterface(self.names, self.geometry, self.variant, self.logits, self.vocab_size)
+
+    def graph_inputs(self) -> tuple[TensorSpec, ...]:
+        """The graph's inputs, in graph order (`GraphInterface`)."""
+        return self.interface.inputs()
+
+    def graph_outputs(self) -> tuple[TensorSpec, ...]:
+        """The graph's outputs, in graph order (`GraphInterface`)."""
+        return self.interface.outputs()
+
+    @property
     def uses_kvedge_ops(self) -> bool:
         """True when the graph needs kvedge's kernel library (`kvedge.runtime.kernels`)."""
         return self.variant == "ort" and self.geometry.quantized
@@ -231,27 +335,10 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest") -> Manifest:
-        if data.get("format") != MANIFEST_FORMAT:
-            raise ArtifactMismatch(
-                f"{where}: format {data.get('format')!r} is not a kvedge manifest "
-                f"(expected {MANIFEST_FORMAT!r})"
-            )
-        if data.get("format_version") != MANIFEST_VERSION:
-            raise ArtifactMismatch(
-                f"{where}: format version {data.get('format_version')!r} does not match this "
-                f"kvedge ({MANIFEST_VERSION}); re-export the model"
-            )
-        try:
-            fields = dict(data)
-            fields["geometry"] = CacheGeometry(**fields["geometry"])
-            fields["names"] = IONames(**fields["names"])
-            fields["rope"] = RopeSpec(
-                **{**fields["rope"], "inv_freq": tuple(fields["rope"].get("inv_freq", ()))}
-            )
-            fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-            manifest = cls(**fields)
-        except (KeyError, TypeError) as exc:
-            raise ArtifactMismatch(f"{where}: malformed manifest ({exc})") from exc
+        """`data` (manifest.json, decoded) as a Manifest: format and version first, then every
+        field's type (`kvedge.contract.header`); ArtifactMismatch naming what is wrong."""
+        kind = Header(MANIFEST_FORMAT, MANIFEST_VERSION)
+        manifest = read_artifact(data, cls, kind, where, "re-export the model")
         if manifest.variant not in VARIANTS:
             raise ArtifactMismatch(
                 f"{where}: graph variant {manifest.variant!r} is unknown to this kvedge "
@@ -264,11 +351,7 @@ class Manifest:
         path = Path(folder) / MANIFEST_FILE
         if not path.is_file():
             raise KvedgeError(f"{folder}: no {MANIFEST_FILE}; is this a `kvedge export` folder?")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(decode_json(path.read_bytes(), str(path)), where=str(path))
 
     def check_compatible(self, other: Manifest, what: str, cache_dtype: bool = True) -> None:
         """Refuse `other` (describing `what`) unless it was made from the same model and geometry

@@ -1,0 +1,71 @@
+"""The contract between offline tools and the runtime: what every artifact is and holds.
+
+Both sides import from here; nothing here imports from `kvedge.export` or `kvedge.runtime`.
+
+Artifact folder written by `kvedge export`::
+
+    model.onnx            the graph (weights inline, or in model.onnx.data when large)
+    tokenizer.json        Hugging Face `tokenizers` file
+    chat_template.jinja   the model's chat template (absent for models without one)
+    manifest.json         `Manifest` (`kvedge.contract.manifest`), as JSON
+    model.engine          with `--target tensorrt`: the engine, and beside it
+    engine_manifest.json  `EngineManifest` (`kvedge.contract.engine`)
+
+Modules: `manifest` (cache geometry, graph names and interface, the model manifest), `engine`
+(the TensorRT engine manifest and profiles), `header` (the one header check every artifact kind
+is loaded through: JSON shape, field types, format, version, model, cache geometry).
+"""
+
+from kvedge.contract.manifest import (
+    CHAT_TEMPLATE_FILE,
+    EXPORTED_KV_DTYPES,
+    IN_PLACE_VARIANTS,
+    INT8_ATTENTION_OP,
+    KV_DTYPES,
+    KV_GROUP_SIZES,
+    KV_SCALE_DTYPE,
+    KVEDGE_OPS_DOMAIN,
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    ONNX_FILE,
+    PREFILL_CHUNK,
+    QUANTIZED_KV_DTYPES,
+    TOKENIZER_FILE,
+    VARIANTS,
+    WEIGHT_FORMATS,
+    CacheGeometry,
+    GraphInterface,
+    IONames,
+    Manifest,
+    RopeSpec,
+    TensorSpec,
+    sha256_files,
+)
+
+__all__ = [
+    "CHAT_TEMPLATE_FILE",
+    "EXPORTED_KV_DTYPES",
+    "IN_PLACE_VARIANTS",
+    "INT8_ATTENTION_OP",
+    "KVEDGE_OPS_DOMAIN",
+    "KV_DTYPES",
+    "KV_GROUP_SIZES",
+    "KV_SCALE_DTYPE",
+    "MANIFEST_FILE",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "ONNX_FILE",
+    "PREFILL_CHUNK",
+    "QUANTIZED_KV_DTYPES",
+    "TOKENIZER_FILE",
+    "VARIANTS",
+    "WEIGHT_FORMATS",
+    "CacheGeometry",
+    "GraphInterface",
+    "IONames",
+    "Manifest",
+    "RopeSpec",
+    "TensorSpec",
+    "sha256_files",
+]

@@ -1,0 +1,110 @@
+"""The TensorRT engine contract: what `kvedge export --target tensorrt` writes and `TrtBackend` reads.
+
+Files added to the artifact folder::
+
+    model.engine          serialized engine
+    engine_manifest.json  `EngineManifest`: format + version, what it was built from and with,
+                          and for which GPU
+
+One engine, two optimization profiles (B = max_batch, P = max_prefill, L = the export's max_len),
+over the graph inputs `Manifest.graph_inputs()` lists::
+
+    PREFILL_PROFILE  "batch" axes 1..B, "seq" axes 1..P
+    DECODE_PROFILE   "batch" axes 1..B, "seq" axes 1
+    both             past K/V [1..B, kv_heads, L, head_dim]: only the batch axis varies
+
+The runtime sizes its input/output buffers for (B, P) from the same graph specs and picks the
+profile by the call's sequence length. An engine runs only on the TensorRT version and the GPU
+it was built for: `EngineManifest.check_runtime` refuses any other, naming both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvedge import __version__
+from kvedge.contract.header import Header, check_header, decode_json, read_artifact
+from kvedge.contract.manifest import Manifest
+from kvedge.errors import ArtifactMismatch, KvedgeError
+
+ENGINE_FILE = "model.engine"
+ENGINE_MANIFEST_FILE = "engine_manifest.json"
+ENGINE_FORMAT = "kvedge-engine"
+ENGINE_VERSION = 1
+PREFILL_PROFILE, DECODE_PROFILE = 0, 1
+REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
+
+
+def profile_for(seq: int) -> int:
+    """The optimization profile a call of `seq` tokens per row runs on."""
+    return DECODE_PROFILE if seq == 1 else PREFILL_PROFILE
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str  # "Orin" on every Jetson Orin module
+    compute_capability: str  # "8.7"
+    multiprocessors: int  # tells an Orin Nano (8) from an AGX Orin 64GB (16)
+
+    def describe(self) -> str:
+        return f"{self.name} (sm_{self.compute_capability.replace('.', '')}, {self.multiprocessors} SMs)"
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    """What `model.engine` was built from, with which TensorRT, for which GPU (engine_manifest.json)."""
+
+    source_fingerprint: str  # the model manifest's: which weights
+    onnx_fingerprint: str  # the model manifest's: which graph
+    tensorrt_version: str
+    device_name: str
+    compute_capability: str
+    multiprocessors: int
+    max_batch: int
+    max_prefill: int
+    fp16: bool
+    workspace_bytes: int
+    format: str = ENGINE_FORMAT
+    format_version: int = ENGINE_VERSION
+    kvedge_version: str = __version__
+
+    @property
+    def device(self) -> DeviceInfo:
+        return DeviceInfo(self.device_name, self.compute_capability, self.multiprocessors)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> EngineManifest:
+        path = Path(folder) / ENGINE_MANIFEST_FILE
+        if not path.is_file():
+            raise KvedgeError(
+                f"{folder}: no {ENGINE_MANIFEST_FILE}; build one with `kvedge export --target tensorrt`"
+            )
+        data = decode_json(path.read_bytes(), str(path))
+        return read_artifact(data, cls, Header(ENGINE_FORMAT, ENGINE_VERSION), str(path), REBUILD)
+
+    def check_model(self, manifest: Manifest) -> None:
+        """Refuse an engine built from another model or graph than the folder's model.onnx."""
+        built = {"graph": self.onnx_fingerprint}
+        found = Header(self.format, self.format_version, model=self.source_fingerprint, made_from=built)
+        folder = {"graph": manifest.onnx_fingerprint}
+        expected = Header(ENGINE_FORMAT, ENGINE_VERSION, model=manifest.source_fingerprint, made_from=folder)
+        check_header(ENGINE_FILE, found, expected, REBUILD)
+
+    def check_runtime(self, tensorrt_version: str, device: DeviceInfo) -> None:
+        """Refuse an engine built by another TensorRT or for another GPU, naming both sides."""
+        if tensorrt_version != self.tensorrt_version:
+            raise ArtifactMismatch(
+                f"the engine was built with TensorRT {self.tensorrt_version}, this machine has "
+                f"TensorRT {tensorrt_version}; rebuild it here with `kvedge export --target tensorrt`"
+            )
+        if device != self.device:
+            raise ArtifactMismatch(
+                f"the engine was built for {self.device.describe()}, this machine has "
+                f"{device.describe()}; rebuild it here with `kvedge export --target tensorrt`"
+            )
