@@ -41,6 +41,8 @@ from kvedge.errors import KvedgeError
 KINDS = ("json_schema", "json_object", "regex", "lark")
 GRAMMAR_CACHE = 64  # compiled grammars kept per model
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON is written as json.dumps writes it (and chat templates' tojson): ", " and ": ", no newlines
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,7 @@ class Constraint:
                 raise KvedgeError(f"the JSON schema is not valid JSON ({exc})") from None
             if not isinstance(schema, dict | bool):
                 raise KvedgeError("a JSON schema must be an object (or true/false)")
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": False}
-            )
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
         except (ValueError, TypeError) as exc:
             raise KvedgeError(f"the {self.kind} constraint does not compile: {exc}") from None
 

@@ -40,12 +40,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvedge.runtime.constrain import JSON_STYLE
 from kvedge.runtime.model import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FALLBACK_PROMPT = (
     "You can call these functions. To call one, reply with only\n"
     "<tool_call>\n"
@@ -222,7 +222,7 @@ def response_constraint(response_format: Any) -> Constraint | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ToolError("response_format.json_schema", "json_schema needs a 'schema' object")
-        return Constraint.json_schema({**schema, "x-guidance": JSON_STYLE})
+        return Constraint.json_schema(schema)
     raise ToolError("response_format", "response_format type must be 'text', 'json_object' or 'json_schema'")
 
 
