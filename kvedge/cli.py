@@ -211,7 +211,8 @@ def main(verbose: int) -> None:
     "--target",
     ["onnx", "tensorrt"],
     "onnx",
-    "tensorrt: also build model.engine from the ONNX graph (needs TensorRT and a GPU).",
+    "tensorrt: also build model.engine from the ONNX graph (TensorRT and a GPU; or, to check it "
+    "builds, TensorRT for RTX without a GPU: kvedge[trtcheck]).",
 )
 @click.option(
     "--max-prefill",
@@ -247,7 +248,7 @@ def export(
     if target == "tensorrt":  # fail before the slow ONNX export, not after it
         from kvedge.export.tensorrt import require_tensorrt
 
-        require_tensorrt(variant, logits, kv_dtype)
+        require_tensorrt(variant, logits)
     options = ExportOptions(
         max_len=max_len,
         logits=logits,
@@ -272,9 +273,7 @@ def export(
         from kvedge.planner import parse_bytes
 
         engine = build_engine(out_dir, out_dir, max_prefill, parse_bytes(workspace), max_batch=max_batch)
-        click.echo(
-            f"built {out_dir}/model.engine: TensorRT {engine.tensorrt_version}, {engine.device.describe()}"
-        )
+        click.echo(f"built {out_dir}/model.engine: {engine.built_with}, {engine.device.describe()}")
 
 
 def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None):

@@ -10,7 +10,10 @@ load         what the backend holds beyond the weight bytes. onnxruntime 1.32 CP
              514 MiB float32 graph left the process 757-789 MiB larger after session creation
              (prepacked MatMul weights; two runs), so 0.6 x weights. GPU backends (onnxruntime CUDA,
              TensorRT): 1.0 x weights, ASSUMED (not measured): on unified memory the host copy
-             read from disk and the device copy coexist while the model loads.
+             read from disk and the device copy coexist while the model loads. A float16-weight
+             export (`--weights float16`) is half the file bytes, but its graph widens each
+             weight with a Cast that the backend folds at load: + 2 x its weight bytes for that
+             float32 copy, ASSUMED (onnxruntime's constant folding; not measured).
 kv           `CacheGeometry(max_len=C, dtype=kv).pool_bytes(S)`: exactly what `KVCache` allocates
              (tests/test_planner.py checks it). A quantized cache's scales belong to
              CacheGeometry and appear here with no change to this module. The runtime's token
@@ -90,6 +93,7 @@ class ModelFootprint:
     logits: str  # "last" or "all"
     max_context: int  # longest usable context
     fixed_context: bool  # an export's max_len is baked into its graph
+    widened_bytes: int = 0  # float32 copy of float16-stored weights made at load (module docstring)
 
     @classmethod
     def from_export(cls, folder: str | Path) -> ModelFootprint:
@@ -101,8 +105,9 @@ class ModelFootprint:
         return cls(
             name=folder.name,
             origin=str(folder / MANIFEST_FILE),
-            weights_bytes=sum(p.stat().st_size for p in files),
+            weights_bytes=(weights := sum(p.stat().st_size for p in files)),
             weights_note=" + ".join(p.name for p in files) + f" ({manifest.weights_dtype})",
+            widened_bytes=2 * weights if manifest.weights_dtype == "float16" else 0,
             geometry=manifest.geometry,
             num_heads=manifest.num_heads,
             hidden_size=manifest.hidden_size,
@@ -219,7 +224,7 @@ def estimate(
         context=context,
         kv_dtype=kv_dtype or model.geometry.dtype,
         weights=model.weights_bytes,
-        load=int(overheads.load_fraction * model.weights_bytes),
+        load=int(overheads.load_fraction * model.weights_bytes) + model.widened_bytes,
         kv=kv_bytes(model, slots, context, kv_dtype),
         activations=activation_bytes(model, slots, context),
         runtime=overheads.runtime_bytes,

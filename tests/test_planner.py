@@ -9,15 +9,18 @@ import sys
 
 import pytest
 import yaml
+from tiny import make_tiny_model
 
 from kvedge.configs import DEVICES_DIR
 from kvedge.contract import KV_DTYPES, CacheGeometry
 from kvedge.errors import KvedgeError
+from kvedge.export.export import ExportOptions, export_model
 from kvedge.planner import (
     OVERHEADS,
     Budget,
     ModelFootprint,
     check_fits,
+    estimate,
     footprint,
     kv_bytes,
     live_budget,
@@ -167,3 +170,15 @@ def test_cli_plan(tmp_path, tiny_llama):
     refused = kvedge("plan", "smollm2-135m", "--device", str(path))
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert f"{path}: memory_bytes: 'lots' is not allowed" in refused.stderr
+
+
+def test_float16_weight_export_counts_half_the_file_and_the_widened_copy(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    export_model(source, tmp_path / "f32", ExportOptions(max_len=64))
+    export_model(source, tmp_path / "f16", ExportOptions(max_len=64, weights="float16"))
+    f32, f16 = footprint(tmp_path / "f32"), footprint(tmp_path / "f16")
+    assert 0.45 < f16.weights_bytes / f32.weights_bytes < 0.56
+    assert f32.widened_bytes == 0 and f16.widened_bytes == 2 * f16.weights_bytes
+    cpu = estimate(f16, 1, 64)
+    assert cpu.weights == f16.weights_bytes
+    assert cpu.load == int(OVERHEADS["cpu"].load_fraction * f16.weights_bytes) + 2 * f16.weights_bytes

@@ -11,7 +11,6 @@ itself builds and runs the graph is device_tests/test_tensorrt.py's job.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import inspect
 import json
 import subprocess
@@ -22,16 +21,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from conftest import random_ids
+from tiny import make_tiny_model
 
 from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
 from kvedge.runtime.backend import Backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
-
-HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 
 
 def portable(exported) -> Manifest:
@@ -41,10 +40,25 @@ def portable(exported) -> Manifest:
     return manifest
 
 
-@pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed here")
+# the CLI in a Python where neither TensorRT flavour imports, whatever this machine has
+WITHOUT_TENSORRT = (
+    "import sys; sys.modules['tensorrt'] = sys.modules['tensorrt_rtx'] = None; "
+    "from kvedge.cli import main; main()"
+)
+
+
 def test_export_tensorrt_without_tensorrt_says_what_to_install(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "kvedge", "export", "--target", "tensorrt", "--out", str(tmp_path / "out")],
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_TENSORRT,
+            "export",
+            "--target",
+            "tensorrt",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -69,9 +83,11 @@ def test_engine_profiles(tiny_llama):
     assert decode_profile[names.input_ids] == ((1, 1), (4, 1), (4, 1))
     assert prefill_profile[names.last_index] == ((1,), (1,), (4,))
     assert decode_profile[names.past_lengths] == ((1,), (4,), (4,))
-    past = ((1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(4), g.layer_shape(4))
+    one, four = (1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(4)
     last_layer = names.layer(names.past_value, g.num_layers - 1)
-    assert prefill_profile[last_layer] == decode_profile[last_layer] == past
+    # opt batch agrees across inputs (the real builder refuses otherwise): 1 prefilling, 4 decoding
+    assert prefill_profile[last_layer] == (one, one, four)
+    assert decode_profile[last_layer] == (one, four, four)
     assert len(prefill_profile) == 4 + 2 * g.num_layers
     with pytest.raises(KvedgeError, match=r"--max-prefill 500 is not allowed; allowed: 1..128"):
         EngineOptions(max_prefill=500).check(manifest)
@@ -161,13 +177,23 @@ class FakeContext:
         feeds = {
             i.name: _array(
                 self.addresses[i.name], self.shapes[i.name], self.engine.get_tensor_dtype(i.name)
-            ).astype(np.float32 if i.type == "tensor(float)" else np.int64)
+            ).astype(ONNX_TYPES[i.type])
             for i in self.engine.session.get_inputs()
         }
         outputs = self.engine.session.run(None, feeds)
         for meta, value in zip(self.engine.session.get_outputs(), outputs, strict=True):
-            _array(self.addresses[meta.name], value.shape, np.float32)[...] = value
+            _array(self.addresses[meta.name], value.shape, self.engine.get_tensor_dtype(meta.name))[...] = (
+                value
+            )
         return True
+
+
+ONNX_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int8)": np.int8,
+    "tensor(int64)": np.int64,
+}
 
 
 class FakeEngine:
@@ -175,12 +201,13 @@ class FakeEngine:
         self.manifest = manifest
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
         names = manifest.names
+        args = self.session.get_inputs() + self.session.get_outputs()
+        self.dtypes = {arg.name: ONNX_TYPES[arg.type] for arg in args}
         # TensorRT 8 turned int64 inputs into int32: exercise the conversion
-        self.dtypes = {n: np.int32 for n in (names.input_ids, names.position_ids, names.past_lengths)}
-        self.dtypes[names.last_index] = np.int64
+        self.dtypes.update({n: np.int32 for n in (names.input_ids, names.position_ids, names.past_lengths)})
 
     def get_tensor_dtype(self, name):
-        return self.dtypes.get(name, np.float32)
+        return self.dtypes[name]
 
     def create_execution_context(self):
         return FakeContext(self)
@@ -302,17 +329,18 @@ def fake_modules(folder, manifest) -> dict[str, types.ModuleType]:
     return {"tensorrt": tensorrt, "cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.runtime": runtime}
 
 
-def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
+def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: float) -> None:
+    """TrtBackend over the fake engine against OrtBackend on the CPU: logits and the whole pool."""
+    from kvedge.runtime.model import Model
     from kvedge.runtime.trt_backend import TrtBackend
 
-    manifest = portable(tiny_llama)
-    (tiny_llama.out / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
-    (tiny_llama.out / ENGINE_FILE).write_bytes(b"fake plan")
+    (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
+    (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
-        for name, module in fake_modules(tiny_llama.out, manifest).items():
+        for name, module in fake_modules(folder, manifest).items():
             monkeypatch.setitem(sys.modules, name, module)
-        trt = TrtBackend(tiny_llama.out, manifest)
-        cpu = tiny_llama.model(slots=3)
+        trt = TrtBackend(folder, manifest)
+        cpu = Model(folder, slots=3)
         trt_cache = KVCache(manifest.geometry, 3)
         assert isinstance(trt, Backend) and isinstance(cpu.backend, Backend)
         trt.reserve(trt_cache.layer_views(0, 3), manifest.geometry.max_len)
@@ -320,18 +348,34 @@ def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
         a = prefill(cpu.backend, cpu.cache, 1, prompts)
         b = prefill(trt, trt_cache, 1, prompts, chunk=64)
         for _ in range(6):
-            np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(b, a, atol=atol, rtol=0)
             tokens = [int(t) for t in np.argmax(a, axis=-1)]
             a = decode_one_token(cpu.backend, cpu.cache, 1, tokens)
             b = decode_one_token(trt, trt_cache, 1, tokens)
         np.testing.assert_array_equal(trt_cache.lengths, cpu.cache.lengths)
-        np.testing.assert_allclose(trt_cache.pool, cpu.cache.pool, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(trt_cache.pool, cpu.cache.pool, atol=atol, rtol=0)
+        if manifest.geometry.quantized:
+            np.testing.assert_array_equal(trt_cache.scales, cpu.cache.scales)
         with pytest.raises(KvedgeError, match="exceeds the engine's profiles"):
             prefill(trt, trt_cache, 0, [[5]] * 3)
         trt.close()
     finally:
-        (tiny_llama.out / ENGINE_MANIFEST_FILE).unlink()
-        (tiny_llama.out / ENGINE_FILE).unlink()
+        (folder / ENGINE_MANIFEST_FILE).unlink()
+        (folder / ENGINE_FILE).unlink()
+
+
+def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
+    _trt_matches_onnxruntime(tiny_llama.out, portable(tiny_llama), monkeypatch, atol=1e-5)
+
+
+def test_trt_backend_binds_the_int8_pool_and_its_float16_scales(tmp_path, monkeypatch):
+    """The INT8 cache through TrtBackend: int8 codes and float16 scales bound from the pool, the
+    new tokens' codes and scales read back in their own dtypes; equal to onnxruntime's run."""
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    export_model(source, tmp_path / "out", ExportOptions(max_len=128, kv_dtype="int8"))
+    manifest = Manifest.load(tmp_path / "out")
+    assert manifest.geometry.quantized
+    _trt_matches_onnxruntime(tmp_path / "out", manifest, monkeypatch, atol=1e-5)
 
 
 def test_both_backends_implement_the_backend_protocol():

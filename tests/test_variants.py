@@ -92,7 +92,10 @@ def test_int4_packing_is_the_onnx_layout():
     "options, message",
     [
         (dict(variant="tensorrt"), r"--variant 'tensorrt' is not supported; allowed: \['ort', 'portable'\]"),
-        (dict(weights="int3"), r"--weights 'int3' is not supported; allowed: \['float32', 'int4', 'int8'\]"),
+        (
+            dict(weights="int3"),
+            r"--weights 'int3' is not supported; allowed: \['float16', 'float32', 'int4', 'int8'\]",
+        ),
         (dict(weights="int4", block_size=48), r"--block-size 48 is not supported; allowed: \[16, 32"),
     ],
 )
@@ -156,3 +159,33 @@ def test_manifest_variant_defaults_and_refusals(exports, tmp_path):
     int4 = Manifest.load(exports("ort", "int4"))
     with pytest.raises(ArtifactMismatch, match="was made with int4 weights, this model has float32 weights"):
         fp32.check_compatible(int4, "warm cache")
+
+
+FP16_UNIT = 2.0**-11  # float16 unit roundoff: |fp16(w) - w| <= FP16_UNIT * |w|
+
+
+@pytest.mark.parametrize("variant", ["portable", "ort"])
+def test_float16_weights_match_transformers(tiny_source, exports, variant):
+    """--weights float16: half the bytes, float32 arithmetic, so the only error is fp16 rounding
+    of the weights (relative FP16_UNIT each). Carried through the layers it moves a logit by a
+    small multiple of FP16_UNIT x the logits' range: measured 0.74 x on this model, bounded at
+    4 x (a float32 graph agrees to ~1e-5; int8 weights move logits ~10 x more)."""
+    folder = exports(variant, "float16")
+    manifest = Manifest.load(folder)
+    assert manifest.weights_dtype == "float16" and manifest.weight_block_size == 0
+    graph = onnx.load(str(folder / "model.onnx"))
+    stored = {t.name: t.data_type for t in graph.graph.initializer}
+    assert stored["model.embed_tokens.weight.f16"] == onnx.TensorProto.FLOAT16
+    f32_bytes = (exports(variant, "float32") / "model.onnx").stat().st_size
+    assert 0.45 < (folder / "model.onnx").stat().st_size / f32_bytes < 0.56
+
+    ids = random_ids(52, seed=1)
+    model = Model(folder)
+    got = [prefill(model.backend, model.cache, 0, [ids[:20]])[0]]
+    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[20:]]
+    got = np.stack(got)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_source, dtype="float32").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()[19:]
+    bound = 4 * FP16_UNIT * float(ref.max() - ref.min())
+    np.testing.assert_allclose(got, ref, atol=bound, rtol=0)

@@ -16,6 +16,11 @@ over the graph inputs `Manifest.graph_inputs()` lists::
 The runtime sizes its input/output buffers for (B, P) from the same graph specs and picks the
 profile by the call's sequence length. An engine runs only on the TensorRT version and the GPU
 it was built for: `EngineManifest.check_runtime` refuses any other, naming both sides.
+
+Two TensorRT flavours build engines (`TENSORRT_FLAVOURS`): Jetson's (and x86 CUDA's) `tensorrt`,
+which `TrtBackend` runs, and TensorRT for RTX's `tensorrt_rtx`, whose builder runs ahead of time
+without a GPU, so CI proves the graph parses and builds. The engine manifest records which one
+built the engine; an engine of one flavour never loads under the other.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ ENGINE_FORMAT = "kvedge-engine"
 ENGINE_VERSION = 1
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
+# Python module -> product name. Same ONNX importer code; RTX is strongly typed and builds ahead of time.
+TENSORRT_FLAVOURS = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}
 
 
 def profile_for(seq: int) -> int:
@@ -50,6 +57,8 @@ class DeviceInfo:
     multiprocessors: int  # tells an Orin Nano (8) from an AGX Orin 64GB (16)
 
     def describe(self) -> str:
+        if not self.multiprocessors:  # an ahead-of-time build, made with no GPU present
+            return self.name
         return f"{self.name} (sm_{self.compute_capability.replace('.', '')}, {self.multiprocessors} SMs)"
 
 
@@ -65,8 +74,9 @@ class EngineManifest:
     multiprocessors: int
     max_batch: int
     max_prefill: int
-    fp16: bool
+    fp16: bool  # the builder's FP16 flag was set (TensorRT for RTX has none: the graph's dtypes rule)
     workspace_bytes: int
+    tensorrt_flavour: str = "tensorrt"  # a `TENSORRT_FLAVOURS` key; absent in files from before it existed
     format: str = ENGINE_FORMAT
     format_version: int = ENGINE_VERSION
     kvedge_version: str = __version__
@@ -96,12 +106,20 @@ class EngineManifest:
         expected = Header(ENGINE_FORMAT, ENGINE_VERSION, model=manifest.source_fingerprint, made_from=folder)
         check_header(ENGINE_FILE, found, expected, REBUILD)
 
-    def check_runtime(self, tensorrt_version: str, device: DeviceInfo) -> None:
-        """Refuse an engine built by another TensorRT or for another GPU, naming both sides."""
-        if tensorrt_version != self.tensorrt_version:
+    @property
+    def built_with(self) -> str:
+        return (
+            f"{TENSORRT_FLAVOURS.get(self.tensorrt_flavour, self.tensorrt_flavour)} {self.tensorrt_version}"
+        )
+
+    def check_runtime(self, tensorrt_version: str, device: DeviceInfo, flavour: str = "tensorrt") -> None:
+        """Refuse an engine built by another TensorRT flavour or version or for another GPU,
+        naming both sides."""
+        if (flavour, tensorrt_version) != (self.tensorrt_flavour, self.tensorrt_version):
             raise ArtifactMismatch(
-                f"the engine was built with TensorRT {self.tensorrt_version}, this machine has "
-                f"TensorRT {tensorrt_version}; rebuild it here with `kvedge export --target tensorrt`"
+                f"the engine was built with {self.built_with}, this machine has "
+                f"{TENSORRT_FLAVOURS.get(flavour, flavour)} {tensorrt_version}; rebuild it here with "
+                "`kvedge export --target tensorrt`"
             )
         if device != self.device:
             raise ArtifactMismatch(

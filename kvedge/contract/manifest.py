@@ -43,7 +43,8 @@ IN_PLACE_VARIANTS = ("ort",)
 # kvedge's own onnxruntime kernels (kvedge/runtime/csrc): "ort" graphs over an INT8 cache use them
 KVEDGE_OPS_DOMAIN = "kvedge"
 INT8_ATTENTION_OP = "Int8CacheAttention"
-WEIGHT_FORMATS = {"float32": 32, "int8": 8, "int4": 4}  # weight-only formats -> bits
+# weight formats -> bits: float32 / float16 storage, or weight-only blocked integers (fewer than 16)
+WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 # Tokens per prefill call: bounds the [g*s, max_len+s] score buffers. The runtime prefills in
 # chunks of this, the planner sizes the activation peak for it, and a TensorRT engine's prefill
 # profile defaults to it.
@@ -299,8 +300,8 @@ class Manifest:
     rope: RopeSpec
     onnx_fingerprint: str
     names: IONames = IONames()
-    weights_dtype: str = "float32"  # "float32", "int8" or "int4" (weight-only, blocked)
-    weight_block_size: int = 0  # quantization block size; 0 for float32
+    weights_dtype: str = "float32"  # a WEIGHT_FORMATS key: "float32", "float16", "int8" or "int4"
+    weight_block_size: int = 0  # quantization block size; 0 for float32 and float16
     variant: str = "portable"  # graph variant, see VARIANTS
     chat_template: bool = False
     special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables

@@ -46,7 +46,7 @@ class ExportOptions:
     logits: str = "last"
     force: bool = False
     variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
-    weights: str = "float32"  # "float32", "int8" or "int4" (weight-only, blocked)
+    weights: str = "float32"  # "float32", "float16" (stored), "int8" or "int4" (weight-only, blocked)
     block_size: int = 32  # quantization block (input features per scale)
     kv_dtype: str = "float32"  # "float32" or "int8" (codes + per-token float16 scales)
     kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
@@ -132,7 +132,7 @@ def export_model(
             onnx_fingerprint=sha256_files(onnx_files),
             names=names,
             weights_dtype=options.weights,
-            weight_block_size=options.block_size if options.weights != "float32" else 0,
+            weight_block_size=options.block_size if graph_options.quantized else 0,
             variant=options.variant,
             chat_template=bool(template),
             special_tokens={
@@ -155,7 +155,7 @@ def export_model(
 
 def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: GraphOptions) -> None:
     """Every quantized MatMul has hidden_size or intermediate_size input features."""
-    if options.weights == "float32":
+    if not options.quantized:
         return
     for name, features in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)):
         if features % options.block_size:

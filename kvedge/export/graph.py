@@ -54,6 +54,10 @@ graph does and reads each KV head's int8 codes once per step for its whole query
 
 Weights: float32, or blocked int8/int4 `DequantizeLinear -> MatMul` (see `quantize.py`) for every
 projection and the LM head; the embedding table stays float32 (one row is read per token).
+float16 (`--weights float16`): the projections and the embedding table (the tied LM head) are
+stored float16, about half the bytes, each widened by one `Cast` to float32, so arithmetic stays
+float32 and the only error is fp16 rounding of the weights (relative 2**-11). onnxruntime and
+TensorRT fold the Cast when they load the graph; what the memory then holds is theirs to choose.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ from kvedge.contract import (
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
 
-OPSET = 17  # float32 weights
+OPSET = 17  # float32 and float16 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -127,11 +131,16 @@ class GraphOptions:
 
     @property
     def opset(self) -> int:
-        return OPSET if self.weights == "float32" else QUANTIZED_OPSET
+        return QUANTIZED_OPSET if self.quantized else OPSET
 
     @property
     def bits(self) -> int:
         return WEIGHT_FORMATS[self.weights]
+
+    @property
+    def quantized(self) -> bool:
+        """Blocked integer weights (int8, int4), as opposed to float storage."""
+        return self.bits < 16
 
 
 def check_kv_dtype(kv_dtype: str) -> None:
@@ -195,6 +204,11 @@ class _Builder:
         if self.opset < 18:
             return self.op(op_type, [x], name, axes=[axis], keepdims=keepdims)
         return self.op(op_type, [x, self.ints(axis)], name, keepdims=keepdims)
+
+    def float16_weight(self, name: str, w: np.ndarray) -> str:
+        """`w` stored float16 under `name`.f16, widened to float32 under `name` by one Cast."""
+        stored = self.const(f"{name}.f16", w.astype(np.float16))
+        return self.op("Cast", [stored], name, to=TensorProto.FLOAT)
 
     def matmul_weight(self, x: str, w: np.ndarray, out: str, bits: int, block_size: int) -> str:
         """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear."""
@@ -299,7 +313,10 @@ class _Decoder:
         place layer weights enter the graph (float32 or quantized, `_Builder.matmul_weight`)."""
         g, options = self.g, self.options
         mat = np.concatenate([self.w(f"{prefix}.{p}.weight") for p in parts], axis=0)
-        y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size)
+        if options.weights == "float16":
+            y = g.op("MatMul", [x, g.float16_weight(f"{out}.weight", np.ascontiguousarray(mat.T))], out)
+        else:
+            y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size)
         biases = [f"{prefix}.{p}.bias" for p in parts]
         if all(b in self.weights for b in biases):
             bias = np.concatenate([self.w(b) for b in biases])
@@ -339,7 +356,10 @@ class _Decoder:
     def embed(self) -> str:
         """Token embeddings [b, s, H]; the table is kept for a tied LM head."""
         self.embed_table = self.w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.embed_name = self.g.const("model.embed_tokens.weight", self.embed_table)
+        if self.options.weights == "float16":
+            self.embed_name = self.g.float16_weight("model.embed_tokens.weight", self.embed_table)
+        else:
+            self.embed_name = self.g.const("model.embed_tokens.weight", self.embed_table)
         return self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
 
     def layer(self, i: int, hidden: str, delta: str | None) -> tuple[str, str]:
@@ -395,10 +415,13 @@ class _Decoder:
         return g.op("Reshape", [hidden, rows], "logits.rows")
 
     def lm_head(self, hidden: str) -> str:
-        """hidden [rows, H] @ head^T: the embedding table when tied (stored once, float32 weights)."""
+        """hidden [rows, H] @ head^T: the embedding table when tied (stored once, float weights)."""
         g, options = self.g, self.options
         tied = self.spec.tie_word_embeddings or "lm_head.weight" not in self.weights
-        if options.bits < 32:
+        if options.weights == "float16" and not tied:
+            head = g.float16_weight("lm_head.weight", self.w("lm_head.weight"))
+            return g.op("Gemm", [hidden, head], "logits.rows_vocab", transB=1)
+        if options.quantized:
             head = self.embed_table if tied else self.w("lm_head.weight")  # [vocab, H]
             return g.matmul_weight(
                 hidden, np.ascontiguousarray(head.T), "logits.rows_vocab", options.bits, options.block_size

@@ -1,19 +1,24 @@
 """TensorRT engines from an exported artifact folder (`kvedge export --target tensorrt`).
 
-UNVERIFIED ON HARDWARE: written against TensorRT 10's documented Python API (Builder,
-OnnxParser, IBuilderConfig, optimization profiles, timing cache); no GPU and no TensorRT were
-available when it was written. docs/JETSON.md keeps the list of what has run on a device, and
-device_tests/test_tensorrt.py is the check to run first.
+Built with Jetson's (or x86 CUDA's) `tensorrt` where it is installed, else with TensorRT for
+RTX's `tensorrt_rtx` (`pip install 'kvedge[trtcheck]'`), whose parser and builder run ahead of
+time without a GPU. CI builds every TensorRT-claimed export with the latter
+(tests/test_tensorrt_acceptance.py): same ONNX importer, same profiles, same code below. Where
+the two APIs differ, `_Flavour` names it. An RTX-built engine does not load on a Jetson
+(`EngineManifest.check_runtime` refuses another flavour); there the build is redone with JetPack's
+TensorRT, which device_tests/test_tensorrt.py checks against the CPU.
 
 Files added to the artifact folder: `model.engine` and `engine_manifest.json` (the contract both
 this builder and `kvedge.runtime.trt_backend` follow, in `kvedge.contract.engine`), and::
 
     timing.cache          TensorRT's timing cache, reused by the next build on the same device
 
-Engine kernels are FP16 (with --fp16), with float32/int I/O as exported. The two optimization
-profiles (prefill, decode) are made from the manifest's graph inputs by `profile_shapes`; the
-cache inputs keep the exported static length L so the runtime binds its preallocated pool in
-place, as it does with onnxruntime.
+Engine kernels are FP16 with --fp16 under `tensorrt`; TensorRT for RTX is strongly typed (no FP16
+flag), so its engines compute in the graph's dtypes. The two optimization profiles (prefill,
+decode) are made from the manifest's graph inputs by `profile_shapes`; the cache inputs keep the
+exported static length L so the runtime binds its preallocated pool in place, as it does with
+onnxruntime. What the parser rejects is refused with the parser's own reason
+(`TensorRT cannot parse ...`), never from a list written beforehand.
 """
 
 from __future__ import annotations
@@ -31,31 +36,33 @@ from kvedge.contract.engine import (
     ENGINE_FILE,
     ENGINE_MANIFEST_FILE,
     PREFILL_PROFILE,
+    TENSORRT_FLAVOURS,
+    DeviceInfo,
     EngineManifest,
 )
 from kvedge.errors import KvedgeError
-from kvedge.runtime.cuda import current_device, import_cudart, import_tensorrt
+from kvedge.runtime.cuda import current_device, import_cudart, import_tensorrt_builder
 
 log = logging.getLogger(__name__)
 
 TIMING_CACHE_FILE = "timing.cache"
 DEFAULT_WORKSPACE = 1 << 30  # builder scratch; 1 GiB leaves room for weights on an 8 GB Orin Nano
+# What an engine built by TensorRT for RTX without a GPU records as its device
+AHEAD_OF_TIME = DeviceInfo("no GPU (TensorRT for RTX, built ahead of time)", "any", 0)
 
 
-def require_tensorrt(variant: str, logits: str, kv_dtype: str = "float32") -> None:
+def require_tensorrt(variant: str, logits: str) -> str:
     """Everything a TensorRT build needs that can be checked before exporting: graph options
-    TensorRT can take, and the packages."""
-    _check_graph(variant, logits, kv_dtype)
-    import_tensorrt()
-    import_cudart()
+    TensorRT can take, and the packages. Returns the flavour that will build."""
+    _check_graph(variant, logits)
+    _, flavour = import_tensorrt_builder()
+    _Flavour(flavour).require()
+    return flavour
 
 
-def _check_graph(variant: str, logits: str, kv_dtype: str = "float32") -> None:
-    if kv_dtype != "float32":
-        raise KvedgeError(
-            f"TensorRT builds take a float32 cache for now, not --kv-dtype {kv_dtype!r} (the TensorRT "
-            "backend binds float K/V only); export with --kv-dtype float32"
-        )
+def _check_graph(variant: str, logits: str) -> None:
+    # the ort variant's com.microsoft ops are refused by the parser itself
+    # (tests/test_tensorrt_acceptance.py); refusing here saves the export
     if variant != "portable":
         raise KvedgeError(
             f"TensorRT builds need the portable graph (standard ONNX ops), not --variant {variant!r}; "
@@ -85,7 +92,7 @@ class EngineOptions:
             raise KvedgeError(
                 f"--workspace {self.workspace_bytes} bytes is too small; allowed: 64 MiB or more"
             )
-        _check_graph(manifest.variant, manifest.logits, manifest.geometry.dtype)
+        _check_graph(manifest.variant, manifest.logits)
 
 
 Shape = tuple[int, ...]
@@ -96,12 +103,76 @@ def profile_shapes(manifest: Manifest, options: EngineOptions) -> list[dict[str,
     (`kvedge.contract.engine`): "batch" axes 1..max_batch, "seq" axes 1..max_prefill or 1."""
     b, p = options.max_batch, options.max_prefill
     profiles: list[dict[str, tuple[Shape, Shape, Shape]]] = [{}, {}]
+    # opt: one sequence prefilling, every row decoding. The builder requires one value per named
+    # axis at opt, so the cache inputs' "batch" follows the step inputs'.
     for profile, seq, opt_batch in ((PREFILL_PROFILE, p, 1), (DECODE_PROFILE, 1, b)):
         for spec in manifest.graph_inputs():
-            # the cache pool's views are bound whole at every batch size: opt is the largest
-            opt = spec.shape(b if spec.layer is not None else opt_batch, seq)
-            profiles[profile][spec.name] = (spec.shape(1, 1), opt, spec.shape(b, seq))
+            profiles[profile][spec.name] = (spec.shape(1, 1), spec.shape(opt_batch, seq), spec.shape(b, seq))
     return profiles
+
+
+@dataclass(frozen=True)
+class _Flavour:
+    """Where `tensorrt` (JetPack's TensorRT 8.6/10) and `tensorrt_rtx` (TensorRT for RTX 1.x) differ."""
+
+    name: str  # a `TENSORRT_FLAVOURS` key
+
+    @property
+    def rtx(self) -> bool:
+        return self.name == "tensorrt_rtx"
+
+    def require(self) -> None:
+        """TensorRT asks CUDA which GPU it builds for; TensorRT for RTX builds without one."""
+        if not self.rtx:
+            import_cudart()
+
+    def network_flags(self, trt: Any) -> int:
+        # TensorRT 8.6 (JetPack 6.0) must be asked for explicit batch; TensorRT 10 and TensorRT
+        # for RTX (versioned 1.x) have only explicit batch and no such flag
+        if not self.rtx and int(trt.__version__.split(".")[0]) < 10:
+            return 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+        return 0
+
+    def device(self) -> DeviceInfo:
+        return AHEAD_OF_TIME if self.rtx else current_device()
+
+    def has_timing_cache(self) -> bool:
+        # TensorRT for RTX keeps the calls but makes them no-ops (deprecated since RTX 1.2)
+        return not self.rtx
+
+    def has_fp16_flag(self) -> bool:
+        # TensorRT for RTX networks are strongly typed: no FP16 or precision-constraint flags
+        return not self.rtx
+
+
+@dataclass
+class _Parsed:
+    """A network parsed from model.onnx; the parser owns the weights, so it lives as long."""
+
+    trt: Any
+    flavour: _Flavour
+    builder: Any
+    network: Any
+    parser: Any
+    errors: list[str]  # the parser's, one per error; empty when it parsed
+
+
+def _parse(folder: Path) -> _Parsed:
+    trt, name = import_tensorrt_builder()
+    flavour = _Flavour(name)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(flavour.network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    errors: list[str] = []
+    if not parser.parse_from_file(str(folder / ONNX_FILE)):  # also reads model.onnx.data
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)] or ["no reason given"]
+    return _Parsed(trt, flavour, builder, network, parser, errors)
+
+
+def parse_errors(artifact_dir: str | Path) -> list[str]:
+    """What the installed TensorRT ONNX parser reports on the folder's model.onnx: [] = it parses."""
+    return _parse(Path(artifact_dir)).errors
 
 
 def build_engine(
@@ -118,33 +189,32 @@ def build_engine(
     manifest = Manifest.load(folder)
     options = EngineOptions(max_prefill, max_batch, workspace_bytes, fp16)
     options.check(manifest)
-    trt = import_tensorrt()
-    device = current_device()
-
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    # TensorRT 10 (JetPack 6.1+) has only explicit batch; 8.6 (JetPack 6.0) must be asked for it
-    major = int(trt.__version__.split(".")[0])
-    flags = 0 if major >= 10 else 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(folder / ONNX_FILE)):  # also reads model.onnx.data
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise KvedgeError(f"TensorRT cannot parse {folder / ONNX_FILE}: {errors}")
+    parsed = _parse(folder)
+    trt, flavour, builder, network = parsed.trt, parsed.flavour, parsed.builder, parsed.network
+    if parsed.errors:
+        raise KvedgeError(
+            f"{TENSORRT_FLAVOURS[flavour.name]} {trt.__version__} cannot parse {folder / ONNX_FILE}: "
+            + "; ".join(parsed.errors)
+        )
+    device = flavour.device()
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
-    if options.fp16:
+    use_fp16 = options.fp16 and flavour.has_fp16_flag()
+    if use_fp16:
         config.set_flag(trt.BuilderFlag.FP16)
         _keep_reductions_fp32(trt, network, config)
+    elif options.fp16:
+        log.info("TensorRT for RTX is strongly typed: the engine computes in the graph's dtypes")
     for shapes in profile_shapes(manifest, options):
         profile = builder.create_optimization_profile()
         for name, (low, opt, high) in shapes.items():
             profile.set_shape(name, low, opt, high)
         config.add_optimization_profile(profile)
     cache_path = out / TIMING_CACHE_FILE
-    timing = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-    config.set_timing_cache(timing, ignore_mismatch=False)
+    if flavour.has_timing_cache():
+        timing = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+        config.set_timing_cache(timing, ignore_mismatch=False)
 
     log.info("building a TensorRT %s engine for %s (minutes on a Jetson)", trt.__version__, device.describe())
     plan = builder.build_serialized_network(network, config)
@@ -160,12 +230,14 @@ def build_engine(
         multiprocessors=device.multiprocessors,
         max_batch=options.max_batch,
         max_prefill=options.max_prefill,
-        fp16=options.fp16,
+        fp16=use_fp16,
         workspace_bytes=options.workspace_bytes,
+        tensorrt_flavour=flavour.name,
     )
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / ENGINE_FILE, memoryview(plan))
-    _write_atomic(cache_path, memoryview(config.get_timing_cache().serialize()))
+    if flavour.has_timing_cache():
+        _write_atomic(cache_path, memoryview(config.get_timing_cache().serialize()))
     _write_atomic(out / ENGINE_MANIFEST_FILE, engine.to_json().encode())
     return engine
 

@@ -1,8 +1,13 @@
 """TensorRT and CUDA runtime bindings, imported on demand, and the GPU this process runs on.
 
 Run-time helpers: `TrtBackend` uses all of them; the engine builder (`kvedge.export.tensorrt`)
-imports `import_tensorrt` and `current_device` from here, since an engine is built on the
-device that will run it. Nothing here is imported unless a TensorRT path is taken.
+imports `import_tensorrt_builder` and `current_device` from here, since an engine is built on
+the device that will run it. Nothing here is imported unless a TensorRT path is taken.
+
+Engines run only under Jetson's (or x86 CUDA's) `tensorrt`. They are built with it too, or, where
+it is absent, with TensorRT for RTX (`tensorrt_rtx`, `pip install 'kvedge[trtcheck]'`), whose
+builder needs no GPU: that build proves the graph parses and builds, and its engine is refused
+by `TrtBackend` (another flavour), so on a Jetson the build is redone there.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ INSTALL_TENSORRT = (
     "--system-site-packages); on an x86_64 machine with CUDA: `pip install 'kvedge[trt]'` "
     "(tensorrt and cuda-python). `kvedge doctor` shows what this machine has."
 )
+INSTALL_TENSORRT_BUILDER = (
+    INSTALL_TENSORRT[:-1] + ", and to check a graph parses and builds without a GPU: "
+    "`pip install 'kvedge[trtcheck]'` (TensorRT for RTX)."
+)
 INSTALL_CUDA_PYTHON = (
     "cuda-python is not installed: `pip install cuda-python` (the CUDA runtime bindings TensorRT's "
     "buffers are allocated with; part of `pip install 'kvedge[trt]'`)."
@@ -31,6 +40,23 @@ def import_tensorrt() -> Any:
     except ImportError:
         raise KvedgeError(INSTALL_TENSORRT) from None
     return tensorrt
+
+
+def import_tensorrt_builder() -> tuple[Any, str]:
+    """(module, flavour) to build engines with: `tensorrt` where installed, else `tensorrt_rtx`;
+    a KvedgeError saying what to install when neither is."""
+    try:
+        import tensorrt
+
+        return tensorrt, "tensorrt"
+    except ImportError:
+        pass
+    try:
+        import tensorrt_rtx
+
+        return tensorrt_rtx, "tensorrt_rtx"
+    except ImportError:
+        raise KvedgeError(INSTALL_TENSORRT_BUILDER) from None
 
 
 def import_cudart() -> Any:

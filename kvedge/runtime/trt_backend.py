@@ -6,12 +6,15 @@ compares it with the onnxruntime CPU reference; run that before trusting it.
 
 Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
 
-    cache pool   the KVCache's own numpy pool, page-locked once with cudaHostRegister(Mapped);
-                 past K/V [batch, kv_heads, max_len, head_dim] views are bound by device
-                 pointer, so the GPU reads the cache in place and nothing cache-sized is copied
+    cache pool   the KVCache's own numpy pool (and, for an INT8 cache, its float16 scales pool),
+                 page-locked once with cudaHostRegister(Mapped); past K/V [batch, kv_heads,
+                 max_len, head_dim] views (int8 caches: then K/V scales [batch, kv_heads, max_len,
+                 groups] float16) are bound by device pointer, so the GPU reads the cache in
+                 place and nothing cache-sized is copied
     inputs       input_ids, position_ids [B, P]; past_lengths, last_index [B]   engine int dtype
-    outputs      logits [B, 1, vocab] float32; present K/V [B, kv_heads, P, head_dim] float32
-                 per layer (the new tokens only; `KVCache.append` writes them into the pool)
+    outputs      logits [B, 1, vocab] float32; per layer the new tokens only (`KVCache.append`
+                 writes them into the pool): present K/V [B, kv_heads, P, head_dim] in the cache
+                 dtype, then for int8 caches their scales [B, kv_heads, P, groups] float16
 
 Inputs and outputs are mapped pinned host buffers (cudaHostAlloc Mapped), allocated once for
 the engine's largest profile (B = max_batch, P = max_prefill): the GPU reads and writes them
@@ -44,7 +47,7 @@ class TrtBackend:
         self.manifest = manifest
         self.engine_manifest = EngineManifest.load(folder)
         self.engine_manifest.check_model(manifest)
-        self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart))
+        self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart), "tensorrt")
         if not self._call(
             self.cudart.cudaDeviceGetAttribute(
                 self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
