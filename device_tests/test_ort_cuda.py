@@ -18,7 +18,7 @@ ATOL = 1e-3  # CUDA fp32 matmuls may use TF32-free but differently ordered reduc
 def test_cuda_matches_cpu(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "llama")
     export_model(source, tmp_path / "out", ExportOptions(max_len=128))
-    cpu, gpu = Model(tmp_path / "out"), Model(tmp_path / "out", provider="cuda")
+    cpu, gpu = Model(tmp_path / "out"), Model(tmp_path / "out", device="cuda")
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 300, 20)]
     a = prefill(cpu.backend, cpu.cache, 0, [ids])[0]
     b = prefill(gpu.backend, gpu.cache, 0, [ids])[0]

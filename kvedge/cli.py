@@ -15,6 +15,7 @@ import click
 
 from kvedge import __version__
 from kvedge.contract import EXPORTED_KV_DTYPES, PREFILL_CHUNK, VARIANTS, WEIGHT_FORMATS
+from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
 
@@ -67,6 +68,15 @@ model_option = click.option(
 )
 
 
+device_option = click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default="cpu",
+    show_default=True,
+    help="cpu or cuda (onnxruntime), or tensorrt (the folder's model.engine).",
+)
+
+
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
     """Options shared by the commands that load a model and generate."""
     if func is None:
@@ -89,6 +99,7 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
         click.option(
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
         ),
+        device_option,
         click.option(
             "--history-policy",
             type=click.Choice(POLICIES),
@@ -143,7 +154,12 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
     prefixes = load_warmup_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None
     policy = HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"])
     return Model(
-        model_dir, threads=kwargs["threads"], policy=policy, warmup=prefixes, warm_dir=kwargs["warm_dir"]
+        model_dir,
+        threads=kwargs["threads"],
+        device=kwargs["device"],
+        policy=policy,
+        warmup=prefixes,
+        warm_dir=kwargs["warm_dir"],
     )
 
 
@@ -445,6 +461,7 @@ main.add_command(  # the former name of warm-prefixes, kept for scripts that sti
 @click.option("--slots", type=int, help="KV slots preallocated = conversations served at once.")
 @click.option("--queue-size", type=int, help="Requests that may wait for a slot before 429.")
 @click.option("--threads", type=int, help="onnxruntime intra-op threads (default: all cores).")
+@click.option("--device", type=click.Choice(DEVICES), help="cpu (default), cuda or tensorrt.")
 @click.option("--check", is_flag=True, help="Validate the config and load the model once, then exit.")
 @click.option("--print-systemd-unit", is_flag=True, help="Print a systemd unit for this install and exit.")
 @user_errors
@@ -513,9 +530,10 @@ def info(model_dir: Path, as_json: bool) -> None:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["cpu", "gpu"]),
+    type=click.Choice(["cpu", "gpu", "cuda", "tensorrt"]),
     default=None,
-    help="Overheads (default: gpu with --device).",
+    help="Overheads of the backend `--device` picks elsewhere: cpu, or cuda / tensorrt (= gpu; "
+    "default with --device).",
 )
 @click.option(
     "--kv-dtype", "kv_dtypes", multiple=True, help="Cache dtype, repeatable (default: the model's)."

@@ -71,9 +71,13 @@ class Overheads:
     note: str
 
 
+_GPU = Overheads(96 * MiB + GiB, 1.0, "CUDA/TensorRT on unified memory, assumed, not measured")
+# by backend: "cpu", "gpu", or a `--device` name (cpu, cuda, tensorrt)
 OVERHEADS = {
     "cpu": Overheads(96 * MiB, 0.6, "onnxruntime CPU, measured"),
-    "gpu": Overheads(96 * MiB + GiB, 1.0, "CUDA/TensorRT on unified memory, assumed, not measured"),
+    "gpu": _GPU,
+    "cuda": _GPU,
+    "tensorrt": _GPU,
 }
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
+from kvedge.contract import Manifest
 from kvedge.doctor import doctor_report, run_checks
 from kvedge.errors import KvedgeError
+from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.model import Model
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -99,6 +101,7 @@ def test_cli_doctor():
 )
 def test_gpu_provider_plumbing_refuses_what_is_absent(tiny_llama):
     with pytest.raises(KvedgeError, match="CUDAExecutionProvider is not available here"):
-        Model(tiny_llama.out, provider="cuda")
+        Model(tiny_llama.out, device="cuda")
+    manifest = Manifest.load(tiny_llama.out)
     with pytest.raises(KvedgeError, match="'tensorrt' is not supported; allowed: \\['cpu', 'cuda'\\]"):
-        Model(tiny_llama.out, provider="tensorrt")
+        OrtBackend(tiny_llama.out, manifest, provider="tensorrt")

@@ -41,6 +41,8 @@ ENGINE_FORMAT = "kvedge-engine"
 ENGINE_VERSION = 1
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
+# `--device`: what runs an artifact: onnxruntime on the CPU or CUDA, or its TensorRT engine
+DEVICES = ("cpu", "cuda", "tensorrt")
 # Python module -> product name. Same ONNX importer code; RTX is strongly typed and builds ahead of time.
 TENSORRT_FLAVOURS = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}
 

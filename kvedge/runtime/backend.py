@@ -30,12 +30,17 @@ import numpy as np
 import onnxruntime as ort
 
 from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract.engine import DEVICES, ENGINE_FILE
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 
 log = logging.getLogger(__name__)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+INSTALL_ONNXRUNTIME_GPU = (
+    "install onnxruntime-gpu in place of onnxruntime (`pip install 'kvedge[gpu]'`; on a Jetson, "
+    "NVIDIA's Jetson build, docs/JETSON.md)"
+)
 MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
 
 
@@ -72,6 +77,31 @@ class Backend(Protocol):
         ...
 
 
+def open_backend(
+    folder: Path,
+    manifest: Manifest,
+    device: str = "cpu",
+    threads: int | None = None,
+    max_decode_bindings: int = MAX_DECODE_BINDINGS,
+) -> Backend:
+    """The backend `device` (a `DEVICES` name) runs on; where a piece is missing, a KvedgeError
+    in one line naming what to install or build."""
+    if device not in DEVICES:
+        raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
+    if device != "tensorrt":
+        return OrtBackend(
+            folder, manifest, threads=threads, provider=device, max_decode_bindings=max_decode_bindings
+        )
+    if not (folder / ENGINE_FILE).is_file():
+        raise KvedgeError(
+            f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
+            "`kvedge export --target tensorrt`"
+        )
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    return TrtBackend(folder, manifest)
+
+
 class OrtBackend:
     """One onnxruntime session over an exported artifact folder."""
 
@@ -89,7 +119,7 @@ class OrtBackend:
         if PROVIDERS[provider] not in ort.get_available_providers():
             raise KvedgeError(
                 f"onnxruntime provider {PROVIDERS[provider]} is not available here "
-                f"(have: {ort.get_available_providers()})"
+                f"(have: {ort.get_available_providers()}); {INSTALL_ONNXRUNTIME_GPU}"
             )
         self.manifest = manifest
         options = ort.SessionOptions()

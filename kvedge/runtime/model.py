@@ -25,7 +25,7 @@ import numpy as np
 
 from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, Manifest, sha256_files
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.runtime.backend import Backend, OrtBackend
+from kvedge.runtime.backend import Backend, open_backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
@@ -40,7 +40,8 @@ __all__ = ["Constraint", "Event", "Model", "SamplingConfig", "StepResult", "Turn
 
 
 class Model:
-    """An exported model with its tokenizer, a preallocated cache of `slots` sequences, one
+    """An exported model on `device` (`DEVICES`: onnxruntime CPU or CUDA, or a TensorRT engine)
+    with its tokenizer, a preallocated cache of `slots` sequences, one
     `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at start-up, and
     optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`)."""
 
@@ -49,7 +50,7 @@ class Model:
         folder: str | Path,
         slots: int = 1,
         threads: int | None = None,
-        provider: str = "cpu",
+        device: str = "cpu",
         policy: HistoryPolicy | None = None,
         warmup: WarmupConfig | None = None,
         warm_dir: str | Path | None = None,
@@ -65,8 +66,9 @@ class Model:
         self.policy = policy or HistoryPolicy()
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
-        self.backend: Backend = OrtBackend(
-            self.folder, self.manifest, threads=threads, provider=provider, max_decode_bindings=ranges
+        self.device = device
+        self.backend: Backend = open_backend(
+            self.folder, self.manifest, device, threads=threads, max_decode_bindings=ranges
         )
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(

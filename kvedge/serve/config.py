@@ -15,6 +15,7 @@ File format (every key optional except `model`, which may come from `--model` in
                                     # must fit, OpenAI's rule: else 400) | clip (only the prompt must
                                     # fit; the reply stops at the context end, finish_reason "length")
     threads: null                   # onnxruntime intra-op threads; null = all cores
+    device: cpu                     # cpu | cuda (onnxruntime-gpu) | tensorrt (the folder's model.engine)
     batch_decode: true              # decode all active slots in one call per round (false: one by one)
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # warm-up: greedy decode steps run before /health reports ready;
@@ -48,6 +49,7 @@ from msgspec import Meta
 
 from kvedge.configs import find_problem, read_yaml
 from kvedge.contract import MANIFEST_FILE
+from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
 
@@ -88,6 +90,7 @@ class ServiceConfig:
     threads: Annotated[
         Annotated[int, Meta(ge=1, le=1024)] | None, Meta(description="an integer >= 1, or null for all cores")
     ] = None
+    device: Annotated[Literal[DEVICES], Meta(description=f"one of {list(DEVICES)}")] = "cpu"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0

@@ -56,9 +56,8 @@ def check_memory(config: ServiceConfig) -> int:
             f"({budget} bytes) for the model and its slots"
         )
     # the run-time prefix store is allocated in full at start-up, beside the slots
-    return check_fits(config.model, config.slots, budget - config.prefix_cache_bytes).total + (
-        config.prefix_cache_bytes
-    )
+    fits = check_fits(config.model, config.slots, budget - config.prefix_cache_bytes, backend=config.device)
+    return fits.total + config.prefix_cache_bytes
 
 
 def load_model(config: ServiceConfig, slots: int) -> Model:
@@ -71,6 +70,7 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
         config.model,
         slots=slots,
         threads=config.threads,
+        device=config.device,
         policy=HistoryPolicy(mode=config.history_policy),
         warmup=prefixes,
         warm_dir=config.warm_dir,

@@ -1,0 +1,115 @@
+"""One backend choice (`--device cpu|cuda|tensorrt`) and the CPU binding plan.
+
+Without a GPU here: the refusals are checked as a user meets them (one line naming what to
+install or build), and the decode step's binding plan is checked on onnxruntime's real I/O
+binding: what is bound where, that the pool is read and written in place, and that no
+cache-sized array is made per step.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+from conftest import random_ids
+
+from kvedge.errors import KvedgeError
+from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.model import Model
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    # neither TensorRT flavour imports, whatever this machine has
+    hide = "import sys; sys.modules['tensorrt'] = None; from kvedge.cli import main; main()"
+    return subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True, timeout=300)
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_device_refusals_name_what_to_install_or_build(tiny_llama):
+    out = str(tiny_llama.out)
+    cuda = one_line_error(cli("generate", "--model", out, "--device", "cuda", "hi"))
+    assert "CUDAExecutionProvider is not available here" in cuda and "onnxruntime-gpu" in cuda
+    engine = one_line_error(cli("chat", "--model", out, "--device", "tensorrt"))
+    assert "--device tensorrt needs" in engine and "kvedge export --target tensorrt" in engine
+    (tiny_llama.out / "model.engine").write_bytes(b"an engine")
+    try:
+        trt = one_line_error(cli("generate", "--model", out, "--device", "tensorrt", "hi"))
+        assert "TensorRT is not installed" in trt and "JetPack" in trt
+    finally:
+        (tiny_llama.out / "model.engine").unlink()
+    unknown = cli("generate", "--model", out, "--device", "npu", "hi")
+    assert unknown.returncode == 2 and "'npu' is not one of 'cpu', 'cuda', 'tensorrt'" in unknown.stderr
+    with pytest.raises(
+        KvedgeError, match=r"--device 'npu' is not supported; allowed: \['cpu', 'cuda', 'tensorrt'\]"
+    ):
+        Model(tiny_llama.out, device="npu")
+
+
+def test_serve_config_takes_a_device(tiny_llama, tmp_path):
+    from kvedge.serve.config import load_service_config
+
+    assert load_service_config(None, {"model": tiny_llama.out}).device == "cpu"
+    assert load_service_config(None, {"model": tiny_llama.out, "device": "tensorrt"}).device == "tensorrt"
+    (tmp_path / "service.yaml").write_text(f"model: {tiny_llama.out}\ndevice: gpu\n")
+    with pytest.raises(KvedgeError, match="device.*one of \\['cpu', 'cuda', 'tensorrt'\\]"):
+        load_service_config(tmp_path / "service.yaml", {})
+
+
+def test_decode_binding_plan_reads_and_writes_the_pool_in_place(tiny_llama):
+    """Decode binds by pointer once: logits and (in-place graphs) present K/V are the pool's
+    own memory, per-step scratch is one token wide, the past inputs are the pool (changing the
+    pool changes the next logits with no rebinding), and 40 steps allocate nothing cache-sized."""
+    model = tiny_llama.model(slots=2)
+    backend, cache, g = model.backend, model.cache, model.manifest.geometry
+    logits = prefill(backend, cache, 0, [random_ids(30, seed=3)])
+    decode_one_token(backend, cache, 0, [int(np.argmax(logits))])
+    bindings = list(backend._decode_bindings.values())  # the one-row binding, and reserve()'s of both slots
+    (step,) = [b for b in bindings if b.input_ids.shape[0] == 1]
+    outputs = step.binding.get_outputs()  # onnxruntime's own record of what is bound
+    assert {value.device_name() for value in outputs} == {"cpu"}
+    addresses = [value.data_ptr() for value in outputs]
+    assert addresses[0] == step.logits.ctypes.data  # [1, 1, vocab], rewritten each step
+    views = cache.layer_views(0, 1)  # per layer (K, V) [1, kvh, max_len, d] views of the pool
+    if model.manifest.in_place:
+        assert addresses[1:] == [view.ctypes.data for layer in views for view in layer]
+    else:  # the new token's K/V [1, kvh, 1, d] per layer, copied into the pool by KVCache.append
+        one_token = g.num_kv_heads * g.head_dim * np.dtype(g.dtype).itemsize
+        assert [value.shape() for value in outputs[1:]] == [[1, g.num_kv_heads, 1, g.head_dim]] * (
+            2 * g.num_layers
+        )
+        assert all(np.prod(value.shape()) * 4 == one_token for value in outputs[1:])
+
+    slot_bytes = g.num_kv_heads * g.max_len * g.head_dim * np.dtype(g.dtype).itemsize  # one layer's K
+    token = int(np.argmax(logits))
+    tracemalloc.start()
+    try:
+        start, _ = tracemalloc.get_traced_memory()
+        for _ in range(40):
+            token = int(np.argmax(decode_one_token(backend, cache, 0, [token])[0]))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - start < slot_bytes, (peak - start, slot_bytes)  # a copy of one view would not fit
+    assert list(backend._decode_bindings.values()) == bindings  # nothing rebound
+    assert [value.data_ptr() for value in step.binding.get_outputs()] == addresses
+
+    # the bound past inputs are the pool itself: change it, and the same binding sees it
+    n = int(cache.lengths[0])
+    ids, lengths = np.array([[token]], np.int64), np.array([n], np.int64)
+    run = lambda: backend.run(
+        ids, lengths[:, None].copy(), lengths, np.zeros(1, np.int64), views
+    ).logits.copy()  # noqa: E731
+    before = run()
+    np.testing.assert_array_equal(run(), before)
+    cache.pool[:, 1, 0, :, : n // 2] *= 2  # V of the first half of slot 0, every layer
+    assert np.abs(run() - before).max() > 1e-4
+    assert list(backend._decode_bindings.values()) == bindings
