@@ -105,9 +105,10 @@ def test_decode_binding_plan_reads_and_writes_the_pool_in_place(tiny_llama):
     # the bound past inputs are the pool itself: change it, and the same binding sees it
     n = int(cache.lengths[0])
     ids, lengths = np.array([[token]], np.int64), np.array([n], np.int64)
-    run = lambda: backend.run(
-        ids, lengths[:, None].copy(), lengths, np.zeros(1, np.int64), views
-    ).logits.copy()  # noqa: E731
+
+    def run() -> np.ndarray:
+        return backend.run(ids, lengths[:, None].copy(), lengths, np.zeros(1, np.int64), views).logits.copy()
+
     before = run()
     np.testing.assert_array_equal(run(), before)
     cache.pool[:, 1, 0, :, : n // 2] *= 2  # V of the first half of slot 0, every layer
