@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARTIFACT ?= artifacts/smollm2-135m
 PROMPT ?= What is a KV cache, in two sentences?
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast lint format bench device-test clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ format: install
 
 bench: install
 	$(BIN)/kvedge bench
+
+# On a GPU machine: install onnxruntime-gpu from wheels/ parts and run device_tests/ (JSON report).
+device-test: install
+	PYTHON=$(BIN)/python device_tests/run.sh
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache

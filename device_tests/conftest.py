@@ -63,3 +63,37 @@ def pytest_collection_modifyitems(config, items):
                 reasons[name] = MISSING[name]()
             if reasons[name]:
                 item.add_marker(pytest.mark.skip(reason=reasons[name]))
+
+
+# Figures the tests measure (`record`), written with every test's outcome to $KVEDGE_DEVICE_REPORT
+# (device_tests/run.sh sets it) when the session ends.
+FIGURES: dict[str, object] = {}
+OUTCOMES: dict[str, str] = {}
+
+
+@pytest.fixture
+def record():
+    return FIGURES.__setitem__
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.outcome == "skipped":
+        OUTCOMES[report.nodeid] = report.outcome + (f": {report.longrepr[2]}" if report.skipped else "")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import json
+    import os
+    import platform
+
+    path = os.environ.get("KVEDGE_DEVICE_REPORT")
+    if path:
+        report = {
+            "machine": platform.machine(),
+            "onnxruntime": ort.__version__,
+            "providers": ort.get_available_providers(),
+            "exit_status": int(exitstatus),
+            "tests": OUTCOMES,
+            "figures": FIGURES,
+        }
+        Path(path).write_text(json.dumps(report, indent=2, default=str))
