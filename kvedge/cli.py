@@ -712,6 +712,7 @@ def eval_kv(
 )
 @click.option("--source", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct GGUF).")
 @click.option("--threads", default=0, show_default=True, type=int, help="Threads per system (0: all cores).")
+@device_option
 @click.option(
     "--rounds", default=3, show_default=True, type=int, help="Alternating rounds (medians over them)."
 )
@@ -749,6 +750,7 @@ def bench(
     work: Path,
     source: str | None,
     threads: int,
+    device: str,
     rounds: int,
     steps: int,
     kvedge_systems: tuple[str, ...],
@@ -766,6 +768,7 @@ def bench(
         work=work,
         source=source,
         threads=threads,
+        device=device,
         rounds=1 if quick else rounds,
         steps=steps,
         kvedge=kvedge_systems or DEFAULT_KVEDGE,

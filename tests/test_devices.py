@@ -114,3 +114,20 @@ def test_decode_binding_plan_reads_and_writes_the_pool_in_place(tiny_llama):
     cache.pool[:, 1, 0, :, : n // 2] *= 2  # V of the first half of slot 0, every layer
     assert np.abs(run() - before).max() > 1e-4
     assert list(backend._decode_bindings.values()) == bindings
+
+
+def test_bench_and_plan_take_the_device(tiny_llama):
+    from kvedge.bench import BenchConfig
+    from kvedge.bench.systems import SystemSpec
+    from kvedge.planner import OVERHEADS, check_fits
+
+    with pytest.raises(KvedgeError, match=r"--device 'npu' is not supported; allowed: \['cpu', 'cuda'"):
+        BenchConfig(device="npu")
+    spec = SystemSpec("kvedge portable", "kvedge", tiny_llama.out, "float32", device="cuda")
+    with pytest.raises(KvedgeError, match="CUDAExecutionProvider is not available here"):
+        spec.build(1)
+    assert SystemSpec("kvedge", "kvedge", tiny_llama.out, "float32").build(1).backend.manifest
+    # the planner's overheads by device: cuda and tensorrt are the GPU preset
+    assert OVERHEADS["cuda"] == OVERHEADS["tensorrt"] == OVERHEADS["gpu"] != OVERHEADS["cpu"]
+    gpu = check_fits(tiny_llama.out, 1, 1 << 40, backend="tensorrt")
+    assert gpu.runtime == OVERHEADS["gpu"].runtime_bytes

@@ -51,6 +51,7 @@ from kvedge.bench.report import evaluate_targets, plot, table
 from kvedge.bench.systems import Steppable, SystemSpec
 from kvedge.bench.warm import measure_warm
 from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class BenchConfig:
     work: Path = Path("artifacts/bench")
     source: str | None = None  # HF folder or GGUF; default: SmolLM2-135M-Instruct GGUF
     threads: int = 0  # 0: all cores
+    device: str = "cpu"  # kvedge systems' backend: one of DEVICES
     rounds: int = 3
     steps: int = 24  # decode steps per case (the first 2 are dropped as warm-up)
     kvedge: tuple[str, ...] = DEFAULT_KVEDGE  # "variant:weights"
@@ -119,6 +121,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.steps < 3:
             raise KvedgeError(f"rounds={self.rounds}, steps={self.steps}: need rounds >= 1 and steps >= 3")
+        if self.device not in DEVICES:
+            raise KvedgeError(f"--device {self.device!r} is not supported; allowed: {list(DEVICES)}")
         for item in self.kvedge:
             kvedge_system(item)
         for peer in self.peers:
@@ -280,11 +284,16 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
         variant, weights, kv_dtype = kvedge_system(item)
         build = KvedgeBuild(variant, weights, block_size=config.block_size, kv_dtype=kv_dtype)
         name = build.system_name
-        specs.append(_kvedge_spec(work.kvedge(build), name))
+        specs.append(_kvedge_spec(work.kvedge(build), name, device=config.device))
         if config.exact_size and weights == "float32" and kv_dtype == "float32":
             twin = dataclasses.replace(build, max_len=EXACT_SIZE_MAX_LEN)
             specs.append(
-                _kvedge_spec(work.kvedge(twin), f"{name} max_len {EXACT_SIZE_MAX_LEN}", reference_for=name)
+                _kvedge_spec(
+                    work.kvedge(twin),
+                    f"{name} max_len {EXACT_SIZE_MAX_LEN}",
+                    reference_for=name,
+                    device=config.device,
+                )
             )
     geometry = Manifest.load(specs[0].path).geometry
     fp32_kv = geometry.bytes_per_token()
@@ -349,7 +358,9 @@ def kvedge_system(item: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2] if len(parts) == 3 else "float32"
 
 
-def _kvedge_spec(folder: Path, name: str, reference_for: str | None = None) -> SystemSpec:
+def _kvedge_spec(
+    folder: Path, name: str, reference_for: str | None = None, device: str = "cpu"
+) -> SystemSpec:
     manifest = Manifest.load(folder)
     return SystemSpec(
         name=name,
@@ -360,6 +371,7 @@ def _kvedge_spec(folder: Path, name: str, reference_for: str | None = None) -> S
         weight_bytes_per_token=measure.onnx_weight_bytes_per_token(folder / ONNX_FILE),
         kv_bytes_per_token=manifest.geometry.bytes_per_token(),
         reference_for=reference_for,
+        device=device,
         extra={"variant": manifest.variant, "kv_dtype": manifest.geometry.dtype},
     )
 

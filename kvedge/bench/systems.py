@@ -71,11 +71,12 @@ class SystemSpec:
     weight_bytes_per_token: int = 0  # weights read per decode token (see roofline in __init__)
     kv_bytes_per_token: int = 0  # cache bytes per valid token read per decode step
     reference_for: str | None = None  # exact-size twin: name of the max_len-2048 system it checks
+    device: str = "cpu"  # kvedge systems: the backend `--device` names (`open_backend`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def build(self, threads: int) -> System:
         if self.kind == "kvedge":
-            return KvedgeSystem(self.path, threads)
+            return KvedgeSystem(self.path, threads, self.device)
         if self.kind == "transformers":
             return TransformersSystem(self.path, threads)
         if self.kind == "onnxruntime-genai":
@@ -88,13 +89,13 @@ class SystemSpec:
 class KvedgeSystem(Steppable):
     """An exported artifact on kvedge's runtime: backend + one-slot cache, greedy."""
 
-    def __init__(self, folder: Path, threads: int) -> None:
+    def __init__(self, folder: Path, threads: int, device: str = "cpu") -> None:
         from kvedge.contract import Manifest
-        from kvedge.runtime.backend import OrtBackend
+        from kvedge.runtime.backend import open_backend
         from kvedge.runtime.cache import KVCache
 
         self.manifest = Manifest.load(folder)
-        self.backend = OrtBackend(folder, self.manifest, threads=threads)
+        self.backend = open_backend(folder, self.manifest, device, threads=threads)
         self.cache = KVCache(self.manifest.geometry, 1)
         self.backend.reserve(self.cache.layer_views(0, 1), self.manifest.geometry.max_len)  # as Model does
 
