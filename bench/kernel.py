@@ -1,17 +1,22 @@
 """One attention layer alone: kvedge.Int8CacheAttention against GroupQueryAttention (figures for docs).
 
-    python bench/kernel.py [--contexts 64 512 1536] [--runs 300] [--threads 1]
+    python bench/kernel.py [--contexts 64 512 1536] [--prefill 128 512 1024 2048] [--threads 1]
+                           [--rounds 3] [--runs 300] [--prefill-runs 5]
 
-Decode (one new token), SmolLM2-135M's attention shapes by default (9 query / 3 KV heads,
-head_dim 64, max_len 2048, 32-channel scale groups): kvedge's kernel over an INT8 cache and
-onnxruntime's GroupQueryAttention over a float32 cache, each a one-node graph in its own
-session, caches bound in place by I/O binding, the two alternating per context in one process.
-Prints microseconds per call (mean over --runs after 20 warm-up calls).
+SmolLM2-135M's attention shapes by default (9 query / 3 KV heads, head_dim 64, max_len 2048,
+32-channel scale groups): kvedge's kernel over an INT8 cache and onnxruntime's
+GroupQueryAttention over a float32 cache, each a one-node graph in its own session, caches bound
+in place by I/O binding. Decode: one new token after `ctx` cached ones (--runs calls). Prefill: a
+fresh prompt of P tokens in one call (--prefill-runs calls; the kernel's tiled path). The two
+alternate within each of --rounds rounds, the order flipping per round, all in one process.
+Prints microseconds per call (median over rounds of each round's mean after warm-up calls) and
+the kernel's speed-up (median of the per-round ratios).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -20,6 +25,9 @@ from onnx import TensorProto, helper
 
 from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN
 from kvedge.runtime import kernels
+
+KERNEL = "kvedge.Int8CacheAttention (INT8 cache)"
+GQA = "GroupQueryAttention (float32 cache)"
 
 
 def one_node_session(node, inputs, outputs, domain: str, threads: int) -> ort.InferenceSession:
@@ -42,10 +50,113 @@ def bound(session: ort.InferenceSession, arrays: dict[str, np.ndarray], outputs:
     return binding
 
 
+class Layer:
+    """The two one-node sessions and their caches, for calls of any number of new tokens."""
+
+    def __init__(self, h: int, kvh: int, d: int, length: int, group_size: int, threads: int) -> None:
+        self.h, self.kvh, self.d = h, kvh, d
+        width, groups = (h + 2 * kvh) * d, d // group_size
+        cache, scales = [1, kvh, length, d], [1, kvh, length, groups]
+        qkv_info = helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, "seq", width])
+        out_info = helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "seq", h * d])
+
+        def info(name: str, elem: int, shape: list) -> object:
+            return helper.make_tensor_value_info(name, elem, shape)
+
+        self.int8 = one_node_session(
+            helper.make_node(
+                INT8_ATTENTION_OP,
+                ["qkv", "lengths", "k", "v", "ks", "vs", "cos", "sin"],
+                ["out", "k_out", "v_out", "ks_out", "vs_out"],
+                domain=KVEDGE_OPS_DOMAIN,
+                num_heads=h,
+                kv_num_heads=kvh,
+            ),
+            [qkv_info, info("lengths", TensorProto.INT64, [1])]
+            + [info(n, TensorProto.INT8, cache) for n in ("k", "v")]
+            + [info(n, TensorProto.FLOAT16, scales) for n in ("ks", "vs")]
+            + [info(n, TensorProto.FLOAT, [length, d // 2]) for n in ("cos", "sin")],
+            [out_info]
+            + [info(n, TensorProto.INT8, cache) for n in ("k_out", "v_out")]
+            + [info(n, TensorProto.FLOAT16, scales) for n in ("ks_out", "vs_out")],
+            KVEDGE_OPS_DOMAIN,
+            threads,
+        )
+        self.gqa = one_node_session(
+            helper.make_node(
+                "GroupQueryAttention",
+                ["qkv", "", "", "k", "v", "seqlens", "total", "cos", "sin"],
+                ["out", "k_out", "v_out"],
+                domain="com.microsoft",
+                num_heads=h,
+                kv_num_heads=kvh,
+                scale=1.0,
+                do_rotary=1,
+            ),
+            [qkv_info]
+            + [info(n, TensorProto.FLOAT, cache) for n in ("k", "v")]
+            + [info("seqlens", TensorProto.INT32, [1]), info("total", TensorProto.INT32, [])]
+            + [info(n, TensorProto.FLOAT, [length, d // 2]) for n in ("cos", "sin")],
+            [out_info] + [info(n, TensorProto.FLOAT, cache) for n in ("k_out", "v_out")],
+            "com.microsoft",
+            threads,
+        )
+        rng = np.random.default_rng(0)
+        self.rng = rng
+        angles = np.arange(length)[:, None] * 10000.0 ** (-np.arange(d // 2) / (d // 2))
+        self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        self.codes = {n: rng.integers(-127, 128, cache).astype(np.int8) for n in ("k", "v")}
+        self.factors = {n: np.full(scales, 0.01, np.float16) for n in ("ks", "vs")}
+        self.floats = {n: rng.standard_normal(cache).astype(np.float32) for n in ("k", "v")}
+
+    def calls(self, past: int, new: int) -> dict[str, tuple[ort.InferenceSession, object, list]]:
+        """Both systems bound for `new` tokens after `past` cached ones: name -> (session, binding, kept)."""
+        qkv = self.rng.standard_normal((1, new, (self.h + 2 * self.kvh) * self.d), np.float32)
+        out = np.zeros((1, new, self.h * self.d), np.float32)
+        lengths = np.array([past], np.int64)
+        seqlens, total = np.array([past + new - 1], np.int32), np.array(past + new, np.int32)
+        rope = {"cos": self.cos, "sin": self.sin}
+        kernel_in = {"qkv": qkv, "lengths": lengths, **self.codes, **self.factors, **rope}
+        kernel_out = {"out": out, "k_out": self.codes["k"], "v_out": self.codes["v"]}
+        kernel_out |= {"ks_out": self.factors["ks"], "vs_out": self.factors["vs"]}
+        gqa_in = {"qkv": qkv, **self.floats, "seqlens": seqlens, "total": total, **rope}
+        gqa_out = {"out": out, "k_out": self.floats["k"], "v_out": self.floats["v"]}
+        kept = [qkv, out, lengths, seqlens, total]  # the bound buffers must outlive the bindings
+        return {
+            KERNEL: (self.int8, bound(self.int8, kernel_in, kernel_out), kept),
+            GQA: (self.gqa, bound(self.gqa, gqa_in, gqa_out), kept),
+        }
+
+
+def time_calls(session: ort.InferenceSession, binding, runs: int, warmup: int) -> float:
+    """Mean microseconds per call."""
+    for _ in range(warmup):
+        session.run_with_iobinding(binding)
+    start = time.perf_counter()
+    for _ in range(runs):
+        session.run_with_iobinding(binding)
+    return (time.perf_counter() - start) / runs * 1e6
+
+
+def compare(layer: Layer, past: int, new: int, rounds: int, runs: int, warmup: int) -> str:
+    calls = layer.calls(past, new)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(rounds):
+        for name in list(calls)[:: 1 if round_ % 2 == 0 else -1]:
+            session, binding, _ = calls[name]
+            times[name].append(time_calls(session, binding, runs, warmup))
+    speedup = statistics.median(g / k for k, g in zip(times[KERNEL], times[GQA], strict=True))
+    figures = ", ".join(f"{name} {statistics.median(t):.1f} us" for name, t in times.items())
+    return f"{figures}; kernel {speedup:.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 1536])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[64, 512, 1536])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 1024, 2048])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--prefill-runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
@@ -53,104 +164,15 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--group-size", type=int, default=32)
     args = parser.parse_args()
-    h, kvh, d, length = args.heads, args.kv_heads, args.head_dim, args.max_len
-    groups = d // args.group_size
-    rng = np.random.default_rng(0)
-    qkv = rng.standard_normal((1, 1, (h + 2 * kvh) * d), np.float32)
-    angles = np.arange(length)[:, None] * 10000.0 ** (-np.arange(d // 2) / (d // 2))
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-    def info(name: str, elem: int, shape: list) -> object:
-        return helper.make_tensor_value_info(name, elem, shape)
-
-    cache, scales = [1, kvh, length, d], [1, kvh, length, groups]
-    int8 = one_node_session(
-        helper.make_node(
-            INT8_ATTENTION_OP,
-            ["qkv", "lengths", "k", "v", "ks", "vs", "cos", "sin"],
-            ["out", "k_out", "v_out", "ks_out", "vs_out"],
-            domain=KVEDGE_OPS_DOMAIN,
-            num_heads=h,
-            kv_num_heads=kvh,
-        ),
-        [info("qkv", TensorProto.FLOAT, list(qkv.shape)), info("lengths", TensorProto.INT64, [1])]
-        + [info(n, TensorProto.INT8, cache) for n in ("k", "v")]
-        + [info(n, TensorProto.FLOAT16, scales) for n in ("ks", "vs")]
-        + [info(n, TensorProto.FLOAT, [length, d // 2]) for n in ("cos", "sin")],
-        [info("out", TensorProto.FLOAT, [1, 1, h * d])]
-        + [info(n, TensorProto.INT8, cache) for n in ("k_out", "v_out")]
-        + [info(n, TensorProto.FLOAT16, scales) for n in ("ks_out", "vs_out")],
-        KVEDGE_OPS_DOMAIN,
-        args.threads,
-    )
-    gqa = one_node_session(
-        helper.make_node(
-            "GroupQueryAttention",
-            ["qkv", "", "", "k", "v", "seqlens", "total", "cos", "sin"],
-            ["out", "k_out", "v_out"],
-            domain="com.microsoft",
-            num_heads=h,
-            kv_num_heads=kvh,
-            scale=1.0,
-            do_rotary=1,
-        ),
-        [info("qkv", TensorProto.FLOAT, list(qkv.shape))]
-        + [info(n, TensorProto.FLOAT, cache) for n in ("k", "v")]
-        + [info("seqlens", TensorProto.INT32, [1]), info("total", TensorProto.INT32, [])]
-        + [info(n, TensorProto.FLOAT, [length, d // 2]) for n in ("cos", "sin")],
-        [info("out", TensorProto.FLOAT, [1, 1, h * d])]
-        + [info(n, TensorProto.FLOAT, cache) for n in ("k_out", "v_out")],
-        "com.microsoft",
-        args.threads,
-    )
-    codes = {n: rng.integers(-127, 128, cache).astype(np.int8) for n in ("k", "v")}
-    factors = {n: np.full(scales, 0.01, np.float16) for n in ("ks", "vs")}
-    floats = {n: rng.standard_normal(cache).astype(np.float32) for n in ("k", "v")}
-    out = np.zeros((1, 1, h * d), np.float32)
-    shape = f"{h} query / {kvh} KV heads, head_dim {d}, max_len {length}"
-    print(f"one layer, decode: {shape}, {args.threads} thread(s)")
+    layer = Layer(args.heads, args.kv_heads, args.head_dim, args.max_len, args.group_size, args.threads)
+    shape = f"{args.heads} query / {args.kv_heads} KV heads, head_dim {args.head_dim}, max_len {args.max_len}"
+    print(f"one layer: {shape}, {args.threads} thread(s), {args.rounds} rounds")
     for ctx in args.contexts:
-        lengths = np.array([ctx], np.int64)
-        runs = {
-            "kvedge.Int8CacheAttention (INT8 cache)": (
-                int8,
-                bound(
-                    int8,
-                    {"qkv": qkv, "lengths": lengths, **codes, **factors, "cos": cos, "sin": sin},
-                    {
-                        "out": out,
-                        "k_out": codes["k"],
-                        "v_out": codes["v"],
-                        "ks_out": factors["ks"],
-                        "vs_out": factors["vs"],
-                    },
-                ),
-            ),
-            "GroupQueryAttention (float32 cache)": (
-                gqa,
-                bound(
-                    gqa,
-                    {
-                        "qkv": qkv,
-                        **floats,
-                        "seqlens": np.array([ctx], np.int32),
-                        "total": np.array(ctx + 1, np.int32),
-                        "cos": cos,
-                        "sin": sin,
-                    },
-                    {"out": out, "k_out": floats["k"], "v_out": floats["v"]},
-                ),
-            ),
-        }
-        line = []
-        for name, (session, binding) in runs.items():
-            for _ in range(20):
-                session.run_with_iobinding(binding)
-            start = time.perf_counter()
-            for _ in range(args.runs):
-                session.run_with_iobinding(binding)
-            line.append(f"{name} {(time.perf_counter() - start) / args.runs * 1e6:.1f} us")
-        print(f"ctx {ctx}: " + ", ".join(line), flush=True)
+        print(f"decode ctx {ctx}: " + compare(layer, ctx, 1, args.rounds, args.runs, 20), flush=True)
+    for tokens in args.prefill:
+        print(
+            f"prefill {tokens}: " + compare(layer, 0, tokens, args.rounds, args.prefill_runs, 1), flush=True
+        )
 
 
 if __name__ == "__main__":
