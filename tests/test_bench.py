@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tiny import make_tiny_model
 
-from kvedge.bench import BenchConfig, run_benchmark
+from kvedge.bench import BenchConfig, cpu_flags, run_benchmark
 from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
 from kvedge.bench.report import evaluate_targets, speedup, warm_targets
 from kvedge.bench.systems import SystemSpec
@@ -104,6 +104,22 @@ def test_bad_config_is_named():
         BenchConfig(kvedge=("ort",))
     with pytest.raises(KvedgeError, match=r"warm='some' is not allowed; allowed: \['all', 'first', 'none'\]"):
         BenchConfig(warm="some")
+    with pytest.raises(KvedgeError, match="decode at context 2030 \\+ 24 steps does not fit max_len 2048"):
+        BenchConfig(decode_contexts=(64, 2030))
+    with pytest.raises(KvedgeError, match=r"prefill lengths \[128, 4096\] exceed max_len 2048"):
+        BenchConfig(prefill_lengths=(128, 4096))
+    default = BenchConfig()  # the issue's cases fit: prefill 2048, decode 2000 + 24 steps
+    assert max(default.prefill_lengths) == 2048 and max(default.decode_contexts) == 2000
+
+
+def test_cpu_flags_name_the_kernel_deciding_features():
+    x86 = (
+        "processor\t: 0\nmodel name\t: EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw amx_tile sha_ni\n"
+    )
+    assert cpu_flags(x86) == ["amx_tile", "avx2", "avx512bw", "avx512f", "fma"]
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes asimddp sve\nCPU implementer\t: 0x41\n"
+    assert cpu_flags(arm) == ["fp", "asimd", "evtstrm", "aes", "asimddp", "sve"]
+    assert cpu_flags("") == []
 
 
 def warm_figures(ttft_speedup: float, warmup_speedup: float, growth: float) -> dict:
@@ -159,16 +175,9 @@ def test_sized_text_is_the_shortest_run_of_words_reaching_the_count(tiny_llama):
 def tiny_bench(tmp_path, **settings) -> BenchConfig:
     """A bench run small enough for a test: a tiny random llama, one round, one thread."""
     source = make_tiny_model(tmp_path / "hf", "llama")
+    small = {"threads": 1, "rounds": 1, "steps": 3, "prefill_lengths": (16,), "memory": False}
     return BenchConfig(
-        out=tmp_path / "results",
-        work=tmp_path / "work",
-        source=str(source),
-        threads=1,
-        rounds=1,
-        steps=3,
-        prefill_lengths=(16,),
-        memory=False,
-        **settings,
+        out=tmp_path / "results", work=tmp_path / "work", source=str(source), **(small | settings)
     )
 
 
@@ -221,7 +230,17 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
             "turn growth",
         ]
         assert all(isinstance(t["met"], bool) for t in judged if t["goal"] != "report")
+        # the long prompt: rendered to 2048 tokens (a word's tokens short at most), its warm prefix
+        # covers the system message, the user turn is prefilled
+        assert 2040 <= warm["long_prompt_tokens"] <= 2048
+        assert warm["long_warm_prefix_tokens"] + warm["long_new_tokens"] == warm["long_prompt_tokens"]
+        assert warm["long_new_tokens"] < 40 and warm["long_cold_reused_tokens"] == 0
+        assert len(warm["long_ttft_cold_ms"]) == 1  # rounds pairs
+        long_row = next(t for t in results.targets if t["target"].startswith(f"long TTFT: {name}"))
+        assert long_row["goal"] == "report" and long_row["value"] == warm["long_ttft_speedup"]
     assert any("\nwarm prefixes, kvedge portable float32: TTFT cold" in line for line in lines)  # the table
+    table = next(line for line in lines if line.startswith("system")).splitlines()
+    assert all("-token prompt: cold" in row for row in table if row.startswith("warm prefixes, "))
 
 
 def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):
@@ -234,3 +253,38 @@ def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):
     results = run_benchmark(config, echo=lines.append)
     assert results.quality == {} and "needs a float32 reference" in results.skipped["quality"]
     assert any("skipped: quality needs a float32 reference" in line for line in lines)
+
+
+def test_a_crashing_peer_is_reported_and_the_run_goes_on(tmp_path):
+    """A peer whose process dies of a real segmentation fault in its first timed decode step (the
+    test-only `debug_crashing_peer`): the run finishes, the crash is named with its case and
+    signal in the JSON and the table, the peer's prefill of round 1 stays in the raw rounds but
+    gives no figure (it missed round 2), and the healthy system beside it gets all of its
+    figures, peak RSS (a child process too) included."""
+    config = tiny_bench(
+        tmp_path,
+        kvedge=("portable:float32",),
+        peers=(),
+        debug_crashing_peer=True,
+        rounds=2,
+        decode_contexts=(8, 32),
+        allocation_steps=0,
+        warm="none",
+        exact_size=False,
+        memory=True,
+    )
+    lines: list[str] = []
+    results = run_benchmark(config, echo=lines.append)
+    data = json.loads((tmp_path / "results" / "bench.json").read_text())
+    crash, healthy = "debug crashing peer", "kvedge portable float32"
+    assert data["crashed"] == {crash: "decode 8: its process was killed by SIGSEGV"}
+    assert [s["crashed"] for s in data["systems"]] == [None, "decode 8: its process was killed by SIGSEGV"]
+    assert len(data["rounds"][crash]["prefill:16"]) == 1 and "decode:8" not in data["rounds"][crash]
+    assert data["prefill"][crash] == {} and data["decode"][crash] == {}
+    assert set(data["decode"][healthy]) == {"8", "32"} and set(data["prefill"][healthy]) == {"16"}
+    assert data["memory"][healthy] > 0 and crash not in data["memory"]
+    assert crash not in results.quality  # the reference is the healthy float32 system itself
+    table = next(line for line in lines if line.startswith("system"))
+    assert any(row.startswith(crash) and row.split()[-1] == "crashed" for row in table.splitlines())
+    assert f"crashed: {crash}, in decode 8: its process was killed by SIGSEGV" in table
+    assert data["machine"]["cpu_flags"] == cpu_flags(open("/proc/cpuinfo").read())

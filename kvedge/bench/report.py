@@ -17,6 +17,7 @@ Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measur
 
     warm TTFT         cold / warm-prefix time to first token, 300-token system prompt
                       + 20-token user message                                            >= 10
+    long TTFT         the same for a 2048-token prompt                                   report
     warm start-up     recomputing 4 warm prefixes / loading + verifying their files      >= 20
     turn growth       reuse-path TTFT at turn 8 / at turn 1 (full re-prefill's beside)   <= 1.30
 """
@@ -34,7 +35,7 @@ from kvedge.bench.systems import SystemSpec
 def speedup(results: Any, a: str, b: str, case: str) -> float | None:
     """Median over rounds of time_b / time_a for `case` (e.g. "decode:512"); None if missing."""
     ta, tb = results.rounds.get(a, {}).get(case), results.rounds.get(b, {}).get(case)
-    if not ta or not tb:
+    if not ta or not tb or len(ta) != len(tb):  # a system that crashed mid-run has fewer rounds
         return None
     return float(np.median(np.asarray(tb) / np.asarray(ta)))
 
@@ -47,8 +48,9 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
     rows: list[dict[str, Any]] = []
     names = {s.name: s for s in specs}
     kvedge = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
-    contexts = sorted(next(iter(results.decode.values())).keys()) if results.decode else []
-    lengths = sorted(next(iter(results.prefill.values())).keys()) if results.prefill else []
+    contexts = sorted({c for figures in results.decode.values() for c in figures})
+    lengths = sorted({n for figures in results.prefill.values() for n in figures})
+    crashed = getattr(results, "crashed", {})
 
     for twin in (s for s in specs if s.reference_for):
         case = f"decode:{contexts[0]}"
@@ -93,8 +95,14 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
     hf = next((s.name for s in specs if s.kind == "transformers"), None)
 
     def faster(label: str, spec_name: str, other: str, case: str, floor: float) -> None:
-        """A speed-ratio target row: `spec_name` over `other` on `case`, met at >= `floor`."""
+        """A speed-ratio target row: `spec_name` over `other` on `case`, met at >= `floor`; not
+        judged when `other` crashed before finishing the case."""
         ratio = speedup(results, spec_name, other, case)
+        if ratio is None and other in crashed:
+            rows.append(
+                _target(f"{label}: {spec_name} vs {other}", None, f">= {floor}", None, "peer crashed")
+            )
+            return
         rows.append(
             _target(
                 f"{label}: {spec_name} vs {other}", ratio, f">= {floor}", ratio is not None and ratio >= floor
@@ -163,6 +171,17 @@ def warm_targets(warm: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{w['new_tokens']} of {w['prompt_tokens']} tokens prefilled when warm",
             )
         )
+        if "long_ttft_speedup" in w:
+            rows.append(
+                _target(
+                    f"long TTFT: {name}, {w['long_prompt_tokens']}-token prompt, cold / warm prefix",
+                    w["long_ttft_speedup"],
+                    "report",
+                    None,
+                    f"{w['long_ttft_cold_median_ms']:.0f} vs {w['long_ttft_warm_median_ms']:.0f} ms; "
+                    f"{w['long_new_tokens']} of {w['long_prompt_tokens']} tokens prefilled when warm",
+                )
+            )
         stage = w["warmup_speedup"]
         rows.append(
             _target(
@@ -218,20 +237,21 @@ def table(results: Any) -> str:
     rows = [head]
     for system in results.systems:
         name = system["name"]
+        none = "crashed" if system.get("crashed") else "-"  # a cell without a figure
         pf, dec = results.prefill.get(name, {}), results.decode.get(name, {})
         roof = results.roofline.get(name, {})
         mid = contexts[len(contexts) // 2] if contexts else None
         quality = results.quality.get(name, {})
         rows.append(
             [name, str(system["threads"])]
-            + [f"{pf[n]['tokens_per_s']:.0f}" if n in pf else "-" for n in lengths]
-            + [f"{pf[lengths[0]]['ttft_ms']:.0f}" if lengths and lengths[0] in pf else "-"]
-            + [f"{dec[c]:.1f}" if c in dec else "-" for c in contexts]
+            + [f"{pf[n]['tokens_per_s']:.0f}" if n in pf else none for n in lengths]
+            + [f"{pf[lengths[0]]['ttft_ms']:.0f}" if lengths and lengths[0] in pf else none]
+            + [f"{dec[c]:.1f}" if c in dec else none for c in contexts]
             + [
-                f"{100 * roof[mid]['fraction_of_bound']:.0f}" if mid in roof else "-",
-                f"{results.memory[name]:.0f}" if name in results.memory else "-",
-                f"{quality['mean_kl']:.4f}" if quality else "-",
-                f"{quality['top1_agreement']:.3f}" if quality else "-",
+                f"{100 * roof[mid]['fraction_of_bound']:.0f}" if mid in roof else none,
+                f"{results.memory[name]:.0f}" if name in results.memory else none,
+                f"{quality['mean_kl']:.4f}" if quality else none,
+                f"{quality['top1_agreement']:.3f}" if quality else none,
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -247,14 +267,24 @@ def table(results: Any) -> str:
     lines.append(
         f"copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s; bound% = roofline bound / measured at ctx "
         f"{contexts[len(contexts) // 2] if contexts else '-'}; "
-        f"load average at start {m['load_average'][0]:.1f}"
+        f"load average at start {m['load_average'][0]:.1f}; "
+        f"CPU flags: {' '.join(m.get('cpu_flags', [])) or '-'}"
     )
+    for name, where in results.crashed.items():
+        lines.append(f"crashed: {name}, in {where}")
     for name, w in results.warm.items():
         reuse = " ".join(f"{t['ttft_reuse_ms']:.0f}" for t in w["turns"])
         full = " ".join(f"{t['ttft_full_ms']:.0f}" for t in w["turns"])
+        long = (
+            f"; {w['long_prompt_tokens']}-token prompt: cold {w['long_ttft_cold_median_ms']:.0f} ms, "
+            f"warm {w['long_ttft_warm_median_ms']:.0f} ms"
+            if "long_ttft_speedup" in w
+            else ""
+        )
         lines.append(
             f"warm prefixes, {name}: TTFT cold {w['ttft_cold_median_ms']:.0f} ms, warm "
-            f"{w['ttft_warm_median_ms']:.0f} ms; TTFT per turn, reuse: {reuse} ms; full re-prefill: {full} ms"
+            f"{w['ttft_warm_median_ms']:.0f} ms{long}; TTFT per turn, reuse: {reuse} ms; "
+            f"full re-prefill: {full} ms"
         )
     lines.append("")
     lines.extend(format_target(t) for t in results.targets)
