@@ -288,3 +288,23 @@ def test_a_crashing_peer_is_reported_and_the_run_goes_on(tmp_path):
     assert any(row.startswith(crash) and row.split()[-1] == "crashed" for row in table.splitlines())
     assert f"crashed: {crash}, in decode 8: its process was killed by SIGSEGV" in table
     assert data["machine"]["cpu_flags"] == cpu_flags(open("/proc/cpuinfo").read())
+
+
+def test_kernel_bench_times_both_attentions(capsys):
+    """`python bench/kernel.py` (kvedge.bench.kernel) on small shapes: one decode and one prefill
+    line, each with both systems' times and the kernel's ratio."""
+    from kvedge.bench import kernel
+    from kvedge.runtime import kernels
+
+    try:
+        kernels.library_path()
+    except KvedgeError as exc:
+        pytest.skip(str(exc))
+    kernel.main(
+        ["--contexts", "20", "--prefill", "33", "--runs", "2", "--prefill-runs", "1", "--rounds", "2"]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "one layer: 9 query / 3 KV heads, head_dim 64, max_len 2048, 1 thread(s), 2 rounds"
+    assert [line.split(":")[0] for line in out[1:]] == ["decode ctx 20", "prefill 33"]
+    for line in out[1:]:
+        assert kernel.KERNEL in line and kernel.GQA in line and line.endswith("x")
