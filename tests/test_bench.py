@@ -308,3 +308,33 @@ def test_kernel_bench_times_both_attentions(capsys):
     assert [line.split(":")[0] for line in out[1:]] == ["decode ctx 20", "prefill 33"]
     for line in out[1:]:
         assert kernel.KERNEL in line and kernel.GQA in line and line.endswith("x")
+
+
+def test_decode_targets_cover_every_context_and_flat_growth_stays_at_1536():
+    """Issue 18's contexts 64-2000: int4 decode is judged at each one, 64 included; flat growth
+    keeps issue 3's 1536 / 64 while 1536 is measured; a peer that crashed is not judged."""
+    contexts = (64, 512, 1536, 2000)
+    kv, genai, llama = "kvedge ort int4 kv int8", "onnxruntime-genai int4", "llama.cpp Q4_1"
+    rounds = {
+        kv: {f"decode:{c}": [1.0, 1.0] for c in contexts},
+        genai: {f"decode:{c}": [1.1, 1.2] for c in contexts},
+        llama: {"decode:64": [2.0]},  # crashed in round 2 of decode 64
+    }
+    results = fake_results(rounds)
+    results.decode = {kv: dict.fromkeys(contexts, 1.0), genai: dict.fromkeys(contexts, 1.15)}
+    results.crashed = {llama: "decode 64: its process was killed by SIGSEGV"}
+    specs = [
+        SystemSpec(name=kv, kind="kvedge", path=".", weights="int4", extra={"kv_dtype": "int8"}),
+        SystemSpec(name=genai, kind="onnxruntime-genai", path=".", weights="int4"),
+        SystemSpec(name=llama, kind="llama.cpp", path=".", weights="Q4_1"),
+    ]
+    rows = evaluate_targets(results, specs)
+    against_genai = [r for r in rows if r["target"].startswith("int4 decode") and genai in r["target"]]
+    assert [r["target"].split(":")[0] for r in against_genai] == [f"int4 decode {c}" for c in contexts]
+    assert all(r["met"] and r["value"] == pytest.approx(1.15) for r in against_genai)
+    against_llama = [r for r in rows if r["target"].startswith("int4 decode") and llama in r["target"]]
+    assert len(against_llama) == 4 and all(
+        r["met"] is None and r["note"] == "peer crashed" for r in against_llama
+    )
+    growth = next(r for r in rows if r["target"].startswith("flat growth"))
+    assert growth["target"] == f"flat growth: {kv}, decode 1536 / 64"

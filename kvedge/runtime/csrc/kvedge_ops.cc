@@ -216,10 +216,10 @@ inline F Exp(F x) {
 
 struct Block {
   int64_t n_rows = 0;
-  int64_t limit[kMaxRows];  // row i attends to cache positions [0, limit[i])
-  float* out[kMaxRows];     // where row i's context vector goes
-  const float* q = nullptr;    // [n_rows, d] rotated queries
-  float* scores = nullptr;     // [n_rows, stride]
+  int64_t limit[kMaxRows];   // row i attends to cache positions [0, limit[i])
+  float* out[kMaxRows];      // where row i's context vector goes
+  const float* q = nullptr;  // [n_rows, d] rotated queries
+  float* scores = nullptr;   // [n_rows, stride] (the decode path's)
   int64_t stride = 0;
   const int8_t* k_codes = nullptr;  // this KV head's cache: [slots, d] codes, [slots, groups] scales
   const int8_t* v_codes = nullptr;
