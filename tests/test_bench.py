@@ -108,6 +108,8 @@ def test_bad_config_is_named():
         BenchConfig(decode_contexts=(64, 2030))
     with pytest.raises(KvedgeError, match=r"prefill lengths \[128, 4096\] exceed max_len 2048"):
         BenchConfig(prefill_lengths=(128, 4096))
+    with pytest.raises(KvedgeError, match=r"threads=\(1, 1\): give one or more distinct counts >= 0"):
+        BenchConfig(threads=(1, 1))
     default = BenchConfig()  # the issue's cases fit: prefill 2048, decode 2000 + 24 steps
     assert max(default.prefill_lengths) == 2048 and max(default.decode_contexts) == 2000
 
@@ -338,3 +340,31 @@ def test_decode_targets_cover_every_context_and_flat_growth_stays_at_1536():
     )
     growth = next(r for r in rows if r["target"].startswith("flat growth"))
     assert growth["target"] == f"flat growth: {kv}, decode 1536 / 64"
+
+
+def test_two_thread_counts_side_by_side(tmp_path):
+    """`threads=(1, 2)`: every system but the exact-size twin again at 2 threads, stepping in the
+    same rounds; targets stay at 1 thread and the 2-thread systems are reported against it."""
+    config = tiny_bench(
+        tmp_path,
+        kvedge=("portable:float32",),
+        peers=(),
+        threads=(1, 2),
+        decode_contexts=(8, 32),
+        allocation_steps=0,
+        warm="none",
+    )
+    results = run_benchmark(config, echo=lambda line: None)
+    base, twin, again = (
+        "kvedge portable float32",
+        "kvedge portable float32 max_len 128",
+        "kvedge portable float32 @2 threads",
+    )
+    assert [(s["name"], s["threads"]) for s in results.systems] == [(base, 1), (twin, 1), (again, 2)]
+    assert set(results.decode[again]) == {8, 32} and set(results.prefill[again]) == {16}
+    judged = [t["target"] for t in results.targets]
+    assert (
+        f"threads: {again} vs {base}, prefill 16" in judged
+        and f"threads: {again} vs {base}, decode 32" in judged
+    )
+    assert not any(t.startswith("flat growth") and again in t for t in judged)

@@ -28,6 +28,10 @@ and the JSON (`crashed`), and the run goes on without it; cases it did not finis
 have no figures. The JSON's `machine.cpu_flags` records the CPU features that decide which
 kernels run (x86: avx2, fma, avx512*, amx*; aarch64: the Features line).
 
+Several thread counts (`threads=(1, 2)`) measure every system at each, side by side, as systems
+of their own ("kvedge ort int4 @2 threads"); targets, quality, warm prefixes, memory and
+allocation are judged at the first count, the others are reported against it.
+
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
 table; see docs/PERFORMANCE.md for the latest figures.
 """
@@ -108,7 +112,7 @@ class BenchConfig:
     out: Path = Path("bench/results")
     work: Path = Path("artifacts/bench")
     source: str | None = None  # HF folder or GGUF; default: SmolLM2-135M-Instruct GGUF
-    threads: int = 0  # 0: all cores
+    threads: int | tuple[int, ...] = 0  # per system, 0: all cores; several: each count side by side
     rounds: int = 3
     steps: int = 24  # decode steps per case (the first 2 are dropped as warm-up)
     kvedge: tuple[str, ...] = DEFAULT_KVEDGE  # "variant:weights"
@@ -126,6 +130,15 @@ class BenchConfig:
     command: str = ""  # recorded in the JSON
 
     def __post_init__(self) -> None:
+        counts = (self.threads,) if isinstance(self.threads, int) else tuple(self.threads)
+        if (
+            not counts
+            or len(set(counts)) != len(counts)
+            or not all(isinstance(t, int) and t >= 0 for t in counts)
+        ):
+            raise KvedgeError(
+                f"threads={self.threads!r}: give one or more distinct counts >= 0 (0: all cores)"
+            )
         if self.rounds < 1 or self.steps < 3:
             raise KvedgeError(f"rounds={self.rounds}, steps={self.steps}: need rounds >= 1 and steps >= 3")
         for item in self.kvedge:
@@ -144,8 +157,14 @@ class BenchConfig:
             )
 
     @property
+    def thread_counts(self) -> tuple[int, ...]:
+        counts = (self.threads,) if isinstance(self.threads, int) else tuple(self.threads)
+        return tuple(t or os.cpu_count() or 1 for t in counts)
+
+    @property
     def thread_count(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        """The first thread count: the one targets are judged at."""
+        return self.thread_counts[0]
 
 
 @dataclass
@@ -180,7 +199,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     longest = max((*config.prefill_lengths, *config.decode_contexts))
     tokens = [int(t) for t in rng.integers(100, vocab - 100, longest)]
 
-    echo(f"loading {len(specs)} systems ({threads} threads each)")
+    echo(f"loading {len(specs)} systems ({', '.join(map(str, config.thread_counts))} threads)")
     crashed = results.crashed
 
     def guarded(name: str, case: str, call: Callable[[], Any]) -> Any:
@@ -194,7 +213,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
 
     systems: dict[str, System] = {}
     for spec in specs:
-        system = guarded(spec.name, "loading", partial(_build, spec, threads))
+        system = guarded(spec.name, "loading", partial(_build, spec, spec.threads or threads))
         if system is not None and guarded(
             spec.name, "warm-up", partial(system.run, tokens[: min(256, spec.max_len // 2)], 4)
         ):
@@ -247,7 +266,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                 "weights": spec.weights,
                 "path": str(spec.path),
                 "max_len": spec.max_len,
-                "threads": threads,
+                "threads": spec.threads or threads,
                 "weight_bytes_per_token": spec.weight_bytes_per_token,
                 "kv_bytes_per_token": spec.kv_bytes_per_token,
                 "reference_for": spec.reference_for,
@@ -256,7 +275,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
             }
         )
 
-    alive = [s for s in specs if s.name not in crashed]
+    alive = [s for s in specs if s.name not in crashed and not s.threads_of]  # quality: one thread count
     reference = _quality_reference(alive)
     if config.quality and reference is None:
         results.skipped["quality"] = (
@@ -270,14 +289,15 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         if isinstance(system, ChildSystem):
             system.close()
     systems.clear()  # unload before the warm-prefix and memory runs
-    warm = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
+    first = [s for s in specs if not s.reference_for and not s.threads_of]  # one system per thread count
+    warm = [s for s in first if s.kind == "kvedge"]
     for spec in {"all": warm, "first": warm[:1], "none": []}[config.warm]:
         echo(f"warm prefixes: {spec.name}")
         results.warm[spec.name] = measure_warm(spec.path, threads, config.rounds, echo)
     if config.memory:
         echo("peak RSS: one fresh process per system")
-        for spec in specs:
-            if not spec.reference_for and spec.name not in crashed:
+        for spec in first:
+            if spec.name not in crashed:
                 rss = guarded(
                     spec.name,
                     "peak RSS",
@@ -287,11 +307,10 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                     results.memory[spec.name] = rss
     if config.allocation_steps:
         echo(f"allocation growth over {config.allocation_steps} decode steps (kvedge)")
-        for spec in specs:
-            if spec.kind == "kvedge" and not spec.reference_for:
-                results.allocation[spec.name] = measure.allocation_profile(
-                    spec, threads, tokens[:64], config.allocation_steps
-                )
+        for spec in warm:
+            results.allocation[spec.name] = measure.allocation_profile(
+                spec, threads, tokens[:64], config.allocation_steps
+            )
 
     results.targets = evaluate_targets(results, specs)
     config.out.mkdir(parents=True, exist_ok=True)
@@ -410,6 +429,12 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                     kv_bytes_per_token=fp32_kv // 2,  # f16 K and V by default
                 )
             )
+    for count in config.thread_counts[1:]:
+        specs += [
+            dataclasses.replace(s, name=f"{s.name} @{count} threads", threads=count, threads_of=s.name)
+            for s in list(specs)
+            if not s.reference_for and not s.threads_of
+        ]
     if config.debug_crashing_peer:
         specs.append(
             SystemSpec(name="debug crashing peer", kind="debug-crash", path=Path("."), weights="none")

@@ -20,6 +20,9 @@ Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measur
     warm TTFT         cold / warm-prefix time to first token, 300-token system prompt
                       + 20-token user message                                            >= 10
     long TTFT         the same for a 2048-token prompt                                   report
+
+Other thread counts: each system at the count vs at the first, prefill at the longest prompt
+and decode at the longest context                                                        report
     warm start-up     recomputing 4 warm prefixes / loading + verifying their files      >= 20
     turn growth       reuse-path TTFT at turn 8 / at turn 1 (full re-prefill's beside)   <= 1.30
 """
@@ -49,7 +52,10 @@ def _target(name: str, value: float | None, goal: str, met: bool | None, note: s
 
 
 def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, Any]]:
+    """Target rows at the first thread count, then report rows for the other counts."""
     rows: list[dict[str, Any]] = []
+    again = [s for s in specs if s.threads_of]  # the same systems at other thread counts
+    specs = [s for s in specs if not s.threads_of]
     names = {s.name: s for s in specs}
     kvedge = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
     contexts = sorted({c for figures in results.decode.values() for c in figures})
@@ -157,6 +163,13 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                         _target(f"prefill {n}: {spec.name} vs {llama}", ratio, "report (~2x expected)", None)
                     )
     rows.extend(warm_targets(results.warm))
+    for spec in again:
+        for case in ([f"prefill:{lengths[-1]}"] if lengths else []) + (
+            [f"decode:{contexts[-1]}"] if contexts else []
+        ):
+            ratio = speedup(results, spec.name, spec.threads_of, case)
+            what = case.replace(":", " ")
+            rows.append(_target(f"threads: {spec.name} vs {spec.threads_of}, {what}", ratio, "report", None))
     return rows
 
 

@@ -95,6 +95,8 @@ class SystemSpec:
     weight_bytes_per_token: int = 0  # weights read per decode token (see roofline in __init__)
     kv_bytes_per_token: int = 0  # cache bytes per valid token read per decode step
     reference_for: str | None = None  # exact-size twin: name of the max_len-2048 system it checks
+    threads: int = 0  # 0: the run's (first) thread count
+    threads_of: str | None = None  # this system again at another thread count: the first one's name
     extra: dict[str, Any] = field(default_factory=dict)
 
     def build(self, threads: int) -> System:
