@@ -711,7 +711,15 @@ def eval_kv(
     help="Artifacts (exports, HF folder, onnxruntime-genai builds), reused when present.",
 )
 @click.option("--source", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct GGUF).")
-@click.option("--threads", default=0, show_default=True, type=int, help="Threads per system (0: all cores).")
+@click.option(
+    "--threads",
+    default=(0,),
+    multiple=True,
+    show_default=True,
+    type=int,
+    help="Threads per system (0: all cores); repeat (--threads 1 --threads 2) to measure every system at "
+    "each count side by side (targets judged at the first).",
+)
 @device_option
 @click.option(
     "--rounds", default=3, show_default=True, type=int, help="Alternating rounds (medians over them)."
@@ -749,7 +757,7 @@ def bench(
     out: Path,
     work: Path,
     source: str | None,
-    threads: int,
+    threads: tuple[int, ...],
     device: str,
     rounds: int,
     steps: int,

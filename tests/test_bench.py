@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tiny import make_tiny_model
 
-from kvedge.bench import BenchConfig, run_benchmark
+from kvedge.bench import BenchConfig, cpu_flags, run_benchmark
 from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
 from kvedge.bench.report import evaluate_targets, speedup, warm_targets
 from kvedge.bench.systems import SystemSpec
@@ -104,6 +104,24 @@ def test_bad_config_is_named():
         BenchConfig(kvedge=("ort",))
     with pytest.raises(KvedgeError, match=r"warm='some' is not allowed; allowed: \['all', 'first', 'none'\]"):
         BenchConfig(warm="some")
+    with pytest.raises(KvedgeError, match="decode at context 2030 \\+ 24 steps does not fit max_len 2048"):
+        BenchConfig(decode_contexts=(64, 2030))
+    with pytest.raises(KvedgeError, match=r"prefill lengths \[128, 4096\] exceed max_len 2048"):
+        BenchConfig(prefill_lengths=(128, 4096))
+    with pytest.raises(KvedgeError, match=r"threads=\(1, 1\): give one or more distinct counts >= 0"):
+        BenchConfig(threads=(1, 1))
+    default = BenchConfig()  # the issue's cases fit: prefill 2048, decode 2000 + 24 steps
+    assert max(default.prefill_lengths) == 2048 and max(default.decode_contexts) == 2000
+
+
+def test_cpu_flags_name_the_kernel_deciding_features():
+    x86 = (
+        "processor\t: 0\nmodel name\t: EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw amx_tile sha_ni\n"
+    )
+    assert cpu_flags(x86) == ["amx_tile", "avx2", "avx512bw", "avx512f", "fma"]
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes asimddp sve\nCPU implementer\t: 0x41\n"
+    assert cpu_flags(arm) == ["fp", "asimd", "evtstrm", "aes", "asimddp", "sve"]
+    assert cpu_flags("") == []
 
 
 def warm_figures(ttft_speedup: float, warmup_speedup: float, growth: float) -> dict:
@@ -159,16 +177,9 @@ def test_sized_text_is_the_shortest_run_of_words_reaching_the_count(tiny_llama):
 def tiny_bench(tmp_path, **settings) -> BenchConfig:
     """A bench run small enough for a test: a tiny random llama, one round, one thread."""
     source = make_tiny_model(tmp_path / "hf", "llama")
+    small = {"threads": 1, "rounds": 1, "steps": 3, "prefill_lengths": (16,), "memory": False}
     return BenchConfig(
-        out=tmp_path / "results",
-        work=tmp_path / "work",
-        source=str(source),
-        threads=1,
-        rounds=1,
-        steps=3,
-        prefill_lengths=(16,),
-        memory=False,
-        **settings,
+        out=tmp_path / "results", work=tmp_path / "work", source=str(source), **(small | settings)
     )
 
 
@@ -221,7 +232,17 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
             "turn growth",
         ]
         assert all(isinstance(t["met"], bool) for t in judged if t["goal"] != "report")
+        # the long prompt: rendered to 2048 tokens (a word's tokens short at most), its warm prefix
+        # covers the system message, the user turn is prefilled
+        assert 2040 <= warm["long_prompt_tokens"] <= 2048
+        assert warm["long_warm_prefix_tokens"] + warm["long_new_tokens"] == warm["long_prompt_tokens"]
+        assert warm["long_new_tokens"] < 40 and warm["long_cold_reused_tokens"] == 0
+        assert len(warm["long_ttft_cold_ms"]) == 1  # rounds pairs
+        long_row = next(t for t in results.targets if t["target"].startswith(f"long TTFT: {name}"))
+        assert long_row["goal"] == "report" and long_row["value"] == warm["long_ttft_speedup"]
     assert any("\nwarm prefixes, kvedge portable float32: TTFT cold" in line for line in lines)  # the table
+    table = next(line for line in lines if line.startswith("system")).splitlines()
+    assert all("-token prompt: cold" in row for row in table if row.startswith("warm prefixes, "))
 
 
 def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):
@@ -234,3 +255,116 @@ def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):
     results = run_benchmark(config, echo=lines.append)
     assert results.quality == {} and "needs a float32 reference" in results.skipped["quality"]
     assert any("skipped: quality needs a float32 reference" in line for line in lines)
+
+
+def test_a_crashing_peer_is_reported_and_the_run_goes_on(tmp_path):
+    """A peer whose process dies of a real segmentation fault in its first timed decode step (the
+    test-only `debug_crashing_peer`): the run finishes, the crash is named with its case and
+    signal in the JSON and the table, the peer's prefill of round 1 stays in the raw rounds but
+    gives no figure (it missed round 2), and the healthy system beside it gets all of its
+    figures, peak RSS (a child process too) included."""
+    config = tiny_bench(
+        tmp_path,
+        kvedge=("portable:float32",),
+        peers=(),
+        debug_crashing_peer=True,
+        rounds=2,
+        decode_contexts=(8, 32),
+        allocation_steps=0,
+        warm="none",
+        exact_size=False,
+        memory=True,
+    )
+    lines: list[str] = []
+    results = run_benchmark(config, echo=lines.append)
+    data = json.loads((tmp_path / "results" / "bench.json").read_text())
+    crash, healthy = "debug crashing peer", "kvedge portable float32"
+    assert data["crashed"] == {crash: "decode 8: its process was killed by SIGSEGV"}
+    assert [s["crashed"] for s in data["systems"]] == [None, "decode 8: its process was killed by SIGSEGV"]
+    assert len(data["rounds"][crash]["prefill:16"]) == 1 and "decode:8" not in data["rounds"][crash]
+    assert data["prefill"][crash] == {} and data["decode"][crash] == {}
+    assert set(data["decode"][healthy]) == {"8", "32"} and set(data["prefill"][healthy]) == {"16"}
+    assert data["memory"][healthy] > 0 and crash not in data["memory"]
+    assert crash not in results.quality  # the reference is the healthy float32 system itself
+    table = next(line for line in lines if line.startswith("system"))
+    assert any(row.startswith(crash) and row.split()[-1] == "crashed" for row in table.splitlines())
+    assert f"crashed: {crash}, in decode 8: its process was killed by SIGSEGV" in table
+    assert data["machine"]["cpu_flags"] == cpu_flags(open("/proc/cpuinfo").read())
+
+
+def test_kernel_bench_times_both_attentions(capsys):
+    """`python bench/kernel.py` (kvedge.bench.kernel) on small shapes: one decode and one prefill
+    line, each with both systems' times and the kernel's ratio."""
+    from kvedge.bench import kernel
+    from kvedge.runtime import kernels
+
+    try:
+        kernels.library_path()
+    except KvedgeError as exc:
+        pytest.skip(str(exc))
+    kernel.main(
+        ["--contexts", "20", "--prefill", "33", "--runs", "2", "--prefill-runs", "1", "--rounds", "2"]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "one layer: 9 query / 3 KV heads, head_dim 64, max_len 2048, 1 thread(s), 2 rounds"
+    assert [line.split(":")[0] for line in out[1:]] == ["decode ctx 20", "prefill 33"]
+    for line in out[1:]:
+        assert kernel.KERNEL in line and kernel.GQA in line and line.endswith("x")
+
+
+def test_decode_targets_cover_every_context_and_flat_growth_stays_at_1536():
+    """Issue 18's contexts 64-2000: int4 decode is judged at each one, 64 included; flat growth
+    keeps issue 3's 1536 / 64 while 1536 is measured; a peer that crashed is not judged."""
+    contexts = (64, 512, 1536, 2000)
+    kv, genai, llama = "kvedge ort int4 kv int8", "onnxruntime-genai int4", "llama.cpp Q4_1"
+    rounds = {
+        kv: {f"decode:{c}": [1.0, 1.0] for c in contexts},
+        genai: {f"decode:{c}": [1.1, 1.2] for c in contexts},
+        llama: {"decode:64": [2.0]},  # crashed in round 2 of decode 64
+    }
+    results = fake_results(rounds)
+    results.decode = {kv: dict.fromkeys(contexts, 1.0), genai: dict.fromkeys(contexts, 1.15)}
+    results.crashed = {llama: "decode 64: its process was killed by SIGSEGV"}
+    specs = [
+        SystemSpec(name=kv, kind="kvedge", path=".", weights="int4", extra={"kv_dtype": "int8"}),
+        SystemSpec(name=genai, kind="onnxruntime-genai", path=".", weights="int4"),
+        SystemSpec(name=llama, kind="llama.cpp", path=".", weights="Q4_1"),
+    ]
+    rows = evaluate_targets(results, specs)
+    against_genai = [r for r in rows if r["target"].startswith("int4 decode") and genai in r["target"]]
+    assert [r["target"].split(":")[0] for r in against_genai] == [f"int4 decode {c}" for c in contexts]
+    assert all(r["met"] and r["value"] == pytest.approx(1.15) for r in against_genai)
+    against_llama = [r for r in rows if r["target"].startswith("int4 decode") and llama in r["target"]]
+    assert len(against_llama) == 4 and all(
+        r["met"] is None and r["note"] == "peer crashed" for r in against_llama
+    )
+    growth = next(r for r in rows if r["target"].startswith("flat growth"))
+    assert growth["target"] == f"flat growth: {kv}, decode 1536 / 64"
+
+
+def test_two_thread_counts_side_by_side(tmp_path):
+    """`threads=(1, 2)`: every system but the exact-size twin again at 2 threads, stepping in the
+    same rounds; targets stay at 1 thread and the 2-thread systems are reported against it."""
+    config = tiny_bench(
+        tmp_path,
+        kvedge=("portable:float32",),
+        peers=(),
+        threads=(1, 2),
+        decode_contexts=(8, 32),
+        allocation_steps=0,
+        warm="none",
+    )
+    results = run_benchmark(config, echo=lambda line: None)
+    base, twin, again = (
+        "kvedge portable float32",
+        "kvedge portable float32 max_len 128",
+        "kvedge portable float32 @2 threads",
+    )
+    assert [(s["name"], s["threads"]) for s in results.systems] == [(base, 1), (twin, 1), (again, 2)]
+    assert set(results.decode[again]) == {8, 32} and set(results.prefill[again]) == {16}
+    judged = [t["target"] for t in results.targets]
+    assert (
+        f"threads: {again} vs {base}, prefill 16" in judged
+        and f"threads: {again} vs {base}, decode 32" in judged
+    )
+    assert not any(t.startswith("flat growth") and again in t for t in judged)

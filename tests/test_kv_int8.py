@@ -303,14 +303,16 @@ def test_missing_kernel_library_is_named(tmp_path):
 CSRC = Path(__file__).resolve().parent.parent / "kvedge" / "runtime" / "csrc"
 
 
-def build_and_run_selftest(compiler: list[str], runner: list[str], out: Path) -> str:
+def build_and_run_selftest(
+    compiler: list[str], runner: list[str], out: Path, args: tuple[str, ...] = ()
+) -> str:
     include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
     subprocess.run(
         [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
         check=True,
         capture_output=True,
     )
-    run = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([*runner, str(out), *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     return run.stdout
 
@@ -324,6 +326,20 @@ def test_kernel_vector_paths_match_its_scalar_path(tmp_path):
     assert out.count("ok  ") == 60 and "FAIL" not in out
 
 
+# 15 (head_dim, group size) pairs x 3 cache blocks x 5 (rows, positions) shapes, then 11 whole calls
+TILED_CASES = 15 * 3 * 5 + 11
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_kernel_tiled_prefill_matches_exact_attention(tmp_path):
+    """The prefill path (tiles of query rows against blocks of dequantized cache rows, online
+    softmax) against attention computed in double precision (1e-5 relative), at cache blocks of
+    16, 36 and the kernel's own, and whole calls cut into work items: ragged last tiles, past
+    lengths that are no multiple of a tile or block, KV groups of 3, 2 and 1, the generic head_dim."""
+    out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest", ("tiled",))
+    assert out.count("ok  ") == TILED_CASES and "FAIL" not in out
+
+
 @pytest.mark.skipif(
     shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
     reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
@@ -334,3 +350,14 @@ def test_kernel_neon_path_matches_its_scalar_path(tmp_path):
     compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
     out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64")
     assert out.count("ok  ") == 60 and "FAIL" not in out
+
+
+@pytest.mark.skipif(
+    shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+    reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
+)
+def test_kernel_neon_tiled_prefill_matches_exact_attention(tmp_path):
+    """The tiled prefill self-test built for a Jetson Orin's CPU and run under qemu."""
+    compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
+    out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64", ("tiled",))
+    assert out.count("ok  ") == TILED_CASES and "FAIL" not in out

@@ -7,10 +7,11 @@ the median over rounds of the per-round ratio (the machine is shared and noisy; 
 neighbouring runs are what we quote). Cases, all batch 1, greedy, same random token ids:
 
     prefill P   fresh sequence, P prompt tokens, until the first token is picked: tokens/s and
-                time to first token (P = 128, 512, 1024)
+                time to first token (P = 128, 512, 1024, 2048)
     decode C    every system prefilled to C tokens (untimed), then `steps` decode steps taken
                 in turn, one step of each system after the other, so load changes hit all
-                systems alike: median ms/token (C = 64, 512, 1536; caches sized max_len = 2048).
+                systems alike: median ms/token (C = 64, 512, 1536, 2000; caches sized
+                max_len = 2048, which holds 2000 + the steps).
                 transformers `generate` cannot be stepped from outside: it runs its steps as
                 one block after the others.
 
@@ -20,6 +21,16 @@ denominator of "no work over unused slots". Peak RSS is measured per system in a
 Warm prefixes (issue 5: warm vs cold TTFT, warm-file start-up, turn-N TTFT; `kvedge.bench.warm`)
 are measured after the other systems are unloaded, for every kvedge system (`warm="all"`), the
 first one only (`"first"`, what `--quick` does) or none.
+
+Peers run in a child process each (`kvedge.bench.systems.ChildSystem`): one that crashes (a
+segfault in its native code) is reported as crashed, with the case and the signal, in the table
+and the JSON (`crashed`), and the run goes on without it; cases it did not finish in every round
+have no figures. The JSON's `machine.cpu_flags` records the CPU features that decide which
+kernels run (x86: avx2, fma, avx512*, amx*; aarch64: the Features line).
+
+Several thread counts (`threads=(1, 2)`) measure every system at each, side by side, as systems
+of their own ("kvedge ort int4 @2 threads"); targets, quality, warm prefixes, memory and
+allocation are judged at the first count, the others are reported against it.
 
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
 table; see docs/PERFORMANCE.md for the latest figures.
@@ -36,10 +47,10 @@ import logging
 import os
 import platform
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +59,7 @@ import numpy as np
 from kvedge.bench import measure
 from kvedge.bench.prepare import KvedgeBuild, Workdir
 from kvedge.bench.report import evaluate_targets, plot, table
-from kvedge.bench.systems import Steppable, SystemSpec
+from kvedge.bench.systems import ChildSystem, System, SystemCrashed, SystemSpec
 from kvedge.bench.warm import measure_warm
 from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.contract.engine import DEVICES
@@ -56,8 +67,9 @@ from kvedge.errors import KvedgeError
 
 log = logging.getLogger(__name__)
 
-PREFILL_LENGTHS = (128, 512, 1024)
-DECODE_CONTEXTS = (64, 512, 1536)
+PREFILL_LENGTHS = (128, 512, 1024, 2048)
+DECODE_CONTEXTS = (64, 512, 1536, 2000)
+MAX_LEN = 2048  # the cache size of every system but the exact-size twins
 EXACT_SIZE_MAX_LEN = 128  # holds decode-64 plus its steps
 DEFAULT_KVEDGE = (
     "portable:float32",
@@ -101,7 +113,7 @@ class BenchConfig:
     out: Path = Path("bench/results")
     work: Path = Path("artifacts/bench")
     source: str | None = None  # HF folder or GGUF; default: SmolLM2-135M-Instruct GGUF
-    threads: int = 0  # 0: all cores
+    threads: int | tuple[int, ...] = 0  # per system, 0: all cores; several: each count side by side
     device: str = "cpu"  # kvedge systems' backend: one of DEVICES
     rounds: int = 3
     steps: int = 24  # decode steps per case (the first 2 are dropped as warm-up)
@@ -115,10 +127,20 @@ class BenchConfig:
     quality: bool = True  # KL / top-1 of quantized weights against float32
     exact_size: bool = True  # exact-size twins for the unused-slots target
     warm: str = "all"  # warm prefixes and multi-turn reuse for kvedge systems: one of WARM
+    debug_crashing_peer: bool = False  # tests only: add a peer whose process segfaults in decode
     seed: int = 0
     command: str = ""  # recorded in the JSON
 
     def __post_init__(self) -> None:
+        counts = (self.threads,) if isinstance(self.threads, int) else tuple(self.threads)
+        if (
+            not counts
+            or len(set(counts)) != len(counts)
+            or not all(isinstance(t, int) and t >= 0 for t in counts)
+        ):
+            raise KvedgeError(
+                f"threads={self.threads!r}: give one or more distinct counts >= 0 (0: all cores)"
+            )
         if self.rounds < 1 or self.steps < 3:
             raise KvedgeError(f"rounds={self.rounds}, steps={self.steps}: need rounds >= 1 and steps >= 3")
         if self.device not in DEVICES:
@@ -130,13 +152,23 @@ class BenchConfig:
                 raise KvedgeError(f"peer {peer!r} is unknown; allowed: {list(PEERS)}")
         if self.warm not in WARM:
             raise KvedgeError(f"warm={self.warm!r} is not allowed; allowed: {list(WARM)}")
-        longest = max((*self.prefill_lengths, *self.decode_contexts))
-        if longest + self.steps + 1 > 2048:
-            raise KvedgeError(f"cases up to {longest} tokens + {self.steps} steps do not fit max_len 2048")
+        if max(self.prefill_lengths, default=0) > MAX_LEN:
+            raise KvedgeError(f"prefill lengths {list(self.prefill_lengths)} exceed max_len {MAX_LEN}")
+        longest = max(self.decode_contexts, default=0)
+        if longest + self.steps + 1 > MAX_LEN:
+            raise KvedgeError(
+                f"decode at context {longest} + {self.steps} steps does not fit max_len {MAX_LEN}"
+            )
+
+    @property
+    def thread_counts(self) -> tuple[int, ...]:
+        counts = (self.threads,) if isinstance(self.threads, int) else tuple(self.threads)
+        return tuple(t or os.cpu_count() or 1 for t in counts)
 
     @property
     def thread_count(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        """The first thread count: the one targets are judged at."""
+        return self.thread_counts[0]
 
 
 @dataclass
@@ -153,6 +185,7 @@ class Results:
     allocation: dict[str, dict[str, float]] = field(default_factory=dict)
     warm: dict[str, dict[str, Any]] = field(default_factory=dict)  # system -> `measure_warm` figures
     skipped: dict[str, str] = field(default_factory=dict)
+    crashed: dict[str, str] = field(default_factory=dict)  # system -> the case and how its process died
     targets: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -170,35 +203,62 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     longest = max((*config.prefill_lengths, *config.decode_contexts))
     tokens = [int(t) for t in rng.integers(100, vocab - 100, longest)]
 
-    echo(f"loading {len(specs)} systems ({threads} threads each)")
-    systems = {spec.name: spec.build(threads) for spec in specs}
+    echo(f"loading {len(specs)} systems ({', '.join(map(str, config.thread_counts))} threads)")
+    crashed = results.crashed
+
+    def guarded(name: str, case: str, call: Callable[[], Any]) -> Any:
+        """call(), or None when `name`'s process dies in it (recorded in `crashed`)."""
+        try:
+            return call()
+        except SystemCrashed as exc:
+            crashed[name] = f"{case}: {exc}"
+            echo(f"{name} crashed in {case}: {exc}")
+            return None
+
+    systems: dict[str, System] = {}
     for spec in specs:
-        systems[spec.name].run(tokens[: min(256, spec.max_len // 2)], 4)
-        log.info("warmed up %s", spec.name)
+        system = guarded(spec.name, "loading", partial(_build, spec, spec.threads or threads))
+        if system is not None and guarded(
+            spec.name, "warm-up", partial(system.run, tokens[: min(256, spec.max_len // 2)], 4)
+        ):
+            systems[spec.name] = system
+            log.info("warmed up %s", spec.name)
 
     raw: dict[str, dict[str, list[float]]] = {s.name: {} for s in specs}
     for round_index in range(config.rounds):
         order = specs[round_index % len(specs) :] + specs[: round_index % len(specs)]
         for n in config.prefill_lengths:
-            for spec in (s for s in order if not s.reference_for):
-                ttft, _ = systems[spec.name].run(tokens[:n], 0)
-                raw[spec.name].setdefault(f"prefill:{n}", []).append(ttft)
+            for spec in (s for s in order if not s.reference_for and s.name not in crashed):
+                ran = guarded(spec.name, f"prefill {n}", partial(systems[spec.name].run, tokens[:n], 0))
+                if ran is not None:
+                    raw[spec.name].setdefault(f"prefill:{n}", []).append(ran[0])
         for c in config.decode_contexts:
-            here = [s for s in order if not s.reference_for or c == min(config.decode_contexts)]
-            for name, seconds in _decode_case(systems, here, tokens[:c], config.steps).items():
+            here = [
+                s
+                for s in order
+                if s.name not in crashed and (not s.reference_for or c == min(config.decode_contexts))
+            ]
+            for name, seconds in _decode_case(systems, here, tokens[:c], config.steps, guarded).items():
                 raw[name].setdefault(f"decode:{c}", []).append(seconds)
         echo(f"round {round_index + 1}/{config.rounds} done")
     results.rounds = raw
+
+    def complete(figures: dict[str, list[float]], case: str) -> list[float] | None:
+        """A case's per-round figures, if the system finished it in every round."""
+        values = figures.get(case)
+        return values if values and len(values) == config.rounds else None
 
     for spec in specs:
         figures = raw[spec.name]
         results.prefill[spec.name] = {
             n: {"ttft_ms": 1e3 * float(np.median(v)), "tokens_per_s": n / float(np.median(v))}
             for n in config.prefill_lengths
-            if (v := figures.get(f"prefill:{n}"))
+            if (v := complete(figures, f"prefill:{n}"))
         }
         results.decode[spec.name] = {
-            c: 1e3 * float(np.median(v)) for c in config.decode_contexts if (v := figures.get(f"decode:{c}"))
+            c: 1e3 * float(np.median(v))
+            for c in config.decode_contexts
+            if (v := complete(figures, f"decode:{c}"))
         }
         results.roofline[spec.name] = {
             c: _roofline(spec, c, ms, bandwidth) for c, ms in results.decode[spec.name].items()
@@ -210,15 +270,17 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                 "weights": spec.weights,
                 "path": str(spec.path),
                 "max_len": spec.max_len,
-                "threads": threads,
+                "threads": spec.threads or threads,
                 "weight_bytes_per_token": spec.weight_bytes_per_token,
                 "kv_bytes_per_token": spec.kv_bytes_per_token,
                 "reference_for": spec.reference_for,
+                "crashed": crashed.get(spec.name),
                 **spec.extra,
             }
         )
 
-    reference = _quality_reference(specs)
+    alive = [s for s in specs if s.name not in crashed and not s.threads_of]  # quality: one thread count
+    reference = _quality_reference(alive)
     if config.quality and reference is None:
         results.skipped["quality"] = (
             "quality needs a float32 reference: transformers among the peers or a kvedge float32 system"
@@ -226,24 +288,33 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         echo(f"skipped: {results.skipped['quality']}")
     elif config.quality:
         echo("quality: KL / top-1 against float32 weights over 20 prompts")
-        results.quality = _quality(reference, specs, systems)
-    del systems
-    warm = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
+        results.quality = _quality(reference, alive, systems, guarded)
+    for system in systems.values():
+        if isinstance(system, ChildSystem):
+            system.close()
+    systems.clear()  # unload before the warm-prefix and memory runs
+    first = [s for s in specs if not s.reference_for and not s.threads_of]  # one system per thread count
+    warm = [s for s in first if s.kind == "kvedge"]
     for spec in {"all": warm, "first": warm[:1], "none": []}[config.warm]:
         echo(f"warm prefixes: {spec.name}")
         results.warm[spec.name] = measure_warm(spec.path, threads, config.rounds, echo)
     if config.memory:
         echo("peak RSS: one fresh process per system")
-        for spec in specs:
-            if not spec.reference_for:
-                results.memory[spec.name] = measure.peak_rss_mib(spec, threads, tokens[:1024], 16)
+        for spec in first:
+            if spec.name not in crashed:
+                rss = guarded(
+                    spec.name,
+                    "peak RSS",
+                    partial(measure.peak_rss_mib, spec, threads, tokens[:1024], 16),
+                )
+                if rss is not None:
+                    results.memory[spec.name] = rss
     if config.allocation_steps:
         echo(f"allocation growth over {config.allocation_steps} decode steps (kvedge)")
-        for spec in specs:
-            if spec.kind == "kvedge" and not spec.reference_for:
-                results.allocation[spec.name] = measure.allocation_profile(
-                    spec, threads, tokens[:64], config.allocation_steps
-                )
+        for spec in warm:
+            results.allocation[spec.name] = measure.allocation_profile(
+                spec, threads, tokens[:64], config.allocation_steps
+            )
 
     results.targets = evaluate_targets(results, specs)
     config.out.mkdir(parents=True, exist_ok=True)
@@ -254,26 +325,49 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     return results
 
 
+def _build(spec: SystemSpec, threads: int) -> System:
+    """kvedge systems in this process; peers in a child process each, where a crash is theirs alone."""
+    return spec.build(threads) if spec.kind == "kvedge" else ChildSystem(spec, threads)
+
+
+def _started(system: System, ids: list[int]) -> bool:
+    system.start(ids)
+    return True
+
+
 def _decode_case(
-    systems: dict[str, Any], specs: list[SystemSpec], ids: list[int], steps: int
+    systems: dict[str, System],
+    specs: list[SystemSpec],
+    ids: list[int],
+    steps: int,
+    guarded: Callable[[str, str, Callable[[], Any]], Any],
 ) -> dict[str, float]:
     """Median seconds per decode step at context len(ids), the first 2 steps dropped.
 
     Steppable systems are prefilled (untimed), then their steps interleave one by one; the
-    others (transformers `generate`) run their steps as one block.
+    others (transformers `generate`) run their steps as one block. A system whose process dies
+    (`guarded` returns None) leaves the case and has no figure in it.
     """
-    stepped = [s.name for s in specs if isinstance(systems[s.name], Steppable)]
+    case = f"decode {len(ids)}"
+    stepped = [
+        s.name
+        for s in specs
+        if systems[s.name].steppable and guarded(s.name, case, partial(_started, systems[s.name], ids))
+    ]
     times: dict[str, list[float]] = {name: [] for name in stepped}
-    for name in stepped:
-        systems[name].start(ids)
     for _ in range(steps):
-        for name in stepped:
-            started = time.perf_counter()
-            systems[name].step()
-            times[name].append(time.perf_counter() - started)
+        for name in list(stepped):
+            seconds = guarded(name, case, systems[name].timed_step)
+            if seconds is None:
+                stepped.remove(name)
+                del times[name]
+            else:
+                times[name].append(seconds)
     for spec in specs:
-        if spec.name not in times:
-            times[spec.name] = systems[spec.name].run(ids, steps)[1]
+        if spec.name not in times and not systems[spec.name].steppable:
+            ran = guarded(spec.name, case, partial(systems[spec.name].run, ids, steps))
+            if ran is not None:
+                times[spec.name] = ran[1]
     return {name: float(np.median(t[2:])) for name, t in times.items()}
 
 
@@ -344,6 +438,16 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                     kv_bytes_per_token=fp32_kv // 2,  # f16 K and V by default
                 )
             )
+    for count in config.thread_counts[1:]:
+        specs += [
+            dataclasses.replace(s, name=f"{s.name} @{count} threads", threads=count, threads_of=s.name)
+            for s in list(specs)
+            if not s.reference_for and not s.threads_of
+        ]
+    if config.debug_crashing_peer:
+        specs.append(
+            SystemSpec(name="debug crashing peer", kind="debug-crash", path=Path("."), weights="none")
+        )
     return specs, skipped
 
 
@@ -414,10 +518,18 @@ def _quality_reference(specs: list[SystemSpec]) -> str | None:
     return None
 
 
+def _all_logits(system: System, prompts: list[list[int]]) -> list[np.ndarray]:
+    return [system.next_token_logits(ids) for ids in prompts]
+
+
 def _quality(
-    reference_name: str, specs: list[SystemSpec], systems: dict[str, Any]
+    reference_name: str,
+    specs: list[SystemSpec],
+    systems: dict[str, Any],
+    guarded: Callable[[str, str, Callable[[], Any]], Any],
 ) -> dict[str, dict[str, float]]:
-    """Every other system against the float32 reference `reference_name`."""
+    """Every other system against the float32 reference `reference_name` (a system whose process
+    dies meanwhile is left out)."""
     from tokenizers import Tokenizer
 
     first = next(s for s in specs if s.kind == "kvedge")
@@ -428,9 +540,16 @@ def _quality(
     for spec in specs:
         if spec.name == reference_name or spec.reference_for:
             continue
+        logits = guarded(
+            spec.name,
+            "quality",
+            partial(_all_logits, systems[spec.name], prompts),
+        )
+        if logits is None:
+            continue
         kls, agree = [], []
-        for ids, ref in zip(prompts, reference, strict=True):
-            kl, top1 = measure.kl_and_top1(ref, systems[spec.name].next_token_logits(ids))
+        for ref, got in zip(reference, logits, strict=True):
+            kl, top1 = measure.kl_and_top1(ref, got)
             kls.append(kl)
             agree.append(top1)
         out[spec.name] = {
@@ -457,15 +576,19 @@ def _machine(threads: int, bandwidth: float) -> dict[str, Any]:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    cpu = platform.processor()
+    cpu, cpuinfo = platform.processor(), ""
     try:
         with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+            cpuinfo = handle.read()
+        cpu = next(
+            line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu,
+        "cpu_flags": cpu_flags(cpuinfo),
         "cores": os.cpu_count(),
         "threads": threads,
         "load_average": os.getloadavg(),
@@ -473,6 +596,19 @@ def _machine(threads: int, bandwidth: float) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "versions": versions,
     }
+
+
+def cpu_flags(cpuinfo: str) -> list[str]:
+    """The CPU features that decide which kernels run, from /proc/cpuinfo's text: on x86 the flags
+    avx2, fma, avx512* and amx* (AMX and AVX-512 are where some peers' builds have crashed), on
+    aarch64 the whole Features line (asimd, asimddp, sve, i8mm, ...)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return sorted(f for f in value.split() if f in ("avx2", "fma") or f.startswith(("avx512", "amx")))
+        if key.strip() == "Features":
+            return value.split()
+    return []
 
 
 def _jsonable(value: Any) -> Any:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvedge.bench.systems import SystemSpec
+from kvedge.bench.systems import ChildSystem, SystemSpec
 
 GATHER_OPS = {"Gather", "GatherBlockQuantized"}
 ROW_READ_INPUTS = {"GroupQueryAttention": (7, 8)}  # cos_cache, sin_cache: one row per token
@@ -89,19 +89,15 @@ def kl_and_top1(reference: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, 
 
 
 def peak_rss_mib(spec: SystemSpec, threads: int, prompt: list[int], steps: int) -> float:
-    """Peak RSS of a fresh process that loads `spec`, prefills `prompt` and decodes `steps`."""
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        return pool.apply(_peak_rss_child, (spec, threads, prompt, steps))
+    """Peak RSS of a fresh process that loads `spec`, prefills `prompt` and decodes `steps`.
 
-
-def _peak_rss_child(spec: SystemSpec, threads: int, prompt: list[int], steps: int) -> float:
-    system = spec.build(threads)
-    system.run(prompt, steps)
-    # VmHWM, not ru_maxrss: the latter survives fork + exec and would report the parent's peak.
-    with open("/proc/self/status") as handle:
-        line = next(line for line in handle if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024  # kB -> MiB
+    Raises SystemCrashed when that process dies."""
+    child = ChildSystem(spec, threads)
+    try:
+        child.run(prompt, steps)
+        return child.peak_rss_mib()
+    finally:
+        child.close()
 
 
 def allocation_profile(spec: SystemSpec, threads: int, prompt: list[int], steps: int) -> dict[str, float]:

@@ -13,6 +13,9 @@ warmed up, in this order:
                picked (tokenizing included): from an empty slot (cold) vs with the system
                prompt's warm prefix (warm), 2 * rounds + 1 pairs, the order flipping every pair.
                Target: median of per-pair cold / warm >= 10.
+    long TTFT  the same with a long system prompt (a document, a long chat history): the prompt
+               rendered to LONG_PROMPT_TOKENS tokens (at most max_len), cold vs with its warm
+               prefix, `rounds` pairs. Reported, not judged.
     turns      a conversation of TURNS user messages (about USER_TOKENS tokens each) with greedy
                replies of up to REPLY_TOKENS tokens kept in the slot, per round: each turn's TTFT on
                the reuse path (the slot holds the earlier turns, only the new ones are prefilled)
@@ -28,6 +31,8 @@ judged in `kvedge.bench.report.warm_targets`.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -45,6 +50,7 @@ SYSTEM_TOKENS = 300
 USER_TOKENS = 20
 WARM_PREFIXES = 4
 TURNS = 8
+LONG_PROMPT_TOKENS = 2048
 REPLY_TOKENS = 24
 SYSTEM_TEXT = (
     "You are the offline assistant of an NVIDIA Jetson Orin device deployed in a warehouse. "
@@ -132,6 +138,9 @@ def measure_warm(
         warm_store, _ = model.warm_up(config, Path(tmp) / "round0")
         figures.update(_first_token(model, messages, warm_store, 2 * rounds + 1))
         echo(f"  TTFT: cold / warm {figures['ttft_speedup']:.1f}x")
+        figures.update(_long_first_token(model, messages, Path(tmp) / "long", rounds))
+        cold, warm = figures["long_ttft_cold_median_ms"], figures["long_ttft_warm_median_ms"]
+        echo(f"  TTFT, {figures['long_prompt_tokens']}-token prompt: cold {cold:.0f} ms, warm {warm:.0f} ms")
     figures.update(_turns(model, user, rounds))
     echo(
         f"  turns: reuse growth {figures['turn_growth_reuse']:.2f}x, full {figures['turn_growth_full']:.2f}x"
@@ -187,6 +196,28 @@ def _first_token(model: Model, messages: Messages, warm_store: PrefixStore, pair
     }
 
 
+def _long_first_token(model: Model, messages: Messages, folder: Path, pairs: int) -> dict[str, Any]:
+    """`_first_token` with the system prompt grown until the rendered prompt is LONG_PROMPT_TOKENS
+    (or max_len) tokens, a few less where the last word's tokens would overshoot; keys "long_*"."""
+    tokenizer = model.tokenizer
+    target = min(LONG_PROMPT_TOKENS, model.manifest.geometry.max_len)
+    around = len(tokenizer.encode_chat(messages)) - len(
+        tokenizer.encode(messages[0]["content"], add_special_tokens=False)
+    )  # template and user message
+    system = sized_text(tokenizer, SYSTEM_TEXT, target - around)
+    while len(tokenizer.encode_chat([{"role": "system", "content": system}, messages[1]])) > target:
+        system = system.rsplit(" ", 1)[0]
+    long_messages = [{"role": "system", "content": system}, messages[1]]
+    config = WarmupConfig(
+        prefixes=(PrefixSpec(name="long", messages=(Message(role="system", content=system),)),)
+    )
+    store, _ = model.warm_up(config, folder)
+    figures = _first_token(model, long_messages, store, pairs)
+    return {"long_prompt_tokens": len(tokenizer.encode_chat(long_messages))} | {
+        f"long_{key}": value for key, value in figures.items()
+    }
+
+
 def _turns(model: Model, user: str, rounds: int) -> dict[str, Any]:
     reply_config = SamplingConfig(max_new_tokens=REPLY_TOKENS)
     reuse: list[list[float]] = []  # [round][turn] seconds
@@ -222,3 +253,22 @@ def _turns(model: Model, user: str, rounds: int) -> dict[str, Any]:
         "turn_growth_reuse": statistics.median(run[-1] / run[0] for run in reuse),
         "turn_growth_full": statistics.median(run[-1] / run[0] for run in full),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python bench/warm.py`: this section alone on one export (no peers, no other systems)."""
+    from kvedge.bench.report import format_target, warm_targets
+
+    parser = argparse.ArgumentParser(description="The warm-prefix section of `kvedge bench` on one export.")
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    figures = measure_warm(args.model, args.threads, args.rounds)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    for row in warm_targets({args.model.name: figures}):
+        print(format_target(row))
+    if args.json:
+        args.json.write_text(text)

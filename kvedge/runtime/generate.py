@@ -1,8 +1,16 @@
-"""Prefill, decode and sampling over a `KVCache` and a backend.
+"""Prefill, decode and sampling over a `KVCache` and a backend, and the one decode loop.
 
 Positions continue from each slot's valid length: a token written at cache index i has
 position i. The graph reads `past_lengths` to mask stale slots, so the valid length alone
 decides what the model sees.
+
+The loop (`step_turns`, driven only by `Model.step`), one step of every unfinished `Turn`::
+
+    prefilling   run the next chunk of its prompt (`prefill`); after the last, sample the first token
+    decoding     write its pending token, all such turns in as few `decode_one_token` calls over
+                 contiguous slot ranges as `decode_ranges` allows, then sample the next
+    sampling     (`Turn.sample`) the constraint's mask (computed while the graph ran), `sample`,
+                 eos / stop string / grammar complete / max_new_tokens / no room -> finish
 
 Sampling, applied in this order to one row's logits z (float64):
 

@@ -1,17 +1,44 @@
 // Self-test of kvedge_ops.cc's attention arithmetic, without onnxruntime: every vectorized
 // (head_dim, group size) instantiation against the one-channel-at-a-time path (AttendAny), over
-// random caches, with decode-like and prefill-like query blocks. Built and run by
+// random caches. With no argument, the decode path (Attend) with decode-like and prefill-like
+// query blocks; with `tiled`, the prefill path (AttendPrefill) at several cache block sizes, row
+// counts and lengths, and whole calls cut into work items (Work) of several tile sizes, ragged
+// last tiles and past lengths that are no multiple of a tile. Built and run by
 // tests/test_kv_int8.py (natively, and for aarch64 under qemu when a cross compiler is present).
 // Prints one line per case and exits non-zero on the first mismatch.
 
 #include "kvedge_ops.cc"
 
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 namespace {
 
-int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, std::mt19937* rng) {
+// The attention of AttendAny in double precision: the reference of the tiled cases, whose float
+// sums run in another order than AttendAny's (a float reference would add its own rounding).
+void AttendExact(int64_t d, const Block& b) {
+  const int64_t group_size = d / b.groups;
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    const int64_t n = b.limit[i];
+    std::vector<double> s(n), out(d, 0.0);
+    double top = -INFINITY, sum = 0.0;
+    for (int64_t p = 0; p < n; ++p) {
+      double dot = 0.0;
+      for (int64_t c = 0; c < d; ++c)
+        dot += double(b.q[i * d + c]) * b.k_codes[p * d + c] * double(b.k_scales[p * b.groups + c / group_size]);
+      top = std::max(top, s[p] = dot);
+    }
+    for (int64_t p = 0; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
+    for (int64_t p = 0; p < n; ++p)
+      for (int64_t c = 0; c < d; ++c)
+        out[c] += s[p] / sum * double(b.v_scales[p * b.groups + c / group_size]) * b.v_codes[p * d + c];
+    for (int64_t c = 0; c < d; ++c) b.out[i][c] = static_cast<float>(out[c]);
+  }
+}
+
+// kb: the cache block of the tiled path under test, 0 for the decode path (Attend).
+int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb, std::mt19937* rng) {
   const int64_t groups = d / group_size, slots = longest + 3;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> code(-127, 127);
@@ -35,34 +62,160 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, std::m
   b.v_scales = vs.data();
   b.groups = groups;
   for (int64_t i = 0; i < n_rows; ++i) b.out[i] = want.data() + i * d;
-  AttendAny(d, b);
+  if (kb) AttendExact(d, b);
+  else AttendAny(d, b);
   for (int64_t i = 0; i < n_rows; ++i) b.out[i] = got.data() + i * d;
-  Attend(d, b, &scratch);
+  bool done = true;
+  switch (kb) {
+    case 0: Attend(d, b, &scratch); break;
+    case 16: done = AttendPrefill<16>(d, b, &scratch); break;
+    case 36: done = AttendPrefill<36>(d, b, &scratch); break;
+    case kKeyBlock: done = AttendPrefill<kKeyBlock>(d, b, &scratch); break;
+  }
+  if (!done) {
+    std::printf("FAIL no tiled path for head_dim %lld group %lld\n", static_cast<long long>(d),
+                static_cast<long long>(group_size));
+    return 1;
+  }
   float worst = 0.0f, scale = 0.0f;
   for (size_t i = 0; i < want.size(); ++i) {
     worst = std::max(worst, std::fabs(want[i] - got[i]));
     scale = std::max(scale, std::fabs(want[i]));
   }
   const bool ok = worst <= 1e-5f * std::max(1.0f, scale);
-  std::printf("%s head_dim %lld group %lld rows %lld positions %lld: max |diff| %.3g (max |out| %.3g)\n",
-              ok ? "ok  " : "FAIL", static_cast<long long>(d), static_cast<long long>(group_size),
-              static_cast<long long>(n_rows), static_cast<long long>(longest), worst, scale);
+  std::printf("%s %shead_dim %lld group %lld rows %lld positions %lld: max |diff| %.3g (max |out| %.3g)\n",
+              ok ? "ok  " : "FAIL", kb ? ("tiled, cache block " + std::to_string(kb) + ", ").c_str() : "",
+              static_cast<long long>(d), static_cast<long long>(group_size), static_cast<long long>(n_rows),
+              static_cast<long long>(longest), worst, scale);
+  return ok ? 0 : 1;
+}
+
+// A whole call's attention as the op runs it (Work, its items in turn) against AttendExact one
+// query row at a time: batch 2 rows with different past lengths, `seq` new tokens each.
+int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, int64_t seq, int64_t past0,
+              bool tiled, int64_t rows_per_item, std::mt19937* rng) {
+  const int64_t batch = 2, slots = past0 + 9 + seq, groups = d / group_size, width = (heads + 2 * kv_heads) * d;
+  const int64_t past[batch] = {past0, past0 + 9};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-127, 127);
+  std::vector<int8_t> k(batch * kv_heads * slots * d), v(k.size());
+  std::vector<half_t> ks(batch * kv_heads * slots * groups), vs(ks.size());
+  for (auto& c : k) c = static_cast<int8_t>(code(*rng));
+  for (auto& c : v) c = static_cast<int8_t>(code(*rng));
+  for (auto& s : ks) s = static_cast<half_t>(0.002f + 0.01f * std::fabs(normal(*rng)));
+  for (auto& s : vs) s = static_cast<half_t>(0.002f + 0.01f * std::fabs(normal(*rng)));
+  std::vector<float> x(batch * seq * width), cos(slots * d / 2), sin(cos.size());
+  for (auto& e : x) e = normal(*rng);
+  for (size_t i = 0; i < cos.size(); ++i) {
+    cos[i] = std::cos(0.01f * i);
+    sin[i] = std::sin(0.01f * i);
+  }
+  std::vector<float> got(batch * seq * heads * d, NAN), want(got.size()), q(d), scores(slots), scratch;
+  Work work;
+  work.x = x.data();
+  work.y = got.data();
+  work.past = past;
+  work.cos = cos.data();
+  work.sin = sin.data();
+  work.k_codes = k.data();
+  work.v_codes = v.data();
+  work.k_scales = ks.data();
+  work.v_scales = vs.data();
+  work.seq = seq;
+  work.heads = heads;
+  work.kv_heads = kv_heads;
+  work.d = d;
+  work.groups = groups;
+  work.slots = slots;
+  work.width = width;
+  work.Split();
+  if (rows_per_item) {  // a tile size of our own instead of the op's
+    work.tiled = tiled;
+    work.rows_per_item = rows_per_item;
+    work.blocks = (heads / kv_heads * seq + rows_per_item - 1) / rows_per_item;
+  }
+  for (int64_t item = 0; item < batch * kv_heads * work.blocks; ++item) work.Run(static_cast<size_t>(item));
+  for (int64_t r = 0; r < batch; ++r) {
+    for (int64_t t = 0; t < seq; ++t) {
+      for (int64_t head = 0; head < heads; ++head) {
+        const int64_t pos = past[r] + t, base = (r * kv_heads + head / (heads / kv_heads)) * slots;
+        Rotate(x.data() + (r * seq + t) * width + head * d, cos.data() + pos * d / 2, sin.data() + pos * d / 2, d,
+               q.data());
+        Block b;
+        b.n_rows = 1;
+        b.limit[0] = pos + 1;
+        b.out[0] = want.data() + ((r * seq + t) * heads + head) * d;
+        b.q = q.data();
+        b.scores = scores.data();
+        b.stride = slots;
+        b.k_codes = k.data() + base * d;
+        b.v_codes = v.data() + base * d;
+        b.k_scales = ks.data() + base * groups;
+        b.v_scales = vs.data() + base * groups;
+        b.groups = groups;
+        AttendExact(d, b);
+      }
+    }
+  }
+  float worst = 0.0f, scale = 0.0f;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float diff = std::fabs(want[i] - got[i]);
+    worst = std::isnan(diff) ? INFINITY : std::max(worst, diff);  // a row never written stays NaN
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  const bool ok = worst <= 1e-5f * std::max(1.0f, scale);
+  std::printf("%s work items (%s, %lld rows each): head_dim %lld group %lld heads %lld/%lld new %lld past %lld, "
+              "%lld: max |diff| %.3g\n",
+              ok ? "ok  " : "FAIL", work.tiled ? "tiled" : "decode blocks", static_cast<long long>(work.rows_per_item),
+              static_cast<long long>(d), static_cast<long long>(group_size), static_cast<long long>(heads),
+              static_cast<long long>(kv_heads), static_cast<long long>(seq), static_cast<long long>(past[0]),
+              static_cast<long long>(past[1]), worst);
   return ok ? 0 : 1;
 }
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   std::mt19937 rng(7);
+  const bool tiled = argc > 1 && std::strcmp(argv[1], "tiled") == 0;
   const int64_t dims[] = {32, 64, 96, 128, 256};
   const int64_t group_sizes[] = {16, 32, 64, 128};
   for (int64_t d : dims) {
     for (int64_t gs : group_sizes) {
       if (gs > d || d % gs) continue;
-      for (auto [rows, positions] : {std::pair<int64_t, int64_t>{3, 1}, {3, 77}, {12, 300}, {7, 1100}}) {
-        if (Check(d, gs, rows, positions, &rng)) return 1;
+      if (!tiled) {
+        for (auto [rows, positions] : {std::pair<int64_t, int64_t>{3, 1}, {3, 77}, {12, 300}, {7, 1100}}) {
+          if (Check(d, gs, rows, positions, 0, &rng)) return 1;
+        }
+        continue;
+      }
+      // cache blocks of 16, 36 (not a power of two) and the op's own; one row, a ragged strip, a full tile;
+      // lengths below, at and past a block, ending mid-block
+      for (int kb : {16, 36, kKeyBlock}) {
+        for (auto [rows, positions] :
+             {std::pair<int64_t, int64_t>{1, 1}, {5, 36}, {17, 64}, {kTileRows, 65}, {kTileRows - 1, 1100}}) {
+          if (Check(d, gs, rows, positions, kb, &rng)) return 1;
+        }
       }
     }
+  }
+  if (!tiled) return 0;
+  // whole calls: SmolLM2's heads, a KV group of 2 and of 1, head_dim 16 (the generic path); the op's
+  // own split and tiles of 1, 2 and 5 tokens; new tokens that leave the last tile ragged; past
+  // lengths that are no multiple of a tile or a cache block
+  struct Case {
+    int64_t d, gs, heads, kv_heads, seq, past;
+    bool tiled;
+    int64_t rows_per_item;
+  };
+  const Case cases[] = {
+      {64, 32, 9, 3, 50, 0, true, 0},  {64, 32, 9, 3, 50, 70, true, 0}, {64, 32, 9, 3, 17, 5, true, 3},
+      {64, 32, 9, 3, 17, 5, true, 6},  {64, 32, 9, 3, 17, 130, true, 15}, {64, 32, 9, 3, 1, 70, false, 0}, {64, 32, 9, 3, 17, 5, false, 12},
+      {64, 32, 9, 3, 3, 70, false, 0}, {32, 16, 2, 1, 37, 11, true, 0},  {32, 16, 4, 4, 29, 64, true, 0},
+      {16, 16, 4, 2, 20, 3, true, 0},
+  };
+  for (const Case& c : cases) {
+    if (CheckWork(c.d, c.gs, c.heads, c.kv_heads, c.seq, c.past, c.tiled, c.rows_per_item, &rng)) return 1;
   }
   return 0;
 }
