@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvedge.contract import ONNX_FILE, TOKENIZER_FILE, Manifest, sha256_files
-from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
@@ -137,17 +137,25 @@ class Model:
         messages: Sequence[dict[str, Any]],
         reserve: int = 0,
         tools: Sequence[dict[str, Any]] | None = None,
+        limit: int | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """The conversation's token ids (`tools` and `template_kwargs` go to the chat template);
         under the truncate policy the oldest whole turns are dropped (system messages stay) until
-        it fits with `reserve` tokens left for the reply."""
+        it fits with `reserve` tokens left for the reply. A conversation of more than `limit`
+        tokens is refused before any truncation, which re-renders it once per dropped turn."""
         messages = list(messages)
 
         def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
             return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
 
         ids = encode(messages)
+        if limit is not None and len(ids) > limit:
+            raise ContextOverflow(
+                f"the messages take {len(ids)} tokens; this server accepts at most {limit} prompt "
+                "tokens per request (max_prompt_tokens)",
+                cause="prompt",
+            )
         if self.policy.mode == "truncate":
             messages, ids = self._truncate_turns(messages, ids, reserve, encode)
         return ids
@@ -304,14 +312,12 @@ class Model:
                 len(session.expected),
             )
             session.reset(self.cache)
-        if session.evicted and common_prefix(session.history, ids) == len(session.history):
-            new = ids[len(session.history) :]  # windowed slot: append the new turn to what is kept
-            session.reused_tokens = len(session.history)
-            if not new:
-                raise KvedgeError("the conversation has no new tokens after the cached history")
-            return new
-        if session.evicted:
-            log.info("slot %d: history changed before the window; re-prefilling", slot)
+        kept = len(session.history)
+        if session.evicted and len(ids) > kept and common_prefix(session.history, ids) == kept:
+            session.reused_tokens = kept
+            return ids[kept:]  # windowed slot: append the new turn to what is kept
+        if session.evicted:  # changed, or resent as it was (a regenerated reply): evicted tokens
+            log.info("slot %d: the conversation does not extend the windowed history; re-prefilling", slot)
             session.reset(self.cache)
         held = self.cache.token_ids(slot)
         keep = common_prefix(held, ids)
