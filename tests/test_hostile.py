@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import KEY, Server, assert_openai_error, chat_body
+from test_serve import KEY, Server, assert_openai_error, chat_body, free_port
 from tiny import make_tiny_model
 
 from kvedge.errors import KvedgeError
@@ -31,6 +33,7 @@ MAX_LEN = 512
 MAX_PROMPT = 3000  # tokens: the largest prompt the hostile server takes (~12 prefill chunks)
 MAX_REPLY = 64
 MAX_MESSAGES = 50
+REPO = Path(__file__).resolve().parents[1]
 HEAD_S, BODY_S = 2.0, 3.0  # the hostile server's header and body deadlines
 PREFILL_MAX_LEN = 1024  # the medium model's cache: under window a prefill chunk is min(256, half)
 
@@ -209,14 +212,18 @@ def test_a_disconnect_during_a_long_prefill_frees_the_slot_within_a_chunk(prefil
     chunk_s = ttft(server, chat_body(f"a {text}")) / chunks
     before = server.wait_idle()
     body = chat_body(f"b {text}", max_tokens=8, temperature=0, stream=True)
+    started = time.monotonic()
     with httpx.Client(timeout=60, headers=server.http.headers) as http:
         with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            next(r.iter_lines())  # the role chunk: the job is in
+            lines = r.iter_lines()  # held: a dropped line iterator closes the connection
+            next(lines)  # the role chunk: the job is in
             while server.metrics()["kvedge_slots_in_use"] < 1:
+                assert time.monotonic() - started < 10
                 time.sleep(0.005)
             time.sleep(2 * chunk_s)  # a few chunks into the prefill
     closed = time.monotonic()
+    assert closed - started > 2 * chunk_s  # the client, not the server, ended it, mid-prefill
     after = server.wait_idle(timeout_s=10)
     freed_s = time.monotonic() - closed
     print(f"prefill chunk {chunk_s:.3f} s; slot free {freed_s:.3f} s after the disconnect")
@@ -415,3 +422,259 @@ def test_warm_folder_entries_that_are_not_regular_files_are_refused_and_start_up
     again = warm_prefixes(artifact, config, folder)
     assert again.returncode == 0, again.stderr
     assert "notes: " in again.stdout and "notes: recomputing" not in again.stderr
+
+
+# -- 4. fresh-install edges -----------------------------------------------------------------------
+
+PACKAGED = ["kvedge", "configs", "setup.py", "setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md"]
+
+
+def test_a_non_editable_install_finds_its_configs_from_any_folder_and_builds_quietly(tmp_path):
+    source, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    source.mkdir()
+    for name in PACKAGED:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+        else:
+            shutil.copy(REPO / name, source / name)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-v"]
+        + ["--target", str(target), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CC": "false", "CXX": "false"},  # the optional kernel: not needed here
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    assert "would be ignored" not in build.stdout + build.stderr
+    assert "is absent from the `packages` configuration" not in build.stdout + build.stderr
+    plan = subprocess.run(
+        [sys.executable, "-m", "kvedge", "plan", "smollm2-135m", "--device", "orin-nano-8gb"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(target)},
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert str(target / "kvedge" / "_configs" / "models" / "smollm2-135m.yaml") in plan.stdout
+    assert "orin-nano-8gb" in plan.stdout
+
+
+BLOCK_SERVE_EXTRA = """
+import sys
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("uvicorn", "starlette", "httpx"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+from kvedge.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_serve_without_the_serve_extra_is_one_line(artifact):
+    for args in (["serve", "--model", str(artifact)], ["chat", "--url", "http://127.0.0.1:9"]):
+        done = subprocess.run(
+            [sys.executable, "-c", BLOCK_SERVE_EXTRA, *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert "needs the serve extra (" in done.stderr and "pip install 'kvedge[serve]'" in done.stderr
+
+
+def test_the_systemd_unit_honours_model_config_and_runs_as_a_non_root_user(artifact, tmp_path):
+    config = tmp_path / "svc.yaml"
+    config.write_text(f"model: {artifact}\nshutdown_grace_s: 30\n")
+    for args, want in (
+        (["--model", "art", "--port", "9001"], f"serve --model {tmp_path / 'art'} --port 9001"),
+        (["--config", str(config)], f"serve --config {config}"),
+        (["--config", str(config), "--model", str(artifact)], f"serve --config {config} --model {artifact}"),
+    ):
+        unit = subprocess.run(
+            [sys.executable, "-m", "kvedge", "serve", *args, "--print-systemd-unit"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        assert unit.returncode == 0, unit.stderr
+        assert f"ExecStart={sys.executable} -m kvedge -v {want}\n" in unit.stdout
+        assert f"ExecStartPre={sys.executable} -m kvedge {want} --check\n" in unit.stdout
+        assert "User=root" not in unit.stdout and f"WorkingDirectory={tmp_path}\n" in unit.stdout
+        if "--config" in args:
+            assert "TimeoutStopSec=40" in unit.stdout  # the config's grace, plus 10 s
+
+
+def first_stderr_line(args: list[str], cwd: Path) -> tuple[float, str]:
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvedge", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=cwd,
+    )
+    try:
+        line = process.stderr.readline()
+        return time.monotonic() - started, line
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_long_commands_say_what_they_start_within_two_seconds(artifact, tmp_path):
+    warm = tmp_path / "warm.yaml"
+    warm.write_text(WARM)
+    commands = {
+        "export": ["export", str(artifact.parent / "hf"), "--out", str(tmp_path / "x")],
+        "calibrate": ["calibrate", "--model", str(artifact), "--out", str(tmp_path / "scales")],
+        "eval-kv": ["eval-kv", "--model", str(artifact)],
+        "warm-prefixes": ["warm-prefixes", "--model", str(artifact), "--config", str(warm)]
+        + ["--warm-dir", str(tmp_path / "w")],
+    }
+    for name, args in commands.items():
+        seconds, line = first_stderr_line(args, tmp_path)
+        assert line.startswith("kvedge: ") and seconds < 2.0, (name, seconds, line)
+
+
+def test_cli_edges_calibrate_out_group_sizes_and_chat_lines(artifact, tmp_path):
+    npz = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvedge",
+            "calibrate",
+            "--model",
+            str(artifact),
+            "--out",
+            str(tmp_path / "x.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert npz.returncode != 0 and "--out is a folder" in npz.stderr and "Traceback" not in npz.stderr
+    assert not (tmp_path / "x.npz").exists()
+    helped = subprocess.run(
+        [sys.executable, "-m", "kvedge", "calibrate", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert "[default: 32]" in helped.stdout
+    started = time.monotonic()
+    seven = subprocess.run(
+        [sys.executable, "-m", "kvedge", "export", "--kv-dtype", "int8", "--kv-group-size", "7"]
+        + ["--out", str(tmp_path / "g7")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seven.returncode != 0 and "7 is not allowed; allowed: 16, 32, 64, 128" in seven.stderr
+    assert time.monotonic() - started < 10 and not (tmp_path / "g7").exists()
+    chat = subprocess.run(
+        [sys.executable, "-m", "kvedge", "chat", "--model", str(artifact), "--max-new-tokens", "4"],
+        input="Hello!\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert chat.returncode == 0, chat.stderr
+    lines = chat.stdout.splitlines()
+    assert lines[0] == "you> " and lines[1].startswith("assistant> ") and lines[2] == "you> ", lines
+
+
+def test_a_windowed_conversation_resent_as_it_was_is_answered_again(artifact):
+    """A regenerated reply: the same conversation, longer than the cache, sent twice to a slot
+    whose window evicted part of it. It used to fail ("no new tokens after the cached history")."""
+    from kvedge.runtime.generate import SamplingConfig
+    from kvedge.runtime.sessions import HistoryPolicy
+
+    model = Model(artifact, slots=1, policy=HistoryPolicy(mode="window"))
+    messages = [{"role": "user", "content": words(600)}]
+    config = SamplingConfig(max_new_tokens=3, temperature=0)
+    first = [e.token for e in model.chat(messages, config)]
+    assert model.sessions[0].evicted > 0
+    assert [e.token for e in model.chat(messages, config)] == first
+
+
+def test_the_overflow_message_suggests_what_works(artifact):
+    from kvedge.errors import ContextOverflow
+    from kvedge.runtime.generate import SamplingConfig
+    from kvedge.runtime.sessions import HistoryPolicy
+
+    messages = [{"role": "user", "content": words(600)}]  # one turn, longer than the cache
+    config = SamplingConfig(max_new_tokens=2, temperature=0)
+    with pytest.raises(ContextOverflow) as refused:
+        list(Model(artifact).chat(messages, config))
+    message = str(refused.value)
+    assert "use history_policy 'window'" in message and "only when the last user turn alone fits" in message
+    assert len(list(Model(artifact, policy=HistoryPolicy(mode="window")).chat(messages, config))) == 2
+    with pytest.raises(ContextOverflow, match="the last turn alone"):  # what the message warns of
+        list(Model(artifact, policy=HistoryPolicy(mode="truncate")).chat(messages, config))
+
+
+# -- 5. broken artifact folders (not the manifest's schema: tests/test_contract.py) ---------------
+
+
+def broken_copy(artifact: Path, tmp_path: Path, name: str, content: bytes | None) -> Path:
+    folder = tmp_path / f"broken-{name}"
+    shutil.copytree(artifact, folder)
+    (folder / name).unlink()
+    if content is not None:
+        (folder / name).write_bytes(content)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        ("model.onnx", None, "model.onnx is missing"),
+        ("tokenizer.json", None, "tokenizer.json is missing"),
+        ("tokenizer.json", b"", "tokenizer.json is empty"),
+        ("tokenizer.json", b'{"not": "a tokenizer"}', "tokenizer.json: not a readable tokenizer"),
+    ],
+)
+def test_a_broken_artifact_folder_is_one_line(artifact, tmp_path, name, content, said):
+    folder = broken_copy(artifact, tmp_path, name, content)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedge", "generate", "--model", str(folder), "Hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and "re-export" in lines[0], done.stderr
+
+
+def test_serve_says_where_it_listens_and_logs_each_request_without_v(artifact, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvedge", "serve", "--model", str(artifact), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        body = chat_body("Hello!", max_tokens=3)
+        assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200
+        assert httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 0}).status_code == 400
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert f"on http://127.0.0.1:{port}" in text
+    assert re.search(r"/v1/chat/completions 200: \d+ prompt \+ 3 completion tokens, TTFT 0\.\d{3} s", text), (
+        text
+    )
+    assert "/v1/chat/completions 400 invalid_value: " in text

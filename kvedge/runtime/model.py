@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from kvedge.contract import ONNX_FILE, TOKENIZER_FILE, Manifest, sha256_files
 from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
@@ -60,6 +61,11 @@ class Model:
         if not self.folder.is_dir():
             raise KvedgeError(f"model folder {str(self.folder)!r} does not exist")
         self.manifest = Manifest.load(self.folder)
+        for name in (ONNX_FILE, TOKENIZER_FILE):  # before the slow graph load, and in one line
+            path = self.folder / name
+            if not path.is_file() or path.stat().st_size == 0:
+                state = "is empty" if path.is_file() else "is missing"
+                raise KvedgeError(f"{path} {state}: the folder is not a whole export; re-export the model")
         if verify:
             self._verify_graph()
         self.policy = policy or HistoryPolicy()
@@ -285,16 +291,28 @@ class Model:
 
     def _run(self, turn: Turn) -> Iterator[Event]:
         """The turn's events, one `step` at a time; an error is raised. Ending the iteration
-        early (or dropping it) ends the turn."""
+        early (or dropping it) ends the turn. A prompt of more than four chunks shows a
+        progress bar on stderr while it is prefilled (minutes on a small board)."""
+        progress = tqdm(
+            total=len(turn.todo),
+            desc="prefill",
+            unit="token",
+            leave=False,
+            disable=len(turn.todo) <= 4 * turn.chunk,
+        )
         try:
             while not turn.done:
+                todo = len(turn.todo)
                 event = self.step([turn]).events.get(turn)
+                progress.update(todo - len(turn.todo))
                 if event is None:
                     continue
+                progress.close()
                 if event.error is not None:
                     raise event.error
                 yield event
         finally:
+            progress.close()
             self.end(turn)
 
     # -- reuse -------------------------------------------------------------------------------

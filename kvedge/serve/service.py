@@ -32,9 +32,7 @@ def serve_command(
 ) -> str | None:
     """What the CLI runs. Returns text to print (unit or check summary), or serves until stopped."""
     if print_unit:
-        config = (config_path or Path("/etc/kvedge/default.yaml")).absolute()
-        grace_s = ServiceConfig.shutdown_grace_s  # the default; raise TimeoutStopSec with the config's
-        return render_unit(sys.executable, config, Path.cwd(), getpass.getuser(), grace_s)
+        return systemd_unit(config_path, overrides)
     config = load_service_config(config_path, overrides)
     need = check_memory(config)
     if check:
@@ -47,6 +45,26 @@ def serve_command(
         )
     serve(config)
     return None
+
+
+def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
+    """The unit that runs `kvedge serve` with this config file and these flags, paths made
+    absolute, as the current user unless that is root (then `kvedge`, a system user)."""
+    flags = []
+    for key, value in overrides.items():
+        if value is not None:
+            value = Path(value).absolute() if key == "model" else value
+            flags.append(f"--{key.replace('_', '-')} {value}")
+    if config_path is None and not flags:
+        config_path = Path("/etc/kvedge/default.yaml")
+    grace_s = ServiceConfig.shutdown_grace_s
+    if config_path is not None and config_path.is_file():
+        grace_s = load_service_config(config_path, overrides).shutdown_grace_s
+    user = getpass.getuser()
+    config = None if config_path is None else config_path.absolute()
+    return render_unit(
+        sys.executable, config, Path.cwd(), "kvedge" if user == "root" else user, grace_s, flags
+    )
 
 
 def check_memory(config: ServiceConfig) -> int:
