@@ -1,4 +1,11 @@
-"""Builds kvedge's onnxruntime kernel library; all other metadata is in setup.cfg.
+"""Builds kvedge's onnxruntime kernel library and lists the packages; all other metadata is in
+setup.cfg.
+
+Packages: every folder under kvedge/ (namespace folders too, so data folders such as
+kvedge/calibrate/data are declared packages and setuptools has nothing to warn about), and the
+repository's configs/ (device profiles, model recipes, service and warm-prefix configs), shipped
+as the package `kvedge._configs` so an installed kvedge finds them from any working directory
+(`kvedge.configs.CONFIG_ROOT`).
 
 `kvedge/runtime/csrc/kvedge_ops.cc` holds the INT8-cache attention kernel that "ort" graphs
 exported with `--kv-dtype int8` run (`kvedge.runtime.kernels`). It is built here with the
@@ -9,13 +16,22 @@ optional: without a compiler the install still succeeds and only that graph kind
 
 import os
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
 if os.environ.get("KVEDGE_NATIVE", "1") != "0":
     flags.append("-march=native")
 
+configs = ["kvedge._configs"] + [f"kvedge._configs.{name}" for name in find_namespace_packages("configs")]
+
 setup(
+    packages=find_namespace_packages(include=["kvedge*"]) + configs,
+    package_dir={"kvedge._configs": "configs"},
+    package_data={
+        "kvedge.calibrate.data": ["*.jsonl"],
+        "kvedge._configs": ["*.md", "*.service"],
+        **{name: ["*.yaml"] for name in configs[1:]},
+    },
     ext_modules=[
         Extension(
             "kvedge.runtime._kvedge_ops",
@@ -25,5 +41,5 @@ setup(
             language="c++",
             optional=True,
         )
-    ]
+    ],
 )

@@ -14,12 +14,32 @@ from typing import Any
 import click
 
 from kvedge import __version__
-from kvedge.contract import EXPORTED_KV_DTYPES, PREFILL_CHUNK, VARIANTS, WEIGHT_FORMATS
+from kvedge.contract import EXPORTED_KV_DTYPES, KV_GROUP_SIZES, PREFILL_CHUNK, VARIANTS, WEIGHT_FORMATS
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
 
 log = logging.getLogger("kvedge")
+
+
+def serve_extra(module: str) -> Any:
+    """Import `module`, which needs the serve extra's packages, or say how to install them."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.startswith("kvedge"):
+            raise
+        raise KvedgeError(
+            f"this command needs the serve extra ({exc.name} is not installed): pip install 'kvedge[serve]'"
+        ) from None
+
+
+def starting(what: str) -> None:
+    """A long command's first line, on stderr at once: imports and loading take seconds, the
+    work minutes, and silence reads as a hang."""
+    click.echo(f"kvedge: {what} ...", err=True)
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -221,6 +241,7 @@ def main(verbose: int) -> None:
     "--kv-group-size",
     default=0,
     type=int,
+    callback=lambda ctx, param, value: _group_size(value),
     help="int8 cache: channels per scale per token (16, 32, 64, 128 up to head_dim; default 32).",
 )
 @choice_option(
@@ -259,6 +280,7 @@ def export(
     workspace: str,
 ) -> None:
     """Export SOURCE (HF folder or GGUF file; default: SmolLM2-135M-Instruct) to ONNX."""
+    starting(f"exporting {source or 'the default model (SmolLM2-135M-Instruct)'} to {out_dir}")
     from kvedge.export.export import ExportOptions, export_model
 
     if target == "tensorrt":  # fail before the slow ONNX export, not after it
@@ -290,6 +312,13 @@ def export(
 
         engine = build_engine(out_dir, out_dir, max_prefill, parse_bytes(workspace), max_batch=max_batch)
         click.echo(f"built {out_dir}/model.engine: {engine.built_with}, {engine.device.describe()}")
+
+
+def _group_size(value: int) -> int:
+    """--kv-group-size, refused at once when no model could take it (head_dim is checked later)."""
+    if value != 0 and value not in KV_GROUP_SIZES:
+        raise click.BadParameter(f"{value} is not allowed; allowed: {', '.join(map(str, KV_GROUP_SIZES))}")
+    return value
 
 
 def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None):
@@ -380,9 +409,7 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
     """Interactive multi-turn chat. /reset starts over, /exit quits."""
     config = _sampling(kwargs)
     if url is not None:
-        from kvedge.serve.client import RemoteChat
-
-        answer = RemoteChat(url, config).stream
+        answer = serve_extra("kvedge.serve.client").RemoteChat(url, config).stream
     elif model_dir is None:
         raise click.UsageError("give --model DIR, or --url of a running `kvedge serve`")
     else:
@@ -396,6 +423,8 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
         except (EOFError, click.Abort):
             click.echo()
             return
+        if not sys.stdin.isatty():  # a terminal echoes the typed line and its newline; a pipe does not
+            click.echo()
         if line.strip() == "/exit":
             return
         if line.strip() == "/reset":
@@ -428,6 +457,7 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
 @user_errors
 def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
+    starting(f"loading {model_dir}, then the warm prefixes of {config_path} in {warm_dir}")
     from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
 
@@ -467,7 +497,7 @@ main.add_command(  # the former name of warm-prefixes, kept for scripts that sti
 @user_errors
 def serve(config_path: Path | None, check: bool, print_systemd_unit: bool, **overrides: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (flags override --config)."""
-    from kvedge.serve.service import serve_command
+    serve_command = serve_extra("kvedge.serve.service").serve_command
 
     text = serve_command(config_path, overrides, check=check, print_unit=print_systemd_unit)
     if text:
@@ -571,7 +601,13 @@ def doctor(as_json: bool) -> None:
 @click.option(
     "--method", type=click.Choice(["minmax", "percentile", "mse"]), default="mse", show_default=True
 )
-@click.option("--group-size", default=64, show_default=True, type=click.Choice(["16", "32", "64", "128"]))
+@click.option(
+    "--group-size",
+    default="32",
+    show_default=True,
+    type=click.Choice(["16", "32", "64", "128"]),
+    help="Channels per scale; the export's --kv-group-size default is 32 too.",
+)
 @click.option("--percentile", default=99.99, show_default=True, type=float)
 @click.option("--force", is_flag=True, help="Overwrite existing scales.")
 @user_errors
@@ -585,6 +621,7 @@ def calibrate(
     force: bool,
 ) -> None:
     """Calibrate INT8 KV scales (per channel group) and write a quality report."""
+    starting(f"calibrating {model_dir}: {method}, {group_size} channels per scale, into {out_dir}")
     import numpy as np
 
     from kvedge.calibrate.calibrate import (
@@ -598,6 +635,11 @@ def calibrate(
     from kvedge.quant import SCALES_MANIFEST
     from kvedge.runtime.model import Model
 
+    if out_dir.suffix in (".npz", ".npy", ".json") or out_dir.is_file():
+        raise KvedgeError(
+            f"--out {out_dir} names a file; --out is a folder (it gets {SCALES_MANIFEST}, the scale "
+            "arrays and a plot), e.g. --out scales/"
+        )
     if (out_dir / SCALES_MANIFEST).exists() and not force:
         raise KvedgeError(f"{out_dir} already holds scales; pass --force to overwrite them")
     options = CalibrationOptions(method=method, group_size=int(group_size), percentile=percentile)
@@ -658,6 +700,7 @@ def eval_kv(
     json_path: Path | None,
 ) -> None:
     """Compare INT8 KV schemes (and a real --kv-dtype int8 export) with the fp32 cache."""
+    starting(f"loading {model_dir}, then {tokens} steps on each of up to {limit} held-out prompts")
     from kvedge.calibrate.calibrate import read_prompts
     from kvedge.calibrate.evaluate import evaluate
     from kvedge.quant import Scales

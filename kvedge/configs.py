@@ -55,7 +55,10 @@ from kvedge.contract import PREFILL_CHUNK, CacheGeometry
 from kvedge.errors import KvedgeError
 from kvedge.runtime.tokenizer import ROLES
 
-CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"  # the repository's; pass paths otherwise
+# configs/ as installed package data (setup.py ships it as kvedge._configs), else the source
+# checkout's (an editable install included); other files are passed as paths
+_INSTALLED = Path(__file__).resolve().parent / "_configs"
+CONFIG_ROOT = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().parents[1] / "configs"
 DEVICES_DIR = CONFIG_ROOT / "devices"
 MODELS_DIR = CONFIG_ROOT / "models"
 

@@ -123,7 +123,7 @@ def collect_kv(
 @dataclass(frozen=True)
 class CalibrationOptions:
     method: str = "mse"
-    group_size: int = 64
+    group_size: int = 32  # channels per scale, as the export's default (--kv-group-size)
     percentile: float = 99.99
     max_tokens: int = 16384
 

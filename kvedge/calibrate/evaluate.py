@@ -112,12 +112,16 @@ def evaluate(
     match: list[list[int]] = [[] for _ in candidates]
     sequences: list[tuple[list[int], list[int]]] = []  # (prompt ids, forced continuation) per prompt
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    for group in tqdm(groups, desc="eval-kv", unit="batch"):
+    # progress per step (a batch's prefill, then each of its decode steps): a batch of long
+    # prompts runs for minutes
+    progress = tqdm(total=len(groups) * tokens, desc="eval-kv", unit="step")
+    for group in groups:
         ids = [prompt_ids(model, p)[: geometry.max_len - tokens - 1] for p in group]
         continuations: list[list[int]] = [[] for _ in group]
         for _, cache in runs:
             cache.lengths[:] = 0
         logits = [prefill(backend, cache, 0, ids) for backend, cache in runs]
+        progress.update()
         first_miss = np.full((len(candidates), len(group)), tokens)
         for step in range(tokens):
             ref = log_softmax(logits[0])
@@ -137,9 +141,11 @@ def evaluate(
             for continuation, token in zip(continuations, forced, strict=True):
                 continuation.append(token)
             logits = [decode_one_token(backend, cache, 0, forced) for backend, cache in runs]
+            progress.update()
         sequences.extend(zip(ids, continuations, strict=True))
         for s in range(len(candidates)):
             match[s].extend(int(m) for m in first_miss[s])
+    progress.close()
     results = [
         quality(name, kls[s], agree[s], match[s], ratio) for s, (name, _, _, ratio) in enumerate(candidates)
     ]

@@ -380,20 +380,23 @@ class StepResult:
 
 
 def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: bool = True) -> StepResult:
-    """Advance every unfinished turn by one step: a turn still prefilling runs its next prompt
-    chunk; every other turn writes its pending token, decoded together in as few calls over
-    contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call per turn), and
-    samples the next. A failure ends the turns it touched with an "error" event."""
+    """Advance the unfinished turns by one step: of the turns still prefilling, the one that has
+    prefilled the fewest tokens runs its next prompt chunk (one chunk per step, so a new short
+    prompt waits for at most the chunk running when it came, not for every long prompt's next
+    chunk too); every turn past its prompt writes its pending token, decoded together in as few
+    calls over contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call per
+    turn), and samples the next. A failure ends the turns it touched with an "error" event."""
     result = StepResult()
-    for turn in turns:
-        if turn.prefilling:
-            if len(turn.todo) <= turn.chunk:  # the last chunk: its logits are sampled
-                turn.will_sample()
-            try:
-                logits = turn.prefill_chunk(backend, cache)
-            except Exception as exc:
-                result.events[turn] = turn.finish("error", error=exc)
-                continue
+    prefilling = [turn for turn in turns if turn.prefilling]
+    if prefilling:
+        turn = min(prefilling, key=lambda t: t.prompt_tokens - t.reused_tokens - len(t.todo))
+        if len(turn.todo) <= turn.chunk:  # the last chunk: its logits are sampled
+            turn.will_sample()
+        try:
+            logits = turn.prefill_chunk(backend, cache)
+        except Exception as exc:
+            result.events[turn] = turn.finish("error", error=exc)
+        else:
             if not turn.todo:  # the whole prompt is in: sample the first token
                 result.events[turn] = turn.sample(logits)
     by_slot = {t.slot: t for t in turns if not t.done and t.pending is not None and t not in result.events}

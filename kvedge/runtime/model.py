@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, Manifest, sha256_files
-from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.backend import Backend, open_backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
@@ -61,6 +62,11 @@ class Model:
         if not self.folder.is_dir():
             raise KvedgeError(f"model folder {str(self.folder)!r} does not exist")
         self.manifest = Manifest.load(self.folder)
+        for name in (ONNX_FILE, TOKENIZER_FILE):  # before the slow graph load, and in one line
+            path = self.folder / name
+            if not path.is_file() or path.stat().st_size == 0:
+                state = "is empty" if path.is_file() else "is missing"
+                raise KvedgeError(f"{path} {state}: the folder is not a whole export; re-export the model")
         if verify:
             self._verify_graph()
         self.policy = policy or HistoryPolicy()
@@ -139,17 +145,25 @@ class Model:
         messages: Sequence[dict[str, Any]],
         reserve: int = 0,
         tools: Sequence[dict[str, Any]] | None = None,
+        limit: int | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """The conversation's token ids (`tools` and `template_kwargs` go to the chat template);
         under the truncate policy the oldest whole turns are dropped (system messages stay) until
-        it fits with `reserve` tokens left for the reply."""
+        it fits with `reserve` tokens left for the reply. A conversation of more than `limit`
+        tokens is refused before any truncation, which re-renders it once per dropped turn."""
         messages = list(messages)
 
         def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
             return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
 
         ids = encode(messages)
+        if limit is not None and len(ids) > limit:
+            raise ContextOverflow(
+                f"the messages take {len(ids)} tokens; this server accepts at most {limit} prompt "
+                "tokens per request (max_prompt_tokens)",
+                cause="prompt",
+            )
         if self.policy.mode == "truncate":
             messages, ids = self._truncate_turns(messages, ids, reserve, encode)
         return ids
@@ -279,16 +293,28 @@ class Model:
 
     def _run(self, turn: Turn) -> Iterator[Event]:
         """The turn's events, one `step` at a time; an error is raised. Ending the iteration
-        early (or dropping it) ends the turn."""
+        early (or dropping it) ends the turn. A prompt of more than four chunks shows a
+        progress bar on stderr while it is prefilled (minutes on a small board)."""
+        progress = tqdm(
+            total=len(turn.todo),
+            desc="prefill",
+            unit="token",
+            leave=False,
+            disable=len(turn.todo) <= 4 * turn.chunk,
+        )
         try:
             while not turn.done:
+                todo = len(turn.todo)
                 event = self.step([turn]).events.get(turn)
+                progress.update(todo - len(turn.todo))
                 if event is None:
                     continue
+                progress.close()
                 if event.error is not None:
                     raise event.error
                 yield event
         finally:
+            progress.close()
             self.end(turn)
 
     # -- reuse -------------------------------------------------------------------------------
@@ -306,14 +332,12 @@ class Model:
                 len(session.expected),
             )
             session.reset(self.cache)
-        if session.evicted and common_prefix(session.history, ids) == len(session.history):
-            new = ids[len(session.history) :]  # windowed slot: append the new turn to what is kept
-            session.reused_tokens = len(session.history)
-            if not new:
-                raise KvedgeError("the conversation has no new tokens after the cached history")
-            return new
-        if session.evicted:
-            log.info("slot %d: history changed before the window; re-prefilling", slot)
+        kept = len(session.history)
+        if session.evicted and len(ids) > kept and common_prefix(session.history, ids) == kept:
+            session.reused_tokens = kept
+            return ids[kept:]  # windowed slot: append the new turn to what is kept
+        if session.evicted:  # changed, or resent as it was (a regenerated reply): evicted tokens
+            log.info("slot %d: the conversation does not extend the windowed history; re-prefilling", slot)
             session.reset(self.cache)
         held = self.cache.token_ids(slot)
         keep = common_prefix(held, ids)

@@ -59,7 +59,8 @@ class HistoryPolicy:
             raise ContextOverflow(
                 f"the conversation has {prompt_tokens} tokens; the cache holds at most {max_len} "
                 "(max_len), leaving no room for a reply. Start a new conversation or use "
-                "history_policy 'window' or 'truncate' (--history-policy)",
+                "history_policy 'window' (--history-policy); 'truncate' helps only when the last "
+                "user turn alone fits",
                 cause="prompt",
             )
 

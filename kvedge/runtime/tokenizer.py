@@ -38,7 +38,11 @@ def _raise(message: str) -> None:
 
 class ChatTokenizer:
     def __init__(self, folder: Path, manifest: Manifest) -> None:
-        self.tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        path = folder / TOKENIZER_FILE
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a missing or bad file
+            raise KvedgeError(f"{path}: not a readable tokenizer ({exc}); re-export the model") from None
         self.special_tokens = dict(manifest.special_tokens)
         self.template = None
         self._source = ""

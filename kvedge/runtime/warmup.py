@@ -15,6 +15,8 @@ every first turn; a conversation that continues differently still reuses the sha
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,24 +103,51 @@ def warm_up(
                 f"warm prefix {spec.name!r} has {len(ids)} tokens; max_len is {geometry.max_len}"
             )
         path = folder / f"{spec.name}{SUFFIX}"
-        try:
-            prefix = read_warm_file(path, geometry, fingerprint, ids)
-            loaded.append(spec.name)
-        except FileNotFoundError:
-            prefix, rebuilt[spec.name] = None, "missing"
-        except ArtifactMismatch as exc:
-            prefix, rebuilt[spec.name] = None, str(exc)
+        prefix, why = None, not_a_regular_file(path)
+        if why is None:
+            try:
+                prefix = read_warm_file(path, geometry, fingerprint, ids)
+                loaded.append(spec.name)
+            except FileNotFoundError:
+                why = "missing"
+            except ArtifactMismatch as exc:
+                why = str(exc)
+            except OSError as exc:
+                why = f"cannot read it: {exc.strerror or exc}"
         if prefix is None:
-            level = logging.INFO if rebuilt[spec.name] == "missing" else logging.WARNING
-            log.log(level, "warm prefix %s: recomputing (%s)", spec.name, rebuilt[spec.name])
+            rebuilt[spec.name] = why
+            level = logging.INFO if why == "missing" else logging.WARNING
+            log.log(level, "warm prefix %s: recomputing (%s)", spec.name, why)
             prefix = compute_prefix(backend, cache, spec.name, ids)
-            write_warm_file(path, prefix, geometry, fingerprint)
+            try:
+                write_warm_file(path, prefix, geometry, fingerprint)
+            except OSError as exc:  # e.g. a directory holds the name: serve the prefix from memory
+                log.warning("warm prefix %s: cannot write %s (%s); kept in memory only", spec.name, path, exc)
         store.prefixes.append(prefix)
     for stale in folder.glob(f".*{SUFFIX}.*.tmp"):  # left by a crash mid-write
-        stale.unlink(missing_ok=True)
+        if not_a_regular_file(stale) is None:
+            try:
+                stale.unlink()
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", stale, exc)
     report = WarmupReport(loaded=loaded, rebuilt=rebuilt, seconds=time.perf_counter() - started)
     log.info("warm-up: %d loaded, %d recomputed in %.2f s", len(loaded), len(rebuilt), report.seconds)
     return store, report
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """Why `path` is not a warm file worth opening, or None. Only regular files (through
+    symlinks) are opened: opening a FIFO blocks until a writer comes, a device may never end,
+    and a directory cannot be read."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:  # a symlink loop, a folder that cannot be searched...
+        return f"cannot read it: {exc.strerror or exc}"
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    return None
 
 
 def compute_prefix(backend: Backend, cache: KVCache, name: str, ids: list[int]) -> WarmPrefix:

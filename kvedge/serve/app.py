@@ -119,6 +119,7 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
                 response = await handler(request)
             except ApiError as error:
                 response = error_response(error)
+                log.info("%s %d %s: %s", request.url.path, error.status, error.code, error.message)
             metrics.response(response.status_code)
             return response
 
@@ -131,7 +132,9 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         return model
 
     async def chat_completions(request: Request) -> Response:
-        chat = protocol.parse_chat_request(await read_json(request, config.max_body_bytes))
+        chat = protocol.parse_chat_request(
+            await read_json(request, config.max_body_bytes, config.body_timeout_s)
+        )
         model = ready_model()
         template = model.tokenizer.template_source
         tool_fmt = tools.tool_format(template)
@@ -143,6 +146,7 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
                 param="tools",
                 code="unsupported_parameter",
             )
+        check_limits(config, chat.max_tokens, len(chat.messages))
         messages = tools.prompt_messages(list(chat.messages), chat.tools, tool_fmt)
         template_tools = [t.openai() for t in chat.tools] if tool_fmt == "native" else None
         requested = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
@@ -152,7 +156,12 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         try:
             ids = await run_in_threadpool(
                 functools.partial(
-                    model.encode_chat, messages, requested, template_tools, **chat.template_kwargs
+                    model.encode_chat,
+                    messages,
+                    requested,
+                    template_tools,
+                    limit=config.max_prompt_tokens,
+                    **chat.template_kwargs,
                 )
             )
             max_new = model.fit_reply(
@@ -179,10 +188,18 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         return await respond(request, job, events, reply, chat.stream)
 
     async def completions(request: Request) -> Response:
-        body = protocol.parse_completion_request(await read_json(request, config.max_body_bytes))
+        body = protocol.parse_completion_request(
+            await read_json(request, config.max_body_bytes, config.body_timeout_s)
+        )
         model = ready_model()
+        check_limits(config, body.max_tokens, 1)
         ids = await run_in_threadpool(model.tokenizer.encode, body.prompt)
         try:
+            if len(ids) > config.max_prompt_tokens:
+                raise ContextOverflow(
+                    f"the prompt takes {len(ids)} tokens; this server accepts at most "
+                    f"{config.max_prompt_tokens} prompt tokens per request (max_prompt_tokens)"
+                )
             max_new = model.fit_reply(
                 len(ids), body.max_tokens, config.default_max_tokens, config.reply_overflow
             )
@@ -228,11 +245,20 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         request: Request, job: Job, events: asyncio.Queue[Event], reply: Reply, stream: bool
     ) -> Response:
         if stream:
-            return EventStream(reply.stream(events), on_close=lambda: engine.cancel(job))
+
+            def closed() -> None:
+                engine.cancel(job)
+                log_request(request, 200, job)
+
+            return EventStream(reply.stream(events), on_close=closed)
+        status = 499
         try:
-            return await reply.collect(events, request)
+            response = await reply.collect(events, request)
+            status = response.status_code
+            return response
         finally:
             engine.cancel(job)
+            log_request(request, status, job)
 
     routes = [
         Route("/v1/chat/completions", protected(counted(chat_completions)), methods=["POST"]),
@@ -265,6 +291,21 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
     )
 
 
+def log_request(request: Request, status: int, job: Job) -> None:
+    """One line per request that reached the engine: status, tokens, time to first token."""
+    now = time.monotonic()
+    ttft = "-" if job.first_token_at is None else f"{job.first_token_at - job.submitted:.3f} s"
+    log.info(
+        "%s %d: %d prompt + %d completion tokens, TTFT %s, %.2f s",
+        request.url.path,
+        status,
+        len(job.ids),
+        job.produced,
+        ttft,
+        now - job.submitted,
+    )
+
+
 def _not_ready(state: str) -> ApiError:
     return ApiError(
         503,
@@ -275,16 +316,48 @@ def _not_ready(state: str) -> ApiError:
     )
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, refusing more than `limit` bytes before reading them all."""
+def check_limits(config: ServiceConfig, max_tokens: int | None, messages: int) -> None:
+    """The service's bounds on one request's work, whatever the history policy (the prompt's
+    token bound is checked where it is counted)."""
+    if max_tokens is not None and max_tokens > config.max_reply_tokens:
+        raise ApiError(
+            400,
+            f"max_tokens is {max_tokens}; this server allows at most {config.max_reply_tokens} "
+            "(max_reply_tokens)",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    if messages > config.max_messages:
+        raise ApiError(
+            400,
+            f"the request has {messages} messages; this server allows at most {config.max_messages} "
+            "(max_messages)",
+            param="messages",
+            code="invalid_value",
+        )
+
+
+async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The request body as JSON, refusing more than `limit` bytes before reading them all, and a
+    body that takes more than `timeout_s` to arrive (a slow client holds a connection, nothing
+    more: 408, and the connection is closed)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (body_timeout_s)",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        ) from None
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):

@@ -11,6 +11,13 @@ File format (every key optional except `model`, which may come from `--model` in
     api_key_env: null               # name of the environment variable holding the bearer key
     max_body_bytes: 1048576         # larger request bodies get 413
     default_max_tokens: 256         # completion length when a request gives no max_tokens
+    max_reply_tokens: 4096          # a request's max_tokens above this gets 400, whatever the policy
+    max_prompt_tokens: 8192         # a conversation (before truncation) of more tokens gets 400
+    max_messages: 512               # a request with more messages gets 400, before it is tokenized
+    max_connections: 256            # open connections at once; the next request gets 503 (the
+                                    # request queue, queue_size, is separate)
+    header_timeout_s: 10            # a connection whose request head is not complete by then is closed
+    body_timeout_s: 30              # a request body not received in full by then gets 408
     reply_overflow: reject          # a reply that may not fit the context: reject (prompt + max_tokens
                                     # must fit, OpenAI's rule: else 400) | clip (only the prompt must
                                     # fit; the reply stops at the context end, finish_reason "length")
@@ -84,6 +91,16 @@ class ServiceConfig:
     ] = None
     max_body_bytes: Annotated[int, Meta(ge=1024, le=64 * 2**20)] = 2**20
     default_max_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer >= 1")] = 256
+    max_reply_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer in 1..1000000")] = 4096
+    max_prompt_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer in 1..1000000")] = 8192
+    max_messages: Annotated[int, Meta(ge=1, le=100_000, description="an integer in 1..100000")] = 512
+    max_connections: Annotated[int, Meta(ge=1, le=65_536, description="an integer in 1..65536")] = 256
+    header_timeout_s: Annotated[
+        float, Meta(gt=0, le=3600, description="a number of seconds in (0, 3600]")
+    ] = 10.0
+    body_timeout_s: Annotated[float, Meta(gt=0, le=3600, description="a number of seconds in (0, 3600]")] = (
+        30.0
+    )
     reply_overflow: Annotated[Literal[REPLY_OVERFLOW], Meta(description=f"one of {list(REPLY_OVERFLOW)}")] = (
         "reject"
     )
@@ -157,6 +174,12 @@ def load_service_config(
         raise KvedgeError(
             f"{origin['model']}={str(values['model'])!r}: no {MANIFEST_FILE} there; export a model with "
             "`kvedge export --out DIR` first"
+        )
+    if config.default_max_tokens > config.max_reply_tokens:
+        where = origin.get("default_max_tokens") or origin["max_reply_tokens"]
+        raise KvedgeError(
+            f"{where}: default_max_tokens ({config.default_max_tokens}) is more than max_reply_tokens "
+            f"({config.max_reply_tokens}); allowed: default_max_tokens <= max_reply_tokens"
         )
     if (config.warm_prefixes is None) != (config.warm_dir is None):
         raise KvedgeError("warm_prefixes and warm_dir go together: set both or neither")

@@ -66,6 +66,7 @@ class Job:
     slot: int | None = None
     turn: Turn | None = None
     produced: int = 0
+    first_token_at: float | None = None  # monotonic time of the first event
     cancelled: bool = False
     done: bool = False
 
@@ -262,6 +263,7 @@ class Engine:
                 self._finish(job, event)
                 continue
             if job.produced == 0:
+                job.first_token_at = now
                 self.metrics.first_token(now - job.submitted)
                 self.metrics.add("kvedge_prompt_tokens_total", len(job.ids))
                 self.metrics.add("kvedge_prefix_cache_hit_tokens_total", turn.reused_tokens)

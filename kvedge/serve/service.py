@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import getpass
 import logging
 import sys
@@ -9,7 +11,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
@@ -28,9 +32,7 @@ def serve_command(
 ) -> str | None:
     """What the CLI runs. Returns text to print (unit or check summary), or serves until stopped."""
     if print_unit:
-        config = (config_path or Path("/etc/kvedge/default.yaml")).absolute()
-        grace_s = ServiceConfig.shutdown_grace_s  # the default; raise TimeoutStopSec with the config's
-        return render_unit(sys.executable, config, Path.cwd(), getpass.getuser(), grace_s)
+        return systemd_unit(config_path, overrides)
     config = load_service_config(config_path, overrides)
     need = check_memory(config)
     if check:
@@ -43,6 +45,26 @@ def serve_command(
         )
     serve(config)
     return None
+
+
+def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
+    """The unit that runs `kvedge serve` with this config file and these flags, paths made
+    absolute, as the current user unless that is root (then `kvedge`, a system user)."""
+    flags = []
+    for key, value in overrides.items():
+        if value is not None:
+            value = Path(value).absolute() if key == "model" else value
+            flags.append(f"--{key.replace('_', '-')} {value}")
+    if config_path is None and not flags:
+        config_path = Path("/etc/kvedge/default.yaml")
+    grace_s = ServiceConfig.shutdown_grace_s
+    if config_path is not None and config_path.is_file():
+        grace_s = load_service_config(config_path, overrides).shutdown_grace_s
+    user = getpass.getuser()
+    config = None if config_path is None else config_path.absolute()
+    return render_unit(
+        sys.executable, config, Path.cwd(), "kvedge" if user == "root" else user, grace_s, flags
+    )
 
 
 def check_memory(config: ServiceConfig) -> int:
@@ -78,6 +100,52 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
     )
 
 
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request head (request line and
+    headers) is not complete `head_timeout_s` after the connection opened or, on a kept-alive
+    connection, after the next request's first byte. uvicorn has no such deadline: a client
+    sending its head a byte at a time would hold the connection for ever (slowloris). The
+    body's deadline is the app's (`read_json`), which can still answer 408."""
+
+    def __init__(self, *args: Any, head_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # a (next) request head is on its way
+            self._arm_head_timer()
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the head is in
+            self._cancel_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closing a connection whose request head took more than %g s", self.head_timeout_s)
+            self.transport.close()
+
+
 class _Server(uvicorn.Server):
     """uvicorn, draining the engine before it waits for open responses to finish."""
 
@@ -94,6 +162,9 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     """Serve until SIGTERM/SIGINT. /health turns ready after the model loads and `warmup` (default:
     `config.warmup_tokens` greedy decode steps) returns; warm-up files can hook in here."""
     manifest = Manifest.load(config.model)  # a broken folder fails here, before the port opens
+    if logging.getLogger("kvedge.serve").getEffectiveLevel() > logging.INFO:
+        # where it listens and one line per request: a service's record, with or without -v
+        logging.getLogger("kvedge.serve").setLevel(logging.INFO)
     log.info(
         "serving %s (%s) on http://%s:%d: %d slots x %d tokens, %.1f MiB KV, queue %d",
         config.model_name,
@@ -122,7 +193,8 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
-            limit_concurrency=max(64, 4 * (config.slots + config.queue_size)),
+            limit_concurrency=config.max_connections,
+            http=functools.partial(HeadDeadlineProtocol, head_timeout_s=config.header_timeout_s),
         ),
         engine,
         config.shutdown_grace_s,

@@ -7,6 +7,7 @@ retried by `Restart=on-failure`. stdout and stderr go to the journal (`journalct
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 UNIT = """\
@@ -15,7 +16,8 @@ UNIT = """\
 #   sudo systemctl enable --now kvedge      # logs: journalctl -u kvedge -f
 # `kvedge serve --config CONFIG --print-systemd-unit` writes this file for the current install.
 # A bearer key (required when the config binds a non-loopback host) goes in /etc/kvedge/kvedge.env
-# as NAME=value, NAME being the config's api_key_env.
+# as NAME=value, NAME being the config's api_key_env. The service runs as User, never root; create
+# it with `sudo useradd --system --home-dir /nonexistent kvedge` and let it read the model folder.
 [Unit]
 Description=kvedge chatbot service (OpenAI-compatible HTTP API)
 After=network.target
@@ -26,8 +28,8 @@ User={user}
 WorkingDirectory={workdir}
 Environment=PYTHONUNBUFFERED=1
 EnvironmentFile=-/etc/kvedge/kvedge.env
-ExecStartPre={python} -m kvedge serve --config {config} --check
-ExecStart={python} -m kvedge -v serve --config {config}
+ExecStartPre={python} -m kvedge serve {args} --check
+ExecStart={python} -m kvedge -v serve {args}
 Restart=on-failure
 RestartSec=5
 KillSignal=SIGTERM
@@ -41,8 +43,12 @@ WantedBy=multi-user.target
 """
 
 
-def render_unit(python: str, config: Path, workdir: Path, user: str, grace_s: float) -> str:
-    """The unit text; systemd waits `grace_s` (the config's shutdown grace) plus 10 s before SIGKILL."""
+def render_unit(
+    python: str, config: Path | None, workdir: Path, user: str, grace_s: float, flags: Sequence[str] = ()
+) -> str:
+    """The unit text for `kvedge serve --config CONFIG FLAGS...` (no --config when `config` is
+    None); systemd waits `grace_s` (the config's shutdown grace) plus 10 s before SIGKILL."""
+    args = ([f"--config {config}"] if config is not None else []) + list(flags)
     return UNIT.format(
-        python=python, config=config, workdir=workdir, user=user, stop_timeout_s=int(grace_s) + 10
+        python=python, args=" ".join(args), workdir=workdir, user=user, stop_timeout_s=int(grace_s) + 10
     )
