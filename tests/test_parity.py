@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_ids
+from tiny import make_tiny_model
 
+from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -53,6 +55,20 @@ def test_greedy_64_tokens_identical_to_hf_generate(tiny):
         got.append(int(np.argmax(logits)))
         logits = decode_one_token(model.backend, model.cache, 0, [got[-1]])[0]
     assert got == ref
+
+
+def test_longrope_past_its_short_factors_is_refused_by_name(tmp_path):
+    """Past original_max_position_embeddings HF switches to the long factors; static tables cannot."""
+    source = make_tiny_model(tmp_path / "hf", "phi3")  # original_max_position_embeddings 256
+    with pytest.raises(KvedgeError, match=r"--max-len 512 passes .*original_max_position_embeddings \(256\)"):
+        export_model(source, tmp_path / "out", ExportOptions(max_len=512))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_family_is_refused_by_name(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama", hidden_act="gelu")
+    with pytest.raises(KvedgeError, match="hidden_act 'gelu' is not supported"):
+        export_model(source, tmp_path / "out", ExportOptions(max_len=64))
 
 
 @pytest.mark.real_model

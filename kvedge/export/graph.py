@@ -83,7 +83,7 @@ from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockw
 OPSET = 17  # float32 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # longrope: short factors only
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,18 @@ class DecoderSpec:
     num_heads: int
     rms_norm_eps: float
     tie_word_embeddings: bool
+    head_dim: int
+    rotary_dim: int  # leading channels of each head that RoPE rotates (Phi-4-mini: 0.75 head_dim)
+    qk_norm: bool  # RMSNorm over each head of Q and K before RoPE (Qwen3)
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise KvedgeError(f"hidden_act {act!r} is not supported; the MLP is SwiGLU ('silu')")
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -106,6 +115,9 @@ class DecoderSpec:
             num_heads=config.num_attention_heads,
             rms_norm_eps=float(config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            qk_norm=config.model_type == "qwen3",
         )
 
 
@@ -140,13 +152,37 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
 
 
+def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
+    """The model's frequencies [rotary_dim/2] widened to [head_dim/2] with zeros.
+
+    Partial rotary (HF rotates channel pairs (i, i + r/2) of the first r = rotary_dim channels and
+    passes the rest through) is exported as full rotary over a permuted head: `_prepare_weights`
+    reorders Q and K channels so pair i of the rotated part becomes (i, i + d/2), and the pairs past
+    r/2 are the pass-through channels with frequency 0 (angle 0 at every position). Q.K is unchanged
+    by a permutation applied to both, so every consumer of the tables (the portable graph,
+    GroupQueryAttention, the INT8 kernel, window re-rotation from `manifest.rope.inv_freq`) sees
+    ordinary rotate_half RoPE over the whole head and stays exact.
+    """
+    freqs = np.zeros(head_dim // 2, np.float64)
+    freqs[: inv_freq.size] = inv_freq
+    return freqs
+
+
 def rope_tables(
-    inv_freq: np.ndarray, attention_scaling: float, max_len: int
+    inv_freq: np.ndarray, attention_scaling: float, max_len: int, head_dim: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables [max_len, head_dim/2] for positions 0..max_len-1 (HF rotate_half layout)."""
+    """cos/sin tables [max_len, head_dim/2] for positions 0..max_len-1 (HF rotate_half layout).
+
+    `inv_freq` [rotary_dim/2] are the model's frequencies; pass-through pairs beyond them (partial
+    rotary, see `rotary_frequencies`) get cos 1 and sin 0: HF applies `attention_scaling` to the
+    rotated channels only."""
     freqs = np.outer(np.arange(max_len, dtype=np.float64), inv_freq.astype(np.float64))
     cos = (np.cos(freqs) * attention_scaling).astype(np.float32)
     sin = (np.sin(freqs) * attention_scaling).astype(np.float32)
+    passed = (head_dim or 2 * inv_freq.size) // 2 - inv_freq.size
+    if passed:
+        cos = np.concatenate([cos, np.ones((max_len, passed), np.float32)], axis=1)
+        sin = np.concatenate([sin, np.zeros((max_len, passed), np.float32)], axis=1)
     return cos, sin
 
 
@@ -223,7 +259,7 @@ def build_decoder_graph(
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
-    decoder = _Decoder(spec, geometry, _fold_softmax_scale(weights, geometry), cos, sin, names, options)
+    decoder = _Decoder(spec, geometry, _prepare_weights(spec, geometry, weights), cos, sin, names, options)
     hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
     for i in range(geometry.num_layers):
         hidden, delta = decoder.layer(i, hidden, delta)
@@ -234,17 +270,69 @@ def build_decoder_graph(
     return _onnx_model(decoder.g, interface, options)
 
 
-def _fold_softmax_scale(weights: dict[str, np.ndarray], geometry: CacheGeometry) -> dict[str, np.ndarray]:
-    """`weights` with Wq (and its bias) scaled by head_dim**-0.5: RoPE is linear, so attention
-    needs no scale op."""
+def _prepare_weights(
+    spec: DecoderSpec, geometry: CacheGeometry, weights: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """`weights` in the layout the graph is built from, per layer:
+
+    - fused projections (Phi-3: `qkv_proj`, `gate_up_proj`) split into the Llama names;
+    - partial rotary: Q and K output channels of each head permuted (`rotary_frequencies`);
+    - the softmax scale head_dim**-0.5 folded into Wq (and its bias), or into the Q norm's weight
+      when Q is normed per head (Qwen3), since the norm would undo a scale applied before it.
+      RoPE is linear, so attention needs no scale op.
+    """
     weights = dict(weights)
-    scale = 1.0 / math.sqrt(geometry.head_dim)
+    d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
+    scale = 1.0 / math.sqrt(d)
+    order = _rotary_order(d, spec.rotary_dim)
     for i in range(geometry.num_layers):
-        for part in ("weight", "bias"):
-            name = f"model.layers.{i}.self_attn.q_proj.{part}"
+        p = f"model.layers.{i}"
+        fused = weights.pop(f"{p}.self_attn.qkv_proj.weight", None)
+        if fused is not None:  # rows: q [heads d], k [kv_heads d], v [kv_heads d]
+            q, k, v = np.split(fused, [heads * d, (heads + kv_heads) * d])
+            for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                weights[f"{p}.self_attn.{name}.weight"] = part
+        fused = weights.pop(f"{p}.mlp.gate_up_proj.weight", None)
+        if fused is not None:  # rows: gate [intermediate], up [intermediate]
+            gate, up = np.split(fused, 2)
+            weights[f"{p}.mlp.gate_proj.weight"], weights[f"{p}.mlp.up_proj.weight"] = gate, up
+        if order is not None:
+            for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
+                for part in ("weight", "bias"):
+                    name = f"{p}.self_attn.{proj}.{part}"
+                    if name in weights:  # rows (or entries) per head: [n d, ...] -> permuted per head
+                        w = weights[name]
+                        weights[name] = w.reshape(n, d, *w.shape[1:])[:, order].reshape(w.shape)
+        folded = (
+            [f"{p}.self_attn.q_norm.weight"]
+            if spec.qk_norm
+            else [f"{p}.self_attn.q_proj.{part}" for part in ("weight", "bias")]
+        )
+        for name in folded:
             if name in weights:
                 weights[name] = weights[name].astype(np.float32) * scale
     return weights
+
+
+def _rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray | None:
+    """Channel order of a head that puts HF's partial-rotary pairs (i, i + r/2), i < r/2, at
+    (i, i + d/2) and the pass-through channels after them in each half; None for full rotary."""
+    if rotary_dim == head_dim:
+        return None
+    if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+        raise KvedgeError(
+            f"partial rotary over {rotary_dim} of {head_dim} head channels is not supported; "
+            "both the rotated and the passed-through parts must have an even width"
+        )
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return np.concatenate(
+        [
+            np.arange(r),
+            np.arange(2 * r, 2 * r + rest),
+            np.arange(r, 2 * r),
+            np.arange(2 * r + rest, head_dim),
+        ]
+    )
 
 
 class _Decoder:
@@ -271,6 +359,11 @@ class _Decoder:
         self.s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
         self.attention = self._attention(geometry, cos, sin)
         self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
+        if spec.qk_norm:
+            d, kv_heads = geometry.head_dim, geometry.num_kv_heads
+            self.qkv_split = g.ints(spec.num_heads * d, kv_heads * d, kv_heads * d)
+            self.per_head = g.ints(0, 0, -1, d)
+            self.merged_heads = g.ints(0, 0, -1)
 
     def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray):
         """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]."""
@@ -351,12 +444,36 @@ class _Decoder:
         qkv = self.linear(
             x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv"
         )  # [b, s, (h+2kvh)d]
+        if self.spec.qk_norm:
+            qkv = self.qk_norm(qkv, f"{p}.self_attn")
         attn = self.attention.layer(i, qkv)  # [b, s, heads*d]
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
         x, hidden = self.residual_norm(
             hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
         )
         return hidden, self.mlp(x, f"{p}.mlp")
+
+    def qk_norm(self, qkv: str, p: str) -> str:
+        """qkv [b, s, (h+2kvh)d] with Q and K RMS-normed per head, before any variant's RoPE (Qwen3);
+        V passes through. The Q norm's weight carries the softmax scale (`_prepare_weights`)."""
+        g = self.g
+        q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.qkv_parts", outputs=3, axis=-1)
+        normed = [
+            g.op(
+                "Reshape",
+                [
+                    self.rms_norm(
+                        g.op("Reshape", [x, self.per_head], f"{p}.{part}_heads"),  # [b, s, n, d]
+                        self.w(f"{p}.{part}_norm.weight"),
+                        f"{p}.{part}_norm",
+                    ),
+                    self.merged_heads,
+                ],
+                f"{p}.{part}_normed",
+            )
+            for part, x in (("q", q), ("k", k))
+        ]
+        return g.op("Concat", [*normed, v], f"{p}.qkv_normed", axis=-1)
 
     def mlp(self, x: str, p: str) -> str:
         """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one MatMul."""
