@@ -31,6 +31,7 @@ FAMILIES = {
     "mistral": {},
     "qwen3": {},  # Q/K norm per head, head_dim != hidden / heads
     "phi3": {},  # fused projections, partial rotary, LongRoPE (tests/tiny.py)
+    "smollm3": {},  # a layer without RoPE
 }
 MAX_LEN = 128
 

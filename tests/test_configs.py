@@ -49,6 +49,7 @@ def llama_family_params(a: Architecture) -> int:
         "qwen3-1.7b",
         "phi-4-mini",
         "phi-3.5-mini",
+        "smollm3-3b",
     ],
 )
 def test_recipe_param_count_matches_its_architecture(name):

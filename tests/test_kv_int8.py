@@ -48,6 +48,8 @@ INT8_CASES = [
     ("qwen3", 0, "ort"),
     ("phi3", 0, "portable"),
     ("phi3", 0, "ort"),
+    ("smollm3", 0, "portable"),
+    ("smollm3", 0, "ort"),
 ]
 HEAD_DIMS = {  # config overrides giving the named head_dim
     "hd32": {"num_attention_heads": 2, "num_key_value_heads": 1},

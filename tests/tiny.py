@@ -14,6 +14,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 CHATML = (
@@ -101,6 +102,8 @@ def tiny_config(family: str, **overrides):
                 "original_max_position_embeddings": PHI3_ROPE["original_max_position_embeddings"],
             }
         )
+    if family == "smollm3":  # no RoPE in layer 0, the one eviction tests compare (SmolLM3-3B: every 4th)
+        return SmolLM3Config(**{"no_rope_layers": [0, 1], "pad_token_id": 0, **common})
     raise ValueError(family)
 
 

@@ -95,9 +95,8 @@ def export_model(
             f"the model rotates {2 * inv_freq.size} channels per head but its config says "
             f"{spec.rotary_dim}; refusing to guess which"
         )
-    rope = rope_from_config(
-        config, rotary_frequencies(inv_freq, spec.head_dim), attention_scaling, options.max_len
-    )
+    frequencies = rotary_frequencies(inv_freq, spec.head_dim)
+    rope = rope_from_config(config, frequencies, attention_scaling, options.max_len, spec.unrotated_layers)
     cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     names = IONames()
@@ -195,7 +194,13 @@ def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
     )
 
 
-def rope_from_config(config: Any, inv_freq: np.ndarray, attention_scaling: float, max_len: int) -> RopeSpec:
+def rope_from_config(
+    config: Any,
+    inv_freq: np.ndarray,
+    attention_scaling: float,
+    max_len: int,
+    unrotated_layers: tuple[int, ...] = (),
+) -> RopeSpec:
     """What the baked tables mean. `inv_freq` [head_dim/2] as `rotary_frequencies` widens it."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -218,6 +223,7 @@ def rope_from_config(config: Any, inv_freq: np.ndarray, attention_scaling: float
         scaling=params,
         inv_freq=tuple(float(f) for f in inv_freq),
         attention_scaling=attention_scaling,
+        unrotated_layers=unrotated_layers,
     )
 
 

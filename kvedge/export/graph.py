@@ -54,6 +54,13 @@ graph does and reads each KV head's int8 codes once per step for its whole query
 
 Weights: float32, or blocked int8/int4 `DequantizeLinear -> MatMul` (see `quantize.py`) for every
 projection and the LM head; the embedding table stays float32 (one row is read per token).
+
+Families differ before attention only (`DecoderSpec`, `_prepare_weights`), so the three attention
+implementations above serve them all: Qwen3's per-head Q/K RMSNorm is applied to the packed QKV,
+ahead of every variant's RoPE; Phi-3's fused projections are split and its partial rotary becomes
+full rotary over a permuted head (`rotary_frequencies`); SmolLM3's layers without RoPE skip the
+rotation (portable), run GroupQueryAttention with do_rotary=0, or give the INT8 kernel tables of
+angle 0.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class DecoderSpec:
     head_dim: int
     rotary_dim: int  # leading channels of each head that RoPE rotates (Phi-4-mini: 0.75 head_dim)
     qk_norm: bool  # RMSNorm over each head of Q and K before RoPE (Qwen3)
+    unrotated_layers: tuple[int, ...]  # layers without RoPE (SmolLM3's NoPE layers)
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
@@ -118,6 +126,10 @@ class DecoderSpec:
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
             qk_norm=config.model_type == "qwen3",
+            # SmolLM3: no_rope_layers[i] is 1 where layer i uses RoPE
+            unrotated_layers=tuple(
+                i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope
+            ),
         )
 
 
@@ -446,7 +458,7 @@ class _Decoder:
         )  # [b, s, (h+2kvh)d]
         if self.spec.qk_norm:
             qkv = self.qk_norm(qkv, f"{p}.self_attn")
-        attn = self.attention.layer(i, qkv)  # [b, s, heads*d]
+        attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)  # [b, s, heads*d]
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
         x, hidden = self.residual_norm(
             hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
@@ -613,9 +625,11 @@ class _PortableAttention:
         self.merged = g.ints(0, 0, heads * d)
         self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
 
-    def rope(self, x: str, name: str) -> str:
+    def rope(self, x: str, name: str, rotate: bool = True) -> str:
         """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention)."""
         g = self.g
+        if not rotate:  # a layer without RoPE: x itself, under the name the caller wants
+            return g.op("Identity", [x], name)
         x1, x2 = g.op("Split", [x, self.half_split], f"{name}.halves", outputs=2, axis=-1)
         r1 = g.op(
             "Sub",
@@ -629,7 +643,7 @@ class _PortableAttention:
         )
         return g.op("Concat", [r1, r2], name, axis=-1)
 
-    def layer(self, i: int, qkv: str) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
         g, names, p = self.g, self.names, f"model.layers.{i}"
         q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
         q = g.op(
@@ -652,9 +666,11 @@ class _PortableAttention:
             perm=[0, 2, 1, 3],
         )
         q = g.op(
-            "Reshape", [self.rope(q, f"{p}.attn.q_rope"), self.grouped], f"{p}.attn.q_grouped"
+            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate), self.grouped], f"{p}.attn.q_grouped"
         )  # [b, kvh, g*s, d]
-        k = self.rope(k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i))  # [b, kvh, s, d]
+        k = self.rope(
+            k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate
+        )  # [b, kvh, s, d]
         past = [names.layer(t, i) for t in names.past(codec is not None)]
         if codec:  # the new tokens attend over exactly what the cache will hold
             k, v = codec.write(k, v, [names.layer(t, i) for t in names.present(True)], f"{p}.attn.int8")
@@ -863,8 +879,9 @@ class _GroupQueryAttention:
         total = g.op("Add", [longest, g.op("Squeeze", [s_dim], "gqa.s_scalar")], "gqa.total_i64")
         self.total = g.op("Cast", [total], "gqa.total_sequence_length", to=TensorProto.INT32)  # scalar
 
-    def layer(self, i: int, qkv: str) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
         g, names = self.g, self.names
+        tables = [self.cos_table, self.sin_table] if rotate else []
         return g.op(
             "GroupQueryAttention",
             [
@@ -875,8 +892,7 @@ class _GroupQueryAttention:
                 names.layer(names.past_value, i),
                 self.seqlens,
                 self.total,
-                self.cos_table,
-                self.sin_table,
+                *tables,
             ],
             f"model.layers.{i}.attn.gqa",
             outputs=[
@@ -888,7 +904,7 @@ class _GroupQueryAttention:
             num_heads=self.heads,
             kv_num_heads=self.kv_heads,
             scale=1.0,  # folded into Wq
-            do_rotary=1,
+            do_rotary=int(rotate),
             rotary_interleaved=0,
         )[0]
 
@@ -900,19 +916,33 @@ class _Int8CacheAttention:
     def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
         self.cos_table, self.sin_table = cos_table, sin_table
+        self.identity_shape = (length, d // 2)
+        self.identity: list[str] = []
 
-    def layer(self, i: int, qkv: str) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
         g, names = self.g, self.names
         past = [names.layer(t, i) for t in names.past(True)]  # K, V codes, K, V scales
         return g.op(
             INT8_ATTENTION_OP,
-            [qkv, names.past_lengths, *past, self.cos_table, self.sin_table],
+            [qkv, names.past_lengths, *past, *self.tables(rotate)],
             f"model.layers.{i}.attn.int8",
             outputs=[f"model.layers.{i}.attn.merged", *[names.layer(t, i) for t in names.present(True)]],
             domain=KVEDGE_OPS_DOMAIN,
             num_heads=self.heads,
             kv_num_heads=self.kv_heads,
         )[0]
+
+    def tables(self, rotate: bool) -> list[str]:
+        """The RoPE tables, or for a layer without RoPE tables of angle 0 (cos 1, sin 0 [L, d/2]):
+        the kernel always rotates, and a rotation by 0 is exactly the identity."""
+        if rotate:
+            return [self.cos_table, self.sin_table]
+        if not self.identity:
+            self.identity = [
+                self.g.const("rope.cos_none", np.ones(self.identity_shape, np.float32)),
+                self.g.const("rope.sin_none", np.zeros(self.identity_shape, np.float32)),
+            ]
+        return self.identity
 
 
 def _value_info(tensor: TensorSpec) -> onnx.ValueInfoProto:

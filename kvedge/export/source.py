@@ -25,6 +25,7 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "Mistral",
     "qwen3": "Qwen3 dense",
     "phi3": "Phi-3/Phi-3.5/Phi-4-mini",
+    "smollm3": "SmolLM3",
 }
 
 
