@@ -181,7 +181,7 @@ def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 def rope_tables(
-    inv_freq: np.ndarray, attention_scaling: float, max_len: int, head_dim: int | None = None
+    inv_freq: np.ndarray, attention_scaling: float, max_len: int, head_dim: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables [max_len, head_dim/2] for positions 0..max_len-1 (HF rotate_half layout).
 
@@ -191,7 +191,7 @@ def rope_tables(
     freqs = np.outer(np.arange(max_len, dtype=np.float64), inv_freq.astype(np.float64))
     cos = (np.cos(freqs) * attention_scaling).astype(np.float32)
     sin = (np.sin(freqs) * attention_scaling).astype(np.float32)
-    passed = (head_dim or 2 * inv_freq.size) // 2 - inv_freq.size
+    passed = head_dim // 2 - inv_freq.size
     if passed:
         cos = np.concatenate([cos, np.ones((max_len, passed), np.float32)], axis=1)
         sin = np.concatenate([sin, np.zeros((max_len, passed), np.float32)], axis=1)
@@ -299,15 +299,16 @@ def _prepare_weights(
     order = _rotary_order(d, spec.rotary_dim)
     for i in range(geometry.num_layers):
         p = f"model.layers.{i}"
-        fused = weights.pop(f"{p}.self_attn.qkv_proj.weight", None)
-        if fused is not None:  # rows: q [heads d], k [kv_heads d], v [kv_heads d]
-            q, k, v = np.split(fused, [heads * d, (heads + kv_heads) * d])
-            for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                weights[f"{p}.self_attn.{name}.weight"] = part
-        fused = weights.pop(f"{p}.mlp.gate_up_proj.weight", None)
-        if fused is not None:  # rows: gate [intermediate], up [intermediate]
-            gate, up = np.split(fused, 2)
-            weights[f"{p}.mlp.gate_proj.weight"], weights[f"{p}.mlp.up_proj.weight"] = gate, up
+        for kind in ("weight", "bias"):
+            fused = weights.pop(f"{p}.self_attn.qkv_proj.{kind}", None)
+            if fused is not None:  # rows: q [heads d], k [kv_heads d], v [kv_heads d]
+                parts = np.split(fused, [heads * d, (heads + kv_heads) * d])
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                    weights[f"{p}.self_attn.{name}.{kind}"] = part
+            fused = weights.pop(f"{p}.mlp.gate_up_proj.{kind}", None)
+            if fused is not None:  # rows: gate [intermediate], up [intermediate]
+                gate, up = np.split(fused, 2)
+                weights[f"{p}.mlp.gate_proj.{kind}"], weights[f"{p}.mlp.up_proj.{kind}"] = gate, up
         if order is not None:
             for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
                 for part in ("weight", "bias"):
