@@ -53,6 +53,7 @@ import yaml
 
 from kvedge.contract import PREFILL_CHUNK, CacheGeometry
 from kvedge.errors import KvedgeError
+from kvedge.export.source import SUPPORTED_MODEL_TYPES
 from kvedge.runtime.tokenizer import ROLES
 
 # configs/ as installed package data (setup.py ships it as kvedge._configs), else the source
@@ -64,7 +65,7 @@ MODELS_DIR = CONFIG_ROOT / "models"
 
 PRECISIONS = ("float32", "float16", "int8", "int4")  # what a recommendation may name
 WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
-FAMILIES = ("llama", "qwen2", "mistral")  # what `kvedge export` supports
+FAMILIES = tuple(SUPPORTED_MODEL_TYPES)  # what `kvedge export` supports
 LOGITS = ("last", "all")
 PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is its file name
 

@@ -29,6 +29,9 @@ FAMILIES = {
     "qwen2": {},
     "qwen2-tied": {"family": "qwen2", "tie_word_embeddings": True},
     "mistral": {},
+    "qwen3": {},  # Q/K norm per head, head_dim != hidden / heads
+    "phi3": {},  # fused projections, partial rotary, LongRoPE (tests/tiny.py)
+    "smollm3": {},  # a layer without RoPE
 }
 MAX_LEN = 128
 

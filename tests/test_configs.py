@@ -27,15 +27,31 @@ def test_shipped_device_profiles_load():
 
 
 def llama_family_params(a: Architecture) -> int:
-    """Parameters of a Llama/Qwen2/Mistral decoder, from its shape alone."""
+    """Parameters of a Llama/Qwen2/Mistral/Qwen3/Phi-3 decoder, from its shape alone (Phi-3's fused
+    projections hold the same weights; Qwen3 adds a head_dim-sized norm on Q and on K)."""
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     attention = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + (q + 2 * kv if a.attention_bias else 0)
     layer = attention + 3 * a.hidden_size * a.intermediate_size + 2 * a.hidden_size  # + two RMSNorms
+    layer += 2 * a.head_dim if a.family == "qwen3" else 0
     embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
     return a.num_layers * layer + embeddings + a.hidden_size  # + final norm
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "tinyllama-1.1b", "llama-3.2-1b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smollm2-135m",
+        "qwen2.5-0.5b",
+        "tinyllama-1.1b",
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "qwen3-0.6b",
+        "qwen3-1.7b",
+        "phi-4-mini",
+        "phi-3.5-mini",
+        "smollm3-3b",
+    ],
+)
 def test_recipe_param_count_matches_its_architecture(name):
     recipe = load_recipe(name)
     assert recipe.architecture.param_count == llama_family_params(recipe.architecture)

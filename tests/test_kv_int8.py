@@ -44,6 +44,12 @@ INT8_CASES = [
     ("llama", 0, "ort"),
     ("llama-hd32", 16, "ort"),
     ("qwen2-hd64", 32, "ort"),
+    ("qwen3", 0, "portable"),
+    ("qwen3", 0, "ort"),
+    ("phi3", 0, "portable"),
+    ("phi3", 0, "ort"),
+    ("smollm3", 0, "portable"),
+    ("smollm3", 0, "ort"),
 ]
 HEAD_DIMS = {  # config overrides giving the named head_dim
     "hd32": {"num_attention_heads": 2, "num_key_value_heads": 1},

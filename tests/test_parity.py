@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_ids
+from tiny import make_tiny_model
 
+from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.graph import _rotary_order, rope_tables, rotary_frequencies
 from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
+from kvedge.runtime.rope import rotate_keys
 
 ATOL = 1e-4
 REAL_ATOL = 1e-3  # real model, logits up to ~40: the tolerance of tests/test_real_model.py
@@ -53,6 +57,48 @@ def test_greedy_64_tokens_identical_to_hf_generate(tiny):
         got.append(int(np.argmax(logits)))
         logits = decode_one_token(model.backend, model.cache, 0, [got[-1]])[0]
     assert got == ref
+
+
+def test_partial_rotary_as_full_rotary_over_a_permuted_head():
+    """Phi-4-mini's RoPE (12 of 16 channels rotated, HF's own function) against kvedge's: full
+    rotate_half over permuted channels with zero-frequency pass-through pairs gives the same scores,
+    and re-rotating the cached keys (window eviction) equals writing them at the new positions."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    d, r, n = 16, 12, 10
+    inv_freq = 1.0 / 10000 ** (np.arange(0, r, 2) / r)  # [r/2]
+    q, k = (np.random.default_rng(seed).standard_normal((1, 1, n, d)) for seed in (0, 1))
+    angles = np.outer(np.arange(n), inv_freq)
+    emb = np.concatenate([angles, angles], -1)  # HF's [n, r] layout
+    hq, hk = apply_rotary_pos_emb(*(torch.tensor(x) for x in (q, k, np.cos(emb)[None], np.sin(emb)[None])))
+    cos, sin = rope_tables(inv_freq, 1.0, n + 3, d)  # [n+3, d/2]
+
+    def rotate(x, first):  # rotate_half with the tables from position `first`, as the graphs do
+        x1, x2 = np.split(x[..., _rotary_order(d, r)], 2, -1)
+        c, s = cos[first : first + n], sin[first : first + n]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    ours_q, ours_k = rotate(q, 0), rotate(k, 0)
+    np.testing.assert_allclose(
+        ours_q @ np.swapaxes(ours_k, -1, -2), (hq @ hk.transpose(-1, -2)).numpy(), atol=1e-5
+    )
+    moved = rotate(k, 3).astype(np.float32)
+    rotate_keys(moved, -3, rotary_frequencies(inv_freq, d))
+    np.testing.assert_allclose(moved, ours_k, atol=1e-5)
+
+
+def test_longrope_past_its_short_factors_is_refused_by_name(tmp_path):
+    """Past original_max_position_embeddings HF switches to the long factors; static tables cannot."""
+    source = make_tiny_model(tmp_path / "hf", "phi3")  # original_max_position_embeddings 256
+    with pytest.raises(KvedgeError, match=r"--max-len 512 passes .*original_max_position_embeddings \(256\)"):
+        export_model(source, tmp_path / "out", ExportOptions(max_len=512))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_family_is_refused_by_name(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama", hidden_act="gelu")
+    with pytest.raises(KvedgeError, match="hidden_act 'gelu' is not supported"):
+        export_model(source, tmp_path / "out", ExportOptions(max_len=64))
 
 
 @pytest.mark.real_model

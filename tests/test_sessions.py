@@ -175,6 +175,20 @@ def test_window_eviction_matches_fresh_run_over_kept_tokens(tiny):
     assert np.isfinite(logits).all()
 
 
+def test_multi_turn_reuse_equals_reprefill(tiny):
+    """Each turn prefills only its new suffix onto the kept cache; the logits must equal a fresh
+    prefill of the whole conversation (every family and graph variant)."""
+    model, reference = tiny.model(), tiny.model()
+    messages = [{"role": "system", "content": "Be brief."}]
+    for turn, question in enumerate(QUESTIONS[6:8]):  # short ones: 128 slots hold them
+        messages.append({"role": "user", "content": question})
+        ids = model.tokenizer.encode_chat(messages)
+        logits = model.prepare(0, ids)
+        assert turn == 0 or model.sessions[0].reused_tokens > 0
+        np.testing.assert_allclose(logits, fresh_logits(reference, ids), atol=ATOL, rtol=0)
+        messages.append({"role": "assistant", "content": f"Answer {turn}."})
+
+
 def test_window_logits_exact_on_one_layer_model(tmp_path):
     """With one layer every cache entry is a function of token and position only, so the whole
     output after eviction must equal a fresh run over exactly the kept tokens."""

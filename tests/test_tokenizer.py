@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tiny import make_tiny_model
 from transformers import AutoTokenizer
 
 from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
+from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 
 CONVERSATION = [
@@ -41,3 +43,22 @@ def test_stream_holds_back_stop_strings(tiny_llama):
     assert text == "Hello! How "
     plain = TextStream(ours)
     assert "".join(plain.push(t) for t in ids) + plain.finish() == "Hello! How are you today?"
+
+
+def test_qwen3_thinking_switch_reaches_the_template(tmp_path):
+    """`enable_thinking` (the server's chat_template_kwargs) renders as transformers renders it."""
+    source = make_tiny_model(tmp_path / "hf", "qwen3")
+    export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+    ours = ChatTokenizer(tmp_path / "out", Manifest.load(tmp_path / "out"))
+    theirs = AutoTokenizer.from_pretrained(source)
+    for thinking in (True, False):
+        expected = theirs.apply_chat_template(
+            CONVERSATION,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            enable_thinking=thinking,
+        )
+        assert ours.encode_chat(CONVERSATION, enable_thinking=thinking) == list(expected)
+    assert ours.render(CONVERSATION, enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+    assert "<think>" not in ours.render(CONVERSATION)

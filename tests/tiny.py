@@ -10,14 +10,39 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
 )
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
     "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Qwen3's switch as its own template has it: with enable_thinking=false the generation prompt
+# carries an empty think block, so the model answers directly.
+QWEN3_CHATML = CHATML.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}",
+)
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+TEMPLATES = {"qwen3": QWEN3_CHATML, "phi3": PHI3_TEMPLATE}
+# Phi-4-mini's RoPE shape: 3/4 of each head rotated, LongRoPE factors (short ones apply below
+# original_max_position_embeddings, which the tests' exports stay under).
+PHI3_ROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.75,
+    "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.5],  # head_dim 16 x 0.75 / 2 pairs
+    "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+    "original_max_position_embeddings": 256,
+}
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "A KV cache stores keys and values of past tokens so decoding does not recompute them.",
@@ -26,7 +51,7 @@ CORPUS = [
 ] * 20
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(chat_template: str = CHATML) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -39,7 +64,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<s>", unk_token="<unk>"
     )
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
     return fast
 
 
@@ -64,6 +89,21 @@ def tiny_config(family: str, **overrides):
         return Qwen2Config(**{**common, "tie_word_embeddings": overrides.get("tie_word_embeddings", False)})
     if family == "mistral":
         return MistralConfig(**{**common, "sliding_window": None})
+    if family == "qwen3":  # head_dim 32, not hidden / heads = 16: Q and K widths differ from hidden
+        return Qwen3Config(**{"head_dim": 32, **common})
+    if family == "phi3":  # max_position / original = 8 gives LongRoPE an attention factor of ~1.17
+        longer = overrides.get("max_position_embeddings", 2048)
+        return Phi3Config(
+            **{
+                "rope_parameters": dict(PHI3_ROPE),  # the config edits the dict it is given
+                "pad_token_id": 0,
+                **common,
+                "max_position_embeddings": longer,
+                "original_max_position_embeddings": PHI3_ROPE["original_max_position_embeddings"],
+            }
+        )
+    if family == "smollm3":  # no RoPE in layer 0, the one eviction tests compare (SmolLM3-3B: every 4th)
+        return SmolLM3Config(**{"no_rope_layers": [0, 1], "pad_token_id": 0, **common})
     raise ValueError(family)
 
 
@@ -75,5 +115,5 @@ def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overri
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None
     model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    tiny_tokenizer(TEMPLATES.get(family, CHATML)).save_pretrained(folder)
     return folder

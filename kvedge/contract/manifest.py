@@ -273,6 +273,8 @@ class RopeSpec:
 
     `inv_freq` [head_dim/2] are the rotation frequencies the tables were made from; the runtime
     uses them to re-rotate cached keys when a sliding window moves them to new positions.
+    `unrotated_layers` are layers whose keys carry no position (SmolLM3's NoPE layers): moving
+    them must leave them as they are.
     """
 
     theta: float
@@ -280,6 +282,15 @@ class RopeSpec:
     scaling: dict[str, Any] = field(default_factory=dict)
     inv_freq: tuple[float, ...] = ()
     attention_scaling: float = 1.0
+    unrotated_layers: tuple[int, ...] = ()
+
+    def key_frequencies(self, num_layers: int) -> np.ndarray:
+        """Frequencies each layer's cached keys were rotated with: [layers, 1, 1, head_dim/2]
+        float64, broadcasting over (kv_heads, tokens) of the cache; rows of unrotated layers are 0
+        (a rotation by angle 0 is the identity, exactly)."""
+        freqs = np.tile(np.asarray(self.inv_freq, np.float64), (num_layers, 1))
+        freqs[list(self.unrotated_layers)] = 0.0
+        return freqs[:, None, None, :]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from kvedge.export.graph import (
     build_decoder_graph,
     check_kv_dtype,
     rope_tables,
+    rotary_frequencies,
 )
 from kvedge.export.source import load_hf, resolve_source
 
@@ -85,11 +86,18 @@ def export_model(
     geometry = geometry_from_config(config, options.max_len).with_dtype(
         options.kv_dtype, options.kv_group_size or None
     )
-    rotary = model.model.rotary_emb
-    inv_freq, attention_scaling = rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0))
-    rope = rope_from_config(config, inv_freq, attention_scaling)
-    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len)
     spec = DecoderSpec.from_config(config)
+    rotary = model.model.rotary_emb
+    # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
+    inv_freq, attention_scaling = rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0))
+    if 2 * inv_freq.size != spec.rotary_dim:
+        raise KvedgeError(
+            f"the model rotates {2 * inv_freq.size} channels per head but its config says "
+            f"{spec.rotary_dim}; refusing to guess which"
+        )
+    frequencies = rotary_frequencies(inv_freq, spec.head_dim)
+    rope = rope_from_config(config, frequencies, attention_scaling, options.max_len, spec.unrotated_layers)
+    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     names = IONames()
     graph_options = options.graph_options()
@@ -186,18 +194,36 @@ def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
     )
 
 
-def rope_from_config(config: Any, inv_freq: np.ndarray, attention_scaling: float) -> RopeSpec:
+def rope_from_config(
+    config: Any,
+    inv_freq: np.ndarray,
+    attention_scaling: float,
+    max_len: int,
+    unrotated_layers: tuple[int, ...] = (),
+) -> RopeSpec:
+    """What the baked tables mean. `inv_freq` [head_dim/2] as `rotary_frequencies` widens it."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
         raise KvedgeError(f"rope type {rope_type!r} is not supported; supported: {list(STATIC_ROPE_TYPES)}")
+    if rope_type == "longrope":
+        # HF switches to the long factors once a sequence passes the pretraining length; the tables
+        # are static, so only exports that never get there are exact (short factors throughout).
+        original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        if max_len > original:
+            raise KvedgeError(
+                f"--max-len {max_len} passes the model's original_max_position_embeddings ({original}), "
+                f"where LongRoPE switches to its long factors, which the graph does not implement; "
+                f"use --max-len <= {original}"
+            )
     return RopeSpec(
         theta=float(theta),
         rope_type=rope_type,
         scaling=params,
         inv_freq=tuple(float(f) for f in inv_freq),
         attention_scaling=attention_scaling,
+        unrotated_layers=unrotated_layers,
     )
 
 

