@@ -25,7 +25,7 @@ from kvedge.contract.header import Header, decode_json, read_artifact
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 MANIFEST_FORMAT = "kvedge-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: rope.unrotated_layers (SmolLM3), which a version-1 reader would re-rotate
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
