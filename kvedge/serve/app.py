@@ -71,203 +71,7 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starlette:
-    started = int(time.time())
-    model_card = {"id": config.model_name, "object": "model", "created": started, "owned_by": "kvedge"}
-
-    def protected(handler: Handler) -> Handler:
-        async def checked(request: Request) -> Response:
-            if config.api_key is not None:
-                sent = request.headers.get("authorization", "")
-                scheme, _, token = sent.partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode(), config.api_key.encode()
-                ):
-                    return error_response(
-                        ApiError(
-                            401,
-                            "missing or wrong API key: send Authorization: Bearer <key>",
-                            code="invalid_api_key",
-                            headers={"WWW-Authenticate": "Bearer"},
-                        )
-                    )
-            try:
-                return await handler(request)
-            except ApiError as error:
-                return error_response(error)
-
-        return checked
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": engine.state}, status_code=200 if engine.state == "ready" else 503)
-
-    async def metrics_text(request: Request) -> Response:
-        return PlainTextResponse(
-            metrics.render(engine.gauges()), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
-
-    async def list_models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card]})
-
-    async def get_model(request: Request) -> Response:
-        if request.path_params["name"] != config.model_name:
-            raise ApiError(404, "no such model", param="model", code="model_not_found")
-        return JSONResponse(model_card)
-
-    def counted(handler: Handler) -> Handler:
-        async def respond(request: Request) -> Response:
-            try:
-                response = await handler(request)
-            except ApiError as error:
-                response = error_response(error)
-                log.info("%s %d %s: %s", request.url.path, error.status, error.code, error.message)
-            metrics.response(response.status_code)
-            return response
-
-        return respond
-
-    def ready_model() -> Model:
-        model = engine.model
-        if engine.state != "ready" or model is None:
-            raise _not_ready(engine.state)
-        return model
-
-    async def chat_completions(request: Request) -> Response:
-        chat = protocol.parse_chat_request(
-            await read_json(request, config.max_body_bytes, config.body_timeout_s)
-        )
-        model = ready_model()
-        template = model.tokenizer.template_source
-        tool_fmt = tools.tool_format(template)
-        if chat.tools and tool_fmt == "refused":
-            raise ApiError(
-                400,
-                "this model's chat template writes tool calls in a format kvedge does not read yet "
-                "(it reads <tool_call> blocks: Qwen2.5, Qwen3, and templates without tools)",
-                param="tools",
-                code="unsupported_parameter",
-            )
-        check_limits(config, chat.max_tokens, len(chat.messages))
-        messages = tools.prompt_messages(list(chat.messages), chat.tools, tool_fmt)
-        template_tools = [t.openai() for t in chat.tools] if tool_fmt == "native" else None
-        requested = config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
-        constraint = chat.constraint or tools.tool_constraint(
-            chat.tools, chat.tool_choice, chat.parallel_tool_calls
-        )
-        try:
-            ids = await run_in_threadpool(
-                functools.partial(
-                    model.encode_chat,
-                    messages,
-                    requested,
-                    template_tools,
-                    limit=config.max_prompt_tokens,
-                    **chat.template_kwargs,
-                )
-            )
-            max_new = model.fit_reply(
-                len(ids), chat.max_tokens, config.default_max_tokens, config.reply_overflow
-            )
-        except KvedgeError as exc:
-            raise api_error(exc) from None
-        try:  # compile (cached) now, so a schema llguidance cannot take is a 400 before queueing
-            if constraint is not None:
-                await run_in_threadpool(model.grammars.compile, constraint)
-        except KvedgeError as exc:
-            raise api_error(exc, "response_format" if chat.constraint else "tools") from None
-        sampling = sampling_config(chat, max_new, constraint, chat.logprobs)
-        job, events = submit(ids, sampling)
-        parser = tools.ReplyParser(tools=chat.tool_choice != "none", thinking=tools.THINK_OPEN in template)
-        reply = ChatReply(
-            protocol.completion_id(),
-            config.model_name,
-            len(ids),
-            chat.include_usage,
-            parser,
-            model.tokenizer if chat.logprobs is not None else None,
-        )
-        return await respond(request, job, events, reply, chat.stream)
-
-    async def completions(request: Request) -> Response:
-        body = protocol.parse_completion_request(
-            await read_json(request, config.max_body_bytes, config.body_timeout_s)
-        )
-        model = ready_model()
-        check_limits(config, body.max_tokens, 1)
-        ids = await run_in_threadpool(model.tokenizer.encode, body.prompt)
-        try:
-            if len(ids) > config.max_prompt_tokens:
-                raise ContextOverflow(
-                    f"the prompt takes {len(ids)} tokens; this server accepts at most "
-                    f"{config.max_prompt_tokens} prompt tokens per request (max_prompt_tokens)"
-                )
-            max_new = model.fit_reply(
-                len(ids), body.max_tokens, config.default_max_tokens, config.reply_overflow
-            )
-        except KvedgeError as exc:
-            raise api_error(exc, "prompt") from None
-        job, events = submit(ids, sampling_config(body, max_new, None, body.logprobs))
-        reply = TextReply(
-            protocol.completion_id("cmpl-"),
-            config.model_name,
-            len(ids),
-            body.include_usage,
-            model.tokenizer if body.logprobs is not None else None,
-        )
-        return await respond(request, job, events, reply, body.stream)
-
-    def submit(ids: list[int], sampling: SamplingConfig) -> tuple[Job, asyncio.Queue[Event]]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def deliver(item: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:  # the event loop is gone: nobody is listening any more
-                pass
-
-        job = Job(ids=ids, config=sampling, deliver=deliver)
-        try:
-            engine.submit(job)
-        except QueueFull as full:
-            raise ApiError(
-                429,
-                f"all {config.slots} slots are busy and the queue is full; "
-                f"retry after {full.retry_after_s} s",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(full.retry_after_s)},
-            ) from None
-        except NotReady as not_ready:
-            raise _not_ready(not_ready.state) from None
-        return job, events
-
-    async def respond(
-        request: Request, job: Job, events: asyncio.Queue[Event], reply: Reply, stream: bool
-    ) -> Response:
-        if stream:
-
-            def closed() -> None:
-                engine.cancel(job)
-                log_request(request, 200, job)
-
-            return EventStream(reply.stream(events), on_close=closed)
-        status = 499
-        try:
-            response = await reply.collect(events, request)
-            status = response.status_code
-            return response
-        finally:
-            engine.cancel(job)
-            log_request(request, status, job)
-
-    routes = [
-        Route("/v1/chat/completions", protected(counted(chat_completions)), methods=["POST"]),
-        Route("/v1/completions", protected(counted(completions)), methods=["POST"]),
-        Route("/v1/models", protected(list_models), methods=["GET"]),
-        Route("/v1/models/{name:path}", protected(get_model), methods=["GET"]),
-        Route("/metrics", protected(metrics_text), methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ]
+    api = Api(config, engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -285,10 +89,231 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         return error_response(ApiError(500, "internal server error", type="server_error"))
 
     return Starlette(
-        routes=routes,
+        routes=api.routes(),
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
+
+
+class Api:
+    """The routes' handlers, in front of one engine: they validate, tokenize (in a worker
+    thread), submit a `Job` and relay its events; they never touch onnxruntime."""
+
+    def __init__(self, config: ServiceConfig, engine: Engine, metrics: Metrics) -> None:
+        self.config, self.engine, self.metrics = config, engine, metrics
+        self.model_card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kvedge",
+        }
+
+    def routes(self) -> list[Route]:
+        protected, counted = self.protected, self.counted
+        return [
+            Route("/v1/chat/completions", protected(counted(self.chat_completions)), methods=["POST"]),
+            Route("/v1/completions", protected(counted(self.completions)), methods=["POST"]),
+            Route("/v1/models", protected(self.list_models), methods=["GET"]),
+            Route("/v1/models/{name:path}", protected(self.get_model), methods=["GET"]),
+            Route("/metrics", protected(self.metrics_text), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+
+    def protected(self, handler: Handler) -> Handler:
+        """`handler` behind the API key, with its ApiErrors turned into error bodies."""
+        key = self.config.api_key
+
+        async def checked(request: Request) -> Response:
+            if key is not None:
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    token.strip().encode(), key.encode()
+                ):
+                    return error_response(
+                        ApiError(
+                            401,
+                            "missing or wrong API key: send Authorization: Bearer <key>",
+                            code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"},
+                        )
+                    )
+            try:
+                return await handler(request)
+            except ApiError as error:
+                return error_response(error)
+
+        return checked
+
+    def counted(self, handler: Handler) -> Handler:
+        """`handler` with its response status counted in /metrics and refusals logged."""
+
+        async def respond(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ApiError as error:
+                response = error_response(error)
+                log.info("%s %d %s: %s", request.url.path, error.status, error.code, error.message)
+            self.metrics.response(response.status_code)
+            return response
+
+        return respond
+
+    async def health(self, request: Request) -> Response:
+        state = self.engine.state
+        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        text = self.metrics.render(self.engine.gauges())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card]})
+
+    async def get_model(self, request: Request) -> Response:
+        if request.path_params["name"] != self.config.model_name:
+            raise ApiError(404, "no such model", param="model", code="model_not_found")
+        return JSONResponse(self.model_card)
+
+    def ready_model(self) -> Model:
+        model = self.engine.model
+        if self.engine.state != "ready" or model is None:
+            raise _not_ready(self.engine.state)
+        return model
+
+    async def chat_completions(self, request: Request) -> Response:
+        config = self.config
+        chat = protocol.parse_chat_request(
+            await read_json(request, config.max_body_bytes, config.body_timeout_s)
+        )
+        model = self.ready_model()
+        template = model.tokenizer.template_source
+        check_limits(config, chat.max_tokens, len(chat.messages))
+        ids, constraint = await self.prompt(model, chat, tools.tool_format(template))
+        try:
+            max_new = model.fit_reply(
+                len(ids), chat.max_tokens, config.default_max_tokens, config.reply_overflow
+            )
+        except KvedgeError as exc:
+            raise api_error(exc) from None
+        job, events = self.submit(ids, sampling_config(chat, max_new, constraint, chat.logprobs))
+        parser = tools.ReplyParser(tools=chat.tool_choice != "none", thinking=tools.THINK_OPEN in template)
+        tokenizer = model.tokenizer if chat.logprobs is not None else None
+        reply = ChatReply(
+            protocol.completion_id(), config.model_name, len(ids), chat.include_usage, parser, tokenizer
+        )
+        return await self.respond(request, job, events, reply, chat.stream)
+
+    async def prompt(
+        self, model: Model, chat: ChatRequest, tool_fmt: str
+    ) -> tuple[list[int], Constraint | None]:
+        """The conversation's token ids (tools rendered the template's way, within
+        max_prompt_tokens) and the reply's constraint, compiled now so that a schema llguidance
+        cannot take is a 400 before the request is queued."""
+        if chat.tools and tool_fmt == "refused":
+            raise ApiError(
+                400,
+                "this model's chat template writes tool calls in a format kvedge does not read yet "
+                "(it reads <tool_call> blocks: Qwen2.5, Qwen3, and templates without tools)",
+                param="tools",
+                code="unsupported_parameter",
+            )
+        messages = tools.prompt_messages(list(chat.messages), chat.tools, tool_fmt)
+        template_tools = [t.openai() for t in chat.tools] if tool_fmt == "native" else None
+        requested = self.config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
+        encode = functools.partial(
+            model.encode_chat,
+            messages,
+            requested,
+            template_tools,
+            limit=self.config.max_prompt_tokens,
+            **chat.template_kwargs,
+        )
+        try:
+            ids = await run_in_threadpool(encode)
+        except KvedgeError as exc:
+            raise api_error(exc) from None
+        constraint = chat.constraint or tools.tool_constraint(
+            chat.tools, chat.tool_choice, chat.parallel_tool_calls
+        )
+        try:
+            if constraint is not None:
+                await run_in_threadpool(model.grammars.compile, constraint)
+        except KvedgeError as exc:
+            raise api_error(exc, "response_format" if chat.constraint else "tools") from None
+        return ids, constraint
+
+    async def completions(self, request: Request) -> Response:
+        config = self.config
+        body = protocol.parse_completion_request(
+            await read_json(request, config.max_body_bytes, config.body_timeout_s)
+        )
+        model = self.ready_model()
+        check_limits(config, body.max_tokens, 1)
+        ids = await run_in_threadpool(model.tokenizer.encode, body.prompt)
+        try:
+            if len(ids) > config.max_prompt_tokens:
+                raise ContextOverflow(
+                    f"the prompt takes {len(ids)} tokens; this server accepts at most "
+                    f"{config.max_prompt_tokens} prompt tokens per request (max_prompt_tokens)"
+                )
+            max_new = model.fit_reply(
+                len(ids), body.max_tokens, config.default_max_tokens, config.reply_overflow
+            )
+        except KvedgeError as exc:
+            raise api_error(exc, "prompt") from None
+        job, events = self.submit(ids, sampling_config(body, max_new, None, body.logprobs))
+        tokenizer = model.tokenizer if body.logprobs is not None else None
+        reply = TextReply(
+            protocol.completion_id("cmpl-"), config.model_name, len(ids), body.include_usage, tokenizer
+        )
+        return await self.respond(request, job, events, reply, body.stream)
+
+    def submit(self, ids: list[int], sampling: SamplingConfig) -> tuple[Job, asyncio.Queue[Event]]:
+        """Queue a job; its events arrive on the returned queue (from the engine thread)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def deliver(item: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody is listening any more
+                pass
+
+        job = Job(ids=ids, config=sampling, deliver=deliver)
+        try:
+            self.engine.submit(job)
+        except QueueFull as full:
+            raise ApiError(
+                429,
+                f"all {self.config.slots} slots are busy and the queue is full; "
+                f"retry after {full.retry_after_s} s",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(full.retry_after_s)},
+            ) from None
+        except NotReady as not_ready:
+            raise _not_ready(not_ready.state) from None
+        return job, events
+
+    async def respond(
+        self, request: Request, job: Job, events: asyncio.Queue[Event], reply: Reply, stream: bool
+    ) -> Response:
+        """The reply streamed or whole; however it ends, the job is cancelled and logged."""
+        if stream:
+
+            def closed() -> None:
+                self.engine.cancel(job)
+                log_request(request, 200, job)
+
+            return EventStream(reply.stream(events), on_close=closed)
+        status = 499
+        try:
+            response = await reply.collect(events, request)
+            status = response.status_code
+            return response
+        finally:
+            self.engine.cancel(job)
+            log_request(request, status, job)
 
 
 def log_request(request: Request, status: int, job: Job) -> None:
