@@ -76,7 +76,13 @@ from kvedge.contract import (
     IONames,
 )
 from kvedge.errors import KvedgeError
-from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
+from kvedge.export.quantize import (
+    EXPORT_GRIDS,
+    WEIGHT_FORMATS,
+    check_format,
+    quantize_blockwise,
+    weight_tensor,
+)
 
 OPSET = 17  # float32 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
@@ -195,17 +201,31 @@ class _Builder:
         return self.op(op_type, [x, self.ints(axis)], name, keepdims=keepdims)
 
     def matmul_weight(self, x: str, w: np.ndarray, out: str, bits: int, block_size: int) -> str:
-        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear."""
+        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear, plus
+        block_sums(x) @ offset where some block's grid has an offset (see `quantize.py`)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
-        qw = quantize_blockwise(w, bits, block_size)
+        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS)
         self.quant_errors.append(qw.max_error)
         self.initializers.append(weight_tensor(f"{out}.weight_q", qw))
         scale = self.const(f"{out}.weight_scale", qw.scale)
         deq = self.op(
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
-        return self.op("MatMul", [x, deq], out)
+        if qw.offset is None:
+            return self.op("MatMul", [x, deq], out)
+        scaled = self.op("MatMul", [x, deq], f"{out}.scaled")
+        sums = self.op("MatMul", [x, self.block_sum(w.shape[0], block_size)], f"{out}.block_sums")
+        shift = self.op("MatMul", [sums, self.const(f"{out}.weight_offset", qw.offset)], f"{out}.shift")
+        return self.op("Add", [scaled, shift], out)
+
+    def block_sum(self, k: int, block_size: int) -> str:
+        """A shared [K, K/block] matrix of ones and zeros: x @ it sums x over each block."""
+        name = f"const.block_sum_{k}_{block_size}"
+        if name not in self._shared:
+            ones = np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0)  # [K, K/bs]
+            self._shared.add(self.const(name, ones))
+        return name
 
 
 def build_decoder_graph(

@@ -1,20 +1,34 @@
 """Weight-only block quantization for the exported graph (offline; the runtime never quantizes).
 
-Math, per block of `block_size` consecutive input features (rows k of W [K, N]) and output
-column n, symmetric signed integers with qmin = -2**(bits-1), qmax = 2**(bits-1) - 1::
+Two grids per block of `block_size` consecutive input features (rows k of W [K, N]) and output
+column n, with signed integers qmin = -2**(bits-1), qmax = 2**(bits-1) - 1::
 
-    m        = the block's element of largest magnitude, sign kept
-    scale    = m / qmin                      (m maps exactly onto qmin; 0 blocks get scale 1)
-    q        = clip(round(w / scale), qmin, qmax)
-    w_hat    = q * scale                     (what DequantizeLinear computes)
+    symmetric   m      = the block's element of largest magnitude, sign kept
+                scale  = m / qmin                   (m maps exactly onto qmin; 0 blocks get scale 1)
+                offset = 0
+    affine      scale  = (max - min) / (qmax - qmin)   (0 for constant blocks: scale 1)
+                offset = min - qmin * scale         (min maps exactly onto qmin, max onto qmax)
 
-Putting the extreme value on qmin (the side with one more level) gives int4 16 usable levels
-instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do.
+    q     = clip(round((w - offset) / scale), qmin, qmax)
+    w_hat = q * scale + offset
+
+Putting the symmetric extreme on qmin (the side with one more level) gives int4 16 usable levels
+instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do. The affine grid
+spans the block's own range, so no level is spent on the side the block does not reach; it is
+llama.cpp's Q4_1 / Q8_1 form (a float minimum per block), and on weights that already sit on
+such a grid (a Q4_1 GGUF dequantized, SmolLM2's case) it reproduces them exactly at 8 bits and
+at 4. `quantize_blockwise` picks, per tensor, the grid with the smaller squared error; the
+export's projections are affine and its LM head takes whichever is closer.
 
 Graph form (ONNX opset 21): `DequantizeLinear(q [K, N] int4|int8, scale [K/block, N] float32,
 axis=0, block_size=block)` feeding `MatMul(x, w_hat)`. onnxruntime fuses that pair into its
-4-/8-bit `MatMulNBits` kernel; TensorRT 10 reads it as weight-only quantization. int4 tensors
-are packed two per byte, the first element in the low nibble (the ONNX layout).
+4-/8-bit `MatMulNBits` kernel; TensorRT 10 reads it as weight-only quantization. The offset
+cannot ride in DequantizeLinear (its zero point is an integer, and TensorRT takes only zero), so
+it is a second, small product::
+
+    x @ w_hat = x @ (q * scale) + block_sums(x) @ offset,   block_sums(x) [.., K/block]
+
+int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """
 
 from __future__ import annotations
@@ -28,12 +42,15 @@ from kvedge.contract import WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
+EXPORT_GRIDS = GRIDS  # what the export offers each block
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     q: np.ndarray  # [K, N] int8 holding values in [qmin, qmax]
     scale: np.ndarray  # [K / block_size, N] float32
+    offset: np.ndarray | None  # [K / block_size, N] float32; None when every block's offset is 0
     bits: int
     block_size: int
     max_error: float  # max |w - w_hat| over the tensor
@@ -42,7 +59,10 @@ class QuantizedWeight:
         """w_hat [K, N] float32."""
         k, n = self.q.shape
         blocks = self.q.reshape(k // self.block_size, self.block_size, n).astype(np.float32)
-        return (blocks * self.scale[:, None, :]).reshape(k, n)
+        hat = blocks * self.scale[:, None, :]
+        if self.offset is not None:
+            hat += self.offset[:, None, :]
+        return hat.reshape(k, n)
 
 
 def check_format(weights: str, block_size: int) -> None:
@@ -52,22 +72,56 @@ def check_format(weights: str, block_size: int) -> None:
         raise KvedgeError(f"--block-size {block_size!r} is not supported; allowed: {list(BLOCK_SIZES)}")
 
 
-def quantize_blockwise(w: np.ndarray, bits: int, block_size: int) -> QuantizedWeight:
-    """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K."""
+def _grid(blocks: np.ndarray, grid: str, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset), each [K/bs, N] float32, of one grid for blocks [K/bs, bs, N]."""
+    zero = np.zeros((blocks.shape[0], blocks.shape[2]), np.float32)
+    if grid == "extreme":
+        where = np.abs(blocks).argmax(axis=1)[:, None, :]  # [K/bs, 1, N]
+        extreme = np.take_along_axis(blocks, where, axis=1)[:, 0, :]  # [K/bs, N], signed
+        return np.where(extreme == 0, 1.0, extreme / qmin).astype(np.float32), zero
+    if grid == "absmax":
+        top = np.abs(blocks).max(axis=1)
+        return np.where(top == 0, 1.0, top / qmax).astype(np.float32), zero
+    low, high = blocks.min(axis=1), blocks.max(axis=1)
+    scale = np.where(high == low, 1.0, (high - low) / (qmax - qmin)).astype(np.float32)
+    return scale, (low - qmin * scale).astype(np.float32)
+
+
+def quantize_blockwise(
+    w: np.ndarray, bits: int, block_size: int, grids: tuple[str, ...] = ("extreme",)
+) -> QuantizedWeight:
+    """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K, each
+    block on whichever of `grids` gives it the smallest squared error (the first on a tie)."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
             f"cannot quantize a [{k}, {n}] weight in blocks of {block_size}: {k} is not a multiple"
         )
+    if not grids or set(grids) - set(GRIDS):
+        raise KvedgeError(f"quantization grids {grids!r} are not supported; allowed: {list(GRIDS)}")
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     blocks = w.astype(np.float32).reshape(k // block_size, block_size, n)
-    where = np.abs(blocks).argmax(axis=1)[:, None, :]  # [K/bs, 1, N]
-    extreme = np.take_along_axis(blocks, where, axis=1)[:, 0, :]  # [K/bs, N], signed
-    scale = np.where(extreme == 0, 1.0, extreme / qmin).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, None, :]), qmin, qmax).astype(np.int8)
-    hat = q.astype(np.float32) * scale[:, None, :]
-    max_error = float(np.abs(hat - blocks).max()) if w.size else 0.0
-    return QuantizedWeight(q.reshape(k, n), scale, bits, block_size, max_error)
+    best: tuple[np.ndarray, ...] | None = None  # (q, scale, offset, squared error [K/bs, N])
+    for grid in grids:
+        scale, offset = _grid(blocks, grid, qmin, qmax)
+        q = np.clip(np.rint((blocks - offset[:, None, :]) / scale[:, None, :]), qmin, qmax)
+        err = np.square(q * scale[:, None, :] + offset[:, None, :] - blocks).sum(axis=1)
+        if best is None:
+            best = (q, scale, offset, err)
+            continue
+        better = err < best[3]
+        best = (
+            np.where(better[:, None, :], q, best[0]),
+            np.where(better, scale, best[1]),
+            np.where(better, offset, best[2]),
+            np.minimum(err, best[3]),
+        )
+    q, scale, offset, _ = best
+    qw = QuantizedWeight(
+        q.astype(np.int8).reshape(k, n), scale, offset if offset.any() else None, bits, block_size, 0.0
+    )
+    max_error = float(np.abs(qw.dequantize() - w).max()) if w.size else 0.0
+    return QuantizedWeight(qw.q, scale, qw.offset, bits, block_size, max_error)
 
 
 def pack_int4(q: np.ndarray) -> bytes:
