@@ -270,15 +270,18 @@ class Manifest:
             raise ArtifactMismatch(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(data, where=str(path))
 
-    def check_compatible(self, other: Manifest, what: str, cache_dtype: bool = True) -> None:
+    def check_compatible(
+        self, other: Manifest, what: str, cache_dtype: bool = True, weights: bool = True
+    ) -> None:
         """Refuse `other` (describing `what`) unless it was made from the same model and geometry
-        (with `cache_dtype=False`, the geometry may differ in its cache dtype only)."""
+        (with `cache_dtype=False`, the geometry may differ in its cache dtype only; with
+        `weights=False`, the weights may be quantized differently)."""
         if other.source_fingerprint != self.source_fingerprint:
             raise ArtifactMismatch(
                 f"{what} was made from model {other.source_fingerprint[:16]}, "
                 f"this model is {self.source_fingerprint[:16]}"
             )
-        if other.weights_dtype != self.weights_dtype:
+        if weights and other.weights_dtype != self.weights_dtype:
             raise ArtifactMismatch(
                 f"{what} was made with {other.weights_dtype} weights, "
                 f"this model has {self.weights_dtype} weights"
