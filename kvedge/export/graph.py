@@ -200,9 +200,12 @@ class _Builder:
             return self.op(op_type, [x], name, axes=[axis], keepdims=keepdims)
         return self.op(op_type, [x, self.ints(axis)], name, keepdims=keepdims)
 
-    def matmul_weight(self, x: str, w: np.ndarray, out: str, bits: int, block_size: int) -> str:
-        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear, plus
-        block_sums(x) @ offset where some block's grid has an offset (see `quantize.py`)."""
+    def matmul_weight(
+        self, x: str, w: np.ndarray, out: str, bits: int, block_size: int, keep: np.ndarray | None = None
+    ) -> str:
+        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
+        blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
+        product (see `quantize.py`)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
         qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS)
@@ -212,20 +215,33 @@ class _Builder:
         deq = self.op(
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
-        if qw.offset is None:
+        k = w.shape[0]
+        gather: list[np.ndarray] = []  # [K, *] columns: x @ them feeds the second product
+        rows: list[np.ndarray] = []  # [*, N] its weights
+        offsets = np.zeros((k, w.shape[1]), np.float32)  # [K, N] each row's block offset
+        if qw.offset is not None:
+            gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
+            rows.append(qw.offset)
+            offsets = np.repeat(qw.offset, block_size, axis=0)
+        quantized_in = x
+        if keep is not None and keep.size:
+            mask = np.ones(k, np.float32)
+            mask[keep] = 0.0
+            quantized_in = self.op("Mul", [x, self.const(f"{out}.int8_mask", mask)], f"{out}.masked")
+            select = np.zeros((k, keep.size), np.float32)
+            select[keep, np.arange(keep.size)] = 1.0
+            gather.append(select)
+            rows.append(w[keep] - offsets[keep])
+        if not gather:
             return self.op("MatMul", [x, deq], out)
-        scaled = self.op("MatMul", [x, deq], f"{out}.scaled")
-        sums = self.op("MatMul", [x, self.block_sum(w.shape[0], block_size)], f"{out}.block_sums")
-        shift = self.op("MatMul", [sums, self.const(f"{out}.weight_offset", qw.offset)], f"{out}.shift")
+        scaled = self.op("MatMul", [quantized_in, deq], f"{out}.scaled")
+        side = self.op(
+            "MatMul", [x, self.const(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side"
+        )
+        shift = self.op(
+            "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
+        )
         return self.op("Add", [scaled, shift], out)
-
-    def block_sum(self, k: int, block_size: int) -> str:
-        """A shared [K, K/block] matrix of ones and zeros: x @ it sums x over each block."""
-        name = f"const.block_sum_{k}_{block_size}"
-        if name not in self._shared:
-            ones = np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0)  # [K, K/bs]
-            self._shared.add(self.const(name, ones))
-        return name
 
 
 def build_decoder_graph(
@@ -237,8 +253,12 @@ def build_decoder_graph(
     names: IONames,
     options: GraphOptions | None = None,
     progress: Callable[[int], None] | None = None,
+    outliers: dict[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
-    """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
+    """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts;
+    `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
+    quantized matmuls."""
+    outliers = outliers or {}
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
     g = _Builder(options.opset)
@@ -252,7 +272,8 @@ def build_decoder_graph(
     def linear(x: str, prefix: str, parts: list[str], out: str) -> str:
         """x @ concat(W_parts)^T + concat(b_parts): fused projections cost one MatMul."""
         mat = np.concatenate([w(f"{prefix}.{p}.weight") for p in parts], axis=0)
-        y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size)
+        keep = outliers.get(f"{prefix}.{parts[0]}")  # fused parts share their input
+        y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size, keep)
         biases = [f"{prefix}.{p}.bias" for p in parts]
         if all(b in weights for b in biases):
             bias = np.concatenate([w(b) for b in biases])
@@ -374,7 +395,12 @@ def build_decoder_graph(
     if options.bits < 32:
         head = embed if tied else w("lm_head.weight")  # [vocab, H]
         scores = g.matmul_weight(
-            hidden, np.ascontiguousarray(head.T), "logits.rows_vocab", options.bits, options.block_size
+            hidden,
+            np.ascontiguousarray(head.T),
+            "logits.rows_vocab",
+            options.bits,
+            options.block_size,
+            outliers.get("lm_head"),
         )
     else:
         head_name = embed_name if tied else g.const("lm_head.weight", w("lm_head.weight"))

@@ -28,12 +28,27 @@ it is a second, small product::
 
     x @ w_hat = x @ (q * scale) + block_sums(x) @ offset,   block_sums(x) [.., K/block]
 
+Activations: onnxruntime's fused kernel (accuracy level 4, the only fast one; level 0/1 run
+~20x slower at 8 bits) also rounds each activation block of `block_size` to int8 with its own
+absmax scale, so one large channel coarsens its 31 neighbours. The export measures, on the
+built-in calibration prompts, the largest |x| of every input channel of every quantized matmul
+and keeps the `OUTLIER_CHANNELS` largest in float32 (LLM.int8()'s decomposition): they are
+zeroed before the int8 kernel and multiplied by their exact float32 weight rows in the small
+second product, which now reads::
+
+    x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
+
+with B [K, K/block] the block-sum matrix and S [K, kept] the selection of the kept channels.
+
 int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from importlib import resources
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -44,6 +59,7 @@ from kvedge.errors import KvedgeError
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
 EXPORT_GRIDS = GRIDS  # what the export offers each block
+OUTLIER_CHANNELS = 8  # input channels per quantized matmul kept float32 (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -137,3 +153,48 @@ def weight_tensor(name: str, qw: QuantizedWeight) -> TensorProto:
     if qw.bits == 4:
         return helper.make_tensor(name, TensorProto.INT4, list(qw.q.shape), pack_int4(qw.q), raw=True)
     return numpy_helper.from_array(np.ascontiguousarray(qw.q), name)
+
+
+def calibration_ids(tokenizer: Any, max_tokens: int = 256) -> list[list[int]]:
+    """Token ids of kvedge's built-in calibration prompts (chat turns), for `input_outliers`."""
+    text = resources.files("kvedge.calibrate").joinpath("data/calibration.jsonl").read_text()
+    ids = []
+    for line in filter(str.strip, text.splitlines()):
+        messages = json.loads(line)["messages"]
+        if getattr(tokenizer, "chat_template", None):
+            row = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        else:
+            row = tokenizer(" ".join(m["content"] for m in messages)).input_ids
+        ids.append(list(row)[:max_tokens])
+    return ids
+
+
+def input_outliers(
+    model: Any, token_ids: list[list[int]], channels: int = OUTLIER_CHANNELS
+) -> dict[str, np.ndarray]:
+    """{Linear module name: its `channels` input channels of largest max |x| over `token_ids`,
+    ascending [channels] int64}, from one float32 forward pass of the Hugging Face `model`."""
+    import torch
+
+    peaks: dict[str, torch.Tensor] = {}  # name -> [in_features] max |x|
+
+    def record(name: str):
+        def hook(module: Any, args: tuple) -> None:
+            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            peaks[name] = torch.maximum(peaks[name], x) if name in peaks else x
+
+        return hook
+
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in linears]
+    try:
+        with torch.no_grad():
+            for ids in token_ids:
+                model(torch.tensor([ids]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        name: np.sort(torch.topk(peak, min(channels, peak.numel())).indices.numpy()).astype(np.int64)
+        for name, peak in peaks.items()
+    }
