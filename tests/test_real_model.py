@@ -115,3 +115,15 @@ def test_llama_cpp_q8_0_cache_comparison(smol):
     (row,) = llama_cpp_cache_quality(default_gguf(), [(ids, continuation)])
     assert row.scheme.startswith("llama.cpp q8_0") and row.kv_bytes_ratio == pytest.approx(34 / 128)
     assert 0 <= row.kl_mean < 0.1 and row.top1_agreement >= 0.8
+
+
+def test_recommended_cpu_export_answers_like_fp32(smol):
+    """README's CPU recommendation (--variant ort --weights int8 --kv-dtype int8) answers the
+    known-good question as the float32 export does. Its int8 weights reproduce the GGUF's grids
+    exactly; what is left is onnxruntime's int8 activations (docs/PERFORMANCE.md)."""
+    out, hf, tokenizer = smol
+    fast = out.parent / "ort-int8-int8"
+    options = ExportOptions(max_len=2048, variant="ort", weights="int8", kv_dtype="int8")
+    export_model(None, fast, options, loaded=(hf, tokenizer))
+    answer = "".join(e.text for e in Model(fast).chat(QUESTION, SamplingConfig(max_new_tokens=16)))
+    assert "Paris" in answer, answer
