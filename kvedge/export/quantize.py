@@ -17,8 +17,8 @@ instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do. The
 spans the block's own range, so no level is spent on the side the block does not reach; it is
 llama.cpp's Q4_1 / Q8_1 form (a float minimum per block), and on weights that already sit on
 such a grid (a Q4_1 GGUF dequantized, SmolLM2's case) it reproduces them exactly at 8 bits and
-at 4. `quantize_blockwise` picks, per tensor, the grid with the smaller squared error; the
-export's projections are affine and its LM head takes whichever is closer.
+at 4. `quantize_blockwise` gives each block the grid with the smallest squared error (on
+SmolLM2: affine for the projections, absmax for the Q8_0 LM head, which then needs no offset).
 
 Graph form (ONNX opset 21): `DequantizeLinear(q [K, N] int4|int8, scale [K/block, N] float32,
 axis=0, block_size=block)` feeding `MatMul(x, w_hat)`. onnxruntime fuses that pair into its
