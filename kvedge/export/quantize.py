@@ -1,18 +1,19 @@
 """Weight-only block quantization for the exported graph (offline; the runtime never quantizes).
 
-Two grids per block of `block_size` consecutive input features (rows k of W [K, N]) and output
-column n, with signed integers qmin = -2**(bits-1), qmax = 2**(bits-1) - 1::
+Three grids (`GRIDS`) per block of `block_size` consecutive input features (rows k of W [K, N])
+and output column n, with signed integers qmin = -2**(bits-1), qmax = 2**(bits-1) - 1::
 
-    symmetric   m      = the block's element of largest magnitude, sign kept
-                scale  = m / qmin                   (m maps exactly onto qmin; 0 blocks get scale 1)
-                offset = 0
-    affine      scale  = (max - min) / (qmax - qmin)   (0 for constant blocks: scale 1)
-                offset = min - qmin * scale         (min maps exactly onto qmin, max onto qmax)
+    extreme   m      = the block's element of largest magnitude, sign kept
+              scale  = m / qmin                    (m maps exactly onto qmin; 0 blocks get scale 1)
+              offset = 0
+    absmax    scale  = max |w| / qmax, offset = 0  (llama.cpp Q8_0's grid)
+    affine    scale  = (max - min) / (qmax - qmin)  (constant blocks: scale 1)
+              offset = min - qmin * scale          (min maps exactly onto qmin, max onto qmax)
 
     q     = clip(round((w - offset) / scale), qmin, qmax)
     w_hat = q * scale + offset
 
-Putting the symmetric extreme on qmin (the side with one more level) gives int4 16 usable levels
+Putting the extreme on qmin (the side with one more level) gives int4 16 usable levels
 instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do. The affine grid
 spans the block's own range, so no level is spent on the side the block does not reach; it is
 llama.cpp's Q4_1 / Q8_1 form (a float minimum per block), and on weights that already sit on
