@@ -670,6 +670,14 @@ def calibrate(
     help="An export of the same model with --kv-dtype int8: measure the real INT8 cache too.",
 )
 @click.option(
+    "--weights-model",
+    "weights_dirs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="An export of the same model with --weights int8|int4 (any variant and cache dtype): "
+    "measure it against --model too (repeatable).",
+)
+@click.option(
     "--llama-cpp",
     "llama_cpp",
     is_flag=True,
@@ -692,6 +700,7 @@ def eval_kv(
     model_dir: Path,
     scales_dir: Path | None,
     int8_dir: Path | None,
+    weights_dirs: tuple[Path, ...],
     llama_cpp: bool,
     threads: int,
     prompts: Path | None,
@@ -699,7 +708,7 @@ def eval_kv(
     tokens: int,
     json_path: Path | None,
 ) -> None:
-    """Compare INT8 KV schemes (and a real --kv-dtype int8 export) with the fp32 cache."""
+    """Compare INT8 KV schemes (and real --kv-dtype int8 or quantized-weight exports) with the fp32 model."""
     starting(f"loading {model_dir}, then {tokens} steps on each of up to {limit} held-out prompts")
     from kvedge.calibrate.calibrate import read_prompts
     from kvedge.calibrate.evaluate import evaluate
@@ -721,7 +730,14 @@ def eval_kv(
                 f"{model.manifest.source!r}"
             )
     results = evaluate(
-        model, scales, held_out, tokens=tokens, int8_model=int8_model, llama_cpp_gguf=gguf, threads=threads
+        model,
+        scales,
+        held_out,
+        tokens=tokens,
+        int8_model=int8_model,
+        llama_cpp_gguf=gguf,
+        threads=threads,
+        weights_models=tuple(Model(d) for d in weights_dirs),
     )
     click.echo(f"{'scheme':<48} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}")
     for r in results:

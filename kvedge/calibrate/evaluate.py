@@ -1,4 +1,5 @@
-"""`kvedge eval-kv`: quality of INT8 KV schemes against the fp32 cache.
+"""`kvedge eval-kv`: quality of INT8 KV schemes, and of quantized-weight exports, against the fp32
+model (float32 weights, fp32 cache).
 
 For each held-out prompt (never the calibration set), the fp32-cache model writes a greedy
 continuation of `tokens` tokens. Every scheme is teacher-forced on exactly those tokens in
@@ -13,7 +14,9 @@ distributions with the fp32 cache's:
 KV bytes of the simulated schemes are computed: INT8 codes plus scales (static scales are a few
 KB per model; a dynamic per-token scale costs 2 bytes, float16, per group of channels per
 token). The real INT8 cache (`--int8-model`, an export with `--kv-dtype int8`) runs its own graph
-on int8 buffers; its bytes ratio is the allocated pool's, measured.
+on int8 buffers; its bytes ratio is the allocated pool's, measured. A quantized-weight export
+(`--weights-model`, an export of the same model with --weights int8|int4, any cache dtype) is
+compared the same way; its bytes column is its cache's, like the INT8 export's.
 """
 
 from __future__ import annotations
@@ -82,10 +85,12 @@ def evaluate(
     int8_model: Model | None = None,
     llama_cpp_gguf: Path | None = None,
     threads: int = 1,
+    weights_models: tuple[Model, ...] = (),
 ) -> list[SchemeQuality]:
-    """Compare every scheme (simulated on `model`'s fp32 cache with `scales`) and the real INT8
-    cache of `int8_model` (an export of the same weights with --kv-dtype int8) with the fp32
-    cache over `prompts` (see the module docstring)."""
+    """Compare every scheme (simulated on `model`'s fp32 cache with `scales`), the real INT8
+    cache of `int8_model` (an export of the same weights with --kv-dtype int8) and every export
+    of `weights_models` (the same model with quantized weights) with the fp32 model over
+    `prompts` (see the module docstring)."""
     geometry = model.manifest.geometry
     if geometry.quantized:
         raise KvedgeError(f"eval-kv needs the float32-cache export as --model, not a {geometry.dtype} one")
@@ -100,9 +105,17 @@ def evaluate(
         cache = KVCache(int8_model.manifest.geometry, batch)
         name = f"INT8 cache in memory (per-token, g{cache.geometry.group_size})"
         candidates.append((name, int8_model.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
+    for other in weights_models:
+        model.manifest.check_compatible(other.manifest, "--weights-model", cache_dtype=False, weights=False)
+        cache = KVCache(other.manifest.geometry, batch)
+        name = (
+            f"{other.manifest.variant} {other.manifest.weights_dtype} weights, {cache.geometry.dtype} cache"
+        )
+        candidates.append((name, other.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(
-            "nothing to evaluate: give scales (--scales), an INT8 export (--int8-model) or --llama-cpp"
+            "nothing to evaluate: give scales (--scales), an INT8 export (--int8-model), a "
+            "quantized-weight export (--weights-model) or --llama-cpp"
         )
     eos = list(model.manifest.eos_token_ids)
     reference = KVCache(geometry, batch)

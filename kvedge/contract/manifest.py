@@ -365,15 +365,18 @@ class Manifest:
             raise KvedgeError(f"{folder}: no {MANIFEST_FILE}; is this a `kvedge export` folder?")
         return cls.from_dict(decode_json(path.read_bytes(), str(path)), where=str(path))
 
-    def check_compatible(self, other: Manifest, what: str, cache_dtype: bool = True) -> None:
+    def check_compatible(
+        self, other: Manifest, what: str, cache_dtype: bool = True, weights: bool = True
+    ) -> None:
         """Refuse `other` (describing `what`) unless it was made from the same model and geometry
-        (with `cache_dtype=False`, the geometry may differ in its cache dtype only)."""
+        (with `cache_dtype=False`, the geometry may differ in its cache dtype only; with
+        `weights=False`, the weights may be quantized differently)."""
         if other.source_fingerprint != self.source_fingerprint:
             raise ArtifactMismatch(
                 f"{what} was made from model {other.source_fingerprint[:16]}, "
                 f"this model is {self.source_fingerprint[:16]}"
             )
-        if other.weights_dtype != self.weights_dtype:
+        if weights and other.weights_dtype != self.weights_dtype:
             raise ArtifactMismatch(
                 f"{what} was made with {other.weights_dtype} weights, "
                 f"this model has {self.weights_dtype} weights"

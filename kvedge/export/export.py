@@ -34,6 +34,7 @@ from kvedge.export.graph import (
     rope_tables,
     rotary_frequencies,
 )
+from kvedge.export.quantize import calibration_ids, input_outliers
 from kvedge.export.source import load_hf, resolve_source
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,13 @@ def export_model(
     names = IONames()
     graph_options = options.graph_options()
     _check_quantizable(spec, geometry, graph_options)
+    outliers = None
+    if options.weights != "float32":  # measured before the graph: its int8 kernel needs them
+        outliers = input_outliers(model, calibration_ids(tokenizer))
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
-            spec, geometry, weights, cos, sin, names, graph_options, progress=bar.update
+            spec, geometry, weights, cos, sin, names, graph_options, progress=bar.update, outliers=outliers
         )
     del weights, model
     quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")

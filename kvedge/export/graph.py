@@ -89,7 +89,13 @@ from kvedge.contract import (
     TensorSpec,
 )
 from kvedge.errors import KvedgeError
-from kvedge.export.quantize import WEIGHT_FORMATS, check_format, quantize_blockwise, weight_tensor
+from kvedge.export.quantize import (
+    EXPORT_GRIDS,
+    WEIGHT_FORMATS,
+    check_format,
+    quantize_blockwise,
+    weight_tensor,
+)
 
 OPSET = 17  # float32 and float16 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
@@ -258,18 +264,48 @@ class _Builder:
         stored = self.const(f"{name}.f16", w.astype(np.float16))
         return self.op("Cast", [stored], name, to=TensorProto.FLOAT)
 
-    def matmul_weight(self, x: str, w: np.ndarray, out: str, bits: int, block_size: int) -> str:
-        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear."""
+    def matmul_weight(
+        self, x: str, w: np.ndarray, out: str, bits: int, block_size: int, keep: np.ndarray | None = None
+    ) -> str:
+        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
+        blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
+        product (see `quantize.py`)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
-        qw = quantize_blockwise(w, bits, block_size)
+        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS)
         self.quant_errors.append(qw.max_error)
         self.initializers.append(weight_tensor(f"{out}.weight_q", qw))
         scale = self.const(f"{out}.weight_scale", qw.scale)
         deq = self.op(
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
-        return self.op("MatMul", [x, deq], out)
+        k = w.shape[0]
+        gather: list[np.ndarray] = []  # [K, *] columns: x @ them feeds the second product
+        rows: list[np.ndarray] = []  # [*, N] its weights
+        offsets = np.zeros((k, w.shape[1]), np.float32)  # [K, N] each row's block offset
+        if qw.offset is not None:
+            gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
+            rows.append(qw.offset)
+            offsets = np.repeat(qw.offset, block_size, axis=0)
+        quantized_in = x
+        if keep is not None and keep.size:
+            mask = np.ones(k, np.float32)
+            mask[keep] = 0.0
+            quantized_in = self.op("Mul", [x, self.const(f"{out}.int8_mask", mask)], f"{out}.masked")
+            select = np.zeros((k, keep.size), np.float32)
+            select[keep, np.arange(keep.size)] = 1.0
+            gather.append(select)
+            rows.append(w[keep] - offsets[keep])
+        if not gather:
+            return self.op("MatMul", [x, deq], out)
+        scaled = self.op("MatMul", [quantized_in, deq], f"{out}.scaled")
+        side = self.op(
+            "MatMul", [x, self.const(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side"
+        )
+        shift = self.op(
+            "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
+        )
+        return self.op("Add", [scaled, shift], out)
 
 
 def build_decoder_graph(
@@ -281,11 +317,15 @@ def build_decoder_graph(
     names: IONames,
     options: GraphOptions | None = None,
     progress: Callable[[int], None] | None = None,
+    outliers: dict[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
-    """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts."""
+    """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts;
+    `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
+    quantized matmuls."""
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
-    decoder = _Decoder(spec, geometry, _prepare_weights(spec, geometry, weights), cos, sin, names, options)
+    prepared = _prepare_weights(spec, geometry, weights)
+    decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {})
     hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
     for i in range(geometry.num_layers):
         hidden, delta = decoder.layer(i, hidden, delta)
@@ -375,8 +415,10 @@ class _Decoder:
         sin: np.ndarray,
         names: IONames,
         options: GraphOptions,
+        outliers: dict[str, np.ndarray],
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
+        self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         self.g = g = _Builder(options.opset)
         self.two = g.const("const.two", np.array(2.0, np.float32))
@@ -422,7 +464,8 @@ class _Decoder:
         if options.weights == "float16":
             y = g.op("MatMul", [x, g.float16_weight(f"{out}.weight", np.ascontiguousarray(mat.T))], out)
         else:
-            y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size)
+            keep = self.outliers.get(f"{prefix}.{parts[0]}")  # fused parts share their input
+            y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size, keep)
         biases = [f"{prefix}.{p}.bias" for p in parts]
         if all(b in self.weights for b in biases):
             bias = np.concatenate([self.w(b) for b in biases])
@@ -554,7 +597,12 @@ class _Decoder:
         if options.quantized:
             head = self.embed_table if tied else self.w("lm_head.weight")  # [vocab, H]
             return g.matmul_weight(
-                hidden, np.ascontiguousarray(head.T), "logits.rows_vocab", options.bits, options.block_size
+                hidden,
+                np.ascontiguousarray(head.T),
+                "logits.rows_vocab",
+                options.bits,
+                options.block_size,
+                self.outliers.get("lm_head"),
             )
         head_name = self.embed_name if tied else g.const("lm_head.weight", self.w("lm_head.weight"))
         return g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)

@@ -1,25 +1,55 @@
 """Weight-only block quantization for the exported graph (offline; the runtime never quantizes).
 
-Math, per block of `block_size` consecutive input features (rows k of W [K, N]) and output
-column n, symmetric signed integers with qmin = -2**(bits-1), qmax = 2**(bits-1) - 1::
+Three grids (`GRIDS`) per block of `block_size` consecutive input features (rows k of W [K, N])
+and output column n, with signed integers qmin = -2**(bits-1), qmax = 2**(bits-1) - 1::
 
-    m        = the block's element of largest magnitude, sign kept
-    scale    = m / qmin                      (m maps exactly onto qmin; 0 blocks get scale 1)
-    q        = clip(round(w / scale), qmin, qmax)
-    w_hat    = q * scale                     (what DequantizeLinear computes)
+    extreme   m      = the block's element of largest magnitude, sign kept
+              scale  = m / qmin                    (m maps exactly onto qmin; 0 blocks get scale 1)
+              offset = 0
+    absmax    scale  = max |w| / qmax, offset = 0  (llama.cpp Q8_0's grid)
+    affine    scale  = (max - min) / (qmax - qmin)  (constant blocks: scale 1)
+              offset = min - qmin * scale          (min maps exactly onto qmin, max onto qmax)
 
-Putting the extreme value on qmin (the side with one more level) gives int4 16 usable levels
-instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do.
+    q     = clip(round((w - offset) / scale), qmin, qmax)
+    w_hat = q * scale + offset
+
+Putting the extreme on qmin (the side with one more level) gives int4 16 usable levels
+instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do. The affine grid
+spans the block's own range, so no level is spent on the side the block does not reach; it is
+llama.cpp's Q4_1 / Q8_1 form (a float minimum per block), and on weights that already sit on
+such a grid (a Q4_1 GGUF dequantized, SmolLM2's case) it reproduces them exactly at 8 bits and
+at 4. `quantize_blockwise` gives each block the grid with the smallest squared error (on
+SmolLM2: affine for the projections, absmax for the Q8_0 LM head, which then needs no offset).
 
 Graph form (ONNX opset 21): `DequantizeLinear(q [K, N] int4|int8, scale [K/block, N] float32,
 axis=0, block_size=block)` feeding `MatMul(x, w_hat)`. onnxruntime fuses that pair into its
-4-/8-bit `MatMulNBits` kernel; TensorRT 10 reads it as weight-only quantization. int4 tensors
-are packed two per byte, the first element in the low nibble (the ONNX layout).
+4-/8-bit `MatMulNBits` kernel; TensorRT 10 reads it as weight-only quantization. The offset
+cannot ride in DequantizeLinear (its zero point is an integer, and TensorRT takes only zero), so
+it is a second, small product::
+
+    x @ w_hat = x @ (q * scale) + block_sums(x) @ offset,   block_sums(x) [.., K/block]
+
+Activations: onnxruntime's fused kernel (accuracy level 4, the only fast one; level 0/1 run
+~20x slower at 8 bits) also rounds each activation block of `block_size` to int8 with its own
+absmax scale, so one large channel coarsens its 31 neighbours. The export measures, on the
+built-in calibration prompts, the largest |x| of every input channel of every quantized matmul
+and keeps the `OUTLIER_CHANNELS` largest in float32 (LLM.int8()'s decomposition): they are
+zeroed before the int8 kernel and multiplied by their exact float32 weight rows in the small
+second product, which now reads::
+
+    x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
+
+with B [K, K/block] the block-sum matrix and S [K, kept] the selection of the kept channels.
+
+int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from importlib import resources
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -28,12 +58,16 @@ from kvedge.contract import WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
+EXPORT_GRIDS = GRIDS  # what the export offers each block
+OUTLIER_CHANNELS = 8  # input channels per quantized matmul kept float32 (see the module docstring)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     q: np.ndarray  # [K, N] int8 holding values in [qmin, qmax]
     scale: np.ndarray  # [K / block_size, N] float32
+    offset: np.ndarray | None  # [K / block_size, N] float32; None when every block's offset is 0
     bits: int
     block_size: int
     max_error: float  # max |w - w_hat| over the tensor
@@ -42,7 +76,10 @@ class QuantizedWeight:
         """w_hat [K, N] float32."""
         k, n = self.q.shape
         blocks = self.q.reshape(k // self.block_size, self.block_size, n).astype(np.float32)
-        return (blocks * self.scale[:, None, :]).reshape(k, n)
+        hat = blocks * self.scale[:, None, :]
+        if self.offset is not None:
+            hat += self.offset[:, None, :]
+        return hat.reshape(k, n)
 
 
 def check_format(weights: str, block_size: int) -> None:
@@ -52,22 +89,56 @@ def check_format(weights: str, block_size: int) -> None:
         raise KvedgeError(f"--block-size {block_size!r} is not supported; allowed: {list(BLOCK_SIZES)}")
 
 
-def quantize_blockwise(w: np.ndarray, bits: int, block_size: int) -> QuantizedWeight:
-    """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K."""
+def _grid(blocks: np.ndarray, grid: str, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset), each [K/bs, N] float32, of one grid for blocks [K/bs, bs, N]."""
+    zero = np.zeros((blocks.shape[0], blocks.shape[2]), np.float32)
+    if grid == "extreme":
+        where = np.abs(blocks).argmax(axis=1)[:, None, :]  # [K/bs, 1, N]
+        extreme = np.take_along_axis(blocks, where, axis=1)[:, 0, :]  # [K/bs, N], signed
+        return np.where(extreme == 0, 1.0, extreme / qmin).astype(np.float32), zero
+    if grid == "absmax":
+        top = np.abs(blocks).max(axis=1)
+        return np.where(top == 0, 1.0, top / qmax).astype(np.float32), zero
+    low, high = blocks.min(axis=1), blocks.max(axis=1)
+    scale = np.where(high == low, 1.0, (high - low) / (qmax - qmin)).astype(np.float32)
+    return scale, (low - qmin * scale).astype(np.float32)
+
+
+def quantize_blockwise(
+    w: np.ndarray, bits: int, block_size: int, grids: tuple[str, ...] = ("extreme",)
+) -> QuantizedWeight:
+    """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K, each
+    block on whichever of `grids` gives it the smallest squared error (the first on a tie)."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
             f"cannot quantize a [{k}, {n}] weight in blocks of {block_size}: {k} is not a multiple"
         )
+    if not grids or set(grids) - set(GRIDS):
+        raise KvedgeError(f"quantization grids {grids!r} are not supported; allowed: {list(GRIDS)}")
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     blocks = w.astype(np.float32).reshape(k // block_size, block_size, n)
-    where = np.abs(blocks).argmax(axis=1)[:, None, :]  # [K/bs, 1, N]
-    extreme = np.take_along_axis(blocks, where, axis=1)[:, 0, :]  # [K/bs, N], signed
-    scale = np.where(extreme == 0, 1.0, extreme / qmin).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, None, :]), qmin, qmax).astype(np.int8)
-    hat = q.astype(np.float32) * scale[:, None, :]
-    max_error = float(np.abs(hat - blocks).max()) if w.size else 0.0
-    return QuantizedWeight(q.reshape(k, n), scale, bits, block_size, max_error)
+    best: tuple[np.ndarray, ...] | None = None  # (q, scale, offset, squared error [K/bs, N])
+    for grid in grids:
+        scale, offset = _grid(blocks, grid, qmin, qmax)
+        q = np.clip(np.rint((blocks - offset[:, None, :]) / scale[:, None, :]), qmin, qmax)
+        err = np.square(q * scale[:, None, :] + offset[:, None, :] - blocks).sum(axis=1)
+        if best is None:
+            best = (q, scale, offset, err)
+            continue
+        better = err < best[3]
+        best = (
+            np.where(better[:, None, :], q, best[0]),
+            np.where(better, scale, best[1]),
+            np.where(better, offset, best[2]),
+            np.minimum(err, best[3]),
+        )
+    q, scale, offset, _ = best
+    qw = QuantizedWeight(
+        q.astype(np.int8).reshape(k, n), scale, offset if offset.any() else None, bits, block_size, 0.0
+    )
+    max_error = float(np.abs(qw.dequantize() - w).max()) if w.size else 0.0
+    return QuantizedWeight(qw.q, scale, qw.offset, bits, block_size, max_error)
 
 
 def pack_int4(q: np.ndarray) -> bytes:
@@ -83,3 +154,48 @@ def weight_tensor(name: str, qw: QuantizedWeight) -> TensorProto:
     if qw.bits == 4:
         return helper.make_tensor(name, TensorProto.INT4, list(qw.q.shape), pack_int4(qw.q), raw=True)
     return numpy_helper.from_array(np.ascontiguousarray(qw.q), name)
+
+
+def calibration_ids(tokenizer: Any, max_tokens: int = 256) -> list[list[int]]:
+    """Token ids of kvedge's built-in calibration prompts (chat turns), for `input_outliers`."""
+    text = resources.files("kvedge.calibrate").joinpath("data/calibration.jsonl").read_text()
+    ids = []
+    for line in filter(str.strip, text.splitlines()):
+        messages = json.loads(line)["messages"]
+        if getattr(tokenizer, "chat_template", None):
+            row = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        else:
+            row = tokenizer(" ".join(m["content"] for m in messages)).input_ids
+        ids.append(list(row)[:max_tokens])
+    return ids
+
+
+def input_outliers(
+    model: Any, token_ids: list[list[int]], channels: int = OUTLIER_CHANNELS
+) -> dict[str, np.ndarray]:
+    """{Linear module name: its `channels` input channels of largest max |x| over `token_ids`,
+    ascending [channels] int64}, from one float32 forward pass of the Hugging Face `model`."""
+    import torch
+
+    peaks: dict[str, torch.Tensor] = {}  # name -> [in_features] max |x|
+
+    def record(name: str):
+        def hook(module: Any, args: tuple) -> None:
+            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            peaks[name] = torch.maximum(peaks[name], x) if name in peaks else x
+
+        return hook
+
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in linears]
+    try:
+        with torch.no_grad():
+            for ids in token_ids:
+                model(torch.tensor([ids]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        name: np.sort(torch.topk(peak, min(channels, peak.numel())).indices.numpy()).astype(np.int64)
+        for name, peak in peaks.items()
+    }
