@@ -118,3 +118,15 @@ def test_history_policy_and_warm_prefixes_and_their_old_spellings(tmp_path):
         done = kvedge(*generate, flag, str(config), "--warm-dir", str(tmp_path / "warm"))
         assert done.returncode == 0 and "1 warm prefixes" in done.stderr, done.stderr
         assert ("--warmup is deprecated; use --warm-prefixes" in done.stderr) == (flag == "--warmup")
+
+
+def test_a_truncated_gguf_is_refused_in_one_line(tmp_path):
+    from kvedge.export.source import default_gguf
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(default_gguf().read_bytes()[:1_000_000])
+    done = kvedge("export", str(cut), "--out", str(tmp_path / "out"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "not a complete GGUF file" in done.stderr and len(done.stderr.strip().splitlines()) <= 3, (
+        done.stderr
+    )

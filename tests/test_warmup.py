@@ -15,6 +15,7 @@ import pytest
 from kvedge.configs import load_warmup_config
 from kvedge.contract import CacheGeometry
 from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import MAGIC, WARM_VERSION, WarmPrefix, read_warm_file, write_warm_file
@@ -217,3 +218,32 @@ def test_bad_config_names_file_and_key(tmp_path):
     path.write_text("prefixes:\n  - {name: a, text: x}\n  - {name: a, text: y}\n")
     with pytest.raises(KvedgeError, match=r"w.yaml: prefixes: names must be unique, got \['a', 'a'\]"):
         load_warmup_config(path)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(count=2), "count 2 does not match its 3 token ids"),
+        (dict(data_bytes=3 * 2 * 2 * 2 * 16 * 4 - 64), "data bytes, 3 tokens need"),
+    ],
+)
+def test_checksummed_warm_file_whose_header_disagrees_with_itself_is_refused(tmp_path, change, message):
+    """A file with a valid checksum, fingerprints and geometry, but a count that is not its number of
+    token ids, or a data size that is not what its count needs: refused before any array is made."""
+    import hashlib
+
+    geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    block = KVBlock(np.ones((2, 2, 2, 3, 16), np.float32))
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", (1, 2, 3), block), geometry, "x")
+    data = path.read_bytes()
+    _, _, length = struct.unpack_from("<8sII", data)
+    header = json.loads(data[16 : 16 + length])
+    raw = json.dumps({**header, **change}).encode().ljust(length)
+    assert len(raw) == length
+    body = data[:16] + raw + data[16 + length : -32]
+    if "data_bytes" in change:  # keep the size consistent with the header's promise
+        body = body[: 16 + length + change["data_bytes"]]
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    with pytest.raises(ArtifactMismatch, match=message):
+        read_warm_file(path, geometry, "x", [1, 2, 3])

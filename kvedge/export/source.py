@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,16 @@ def load_hf(source: Source) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    try:
+        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    except (struct.error, ValueError, EOFError, OSError) as exc:
+        if not source.gguf_file:
+            raise
+        # the gguf reader walks the file's tensor table: a cut file fails as one of these
+        raise KvedgeError(
+            f"{source.description}: not a complete GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
+            "download it again"
+        ) from None
     check_architecture(config)
     log.info("loading %s (%s) with transformers", source.description, config.model_type)
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype="float32", **kwargs)

@@ -43,6 +43,7 @@ import json
 import logging
 import mmap
 import os
+import stat
 import struct
 import tempfile
 from collections import OrderedDict
@@ -148,8 +149,13 @@ def read_warm_file(
     scales_fingerprint: str = "",
 ) -> WarmPrefix:
     """Load and verify a warm file; raise ArtifactMismatch naming what is wrong."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
+    # Non-blocking, and checked on the open file itself: a FIFO or device swapped in after the
+    # folder scan neither blocks start-up nor is read.
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise ArtifactMismatch(f"{path.name}: not a regular file")
+        size = status.st_size
         if size < _PREAMBLE.size + _DIGEST:
             raise ArtifactMismatch(f"{path.name}: truncated ({size} bytes)")
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -172,9 +178,16 @@ def read_warm_file(
     expected = Header(kind.format, WARM_VERSION, model_fingerprint, geometry.artifact_key(True), wanted)
     check_header(path.name, found, expected)
     count = header.count
+    if count != len(header.token_ids):
+        raise ArtifactMismatch(
+            f"{path.name}: count {count} does not match its {len(header.token_ids)} token ids"
+        )
     if count > geometry.max_len:
         raise ArtifactMismatch(f"{path.name}: {count} tokens exceed max_len {geometry.max_len}")
     shape = (geometry.num_layers, 2, geometry.num_kv_heads, count, geometry.head_dim)
+    needed = count * geometry.bytes_per_token()
+    if header.data_bytes != needed:
+        raise ArtifactMismatch(f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}")
     kv = np.frombuffer(mapped, dtype=geometry.np_dtype, count=int(np.prod(shape)), offset=start).reshape(
         shape
     )
