@@ -104,22 +104,9 @@ def test_unsupported_family_is_refused_by_name(tmp_path):
 @pytest.mark.real_model
 def test_real_model_ort_variant_matches_transformers(tmp_path):
     """The in-place GroupQueryAttention graph on SmolLM2-135M: same 1e-3 as the portable graph."""
-    hf, tokenizer = loaded = load_hf(resolve_source(default_gguf()))
-    export_model(None, tmp_path / "ort", ExportOptions(variant="ort"), loaded=loaded)
-    model = Model(tmp_path / "ort")
-    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    with torch.no_grad():
-        continuation = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-        )[0]
-        ref = hf(continuation[None], use_cache=False).logits[0].numpy()[len(prompt) - 1 : -1]
-    ids = continuation.tolist()
-    got = [prefill(model.backend, model.cache, 0, [prompt])[0]]
-    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[len(prompt) : -1]]
-    got = np.stack(got)
+    got, ref, greedy, want = _real_model_against_transformers(tmp_path / "ort", ExportOptions(variant="ort"))
     np.testing.assert_allclose(got, ref, atol=REAL_ATOL, rtol=0)
-    got[:, list(model.manifest.eos_token_ids)] = -np.inf  # as min_new_tokens does on the HF side
-    assert list(got.argmax(-1)) == ids[len(prompt) :]  # greedy tokens identical
+    assert greedy == want  # greedy tokens identical
 
 
 @pytest.mark.real_model
@@ -127,9 +114,20 @@ def test_real_model_float16_weights_match_transformers(tmp_path):
     """--weights float16 on SmolLM2-135M (257 MiB of graph instead of 514): logits within 4 x the
     float16 unit roundoff (2**-11) x the logits' range of transformers' float32 (measured 0.91 x:
     0.029 on a range of 65), and the same 32 greedy tokens."""
+    got, ref, greedy, want = _real_model_against_transformers(
+        tmp_path / "f16", ExportOptions(weights="float16")
+    )
+    np.testing.assert_allclose(got, ref, atol=4 * 2.0**-11 * float(ref.max() - ref.min()), rtol=0)
+    assert greedy == want
+
+
+def _real_model_against_transformers(out, options: ExportOptions):
+    """SmolLM2 exported with `options` to `out`, teacher-forced through 32 greedy tokens of
+    transformers: (kvedge logits [32, vocab], transformers' logits [32, vocab], kvedge's greedy
+    tokens with eos masked as min_new_tokens masks it, transformers' tokens)."""
     hf, tokenizer = loaded = load_hf(resolve_source(default_gguf()))
-    export_model(None, tmp_path / "f16", ExportOptions(weights="float16"), loaded=loaded)
-    model = Model(tmp_path / "f16")
+    export_model(None, out, options, loaded=loaded)
+    model = Model(out)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     with torch.no_grad():
         continuation = hf.generate(
@@ -140,6 +138,6 @@ def test_real_model_float16_weights_match_transformers(tmp_path):
     got = [prefill(model.backend, model.cache, 0, [prompt])[0]]
     got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[len(prompt) : -1]]
     got = np.stack(got)
-    np.testing.assert_allclose(got, ref, atol=4 * 2.0**-11 * float(ref.max() - ref.min()), rtol=0)
-    got[:, list(model.manifest.eos_token_ids)] = -np.inf  # as min_new_tokens does on the HF side
-    assert list(got.argmax(-1)) == ids[len(prompt) :]
+    masked = got.copy()
+    masked[:, list(model.manifest.eos_token_ids)] = -np.inf
+    return got, ref, list(masked.argmax(-1)), ids[len(prompt) :]
