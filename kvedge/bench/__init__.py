@@ -297,7 +297,11 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     warm = [s for s in first if s.kind == "kvedge"]
     for spec in {"all": warm, "first": warm[:1], "none": []}[config.warm]:
         echo(f"warm prefixes: {spec.name}")
-        results.warm[spec.name] = measure_warm(spec.path, threads, config.rounds, echo)
+        try:
+            results.warm[spec.name] = measure_warm(spec.path, threads, config.rounds, echo)
+        except KvedgeError as exc:  # one section refused: say so, keep the run's other figures
+            echo(f"  warm prefixes of {spec.name} skipped: {exc}")
+            results.skipped[f"{spec.name} warm prefixes"] = str(exc)
     if config.memory:
         echo("peak RSS: one fresh process per system")
         for spec in first:

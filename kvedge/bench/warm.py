@@ -14,7 +14,7 @@ warmed up, in this order:
                prompt's warm prefix (warm), 2 * rounds + 1 pairs, the order flipping every pair.
                Target: median of per-pair cold / warm >= 10.
     long TTFT  the same with a long system prompt (a document, a long chat history): the prompt
-               rendered to LONG_PROMPT_TOKENS tokens (at most max_len), cold vs with its warm
+               rendered to LONG_PROMPT_TOKENS tokens (at most max_len - 1), cold vs with its warm
                prefix, `rounds` pairs. Reported, not judged.
     turns      a conversation of TURNS user messages (about USER_TOKENS tokens each) with greedy
                replies of up to REPLY_TOKENS tokens kept in the slot, per round: each turn's TTFT on
@@ -200,7 +200,8 @@ def _long_first_token(model: Model, messages: Messages, folder: Path, pairs: int
     """`_first_token` with the system prompt grown until the rendered prompt is LONG_PROMPT_TOKENS
     (or max_len) tokens, a few less where the last word's tokens would overshoot; keys "long_*"."""
     tokenizer = model.tokenizer
-    target = min(LONG_PROMPT_TOKENS, model.manifest.geometry.max_len)
+    # one position stays free: the fit rule (HistoryPolicy.check_prompt) keeps room for a reply
+    target = min(LONG_PROMPT_TOKENS, model.manifest.geometry.max_len - 1)
     around = len(tokenizer.encode_chat(messages)) - len(
         tokenizer.encode(messages[0]["content"], add_special_tokens=False)
     )  # template and user message
