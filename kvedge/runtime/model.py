@@ -158,16 +158,14 @@ class Model:
         def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
             return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
 
-        ids = encode(messages)
-        if limit is not None and len(ids) > limit:
-            raise ContextOverflow(
-                f"the messages take {len(ids)} tokens; this server accepts at most {limit} prompt "
-                "tokens per request (max_prompt_tokens)",
-                cause="prompt",
-            )
+        ids = _within(encode(messages), limit, "the messages take")
         if self.policy.mode == "truncate":
             messages, ids = self._truncate_turns(messages, ids, reserve, encode)
         return ids
+
+    def encode_prompt(self, text: str, limit: int | None = None) -> list[int]:
+        """A raw prompt's token ids (no chat template), refused above `limit` tokens."""
+        return _within(self.tokenizer.encode(text), limit, "the prompt takes")
 
     def _truncate_turns(
         self,
@@ -348,7 +346,6 @@ class Model:
         keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
         self.cache.truncate(slot, keep)
         session.history = ids[:keep]
-        session.expected = self.cache.token_ids(slot).copy()
         session.reused_tokens = keep
         return ids[keep:]
 
@@ -364,3 +361,14 @@ class Model:
             self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared])
             return warm_shared
         return keep
+
+
+def _within(ids: list[int], limit: int | None, what: str) -> list[int]:
+    """`ids`, or ContextOverflow when there are more than `limit` (a service's max_prompt_tokens)."""
+    if limit is not None and len(ids) > limit:
+        raise ContextOverflow(
+            f"{what} {len(ids)} tokens; this server accepts at most {limit} prompt tokens per "
+            "request (max_prompt_tokens)",
+            cause="prompt",
+        )
+    return ids

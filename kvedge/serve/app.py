@@ -249,13 +249,8 @@ class Api:
         )
         model = self.ready_model()
         check_limits(config, body.max_tokens, 1)
-        ids = await run_in_threadpool(model.tokenizer.encode, body.prompt)
         try:
-            if len(ids) > config.max_prompt_tokens:
-                raise ContextOverflow(
-                    f"the prompt takes {len(ids)} tokens; this server accepts at most "
-                    f"{config.max_prompt_tokens} prompt tokens per request (max_prompt_tokens)"
-                )
+            ids = await run_in_threadpool(model.encode_prompt, body.prompt, config.max_prompt_tokens)
             max_new = model.fit_reply(
                 len(ids), body.max_tokens, config.default_max_tokens, config.reply_overflow
             )
