@@ -37,6 +37,7 @@ from test_structured import ASK, TIME, WEATHER, arguments_valid
 from tiny import make_tiny_model
 from tokenizers import Tokenizer
 
+from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.model import Model
 from kvedge.serve import protocol, tools
@@ -454,3 +455,53 @@ def test_reply_parser_stream_equals_whole(cut):
             jsonschema.validate(
                 json.loads(want["tool_calls"][1]["function"]["arguments"]), TIME["function"]["parameters"]
             )
+
+
+def test_grammars_take_the_forms_the_templates_render(artifact, tmp_path):
+    """The Mistral grammar takes several calls only under parallel_tool_calls, after the
+    tokenizer's own [TOOL_CALLS] token; the Llama grammar takes the JSON call."""
+    model = Model(family_artifact(artifact, tmp_path / "m", "mistral_small31"))
+    encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    fmt = tools.format_for(model.tokenizer.template_source, encode)
+    parsed = tools.parse_tools([WEATHER, TIME])
+    two = (
+        ' [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "id": "a1B2c3D4e"}, '
+        '{"name": "get_time", "arguments": {"zone": "UTC"}, "id": "f5G6h7I8j"}]'
+    )
+
+    def takes(constraint, ids) -> bool:
+        matcher = model.grammars.matcher(constraint)
+        try:
+            for token in ids:
+                matcher.accept(token)
+        except KvedgeError:
+            return False
+        return matcher.stopped
+
+    assert takes(fmt.constraint(parsed, "required", True), [fmt.token, *encode(two)])
+    assert not takes(fmt.constraint(parsed, "required", False), [fmt.token, *encode(two)])
+    assert not takes(fmt.constraint(parsed, "required", True), encode(two))  # no [TOOL_CALLS] token
+    assert not takes(fmt.constraint(parsed, "get_time", True), [fmt.token, *encode(two)])  # named
+    llama = tools.Llama3Json().constraint(parsed, "auto", True)
+    assert takes(llama, encode('{"name": "get_time", "parameters": {"zone": "CET"}}'))
+    assert not takes(llama, encode('{"name": "get_time", "parameters": {"zone": "PST"}}'))  # not in enum
+
+
+def test_a_template_with_another_tool_format_is_refused(artifact, tmp_path):
+    folder = family_artifact(artifact, tmp_path / "m", "mistral_nemo")
+    # v11's spelling: [TOOL_CALLS]name[ARGS]{...}
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}"
+        "{% if tools %}{% for c in tools %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{% endfor %}{% endif %}"
+    )
+    (tmp_path / "server").mkdir()
+    srv = Server(folder, tmp_path / "server", slots=1, queue_size=2, default_max_tokens=4)
+    try:
+        srv.startup()
+        body = {"model": "tiny", "messages": ASK, "max_tokens": 2}
+        refused = srv.http.post("/v1/chat/completions", json={**body, "tools": [WEATHER]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
+        assert "Mistral [TOOL_CALLS] lists" in refused.json()["error"]["message"]
+        assert srv.http.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        srv.stop()
