@@ -188,7 +188,9 @@ class Api:
         model = self.ready_model()
         template = model.tokenizer.template_source
         check_limits(config, chat.max_tokens, len(chat.messages))
-        ids, constraint = await self.prompt(model, chat, tools.tool_format(template))
+        encode = functools.partial(model.tokenizer.encode, add_special_tokens=False)
+        tool_fmt = tools.format_for(template, encode)
+        ids, constraint = await self.prompt(model, chat, tool_fmt)
         try:
             max_new = model.fit_reply(
                 len(ids), chat.max_tokens, config.default_max_tokens, config.reply_overflow
@@ -196,7 +198,7 @@ class Api:
         except KvedgeError as exc:
             raise api_error(exc) from None
         job, events = self.submit(ids, sampling_config(chat, max_new, constraint, chat.logprobs))
-        parser = tools.ReplyParser(tools=chat.tool_choice != "none", thinking=tools.THINK_OPEN in template)
+        parser = tools.ReplyParser(chat.tool_choice != "none", tools.THINK_OPEN in template, tool_fmt)
         tokenizer = model.tokenizer if chat.logprobs is not None else None
         reply = ChatReply(
             protocol.completion_id(), config.model_name, len(ids), chat.include_usage, parser, tokenizer
@@ -204,21 +206,23 @@ class Api:
         return await self.respond(request, job, events, reply, chat.stream)
 
     async def prompt(
-        self, model: Model, chat: ChatRequest, tool_fmt: str
+        self, model: Model, chat: ChatRequest, tool_fmt: tools.ToolFormat | None
     ) -> tuple[list[int], Constraint | None]:
         """The conversation's token ids (tools rendered the template's way, within
         max_prompt_tokens) and the reply's constraint, compiled now so that a schema llguidance
         cannot take is a 400 before the request is queued."""
-        if chat.tools and tool_fmt == "refused":
-            raise ApiError(
-                400,
-                "this model's chat template writes tool calls in a format kvedge does not read yet "
-                "(it reads <tool_call> blocks: Qwen2.5, Qwen3, and templates without tools)",
-                param="tools",
-                code="unsupported_parameter",
-            )
-        messages = tools.prompt_messages(list(chat.messages), chat.tools, tool_fmt)
-        template_tools = [t.openai() for t in chat.tools] if tool_fmt == "native" else None
+        if tool_fmt is None:
+            if chat.tools:
+                raise ApiError(
+                    400,
+                    "this model's chat template writes tool calls in a format kvedge does not read yet "
+                    "(it reads Hermes <tool_call> blocks: Qwen2.5, Qwen3; Llama 3.1+ JSON calls; "
+                    "Mistral [TOOL_CALLS] lists; and templates without tools)",
+                    param="tools",
+                    code="unsupported_parameter",
+                )
+            tool_fmt = tools.Hermes("fallback")  # no tools: the history's calls as plain blocks
+        messages, template_tools = tool_fmt.prompt(list(chat.messages), chat.tools)
         requested = self.config.default_max_tokens if chat.max_tokens is None else chat.max_tokens
         encode = functools.partial(
             model.encode_chat,
@@ -232,7 +236,7 @@ class Api:
             ids = await run_in_threadpool(encode)
         except KvedgeError as exc:
             raise api_error(exc) from None
-        constraint = chat.constraint or tools.tool_constraint(
+        constraint = chat.constraint or tool_fmt.constraint(
             chat.tools, chat.tool_choice, chat.parallel_tool_calls
         )
         try:

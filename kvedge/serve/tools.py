@@ -1,28 +1,48 @@
 """Tool calls and reasoning on the OpenAI surface: how tools reach the prompt, which grammar the
 reply must follow, and how the reply is read back into content, reasoning and tool calls.
 
-Tool-call format (Hermes / Qwen2.5 / Qwen3)::
+Each family of chat templates writes tool calls its own way; a `ToolFormat` describes one family:
+how tools and the history's calls reach the template (`prompt`), the grammar of a reply
+(`constraint`), where a reply's calls begin (`opening`) and how they are read back (`calls`).
+`tool_format` tells the family from the template's text:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+    native       Hermes / Qwen2.5 / Qwen3: the template renders `tools` and writes
+                     <tool_call>
+                     {"name": "get_weather", "arguments": {"city": "Paris"}}
+                     </tool_call>
+                 blocks itself; tools and the history's calls go to the template as transformers
+                 passes them
+    fallback     the template knows nothing of tools (SmolLM2's ChatML): kvedge appends a tool
+                 section to the system message (`FALLBACK_PROMPT`, a new system message when there
+                 is none) and writes the history's tool calls as the blocks above, in the same
+                 characters the grammar makes the model write, so a tool round trip reuses the cache
+    llama3_json  Llama 3.1 / 3.2 / 3.3: the template renders tools as JSON (in the first user
+                 message by default) and a call as the whole reply,
+                     {"name": "get_weather", "parameters": {"city": "Paris"}}
+                 one call per assistant message (the templates raise on more), so one call per
+                 reply; a history message with several calls is given to the template as one
+                 assistant message per call. Llama 3.1's built-in tools (`<|python_tag|>`,
+                 brave_search, wolfram_alpha, code_interpreter) are not offered: the grammar does
+                 not admit `<|python_tag|>`, so the model writes the JSON form above
+    mistral      Mistral 7B v0.3, Mistral-Nemo (v3), Mistral Small 3.1 (v7):
+                     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]
+                 (v7 templates write "[TOOL_CALLS] [", with a space; the format follows the
+                 template). The model writes each call's id (9 letters or digits, as the templates
+                 demand and llama.cpp's grammar does), which is the id the client gets, so the
+                 round trip renders what the model wrote. Ids the client sends that are not 9
+                 letters or digits are mapped, in the calls and the tool messages alike, to 9
+                 base62 characters of their SHA-256 (`mistral_id`: deterministic, so a replayed
+                 conversation renders the same). `[TOOL_CALLS]` is written as the tokenizer's own
+                 token where it has one. Templates with `[ARGS]` (v11: `[TOOL_CALLS]name[ARGS]{...}`,
+                 Mistral Small 3.2, Magistral, Devstral) are not read
+    refused      any other template that renders tools: 400, said so
 
-How tools reach the prompt depends on the model's chat template (`tool_format`):
-
-    native     the template renders `tools` and writes `<tool_call>` blocks itself (Qwen2.5,
-               Qwen3): tools and the history's tool calls go to the template as transformers
-               passes them
-    fallback   the template knows nothing of tools (SmolLM2's ChatML): kvedge appends a tool
-               section to the system message (`FALLBACK_PROMPT`, a new system message when there
-               is none) and writes the history's tool calls as the blocks above, in the same
-               characters the grammar makes the model write, so a tool round trip reuses the cache
-    refused    the template renders tools in another format (Llama 3.1, Mistral): 400, said so
-
-The reply is constrained (`tool_constraint`): with tool_choice "required" or a named function it
-must be one or more blocks whose JSON matches {"name": <a given function>, "arguments": <its
-parameters schema>}; with "auto" it is either such blocks or plain text that does not start with
-"<"; with "none" it is not constrained and not read for calls. JSON in blocks is written with
-", " and ": " separators, the way `json.dumps` and chat templates' `tojson` write it.
+The reply is constrained (`ToolFormat.constraint`): with tool_choice "required" or a named
+function it is the family's calls, each call's JSON matching {"name": <a given function>,
+"arguments" (Llama: "parameters"): <its parameters schema>}; with "auto" it is either such calls
+or plain text that does not start with the family's `opening` ("<", "{", "["); with "none" it is
+not constrained and not read for calls. JSON is written with ", " and ": " separators, the way
+`json.dumps` and chat templates' `tojson` write it, so a call renders back into the same text.
 
 Reasoning: when the template has a thinking block (`<think>`), text between `<think>` and
 `</think>` at the start of the reply is `reasoning_content`; `chat_template_kwargs:
@@ -34,9 +54,11 @@ the same deltas put together, so both forms always agree.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +68,10 @@ from kvedge.runtime.model import Constraint
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+LLAMA3_HEADER, LLAMA3_CALL = "<|start_header_id|>", '"parameters": '
+MISTRAL_MARK, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_ID = re.compile(r"^[A-Za-z0-9]{9}$")
+BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 FALLBACK_PROMPT = (
     "You can call these functions. To call one, reply with only\n"
     "<tool_call>\n"
@@ -127,10 +153,32 @@ def parse_tool_choice(value: Any, tools: tuple[Tool, ...]) -> str:
 
 
 def tool_format(template: str) -> str:
-    """How this chat template takes tools: "native", "fallback" or "refused" (module docstring)."""
+    """How this chat template takes tools: "native", "fallback", "llama3_json", "mistral" or
+    "refused" (module docstring)."""
     if "tools" not in template:
         return "fallback"
-    return "native" if OPEN in template else "refused"
+    if OPEN in template:
+        return "native"
+    if LLAMA3_HEADER in template and LLAMA3_CALL in template:
+        return "llama3_json"
+    if MISTRAL_MARK in template and MISTRAL_ARGS not in template:
+        return "mistral"
+    return "refused"
+
+
+def format_for(template: str, encode: Callable[[str], list[int]]) -> ToolFormat | None:
+    """The template's `ToolFormat` (None when refused); `encode` gives a text's token ids without
+    special tokens added, to find the tokenizer's own `[TOOL_CALLS]` token."""
+    kind = tool_format(template)
+    if kind in ("native", "fallback"):
+        return Hermes(kind)
+    if kind == "llama3_json":
+        return Llama3Json()
+    if kind == "mistral":
+        ids = encode(MISTRAL_MARK)
+        token = ids[0] if len(ids) == 1 else None
+        return Mistral(token, space=MISTRAL_MARK + " [" in template)
+    return None
 
 
 def call_block(name: str, arguments: dict[str, Any]) -> str:
@@ -185,6 +233,16 @@ def tool_constraint(tools: tuple[Tool, ...], choice: str, parallel: bool = True)
     """The grammar of a reply under `choice` (module docstring); one call only unless `parallel`."""
     if choice == "none" or not tools:
         return None
+    more = ' ("\\n" call)*' if parallel else ""
+    schema = _call_schema(tools, choice, "arguments", {})
+    calls = f'calls: call{more}\ncall: "{OPEN}\\n" %json {schema} "\\n{CLOSE}"\n'
+    start = "start: plain | calls\nplain: /[^<][\\s\\S]*/\n" if choice == "auto" else "start: calls\n"
+    return Constraint("lark", start + calls)
+
+
+def _call_schema(tools: tuple[Tool, ...], choice: str, arguments: str, extra: dict[str, Any]) -> str:
+    """JSON Schema of one call: {"name": <a function allowed by `choice`>, `arguments`: <its
+    parameters>, **extra}, keys in that order, written in `JSON_STYLE`."""
     allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
     schema = {
         "anyOf": [
@@ -193,19 +251,180 @@ def tool_constraint(tools: tuple[Tool, ...], choice: str, parallel: bool = True)
                 # no keys beyond the declared parameters unless the schema allows them itself
                 "properties": {
                     "name": {"const": t.name},
-                    "arguments": {"additionalProperties": False, **t.parameters},
+                    arguments: {"additionalProperties": False, **t.parameters},
+                    **extra,
                 },
-                "required": ["name", "arguments"],
+                "required": ["name", arguments, *extra],
                 "additionalProperties": False,
             }
             for t in allowed
         ],
         "x-guidance": JSON_STYLE,
     }
-    more = ' ("\\n" call)*' if parallel else ""
-    calls = f'calls: call{more}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
-    start = "start: plain | calls\nplain: /[^<][\\s\\S]*/\n" if choice == "auto" else "start: calls\n"
-    return Constraint("lark", start + calls)
+    return json.dumps(schema)
+
+
+def _openai_call(index: int, call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+class ToolFormat:
+    """How one family of chat templates takes tools and writes calls (module docstring)."""
+
+    kind: str
+    opening: str  # a reply whose text starts so (leading whitespace aside) is calls
+
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: tuple[Tool, ...]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and the tools (None: none) as the template should see them."""
+        raise NotImplementedError
+
+    def constraint(self, tools: tuple[Tool, ...], choice: str, parallel: bool) -> Constraint | None:
+        """The grammar of a reply under `choice`; several calls only where `parallel` and the
+        family writes several."""
+        raise NotImplementedError
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The OpenAI tool calls `text` is made of, or None if it is not entirely calls."""
+        raise NotImplementedError
+
+
+class Hermes(ToolFormat):
+    """<tool_call> blocks: the template's own ("native") or kvedge's prompt ("fallback")."""
+
+    opening = OPEN
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: tuple[Tool, ...]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        native = self.kind == "native" and tools
+        return prompt_messages(messages, tools, self.kind), [t.openai() for t in tools] if native else None
+
+    def constraint(self, tools: tuple[Tool, ...], choice: str, parallel: bool) -> Constraint | None:
+        return tool_constraint(tools, choice, parallel)
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        return _parse_calls(text)
+
+
+class Llama3Json(ToolFormat):
+    """Llama 3.1+ JSON calls: the reply is one {"name": ..., "parameters": {...}} object."""
+
+    kind, opening = "llama3_json", "{"
+
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: tuple[Tool, ...]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        # the templates take one call per assistant message: several become consecutive ones
+        out = []
+        for message in messages:
+            calls = message.get("tool_calls") or [None]
+            out.extend(_native({**message, "tool_calls": [c]} if c else message) for c in calls)
+        return out, [t.openai() for t in tools] or None
+
+    def constraint(self, tools: tuple[Tool, ...], choice: str, parallel: bool) -> Constraint | None:
+        if choice == "none" or not tools:  # one call, whatever `parallel`: the templates take one
+            return None
+        call = f"call: %json {_call_schema(tools, choice, 'parameters', {})}\n"
+        start = "start: plain | call\nplain: /[^{][\\s\\S]*/\n" if choice == "auto" else "start: call\n"
+        return Constraint("lark", start + call)
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        try:
+            call = json.loads(text)
+        except ValueError:
+            return None
+        if not (
+            isinstance(call, dict)
+            and isinstance(call.get("name"), str)
+            and isinstance(call.get("parameters"), dict)
+        ):
+            return None
+        return [_openai_call(0, "call_" + uuid.uuid4().hex[:24], call["name"], call["parameters"])]
+
+
+class Mistral(ToolFormat):
+    """Mistral v3 / v7 calls: [TOOL_CALLS][{"name", "arguments", "id"}, ...]. `token`: the
+    tokenizer's own [TOOL_CALLS] token (None: written as text); `space`: "[TOOL_CALLS] [" (v7)."""
+
+    kind, opening = "mistral", "["
+
+    def __init__(self, token: int | None, space: bool) -> None:
+        self.token, self.space = token, space
+
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: tuple[Tool, ...]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        out = []
+        for message in messages:
+            message = _native(message)
+            if message.get("tool_calls"):
+                calls = [{**c, "id": mistral_id(c["id"])} for c in message["tool_calls"]]
+                message = {**message, "tool_calls": calls}
+            if message["role"] == "tool":
+                message = {**message, "tool_call_id": mistral_id(message["tool_call_id"])}
+            out.append(message)
+        return out, [t.openai() for t in tools] or None
+
+    def constraint(self, tools: tuple[Tool, ...], choice: str, parallel: bool) -> Constraint | None:
+        if choice == "none" or not tools:
+            return None
+        mark = f"<[{self.token}]>" if self.token is not None else json.dumps(MISTRAL_MARK)
+        opening = '" ["' if self.space else '"["'
+        more = ' (", " call)*' if parallel else ""
+        ident = {"id": {"type": "string", "pattern": MISTRAL_ID.pattern}}
+        calls = (
+            f'calls: {mark} {opening} call{more} "]"\n'
+            f"call: %json {_call_schema(tools, choice, 'arguments', ident)}\n"
+        )
+        start = "start: plain | calls\nplain: /[^\\[][\\s\\S]*/\n" if choice == "auto" else "start: calls\n"
+        return Constraint("lark", start + calls)
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        # the tokenizer's own [TOOL_CALLS] token is not in the decoded text; a written one is
+        text = text.removeprefix(MISTRAL_MARK).lstrip()
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(calls, list) or not calls:
+            return None
+        out: list[dict[str, Any]] = []
+        for call in calls:
+            if not (
+                isinstance(call, dict)
+                and isinstance(call.get("name"), str)
+                and isinstance(call.get("arguments"), dict)
+                and isinstance(call.get("id"), str)
+            ):
+                return None
+            call_id = call["id"]
+            if call_id in {c["id"] for c in out}:  # ids must tell calls apart; the model may repeat one
+                call_id = mistral_id(f"{call_id}#{len(out)}")
+            out.append(_openai_call(len(out), call_id, call["name"], call["arguments"]))
+        return out
+
+
+def mistral_id(call_id: str) -> str:
+    """`call_id` if it is 9 letters or digits (what Mistral templates take), else 9 base62
+    characters of its SHA-256: the same id maps the same way in every request."""
+    if MISTRAL_ID.match(call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest(), "big")
+    chars = []
+    for _ in range(9):
+        number, digit = divmod(number, 62)
+        chars.append(BASE62[digit])
+    return "".join(chars)
 
 
 def response_constraint(response_format: Any) -> Constraint | None:
@@ -230,8 +449,9 @@ class ReplyParser:
     """Reads a reply as it streams into OpenAI message deltas: reasoning_content, content, and
     tool_calls (only when tools are in play)."""
 
-    def __init__(self, tools: bool, thinking: bool) -> None:
+    def __init__(self, tools: bool, thinking: bool, fmt: ToolFormat | None = None) -> None:
         self.tools, self.thinking = tools, thinking
+        self.fmt = fmt or Hermes("native")
         self.text = ""  # the whole reply so far
         self.done = 0  # characters of `text` turned into deltas
         self.mode = "start" if thinking else "content"
@@ -252,7 +472,7 @@ class ReplyParser:
         rest = self.text[self.done :]
         self.done = len(self.text)
         if self.mode == "tool":
-            calls = _parse_calls(rest)
+            calls = self.fmt.calls(rest.strip())
             if calls is not None:
                 return [{"tool_calls": calls}], True
             return [{"content": rest}], False
@@ -291,11 +511,12 @@ class ReplyParser:
                         return None
                     self.done += len(rest) - len(stripped)
                     rest, self.after_think = stripped, False
-                if self.tools:  # a reply that opens with a tool call block is calls, not text
+                if self.tools:  # a reply that opens with the format's calls is calls, not text
+                    opening = self.fmt.opening
                     stripped = rest.lstrip()
-                    if not stripped or (OPEN.startswith(stripped) and len(stripped) < len(OPEN)):
+                    if not stripped or (opening.startswith(stripped) and len(stripped) < len(opening)):
                         return None
-                    if stripped.startswith(OPEN):
+                    if stripped.startswith(opening):
                         self.done += len(rest) - len(stripped)
                         self.mode = "tool"
                         return []
@@ -319,7 +540,7 @@ def _partial_suffix(text: str, marker: str) -> int:
 def _parse_calls(text: str) -> list[dict[str, Any]] | None:
     """The tool calls in `text` (blocks, optionally separated by whitespace), or None if it is
     not entirely made of valid blocks."""
-    calls = []
+    calls: list[dict[str, Any]] = []
     rest = text.strip()
     while rest:
         if not rest.startswith(OPEN) or CLOSE not in rest:
@@ -337,14 +558,6 @@ def _parse_calls(text: str) -> list[dict[str, Any]] | None:
         ):
             return None
         calls.append(
-            {
-                "index": len(calls),
-                "id": "call_" + uuid.uuid4().hex[:24],
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": json.dumps(call["arguments"], ensure_ascii=False),
-                },
-            }
+            _openai_call(len(calls), "call_" + uuid.uuid4().hex[:24], call["name"], call["arguments"])
         )
     return calls or None
