@@ -204,7 +204,9 @@ def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_ll
 
 def test_cuda_graph_refusals(tiny_llama):
     """`cuda_graph` is refused where no capture could be right, before anything loads."""
-    with pytest.raises(KvedgeError, match=r"^--cuda-graph applies to --device cuda only$"):
+    with pytest.raises(
+        KvedgeError, match=r"^cuda_graph \(CUDA graph capture\) applies to --device cuda only$"
+    ):
         Model(tiny_llama.out, cuda_graph=True)
     manifest = tiny_llama.model().manifest
     want = "cannot run this 'ort'-variant export" if manifest.in_place else "cannot capture a portable graph"

@@ -117,7 +117,7 @@ def cuda_graph_refusal(manifest: Manifest) -> str | None:
     qualify only if its attention's sizes come from device values, not host-side ones."""
     if not manifest.in_place:
         return (
-            "--cuda-graph cannot capture a portable graph: it slices the past to the longest valid "
+            "cuda_graph cannot capture a portable graph: it slices the past to the longest valid "
             "length, so its shapes change every step and a replay would reuse the first step's"
         )
     return cuda_refusal(manifest)
@@ -204,7 +204,7 @@ def open_backend(
             cuda_graph=cuda_graph,
         )
     if cuda_graph:
-        raise KvedgeError("--cuda-graph applies to --device cuda only")
+        raise KvedgeError("cuda_graph (CUDA graph capture) applies to --device cuda only")
     if not (folder / ENGINE_FILE).is_file():
         raise KvedgeError(
             f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
@@ -231,7 +231,7 @@ class OrtBackend:
         if provider not in PROVIDERS:
             raise KvedgeError(f"--provider {provider!r} is not supported; allowed: {sorted(PROVIDERS)}")
         if cuda_graph and provider != "cuda":
-            raise KvedgeError("--cuda-graph applies to --device cuda only")
+            raise KvedgeError("cuda_graph (CUDA graph capture) applies to --device cuda only")
         if cuda_graph and (refusal := cuda_graph_refusal(manifest)):
             raise KvedgeError(refusal)
         if PROVIDERS[provider] not in ort.get_available_providers():
@@ -257,6 +257,11 @@ class OrtBackend:
         self.session = ort.InferenceSession(
             str(folder / ONNX_FILE), options, providers=[(PROVIDERS[provider], provider_options)]
         )
+        if PROVIDERS[provider] not in self.session.get_providers():  # onnxruntime fell back to the CPU
+            raise KvedgeError(
+                f"onnxruntime could not start {PROVIDERS[provider]} (it ran {self.session.get_providers()}): "
+                "the CUDA and cuDNN libraries it was built for are missing or do not match; see its log above"
+            )
         self.cuda_graph = cuda_graph
         self._prefill_options = _run_options(-1) if cuda_graph else None
         self._graph_ids = 0  # the last gpu_graph_id given to a decode binding; never reused
