@@ -34,7 +34,7 @@ INSTALL_TENSORRT_BUILDER = (
 )
 INSTALL_CUDA_PYTHON = (
     "cuda-python is not installed: `pip install cuda-python` (the CUDA runtime bindings the GPU "
-    "backends map the cache pool with; part of `pip install 'kvedge[trt]'`)."
+    "backends map the cache pool with; part of `pip install 'kvedge[gpu]'` and `'kvedge[trt]'`)."
 )
 
 
