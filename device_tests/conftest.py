@@ -4,7 +4,8 @@
 
 Each test says what it needs with a marker; where that is missing it is skipped with the reason:
 
-    ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu)
+    ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu) and cuda-python (the
+               pool is mapped with it, `kvedge.runtime.cuda.MappedHost`)
     tensorrt   TensorRT and cuda-python, and a GPU they can see
 """
 
@@ -18,15 +19,17 @@ import onnxruntime as ort
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+if hasattr(ort, "preload_dlls"):  # CUDA and cuDNN from NVIDIA's pip packages, where installed
+    ort.preload_dlls()
 
 
 def _ort_cuda_missing() -> str | None:
     providers = ort.get_available_providers()
-    return (
-        None
-        if "CUDAExecutionProvider" in providers
-        else f"no CUDAExecutionProvider in onnxruntime ({providers})"
-    )
+    if "CUDAExecutionProvider" not in providers:
+        return f"no CUDAExecutionProvider in onnxruntime ({providers})"
+    if importlib.util.find_spec("cuda") is None:
+        return "cuda-python is not installed (`pip install cuda-python`)"
+    return None
 
 
 def _tensorrt_missing() -> str | None:

@@ -1,33 +1,53 @@
 #!/usr/bin/env bash
 # The device check (`make device-test`): on an x86-64 machine with an NVIDIA GPU, the CUDA 13
-# driver, cuBLAS and cuDNN 9 for CUDA 13 (see ../shared/FINDINGS.md), and no onnxruntime-gpu:
-#   1. join wheels/onnxruntime_gpu-1.31.1-...whl.part-* (made by device_tests/split_wheel.sh),
-#      check its sha256 (device_tests/onnxruntime_gpu.sha256), and install it in place of the
-#      CPU onnxruntime, without dependencies (the machine has CUDA 13; it may have no network);
-#   2. run device_tests/ (CUDA vs CPU logits within 1e-3, cache on = cache off, decode time at
-#      context 1536 vs 64, GPU memory vs the planner; TensorRT tests where TensorRT is present);
+# driver, cuBLAS and cuDNN 9 for CUDA 13 (see ../shared/FINDINGS.md; NVIDIA's pip packages of
+# them will do: onnxruntime preloads them), cuda-python, and no onnxruntime-gpu:
+#   1. join wheels/onnxruntime_gpu-1.31.1-<python tag>-...whl.part-* (made by
+#      device_tests/split_wheel.sh), check its sha256 (device_tests/onnxruntime_gpu.sha256), and
+#      install it in place of the CPU onnxruntime, without dependencies (the machine has CUDA 13;
+#      it may have no network); install wheels/*.whl of kvedge's dependencies that do not import;
+#   2. run device_tests/ (the CUDA binding, CUDA vs CPU logits within 1e-3, cache on = cache off,
+#      decode time at context 1536 vs 64 with and without a CUDA graph, GPU memory vs the
+#      planner; TensorRT tests where TensorRT is present);
 #   3. write the JSON report to ${KVEDGE_DEVICE_REPORT:-device_report.json}.
+#
+# On a lent device machine (/work/.library/device/README.md: at most 64 MiB carried per call,
+# the machine stays warm 30 s after a call, ignored files carried earlier stay there), with
+# wheels/ prepared here by `PYVER=3.12 device_tests/split_wheel.sh`: one quick call per part,
+# back to back, each carrying that part alone (carry ["wheels/<wheel>.part-00"], command
+# `true`), then one call carrying the dependency wheels that runs
+#   KVEDGE_DEVICE_REPORT=$OUT/device_report.json device_tests/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-.venv/bin/python}
-WHEEL=onnxruntime_gpu-1.31.1-cp311-cp311-manylinux_2_28_x86_64.whl
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+TAG=$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+WHEEL=onnxruntime_gpu-1.31.1-$TAG-$TAG-manylinux_2_28_x86_64.whl
 export KVEDGE_DEVICE_REPORT=${KVEDGE_DEVICE_REPORT:-$PWD/device_report.json}
+export PYTHONUNBUFFERED=1
 
 has_cuda() {
     "$PYTHON" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"
 }
 if ! has_cuda; then
     parts=(wheels/"$WHEEL".part-*)
-    [ -e "${parts[0]}" ] || { echo "no wheels/$WHEEL.part-*: run device_tests/split_wheel.sh first" >&2; exit 2; }
+    [ -e "${parts[0]}" ] || { echo "no wheels/$WHEEL.part-*: run PYVER=${TAG:2:1}.${TAG:3} device_tests/split_wheel.sh first" >&2; exit 2; }
     tmp=$(mktemp -d)
     cat "${parts[@]}" >"$tmp/$WHEEL"
-    (cd "$tmp" && sha256sum -c - <"$OLDPWD/device_tests/onnxruntime_gpu.sha256")
+    (cd "$tmp" && grep " $WHEEL\$" "$OLDPWD/device_tests/onnxruntime_gpu.sha256" | sha256sum -c -)
     "$PYTHON" -m pip uninstall -q -y onnxruntime
-    "$PYTHON" -m pip install -q --no-deps "$tmp/$WHEEL"
+    "$PYTHON" -m pip install -q --no-deps --no-index "$tmp/$WHEEL"
     rm -rf "$tmp"
     has_cuda || { echo "onnxruntime-gpu installed but CUDAExecutionProvider is not available" >&2; exit 3; }
 fi
+for module in llguidance msgspec; do
+    if ! "$PYTHON" -c "import $module" 2>/dev/null; then
+        wheel=$(ls wheels/"$module"-*.whl 2>/dev/null | head -1)
+        [ -n "$wheel" ] || { echo "$module is not installed and wheels/ has no wheel of it" >&2; exit 4; }
+        "$PYTHON" -m pip install -q --no-deps --no-index "$wheel"
+    fi
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
-"$PYTHON" -m pytest -q -rs device_tests || status=$?
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m pytest -q -rs -p no:cacheprovider device_tests || status=$?
 echo "report: $KVEDGE_DEVICE_REPORT"
 exit $status

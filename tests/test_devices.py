@@ -1,9 +1,12 @@
-"""One backend choice (`--device cpu|cuda|tensorrt`) and the CPU binding plan.
+"""One backend choice (`--device cpu|cuda|tensorrt`) and the binding plan.
 
 Without a GPU here: the refusals are checked as a user meets them (one line naming what to
 install or build), and the decode step's binding plan is checked on onnxruntime's real I/O
 binding: what is bound where, that the pool is read and written in place, and that no
-cache-sized array is made per step.
+cache-sized array is made per step. The CUDA plan (`binding_plan(..., "cuda", ...)`) is the same
+pure description the CUDA path binds from, so it is checked here too: every past/present tensor
+is the pool, bound by device address, and nothing cache-sized is bound as host memory or
+copied per step. That onnxruntime honours it on a GPU is device_tests/'s to check.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 from conftest import random_ids
 
 from kvedge.errors import KvedgeError
+from kvedge.runtime.backend import CALL, POOL, STEP, OrtBackend, binding_plan
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -77,6 +81,18 @@ def test_decode_binding_plan_reads_and_writes_the_pool_in_place(tiny_llama):
     outputs = step.binding.get_outputs()  # onnxruntime's own record of what is bound
     assert {value.device_name() for value in outputs} == {"cpu"}
     addresses = [value.data_ptr() for value in outputs]
+    # the plan the binding was made from is the pure one, and onnxruntime holds what it says
+    assert step.plan == binding_plan(model.manifest, "cpu", "decode", 1)
+    planned = [bound for bound in step.plan if bound.output]
+    assert [bound.name for bound in planned] == [spec.name for spec in model.manifest.graph_outputs()]
+    assert [(b.device, list(b.shape), b.nbytes) for b in planned] == [
+        (value.device_name(), value.shape(), int(np.prod(value.shape())) * np.dtype(b.dtype).itemsize)
+        for b, value in zip(planned, outputs, strict=True)
+    ]
+    owned = {array.ctypes.data for array in step.owned}
+    for bound, address in zip(planned, addresses, strict=True):  # STEP: made once with the binding
+        assert (address in owned) == (bound.buffer == STEP), bound
+    assert {bound.buffer for bound in planned[1:]} == {POOL if model.manifest.in_place else STEP}
     assert addresses[0] == step.logits.ctypes.data  # [1, 1, vocab], rewritten each step
     views = cache.layer_views(0, 1)  # per layer (K, V) [1, kvh, max_len, d] views of the pool
     if model.manifest.in_place:
@@ -131,3 +147,68 @@ def test_bench_and_plan_take_the_device(tiny_llama):
     assert OVERHEADS["cuda"] == OVERHEADS["tensorrt"] == OVERHEADS["gpu"] != OVERHEADS["cpu"]
     gpu = check_fits(tiny_llama.out, 1, 1 << 40, backend="tensorrt")
     assert gpu.runtime == OVERHEADS["gpu"].runtime_bytes
+
+
+def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_llama):
+    """For provider "cuda" (no GPU needed: the plan is pure): decode binds every past/present
+    tensor to the pool on the device and everything else to step buffers on the device, so
+    onnxruntime copies nothing between host and device per step; prefill adds only per-call,
+    prompt-sized host arrays. In-place exports are refused, naming why."""
+    manifest = tiny_llama.model().manifest
+    g = manifest.geometry
+    if manifest.in_place:  # float32 GroupQueryAttention has no CUDA kernel: it would copy the cache
+        with pytest.raises(
+            KvedgeError, match=r"--device cuda cannot run this 'ort'-variant export.*portable"
+        ):
+            binding_plan(manifest, "cuda", "decode", 1)
+        return
+    names = manifest.names
+    layer_names = {
+        names.layer(template, i)
+        for template in names.past(g.quantized) + names.present(g.quantized)
+        for i in range(g.num_layers)
+    }
+    slot_bytes = g.num_kv_heads * g.max_len * g.head_dim * np.dtype(g.dtype).itemsize  # one layer's K
+    for batch in (1, 2):
+        decode = binding_plan(manifest, "cuda", "decode", batch)
+        assert {b.name for b in decode} == {
+            s.name for s in manifest.graph_inputs() + manifest.graph_outputs()
+        }
+        assert {b.device for b in decode} == {"cuda"} and CALL not in {b.buffer for b in decode}
+        pool = [b for b in decode if b.buffer == POOL]
+        assert {b.name for b in pool} == {b.name for b in decode if b.name in layer_names and not b.output}
+        assert all(b.shape == (batch, g.num_kv_heads, g.max_len, g.head_dim) for b in pool)
+        # the portable graph's present: the new token only, one token wide, into a step buffer
+        present = [b for b in decode if b.output and b.name in layer_names]
+        assert present and all(b.buffer == STEP and b.shape[2] == 1 for b in present)
+        assert all(b.nbytes < slot_bytes for b in decode if b.buffer == STEP)
+        # the CPU plan is the same buffers, on the host
+        cpu = binding_plan(manifest, "cpu", "decode", batch)
+        assert [(b.name, b.buffer, b.shape) for b in cpu] == [(b.name, b.buffer, b.shape) for b in decode]
+        assert {b.device for b in cpu} == {"cpu"}
+
+    prefill = binding_plan(manifest, "cuda", "prefill", 1, seq=8)
+    assert [b for b in prefill if b.buffer == POOL] == [
+        b for b in binding_plan(manifest, "cuda", "decode", 1) if b.buffer == POOL
+    ]
+    calls = [b for b in prefill if b.buffer == CALL]
+    assert {b.device for b in calls} == {"cpu"} and STEP not in {b.buffer for b in prefill}
+    longer = [b for b in binding_plan(manifest, "cuda", "prefill", 1, seq=16) if b.buffer == CALL]
+    for short, long in zip(calls, longer, strict=True):  # per call: follows the prompt, never the context
+        assert long.nbytes in (short.nbytes, 2 * short.nbytes) and short.nbytes < slot_bytes, short
+    with pytest.raises(
+        KvedgeError, match=r"binding phase 'verify' is unknown; allowed: \['decode', 'prefill'\]"
+    ):
+        binding_plan(manifest, "cuda", "verify", 1)
+
+
+def test_cuda_graph_refusals(tiny_llama):
+    """`cuda_graph` is refused where no capture could be right, before anything loads."""
+    with pytest.raises(
+        KvedgeError, match=r"^cuda_graph \(CUDA graph capture\) applies to --device cuda only$"
+    ):
+        Model(tiny_llama.out, cuda_graph=True)
+    manifest = tiny_llama.model().manifest
+    want = "cannot run this 'ort'-variant export" if manifest.in_place else "cannot capture a portable graph"
+    with pytest.raises(KvedgeError, match=want):
+        OrtBackend(tiny_llama.out, manifest, provider="cuda", cuda_graph=True)

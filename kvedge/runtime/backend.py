@@ -16,6 +16,29 @@ reused: token ids, lengths, logits [b, 1, vocab], the pool views and (portable) 
 scratch [b, kv_heads, 1, head_dim] per layer are bound by pointer once, and a step only rewrites
 the few input values, so it allocates nothing. Prefill outputs are allocated per call,
 proportional to the prompt chunk, never to the context.
+
+What is bound where is one pure description, `binding_plan` (per name: the buffer, pool view /
+step buffer / per-call array, the memory onnxruntime is told it is in, and its bytes), which
+both providers bind from and tests check without a GPU:
+
+- cpu: everything is host memory, bound as "cpu".
+- cuda (UNVERIFIED ON HARDWARE: written against onnxruntime's and cuda-python's documented
+  APIs without a GPU; device_tests/ checks it): the pool is page-locked and mapped once
+  (`kvedge.runtime.cuda.MappedHost`, the same helper `TrtBackend` uses) and its views are bound
+  as "cuda" at their device addresses, so the GPU reads the cache where it is and nothing
+  cache-sized is copied between host and device, ever. Decode's step buffers (ids, lengths,
+  logits, the portable graph's one-token K/V) are mapped pinned buffers bound as "cuda" too:
+  a few bytes per row that the GPU reads and writes in place, at addresses fixed for the
+  binding's life, which CUDA graph replay needs. Prefill's inputs and outputs are per-call and
+  prompt-sized, bound as "cpu": onnxruntime copies them once per call. On Jetson the mapped
+  memory is the GPU's own DRAM; on a discrete GPU every cache read crosses PCIe (correct, slow).
+  Only portable graphs run on cuda: `cuda_refusal` says why the in-place ones cannot.
+
+CUDA graph capture of decode (`cuda_graph=True`, cuda only): onnxruntime's CUDA EP option
+`enable_cuda_graph` captures a run and replays it at the same addresses and shapes; each decode
+binding runs with its own `gpu_graph_id` run option (1, 2, ...), prefill with -1 (never
+captured). A graph can be captured only if its shapes and host-side values do not change from
+step to step; `cuda_graph_refusal` says which exports qualify (today: none, see there).
 """
 
 from __future__ import annotations
@@ -33,6 +56,7 @@ from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.contract.engine import DEVICES, ENGINE_FILE
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
+from kvedge.runtime.cuda import MappedHost
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +66,87 @@ INSTALL_ONNXRUNTIME_GPU = (
     "NVIDIA's Jetson build, docs/JETSON.md)"
 )
 MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
+# onnxruntime run option selecting a captured CUDA graph; -1: this run is neither captured nor replayed
+CUDA_GRAPH_ID = "gpu_graph_id"
+
+# Where a bound buffer lives (`Bound.buffer`)
+POOL = "pool"  # a view of the KVCache pool, bound by pointer: read, and written in place, where it is
+STEP = "step"  # allocated with a decode binding, rewritten each step, bound once: a few tokens' worth
+CALL = "call"  # made for one prefill call, proportional to the prompt chunk, never to the context
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One graph input or output of a step's I/O binding."""
+
+    name: str
+    output: bool
+    buffer: str  # POOL, STEP or CALL
+    device: str  # the memory onnxruntime is told it is in: "cpu", or "cuda" (device-addressable)
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def cuda_refusal(manifest: Manifest) -> str | None:
+    """Why this export cannot run on onnxruntime's CUDA provider without copying the cache every
+    step, or None. onnxruntime's CUDA GroupQueryAttention has float16 and bfloat16 kernels only
+    and kvedge's INT8 attention kernel is CPU-only; the `ort` graphs compute in float32, so their
+    attention would run on the CPU and onnxruntime would copy each layer's whole past to the host
+    and the present back every step."""
+    if not manifest.in_place:
+        return None
+    if manifest.uses_kvedge_ops:
+        attention = "kvedge's INT8 attention kernel, CPU only"
+    else:
+        attention = "GroupQueryAttention in float32, whose CUDA kernels take float16/bfloat16 only"
+    return (
+        f"--device cuda cannot run this {manifest.variant!r}-variant export: its attention ({attention}) "
+        "would run on the CPU with the whole cache copied every step; export with --variant portable for cuda"
+    )
+
+
+def cuda_graph_refusal(manifest: Manifest) -> str | None:
+    """Why this export's decode step cannot be captured as a CUDA graph, or None. A captured graph
+    replays the capture's kernels at the capture's shapes; a portable graph slices the past to
+    the batch's longest valid length every step (shapes that follow the context), and the
+    in-place graphs do not run on cuda (`cuda_refusal`). An in-place export in float16 would
+    qualify only if its attention's sizes come from device values, not host-side ones."""
+    if not manifest.in_place:
+        return (
+            "cuda_graph cannot capture a portable graph: it slices the past to the longest valid "
+            "length, so its shapes change every step and a replay would reuse the first step's"
+        )
+    return cuda_refusal(manifest)
+
+
+def binding_plan(
+    manifest: Manifest, provider: str, phase: str, batch: int, seq: int = 1
+) -> tuple[Bound, ...]:
+    """What a `phase` ("decode": one token per row; "prefill": `seq` tokens) step of `batch` rows
+    binds on `provider`, in the graph's input then output order. Pool views are bound where
+    they are, on the provider's device; decode's step buffers too; prefill's per-call arrays on
+    the CPU, where onnxruntime copies them once per call."""
+    if phase not in ("decode", "prefill"):
+        raise KvedgeError(f"binding phase {phase!r} is unknown; allowed: ['decode', 'prefill']")
+    if provider == "cuda" and (refusal := cuda_refusal(manifest)):
+        raise KvedgeError(refusal)
+    device = "cuda" if provider == "cuda" else "cpu"
+    decode = phase == "decode"
+    seq = 1 if decode else seq
+    plan = []
+    for output, specs in ((False, manifest.graph_inputs()), (True, manifest.graph_outputs())):
+        for spec in specs:
+            if spec.layer is not None and (not output or manifest.in_place):
+                buffer = POOL
+            else:
+                buffer = STEP if decode else CALL
+            where = "cpu" if buffer == CALL else device
+            plan.append(Bound(spec.name, output, buffer, where, spec.shape(batch, seq), np.dtype(spec.dtype)))
+    return tuple(plan)
 
 
 @dataclass
@@ -83,15 +188,23 @@ def open_backend(
     device: str = "cpu",
     threads: int | None = None,
     max_decode_bindings: int = MAX_DECODE_BINDINGS,
+    cuda_graph: bool = False,
 ) -> Backend:
     """The backend `device` (a `DEVICES` name) runs on; where a piece is missing, a KvedgeError
-    in one line naming what to install or build."""
+    in one line naming what to install or build. `cuda_graph`: capture decode (cuda only)."""
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
     if device != "tensorrt":
         return OrtBackend(
-            folder, manifest, threads=threads, provider=device, max_decode_bindings=max_decode_bindings
+            folder,
+            manifest,
+            threads=threads,
+            provider=device,
+            max_decode_bindings=max_decode_bindings,
+            cuda_graph=cuda_graph,
         )
+    if cuda_graph:
+        raise KvedgeError("cuda_graph (CUDA graph capture) applies to --device cuda only")
     if not (folder / ENGINE_FILE).is_file():
         raise KvedgeError(
             f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
@@ -113,15 +226,24 @@ class OrtBackend:
         provider: str = "cpu",
         optimized_model_path: Path | None = None,
         max_decode_bindings: int = MAX_DECODE_BINDINGS,
+        cuda_graph: bool = False,
     ) -> None:
         if provider not in PROVIDERS:
             raise KvedgeError(f"--provider {provider!r} is not supported; allowed: {sorted(PROVIDERS)}")
+        if cuda_graph and provider != "cuda":
+            raise KvedgeError("cuda_graph (CUDA graph capture) applies to --device cuda only")
+        if cuda_graph and (refusal := cuda_graph_refusal(manifest)):
+            raise KvedgeError(refusal)
         if PROVIDERS[provider] not in ort.get_available_providers():
             raise KvedgeError(
                 f"onnxruntime provider {PROVIDERS[provider]} is not available here "
                 f"(have: {ort.get_available_providers()}); {INSTALL_ONNXRUNTIME_GPU}"
             )
+        binding_plan(manifest, provider, "decode", 1)  # refuses what the provider cannot bind
         self.manifest = manifest
+        self.provider = provider
+        # the GPU reads the pool and the step buffers where they are (module docstring)
+        self.host = MappedHost() if provider == "cuda" else None
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or os.cpu_count() or 1
@@ -131,7 +253,18 @@ class OrtBackend:
         self.threads = options.intra_op_num_threads
         if manifest.uses_kvedge_ops:
             options.register_custom_ops_library(str(kernels.library_path()))
-        self.session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=[PROVIDERS[provider]])
+        provider_options = {"enable_cuda_graph": "1"} if cuda_graph else {}
+        self.session = ort.InferenceSession(
+            str(folder / ONNX_FILE), options, providers=[(PROVIDERS[provider], provider_options)]
+        )
+        if PROVIDERS[provider] not in self.session.get_providers():  # onnxruntime fell back to the CPU
+            raise KvedgeError(
+                f"onnxruntime could not start {PROVIDERS[provider]} (it ran {self.session.get_providers()}): "
+                "the CUDA and cuDNN libraries it was built for are missing or do not match; see its log above"
+            )
+        self.cuda_graph = cuda_graph
+        self._prefill_options = _run_options(-1) if cuda_graph else None
+        self._graph_ids = 0  # the last gpu_graph_id given to a decode binding; never reused
         self._check_io()
         self._step_names = [spec.name for spec in manifest.graph_inputs() if spec.layer is None]
         self._outputs = manifest.graph_outputs()
@@ -231,59 +364,99 @@ class OrtBackend:
         step = self._decode_bindings.get(key)
         if step is None:
             if len(self._decode_bindings) >= self.max_decode_bindings:
-                self._decode_bindings.clear()
+                self._drop_decode_bindings()
             step = self._decode_bindings[key] = self._make_decode_binding(past)
         step.input_ids[...] = input_ids
         step.past_lengths[...] = past_lengths
         step.position_ids[...] = position_ids  # bound only where the graph takes positions
-        self.session.run_with_iobinding(step.binding)
+        self.session.run_with_iobinding(step.binding, step.run_options)
         return StepOutput(step.logits[:, 0].copy(), step.present)
 
     def _make_decode_binding(self, past: list[tuple[np.ndarray, ...]]) -> _DecodeBinding:
         names, g = self.manifest.names, self.manifest.geometry
         batch = past[0][0].shape[0]
+        plan = binding_plan(self.manifest, self.provider, "decode", batch)
+        arrays = self._pool_arrays(past)
+        owned = {bound.name: self._step_buffer(bound) for bound in plan if bound.buffer == STEP}
+        arrays.update(owned)
         binding = self.session.io_binding()
-        logits, *present = self._outputs
-        step = _DecodeBinding(
+        for bound in plan:
+            self._bind(binding, bound, arrays[bound.name])
+        present = None
+        if not self.manifest.in_place:  # the new token's K/V [batch, kvh, 1, d or groups], per layer
+            templates = names.present(g.quantized)
+            present = [tuple(arrays[names.layer(t, i)] for t in templates) for i in range(g.num_layers)]
+        run_options = None
+        if self.cuda_graph:
+            self._graph_ids += 1
+            run_options = _run_options(self._graph_ids)
+        unbound = np.zeros(batch, np.int64)  # [batch]: a step input this graph does not take
+        return _DecodeBinding(
             binding=binding,
-            input_ids=np.zeros((batch, 1), np.int64),
-            position_ids=np.zeros((batch, 1), np.int64),
-            past_lengths=np.zeros(batch, np.int64),
-            last_index=np.zeros(batch, np.int64),
-            logits=np.zeros(logits.shape(batch, 1), logits.dtype),
-            present=None,
+            input_ids=arrays[names.input_ids],
+            position_ids=arrays.get(names.position_ids, unbound[:, None]),
+            past_lengths=arrays[names.past_lengths],
+            logits=arrays[names.logits],
+            present=present,
             past=past,
+            owned=list(owned.values()),
+            plan=plan,
+            run_options=run_options,
         )
-        inputs = self._step_inputs(step.input_ids, step.position_ids, step.past_lengths, step.last_index)
-        self._bind_inputs(binding, inputs, past, by_pointer=True)
-        _bind_array(binding, names.logits, step.logits, output=True)
-        templates = names.present(g.quantized)
-        if self.manifest.in_place:
-            outputs = past
-        else:  # scratch for the new token's K/V [batch, kvh, 1, d or groups], per layer
-            layers = [[spec for spec in present if spec.layer == i] for i in range(g.num_layers)]
-            outputs = step.present = [
-                tuple(np.zeros(spec.shape(batch, 1), spec.dtype) for spec in specs) for specs in layers
-            ]
-        self._bind_layers(binding, templates, outputs, output=True)
-        return step
 
-    def _bind_inputs(self, binding, inputs: list[tuple[str, np.ndarray]], past, by_pointer=False) -> None:
-        for name, array in inputs:
-            if by_pointer:  # the caller keeps `array` alive and rewrites it before each run
-                _bind_array(binding, name, array, output=False)
+    def _step_buffer(self, bound: Bound) -> np.ndarray:
+        """A zeroed buffer for `bound`, where its device reads it: mapped pinned memory on cuda."""
+        if bound.device == "cuda":
+            return self.host.empty(bound.shape, bound.dtype)
+        return np.zeros(bound.shape, bound.dtype)
+
+    def _drop_decode_bindings(self) -> None:
+        for step in self._decode_bindings.values():
+            if self.host is not None:
+                for array in step.owned:
+                    self.host.release(array)
+        self._decode_bindings.clear()
+
+    def _pool_arrays(self, past: list[tuple[np.ndarray, ...]]) -> dict[str, np.ndarray]:
+        """name -> pool view of every past input and, in place, every present output."""
+        names, quantized = self.manifest.names, self.manifest.geometry.quantized
+        templates = [names.past(quantized)] + ([names.present(quantized)] if self.manifest.in_place else [])
+        return {
+            names.layer(template, i): view
+            for per_layer in templates
+            for i, views in enumerate(past)
+            for template, view in zip(per_layer, views, strict=True)
+        }
+
+    def _bind(self, binding: ort.IOBinding, bound: Bound, array: np.ndarray) -> None:
+        """Bind `array` by pointer as `bound` says: its host address on the CPU, its device
+        address on cuda. The caller keeps `array` alive while the binding is used."""
+        if not array.flags.c_contiguous or array.shape != bound.shape or array.dtype != bound.dtype:
+            raise KvedgeError(
+                f"{bound.name}: buffer {list(array.shape)} {array.dtype} (contiguous: "
+                f"{array.flags.c_contiguous}) cannot be bound in place as {list(bound.shape)} {bound.dtype}"
+            )
+        address = array.ctypes.data if bound.device == "cpu" else self.host.device_address(array)
+        bind = binding.bind_output if bound.output else binding.bind_input
+        bind(bound.name, bound.device, 0, array.dtype, list(array.shape), address)
+
+    def _bind_call(
+        self,
+        binding: ort.IOBinding,
+        plan: tuple[Bound, ...],
+        arrays: dict[str, np.ndarray],
+    ) -> None:
+        """Bind a prefill call: pool views and the arrays in `arrays` by pointer, per-call inputs
+        as copies onnxruntime owns, and per-call outputs missing from `arrays` to buffers
+        onnxruntime allocates on the CPU (read with `copy_outputs_to_cpu`, in plan order)."""
+        for bound in plan:
+            array = arrays.get(bound.name)
+            if bound.buffer == CALL and not bound.output:
+                binding.bind_cpu_input(bound.name, np.ascontiguousarray(array, bound.dtype))
+            elif array is None:
+                binding.bind_output(bound.name, bound.device)
             else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        self._bind_layers(
-            binding, self.manifest.names.past(self.manifest.geometry.quantized), past, output=False
-        )
-
-    def _bind_layers(self, binding, templates, per_layer: list[tuple[np.ndarray, ...]], output: bool) -> None:
-        """Bind each layer's arrays by pointer to that layer's names (`templates`, in order)."""
-        names = self.manifest.names
-        for i, arrays in enumerate(per_layer):
-            for template, array in zip(templates, arrays, strict=True):
-                _bind_array(binding, names.layer(template, i), array, output=output)
+                self._bind(binding, bound, array)
 
     def _select_last(self, logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
         """[batch, 1 or seq, vocab] -> [batch, vocab] at each row's last real token (a copy)."""
@@ -292,11 +465,12 @@ class OrtBackend:
         return logits[:, 0].copy()
 
     def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
+        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape)
+        arrays = dict(self._step_inputs(input_ids, position_ids, past_lengths, last_index))
+        arrays.update(self._pool_arrays(past))
         binding = self.session.io_binding()
-        self._bind_inputs(binding, self._step_inputs(input_ids, position_ids, past_lengths, last_index), past)
-        for spec in self._outputs:  # logits, then each layer's present tensors
-            binding.bind_output(spec.name)
-        self.session.run_with_iobinding(binding)
+        self._bind_call(binding, plan, arrays)  # logits, then each layer's present tensors: per call
+        self.session.run_with_iobinding(binding, self._prefill_options)
         outs = binding.copy_outputs_to_cpu()
         n = len(self.manifest.names.present(self.manifest.geometry.quantized))
         present = [tuple(outs[1 + n * i : 1 + n * (i + 1)]) for i in range(len(past))]
@@ -305,13 +479,20 @@ class OrtBackend:
     def _prefill_in_place(self, input_ids, past_lengths, last_index, past) -> np.ndarray:
         """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
         names = self.manifest.names
+        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape)
+        arrays = dict(self._step_inputs(input_ids, None, past_lengths, last_index))
+        arrays.update(self._pool_arrays(past))
+        logits = arrays[names.logits] = np.empty(self._outputs[0].shape(*input_ids.shape), np.float32)
         binding = self.session.io_binding()
-        self._bind_inputs(binding, self._step_inputs(input_ids, None, past_lengths, last_index), past)
-        logits = np.empty(self._outputs[0].shape(*input_ids.shape), np.float32)  # [batch, 1 or seq, vocab]
-        _bind_array(binding, names.logits, logits, output=True)
-        self._bind_layers(binding, names.present(self.manifest.geometry.quantized), past, output=True)
-        self.session.run_with_iobinding(binding)
-        return self._select_last(logits, last_index)
+        self._bind_call(binding, plan, arrays)
+        self.session.run_with_iobinding(binding, self._prefill_options)
+        return self._select_last(logits, last_index)  # [batch, 1 or seq, vocab] -> [batch, vocab]
+
+    def close(self) -> None:
+        """Give back the mapped memory (cuda); the backend is unusable afterwards."""
+        self._decode_bindings.clear()
+        if self.host is not None:
+            self.host.close()
 
 
 @dataclass
@@ -322,10 +503,19 @@ class _DecodeBinding:
     input_ids: np.ndarray  # [batch, 1] int64
     position_ids: np.ndarray  # [batch, 1] int64 (bound where the graph takes positions)
     past_lengths: np.ndarray  # [batch] int64
-    last_index: np.ndarray  # [batch] int64, zeros: one token per row
     logits: np.ndarray  # [batch, 1, vocab] float32
     present: list[tuple[np.ndarray, ...]] | None  # portable: per layer [batch, kvh, 1, d or groups]
     past: list[tuple[np.ndarray, ...]]  # the bound pool views, kept alive with the binding
+    owned: list[np.ndarray]  # the step buffers made for this binding (plan's STEP entries)
+    plan: tuple[Bound, ...]  # what is bound where, `binding_plan`
+    run_options: ort.RunOptions | None  # cuda_graph: this binding's gpu_graph_id
+
+
+def _run_options(graph_id: int) -> ort.RunOptions:
+    """Run options selecting CUDA graph `graph_id` (-1: run without capture or replay)."""
+    options = ort.RunOptions()
+    options.add_run_config_entry(CUDA_GRAPH_ID, str(graph_id))
+    return options
 
 
 # onnxruntime's element type names -> numpy dtypes, for checking a session against the manifest
@@ -348,10 +538,3 @@ def _dims_agree(dims: tuple, graph_shape: list) -> bool:
         graph == dim if isinstance(dim, int) else not isinstance(graph, int)
         for dim, graph in zip(dims, graph_shape, strict=True)
     )
-
-
-def _bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool) -> None:
-    if not array.flags.c_contiguous:
-        raise KvedgeError(f"{name}: buffer is not contiguous and cannot be bound in place")
-    bind = binding.bind_output if output else binding.bind_input
-    bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)

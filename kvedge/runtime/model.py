@@ -44,7 +44,8 @@ class Model:
     """An exported model on `device` (`DEVICES`: onnxruntime CPU or CUDA, or a TensorRT engine)
     with its tokenizer, a preallocated cache of `slots` sequences, one
     `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at start-up, and
-    optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`)."""
+    optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`).
+    `cuda_graph`: capture the decode step as a CUDA graph (cuda only, `kvedge.runtime.backend`)."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class Model:
         warm_dir: str | Path | None = None,
         verify: bool = True,
         prefix_cache_bytes: int = 0,
+        cuda_graph: bool = False,
     ) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
@@ -74,7 +76,12 @@ class Model:
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.device = device
         self.backend: Backend = open_backend(
-            self.folder, self.manifest, device, threads=threads, max_decode_bindings=ranges
+            self.folder,
+            self.manifest,
+            device,
+            threads=threads,
+            max_decode_bindings=ranges,
+            cuda_graph=cuda_graph,
         )
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(

@@ -25,8 +25,6 @@ decode step.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ from kvedge.contract import Manifest, TensorSpec
 from kvedge.contract.engine import ENGINE_FILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import StepOutput
-from kvedge.runtime.cuda import cuda_call, current_device, import_cudart, import_tensorrt
+from kvedge.runtime.cuda import MappedHost, cuda_call, current_device, import_cudart, import_tensorrt
 
 
 class TrtBackend:
@@ -48,13 +46,7 @@ class TrtBackend:
         self.engine_manifest = EngineManifest.load(folder)
         self.engine_manifest.check_model(manifest)
         self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart), "tensorrt")
-        if not self._call(
-            self.cudart.cudaDeviceGetAttribute(
-                self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
-            ),
-            "cudaDeviceGetAttribute(HostRegisterSupported)",
-        ):
-            raise KvedgeError("this GPU cannot map host memory (cudaHostRegister); TrtBackend needs it")
+        self.host = MappedHost(self.cudart)  # the pool, mapped in place, and the step buffers
 
         self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine((Path(folder) / ENGINE_FILE).read_bytes())
@@ -66,49 +58,24 @@ class TrtBackend:
 
         b, p = self.engine_manifest.max_batch, self.engine_manifest.max_prefill
         self.max_batch, self.max_prefill = b, p
-        self._pinned: list[int] = []  # cudaHostAlloc'd pointers, freed in close()
-        self._registered: dict[int, int] = {}  # page-aligned host address -> device address
         self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
         # per-call inputs and every output get a buffer for the largest call; past K/V are the pool
         self.step_inputs = [spec for spec in manifest.graph_inputs() if spec.layer is None]
         self.outputs = manifest.graph_outputs()  # logits, then each layer's present K, V
         for spec in self.step_inputs + list(self.outputs):
             dtype = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(spec.name)))
-            self.buffers[spec.name] = self._mapped(int(np.prod(spec.shape(b, p))), dtype)
+            flat = self.host.empty((int(np.prod(spec.shape(b, p))),), dtype)
+            self.buffers[spec.name] = flat, self.host.device_address(flat)
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
-
-    def _mapped(self, count: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
-        nbytes = count * dtype.itemsize
-        host = self._call(self.cudart.cudaHostAlloc(nbytes, self.cudart.cudaHostAllocMapped), "cudaHostAlloc")
-        self._pinned.append(host)
-        device = self._call(self.cudart.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer")
-        array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host)).view(dtype)
-        return array, int(device)
-
-    def _device_address(self, view: np.ndarray) -> int:
-        """Device address of a view into a host array, page-locking the array's pages once."""
-        root = view
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        start = root.ctypes.data & ~(mmap.PAGESIZE - 1)
-        if start not in self._registered:
-            end = -(-(root.ctypes.data + root.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
-            flags = self.cudart.cudaHostRegisterMapped
-            self._call(
-                self.cudart.cudaHostRegister(start, end - start, flags), "cudaHostRegister(cache pool)"
-            )
-            device = self._call(self.cudart.cudaHostGetDevicePointer(start, 0), "cudaHostGetDevicePointer")
-            self._registered[start] = int(device)
-        return self._registered[start] + (view.ctypes.data - start)
 
     def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
         """Page-lock the cache pool now rather than at the first step; every other buffer was
         allocated at construction for the largest profile, so nothing grows later."""
         for views in past:
             for view in views:
-                self._device_address(view)
+                self.host.device_address(view)
 
     def run(
         self,
@@ -147,7 +114,7 @@ class TrtBackend:
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 name = names.layer(template, i)
                 self.context.set_input_shape(name, view.shape)
-                self.context.set_tensor_address(name, self._device_address(view))
+                self.context.set_tensor_address(name, self.host.device_address(view))
         for spec in self.outputs:
             self.context.set_tensor_address(spec.name, self.buffers[spec.name][1])
 
@@ -167,9 +134,4 @@ class TrtBackend:
 
     def close(self) -> None:
         """Give back pinned and registered memory; the backend is unusable afterwards."""
-        for start in self._registered:
-            self.cudart.cudaHostUnregister(start)
-        for host in self._pinned:
-            self.cudart.cudaFreeHost(host)
-        self._registered.clear()
-        self._pinned.clear()
+        self.host.close()
