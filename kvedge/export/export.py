@@ -17,6 +17,7 @@ from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
     MANIFEST_FILE,
     ONNX_FILE,
+    RING_MARGIN,
     TOKENIZER_FILE,
     CacheGeometry,
     IONames,
@@ -31,6 +32,7 @@ from kvedge.export.graph import (
     GraphOptions,
     build_decoder_graph,
     check_kv_dtype,
+    check_ring,
     rope_tables,
     rotary_frequencies,
 )
@@ -88,9 +90,19 @@ def export_model(
         options.kv_dtype, options.kv_group_size or None
     )
     spec = DecoderSpec.from_config(config)
+    check_ring(geometry, options.variant)
     rotary = model.model.rotary_emb
-    # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
-    inv_freq, attention_scaling = rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0))
+    ring_tables = None
+    if geometry.ring_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
+        local = rotary.sliding_attention_inv_freq.numpy()
+        local_scaling = float(rotary.sliding_attention_attention_scaling)
+        ring_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
+        inv_freq = rotary.full_attention_inv_freq.numpy()
+        attention_scaling = float(rotary.full_attention_attention_scaling)
+    else:
+        # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
+        inv_freq = rotary.inv_freq.numpy()
+        attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
     if 2 * inv_freq.size != spec.rotary_dim:
         raise KvedgeError(
             f"the model rotates {2 * inv_freq.size} channels per head but its config says "
@@ -109,7 +121,16 @@ def export_model(
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
-            spec, geometry, weights, cos, sin, names, graph_options, progress=bar.update, outliers=outliers
+            spec,
+            geometry,
+            weights,
+            cos,
+            sin,
+            names,
+            graph_options,
+            progress=bar.update,
+            outliers=outliers,
+            ring_tables=ring_tables,
         )
     del weights, model
     quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
@@ -183,8 +204,28 @@ def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: Grap
 
 
 def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
+    """The cache a config needs at `max_len`: Gemma 3's sliding-window layers ("sliding_attention"
+    in `layer_types`) get a ring of window + RING_MARGIN slots; another family's sliding window is
+    refused past its width."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if config.model_type == "gemma3_text":
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise KvedgeError(
+                f"layer types {unknown} are not supported; allowed: sliding_attention, full_attention"
+            )
+        ring = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        return CacheGeometry(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            max_len=max_len,
+            ring_layers=ring,
+            window=int(window) if ring else 0,
+            ring_margin=RING_MARGIN if ring else 0,
+        )
     if window and getattr(config, "use_sliding_window", True) and max_len > window:
         raise KvedgeError(
             f"--max-len {max_len} exceeds the model's sliding window ({window}), which the graph "
@@ -207,6 +248,8 @@ def rope_from_config(
 ) -> RopeSpec:
     """What the baked tables mean. `inv_freq` [head_dim/2] as `rotary_frequencies` widens it."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if "full_attention" in params:  # Gemma 3: per layer type; the full layers' RoPE is recorded
+        params = dict(params["full_attention"])
     theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
