@@ -32,10 +32,8 @@ FAMILIES = {
     "qwen3": {},  # Q/K norm per head, head_dim != hidden / heads
     "phi3": {},  # fused projections, partial rotary, LongRoPE (tests/tiny.py)
     "smollm3": {},  # a layer without RoPE
-    "gemma3": {},  # sliding-window layers on a ring cache, sandwich norms, GELU (tests/tiny.py)
+    "gemma3": {},  # sliding-window layers (portable: a ring cache), sandwich norms, GELU (tests/tiny.py)
 }
-# Families a variant refuses by name (tested there): the ort variant has no ring-buffer layers.
-REFUSED = {("gemma3", "ort")}
 MAX_LEN = 128
 
 
@@ -61,12 +59,7 @@ VARIANTS = ("portable", "ort")
 
 @pytest.fixture(
     scope="session",
-    params=[
-        (family, variant)
-        for family in sorted(FAMILIES)
-        for variant in VARIANTS
-        if (family, variant) not in REFUSED
-    ],
+    params=[(family, variant) for family in sorted(FAMILIES) for variant in VARIANTS],
     ids=lambda param: "-".join(param),
 )
 def tiny(request, tmp_path_factory) -> Exported:

@@ -209,9 +209,27 @@ def test_pool_bytes_are_what_the_geometry_and_the_planner_count(gemma, kv_dtype)
     assert KVCache(full, 3).nbytes == full.pool_bytes(3) > model.cache.nbytes
 
 
+def test_ort_variant_windows_a_full_length_cache(gemma, hf, tmp_path):
+    """GroupQueryAttention has no ring: the ort variant keeps every layer at max_len and gives
+    the local layers local_window_size and their own RoPE tables (not the memory saving)."""
+    export_model(gemma[0], tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
+    model = Model(tmp_path / "ort")
+    g = model.manifest.geometry
+    assert g.ring_layers == () and model.cache.nbytes == g.pool_bytes(1)
+    assert model.manifest.rope.local_layers == (0, 2)
+    ids = random_ids(200, seed=7)
+    got = [prefill(model.backend, model.cache, 0, [ids[:100]])[0]]
+    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[100:]]
+    np.testing.assert_allclose(np.stack(got)[:-1], hf_logits(hf, ids)[99:-1], atol=ATOL, rtol=0)
+    with pytest.raises(
+        KvedgeError, match="--variant ort with --kv-dtype int8 does not support sliding-window"
+    ):
+        export_model(
+            gemma[0], tmp_path / "ort8", ExportOptions(max_len=MAX_LEN, variant="ort", kv_dtype="int8")
+        )
+
+
 def test_features_without_ring_support_are_refused_by_name(gemma, tmp_path):
-    with pytest.raises(KvedgeError, match="--variant 'ort' does not support sliding-window ring layers"):
-        export_model(gemma[0], tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
     with pytest.raises(KvedgeError, match="history_policy 'window'.*not supported for this model's"):
         Model(gemma[1], policy=HistoryPolicy(mode="window"))
     with pytest.raises(KvedgeError, match="prefix_cache_bytes > 0"):

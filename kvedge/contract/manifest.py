@@ -339,12 +339,17 @@ class RopeSpec:
     inv_freq: tuple[float, ...] = ()
     attention_scaling: float = 1.0
     unrotated_layers: tuple[int, ...] = ()
+    # Gemma 3: the sliding-window layers' RoPE has its own base; `inv_freq` is the other layers'
+    local_layers: tuple[int, ...] = ()
+    local_inv_freq: tuple[float, ...] = ()
 
     def key_frequencies(self, num_layers: int) -> np.ndarray:
         """Frequencies each layer's cached keys were rotated with: [layers, 1, 1, head_dim/2]
         float64, broadcasting over (kv_heads, tokens) of the cache; rows of unrotated layers are 0
-        (a rotation by angle 0 is the identity, exactly)."""
+        (a rotation by angle 0 is the identity, exactly), rows of local layers `local_inv_freq`."""
         freqs = np.tile(np.asarray(self.inv_freq, np.float64), (num_layers, 1))
+        if self.local_layers:
+            freqs[list(self.local_layers)] = np.asarray(self.local_inv_freq, np.float64)
         freqs[list(self.unrotated_layers)] = 0.0
         return freqs[:, None, None, :]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ from kvedge.export.graph import (
     build_decoder_graph,
     check_kv_dtype,
     check_ring,
+    local_layers,
     rope_tables,
     rotary_frequencies,
 )
@@ -86,17 +88,17 @@ def export_model(
     source = resolve_source(source_path)
     model, tokenizer = loaded or load_hf(source)
     config = model.config
-    geometry = geometry_from_config(config, options.max_len).with_dtype(
+    geometry = geometry_from_config(config, options.max_len, options.variant).with_dtype(
         options.kv_dtype, options.kv_group_size or None
     )
     spec = DecoderSpec.from_config(config)
     check_ring(geometry, options.variant)
     rotary = model.model.rotary_emb
-    ring_tables = None
-    if geometry.ring_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
+    local_tables, local = None, None
+    if spec.local_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
         local = rotary.sliding_attention_inv_freq.numpy()
         local_scaling = float(rotary.sliding_attention_attention_scaling)
-        ring_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
+        local_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
         inv_freq = rotary.full_attention_inv_freq.numpy()
         attention_scaling = float(rotary.full_attention_attention_scaling)
     else:
@@ -110,6 +112,10 @@ def export_model(
         )
     frequencies = rotary_frequencies(inv_freq, spec.head_dim)
     rope = rope_from_config(config, frequencies, attention_scaling, options.max_len, spec.unrotated_layers)
+    if local is not None:
+        rope = dataclasses.replace(
+            rope, local_layers=spec.local_layers, local_inv_freq=tuple(float(f) for f in local)
+        )
     cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     names = IONames()
@@ -130,7 +136,7 @@ def export_model(
             graph_options,
             progress=bar.update,
             outliers=outliers,
-            ring_tables=ring_tables,
+            local_tables=local_tables,
         )
     del weights, model
     quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
@@ -203,20 +209,14 @@ def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: Grap
         )
 
 
-def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
-    """The cache a config needs at `max_len`: Gemma 3's sliding-window layers ("sliding_attention"
-    in `layer_types`) get a ring of window + RING_MARGIN slots; another family's sliding window is
-    refused past its width."""
+def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -> CacheGeometry:
+    """The cache a config needs at `max_len`: Gemma 3's sliding-window layers get a ring of
+    window + RING_MARGIN slots in the portable variant, a full-length cache with a windowed
+    attention in the ort variant; another family's sliding window is refused past its width."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
     if config.model_type == "gemma3_text":
-        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-        if unknown:
-            raise KvedgeError(
-                f"layer types {unknown} are not supported; allowed: sliding_attention, full_attention"
-            )
-        ring = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        ring = local_layers(config) if variant == "portable" else ()
         return CacheGeometry(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,

@@ -125,6 +125,8 @@ class DecoderSpec:
     # the residual add (post_attention_layernorm / post_feedforward_layernorm; the MLP's input
     # norm is pre_feedforward_layernorm)
     gemma_norms: bool = False
+    local_layers: tuple[int, ...] = ()  # sliding-window layers (Gemma 3's "sliding_attention")
+    window: int = 0  # keys a sliding-window layer's query sees, itself included
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
@@ -163,6 +165,8 @@ class DecoderSpec:
             # HF: torch.tensor(hidden_size**0.5), float32, times the float32 embedding
             embed_scale=float(np.float32(config.hidden_size**0.5)) if gemma else 1.0,
             gemma_norms=gemma,
+            local_layers=local_layers(config),
+            window=int(config.sliding_window) if local_layers(config) else 0,
         )
 
     @property
@@ -204,6 +208,20 @@ def check_kv_dtype(kv_dtype: str) -> None:
     """Refuse a cache dtype the graph cannot be built with, naming the allowed ones."""
     if kv_dtype not in EXPORTED_KV_DTYPES:
         raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
+
+
+def local_layers(config: Any) -> tuple[int, ...]:
+    """Gemma 3's sliding-window layers ("sliding_attention" in `layer_types`); () for other families,
+    whose sliding window (Mistral) is refused past its width instead (`geometry_from_config`)."""
+    if config.model_type != "gemma3_text":
+        return ()
+    kinds = list(config.layer_types)
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise KvedgeError(
+            f"layer types {unknown} are not supported; allowed: sliding_attention, full_attention"
+        )
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
 
 
 def check_ring(geometry: CacheGeometry, variant: str) -> None:
@@ -355,19 +373,29 @@ def build_decoder_graph(
     options: GraphOptions | None = None,
     progress: Callable[[int], None] | None = None,
     outliers: dict[str, np.ndarray] | None = None,
-    ring_tables: tuple[np.ndarray, np.ndarray] | None = None,
+    local_tables: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts;
     `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
-    quantized matmuls; `ring_tables` (cos, sin [max_len, d/2]) rotate the geometry's ring layers
-    (Gemma 3's local layers, their own RoPE base), `cos`/`sin` every other layer."""
+    quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
+    (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer."""
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
     check_ring(geometry, options.variant)
-    if geometry.ring_layers and ring_tables is None:
-        raise KvedgeError("a geometry with ring layers needs their RoPE tables (ring_tables)")
+    if spec.local_layers and local_tables is None:
+        raise KvedgeError("sliding-window layers need their RoPE tables (local_tables)")
+    if spec.local_layers and geometry.ring_layers not in ((), spec.local_layers):
+        raise KvedgeError(
+            f"ring layers {list(geometry.ring_layers)} are not the model's sliding-window layers "
+            f"{list(spec.local_layers)}"
+        )
+    if spec.local_layers and geometry.quantized and options.variant == "ort":
+        raise KvedgeError(
+            "--variant ort with --kv-dtype int8 does not support sliding-window layers (Gemma 3): "
+            "kvedge's INT8 attention kernel has no window; use --variant portable"
+        )
     prepared = _prepare_weights(spec, geometry, weights)
-    decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {}, ring_tables)
+    decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {}, local_tables)
     hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
     for i in range(geometry.num_layers):
         hidden, delta = decoder.layer(i, hidden, delta)
@@ -462,10 +490,10 @@ class _Decoder:
         names: IONames,
         options: GraphOptions,
         outliers: dict[str, np.ndarray],
-        ring_tables: tuple[np.ndarray, np.ndarray] | None = None,
+        local_tables: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
-        self.ring_layers = geometry.ring_layers
+
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         self.g = g = _Builder(options.opset)
@@ -474,7 +502,7 @@ class _Decoder:
         batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
         self.b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
         self.s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
-        self.attention = self._attention(geometry, cos, sin, ring_tables)
+        self.attention = self._attention(geometry, cos, sin, local_tables)
         self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
         if spec.activation == "gelu_pytorch_tanh":
             consts = {"cubic": 0.044715, "root": math.sqrt(2.0 / math.pi), "half": 0.5, "one": 1.0}
@@ -485,19 +513,20 @@ class _Decoder:
             self.per_head = g.ints(0, 0, -1, d)
             self.merged_heads = g.ints(0, 0, -1)
 
-    def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray, ring_tables=None):
-        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]."""
+    def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray, local_tables=None):
+        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]; the
+        sliding-window layers read a ring (portable) or attend through a local window over a full
+        length cache (ort), rotated with `local_tables`."""
         g = self.g
-        if geometry.ring_layers:  # portable only (`check_ring`)
-            cos_ring, sin_ring = ring_tables
-            ring = _RingSpec(
-                geometry.ring_len,
-                geometry.window,
-                g.const("rope.ring_cos", cos_ring),
-                g.const("rope.ring_sin", sin_ring),
+        ring, local = None, {}
+        if self.spec.local_layers:
+            local = dict(
+                local_cos=g.const("rope.local_cos", local_tables[0]),
+                local_sin=g.const("rope.local_sin", local_tables[1]),
+                window=self.spec.window,
             )
-        else:
-            ring = None
+        if geometry.ring_layers:  # portable only (`check_ring`)
+            ring = _RingSpec(geometry.ring_len, geometry.window, local["local_cos"], local["local_sin"])
         tables = dict(cos_table=g.const("rope.cos", cos), sin_table=g.const("rope.sin", sin))
         ctx = dict(
             g=g,
@@ -514,7 +543,7 @@ class _Decoder:
             )
         if geometry.quantized:
             return _Int8CacheAttention(**ctx, **tables)
-        return _GroupQueryAttention(**ctx, **tables)
+        return _GroupQueryAttention(**ctx, **tables, **local)
 
     def w(self, name: str) -> np.ndarray:
         return self.weights[name].astype(np.float32)
@@ -589,8 +618,8 @@ class _Decoder:
         )  # [b, s, (h+2kvh)d]
         if self.spec.qk_norm:
             qkv = self.qk_norm(qkv, f"{p}.self_attn")
-        if i in self.ring_layers:
-            attn = self.attention.layer(i, qkv, ring=True)  # [b, s, heads*d]
+        if i in self.spec.local_layers:
+            attn = self.attention.layer(i, qkv, local=True)  # [b, s, heads*d]
         else:
             attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
@@ -918,13 +947,13 @@ class _PortableAttention:
             else None,
         )
 
-    def rope(self, x: str, name: str, rotate: bool = True, ring: bool = False) -> str:
+    def rope(self, x: str, name: str, rotate: bool = True, local: bool = False) -> str:
         """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention), with the
         ring layers' own tables where `ring`."""
         g = self.g
         if not rotate:  # a layer without RoPE: x itself, under the name the caller wants
             return g.op("Identity", [x], name)
-        cos4, sin4 = (self.ring.cos4, self.ring.sin4) if ring else (self.cos4, self.sin4)
+        cos4, sin4 = (self.ring.cos4, self.ring.sin4) if local else (self.cos4, self.sin4)
         x1, x2 = g.op("Split", [x, self.half_split], f"{name}.halves", outputs=2, axis=-1)
         r1 = g.op(
             "Sub",
@@ -938,10 +967,10 @@ class _PortableAttention:
         )
         return g.op("Concat", [r1, r2], name, axis=-1)
 
-    def layer(self, i: int, qkv: str, rotate: bool = True, ring: bool = False) -> str:
-        """Layer i's attention; a ring layer (`ring`) reads its ring through the ring mask."""
+    def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
+        """Layer i's attention; a sliding-window layer (`local`) reads its ring through the ring mask."""
         g, names, p = self.g, self.names, f"model.layers.{i}"
-        inputs = self.ring if ring else self
+        inputs = self.ring if local else self
         q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
         q = g.op(
             "Transpose",
@@ -963,10 +992,10 @@ class _PortableAttention:
             perm=[0, 2, 1, 3],
         )
         q = g.op(
-            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate, ring), self.grouped], f"{p}.attn.q_grouped"
+            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate, local), self.grouped], f"{p}.attn.q_grouped"
         )  # [b, kvh, g*s, d]
         k = self.rope(
-            k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate, ring
+            k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate, local
         )  # [b, kvh, s, d]
         past = [names.layer(t, i) for t in names.past(codec is not None)]
         if codec:  # the new tokens attend over exactly what the cache will hold
@@ -1168,9 +1197,25 @@ class _Int8Codec:
 class _GroupQueryAttention:
     """onnxruntime's GroupQueryAttention, past and present sharing one buffer (module docstring)."""
 
-    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
+    def __init__(
+        self,
+        g,
+        heads,
+        kv_heads,
+        d,
+        length,
+        names,
+        s_dim,
+        cos_table,
+        sin_table,
+        local_cos=None,
+        local_sin=None,
+        window=0,
+    ) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
         self.cos_table, self.sin_table = cos_table, sin_table
+        # sliding-window layers (Gemma 3): their own tables, and a window over the full cache
+        self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
         s_minus_1 = g.op("Sub", [s_dim, g.ints(1)], "gqa.s_minus_1")
         seqlens = g.op("Add", [names.past_lengths, s_minus_1], "gqa.seqlens_i64")  # [b]
         self.seqlens = g.op("Cast", [seqlens], "gqa.seqlens_k", to=TensorProto.INT32)
@@ -1178,9 +1223,14 @@ class _GroupQueryAttention:
         total = g.op("Add", [longest, g.op("Squeeze", [s_dim], "gqa.s_scalar")], "gqa.total_i64")
         self.total = g.op("Cast", [total], "gqa.total_sequence_length", to=TensorProto.INT32)  # scalar
 
-    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
+        """Layer i; a sliding-window layer (`local`) attends to the key at its own position and
+        the window - 1 before it: local_window_size = window (onnxruntime 1.32 CPU, checked
+        against transformers in tests/test_gemma3.py; window - 1 differs by ~2 in the logits)."""
         g, names = self.g, self.names
         tables = [self.cos_table, self.sin_table] if rotate else []
+        if local:
+            tables = [self.local_cos, self.local_sin]
         return g.op(
             "GroupQueryAttention",
             [
@@ -1205,6 +1255,7 @@ class _GroupQueryAttention:
             scale=1.0,  # folded into Wq
             do_rotary=int(rotate),
             rotary_interleaved=0,
+            local_window_size=self.window if local else -1,
         )[0]
 
 
