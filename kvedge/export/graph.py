@@ -64,7 +64,12 @@ implementations above serve them all: Qwen3's per-head Q/K RMSNorm is applied to
 ahead of every variant's RoPE; Phi-3's fused projections are split and its partial rotary becomes
 full rotary over a permuted head (`rotary_frequencies`); SmolLM3's layers without RoPE skip the
 rotation (portable), run GroupQueryAttention with do_rotary=0, or give the INT8 kernel tables of
-angle 0.
+angle 0. Gemma 3's (1 + w) norms are folded into the weights, its extra norms and GELU-tanh are
+ops around attention; its sliding-window layers are where attention differs: the portable graph
+reads them from ring-buffer caches of window + margin slots through a mask derived from the valid
+length (`_PortableAttention._ring`, docs/ARCHITECTURE.md "Ring-buffer layers"), the ort graph
+keeps them full length with GroupQueryAttention's local_window_size; both with their own RoPE
+tables. The INT8 kernel has no window, so ort + INT8 refuses them.
 """
 
 from __future__ import annotations
@@ -493,7 +498,6 @@ class _Decoder:
         local_tables: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
-
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         self.g = g = _Builder(options.opset)

@@ -83,13 +83,13 @@ class KVCache:
             if ring and geometry.quantized
             else None
         )
-        # each layer's (arrays in `IONames.past` order's K/V-then-scales grouping, index in them)
+        # where each layer lives: (its arrays, KV then scales; its index in them; is it a ring)
         full = (self.pool,) if self.scales is None else (self.pool, self.scales)
         rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
         self._homes = [
-            (rings, geometry.ring_layers.index(i))
+            (rings, geometry.ring_layers.index(i), True)
             if i in geometry.ring_layers
-            else (full, geometry.full_layers.index(i))
+            else (full, geometry.full_layers.index(i), False)
             for i in range(geometry.num_layers)
         ]
         self.tokens = np.full((slots, geometry.max_len), 0, np.int64)
@@ -136,7 +136,7 @@ class KVCache:
             raise KvedgeError(f"slots {first}..{end - 1} are outside the pool of {self.slots}")
         views = [
             tuple(a[index, kind, first:end] for a in arrays for kind in (0, 1))
-            for arrays, index in self._homes
+            for arrays, index, _ in self._homes
         ]
         self._views[(first, count)] = views
         return views
@@ -165,17 +165,17 @@ class KVCache:
                 continue
             self.check_room(slot, count)
             start = self.length(slot)
-            kept = None
+            # (cache columns, columns of the new tokens) a full layer and a ring layer write
+            columns = {False: (slice(start, start + count), slice(0, count))}
             if ring_len:
-                kept = np.arange(max(start, start + count - ring_len), start + count)
+                kept = np.arange(max(start, start + count - ring_len), start + count)  # positions
+                columns[True] = (kept % ring_len, kept - start)
                 self.ring_start[slot] = max(self.ring_start[slot], start + count - ring_len)
-            for (arrays, index), outputs in zip(self._homes, present, strict=True):
+            for (arrays, index, ring), outputs in zip(self._homes, present, strict=True):
+                to, source = columns[ring]
                 targets = [(a, kind) for a in arrays for kind in (0, 1)]
                 for (array, kind), new in zip(targets, outputs, strict=True):
-                    if array is self.ring or array is self.ring_scales:
-                        array[index, kind, slot, :, kept % ring_len] = new[row, :, kept - start]
-                    else:
-                        array[index, kind, slot, :, start : start + count] = new[row, :, :count]
+                    array[index, kind, slot, :, to] = new[row, :, source]
         self.commit(slots, tokens, counts)
 
     def commit(
