@@ -51,7 +51,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-from kvedge.contract import PREFILL_CHUNK, CacheGeometry
+from kvedge.contract import PREFILL_CHUNK, RING_MARGIN, CacheGeometry
 from kvedge.errors import KvedgeError
 from kvedge.export.source import SUPPORTED_MODEL_TYPES
 from kvedge.runtime.tokenizer import ROLES
@@ -262,6 +262,11 @@ class Architecture(Strict):
     attention_bias: bool
     max_position_embeddings: Count
     param_count: Count
+    # Gemma 3: local layers attend over the last `sliding_window` tokens and hold a ring cache;
+    # every `sliding_window_pattern`-th layer is global (HF's rule: layer i is local unless
+    # (i + 1) % pattern == 0)
+    sliding_window: Count | None = None
+    sliding_window_pattern: Count | None = None
 
 
 class ExportSettings(Strict):
@@ -289,12 +294,19 @@ class ModelRecipe(RecipeFile, frozen=True):
     path: Path  # the file it was loaded from
 
     def geometry(self, max_len: int | None = None, kv_dtype: str | None = None) -> CacheGeometry:
+        """The cache `kvedge export` makes for this recipe (ring layers as `geometry_from_config`)."""
         a = self.architecture
+        ring: tuple[int, ...] = ()
+        if a.sliding_window and a.sliding_window_pattern:
+            ring = tuple(i for i in range(a.num_layers) if (i + 1) % a.sliding_window_pattern)
         return CacheGeometry(
             num_layers=a.num_layers,
             num_kv_heads=a.num_kv_heads,
             head_dim=a.head_dim,
             max_len=max_len or self.export.max_len,
+            ring_layers=ring,
+            window=a.sliding_window if ring else 0,
+            ring_margin=RING_MARGIN if ring else 0,
         ).with_dtype(kv_dtype or self.export.kv_dtype)
 
 

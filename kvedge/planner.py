@@ -348,6 +348,15 @@ def render(plan: Plan) -> str:
         "",
         "total GiB by context (rows) and slots (columns); '-' does not fit",
     ]
+    g = m.geometry.with_dtype(plan.kv_dtype)
+    if g.ring_layers:  # the per-token figure above counts every layer; ring layers stop at ring_len
+        full = dataclasses.replace(g, ring_layers=(), window=0, ring_margin=0)
+        lines[4:4] = [
+            f"ring layers  {len(g.ring_layers)} of {g.num_layers} hold the last {g.ring_len} tokens "
+            f"(window {g.window} + {g.ring_margin}): a {g.max_len}-token slot is "
+            f"{human(g.bytes_per_slot())}, {g.bytes_per_slot() / full.bytes_per_slot():.3f} x "
+            f"{human(full.bytes_per_slot())} at full length"
+        ]
     lines.append(f"{'context':>8} " + "".join(f"{s:>8}" for s in plan.slots))
     for context, row in zip(plan.contexts, plan.cells, strict=True):
         cells = "".join(f"{c.total / GiB:>8.2f}" if plan.fits(c) else f"{'-':>8}" for c in row)

@@ -32,6 +32,7 @@ FAMILIES = {
     "qwen3": {},  # Q/K norm per head, head_dim != hidden / heads
     "phi3": {},  # fused projections, partial rotary, LongRoPE (tests/tiny.py)
     "smollm3": {},  # a layer without RoPE
+    "gemma3": {},  # sliding-window layers (portable: a ring cache), sandwich norms, GELU (tests/tiny.py)
 }
 MAX_LEN = 128
 

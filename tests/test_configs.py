@@ -27,12 +27,14 @@ def test_shipped_device_profiles_load():
 
 
 def llama_family_params(a: Architecture) -> int:
-    """Parameters of a Llama/Qwen2/Mistral/Qwen3/Phi-3 decoder, from its shape alone (Phi-3's fused
-    projections hold the same weights; Qwen3 adds a head_dim-sized norm on Q and on K)."""
+    """Parameters of a Llama/Qwen2/Mistral/Qwen3/Phi-3/Gemma 3 decoder, from its shape alone (Phi-3's
+    fused projections hold the same weights; Qwen3 and Gemma 3 add a head_dim-sized norm on Q and
+    on K; Gemma 3 has four hidden-sized norms per layer, not two)."""
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     attention = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + (q + 2 * kv if a.attention_bias else 0)
     layer = attention + 3 * a.hidden_size * a.intermediate_size + 2 * a.hidden_size  # + two RMSNorms
-    layer += 2 * a.head_dim if a.family == "qwen3" else 0
+    layer += 2 * a.head_dim if a.family in ("qwen3", "gemma3_text") else 0
+    layer += 2 * a.hidden_size if a.family == "gemma3_text" else 0
     embeddings = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
     return a.num_layers * layer + embeddings + a.hidden_size  # + final norm
 
@@ -50,6 +52,7 @@ def llama_family_params(a: Architecture) -> int:
         "phi-4-mini",
         "phi-3.5-mini",
         "smollm3-3b",
+        "gemma-3-1b",
     ],
 )
 def test_recipe_param_count_matches_its_architecture(name):

@@ -69,6 +69,18 @@ def test_tensorrt_parses_and_builds(case, source, tmp_path):
         assert built.num_optimization_profiles == 2
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_tensorrt_parses_and_builds_gemma3_ring_layers(kv_dtype, tmp_path):
+    """Gemma 3's portable graph: ring-buffer sliding-window layers (Mod, Min, And in the mask),
+    GELU-tanh, sandwich norms; float32 and INT8 caches."""
+    source = make_tiny_model(tmp_path / "hf", "gemma3")
+    out = tmp_path / kv_dtype
+    export_model(source, out, ExportOptions(max_len=MAX_LEN, kv_dtype=kv_dtype))
+    assert parse_errors(out) == []
+    build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
+    assert (out / ENGINE_FILE).stat().st_size > 100_000
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_what_the_parser_rejects_is_refused_with_its_reason(case, source, tmp_path):
     options, reason = REFUSED[case]

@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -32,7 +33,31 @@ PHI3_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-TEMPLATES = {"qwen3": QWEN3_CHATML, "phi3": PHI3_TEMPLATE}
+# Gemma 3's template as it treats roles: no system role (the system message is folded into the
+# first user turn), "model" for the assistant, alternation enforced with raise_exception.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+TEMPLATES = {"qwen3": QWEN3_CHATML, "phi3": PHI3_TEMPLATE, "gemma3": GEMMA3_TEMPLATE}
+SPECIAL_TOKENS = {"gemma3": ("<start_of_turn>", "<end_of_turn>")}
+# Gemma 3's shape in small: local (sliding-window) layers around a global one, head_dim apart
+# from hidden / heads, a query scale apart from head_dim**-0.5, window 8 (ring 8 + 64 slots)
+GEMMA3 = {
+    "head_dim": 32,
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 24,
+    "pad_token_id": 0,
+}
 # Phi-4-mini's RoPE shape: 3/4 of each head rotated, LongRoPE factors (short ones apply below
 # original_max_position_embeddings, which the tests' exports stay under).
 PHI3_ROPE = {
@@ -51,13 +76,15 @@ CORPUS = [
 ] * 20
 
 
-def tiny_tokenizer(chat_template: str = CHATML) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(
+    chat_template: str = CHATML, extra_special: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=["<unk>", "<s>", "<|im_end|>", "<|im_start|>"],
+        special_tokens=["<unk>", "<s>", "<|im_end|>", "<|im_start|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -102,6 +129,8 @@ def tiny_config(family: str, **overrides):
                 "original_max_position_embeddings": PHI3_ROPE["original_max_position_embeddings"],
             }
         )
+    if family == "gemma3":
+        return Gemma3TextConfig(**{**common, **GEMMA3, **overrides})
     if family == "smollm3":  # no RoPE in layer 0, the one eviction tests compare (SmolLM3-3B: every 4th)
         return SmolLM3Config(**{"no_rope_layers": [0, 1], "pad_token_id": 0, **common})
     raise ValueError(family)
@@ -114,6 +143,8 @@ def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overri
     with torch.no_grad():  # random init is small; widen it so logits are far from uniform
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None
+            if family == "gemma3" and p.dim() == 1:  # its norms start at w = 0: make (1 + w) matter
+                p.add_(0.5 * torch.randn_like(p))
     model.save_pretrained(folder)
-    tiny_tokenizer(TEMPLATES.get(family, CHATML)).save_pretrained(folder)
+    tiny_tokenizer(TEMPLATES.get(family, CHATML), SPECIAL_TOKENS.get(family, ())).save_pretrained(folder)
     return folder

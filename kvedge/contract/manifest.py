@@ -49,6 +49,10 @@ WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 # chunks of this, the planner sizes the activation peak for it, and a TensorRT engine's prefill
 # profile defaults to it.
 PREFILL_CHUNK = 256
+# Ring slots a sliding-window layer keeps beyond its window (`CacheGeometry.ring_margin`): a
+# slot can then rewind up to this many tokens and keep its cache, which covers the few tokens a
+# chat template re-renders at the end of a turn; a longer rewind re-prefills from the start.
+RING_MARGIN = 64
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,11 @@ class CacheGeometry:
     dtype: str = "float32"
     # int8 caches: channels of head_dim sharing one scale per token (see kvedge.quant); 0 for float.
     group_size: int = 0
+    # Sliding-window layers (Gemma 3's local layers) hold a ring of `ring_len` slots instead of
+    # max_len: position p sits at slot p % ring_len (docs/ARCHITECTURE.md, "Ring-buffer layers").
+    ring_layers: tuple[int, ...] = ()
+    window: int = 0  # keys a ring layer's query sees, itself included (HF's sliding_window)
+    ring_margin: int = 0  # ring slots beyond the window: how far back a slot can still rewind
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
@@ -79,6 +88,17 @@ class CacheGeometry:
             raise KvedgeError(
                 f"cache geometry: group_size={self.group_size!r} is not allowed for head_dim "
                 f"{self.head_dim}; allowed: {allowed}"
+            )
+        layers = self.ring_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
+            raise KvedgeError(
+                f"cache geometry: ring_layers={list(layers)!r} must be distinct increasing layer "
+                f"indices in 0..{self.num_layers - 1}"
+            )
+        if bool(layers) != (self.window > 0) or self.ring_margin < 0 or (self.ring_margin and not layers):
+            raise KvedgeError(
+                f"cache geometry: window={self.window!r}, ring_margin={self.ring_margin!r} need ring "
+                "layers and a positive window (and none without ring layers)"
             )
 
     @classmethod
@@ -108,27 +128,60 @@ class CacheGeometry:
         """Scales per token per head (int8 caches); 0 for float caches."""
         return self.head_dim // self.group_size if self.quantized else 0
 
-    def scale_pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
-        """Shape of the scale pool: [layers, 2 (K, V), slots, kv_heads, max_len, groups] float16."""
-        return (self.num_layers, 2, slots, self.num_kv_heads, self.max_len, self.scale_groups)
+    @property
+    def ring_len(self) -> int:
+        """Slots of each ring layer: the window plus the margin, never more than max_len; 0 when
+        there are no ring layers."""
+        return min(self.max_len, self.window + self.ring_margin) if self.ring_layers else 0
 
-    def layer_shape(self, batch: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's K (or V) for `batch` rows: [batch, kv_heads, max_len, head_dim]."""
-        return (batch, self.num_kv_heads, self.max_len, self.head_dim)
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Layers holding max_len slots (all of them without ring layers)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.ring_layers)
+
+    def layer_len(self, layer: int) -> int:
+        """Cache slots of `layer`: ring_len for a ring layer, else max_len."""
+        return self.ring_len if layer in self.ring_layers else self.max_len
+
+    def scale_pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the scale pool: [full layers, 2 (K, V), slots, kv_heads, max_len, groups] float16."""
+        return (len(self.full_layers), 2, slots, self.num_kv_heads, self.max_len, self.scale_groups)
+
+    def ring_scale_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the ring layers' scales: [ring layers, 2, slots, kv_heads, ring_len, groups] float16."""
+        return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.scale_groups)
+
+    def layer_shape(self, batch: int, layer: int = 0) -> tuple[int, int, int, int]:
+        """Shape of `layer`'s K (or V) for `batch` rows: [batch, kv_heads, layer_len, head_dim]."""
+        return (batch, self.num_kv_heads, self.layer_len(layer), self.head_dim)
 
     def pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
-        """Shape of the whole pool: [layers, 2 (K, V), slots, kv_heads, max_len, head_dim]."""
-        return (self.num_layers, 2, slots, self.num_kv_heads, self.max_len, self.head_dim)
+        """Shape of the full layers' pool: [full layers, 2 (K, V), slots, kv_heads, max_len, head_dim]
+        (every layer, without ring layers)."""
+        return (len(self.full_layers), 2, slots, self.num_kv_heads, self.max_len, self.head_dim)
 
-    def bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers (K and V), scales included."""
+    def ring_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the ring layers' pool: [ring layers, 2, slots, kv_heads, ring_len, head_dim]."""
+        return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.head_dim)
+
+    def _bytes_per_layer_token(self) -> int:
+        """KV bytes of one token in one layer (K and V), scales included."""
         per_head = (
             self.head_dim * self.np_dtype.itemsize + self.scale_groups * np.dtype(KV_SCALE_DTYPE).itemsize
         )
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        return 2 * self.num_kv_heads * per_head
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one new token writes across all layers (K and V), scales included."""
+        return self.num_layers * self._bytes_per_layer_token()
+
+    def bytes_held(self, tokens: int) -> int:
+        """KV bytes a slot holding `tokens` tokens uses: ring layers hold at most ring_len of them."""
+        held = len(self.full_layers) * tokens + len(self.ring_layers) * min(tokens, self.ring_len)
+        return held * self._bytes_per_layer_token()
 
     def bytes_per_slot(self) -> int:
-        return self.bytes_per_token() * self.max_len
+        return self.bytes_held(self.max_len)
 
     def pool_bytes(self, slots: int) -> int:
         return self.bytes_per_slot() * slots
@@ -150,6 +203,8 @@ class CacheGeometry:
             key["dtype"] = self.dtype
             if self.quantized:
                 key["group_size"] = self.group_size
+        if self.ring_layers:
+            key.update(ring_layers=list(self.ring_layers), window=self.window, ring_margin=self.ring_margin)
         return key
 
 
@@ -219,10 +274,11 @@ class GraphInterface:
 
     Inputs: input_ids [batch, seq]; position_ids [batch, seq] (not in place variants: in-place
     graphs take positions from past_lengths); past_lengths [batch]; last_index [batch] (logits
-    "last"); per layer, past K, V [batch, kv_heads, max_len, head_dim] in the cache dtype, and for
-    int8 caches K, V scales [batch, kv_heads, max_len, groups] float16.
+    "last"); per layer, past K, V [batch, kv_heads, L, head_dim] in the cache dtype, and for
+    int8 caches K, V scales [batch, kv_heads, L, groups] float16, where L = `geometry.layer_len`
+    (max_len, or ring_len for a ring layer).
     Outputs: logits [batch, 1 or seq, vocab] float32; per layer, present tensors like the past
-    ones, of length seq (the new tokens, portable) or max_len (the past buffer, in place).
+    ones, of length seq (the new tokens, portable) or L (the past buffer, in place).
     """
 
     names: IONames
@@ -244,14 +300,14 @@ class GraphInterface:
         if self.logits == "last":
             specs.append(TensorSpec(names.last_index, int64, ("batch",)))
         for i in range(self.geometry.num_layers):
-            specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.max_len)
+            specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.layer_len(i))
         return tuple(specs)
 
     def outputs(self) -> tuple[TensorSpec, ...]:
         logits_len = 1 if self.logits == "last" else "seq"
         specs = [TensorSpec(self.names.logits, np.dtype(np.float32), ("batch", logits_len, self.vocab_size))]
-        length = self.geometry.max_len if self.in_place else "seq"
         for i in range(self.geometry.num_layers):
+            length = self.geometry.layer_len(i) if self.in_place else "seq"
             specs += self._cache(self.names.present(self.geometry.quantized), i, length)
         return tuple(specs)
 
@@ -283,12 +339,17 @@ class RopeSpec:
     inv_freq: tuple[float, ...] = ()
     attention_scaling: float = 1.0
     unrotated_layers: tuple[int, ...] = ()
+    # Gemma 3: the sliding-window layers' RoPE has its own base; `inv_freq` is the other layers'
+    local_layers: tuple[int, ...] = ()
+    local_inv_freq: tuple[float, ...] = ()
 
     def key_frequencies(self, num_layers: int) -> np.ndarray:
         """Frequencies each layer's cached keys were rotated with: [layers, 1, 1, head_dim/2]
         float64, broadcasting over (kv_heads, tokens) of the cache; rows of unrotated layers are 0
-        (a rotation by angle 0 is the identity, exactly)."""
+        (a rotation by angle 0 is the identity, exactly), rows of local layers `local_inv_freq`."""
         freqs = np.tile(np.asarray(self.inv_freq, np.float64), (num_layers, 1))
+        if self.local_layers:
+            freqs[list(self.local_layers)] = np.asarray(self.local_inv_freq, np.float64)
         freqs[list(self.unrotated_layers)] = 0.0
         return freqs[:, None, None, :]
 

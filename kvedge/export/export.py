@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
     MANIFEST_FILE,
     ONNX_FILE,
+    RING_MARGIN,
     TOKENIZER_FILE,
     CacheGeometry,
     IONames,
@@ -31,6 +33,8 @@ from kvedge.export.graph import (
     GraphOptions,
     build_decoder_graph,
     check_kv_dtype,
+    check_ring,
+    local_layers,
     rope_tables,
     rotary_frequencies,
 )
@@ -84,13 +88,23 @@ def export_model(
     source = resolve_source(source_path)
     model, tokenizer = loaded or load_hf(source)
     config = model.config
-    geometry = geometry_from_config(config, options.max_len).with_dtype(
+    geometry = geometry_from_config(config, options.max_len, options.variant).with_dtype(
         options.kv_dtype, options.kv_group_size or None
     )
     spec = DecoderSpec.from_config(config)
+    check_ring(geometry, options.variant)
     rotary = model.model.rotary_emb
-    # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
-    inv_freq, attention_scaling = rotary.inv_freq.numpy(), float(getattr(rotary, "attention_scaling", 1.0))
+    local_tables, local = None, None
+    if spec.local_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
+        local = rotary.sliding_attention_inv_freq.numpy()
+        local_scaling = float(rotary.sliding_attention_attention_scaling)
+        local_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
+        inv_freq = rotary.full_attention_inv_freq.numpy()
+        attention_scaling = float(rotary.full_attention_attention_scaling)
+    else:
+        # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
+        inv_freq = rotary.inv_freq.numpy()
+        attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
     if 2 * inv_freq.size != spec.rotary_dim:
         raise KvedgeError(
             f"the model rotates {2 * inv_freq.size} channels per head but its config says "
@@ -98,6 +112,10 @@ def export_model(
         )
     frequencies = rotary_frequencies(inv_freq, spec.head_dim)
     rope = rope_from_config(config, frequencies, attention_scaling, options.max_len, spec.unrotated_layers)
+    if local is not None:
+        rope = dataclasses.replace(
+            rope, local_layers=spec.local_layers, local_inv_freq=tuple(float(f) for f in local)
+        )
     cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     names = IONames()
@@ -109,7 +127,16 @@ def export_model(
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
-            spec, geometry, weights, cos, sin, names, graph_options, progress=bar.update, outliers=outliers
+            spec,
+            geometry,
+            weights,
+            cos,
+            sin,
+            names,
+            graph_options,
+            progress=bar.update,
+            outliers=outliers,
+            local_tables=local_tables,
         )
     del weights, model
     quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
@@ -182,9 +209,23 @@ def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: Grap
         )
 
 
-def geometry_from_config(config: Any, max_len: int) -> CacheGeometry:
+def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -> CacheGeometry:
+    """The cache a config needs at `max_len`: Gemma 3's sliding-window layers get a ring of
+    window + RING_MARGIN slots in the portable variant, a full-length cache with a windowed
+    attention in the ort variant; another family's sliding window is refused past its width."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     window = getattr(config, "sliding_window", None)
+    if config.model_type == "gemma3_text":
+        ring = local_layers(config) if variant == "portable" else ()
+        return CacheGeometry(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            max_len=max_len,
+            ring_layers=ring,
+            window=int(window) if ring else 0,
+            ring_margin=RING_MARGIN if ring else 0,
+        )
     if window and getattr(config, "use_sliding_window", True) and max_len > window:
         raise KvedgeError(
             f"--max-len {max_len} exceeds the model's sliding window ({window}), which the graph "
@@ -207,6 +248,8 @@ def rope_from_config(
 ) -> RopeSpec:
     """What the baked tables mean. `inv_freq` [head_dim/2] as `rotary_frequencies` widens it."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if "full_attention" in params:  # Gemma 3: per layer type; the full layers' RoPE is recorded
+        params = dict(params["full_attention"])
     theta = params.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:

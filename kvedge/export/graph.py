@@ -64,7 +64,12 @@ implementations above serve them all: Qwen3's per-head Q/K RMSNorm is applied to
 ahead of every variant's RoPE; Phi-3's fused projections are split and its partial rotary becomes
 full rotary over a permuted head (`rotary_frequencies`); SmolLM3's layers without RoPE skip the
 rotation (portable), run GroupQueryAttention with do_rotary=0, or give the INT8 kernel tables of
-angle 0.
+angle 0. Gemma 3's (1 + w) norms are folded into the weights, its extra norms and GELU-tanh are
+ops around attention; its sliding-window layers are where attention differs: the portable graph
+reads them from ring-buffer caches of window + margin slots through a mask derived from the valid
+length (`_PortableAttention._ring`, docs/ARCHITECTURE.md "Ring-buffer layers"), the ort graph
+keeps them full length with GroupQueryAttention's local_window_size; both with their own RoPE
+tables. The INT8 kernel has no window, so ort + INT8 refuses them.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ OPSET = 17  # float32 and float16 weights
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # longrope: short factors only
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # act(gate(x)) * up(x); Gemma 3 uses the tanh GELU
 
 
 @dataclass(frozen=True)
@@ -115,17 +121,36 @@ class DecoderSpec:
     tie_word_embeddings: bool
     head_dim: int
     rotary_dim: int  # leading channels of each head that RoPE rotates (Phi-4-mini: 0.75 head_dim)
-    qk_norm: bool  # RMSNorm over each head of Q and K before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm over each head of Q and K before RoPE (Qwen3, Gemma 3)
     unrotated_layers: tuple[int, ...]  # layers without RoPE (SmolLM3's NoPE layers)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma 3)
+    query_scale: float = 0.0  # softmax scale; 0 means head_dim**-0.5 (Gemma 3: query_pre_attn_scalar**-0.5)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma 3: sqrt(hidden_size), float32)
+    # Gemma 3: every RMSNorm weighs by (1 + w), and each sublayer's output is normed again before
+    # the residual add (post_attention_layernorm / post_feedforward_layernorm; the MLP's input
+    # norm is pre_feedforward_layernorm)
+    gemma_norms: bool = False
+    local_layers: tuple[int, ...] = ()  # sliding-window layers (Gemma 3's "sliding_attention")
+    window: int = 0  # keys a sliding-window layer's query sees, itself included
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or {}
+        gemma = config.model_type == "gemma3_text"
+        rope = (getattr(config, "rope_parameters", None) or {}) if not gemma else {}
         partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise KvedgeError(f"hidden_act {act!r} is not supported; the MLP is SwiGLU ('silu')")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in GATED_ACTIVATIONS:
+            raise KvedgeError(
+                f"hidden_act {act!r} is not supported; the MLP is gated with one of {list(GATED_ACTIVATIONS)}"
+            )
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise KvedgeError(
+                    f"{name}={getattr(config, name)!r} is not supported (Gemma 2 style softcapping)"
+                )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise KvedgeError("use_bidirectional_attention=True is not supported: the graph is causal")
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -135,12 +160,23 @@ class DecoderSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
-            qk_norm=config.model_type == "qwen3",
+            qk_norm=config.model_type in ("qwen3", "gemma3_text"),
             # SmolLM3: no_rope_layers[i] is 1 where layer i uses RoPE
             unrotated_layers=tuple(
                 i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope
             ),
+            activation=act,
+            query_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
+            # HF: torch.tensor(hidden_size**0.5), float32, times the float32 embedding
+            embed_scale=float(np.float32(config.hidden_size**0.5)) if gemma else 1.0,
+            gemma_norms=gemma,
+            local_layers=local_layers(config),
+            window=int(config.sliding_window) if local_layers(config) else 0,
         )
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.query_scale or 1.0 / math.sqrt(self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -177,6 +213,30 @@ def check_kv_dtype(kv_dtype: str) -> None:
     """Refuse a cache dtype the graph cannot be built with, naming the allowed ones."""
     if kv_dtype not in EXPORTED_KV_DTYPES:
         raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
+
+
+def local_layers(config: Any) -> tuple[int, ...]:
+    """Gemma 3's sliding-window layers ("sliding_attention" in `layer_types`); () for other families,
+    whose sliding window (Mistral) is refused past its width instead (`geometry_from_config`)."""
+    if config.model_type != "gemma3_text":
+        return ()
+    kinds = list(config.layer_types)
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise KvedgeError(
+            f"layer types {unknown} are not supported; allowed: sliding_attention, full_attention"
+        )
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+
+
+def check_ring(geometry: CacheGeometry, variant: str) -> None:
+    """Ring-buffer layers are built for the portable graph only: GroupQueryAttention (and kvedge's
+    INT8 kernel) write K/V at the valid length, not at a position modulo the ring."""
+    if geometry.ring_layers and variant != "portable":
+        raise KvedgeError(
+            f"--variant {variant!r} does not support sliding-window ring layers (Gemma 3): its "
+            "attention writes the cache in place at the valid length, with no ring; use --variant portable"
+        )
 
 
 def rotary_frequencies(inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
@@ -318,14 +378,29 @@ def build_decoder_graph(
     options: GraphOptions | None = None,
     progress: Callable[[int], None] | None = None,
     outliers: dict[str, np.ndarray] | None = None,
+    local_tables: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts;
     `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
-    quantized matmuls."""
+    quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
+    (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer."""
     options = options or GraphOptions()
     check_kv_dtype(geometry.dtype)
+    check_ring(geometry, options.variant)
+    if spec.local_layers and local_tables is None:
+        raise KvedgeError("sliding-window layers need their RoPE tables (local_tables)")
+    if spec.local_layers and geometry.ring_layers not in ((), spec.local_layers):
+        raise KvedgeError(
+            f"ring layers {list(geometry.ring_layers)} are not the model's sliding-window layers "
+            f"{list(spec.local_layers)}"
+        )
+    if spec.local_layers and geometry.quantized and options.variant == "ort":
+        raise KvedgeError(
+            "--variant ort with --kv-dtype int8 does not support sliding-window layers (Gemma 3): "
+            "kvedge's INT8 attention kernel has no window; use --variant portable"
+        )
     prepared = _prepare_weights(spec, geometry, weights)
-    decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {})
+    decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {}, local_tables)
     hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
     for i in range(geometry.num_layers):
         hidden, delta = decoder.layer(i, hidden, delta)
@@ -343,13 +418,17 @@ def _prepare_weights(
 
     - fused projections (Phi-3: `qkv_proj`, `gate_up_proj`) split into the Llama names;
     - partial rotary: Q and K output channels of each head permuted (`rotary_frequencies`);
-    - the softmax scale head_dim**-0.5 folded into Wq (and its bias), or into the Q norm's weight
-      when Q is normed per head (Qwen3), since the norm would undo a scale applied before it.
-      RoPE is linear, so attention needs no scale op.
+    - Gemma 3's (1 + w) norm weights as plain weights;
+    - the softmax scale (head_dim**-0.5, Gemma 3: query_pre_attn_scalar**-0.5) folded into Wq (and
+      its bias), or into the Q norm's weight when Q is normed per head (Qwen3, Gemma 3), since the
+      norm would undo a scale applied before it. RoPE is linear, so attention needs no scale op.
     """
     weights = dict(weights)
     d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
-    scale = 1.0 / math.sqrt(d)
+    scale = spec.softmax_scale
+    if spec.gemma_norms:  # Gemma3RMSNorm: x / rms(x) * (1 + w), in float32 as HF computes it
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = 1.0 + weights[name].astype(np.float32)
     order = _rotary_order(d, spec.rotary_dim)
     for i in range(geometry.num_layers):
         p = f"model.layers.{i}"
@@ -416,6 +495,7 @@ class _Decoder:
         names: IONames,
         options: GraphOptions,
         outliers: dict[str, np.ndarray],
+        local_tables: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
@@ -426,17 +506,31 @@ class _Decoder:
         batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
         self.b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
         self.s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
-        self.attention = self._attention(geometry, cos, sin)
+        self.attention = self._attention(geometry, cos, sin, local_tables)
         self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
+        if spec.activation == "gelu_pytorch_tanh":
+            consts = {"cubic": 0.044715, "root": math.sqrt(2.0 / math.pi), "half": 0.5, "one": 1.0}
+            self.gelu_consts = {k: g.const(f"gelu.{k}", np.array(v, np.float32)) for k, v in consts.items()}
         if spec.qk_norm:
             d, kv_heads = geometry.head_dim, geometry.num_kv_heads
             self.qkv_split = g.ints(spec.num_heads * d, kv_heads * d, kv_heads * d)
             self.per_head = g.ints(0, 0, -1, d)
             self.merged_heads = g.ints(0, 0, -1)
 
-    def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray):
-        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]."""
+    def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray, local_tables=None):
+        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]; the
+        sliding-window layers read a ring (portable) or attend through a local window over a full
+        length cache (ort), rotated with `local_tables`."""
         g = self.g
+        ring, local = None, {}
+        if self.spec.local_layers:
+            local = dict(
+                local_cos=g.const("rope.local_cos", local_tables[0]),
+                local_sin=g.const("rope.local_sin", local_tables[1]),
+                window=self.spec.window,
+            )
+        if geometry.ring_layers:  # portable only (`check_ring`)
+            ring = _RingSpec(geometry.ring_len, geometry.window, local["local_cos"], local["local_sin"])
         tables = dict(cos_table=g.const("rope.cos", cos), sin_table=g.const("rope.sin", sin))
         ctx = dict(
             g=g,
@@ -448,10 +542,12 @@ class _Decoder:
             s_dim=self.s_dim,
         )
         if self.portable:
-            return _PortableAttention(**ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size)
+            return _PortableAttention(
+                **ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size, ring=ring
+            )
         if geometry.quantized:
             return _Int8CacheAttention(**ctx, **tables)
-        return _GroupQueryAttention(**ctx, **tables)
+        return _GroupQueryAttention(**ctx, **tables, **local)
 
     def w(self, name: str) -> np.ndarray:
         return self.weights[name].astype(np.float32)
@@ -509,7 +605,11 @@ class _Decoder:
             self.embed_name = self.g.float16_weight("model.embed_tokens.weight", self.embed_table)
         else:
             self.embed_name = self.g.const("model.embed_tokens.weight", self.embed_table)
-        return self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
+        rows = self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
+        if self.spec.embed_scale == 1.0:
+            return rows
+        scale = self.g.const("model.embed_scale", np.array(self.spec.embed_scale, np.float32))
+        return self.g.op("Mul", [rows, scale], "model.embed_scaled")
 
     def layer(self, i: int, hidden: str, delta: str | None) -> tuple[str, str]:
         """Decoder layer i: attention and MLP blocks. Returns (residual stream, MLP output)."""
@@ -522,8 +622,25 @@ class _Decoder:
         )  # [b, s, (h+2kvh)d]
         if self.spec.qk_norm:
             qkv = self.qk_norm(qkv, f"{p}.self_attn")
-        attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)  # [b, s, heads*d]
+        if i in self.spec.local_layers:
+            attn = self.attention.layer(i, qkv, local=True)  # [b, s, heads*d]
+        else:
+            attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
+        if self.spec.gemma_norms:  # each sublayer's output normed before its residual add
+            delta = self.rms_norm(
+                delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attn_norm"
+            )
+            x, hidden = self.residual_norm(
+                hidden,
+                delta,
+                self.w(f"{p}.pre_feedforward_layernorm.weight"),
+                f"{p}.pre_feedforward_layernorm",
+            )
+            out = self.mlp(x, f"{p}.mlp")
+            return hidden, self.rms_norm(
+                out, self.w(f"{p}.post_feedforward_layernorm.weight"), f"{p}.post_feedforward_layernorm"
+            )
         x, hidden = self.residual_norm(
             hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
         )
@@ -552,13 +669,31 @@ class _Decoder:
         return g.op("Concat", [*normed, v], f"{p}.qkv_normed", axis=-1)
 
     def mlp(self, x: str, p: str) -> str:
-        """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one MatMul."""
+        """Gated MLP: down(act(gate(x)) * up(x)), gate and up as one MatMul; act is SiLU (SwiGLU)
+        or Gemma 3's tanh GELU."""
         g = self.g
         gate_up = self.linear(x, p, ["gate_proj", "up_proj"], f"{p}.gate_up")
         gate, up = g.op("Split", [gate_up, self.mlp_split], f"{p}.parts", outputs=2, axis=-1)
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
-        act = g.op("Mul", [silu, up], f"{p}.act")
+        if self.spec.activation == "gelu_pytorch_tanh":
+            gated = self.gelu_tanh(gate, p)
+        else:
+            gated = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
+        act = g.op("Mul", [gated, up], f"{p}.act")
         return self.linear(act, p, ["down_proj"], f"{p}.down")
+
+    def gelu_tanh(self, x: str, p: str) -> str:
+        """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's approximate='tanh' (Gelu's
+        approximate attribute needs opset 20)."""
+        g = self.g
+        c = self.gelu_consts
+        cube = g.op("Mul", [g.op("Mul", [x, x], f"{p}.gelu.x2"), x], f"{p}.gelu.x3")
+        inner = g.op("Add", [x, g.op("Mul", [cube, c["cubic"]], f"{p}.gelu.cx3")], f"{p}.gelu.inner")
+        t = g.op("Tanh", [g.op("Mul", [inner, c["root"]], f"{p}.gelu.arg")], f"{p}.gelu.tanh")
+        return g.op(
+            "Mul",
+            [g.op("Mul", [x, c["half"]], f"{p}.gelu.half_x"), g.op("Add", [t, c["one"]], f"{p}.gelu.one_t")],
+            f"{p}.gelu",
+        )
 
     def logits(self, hidden: str, delta: str) -> str:
         """The final norm, the LM head and the logits output [b, 1 or s, vocab]."""
@@ -626,28 +761,60 @@ def _onnx_model(g: _Builder, interface: GraphInterface, options: GraphOptions) -
     return model
 
 
+@dataclass(frozen=True)
+class _RingSpec:
+    """What the portable graph needs to build the ring layers' attention (`_PortableAttention._ring`)."""
+
+    ring_len: int  # slots per ring layer (geometry.ring_len)
+    window: int  # keys a query sees, itself included
+    cos_table: str  # the ring layers' RoPE tables [max_len, d/2] (Gemma 3: the local base)
+    sin_table: str
+
+
+@dataclass(frozen=True)
+class _RingInputs:
+    """Per-call tensors shared by every ring layer; the full layers' counterparts live on
+    `_PortableAttention` under the same names."""
+
+    cos4: str  # [b, 1, s, d/2]
+    sin4: str
+    attend: str  # [1] ring slots read: min(max(past_lengths), ring_len)
+    mask: str  # [b, 1, g*s, A_r+s]
+    split_as: str  # [2] (A_r, s)
+    codec: _Int8Codec | None
+
+
 class _PortableAttention:
     """Standard-op attention over the valid part of the past (see the module docstring)."""
 
     def __init__(
-        self, g, heads, kv_heads, d, length, names, s_dim, b_dim, cos_table, sin_table, kv_group_size=0
+        self,
+        g,
+        heads,
+        kv_heads,
+        d,
+        length,
+        names,
+        s_dim,
+        b_dim,
+        cos_table,
+        sin_table,
+        kv_group_size=0,
+        ring: _RingSpec | None = None,
     ) -> None:
         self.g, self.names = g, names
         self.heads, self.kv_heads, self.d = heads, kv_heads, d
         groups = heads // kv_heads
         self.half_split = g.ints(d // 2, d // 2)
 
-        # RoPE angles, shared by all layers.
-        pos_cos = g.op("Gather", [cos_table, names.position_ids], "rope.pos_cos", axis=0)
-        pos_sin = g.op("Gather", [sin_table, names.position_ids], "rope.pos_sin", axis=0)
-        self.cos4 = g.op("Unsqueeze", [pos_cos, g.ints(1)], "rope.cos4")  # [b, 1, s, d/2]
-        self.sin4 = g.op("Unsqueeze", [pos_sin, g.ints(1)], "rope.sin4")  # [b, 1, s, d/2]
+        # RoPE angles, shared by all layers (ring layers: by all ring layers).
+        self.cos4, self.sin4 = self._angles(cos_table, sin_table, "rope")  # [b, 1, s, d/2] each
 
         # A = longest valid past in the batch: attention reads slots [0, A) only.
         self.attend = longest = g.reduce("ReduceMax", names.past_lengths, 0, "attn.attend_len")  # [1]
         self.codec = _Int8Codec(g, kv_heads, d, kv_group_size, longest) if kv_group_size else None
-        neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
-        zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
+        self.neg_inf = neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
+        self.zero_f = zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
         slots = g.op(
             "Slice",
             [
@@ -690,6 +857,9 @@ class _PortableAttention:
         )  # [b, 1, s, A+s]
         self.mask = g.op("Tile", [mask, g.ints(1, 1, groups, 1)], "mask")  # [b, 1, g*s, A+s]
         self.split_as = g.op("Concat", [longest, s_dim], "attn.split_as", axis=0)
+        self.ring = None
+        if ring is not None:
+            self.ring = self._ring(ring, lengths, rows, new_idx, b_dim, s_dim, groups, kv_group_size)
         self.q_shape = g.ints(0, 0, heads, d)
         self.kv_shape = g.ints(0, 0, kv_heads, d)
         self.grouped = g.ints(0, kv_heads, -1, d)
@@ -697,26 +867,114 @@ class _PortableAttention:
         self.merged = g.ints(0, 0, heads * d)
         self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
 
-    def rope(self, x: str, name: str, rotate: bool = True) -> str:
-        """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention)."""
+    def _angles(self, cos_table: str, sin_table: str, name: str) -> tuple[str, str]:
+        """cos, sin of the new tokens' positions from tables [L, d/2] -> [b, 1, s, d/2] each."""
+        g, positions = self.g, self.names.position_ids
+        return tuple(
+            g.op(
+                "Unsqueeze",
+                [g.op("Gather", [table, positions], f"{name}.pos_{kind}", axis=0), g.ints(1)],
+                f"{name}.{kind}4",
+            )
+            for kind, table in (("cos", cos_table), ("sin", sin_table))
+        )
+
+    def _ring(
+        self, spec: _RingSpec, lengths, rows, new_idx, b_dim, s_dim, groups, kv_group_size
+    ) -> _RingInputs:
+        """The ring layers' angles, valid slice and mask (`_RingSpec`), shared by those layers.
+
+        Slot j of a ring of R slots holds position stored(j) = P - 1 - ((P - 1 - j) mod R) for a
+        row of valid length P: the latest position below P that lands on j (negative where none
+        has). New token i (position P + i) sees slot j iff j < P and stored(j) > P + i - window,
+        and new token k iff k <= i and i - k < window (HF's sliding-window overlay: a key is
+        visible iff kv_idx > q_idx - window)."""
+        g = self.g
+        cos4, sin4 = self._angles(spec.cos_table, spec.sin_table, "ring.rope")
+        ring_len = g.ints(spec.ring_len)
+        attend = g.op("Min", [self.attend, ring_len], "ring.attend_len")  # [1] A_r = min(A, R)
+        slots = g.op(
+            "Slice",
+            [
+                g.const("ring.all_slots", np.arange(spec.ring_len, dtype=np.int64)[None, :]),
+                g.ints(0),
+                attend,
+                g.ints(1),
+            ],
+            "ring.slots",
+        )  # [1, A_r]
+        last = g.op("Sub", [lengths, g.ints(1)], "ring.last")  # [b, 1] P - 1
+        back = g.op("Mod", [g.op("Sub", [last, slots], "ring.behind"), ring_len], "ring.back", fmod=0)
+        stored = g.op("Sub", [last, back], "ring.stored")  # [b, A_r] position held at each slot
+        # visible iff i < stored + window - P (i: the new token's index in the call)
+        reach = g.op(
+            "Sub", [g.op("Add", [stored, g.ints(spec.window)], "ring.stored_w"), lengths], "ring.reach"
+        )  # [b, A_r]
+        in_window = g.op(
+            "Less",
+            [
+                g.op("Unsqueeze", [new_idx, g.ints(0, 2)], "ring.i3"),  # [1, s, 1]
+                g.op("Unsqueeze", [reach, g.ints(1)], "ring.reach3"),  # [b, 1, A_r]
+            ],
+            "ring.in_window",
+        )  # [b, s, A_r]
+        held = g.op("Unsqueeze", [g.op("Less", [slots, lengths], "ring.held"), g.ints(1)], "ring.held3")
+        past_ok = g.op("And", [in_window, held], "ring.past_ok")  # [b, s, A_r]
+        past_bias = g.op("Where", [past_ok, self.zero_f, self.neg_inf], "ring.past_bias")
+        cols = g.op("Unsqueeze", [new_idx, g.ints(0)], "ring.cols")  # [1, s]
+        distance = g.op("Sub", [rows, cols], "ring.distance")  # [s, s] i - k
+        new_ok = g.op(
+            "And",
+            [
+                g.op("LessOrEqual", [cols, rows], "ring.causal"),
+                g.op("Less", [distance, g.ints(spec.window)], "ring.near"),
+            ],
+            "ring.new_ok",
+        )
+        new_bias = g.op("Where", [new_ok, self.zero_f, self.neg_inf], "ring.new_bias")  # [s, s]
+        new_shape = g.op("Concat", [b_dim, s_dim, s_dim], "ring.new_shape", axis=0)
+        mask3 = g.op(
+            "Concat",
+            [past_bias, g.op("Expand", [new_bias, new_shape], "ring.new_full")],
+            "ring.mask3",
+            axis=-1,
+        )  # [b, s, A_r+s]
+        mask4 = g.op("Unsqueeze", [mask3, g.ints(1)], "ring.mask4")  # [b, 1, s, A_r+s]
+        return _RingInputs(
+            cos4=cos4,
+            sin4=sin4,
+            attend=attend,
+            mask=g.op("Tile", [mask4, g.ints(1, 1, groups, 1)], "ring.mask"),  # [b, 1, g*s, A_r+s]
+            split_as=g.op("Concat", [attend, s_dim], "ring.split_as", axis=0),
+            codec=_Int8Codec(g, self.kv_heads, self.d, kv_group_size, attend, "ring.int8")
+            if kv_group_size
+            else None,
+        )
+
+    def rope(self, x: str, name: str, rotate: bool = True, local: bool = False) -> str:
+        """x [b, n, s, d] rotated by the positions' angles (HF rotate_half convention), with the
+        ring layers' own tables where `ring`."""
         g = self.g
         if not rotate:  # a layer without RoPE: x itself, under the name the caller wants
             return g.op("Identity", [x], name)
+        cos4, sin4 = (self.ring.cos4, self.ring.sin4) if local else (self.cos4, self.sin4)
         x1, x2 = g.op("Split", [x, self.half_split], f"{name}.halves", outputs=2, axis=-1)
         r1 = g.op(
             "Sub",
-            [g.op("Mul", [x1, self.cos4], f"{name}.x1c"), g.op("Mul", [x2, self.sin4], f"{name}.x2s")],
+            [g.op("Mul", [x1, cos4], f"{name}.x1c"), g.op("Mul", [x2, sin4], f"{name}.x2s")],
             f"{name}.r1",
         )
         r2 = g.op(
             "Add",
-            [g.op("Mul", [x2, self.cos4], f"{name}.x2c"), g.op("Mul", [x1, self.sin4], f"{name}.x1s")],
+            [g.op("Mul", [x2, cos4], f"{name}.x2c"), g.op("Mul", [x1, sin4], f"{name}.x1s")],
             f"{name}.r2",
         )
         return g.op("Concat", [r1, r2], name, axis=-1)
 
-    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
+        """Layer i's attention; a sliding-window layer (`local`) reads its ring through the ring mask."""
         g, names, p = self.g, self.names, f"model.layers.{i}"
+        inputs = self.ring if local else self
         q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
         q = g.op(
             "Transpose",
@@ -730,7 +988,7 @@ class _PortableAttention:
             f"{p}.attn.k_bhsd",
             perm=[0, 2, 1, 3],
         )
-        codec = self.codec
+        codec = inputs.codec
         v = g.op(
             "Transpose",
             [g.op("Reshape", [v, self.kv_shape], f"{p}.attn.v4")],
@@ -738,10 +996,10 @@ class _PortableAttention:
             perm=[0, 2, 1, 3],
         )
         q = g.op(
-            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate), self.grouped], f"{p}.attn.q_grouped"
+            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate, local), self.grouped], f"{p}.attn.q_grouped"
         )  # [b, kvh, g*s, d]
         k = self.rope(
-            k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate
+            k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate, local
         )  # [b, kvh, s, d]
         past = [names.layer(t, i) for t in names.past(codec is not None)]
         if codec:  # the new tokens attend over exactly what the cache will hold
@@ -749,7 +1007,7 @@ class _PortableAttention:
             past_scores = codec.past_scores(q, past[0], past[2], f"{p}.attn.past_k")
         else:
             past = [
-                g.op("Slice", [name, g.ints(0), self.attend, g.ints(2)], f"{p}.attn.past{n}")
+                g.op("Slice", [name, g.ints(0), inputs.attend, g.ints(2)], f"{p}.attn.past{n}")
                 for n, name in enumerate(past)
             ]  # K, V [b, kvh, A, d]
             past_scores = g.op(
@@ -771,9 +1029,9 @@ class _PortableAttention:
             axis=-1,
         )
         probs = g.op(
-            "Softmax", [g.op("Add", [scores, self.mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1
+            "Softmax", [g.op("Add", [scores, inputs.mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1
         )
-        p_past, p_new = g.op("Split", [probs, self.split_as], f"{p}.attn.probs_parts", outputs=2, axis=-1)
+        p_past, p_new = g.op("Split", [probs, inputs.split_as], f"{p}.attn.probs_parts", outputs=2, axis=-1)
         if codec:
             from_past = codec.past_context(p_past, past[1], past[3], f"{p}.attn.past_v")
         else:
@@ -801,7 +1059,9 @@ class _Int8Codec:
     time, which QuantizeLinear (and TensorRT's Q/DQ layers) take only as constants.
     """
 
-    def __init__(self, g: _Builder, kv_heads: int, d: int, group_size: int, attend: str) -> None:
+    def __init__(
+        self, g: _Builder, kv_heads: int, d: int, group_size: int, attend: str, prefix: str = "int8"
+    ) -> None:
         self.g, self.groups, self.attend = g, d // group_size, attend
         self.heads = g.ints(kv_heads, kv_heads)  # splits [b, 2 kvh, ...] into K and V
         self.ones = g.ints(*[1] * self.groups)  # splits [b, kvh, groups, A] into groups
@@ -810,14 +1070,14 @@ class _Int8Codec:
         self.length_and_channels = g.ints(2, 3)
         self.starts = [g.ints(0, j * group_size) for j in range(self.groups)]
         self.ends = [
-            g.op("Concat", [attend, g.ints((j + 1) * group_size)], f"int8.ends_g{j}", axis=0)
+            g.op("Concat", [attend, g.ints((j + 1) * group_size)], f"{prefix}.ends_g{j}", axis=0)
             for j in range(self.groups)
         ]
         self.to_groups = g.ints(0, 0, 0, self.groups, group_size)  # [b, kvh, n, d] -> [..., groups, gs]
         self.to_channels = g.ints(0, 0, 0, d)
-        self.qmax = g.const("int8.qmax", np.array(127.0, np.float32))
-        self.qmin = g.const("int8.qmin", np.array(-127.0, np.float32))
-        self.floor = g.const("int8.scale_floor", np.array(2.0**-14, np.float32))
+        self.qmax = g.const(f"{prefix}.qmax", np.array(127.0, np.float32))
+        self.qmin = g.const(f"{prefix}.qmin", np.array(-127.0, np.float32))
+        self.floor = g.const(f"{prefix}.scale_floor", np.array(2.0**-14, np.float32))
 
     def write(self, k: str, v: str, outputs: list[str], name: str) -> tuple[str, str]:
         """New K and V [b, kvh, n, d] float -> the layer's four present outputs (`IONames.present`
@@ -941,9 +1201,25 @@ class _Int8Codec:
 class _GroupQueryAttention:
     """onnxruntime's GroupQueryAttention, past and present sharing one buffer (module docstring)."""
 
-    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
+    def __init__(
+        self,
+        g,
+        heads,
+        kv_heads,
+        d,
+        length,
+        names,
+        s_dim,
+        cos_table,
+        sin_table,
+        local_cos=None,
+        local_sin=None,
+        window=0,
+    ) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
         self.cos_table, self.sin_table = cos_table, sin_table
+        # sliding-window layers (Gemma 3): their own tables, and a window over the full cache
+        self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
         s_minus_1 = g.op("Sub", [s_dim, g.ints(1)], "gqa.s_minus_1")
         seqlens = g.op("Add", [names.past_lengths, s_minus_1], "gqa.seqlens_i64")  # [b]
         self.seqlens = g.op("Cast", [seqlens], "gqa.seqlens_k", to=TensorProto.INT32)
@@ -951,9 +1227,14 @@ class _GroupQueryAttention:
         total = g.op("Add", [longest, g.op("Squeeze", [s_dim], "gqa.s_scalar")], "gqa.total_i64")
         self.total = g.op("Cast", [total], "gqa.total_sequence_length", to=TensorProto.INT32)  # scalar
 
-    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
+        """Layer i; a sliding-window layer (`local`) attends to the key at its own position and
+        the window - 1 before it: local_window_size = window (onnxruntime 1.32 CPU, checked
+        against transformers in tests/test_gemma3.py; window - 1 differs by ~2 in the logits)."""
         g, names = self.g, self.names
         tables = [self.cos_table, self.sin_table] if rotate else []
+        if local:
+            tables = [self.local_cos, self.local_sin]
         return g.op(
             "GroupQueryAttention",
             [
@@ -978,6 +1259,7 @@ class _GroupQueryAttention:
             scale=1.0,  # folded into Wq
             do_rotary=int(rotate),
             rotary_interleaved=0,
+            local_window_size=self.window if local else -1,
         )[0]
 
 

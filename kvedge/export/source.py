@@ -27,6 +27,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "Qwen3 dense",
     "phi3": "Phi-3/Phi-3.5/Phi-4-mini",
     "smollm3": "SmolLM3",
+    "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
 }
 
 

@@ -11,6 +11,20 @@ Memory layout (one allocation, made at construction and reused forever)::
 backend binds as a layer's past K for a batch of consecutive slots (with `scales[layer, 0, a:b]`
 as its past K scales in an int8 cache). Slots past `lengths[s]` hold stale but finite data; the
 graph masks them by length, so a rewind is just a smaller length and nothing is ever cleared.
+
+Geometries with ring layers (Gemma 3's sliding-window layers, `CacheGeometry.ring_layers`) keep
+those layers apart, in a second allocation of ring_len = window + margin positions per slot::
+
+    pool          [full layers, 2, slots, kv_heads, max_len, head_dim]
+    ring          [ring layers, 2, slots, kv_heads, ring_len, head_dim]
+    ring_scales   [ring layers, 2, slots, kv_heads, ring_len, groups]     int8 caches only
+
+Position p of a ring layer sits at ring slot p % ring_len; the graph derives each ring slot's
+position from the valid length (docs/ARCHITECTURE.md, "Ring-buffer layers"), so the length stays
+the only state. A ring holds the last ring_len positions only: a rewind is possible only where
+the positions the next query needs are still there (`rewind_limit`), and the features that copy
+a slot's positions out or move them (window eviction, prefix stores, warm prefixes) refuse ring
+geometries by name.
 """
 
 from __future__ import annotations
@@ -62,8 +76,28 @@ class KVCache:
         self.scales = (
             np.full(geometry.scale_pool_shape(slots), 1, KV_SCALE_DTYPE) if geometry.quantized else None
         )
+        ring = bool(geometry.ring_layers)
+        self.ring = np.full(geometry.ring_shape(slots), 0, geometry.np_dtype) if ring else None
+        self.ring_scales = (
+            np.full(geometry.ring_scale_shape(slots), 1, KV_SCALE_DTYPE)
+            if ring and geometry.quantized
+            else None
+        )
+        # where each layer lives: (its arrays, KV then scales; its index in them; is it a ring)
+        full = (self.pool,) if self.scales is None else (self.pool, self.scales)
+        rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
+        self._homes = [
+            (rings, geometry.ring_layers.index(i), True)
+            if i in geometry.ring_layers
+            else (full, geometry.full_layers.index(i), False)
+            for i in range(geometry.num_layers)
+        ]
         self.tokens = np.full((slots, geometry.max_len), 0, np.int64)
         self.lengths = np.zeros(slots, np.int64)
+        # ring layers: the lowest position each slot's rings still hold (every one from it up to
+        # the valid length). A write at position p overwrites p - ring_len, and writes past a
+        # later rewind's length count too, so this is tracked, not derived from the length alone.
+        self.ring_start = np.zeros(slots, np.int64)
         self._views: dict[tuple[int, int], list[tuple[np.ndarray, ...]]] = {}  # layer_views, made once
         # Optional hook run on each block of new K/V [layers, 2, kv_heads, n, head_dim] as it
         # becomes valid, with the block's first position: `kvedge.quant.RoundTrip` uses it to
@@ -72,7 +106,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        arrays = (self.pool, self.scales, self.ring, self.ring_scales)
+        return sum(a.nbytes for a in arrays if a is not None)
 
     def __len__(self) -> int:
         return self.slots
@@ -91,18 +126,17 @@ class KVCache:
 
     def layer_views(self, first: int, count: int) -> list[tuple[np.ndarray, ...]]:
         """Per layer views of slots first..first+count-1, in `IONames.past` order: (K, V) each
-        [count, kv_heads, max_len, head_dim], then for int8 caches (K scales, V scales) each
-        [count, kv_heads, max_len, groups]."""
+        [count, kv_heads, L, head_dim], then for int8 caches (K scales, V scales) each
+        [count, kv_heads, L, groups]; L = max_len, or ring_len for a ring layer."""
         views = self._views.get((first, count))
         if views is not None:  # the pool never moves, so views made once stay valid
             return views
         end = first + count
         if not 0 <= first < end <= self.slots:
             raise KvedgeError(f"slots {first}..{end - 1} are outside the pool of {self.slots}")
-        arrays = (self.pool,) if self.scales is None else (self.pool, self.scales)
         views = [
-            tuple(a[layer, kind, first:end] for a in arrays for kind in (0, 1))
-            for layer in range(self.geometry.num_layers)
+            tuple(a[index, kind, first:end] for a in arrays for kind in (0, 1))
+            for arrays, index, _ in self._homes
         ]
         self._views[(first, count)] = views
         return views
@@ -123,17 +157,25 @@ class KVCache:
         # caches (K scales, V scales) [batch, kvh, seq, groups]
         present: Sequence[tuple[np.ndarray, ...]],
     ) -> None:
-        """Write the first counts[r] new tokens of row r at the end of slot slots[r]."""
-        arrays = (self.pool,) if self.scales is None else (self.pool, self.scales)
+        """Write the first counts[r] new tokens of row r at the end of slot slots[r] (a ring
+        layer: the last ring_len of them, each at its position modulo ring_len)."""
+        ring_len = self.geometry.ring_len
         for row, (slot, count) in enumerate(zip(slots, counts, strict=True)):
             if count == 0:
                 continue
             self.check_room(slot, count)
             start = self.length(slot)
-            for layer, outputs in enumerate(present):
+            # (cache columns, columns of the new tokens) a full layer and a ring layer write
+            columns = {False: (slice(start, start + count), slice(0, count))}
+            if ring_len:
+                kept = np.arange(max(start, start + count - ring_len), start + count)  # positions
+                columns[True] = (kept % ring_len, kept - start)
+                self.ring_start[slot] = max(self.ring_start[slot], start + count - ring_len)
+            for (arrays, index, ring), outputs in zip(self._homes, present, strict=True):
+                to, source = columns[ring]
                 targets = [(a, kind) for a in arrays for kind in (0, 1)]
                 for (array, kind), new in zip(targets, outputs, strict=True):
-                    array[layer, kind, slot, :, start : start + count] = new[row, :, :count]
+                    array[index, kind, slot, :, to] = new[row, :, source]
         self.commit(slots, tokens, counts)
 
     def commit(
@@ -153,15 +195,39 @@ class KVCache:
             self.check_room(slot, count)
             start = self.length(slot)
             if self.round_trip is not None:
+                self._refuse_ring("measuring INT8 round trips")
                 self.round_trip(self.pool[:, :, slot, :, start : start + count], start)
             self.tokens[slot, start : start + count] = tokens[row, :count]
             self.lengths[slot] = start + count
+
+    def rewind_limit(self, slot: int, length: int) -> int:
+        """The rewind of `slot` to `length` tokens, if it keeps every position the next query
+        needs, else 0 (start over): a ring layer's next query at position `length` sees positions
+        length - window + 1 .. length - 1, which its ring must still hold (`ring_start`)."""
+        if not self.geometry.ring_layers or length == 0:
+            return length
+        return length if max(0, length - self.geometry.window + 1) >= self.ring_start[slot] else 0
 
     def truncate(self, slot: int, length: int) -> None:
         """Rewind `slot` to its first `length` tokens (the rest becomes invisible)."""
         if not 0 <= length <= self.length(slot):
             raise KvedgeError(f"cannot truncate slot {slot} to {length}: it holds {self.length(slot)} tokens")
+        if self.rewind_limit(slot, length) != length:
+            raise KvedgeError(
+                f"cannot truncate slot {slot} to {length}: its ring layers hold positions from "
+                f"{self.ring_start[slot]} on, not the {self.geometry.window - 1} before {length}; rewind to 0"
+            )
         self.lengths[slot] = length
+        if length == 0:
+            self.ring_start[slot] = 0
+
+    def _refuse_ring(self, what: str) -> None:
+        """Refuse `what`, which reads or moves a slot's positions as one run, on ring layers."""
+        if self.geometry.ring_layers:
+            raise KvedgeError(
+                f"{what} is not supported for models with sliding-window ring layers (Gemma 3): "
+                "a ring layer keeps only its last positions, at position modulo ring length"
+            )
 
     def reset(self, slot: int) -> None:
         self.truncate(slot, 0)
@@ -172,6 +238,7 @@ class KVCache:
         The moved keys are re-rotated by -count (see `kvedge.runtime.rope`), so the slot then
         holds exactly what a fresh run over the kept tokens would have written.
         """
+        self._refuse_ring("window eviction (history_policy 'window')")
         length = self.length(slot)
         if not (0 <= start and count > 0 and start + count <= length):
             raise KvedgeError(f"cannot evict {count} tokens at {start} from slot {slot} holding {length}")
@@ -193,6 +260,7 @@ class KVCache:
 
     def view(self, slot: int, start: int, stop: int) -> KVBlock:
         """Views of the KV (and scales) of positions start..stop-1 of `slot` (not copies)."""
+        self._refuse_ring("copying a slot's KV out (prefix store, warm prefixes, calibration)")
         if not 0 <= start < stop <= self.length(slot):
             raise KvedgeError(
                 f"cannot read tokens {start}..{stop} from slot {slot} holding {self.length(slot)}"
@@ -208,6 +276,7 @@ class KVCache:
     def write(self, slot: int, block: KVBlock, token_ids: Sequence[int], start: int = 0) -> None:
         """Make `slot` hold its first `start` tokens, then `block` (as `read` returns it) for
         `token_ids`; whatever it held after `start` is dropped."""
+        self._refuse_ring("writing a KV block into a slot (prefix store, warm prefixes)")
         count = len(token_ids)
         g = self.geometry
         if not 0 <= start <= self.length(slot):

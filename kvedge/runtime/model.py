@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, Manifest, sha256_files
+from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, CacheGeometry, Manifest, sha256_files
 from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.backend import Backend, open_backend
 from kvedge.runtime.cache import KVCache
@@ -72,6 +72,7 @@ class Model:
         if verify:
             self._verify_graph()
         self.policy = policy or HistoryPolicy()
+        _check_ring_features(self.manifest.geometry, self.policy, warmup, prefix_cache_bytes)
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.device = device
@@ -146,7 +147,7 @@ class Model:
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the pool holding valid tokens, over all slots."""
-        return int(self.cache.lengths.sum()) * self.manifest.geometry.bytes_per_token()
+        return sum(self.manifest.geometry.bytes_held(int(n)) for n in self.cache.lengths)
 
     def encode_chat(
         self,
@@ -351,6 +352,7 @@ class Model:
             self.prefix_lru.save(self.cache, slot)  # another conversation is about to replace it
         keep = self._copy_prefix(slot, ids, keep)
         keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
+        keep = self.cache.rewind_limit(slot, keep)  # a ring layer may have overwritten what it needs
         self.cache.truncate(slot, keep)
         session.history = ids[:keep]
         session.reused_tokens = keep
@@ -368,6 +370,35 @@ class Model:
             self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared])
             return warm_shared
         return keep
+
+
+def _check_ring_features(
+    geometry: CacheGeometry, policy: HistoryPolicy, warmup: WarmupConfig | None, prefix_cache_bytes: int
+) -> None:
+    """Refuse, at load, the features that copy or move a slot's positions as one run: a ring layer
+    (Gemma 3's sliding-window layers) holds only its last ring_len positions, modulo ring_len."""
+    if not geometry.ring_layers:
+        return
+    used = [
+        name
+        for name, on in (
+            (
+                "history_policy 'window' (eviction re-rotates a contiguous run of keys)",
+                policy.mode == "window",
+            ),
+            ("warm prefixes (files of contiguous KV blocks)", warmup is not None),
+            (
+                "a run-time prefix cache (prefix_cache_bytes > 0; contiguous KV blocks)",
+                prefix_cache_bytes > 0,
+            ),
+        )
+        if on
+    ]
+    if used:
+        raise KvedgeError(
+            f"{'; '.join(used)}: not supported for this model's sliding-window ring layers "
+            f"(layers {list(geometry.ring_layers)}, {geometry.ring_len} positions each); turn it off"
+        )
 
 
 def _within(ids: list[int], limit: int | None, what: str) -> list[int]:
