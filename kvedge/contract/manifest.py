@@ -25,7 +25,9 @@ from kvedge.contract.header import Header, decode_json, read_artifact
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 MANIFEST_FORMAT = "kvedge-manifest"
-MANIFEST_VERSION = 2  # 2: rope.unrotated_layers (SmolLM3), which a version-1 reader would re-rotate
+# 2: rope.unrotated_layers (SmolLM3), which a version-1 reader would re-rotate; 3: ring layers and
+# local-layer RoPE (Gemma 3), which a version-2 reader would size full-length or re-rotate wrongly
+MANIFEST_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
