@@ -38,6 +38,7 @@ from kvedge.runtime.backend import (
 )
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
+from kvedge.runtime.sessions import HistoryPolicy
 
 FP16_UNIT = 2.0**-11
 ATOL_SELF = 1e-3  # measured 1.4e-4 (llama), 5e-4 (qwen3): float16 sums in another order; logits ~4
@@ -157,6 +158,24 @@ def test_cache_on_equals_cache_off_and_reuse_equals_reprefill(llama):
             logits, prefill(reference.backend, reference.cache, 0, [ids])[0], atol=ATOL_SELF, rtol=0
         )
         messages.append({"role": "assistant", "content": f"Answer {turn}."})
+
+
+def test_window_eviction_rerotates_float16_keys(llama):
+    """Eviction re-rotates the kept float16 keys in float16 (`rotate_keys`: a product and a sum,
+    each rounded): layer 0 must equal a fresh run over the kept tokens within 4 float16 units of
+    the largest key (measured 1 unit: 0.00195 on keys up to 2.75)."""
+    _, _, fp16 = llama
+    policy = HistoryPolicy(mode="window", n_sink=4, evict_chunk=32)
+    model, reference = Model(fp16, policy=policy), Model(fp16)
+    ids = random_ids(MAX_LEN, seed=11)
+    model.prepare(0, ids)
+    logits = model.prepare(0, ids + random_ids(10, seed=12))
+    kept = [int(t) for t in model.cache.token_ids(0)]
+    assert model.sessions[0].evicted == 32 and np.isfinite(logits).all()
+    prefill(reference.backend, reference.cache, 0, [kept])
+    n = len(kept)
+    got, want = (m.cache.pool[0, :, 0, :, :n].astype(np.float32) for m in (model, reference))
+    np.testing.assert_allclose(got, want, atol=4 * FP16_UNIT * float(np.abs(want).max()), rtol=0)
 
 
 def test_pool_and_planner_count_half_the_float32_bytes(llama):
