@@ -6,7 +6,8 @@
 #      device_tests/split_wheel.sh), check its sha256 (device_tests/onnxruntime_gpu.sha256), and
 #      install it in place of the CPU onnxruntime, without dependencies (the machine has CUDA 13;
 #      it may have no network); install wheels/*.whl of kvedge's dependencies that do not import;
-#   2. run device_tests/ (the CUDA binding, CUDA vs CPU logits within 1e-3, cache on = cache off,
+#   2. run device_tests/ (for the portable and the `--variant ort --kv-dtype float16` exports:
+#      the CUDA binding, CUDA vs CPU logits within 1e-3 (float16 cache: its bound), cache on = off,
 #      decode time at context 1536 vs 64 with and without a CUDA graph, GPU memory vs the
 #      planner; TensorRT tests where TensorRT is present);
 #   3. write the JSON report to ${KVEDGE_DEVICE_REPORT:-device_report.json}.

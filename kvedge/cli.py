@@ -235,7 +235,8 @@ def main(verbose: int) -> None:
     EXPORTED_KV_DTYPES,
     "float32",
     "KV cache dtype. int8: codes plus a float16 scale per token per channel group (with --variant ort "
-    "it runs kvedge's own attention kernel, built at install).",
+    "it runs kvedge's own attention kernel, built at install). float16: --variant ort only, the "
+    "in-place form for --device cuda.",
 )
 @click.option(
     "--kv-group-size",

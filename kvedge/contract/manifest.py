@@ -37,7 +37,8 @@ KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 QUANTIZED_KV_DTYPES = ("int8",)  # stored as codes plus one float16 scale per token per channel group
 KV_SCALE_DTYPE = np.float16
 KV_GROUP_SIZES = (16, 32, 64, 128)
-EXPORTED_KV_DTYPES = ("float32", "int8")  # what `kvedge export --kv-dtype` builds graphs for
+# what `kvedge export --kv-dtype` builds graphs for; float16 with --variant ort only (the CUDA form)
+EXPORTED_KV_DTYPES = ("float32", "float16", "int8")
 # Graph variants: what attention is built from, and whether present K/V alias the past buffers.
 # Manifests written before the field existed load as "portable" (same format version).
 VARIANTS = {"portable": "standard ONNX ops (TensorRT-compatible)", "ort": "onnxruntime fused attention"}

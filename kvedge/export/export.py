@@ -54,14 +54,15 @@ class ExportOptions:
     variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
     weights: str = "float32"  # "float32", "float16" (stored), "int8" or "int4" (weight-only, blocked)
     block_size: int = 32  # quantization block (input features per scale)
-    kv_dtype: str = "float32"  # "float32" or "int8" (codes + per-token float16 scales)
+    # "float32", "float16" (--variant ort: the CUDA in-place form) or "int8" (codes + float16 scales)
+    kv_dtype: str = "float32"
     kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
         self.graph_options()  # validates logits, variant, weights and block size
-        check_kv_dtype(self.kv_dtype)
+        check_kv_dtype(self.kv_dtype, self.variant)
         if self.kv_dtype != "int8" and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 

@@ -46,6 +46,16 @@ GroupQueryAttention takes positions from `seqlens_k` (position of new token i = 
 the same rule as the portable graph), so `position_ids` is not a graph input there. It accepts
 s > 1 with a non-empty past only for batch 1; the runtime splits such calls by row.
 
+`ort` with a float16 cache (`--kv-dtype float16`, the form onnxruntime's CUDA provider runs: its
+GroupQueryAttention kernels take float16/bfloat16 only): the packed QKV is cast to float16 before
+the op and its output back to float32, the cache and the RoPE tables are float16, the rest of the
+graph is unchanged. The cache holds half the float32 cache's bytes; the only error is fp16
+rounding of Q, K, V and the tables. Its seqlens_k and total_sequence_length are made so that the
+decode step can be captured as a CUDA graph (`_GroupQueryAttention`)::
+
+    seqlens_k              = past_lengths + rowlength(input_ids) - 1     [b] int32, on the device
+    total_sequence_length  = max_len                                     constant int32
+
 `ort` with the INT8 cache (`--kv-dtype int8`): GroupQueryAttention's own 8-bit cache has static
 scales only, so attention is kvedge's onnxruntime kernel `kvedge.Int8CacheAttention`
 (`kvedge/runtime/csrc/kvedge_ops.cc`, loaded by the runtime): the same inputs as above plus the
@@ -103,6 +113,7 @@ from kvedge.export.quantize import (
 )
 
 OPSET = 17  # float32 and float16 weights
+HALF_KV_DTYPES = ("float16",)  # caches GroupQueryAttention reads and writes in float16 (`ort` only)
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # longrope: short factors only
@@ -209,10 +220,19 @@ class GraphOptions:
         return self.bits < 16
 
 
-def check_kv_dtype(kv_dtype: str) -> None:
-    """Refuse a cache dtype the graph cannot be built with, naming the allowed ones."""
-    if kv_dtype not in EXPORTED_KV_DTYPES:
-        raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed; allowed: {list(EXPORTED_KV_DTYPES)}")
+def check_kv_dtype(kv_dtype: str, variant: str = "portable") -> None:
+    """Refuse a cache dtype the `variant` graph cannot be built with, naming the allowed ones:
+    float16 only for the `ort` variant (GroupQueryAttention in float16, the onnxruntime CUDA
+    in-place form); the portable graph's attention is float32 over a float32 or int8 cache."""
+    allowed = [d for d in EXPORTED_KV_DTYPES if variant == "ort" or d not in HALF_KV_DTYPES]
+    if kv_dtype in allowed:
+        return
+    if kv_dtype in EXPORTED_KV_DTYPES:
+        raise KvedgeError(
+            f"--kv-dtype {kv_dtype} is built for --variant ort only (the onnxruntime CUDA in-place "
+            f"form); with --variant {variant}, allowed: {allowed}"
+        )
+    raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed with --variant {variant}; allowed: {allowed}")
 
 
 def local_layers(config: Any) -> tuple[int, ...]:
@@ -385,7 +405,7 @@ def build_decoder_graph(
     quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
     (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer."""
     options = options or GraphOptions()
-    check_kv_dtype(geometry.dtype)
+    check_kv_dtype(geometry.dtype, options.variant)
     check_ring(geometry, options.variant)
     if spec.local_layers and local_tables is None:
         raise KvedgeError("sliding-window layers need their RoPE tables (local_tables)")
@@ -518,20 +538,26 @@ class _Decoder:
             self.merged_heads = g.ints(0, 0, -1)
 
     def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray, local_tables=None):
-        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2]; the
+        """The variant's attention (module docstring), sharing the RoPE tables [L, d/2] (float16
+        for GroupQueryAttention over a float16 cache: the op takes them in its own type); the
         sliding-window layers read a ring (portable) or attend through a local window over a full
         length cache (ort), rotated with `local_tables`."""
         g = self.g
+        half = not self.portable and geometry.dtype in HALF_KV_DTYPES
+        table_dtype = np.float16 if half else np.float32
         ring, local = None, {}
         if self.spec.local_layers:
             local = dict(
-                local_cos=g.const("rope.local_cos", local_tables[0]),
-                local_sin=g.const("rope.local_sin", local_tables[1]),
+                local_cos=g.const("rope.local_cos", local_tables[0].astype(table_dtype)),
+                local_sin=g.const("rope.local_sin", local_tables[1].astype(table_dtype)),
                 window=self.spec.window,
             )
         if geometry.ring_layers:  # portable only (`check_ring`)
             ring = _RingSpec(geometry.ring_len, geometry.window, local["local_cos"], local["local_sin"])
-        tables = dict(cos_table=g.const("rope.cos", cos), sin_table=g.const("rope.sin", sin))
+        tables = dict(
+            cos_table=g.const("rope.cos", cos.astype(table_dtype)),
+            sin_table=g.const("rope.sin", sin.astype(table_dtype)),
+        )
         ctx = dict(
             g=g,
             heads=self.spec.num_heads,
@@ -547,7 +573,7 @@ class _Decoder:
             )
         if geometry.quantized:
             return _Int8CacheAttention(**ctx, **tables)
-        return _GroupQueryAttention(**ctx, **tables, **local)
+        return _GroupQueryAttention(**ctx, **tables, **local, half=half)
 
     def w(self, name: str) -> np.ndarray:
         return self.weights[name].astype(np.float32)
@@ -1199,7 +1225,18 @@ class _Int8Codec:
 
 
 class _GroupQueryAttention:
-    """onnxruntime's GroupQueryAttention, past and present sharing one buffer (module docstring)."""
+    """onnxruntime's GroupQueryAttention, past and present sharing one buffer (module docstring).
+
+    `half` (a float16 cache, the onnxruntime CUDA form): Q/K/V are cast to float16 before the op
+    and its output back to float32, the cache and RoPE tables are float16; the rest of the graph
+    is unchanged. Everything the op reads is then fixed in shape and made on the device, so the
+    CUDA provider can capture the decode step as a CUDA graph: seqlens_k comes from the token
+    ids' own row length (ReduceSum of ones), never from a Shape, whose value would sit in host
+    memory and be copied to the device each step; and total_sequence_length, which the CUDA
+    kernel reads on the host, is the constant max_len instead of max(past_lengths) + s, which
+    would be copied from the device each step (a sync no capture can hold). The op then sizes
+    its work from seqlens_k per row; with total > s a prefill counts as a continuation, which
+    it takes for batch 1 only, as the runtime already calls it."""
 
     def __init__(
         self,
@@ -1215,11 +1252,26 @@ class _GroupQueryAttention:
         local_cos=None,
         local_sin=None,
         window=0,
+        half: bool = False,
     ) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
-        self.cos_table, self.sin_table = cos_table, sin_table
+        self.cos_table, self.sin_table, self.half = cos_table, sin_table, half
         # sliding-window layers (Gemma 3): their own tables, and a window over the full cache
         self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
+        if half:
+            ones = g.op(
+                "Cast",
+                [g.op("Equal", [names.input_ids] * 2, "gqa.ones_bool")],
+                "gqa.ones",
+                to=TensorProto.INT32,
+            )  # [b, s]
+            new = g.op("ReduceSum", [ones, g.ints(1)], "gqa.new_tokens", keepdims=0)  # [b] = s
+            past = g.op("Cast", [names.past_lengths], "gqa.past_i32", to=TensorProto.INT32)
+            one = g.const("gqa.one_i32", np.array([1], np.int32))
+            last = g.op("Sub", [new, one], "gqa.s_minus_1")
+            self.seqlens = g.op("Add", [past, last], "gqa.seqlens_k")  # [b] int32
+            self.total = g.const("gqa.total_sequence_length", np.array(length, np.int32))  # scalar
+            return
         s_minus_1 = g.op("Sub", [s_dim, g.ints(1)], "gqa.s_minus_1")
         seqlens = g.op("Add", [names.past_lengths, s_minus_1], "gqa.seqlens_i64")  # [b]
         self.seqlens = g.op("Cast", [seqlens], "gqa.seqlens_k", to=TensorProto.INT32)
@@ -1231,11 +1283,13 @@ class _GroupQueryAttention:
         """Layer i; a sliding-window layer (`local`) attends to the key at its own position and
         the window - 1 before it: local_window_size = window (onnxruntime 1.32 CPU, checked
         against transformers in tests/test_gemma3.py; window - 1 differs by ~2 in the logits)."""
-        g, names = self.g, self.names
+        g, names, p = self.g, self.names, f"model.layers.{i}.attn"
         tables = [self.cos_table, self.sin_table] if rotate else []
         if local:
             tables = [self.local_cos, self.local_sin]
-        return g.op(
+        if self.half:
+            qkv = g.op("Cast", [qkv], f"{p}.qkv16", to=TensorProto.FLOAT16)  # [b, s, (h+2kvh)d]
+        merged = g.op(
             "GroupQueryAttention",
             [
                 qkv,
@@ -1247,9 +1301,9 @@ class _GroupQueryAttention:
                 self.total,
                 *tables,
             ],
-            f"model.layers.{i}.attn.gqa",
+            f"{p}.gqa",
             outputs=[
-                f"model.layers.{i}.attn.merged",  # [b, s, heads*d]
+                f"{p}.merged16" if self.half else f"{p}.merged",  # [b, s, heads*d]
                 names.layer(names.present_key, i),
                 names.layer(names.present_value, i),
             ],
@@ -1261,6 +1315,7 @@ class _GroupQueryAttention:
             rotary_interleaved=0,
             local_window_size=self.window if local else -1,
         )[0]
+        return g.op("Cast", [merged], f"{p}.merged", to=TensorProto.FLOAT) if self.half else merged
 
 
 class _Int8CacheAttention:

@@ -32,13 +32,16 @@ both providers bind from and tests check without a GPU:
   binding's life, which CUDA graph replay needs. Prefill's inputs and outputs are per-call and
   prompt-sized, bound as "cpu": onnxruntime copies them once per call. On Jetson the mapped
   memory is the GPU's own DRAM; on a discrete GPU every cache read crosses PCIe (correct, slow).
-  Only portable graphs run on cuda: `cuda_refusal` says why the in-place ones cannot.
+  Portable graphs and the float16-cache `ort` graph run on cuda (`cuda_refusal` says why the
+  other in-place ones cannot); the latter's GroupQueryAttention writes the new K/V into the
+  mapped pool on the device, so nothing of the cache crosses per step in either direction.
 
 CUDA graph capture of decode (`cuda_graph=True`, cuda only): onnxruntime's CUDA EP option
 `enable_cuda_graph` captures a run and replays it at the same addresses and shapes; each decode
 binding runs with its own `gpu_graph_id` run option (1, 2, ...), prefill with -1 (never
 captured). A graph can be captured only if its shapes and host-side values do not change from
-step to step; `cuda_graph_refusal` says which exports qualify (today: none, see there).
+step to step, and if no step copies between host and device; `cuda_graph_refusal` says which
+exports qualify (the float16-cache `ort` graph only, see there).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ INSTALL_ONNXRUNTIME_GPU = (
     "NVIDIA's Jetson build, docs/JETSON.md)"
 )
 MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
+# the cache dtype of the one in-place export onnxruntime's CUDA provider runs (`cuda_refusal`)
+CUDA_IN_PLACE_KV_DTYPE = "float16"
 # onnxruntime run option selecting a captured CUDA graph; -1: this run is neither captured nor replayed
 CUDA_GRAPH_ID = "gpu_graph_id"
 
@@ -93,28 +98,36 @@ class Bound:
 
 def cuda_refusal(manifest: Manifest) -> str | None:
     """Why this export cannot run on onnxruntime's CUDA provider without copying the cache every
-    step, or None. onnxruntime's CUDA GroupQueryAttention has float16 and bfloat16 kernels only
-    and kvedge's INT8 attention kernel is CPU-only; the `ort` graphs compute in float32, so their
+    step, or None. Portable graphs and the float16-cache `ort` graph (`--kv-dtype float16`) run
+    there. onnxruntime's CUDA GroupQueryAttention has float16 and bfloat16 kernels only and
+    kvedge's INT8 attention kernel is CPU-only, so the float32- and int8-cache `ort` graphs'
     attention would run on the CPU and onnxruntime would copy each layer's whole past to the host
     and the present back every step."""
-    if not manifest.in_place:
+    if not manifest.in_place or manifest.geometry.dtype == CUDA_IN_PLACE_KV_DTYPE:
         return None
     if manifest.uses_kvedge_ops:
         attention = "kvedge's INT8 attention kernel, CPU only"
     else:
-        attention = "GroupQueryAttention in float32, whose CUDA kernels take float16/bfloat16 only"
+        attention = (
+            f"GroupQueryAttention over a {manifest.geometry.dtype} cache, whose CUDA kernels take "
+            "float16/bfloat16 only"
+        )
     return (
         f"--device cuda cannot run this {manifest.variant!r}-variant export: its attention ({attention}) "
-        "would run on the CPU with the whole cache copied every step; export with --variant portable for cuda"
+        "would run on the CPU with the whole cache copied every step; for cuda export with --variant ort "
+        f"--kv-dtype {CUDA_IN_PLACE_KV_DTYPE} (the cache written in place on the device) or "
+        "--variant portable"
     )
 
 
 def cuda_graph_refusal(manifest: Manifest) -> str | None:
     """Why this export's decode step cannot be captured as a CUDA graph, or None. A captured graph
-    replays the capture's kernels at the capture's shapes; a portable graph slices the past to
-    the batch's longest valid length every step (shapes that follow the context), and the
-    in-place graphs do not run on cuda (`cuda_refusal`). An in-place export in float16 would
-    qualify only if its attention's sizes come from device values, not host-side ones."""
+    replays the capture's kernels at the capture's shapes and addresses, and cannot hold a copy
+    between host and device. A portable graph slices the past to the batch's longest valid length
+    every step (shapes that follow the context). The float16-cache `ort` graph qualifies: its
+    decode step binds the whole pool [b, kv_heads, max_len, head_dim] and fixed step buffers, and
+    GroupQueryAttention's inputs are made on the device from those buffers, its one host-side
+    input (total_sequence_length) a constant (kvedge.export.graph `_GroupQueryAttention`)."""
     if not manifest.in_place:
         return (
             "cuda_graph cannot capture a portable graph: it slices the past to the longest valid "
