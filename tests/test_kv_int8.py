@@ -306,6 +306,73 @@ def test_missing_kernel_library_is_named(tmp_path):
         kernels.library_path(tmp_path)
 
 
+def split_decode_layer(threads: int):
+    """One kvedge.Int8CacheAttention node (SmolLM2's heads: 9 query / 3 KV, head_dim 64, scale
+    groups of 32) in its own session on `threads` onnxruntime intra-op threads."""
+    from onnx import TensorProto, helper
+
+    from kvedge.bench.kernel import one_node_session
+    from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN
+
+    def info(name: str, elem: int, shape: list) -> object:
+        return helper.make_tensor_value_info(name, elem, shape)
+
+    cache, scales = ["b", 3, "L", 64], ["b", 3, "L", 2]
+    node = helper.make_node(
+        INT8_ATTENTION_OP,
+        ["qkv", "lengths", "k", "v", "ks", "vs", "cos", "sin"],
+        ["out", "k_out", "v_out", "ks_out", "vs_out"],
+        domain=KVEDGE_OPS_DOMAIN,
+        num_heads=9,
+        kv_num_heads=3,
+    )
+    inputs = [info("qkv", TensorProto.FLOAT, ["b", "s", 15 * 64]), info("lengths", TensorProto.INT64, ["b"])]
+    inputs += [info(n, TensorProto.INT8, cache) for n in ("k", "v")]
+    inputs += [info(n, TensorProto.FLOAT16, scales) for n in ("ks", "vs")]
+    inputs += [info(n, TensorProto.FLOAT, ["P", 32]) for n in ("cos", "sin")]
+    outputs = [info("out", TensorProto.FLOAT, ["b", "s", 9 * 64])]
+    outputs += [info(n, TensorProto.INT8, cache) for n in ("k_out", "v_out")]
+    outputs += [info(n, TensorProto.FLOAT16, scales) for n in ("ks_out", "vs_out")]
+    return one_node_session(node, inputs, outputs, KVEDGE_OPS_DOMAIN, threads)
+
+
+def test_int8_kernel_split_decode_on_threads_matches_exact_attention():
+    """A decode step over long caches (past 1100 and 700 in a batch of 2: the kernel splits each KV
+    head's cache into blocks, runs them on onnxruntime's threads and combines their partial
+    softmaxes) gives the same output on 1 and 3 threads, bit for bit (the split does not depend on
+    the thread count), and equals attention computed in float64 from the cache the op returns
+    (1e-5 relative, as the self-test)."""
+    rng = np.random.default_rng(5)
+    slots, past = 1200, np.array([1100, 700], np.int64)
+    angles = np.arange(slots)[:, None] * 10000.0 ** (-np.arange(32) / 32)
+    feeds = {
+        "qkv": rng.standard_normal((2, 1, 15 * 64), np.float32),
+        "lengths": past,
+        "k": rng.integers(-127, 128, (2, 3, slots, 64)).astype(np.int8),
+        "v": rng.integers(-127, 128, (2, 3, slots, 64)).astype(np.int8),
+        "ks": rng.uniform(0.002, 0.03, (2, 3, slots, 2)).astype(np.float16),
+        "vs": rng.uniform(0.002, 0.03, (2, 3, slots, 2)).astype(np.float16),
+        "cos": np.cos(angles).astype(np.float32),
+        "sin": np.sin(angles).astype(np.float32),
+    }
+    out, k, v, ks, vs = split_decode_layer(1).run(None, feeds)
+    np.testing.assert_array_equal(split_decode_layer(3).run(None, feeds)[0], out)
+    want = np.zeros((2, 9, 64))
+    for r, pos in enumerate(past):
+        q = feeds["qkv"][r, 0, : 9 * 64].reshape(9, 64).astype(np.float64)
+        cos, sin = feeds["cos"][pos], feeds["sin"][pos]
+        q = np.concatenate([q[:, :32] * cos - q[:, 32:] * sin, q[:, 32:] * cos + q[:, :32] * sin], axis=1)
+        for head in range(9):
+            h = head // 3
+            keys = k[r, h, : pos + 1] * np.repeat(ks[r, h, : pos + 1].astype(np.float64), 32, axis=1)
+            values = v[r, h, : pos + 1] * np.repeat(vs[r, h, : pos + 1].astype(np.float64), 32, axis=1)
+            scores = keys @ q[head]
+            probs = np.exp(scores - scores.max())
+            want[r, head] = probs @ values / probs.sum()
+    got = out.reshape(2, 9, 64)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
 CSRC = Path(__file__).resolve().parent.parent / "kvedge" / "runtime" / "csrc"
 
 
@@ -332,8 +399,9 @@ def test_kernel_vector_paths_match_its_scalar_path(tmp_path):
     assert out.count("ok  ") == 60 and "FAIL" not in out
 
 
-# 15 (head_dim, group size) pairs x 3 cache blocks x 5 (rows, positions) shapes, then 11 whole calls
-TILED_CASES = 15 * 3 * 5 + 11
+# 15 (head_dim, group size) pairs x 3 cache blocks x 5 (rows, positions) shapes, then 11 whole
+# calls cut into query tiles or blocks, then 10 decode steps with a split cache
+TILED_CASES = 15 * 3 * 5 + 11 + 10
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
@@ -341,7 +409,9 @@ def test_kernel_tiled_prefill_matches_exact_attention(tmp_path):
     """The prefill path (tiles of query rows against blocks of dequantized cache rows, online
     softmax) against attention computed in double precision (1e-5 relative), at cache blocks of
     16, 36 and the kernel's own, and whole calls cut into work items: ragged last tiles, past
-    lengths that are no multiple of a tile or block, KV groups of 3, 2 and 1, the generic head_dim."""
+    lengths that are no multiple of a tile or block, KV groups of 3, 2 and 1, the generic head_dim;
+    and decode steps whose cache is split into blocks run on 1 to 5 threads, then combined (the
+    op's own split, blocks of 8 to 100 positions, lengths that are no multiple of a block)."""
     out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest", ("tiled",))
     assert out.count("ok  ") == TILED_CASES and "FAIL" not in out
 

@@ -60,6 +60,8 @@ constexpr int kQueryBlock = 12;                   // decode: query rows sharing 
 constexpr int kTileRows = 48;     // prefill: query rows (whole tokens x a KV group's heads) per tile
 constexpr int kKeyBlock = 64;     // prefill: cache positions dequantized at a time for a tile
 constexpr int kMaxRows = kTileRows > kQueryBlock ? kTileRows : kQueryBlock;
+constexpr int64_t kSplitKeys = 256;  // decode: fewest cache positions in a block of a split cache
+constexpr int64_t kSplitItems = 24;  // decode: work items a long enough cache is split into, at least
 
 const OrtApi* g_api = nullptr;
 
@@ -226,6 +228,12 @@ struct Block {
   const half_t* k_scales = nullptr;
   const half_t* v_scales = nullptr;
   int64_t groups = 0;
+  // Decode over one block of a split cache (Work::SplitKeys): where set, row i's softmax is left
+  // unnormalized: top[i] = its largest score in the block (-inf with no valid position), sum[i] =
+  // the sum of e^(score - top[i]), out[i] = the sum of e^(score - top[i]) x V; Work::Combine
+  // merges the blocks. Unset: out[i] is the attention itself.
+  float* top = nullptr;  // [n_rows]
+  float* sum = nullptr;  // [n_rows]
 };
 
 template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
@@ -281,6 +289,11 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
     }
     float tail = 0.0f;
     for (; p < n; ++p) tail += (s[p] = std::exp(s[p] - top));
+    if (b.top != nullptr) {
+      b.top[i] = top;
+      b.sum[i] = Sum(sum) + tail;
+      continue;
+    }
     const float inv = 1.0f / (Sum(sum) + tail);
     for (p = 0; p < n; ++p) s[p] *= inv;
   }
@@ -478,11 +491,16 @@ void AttendAny(int64_t d, const Block& b) {
     }
     float sum = 0.0f;
     for (int64_t p = 0; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
+    if (b.top != nullptr) {
+      b.top[i] = top;
+      b.sum[i] = sum;
+    }
+    const float norm = b.top != nullptr ? 1.0f : sum;  // a block of a split cache: left unnormalized
     float* out = b.out[i];
     std::fill(out, out + d, 0.0f);
     for (int64_t p = 0; p < n; ++p) {
       for (int64_t c = 0; c < d; ++c)
-        out[c] += s[p] / sum * static_cast<float>(b.v_scales[p * b.groups + c / group_size]) * b.v_codes[p * d + c];
+        out[c] += s[p] / norm * static_cast<float>(b.v_scales[p * b.groups + c / group_size]) * b.v_codes[p * d + c];
     }
   }
 }
@@ -544,35 +562,75 @@ struct Work {
   const float *cos, *sin;
   const int8_t *k_codes, *v_codes;
   const half_t *k_scales, *v_scales;
-  int64_t seq, heads, kv_heads, d, groups, slots, width;
+  int64_t batch, seq, heads, kv_heads, d, groups, slots, width;
   bool tiled = false;          // prefill tiles (AttendPrefill) rather than decode blocks (Attend)
-  int64_t rows_per_item = 0;   // query rows of one (row, KV head) per work item
-  int64_t blocks = 0;          // work items per (row, KV head)
+  int64_t rows_per_item = 0;   // query rows of one (row, KV head) per query block
+  int64_t blocks = 0;          // query blocks per (row, KV head)
+  int64_t longest = 0;         // the most cache positions any row attends to
+  int64_t splits = 1;          // decode: cache blocks per query block, each a work item of its own
+  int64_t span = 0;            // decode: cache positions per cache block
+  float* partial = nullptr;    // with splits > 1: per item, [rows_per_item, d] unnormalized outputs,
+                               // [rows_per_item] tops, [rows_per_item] sums (Block::top)
 
-  // How the query rows are cut into work items: a call with more query rows per KV head than one
+  size_t Items() const { return static_cast<size_t>(batch * kv_heads * blocks * splits); }
+
+  // How the query rows are cut into blocks: a call with more query rows per KV head than one
   // decode block (kQueryBlock) attends in tiles of whole tokens (kTileRows rows at most), where
   // the tiles' matrix products beat the row path (measured equal at 12 rows, 2.5x at 48 over 1024
-  // positions); a decode step in blocks of kQueryBlock rows.
-  void Split() {
+  // positions); a decode step in blocks of kQueryBlock rows. A decode step has few query blocks
+  // (one per KV head at batch 1: 3 for SmolLM2, while an Orin has 6-12 cores), so its cache is
+  // also cut into blocks of at least kSplitKeys positions, enough for kSplitItems work items:
+  // the op cannot ask onnxruntime how many threads its pool has (the custom-op C API has no such
+  // call), and a fixed count that several threads divide evenly costs one thread ~nothing.
+  // `partials` holds the cache blocks' partial results, kept across calls.
+  void Split(std::vector<float>* partials) {
     const int64_t group = heads / kv_heads;
     tiled = group * seq > kQueryBlock && group <= kTileRows;
     rows_per_item = tiled ? kTileRows / group * group : kQueryBlock;
     blocks = (group * seq + rows_per_item - 1) / rows_per_item;
+    longest = 0;
+    for (int64_t r = 0; r < batch; ++r) longest = std::max(longest, past[r] + seq);
+    const int64_t units = batch * kv_heads * blocks;
+    const int64_t n = tiled ? 1 : std::min((kSplitItems + units - 1) / units, longest / kSplitKeys);
+    // blocks of whole 8-position sums; a call of no new tokens (longest 0) stays one block
+    SplitKeys(n > 1 ? ((longest + n - 1) / n + 7) / 8 * 8 : std::max<int64_t>(longest, 1), partials);
+  }
+
+  // Decode: cache blocks of `keys` positions (the last one shorter); the self-test picks its own.
+  void SplitKeys(int64_t keys, std::vector<float>* partials) {
+    span = keys;
+    splits = (longest + span - 1) / span;
+    if (splits == 1) return;
+    partials->resize(Items() * rows_per_item * (d + 2));
+    partial = partials->data();
+  }
+
+  // Where query row q (token q / group, head q % group of KV head h) of row r's output goes.
+  float* Out(int64_t r, int64_t h, int64_t q) const {
+    const int64_t group = heads / kv_heads;
+    return y + ((r * seq + q / group) * heads + h * group + q % group) * d;
   }
 
   void Run(size_t item) const {
     thread_local std::vector<float> rows, scores, scratch;  // per thread, kept: steps allocate nothing
-    const int64_t blk = static_cast<int64_t>(item) % blocks, rh = static_cast<int64_t>(item) / blocks;
+    const int64_t part = static_cast<int64_t>(item) % splits, unit = static_cast<int64_t>(item) / splits;
+    const int64_t blk = unit % blocks, rh = unit / blocks;
     const int64_t r = rh / kv_heads, h = rh % kv_heads, group = heads / kv_heads, half = d / 2;
-    const int64_t base = (r * kv_heads + h) * slots, first = blk * rows_per_item;
+    const int64_t first = blk * rows_per_item, start = part * span;
+    const int64_t base = (r * kv_heads + h) * slots + start;  // this KV head's cache, from the block's start
     rows.resize(kMaxRows * d);
     Block block;
     block.n_rows = std::min<int64_t>(rows_per_item, group * seq - first);
+    float* own = splits > 1 ? partial + item * rows_per_item * (d + 2) : nullptr;
     for (int64_t i = 0; i < block.n_rows; ++i) {
       const int64_t t = (first + i) / group, head = h * group + (first + i) % group, pos = past[r] + t;
       Rotate(x + (r * seq + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
-      block.limit[i] = pos + 1;
-      block.out[i] = y + ((r * seq + t) * heads + head) * d;
+      block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : slots);
+      block.out[i] = own != nullptr ? own + i * d : Out(r, h, first + i);
+    }
+    if (own != nullptr) {
+      block.top = own + rows_per_item * d;
+      block.sum = block.top + rows_per_item;
     }
     block.q = rows.data();
     block.stride = slots;
@@ -585,6 +643,33 @@ struct Work {
     if (scores.size() < static_cast<size_t>(rows_per_item * slots)) scores.resize(rows_per_item * slots);
     block.scores = scores.data();
     Attend(d, block, &scratch);
+  }
+
+  // After every item has run, with splits > 1: each query row's attention from its cache blocks'
+  // partial softmaxes, rescaled to the largest of their maxima M (online-softmax style):
+  // out = sum_j e^(top_j - M) out_j / sum_j e^(top_j - M) sum_j. Block 0 holds position 0, so M is
+  // finite; a block with no valid position (top -inf) weighs 0.
+  void Combine() const {
+    if (splits == 1) return;
+    const int64_t group = heads / kv_heads, stride = rows_per_item * (d + 2);
+    for (int64_t unit = 0; unit < batch * kv_heads * blocks; ++unit) {
+      const int64_t first = unit % blocks * rows_per_item, rh = unit / blocks;
+      const float* parts = partial + unit * splits * stride;  // [splits, stride]
+      for (int64_t i = 0; i < std::min<int64_t>(rows_per_item, group * seq - first); ++i) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < splits; ++j) top = std::max(top, parts[j * stride + rows_per_item * d + i]);
+        float* out = Out(rh / kv_heads, rh % kv_heads, first + i);
+        std::fill(out, out + d, 0.0f);
+        for (int64_t j = 0; j < splits; ++j) {
+          const float* part = parts + j * stride;
+          const float weight = std::exp(part[rows_per_item * d + i] - top);
+          total += weight * part[rows_per_item * (d + 1) + i];
+          for (int64_t c = 0; c < d; ++c) out[c] += weight * part[i * d + c];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < d; ++c) out[c] *= inv;
+      }
+    }
   }
 };
 
@@ -665,10 +750,11 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
     }
   }
 
-  // 2. Attention. A work item is one (row, KV head, block of query rows, Work::Split): the block's
-  //    queries (its heads' `group` x the new tokens) go through the cache together, so each cached
-  //    K/V row is read once per block. Items write disjoint outputs and run on onnxruntime's
-  //    intra-op threads.
+  // 2. Attention. A work item is one (row, KV head, block of query rows, Work::Split), and in a
+  //    decode step with a long cache one block of its cache positions: the block's queries (its
+  //    heads' `group` x the new tokens) go through the cache together, so each cached K/V row is
+  //    read once per block. Items write disjoint outputs and run on onnxruntime's intra-op
+  //    threads; the cache blocks' partial results are then combined on this one (Work::Combine).
   Work work;
   work.x = x;
   work.y = y;
@@ -679,6 +765,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   work.v_codes = v_codes;
   work.k_scales = k_scales;
   work.v_scales = v_scales;
+  work.batch = batch;
   work.seq = seq;
   work.heads = heads;
   work.kv_heads = kv_heads;
@@ -686,14 +773,17 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   work.groups = groups;
   work.slots = slots;
   work.width = width;
-  work.Split();
-  const size_t items = static_cast<size_t>(batch * kv_heads * work.blocks);
+  thread_local std::vector<float> partials;
+  work.Split(&partials);
+  const size_t items = work.Items();
   if (items == 1) {
     work.Run(0);
     return nullptr;
   }
-  return g_api->KernelContext_ParallelFor(
-      ctx, [](void* data, size_t item) { static_cast<const Work*>(data)->Run(item); }, items, 0, &work);
+  KV_RETURN_IF_ERROR(g_api->KernelContext_ParallelFor(
+      ctx, [](void* data, size_t item) { static_cast<const Work*>(data)->Run(item); }, items, 0, &work));
+  work.Combine();
+  return nullptr;
 }
 
 // ---- OrtCustomOp plumbing (C API) ----
@@ -776,6 +866,6 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 }
 
 // The library's format version: the Python side refuses a library built from other sources.
-__attribute__((visibility("default"))) int kvedge_ops_version() { return 2; }
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 3; }
 
 }  // extern "C"

@@ -3,15 +3,19 @@
 // random caches. With no argument, the decode path (Attend) with decode-like and prefill-like
 // query blocks; with `tiled`, the prefill path (AttendPrefill) at several cache block sizes, row
 // counts and lengths, and whole calls cut into work items (Work) of several tile sizes, ragged
-// last tiles and past lengths that are no multiple of a tile. Built and run by
+// last tiles and past lengths that are no multiple of a tile, and decode steps whose cache is
+// split into blocks (the op's own split and blocks of our own, lengths that are no multiple of a
+// block, blocks a row has no position in) run on several threads. Built and run by
 // tests/test_kv_int8.py (natively, and for aarch64 under qemu when a cross compiler is present).
 // Prints one line per case and exits non-zero on the first mismatch.
 
 #include "kvedge_ops.cc"
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <thread>
 
 namespace {
 
@@ -90,10 +94,12 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb
   return ok ? 0 : 1;
 }
 
-// A whole call's attention as the op runs it (Work, its items in turn) against AttendExact one
+// A whole call's attention as the op runs it (Work: its items on `threads` threads taking the
+// next item as they finish, as onnxruntime's pool does, then Combine) against AttendExact one
 // query row at a time: batch 2 rows with different past lengths, `seq` new tokens each.
+// rows_per_item / keys: a query block / cache block of our own instead of the op's (0: the op's).
 int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, int64_t seq, int64_t past0,
-              bool tiled, int64_t rows_per_item, std::mt19937* rng) {
+              bool tiled, int64_t rows_per_item, int64_t keys, int threads, std::mt19937* rng) {
   const int64_t batch = 2, slots = past0 + 9 + seq, groups = d / group_size, width = (heads + 2 * kv_heads) * d;
   const int64_t past[batch] = {past0, past0 + 9};
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -121,6 +127,7 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   work.v_codes = v.data();
   work.k_scales = ks.data();
   work.v_scales = vs.data();
+  work.batch = batch;
   work.seq = seq;
   work.heads = heads;
   work.kv_heads = kv_heads;
@@ -128,13 +135,24 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   work.groups = groups;
   work.slots = slots;
   work.width = width;
-  work.Split();
+  std::vector<float> partials;
+  work.Split(&partials);
   if (rows_per_item) {  // a tile size of our own instead of the op's
     work.tiled = tiled;
     work.rows_per_item = rows_per_item;
     work.blocks = (heads / kv_heads * seq + rows_per_item - 1) / rows_per_item;
+    work.SplitKeys(work.longest, &partials);
   }
-  for (int64_t item = 0; item < batch * kv_heads * work.blocks; ++item) work.Run(static_cast<size_t>(item));
+  if (keys) work.SplitKeys(keys, &partials);
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&] {
+      for (size_t item; (item = next++) < work.Items();) work.Run(item);
+    });
+  }
+  for (std::thread& thread : pool) thread.join();
+  work.Combine();
   for (int64_t r = 0; r < batch; ++r) {
     for (int64_t t = 0; t < seq; ++t) {
       for (int64_t head = 0; head < heads; ++head) {
@@ -164,9 +182,10 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
     scale = std::max(scale, std::fabs(want[i]));
   }
   const bool ok = worst <= 1e-5f * std::max(1.0f, scale);
-  std::printf("%s work items (%s, %lld rows each): head_dim %lld group %lld heads %lld/%lld new %lld past %lld, "
-              "%lld: max |diff| %.3g\n",
+  std::printf("%s work items (%s, %lld rows each, %lld cache blocks of %lld, %d threads): head_dim %lld group %lld "
+              "heads %lld/%lld new %lld past %lld, %lld: max |diff| %.3g\n",
               ok ? "ok  " : "FAIL", work.tiled ? "tiled" : "decode blocks", static_cast<long long>(work.rows_per_item),
+              static_cast<long long>(work.splits), static_cast<long long>(work.span), threads,
               static_cast<long long>(d), static_cast<long long>(group_size), static_cast<long long>(heads),
               static_cast<long long>(kv_heads), static_cast<long long>(seq), static_cast<long long>(past[0]),
               static_cast<long long>(past[1]), worst);
@@ -203,19 +222,33 @@ int main(int argc, char** argv) {
   // whole calls: SmolLM2's heads, a KV group of 2 and of 1, head_dim 16 (the generic path); the op's
   // own split and tiles of 1, 2 and 5 tokens; new tokens that leave the last tile ragged; past
   // lengths that are no multiple of a tile or a cache block
+  // Then decode steps with a split cache: the op's own split of a long cache (4 blocks of 504 at
+  // batch 2) on 1, 2 and 3 threads; blocks of 37 and 40 positions ending mid-way in both rows;
+  // blocks of 16 with 3 new tokens (rows of different lengths; the last block holds no position
+  // of batch row 0); blocks of 8; KV groups of 2 and 1; head_dim 16 (the generic path, split by the op).
   struct Case {
     int64_t d, gs, heads, kv_heads, seq, past;
     bool tiled;
-    int64_t rows_per_item;
+    int64_t rows_per_item, keys;
+    int threads;
   };
   const Case cases[] = {
-      {64, 32, 9, 3, 50, 0, true, 0},  {64, 32, 9, 3, 50, 70, true, 0}, {64, 32, 9, 3, 17, 5, true, 3},
-      {64, 32, 9, 3, 17, 5, true, 6},  {64, 32, 9, 3, 17, 130, true, 15}, {64, 32, 9, 3, 1, 70, false, 0}, {64, 32, 9, 3, 17, 5, false, 12},
-      {64, 32, 9, 3, 3, 70, false, 0}, {32, 16, 2, 1, 37, 11, true, 0},  {32, 16, 4, 4, 29, 64, true, 0},
-      {16, 16, 4, 2, 20, 3, true, 0},
+      {64, 32, 9, 3, 50, 0, true, 0, 0, 1},    {64, 32, 9, 3, 50, 70, true, 0, 0, 1},
+      {64, 32, 9, 3, 17, 5, true, 3, 0, 1},    {64, 32, 9, 3, 17, 5, true, 6, 0, 1},
+      {64, 32, 9, 3, 17, 130, true, 15, 0, 1}, {64, 32, 9, 3, 1, 70, false, 0, 0, 1},
+      {64, 32, 9, 3, 17, 5, false, 12, 0, 1},  {64, 32, 9, 3, 3, 70, false, 0, 0, 1},
+      {32, 16, 2, 1, 37, 11, true, 0, 0, 1},   {32, 16, 4, 4, 29, 64, true, 0, 0, 1},
+      {16, 16, 4, 2, 20, 3, true, 0, 0, 1},
+      {64, 32, 9, 3, 1, 2000, false, 0, 0, 1}, {64, 32, 9, 3, 1, 2000, false, 0, 0, 2},
+      {64, 32, 9, 3, 1, 2000, false, 0, 0, 3}, {64, 32, 9, 3, 1, 300, false, 0, 37, 2},
+      {64, 32, 9, 3, 1, 301, false, 0, 40, 3}, {64, 32, 9, 3, 3, 70, false, 0, 16, 4},
+      {64, 16, 9, 3, 1, 131, false, 0, 8, 5},  {32, 16, 4, 2, 2, 1000, false, 0, 100, 2},
+      {128, 64, 4, 4, 1, 700, false, 0, 0, 2}, {16, 16, 4, 2, 1, 600, false, 0, 0, 2},
   };
   for (const Case& c : cases) {
-    if (CheckWork(c.d, c.gs, c.heads, c.kv_heads, c.seq, c.past, c.tiled, c.rows_per_item, &rng)) return 1;
+    if (CheckWork(c.d, c.gs, c.heads, c.kv_heads, c.seq, c.past, c.tiled, c.rows_per_item, c.keys, c.threads,
+                  &rng))
+      return 1;
   }
   return 0;
 }
