@@ -10,9 +10,11 @@ Tolerances are test_parity's (float32 cache) and test_kv_int8's (INT8 cache).
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from conftest import random_ids
+from onnx import helper
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -221,12 +223,52 @@ def test_ort_variant_windows_a_full_length_cache(gemma, hf, tmp_path):
     got = [prefill(model.backend, model.cache, 0, [ids[:100]])[0]]
     got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[100:]]
     np.testing.assert_allclose(np.stack(got)[:-1], hf_logits(hf, ids)[99:-1], atol=ATOL, rtol=0)
-    with pytest.raises(
-        KvedgeError, match="--variant ort with --kv-dtype int8 does not support sliding-window"
-    ):
-        export_model(
-            gemma[0], tmp_path / "ort8", ExportOptions(max_len=MAX_LEN, variant="ort", kv_dtype="int8")
+
+
+def test_ort_int8_kernel_windows_a_full_length_cache(gemma, hf, tmp_path):
+    """`--variant ort --kv-dtype int8`: kvedge's INT8 kernel with local_window_size = window on the
+    local layers (their own RoPE tables), every cache full length. Through prefill chunks that
+    straddle the window's start and batched decode far past the window (and the portable ring),
+    it equals the portable INT8 graph, whose rings hold the same codes, at test_kv_int8's
+    tolerance, and tracks transformers as test_kv_int8 bounds the INT8 cache (KL, top-1)."""
+    export_model(gemma[0], tmp_path / "ort8", ExportOptions(max_len=MAX_LEN, variant="ort", kv_dtype="int8"))
+    model, portable = Model(tmp_path / "ort8", slots=2), Model(gemma[2], slots=2)
+    g = model.manifest.geometry
+    assert g.ring_layers == () and model.cache.nbytes == g.pool_bytes(2)
+    graph = onnx.load(tmp_path / "ort8" / "model.onnx", load_external_data=False)
+    windows = [
+        helper.get_attribute_value(a)
+        for node in graph.graph.node
+        if node.op_type == "Int8CacheAttention"
+        for a in node.attribute
+        if a.name == "local_window_size"
+    ]
+    assert windows == [8, -1, 8]  # tests/tiny.py: layers 0 and 2 local
+    ids, other = random_ids(200, seed=8), random_ids(60, seed=9)
+    for slot, prompt, chunk in ((0, ids[:100], 13), (1, other[:30], 64)):
+        np.testing.assert_allclose(
+            prefill(model.backend, model.cache, slot, [prompt], chunk=chunk),
+            prefill(portable.backend, portable.cache, slot, [prompt], chunk=chunk),
+            atol=INT8_ATOL,
+            rtol=0,
         )
+    got = []
+    for n in range(100, 200):
+        rows = [ids[n], other[30 + n % 30]]
+        step = decode_one_token(model.backend, model.cache, 0, rows)
+        np.testing.assert_allclose(
+            step, decode_one_token(portable.backend, portable.cache, 0, rows), atol=INT8_ATOL, rtol=0
+        )
+        got.append(step[0])
+    a, b = hf_logits(hf, ids)[100:], np.array(got)
+    la, lb = (
+        x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (a.astype(np.float64), b.astype(np.float64))
+    )
+    kl = (np.exp(la) * (la - lb)).sum(-1)
+    assert kl.mean() < 1e-3, kl.mean()  # test_kv_int8's bound; measured 3.6e-5 (window 7: 0.05)
+    # measured 0.95 here (the portable INT8 graph's too: near-tie logits of a random tiny model),
+    # so test_kv_int8's eval-kv bound rather than its 0.95 (window 7: 0.44)
+    assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() >= 0.9
 
 
 def test_features_without_ring_support_are_refused_by_name(gemma, tmp_path):

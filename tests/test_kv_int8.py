@@ -50,6 +50,7 @@ INT8_CASES = [
     ("phi3", 0, "ort"),
     ("smollm3", 0, "portable"),
     ("smollm3", 0, "ort"),
+    ("gemma3", 0, "ort"),  # sliding-window layers (window 8): the kernel's local_window_size
 ]
 HEAD_DIMS = {  # config overrides giving the named head_dim
     "hd32": {"num_attention_heads": 2, "num_key_value_heads": 1},
@@ -62,7 +63,10 @@ def export_int8(root, case: tuple[str, int, str]):
     family, group, variant = case
     overrides = HEAD_DIMS.get(family.partition("-")[2], {})
     source = make_tiny_model(root / "hf", family.split("-")[0], **overrides)
-    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN))
+    # the float32 reference in the INT8 export's cache layout: Gemma 3's portable graph keeps its
+    # sliding-window layers in rings, the ort variant full length
+    reference = variant if family == "gemma3" else "portable"
+    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN, variant=reference))
     options = ExportOptions(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=group, variant=variant)
     export_model(source, root / "int8", options)
     return root / "fp", root / "int8"
@@ -396,12 +400,15 @@ def test_kernel_vector_paths_match_its_scalar_path(tmp_path):
     channel-at-a-time path (`csrc/selftest.cc`; 1e-5 relative: float summation order only), built
     for this machine's CPU."""
     out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest")
-    assert out.count("ok  ") == 60 and "FAIL" not in out
+    assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
-# 15 (head_dim, group size) pairs x 3 cache blocks x 5 (rows, positions) shapes, then 11 whole
-# calls cut into query tiles or blocks, then 10 decode steps with a split cache
-TILED_CASES = 15 * 3 * 5 + 11 + 10
+# 15 (head_dim, group size) pairs x 8 (rows, positions, window) shapes, 4 of them windowed
+DECODE_CASES = 15 * 8
+# 15 (head_dim, group size) pairs x 3 cache blocks x 9 (rows, positions, window) shapes (4 of them
+# windowed), then 11 whole calls cut into query tiles or blocks, 10 decode steps with a split
+# cache, and 15 whole calls with a sliding window (6 prefills, 9 decode steps)
+TILED_CASES = 15 * 3 * 9 + 11 + 10 + 15
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
@@ -425,7 +432,7 @@ def test_kernel_neon_path_matches_its_scalar_path(tmp_path):
     under qemu."""
     compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
     out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64")
-    assert out.count("ok  ") == 60 and "FAIL" not in out
+    assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
 @pytest.mark.skipif(

@@ -78,8 +78,8 @@ angle 0. Gemma 3's (1 + w) norms are folded into the weights, its extra norms an
 ops around attention; its sliding-window layers are where attention differs: the portable graph
 reads them from ring-buffer caches of window + margin slots through a mask derived from the valid
 length (`_PortableAttention._ring`, docs/ARCHITECTURE.md "Ring-buffer layers"), the ort graph
-keeps them full length with GroupQueryAttention's local_window_size; both with their own RoPE
-tables. The INT8 kernel has no window, so ort + INT8 refuses them.
+keeps them full length with GroupQueryAttention's local_window_size, or over the INT8 cache the
+kernel's attribute of the same name and meaning; all with their own RoPE tables.
 """
 
 from __future__ import annotations
@@ -414,11 +414,6 @@ def build_decoder_graph(
             f"ring layers {list(geometry.ring_layers)} are not the model's sliding-window layers "
             f"{list(spec.local_layers)}"
         )
-    if spec.local_layers and geometry.quantized and options.variant == "ort":
-        raise KvedgeError(
-            "--variant ort with --kv-dtype int8 does not support sliding-window layers (Gemma 3): "
-            "kvedge's INT8 attention kernel has no window; use --variant portable"
-        )
     prepared = _prepare_weights(spec, geometry, weights)
     decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {}, local_tables)
     hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
@@ -572,7 +567,7 @@ class _Decoder:
                 **ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size, ring=ring
             )
         if geometry.quantized:
-            return _Int8CacheAttention(**ctx, **tables)
+            return _Int8CacheAttention(**ctx, **tables, **local)
         return _GroupQueryAttention(**ctx, **tables, **local, half=half)
 
     def w(self, name: str) -> np.ndarray:
@@ -1322,23 +1317,43 @@ class _Int8CacheAttention:
     """kvedge's own onnxruntime kernel (`kvedge/runtime/csrc/kvedge_ops.cc`): GroupQueryAttention's
     counterpart over the INT8 cache, past and present sharing one buffer per tensor."""
 
-    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, cos_table, sin_table) -> None:
+    def __init__(
+        self,
+        g,
+        heads,
+        kv_heads,
+        d,
+        length,
+        names,
+        s_dim,
+        cos_table,
+        sin_table,
+        local_cos=None,
+        local_sin=None,
+        window=0,
+    ) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
         self.cos_table, self.sin_table = cos_table, sin_table
+        # sliding-window layers (Gemma 3): their own tables, and a window over the full cache
+        self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
         self.identity_shape = (length, d // 2)
         self.identity: list[str] = []
 
-    def layer(self, i: int, qkv: str, rotate: bool = True) -> str:
+    def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
+        """Layer i; a sliding-window layer (`local`) attends as GroupQueryAttention's does: to the
+        key at its own position and the window - 1 before it (local_window_size = window)."""
         g, names = self.g, self.names
         past = [names.layer(t, i) for t in names.past(True)]  # K, V codes, K, V scales
+        tables = [self.local_cos, self.local_sin] if local else self.tables(rotate)
         return g.op(
             INT8_ATTENTION_OP,
-            [qkv, names.past_lengths, *past, *self.tables(rotate)],
+            [qkv, names.past_lengths, *past, *tables],
             f"model.layers.{i}.attn.int8",
             outputs=[f"model.layers.{i}.attn.merged", *[names.layer(t, i) for t in names.present(True)]],
             domain=KVEDGE_OPS_DOMAIN,
             num_heads=self.heads,
             kv_num_heads=self.kv_heads,
+            local_window_size=self.window if local else -1,
         )[0]
 
     def tables(self, rotate: bool) -> list[str]:

@@ -26,7 +26,9 @@
 //   1..4             the cache tensors of inputs 2..5, same shapes, with the new tokens written.
 //                    Bind each to the same buffer as its input (in place); otherwise the input is
 //                    copied first.
-// Attributes: num_heads, kv_num_heads (int).
+// Attributes: num_heads, kv_num_heads (int); local_window_size (int, optional, default -1: none):
+// a sliding window as GroupQueryAttention's, where the query at position q attends to the keys at
+// q - local_window_size + 1 .. q only (Gemma 3's local layers; the cache stays full length).
 
 #include <onnxruntime_c_api.h>
 
@@ -110,6 +112,7 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 struct Kernel {
   int64_t heads = 0;
   int64_t kv_heads = 0;
+  int64_t window = -1;  // local_window_size: keys per query, itself included; -1: all before it
 
   OrtStatus* Compute(OrtKernelContext* context);
 };
@@ -218,7 +221,8 @@ inline F Exp(F x) {
 
 struct Block {
   int64_t n_rows = 0;
-  int64_t limit[kMaxRows];   // row i attends to cache positions [0, limit[i])
+  int64_t first[kMaxRows] = {};  // row i attends to cache positions [first[i], limit[i]): a
+  int64_t limit[kMaxRows];       // sliding window starts past 0 (first[i] >= limit[i]: none)
   float* out[kMaxRows];      // where row i's context vector goes
   const float* q = nullptr;  // [n_rows, d] rotated queries
   float* scores = nullptr;   // [n_rows, stride] (the decode path's)
@@ -239,13 +243,16 @@ struct Block {
 template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
 void AttendD(const Block& b, std::vector<float>* scratch) {
   constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;  // vectors per row, per group
-  int64_t longest = 0;
-  for (int64_t i = 0; i < b.n_rows; ++i) longest = std::max(longest, b.limit[i]);
+  int64_t earliest = INT64_MAX, longest = 0;  // positions before every row's window are never read
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    earliest = std::min(earliest, b.first[i]);
+    longest = std::max(longest, b.limit[i]);
+  }
   scratch->resize(kPosBlock * D);
   float* buf = scratch->data();
 
   // scores[i, p] = sum over groups g of k_scale[p, g] * (q_i . codes_k[p]) over g's channels
-  for (int64_t p0 = 0; p0 < longest; p0 += kPosBlock) {
+  for (int64_t p0 = earliest; p0 < longest; p0 += kPosBlock) {
     const int64_t np = std::min(kPosBlock, longest - p0);
     for (int64_t p = 0; p < np; ++p)
       for (int v = 0; v < V; ++v) Store(buf + p * D + v * 8, Codes(b.k_codes + (p0 + p) * D + v * 8));
@@ -265,7 +272,7 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
         }
         return total;
       };
-      int64_t p = 0;
+      int64_t p = std::max<int64_t>(b.first[i] - p0, 0);
       for (; p + 8 <= valid; p += 8) {  // 8 positions' sums reduced together
         v8f t[8];
         for (int j = 0; j < 8; ++j) t[j] = dot(p + j);
@@ -274,14 +281,14 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       for (; p < valid; ++p) s[p] = Sum(dot(p));
     }
   }
-  // softmax over each row's [0, limit)
+  // softmax over each row's [first, limit)
   for (int64_t i = 0; i < b.n_rows; ++i) {
     float* s = b.scores + i * b.stride;
     const int64_t n = b.limit[i];
     float top = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) top = std::max(top, s[p]);
+    for (int64_t p = b.first[i]; p < n; ++p) top = std::max(top, s[p]);
     v8f sum{};
-    int64_t p = 0;
+    int64_t p = b.first[i];
     for (; p + 8 <= n; p += 8) {
       const v8f e = Exp(Load(s + p) - top);
       Store(s + p, e);
@@ -295,13 +302,13 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       continue;
     }
     const float inv = 1.0f / (Sum(sum) + tail);
-    for (p = 0; p < n; ++p) s[p] *= inv;
+    for (p = b.first[i]; p < n; ++p) s[p] *= inv;
   }
   // out_i = sum over p of probs[i, p] * v_scale[p, g] * codes_v[p] (channels of group g)
   v8f acc[kQueryBlock][V];
   for (int64_t i = 0; i < b.n_rows; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = v8f{};
-  for (int64_t p0 = 0; p0 < longest; p0 += kPosBlock) {
+  for (int64_t p0 = earliest; p0 < longest; p0 += kPosBlock) {
     const int64_t np = std::min(kPosBlock, longest - p0);
     for (int64_t p = 0; p < np; ++p)
       for (int v = 0; v < V; ++v) Store(buf + p * D + v * 8, Codes(b.v_codes + (p0 + p) * D + v * 8));
@@ -310,7 +317,7 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       const int64_t valid = std::min(np, b.limit[i] - p0);
       v8f a[V];
       for (int v = 0; v < V; ++v) a[v] = acc[i][v];
-      for (int64_t p = 0; p < valid; ++p) {
+      for (int64_t p = std::max<int64_t>(b.first[i] - p0, 0); p < valid; ++p) {
         const float* val = buf + p * D;
         const half_t* scale = b.v_scales + (p0 + p) * groups;
         for (int g = 0; g < groups; ++g) {
@@ -366,25 +373,29 @@ void AttendTiled(const Block& b, std::vector<float>* scratch) {
   constexpr int groups = D / GS, per_group = GS / 8, kChannelChunk = 32;
   constexpr int KP = (KB + pt - 1) / pt * pt;  // K rows, padded to whole S tiles
   const int64_t n = b.n_rows, n_strips = (n + strip - 1) / strip * strip, n_vec = (n + kLanes - 1) / kLanes * kLanes;
-  scratch->resize(D * R + (KP + KB) * D + KP * R + R * D + 4 * R);
+  scratch->resize(D * R + (KP + KB) * D + KP * R + R * D + 5 * R);
   float* qt = scratch->data();  // [D, R] queries, transposed
   float* kf = qt + D * R;       // [KP, D] dequantized K of the block
   float* vf = kf + KP * D;      // [KB, D] dequantized V
   float* st = vf + KB * D;      // [KP, R] scores, then probabilities
   float* o = st + KP * R;       // [R, D] unnormalized outputs
-  float *m = o + R * D, *l = m + R, *lim = l + R, *corr = lim + R;  // [R] each
-  int64_t longest = 0;
+  float *m = o + R * D, *l = m + R, *lo = l + R, *lim = lo + R, *corr = lim + R;  // [R] each
+  int64_t earliest = INT64_MAX, longest = 0;  // blocks before every row's window are skipped
   for (int64_t i = 0; i < R; ++i) {  // padding rows: zero queries, no position valid
     for (int c = 0; c < D; ++c) qt[c * R + i] = i < n ? b.q[i * D + c] : 0.0f;
     m[i] = -INFINITY;
     l[i] = corr[i] = 0.0f;
+    lo[i] = i < n ? static_cast<float>(b.first[i]) : 0.0f;
     lim[i] = i < n ? static_cast<float>(b.limit[i]) : 0.0f;
-    if (i < n) longest = std::max(longest, b.limit[i]);
+    if (i < n) {
+      earliest = std::min(earliest, b.first[i]);
+      longest = std::max(longest, b.limit[i]);
+    }
   }
   std::fill(o, o + R * D, 0.0f);
   std::fill(st, st + KP * R, 0.0f);
   const vw minus_inf = SplatW(-INFINITY);
-  for (int64_t p0 = 0; p0 < longest; p0 += KB) {
+  for (int64_t p0 = earliest; p0 < longest; p0 += KB) {
     const int64_t np = std::min<int64_t>(KB, longest - p0), np_tiles = (np + pt - 1) / pt * pt;
     for (int64_t p = 0; p < np; ++p) {
       const int8_t *kc = b.k_codes + (p0 + p) * D, *vc = b.v_codes + (p0 + p) * D;
@@ -421,13 +432,15 @@ void AttendTiled(const Block& b, std::vector<float>* scratch) {
         }
       }
     }
-    // online softmax, a vector of rows at a time: positions at or past a row's limit are masked out
+    // online softmax, a vector of rows at a time: positions before a row's first or at or past its
+    // limit are masked out
     for (int64_t i0 = 0; i0 < n_vec; i0 += kLanes) {
-      const vw limit = LoadW(lim + i0), before = LoadW(m + i0);
+      const vw start = LoadW(lo + i0), limit = LoadW(lim + i0), before = LoadW(m + i0);
       vw top = before;
       for (int64_t p = 0; p < np; ++p) {
         vw s = LoadW(st + p * R + i0);
-        s = SplatW(static_cast<float>(p0 + p)) < limit ? s : minus_inf;
+        const vw at = SplatW(static_cast<float>(p0 + p));
+        s = (at >= start) & (at < limit) ? s : minus_inf;
         StoreW(st + p * R + i0, s);
         top = s > top ? s : top;
       }
@@ -480,7 +493,7 @@ void AttendAny(int64_t d, const Block& b) {
     float* s = b.scores + i * b.stride;
     const int64_t n = b.limit[i];
     float top = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) {
+    for (int64_t p = b.first[i]; p < n; ++p) {
       float total = 0.0f;
       for (int64_t g = 0; g < b.groups; ++g) {
         float dot = 0.0f;
@@ -490,7 +503,7 @@ void AttendAny(int64_t d, const Block& b) {
       top = std::max(top, s[p] = total);
     }
     float sum = 0.0f;
-    for (int64_t p = 0; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
+    for (int64_t p = b.first[i]; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
     if (b.top != nullptr) {
       b.top[i] = top;
       b.sum[i] = sum;
@@ -498,7 +511,7 @@ void AttendAny(int64_t d, const Block& b) {
     const float norm = b.top != nullptr ? 1.0f : sum;  // a block of a split cache: left unnormalized
     float* out = b.out[i];
     std::fill(out, out + d, 0.0f);
-    for (int64_t p = 0; p < n; ++p) {
+    for (int64_t p = b.first[i]; p < n; ++p) {
       for (int64_t c = 0; c < d; ++c)
         out[c] += s[p] / norm * static_cast<float>(b.v_scales[p * b.groups + c / group_size]) * b.v_codes[p * d + c];
     }
@@ -563,10 +576,12 @@ struct Work {
   const int8_t *k_codes, *v_codes;
   const half_t *k_scales, *v_scales;
   int64_t batch, seq, heads, kv_heads, d, groups, slots, width;
+  int64_t window = -1;         // Kernel::window
   bool tiled = false;          // prefill tiles (AttendPrefill) rather than decode blocks (Attend)
   int64_t rows_per_item = 0;   // query rows of one (row, KV head) per query block
   int64_t blocks = 0;          // query blocks per (row, KV head)
-  int64_t longest = 0;         // the most cache positions any row attends to
+  int64_t origin = 0;          // the first cache position any row attends to (past 0 with a window)
+  int64_t longest = 0;         // the end of the cache positions any row attends to
   int64_t splits = 1;          // decode: cache blocks per query block, each a work item of its own
   int64_t span = 0;            // decode: cache positions per cache block
   float* partial = nullptr;    // with splits > 1: per item, [rows_per_item, d] unnormalized outputs,
@@ -589,17 +604,25 @@ struct Work {
     rows_per_item = tiled ? kTileRows / group * group : kQueryBlock;
     blocks = (group * seq + rows_per_item - 1) / rows_per_item;
     longest = 0;
-    for (int64_t r = 0; r < batch; ++r) longest = std::max(longest, past[r] + seq);
-    const int64_t units = batch * kv_heads * blocks;
-    const int64_t n = tiled ? 1 : std::min((kSplitItems + units - 1) / units, longest / kSplitKeys);
+    origin = INT64_MAX;
+    for (int64_t r = 0; r < batch; ++r) {
+      longest = std::max(longest, past[r] + seq);
+      origin = std::min(origin, First(past[r]));
+    }
+    const int64_t units = batch * kv_heads * blocks, n_keys = longest - origin;
+    const int64_t n = tiled ? 1 : std::min((kSplitItems + units - 1) / units, n_keys / kSplitKeys);
     // blocks of whole 8-position sums; a call of no new tokens (longest 0) stays one block
-    SplitKeys(n > 1 ? ((longest + n - 1) / n + 7) / 8 * 8 : std::max<int64_t>(longest, 1), partials);
+    SplitKeys(n > 1 ? ((n_keys + n - 1) / n + 7) / 8 * 8 : std::max<int64_t>(n_keys, 1), partials);
   }
 
-  // Decode: cache blocks of `keys` positions (the last one shorter); the self-test picks its own.
+  // The first cache position the query at position `pos` attends to.
+  int64_t First(int64_t pos) const { return window > 0 ? std::max<int64_t>(pos + 1 - window, 0) : 0; }
+
+  // Decode: cache blocks of `keys` positions from `origin` (the last one shorter); the self-test
+  // picks its own.
   void SplitKeys(int64_t keys, std::vector<float>* partials) {
     span = keys;
-    splits = (longest + span - 1) / span;
+    splits = (longest - origin + span - 1) / span;
     if (splits == 1) return;
     partials->resize(Items() * rows_per_item * (d + 2));
     partial = partials->data();
@@ -616,7 +639,7 @@ struct Work {
     const int64_t part = static_cast<int64_t>(item) % splits, unit = static_cast<int64_t>(item) / splits;
     const int64_t blk = unit % blocks, rh = unit / blocks;
     const int64_t r = rh / kv_heads, h = rh % kv_heads, group = heads / kv_heads, half = d / 2;
-    const int64_t first = blk * rows_per_item, start = part * span;
+    const int64_t first = blk * rows_per_item, start = origin + part * span;
     const int64_t base = (r * kv_heads + h) * slots + start;  // this KV head's cache, from the block's start
     rows.resize(kMaxRows * d);
     Block block;
@@ -625,7 +648,8 @@ struct Work {
     for (int64_t i = 0; i < block.n_rows; ++i) {
       const int64_t t = (first + i) / group, head = h * group + (first + i) % group, pos = past[r] + t;
       Rotate(x + (r * seq + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
-      block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : slots);
+      block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : slots - start);
+      block.first[i] = std::min(std::max<int64_t>(First(pos) - start, 0), block.limit[i]);
       block.out[i] = own != nullptr ? own + i * d : Out(r, h, first + i);
     }
     if (own != nullptr) {
@@ -647,8 +671,8 @@ struct Work {
 
   // After every item has run, with splits > 1: each query row's attention from its cache blocks'
   // partial softmaxes, rescaled to the largest of their maxima M (online-softmax style):
-  // out = sum_j e^(top_j - M) out_j / sum_j e^(top_j - M) sum_j. Block 0 holds position 0, so M is
-  // finite; a block with no valid position (top -inf) weighs 0.
+  // out = sum_j e^(top_j - M) out_j / sum_j e^(top_j - M) sum_j. Some block holds the row's own
+  // position, so M is finite; a block with no valid position (top -inf) weighs 0.
   void Combine() const {
     if (splits == 1) return;
     const int64_t group = heads / kv_heads, stride = rows_per_item * (d + 2);
@@ -773,6 +797,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   work.groups = groups;
   work.slots = slots;
   work.width = width;
+  work.window = window;
   thread_local std::vector<float> partials;
   work.Split(&partials);
   const size_t items = work.Items();
@@ -805,6 +830,15 @@ OrtStatusPtr ORT_API_CALL CreateKernelV2(const OrtCustomOp*, const OrtApi* api, 
   if (status == nullptr && (k->kv_heads <= 0 || k->heads <= 0 || k->heads % k->kv_heads))
     status = Fail("num_heads " + std::to_string(k->heads) + " is not a positive multiple of kv_num_heads " +
                   std::to_string(k->kv_heads));
+  if (status == nullptr) {  // optional: absent means no window
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "local_window_size", &k->window);
+    if (absent != nullptr) {
+      api->ReleaseStatus(absent);
+      k->window = -1;
+    }
+    if (k->window == 0 || k->window < -1)
+      status = Fail("local_window_size " + std::to_string(k->window) + " must be -1 (no window) or positive");
+  }
   if (status != nullptr) {
     delete k;
     return status;
@@ -866,6 +900,6 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 }
 
 // The library's format version: the Python side refuses a library built from other sources.
-__attribute__((visibility("default"))) int kvedge_ops_version() { return 3; }
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 4; }
 
 }  // extern "C"

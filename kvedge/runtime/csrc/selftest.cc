@@ -27,22 +27,24 @@ void AttendExact(int64_t d, const Block& b) {
     const int64_t n = b.limit[i];
     std::vector<double> s(n), out(d, 0.0);
     double top = -INFINITY, sum = 0.0;
-    for (int64_t p = 0; p < n; ++p) {
+    for (int64_t p = b.first[i]; p < n; ++p) {
       double dot = 0.0;
       for (int64_t c = 0; c < d; ++c)
         dot += double(b.q[i * d + c]) * b.k_codes[p * d + c] * double(b.k_scales[p * b.groups + c / group_size]);
       top = std::max(top, s[p] = dot);
     }
-    for (int64_t p = 0; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
-    for (int64_t p = 0; p < n; ++p)
+    for (int64_t p = b.first[i]; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
+    for (int64_t p = b.first[i]; p < n; ++p)
       for (int64_t c = 0; c < d; ++c)
         out[c] += s[p] / sum * double(b.v_scales[p * b.groups + c / group_size]) * b.v_codes[p * d + c];
     for (int64_t c = 0; c < d; ++c) b.out[i][c] = static_cast<float>(out[c]);
   }
 }
 
-// kb: the cache block of the tiled path under test, 0 for the decode path (Attend).
-int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb, std::mt19937* rng) {
+// kb: the cache block of the tiled path under test, 0 for the decode path (Attend); window: keys
+// per query row (its own included), 0 for none.
+int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb, int64_t window,
+          std::mt19937* rng) {
   const int64_t groups = d / group_size, slots = longest + 3;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> code(-127, 127);
@@ -56,7 +58,10 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb
   for (auto& x : q) x = normal(*rng);
   Block b;
   b.n_rows = n_rows;
-  for (int64_t i = 0; i < n_rows; ++i) b.limit[i] = longest - (n_rows - 1 - i) / 3;  // causal, 3 heads per token
+  for (int64_t i = 0; i < n_rows; ++i) {
+    b.limit[i] = longest - (n_rows - 1 - i) / 3;  // causal, 3 heads per token
+    b.first[i] = window ? std::max<int64_t>(b.limit[i] - window, 0) : 0;
+  }
   b.q = q.data();
   b.scores = scores.data();
   b.stride = slots;
@@ -87,10 +92,10 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb
     scale = std::max(scale, std::fabs(want[i]));
   }
   const bool ok = worst <= 1e-5f * std::max(1.0f, scale);
-  std::printf("%s %shead_dim %lld group %lld rows %lld positions %lld: max |diff| %.3g (max |out| %.3g)\n",
+  std::printf("%s %shead_dim %lld group %lld rows %lld positions %lld window %lld: max |diff| %.3g (max |out| %.3g)\n",
               ok ? "ok  " : "FAIL", kb ? ("tiled, cache block " + std::to_string(kb) + ", ").c_str() : "",
               static_cast<long long>(d), static_cast<long long>(group_size), static_cast<long long>(n_rows),
-              static_cast<long long>(longest), worst, scale);
+              static_cast<long long>(longest), static_cast<long long>(window), worst, scale);
   return ok ? 0 : 1;
 }
 
@@ -98,8 +103,9 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb
 // next item as they finish, as onnxruntime's pool does, then Combine) against AttendExact one
 // query row at a time: batch 2 rows with different past lengths, `seq` new tokens each.
 // rows_per_item / keys: a query block / cache block of our own instead of the op's (0: the op's).
+// window: the op's local_window_size (-1: none); the reference reads only the window's keys.
 int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, int64_t seq, int64_t past0,
-              bool tiled, int64_t rows_per_item, int64_t keys, int threads, std::mt19937* rng) {
+              bool tiled, int64_t rows_per_item, int64_t keys, int threads, int64_t window, std::mt19937* rng) {
   const int64_t batch = 2, slots = past0 + 9 + seq, groups = d / group_size, width = (heads + 2 * kv_heads) * d;
   const int64_t past[batch] = {past0, past0 + 9};
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -135,6 +141,7 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   work.groups = groups;
   work.slots = slots;
   work.width = width;
+  work.window = window;
   std::vector<float> partials;
   work.Split(&partials);
   if (rows_per_item) {  // a tile size of our own instead of the op's
@@ -162,6 +169,7 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
         Block b;
         b.n_rows = 1;
         b.limit[0] = pos + 1;
+        b.first[0] = window > 0 ? std::max<int64_t>(pos + 1 - window, 0) : 0;
         b.out[0] = want.data() + ((r * seq + t) * heads + head) * d;
         b.q = q.data();
         b.scores = scores.data();
@@ -183,12 +191,12 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   }
   const bool ok = worst <= 1e-5f * std::max(1.0f, scale);
   std::printf("%s work items (%s, %lld rows each, %lld cache blocks of %lld, %d threads): head_dim %lld group %lld "
-              "heads %lld/%lld new %lld past %lld, %lld: max |diff| %.3g\n",
+              "heads %lld/%lld new %lld past %lld, %lld window %lld: max |diff| %.3g\n",
               ok ? "ok  " : "FAIL", work.tiled ? "tiled" : "decode blocks", static_cast<long long>(work.rows_per_item),
               static_cast<long long>(work.splits), static_cast<long long>(work.span), threads,
               static_cast<long long>(d), static_cast<long long>(group_size), static_cast<long long>(heads),
               static_cast<long long>(kv_heads), static_cast<long long>(seq), static_cast<long long>(past[0]),
-              static_cast<long long>(past[1]), worst);
+              static_cast<long long>(past[1]), static_cast<long long>(window), worst);
   return ok ? 0 : 1;
 }
 
@@ -202,18 +210,26 @@ int main(int argc, char** argv) {
   for (int64_t d : dims) {
     for (int64_t gs : group_sizes) {
       if (gs > d || d % gs) continue;
+      // (rows, positions, window); windows: below 8 positions (one sum of 8), mid-way in and at a
+      // whole block of positions, as long as the cache (no effect)
       if (!tiled) {
-        for (auto [rows, positions] : {std::pair<int64_t, int64_t>{3, 1}, {3, 77}, {12, 300}, {7, 1100}}) {
-          if (Check(d, gs, rows, positions, 0, &rng)) return 1;
+        for (auto [rows, positions, window] : {std::tuple<int64_t, int64_t, int64_t>{3, 1, 0}, {3, 77, 0},
+                                               {12, 300, 0}, {7, 1100, 0}, {12, 300, 7}, {12, 40, 33},
+                                               {7, 1100, 64}, {3, 77, 77}}) {
+          if (Check(d, gs, rows, positions, 0, window, &rng)) return 1;
         }
         continue;
       }
       // cache blocks of 16, 36 (not a power of two) and the op's own; one row, a ragged strip, a full tile;
-      // lengths below, at and past a block, ending mid-block
+      // lengths below, at and past a block, ending mid-block; windows smaller than a block (the tile's
+      // rows starting at different positions, blocks before every row's window skipped), of one
+      // 16-position block, longer than a block, and longer than the cache (no effect)
       for (int kb : {16, 36, kKeyBlock}) {
-        for (auto [rows, positions] :
-             {std::pair<int64_t, int64_t>{1, 1}, {5, 36}, {17, 64}, {kTileRows, 65}, {kTileRows - 1, 1100}}) {
-          if (Check(d, gs, rows, positions, kb, &rng)) return 1;
+        for (auto [rows, positions, window] :
+             {std::tuple<int64_t, int64_t, int64_t>{1, 1, 0}, {5, 36, 0}, {17, 64, 0}, {kTileRows, 65, 0},
+              {kTileRows - 1, 1100, 0}, {kTileRows, 65, 5}, {17, 64, 16}, {kTileRows - 1, 1100, 100},
+              {5, 36, 40}}) {
+          if (Check(d, gs, rows, positions, kb, window, &rng)) return 1;
         }
       }
     }
@@ -226,11 +242,17 @@ int main(int argc, char** argv) {
   // batch 2) on 1, 2 and 3 threads; blocks of 37 and 40 positions ending mid-way in both rows;
   // blocks of 16 with 3 new tokens (rows of different lengths; the last block holds no position
   // of batch row 0); blocks of 8; KV groups of 2 and 1; head_dim 16 (the generic path, split by the op).
+  // Then the same with a sliding window (the last field; -1: none): prefill chunks straddling the
+  // window's start, windows smaller than a tile, the generic path; decode steps whose split covers
+  // only the window (the op's own), blocks partly in a row's window, blocks wholly before batch row
+  // 1's window (its past is 9 longer), a window starting at a block boundary, one smaller than a
+  // block; windows at least as long as the context (no effect).
   struct Case {
     int64_t d, gs, heads, kv_heads, seq, past;
     bool tiled;
     int64_t rows_per_item, keys;
     int threads;
+    int64_t window = -1;
   };
   const Case cases[] = {
       {64, 32, 9, 3, 50, 0, true, 0, 0, 1},    {64, 32, 9, 3, 50, 70, true, 0, 0, 1},
@@ -244,10 +266,18 @@ int main(int argc, char** argv) {
       {64, 32, 9, 3, 1, 301, false, 0, 40, 3}, {64, 32, 9, 3, 3, 70, false, 0, 16, 4},
       {64, 16, 9, 3, 1, 131, false, 0, 8, 5},  {32, 16, 4, 2, 2, 1000, false, 0, 100, 2},
       {128, 64, 4, 4, 1, 700, false, 0, 0, 2}, {16, 16, 4, 2, 1, 600, false, 0, 0, 2},
+      {64, 32, 9, 3, 50, 70, true, 0, 0, 1, 8},      {64, 32, 9, 3, 50, 0, true, 0, 0, 2, 20},
+      {64, 32, 9, 3, 17, 130, true, 15, 0, 3, 64},   {32, 16, 2, 1, 37, 11, true, 0, 0, 1, 16},
+      {16, 16, 4, 2, 20, 3, true, 0, 0, 1, 5},       {64, 32, 9, 3, 50, 70, true, 0, 0, 2, 200},
+      {64, 32, 9, 3, 17, 5, false, 12, 0, 1, 6},     {64, 32, 9, 3, 1, 2000, false, 0, 0, 3, 512},
+      {64, 32, 9, 3, 1, 2000, false, 0, 0, 2, 5000}, {64, 32, 9, 3, 1, 300, false, 0, 37, 2, 100},
+      {64, 32, 9, 3, 1, 301, false, 0, 8, 4, 16},    {64, 32, 9, 3, 3, 70, false, 0, 16, 4, 10},
+      {64, 16, 9, 3, 1, 131, false, 0, 8, 5, 7},     {16, 16, 4, 2, 1, 600, false, 0, 0, 2, 300},
+      {128, 64, 4, 4, 1, 700, false, 0, 0, 2, 256},
   };
   for (const Case& c : cases) {
     if (CheckWork(c.d, c.gs, c.heads, c.kv_heads, c.seq, c.past, c.tiled, c.rows_per_item, c.keys, c.threads,
-                  &rng))
+                  c.window, &rng))
       return 1;
   }
   return 0;
