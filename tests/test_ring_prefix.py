@@ -163,6 +163,8 @@ def test_blocks_carry_the_positions_the_rings_held(gemma):
     assert cache.ring_limit(78, 84) == 0 and cache.ring_limit(78, 85) == 85
     held = np.arange(78, 120) % RING
     np.testing.assert_array_equal(target.ring[:, :, 0][:, :, :, held], cache.ring[:, :, 0][:, :, :, held])
+    with pytest.raises(KvedgeError, match=r"KV block ring \(2, 2, 2, 42, 32\) float32 does not fit"):
+        target.write(0, block.head(10)._replace(ring=block.ring), cache.token_ids(0)[:10])
     head = block.head(100)
     assert head.count == 100 and head.ring_count == 22
     assert block.head(70).ring_count == 0

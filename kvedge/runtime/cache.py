@@ -320,22 +320,26 @@ class KVCache:
             )
         if (block.scales is None) != (self.scales is None):
             raise KvedgeError(f"KV block scales do not match this {g.dtype} cache")
+        held = block.ring_count
+        ring = (len(g.ring_layers), 2, g.num_kv_heads, held, g.head_dim)
         if (block.ring is None) != (self.ring is None) or (block.ring_scales is None) != (
             self.ring_scales is None
         ):
             raise KvedgeError(
                 f"KV block ring layers do not match this cache (ring layers {list(g.ring_layers)})"
             )
+        if block.ring is not None and (
+            block.ring.shape != ring or held > count or block.ring.dtype != g.np_dtype
+        ):
+            raise KvedgeError(
+                f"KV block ring {block.ring.shape} {block.ring.dtype} does not fit this cache and a "
+                f"{count}-token run (expected {ring[:3]} + (at most {count}, {g.head_dim}) {g.dtype})"
+            )
         end = start + count
         self.pool[:, :, slot, :, start:end] = block.kv
         if self.scales is not None:
             self.scales[:, :, slot, :, start:end] = block.scales
         if self.ring is not None:
-            held = block.ring_count
-            if not 0 <= held <= count or block.ring.shape[:3] != (len(g.ring_layers), 2, g.num_kv_heads):
-                raise KvedgeError(
-                    f"KV block ring {block.ring.shape} does not fit this cache and a {count}-token run"
-                )
             kept = min(held, g.ring_len)  # positions end - kept .. end - 1 fit in the ring
             to = np.arange(end - kept, end) % g.ring_len
             self.ring[:, :, slot][:, :, :, to] = block.ring[:, :, :, held - kept :]
