@@ -25,7 +25,6 @@ from kvedge.planner import ModelFootprint, kv_bytes
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
-from kvedge.runtime.sessions import HistoryPolicy
 
 ATOL = 1e-4  # float32 cache: test_parity's
 INT8_ATOL = 2e-3  # INT8 cache against its own re-prefill: test_kv_int8's
@@ -269,17 +268,6 @@ def test_ort_int8_kernel_windows_a_full_length_cache(gemma, hf, tmp_path):
     # measured 0.95 here (the portable INT8 graph's too: near-tie logits of a random tiny model),
     # so test_kv_int8's eval-kv bound rather than its 0.95 (window 7: 0.44)
     assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() >= 0.9
-
-
-def test_features_without_ring_support_are_refused_by_name(gemma, tmp_path):
-    with pytest.raises(KvedgeError, match="history_policy 'window'.*not supported for this model's"):
-        Model(gemma[1], policy=HistoryPolicy(mode="window"))
-    with pytest.raises(KvedgeError, match="prefix_cache_bytes > 0"):
-        Model(gemma[1], prefix_cache_bytes=1 << 20)
-    model = Model(gemma[1])
-    prefill(model.backend, model.cache, 0, [random_ids(10)])
-    with pytest.raises(KvedgeError, match="copying a slot's KV out"):
-        model.cache.read(0, 10)
 
 
 def test_softcapping_is_refused_by_name(tmp_path):

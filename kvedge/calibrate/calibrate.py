@@ -102,6 +102,12 @@ def collect_kv(
     model: Model, prompts: list[Prompt], max_tokens: int = 16384
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """K and V of every calibration token: two arrays [layers, tokens, kv_heads, head_dim]."""
+    ring_layers = model.manifest.geometry.ring_layers
+    if ring_layers:  # their rings keep only the last positions of a prompt
+        raise KvedgeError(
+            f"calibration is not supported for models with sliding-window ring layers "
+            f"(layers {list(ring_layers)}, Gemma 3): the cache keeps only their last positions"
+        )
     keys, values, total = [], [], 0
     for prompt in tqdm(prompts, desc="calibrate", unit="prompt"):
         ids = prompt_ids(model, prompt)[: model.manifest.geometry.max_len]

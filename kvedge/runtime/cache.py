@@ -22,9 +22,11 @@ those layers apart, in a second allocation of ring_len = window + margin positio
 Position p of a ring layer sits at ring slot p % ring_len; the graph derives each ring slot's
 position from the valid length (docs/ARCHITECTURE.md, "Ring-buffer layers"), so the length stays
 the only state. A ring holds the last ring_len positions only: a rewind is possible only where
-the positions the next query needs are still there (`rewind_limit`), and the features that copy
-a slot's positions out or move them (window eviction, prefix stores, warm prefixes) refuse ring
-geometries by name.
+the positions the next query needs are still there (`rewind_limit`). A `KVBlock` copied out of a
+ring geometry (prefix stores, warm prefixes) carries every position of the full layers and, for
+the ring layers, only the last positions the slot still held, laid out by position; writing it
+back puts them at p % ring_len and sets `ring_start`. Window eviction, which moves a run of
+positions, still refuses ring geometries by name.
 """
 
 from __future__ import annotations
@@ -41,23 +43,36 @@ from kvedge.runtime.rope import rotate_keys
 
 
 class KVBlock(NamedTuple):
-    """The KV of a run of tokens, as a slot stores it (copied out, or for writing in)."""
+    """The KV of a run of n tokens, as a slot stores it (copied out, or for writing in). With ring
+    layers, `kv` holds the full layers only and `ring` the ring layers' last r <= n positions of
+    the run (r = 0: none), in position order."""
 
-    kv: np.ndarray  # [layers, 2 (K, V), kv_heads, n, head_dim] cache dtype
-    scales: np.ndarray | None = None  # [layers, 2, kv_heads, n, groups] float16 (int8 caches only)
+    kv: np.ndarray  # [full layers, 2 (K, V), kv_heads, n, head_dim] cache dtype (every layer without rings)
+    scales: np.ndarray | None = None  # [full layers, 2, kv_heads, n, groups] float16 (int8 caches only)
+    ring: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, head_dim] (ring geometries only)
+    ring_scales: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, groups] float16 (int8 + rings)
 
     @property
     def count(self) -> int:
         return self.kv.shape[3]
 
     @property
+    def ring_count(self) -> int:
+        """Positions the ring layers hold: the last ring_count of the run."""
+        return 0 if self.ring is None else self.ring.shape[3]
+
+    @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        return sum(a.nbytes for a in self if a is not None)
 
     def head(self, count: int) -> KVBlock:
-        """The first `count` tokens (views)."""
+        """The first `count` tokens (views); the ring layers keep the ones of them they hold."""
+        kept = None if self.ring is None else max(0, count - (self.count - self.ring_count))
         return KVBlock(
-            self.kv[:, :, :, :count], None if self.scales is None else self.scales[:, :, :, :count]
+            self.kv[:, :, :, :count],
+            None if self.scales is None else self.scales[:, :, :, :count],
+            None if self.ring is None else self.ring[:, :, :, :kept],
+            None if self.ring_scales is None else self.ring_scales[:, :, :, :kept],
         )
 
 
@@ -202,11 +217,17 @@ class KVCache:
 
     def rewind_limit(self, slot: int, length: int) -> int:
         """The rewind of `slot` to `length` tokens, if it keeps every position the next query
-        needs, else 0 (start over): a ring layer's next query at position `length` sees positions
-        length - window + 1 .. length - 1, which its ring must still hold (`ring_start`)."""
+        needs, else 0 (start over): `ring_limit` with what the slot's rings hold (`ring_start`)."""
+        return self.ring_limit(int(self.ring_start[slot]), length)
+
+    def ring_limit(self, ring_from: int, length: int) -> int:
+        """`length` if rings holding positions ring_from .. length - 1 hold every one the next
+        query needs, else 0: a ring layer's query at position `length` sees positions
+        length - window + 1 .. length - 1. The one rule for rewinding a slot and for copying in
+        a stored block (`KVBlock.ring_count`: it holds count - ring_count ..)."""
         if not self.geometry.ring_layers or length == 0:
             return length
-        return length if max(0, length - self.geometry.window + 1) >= self.ring_start[slot] else 0
+        return length if max(0, length - self.geometry.window + 1) >= ring_from else 0
 
     def truncate(self, slot: int, length: int) -> None:
         """Rewind `slot` to its first `length` tokens (the rest becomes invisible)."""
@@ -259,31 +280,39 @@ class KVCache:
         self.lengths[slot] = length - count
 
     def view(self, slot: int, start: int, stop: int) -> KVBlock:
-        """Views of the KV (and scales) of positions start..stop-1 of `slot` (not copies)."""
-        self._refuse_ring("copying a slot's KV out (prefix store, warm prefixes, calibration)")
+        """The KV (and scales) of positions start..stop-1 of `slot`: views of the full layers and,
+        for ring layers, a copy of the positions of the run the rings still hold (from
+        `ring_start` on; they wrap around the ring)."""
         if not 0 <= start < stop <= self.length(slot):
             raise KvedgeError(
                 f"cannot read tokens {start}..{stop} from slot {slot} holding {self.length(slot)}"
             )
         scales = None if self.scales is None else self.scales[:, :, slot, :, start:stop]
-        return KVBlock(self.pool[:, :, slot, :, start:stop], scales)
+        if self.ring is None:
+            return KVBlock(self.pool[:, :, slot, :, start:stop], scales)
+        # rings hold ring_start .. length - 1, and ring_start >= length - ring_len >= stop - ring_len
+        held = np.arange(min(max(start, int(self.ring_start[slot])), stop), stop) % self.geometry.ring_len
+        ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, slot][:, :, :, held]
+        return KVBlock(
+            self.pool[:, :, slot, :, start:stop], scales, self.ring[:, :, slot][:, :, :, held], ring_scales
+        )
 
     def read(self, slot: int, count: int) -> KVBlock:
         """A copy of the first `count` tokens' KV (and scales) of `slot`."""
-        block = self.view(slot, 0, count)
-        return KVBlock(block.kv.copy(), None if block.scales is None else block.scales.copy())
+        return KVBlock(*(None if a is None else a.copy() for a in self.view(slot, 0, count)))
 
     def write(self, slot: int, block: KVBlock, token_ids: Sequence[int], start: int = 0) -> None:
-        """Make `slot` hold its first `start` tokens, then `block` (as `read` returns it) for
-        `token_ids`; whatever it held after `start` is dropped."""
-        self._refuse_ring("writing a KV block into a slot (prefix store, warm prefixes)")
+        """Make `slot` hold its first `start` tokens, then `block` (as `read` or `view` return it)
+        for `token_ids`; whatever it held after `start` is dropped. Ring layers take the block's
+        last positions that fit the ring, and `ring_start` becomes the lowest position from which
+        the rings hold every one up to the new length (`ring_limit` then says what is usable)."""
         count = len(token_ids)
         g = self.geometry
         if not 0 <= start <= self.length(slot):
             raise KvedgeError(f"cannot write at {start} in slot {slot} holding {self.length(slot)} tokens")
         if start + count > g.max_len:
             raise ContextOverflow(f"a KV block of {count} tokens at {start} exceeds max_len {g.max_len}")
-        expected = (g.num_layers, 2, g.num_kv_heads, count, g.head_dim)
+        expected = (len(g.full_layers), 2, g.num_kv_heads, count, g.head_dim)
         if block.kv.shape != expected or block.kv.dtype != g.np_dtype:
             raise KvedgeError(
                 f"KV block {block.kv.shape} {block.kv.dtype} does not fit this cache "
@@ -291,9 +320,34 @@ class KVCache:
             )
         if (block.scales is None) != (self.scales is None):
             raise KvedgeError(f"KV block scales do not match this {g.dtype} cache")
+        held = block.ring_count
+        ring = (len(g.ring_layers), 2, g.num_kv_heads, held, g.head_dim)
+        if (block.ring is None) != (self.ring is None) or (block.ring_scales is None) != (
+            self.ring_scales is None
+        ):
+            raise KvedgeError(
+                f"KV block ring layers do not match this cache (ring layers {list(g.ring_layers)})"
+            )
+        if block.ring is not None and (
+            block.ring.shape != ring or held > count or block.ring.dtype != g.np_dtype
+        ):
+            raise KvedgeError(
+                f"KV block ring {block.ring.shape} {block.ring.dtype} does not fit this cache and a "
+                f"{count}-token run (expected {ring[:3]} + (at most {count}, {g.head_dim}) {g.dtype})"
+            )
         end = start + count
         self.pool[:, :, slot, :, start:end] = block.kv
         if self.scales is not None:
             self.scales[:, :, slot, :, start:end] = block.scales
+        if self.ring is not None:
+            kept = min(held, g.ring_len)  # positions end - kept .. end - 1 fit in the ring
+            to = np.arange(end - kept, end) % g.ring_len
+            self.ring[:, :, slot][:, :, :, to] = block.ring[:, :, :, held - kept :]
+            if self.ring_scales is not None:
+                self.ring_scales[:, :, slot][:, :, :, to] = block.ring_scales[:, :, :, held - kept :]
+            # the slot's own positions below `start` (ring_start .. start - 1) still count where
+            # the block's ring covers the whole run, and survive down to end - ring_len
+            below = min(int(self.ring_start[slot]), start) if held == count else end - held
+            self.ring_start[slot] = max(end - g.ring_len, below)
         self.tokens[slot, start:end] = token_ids
         self.lengths[slot] = end

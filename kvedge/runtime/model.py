@@ -72,7 +72,7 @@ class Model:
         if verify:
             self._verify_graph()
         self.policy = policy or HistoryPolicy()
-        _check_ring_features(self.manifest.geometry, self.policy, warmup, prefix_cache_bytes)
+        _check_ring_features(self.manifest.geometry, self.policy)
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.device = device
@@ -359,10 +359,15 @@ class Model:
         return ids[keep:]
 
     def _copy_prefix(self, slot: int, ids: list[int], keep: int) -> int:
-        """Copy in the warm or run-time prefix that shares the most leading tokens with `ids`, if
-        it shares more than the `keep` the slot holds; return how many the slot now shares."""
-        warm, warm_shared = self.prefixes.best_match(ids)
-        entry, lru_shared = self.prefix_lru.best_match(ids)
+        """Copy in the warm or run-time prefix that shares the most usable leading tokens with
+        `ids`, if it shares more than the `keep` the slot holds; return how many the slot now
+        shares."""
+
+        def usable(ring_from: int, shared: int) -> int:
+            return self._usable(ring_from, shared, ids)
+
+        warm, warm_shared = self.prefixes.best_match(ids, usable)
+        entry, lru_shared = self.prefix_lru.best_match(ids, usable)
         if entry is not None and lru_shared > max(keep, warm_shared):
             self.prefix_lru.load(self.cache, slot, entry, lru_shared, start=keep)
             return lru_shared
@@ -371,33 +376,25 @@ class Model:
             return warm_shared
         return keep
 
+    def _usable(self, ring_from: int, shared: int, ids: list[int]) -> int:
+        """How many of the `shared` leading tokens of a stored prefix whose ring layers hold
+        positions ring_from .. on a turn on `ids` can keep: all, if the rings hold what the turn's
+        first query needs (it runs at min(shared, len(ids) - 1): the last prompt token is run
+        for its logits; `KVCache.ring_limit`), else none (a shorter prefix needs lower positions
+        still)."""
+        return shared if self.cache.ring_limit(ring_from, min(shared, len(ids) - 1)) else 0
 
-def _check_ring_features(
-    geometry: CacheGeometry, policy: HistoryPolicy, warmup: WarmupConfig | None, prefix_cache_bytes: int
-) -> None:
-    """Refuse, at load, the features that copy or move a slot's positions as one run: a ring layer
-    (Gemma 3's sliding-window layers) holds only its last ring_len positions, modulo ring_len."""
-    if not geometry.ring_layers:
-        return
-    used = [
-        name
-        for name, on in (
-            (
-                "history_policy 'window' (eviction re-rotates a contiguous run of keys)",
-                policy.mode == "window",
-            ),
-            ("warm prefixes (files of contiguous KV blocks)", warmup is not None),
-            (
-                "a run-time prefix cache (prefix_cache_bytes > 0; contiguous KV blocks)",
-                prefix_cache_bytes > 0,
-            ),
-        )
-        if on
-    ]
-    if used:
+
+def _check_ring_features(geometry: CacheGeometry, policy: HistoryPolicy) -> None:
+    """Refuse, at load, window eviction for ring geometries (Gemma 3's sliding-window layers):
+    eviction moves the kept positions back and re-rotates their keys, which in a ring layer would
+    mean re-laying out what it holds at the new p % ring_len under the local RoPE; not done.
+    Prefix stores and warm prefixes work (`KVBlock` carries the ring layers' last positions)."""
+    if geometry.ring_layers and policy.mode == "window":
         raise KvedgeError(
-            f"{'; '.join(used)}: not supported for this model's sliding-window ring layers "
-            f"(layers {list(geometry.ring_layers)}, {geometry.ring_len} positions each); turn it off"
+            "history_policy 'window' (eviction re-rotates a contiguous run of keys): not supported "
+            f"for this model's sliding-window ring layers (layers {list(geometry.ring_layers)}, "
+            f"{geometry.ring_len} positions each); use 'error' or 'truncate'"
         )
 
 

@@ -6,16 +6,21 @@ Warm file (`<name>.kvw`, one per prefix)::
                u32 LE    format version (WARM_VERSION)
                u32 LE    header length H
     16         H bytes   JSON header (below), space-padded so the data starts 64-byte aligned
-    16+H       N bytes   KV [layers, 2 (K, V), kv_heads, count, head_dim] in the cache dtype, then for
-                         int8 caches their scales [layers, 2, kv_heads, count, groups] float16
+    16+H       N bytes   `KVBlock` arrays in the cache dtype: KV of the full layers (every layer
+                         without ring layers) [full layers, 2 (K, V), kv_heads, count, head_dim],
+                         then of the ring layers [ring layers, 2, kv_heads, ring_count, head_dim];
+                         for int8 caches then their float16 scales, same order, [..., groups]
     16+H+N     32 bytes  sha256 of every byte before it
 
 Header: name, model_fingerprint (source fingerprint from the model manifest), scales_fingerprint
-("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, and the
-scale group size for int8), count, token_ids, data_bytes,
+("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, the scale
+group size for int8, and for ring geometries ring_layers, window and ring_margin), count,
+ring_count (the ring layers hold the prefix's last ring_count positions, in position order, so
+the data do not depend on ring_len; 0 without ring layers), token_ids, data_bytes,
 kvedge_version (`WarmHeader`; each field's type is checked on load). A file is used only if its
-magic, version, size, checksum, fingerprints, geometry and token ids all match what is expected
-now (`kvedge.contract.header.check_header`); otherwise it is recomputed and rewritten.
+magic, version, size, checksum, fingerprints, geometry (a different ring layout is named field by
+field) and token ids all match what is expected now (`kvedge.contract.header.check_header`);
+otherwise it is recomputed and rewritten.
 Files are written to a temporary name in the same folder, flushed, fsync'ed and renamed, so a
 crash mid-write never leaves a file under the final name. Loading memory-maps the data.
 
@@ -34,6 +39,15 @@ An entry is a token sequence and the blocks holding it (its block i holds tokens
 Saving evicts the least recently used entries until enough blocks are free (a hit, or saving
 tokens an entry already holds, counts as a use); an entry the new one extends is dropped first.
 A sequence longer than the whole arena is kept up to what fits: its head is the reusable part.
+
+Ring geometries (Gemma 3): the arena holds the full layers as above, and the ring layers in a
+second arena indexed by the same blocks, `ring` [ring layers, 2, blocks, kv_heads, B, head_dim]
+(plus `ring_scales`), so block bytes and the budget count every layer. An entry's ring layers
+hold only what the slot's rings held when it was saved, positions ring_from .. n - 1 (at most
+ring_len), each at its own block offset; the ring part of earlier blocks is unused. A prefix of
+m tokens of the entry is usable only where those positions cover what the query at m needs
+(`KVCache.ring_limit`, the rewind rule), so a conversation sharing a short head of a long entry
+prefills from 0 unless its slot or a warm prefix serves it.
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ import stat
 import struct
 import tempfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -65,11 +79,14 @@ from kvedge.runtime.sessions import common_prefix
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVEDGEWM"
-WARM_VERSION = 1
+# 2: ring geometries store the full layers' KV, then the ring layers' last ring_count positions
+# (header field ring_count), which a version-1 reader would size as every layer's
+WARM_VERSION = 2
 SUFFIX = ".kvw"
 _PREAMBLE = struct.Struct("<8sII")
 _ALIGN = 64
 _DIGEST = 32
+RING_FIELDS = ("ring_layers", "window", "ring_margin")  # `CacheGeometry.artifact_key`'s ring layout
 LRU_BLOCK_TOKENS = 32  # arena granularity: at most B - 1 tokens of space wasted per entry
 
 
@@ -93,8 +110,9 @@ class WarmHeader:
     name: str
     model_fingerprint: str
     scales_fingerprint: str
-    geometry: dict[str, int | str]  # `CacheGeometry.artifact_key(holds_cache=True)`
+    geometry: dict[str, int | str | list[int]]  # `CacheGeometry.artifact_key(holds_cache=True)`
     count: Annotated[int, msgspec.Meta(ge=0)]
+    ring_count: Annotated[int, msgspec.Meta(ge=0)]
     token_ids: tuple[int, ...]
     data_bytes: Annotated[int, msgspec.Meta(ge=0)]
     kvedge_version: str
@@ -108,15 +126,20 @@ def write_warm_file(
     scales_fingerprint: str = "",
 ) -> None:
     """Write `prefix` to `path` atomically (temp file + fsync + rename)."""
-    parts = [np.ascontiguousarray(prefix.block.kv, dtype=geometry.np_dtype)]
+    block = prefix.block
+    parts = [
+        np.ascontiguousarray(a, dtype=geometry.np_dtype) for a in (block.kv, block.ring) if a is not None
+    ]
     if geometry.quantized:
-        parts.append(np.ascontiguousarray(prefix.block.scales, dtype=KV_SCALE_DTYPE))
+        scales = (block.scales, block.ring_scales)
+        parts += [np.ascontiguousarray(a, dtype=KV_SCALE_DTYPE) for a in scales if a is not None]
     header = {
         "name": prefix.name,
         "model_fingerprint": model_fingerprint,
         "scales_fingerprint": scales_fingerprint,
         "geometry": geometry.artifact_key(holds_cache=True),
         "count": len(prefix.token_ids),
+        "ring_count": block.ring_count,
         "token_ids": list(prefix.token_ids),
         "data_bytes": sum(part.nbytes for part in parts),
         "kvedge_version": __version__,
@@ -172,32 +195,52 @@ def read_warm_file(
         )
     if hashlib.sha256(mapped[: size - _DIGEST]).digest() != mapped[size - _DIGEST :]:
         raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
+    key = geometry.artifact_key(True)
+    for field in RING_FIELDS:  # named one by one: the whole geometry would be cut short in the message
+        if header.geometry.get(field) != key.get(field):
+            raise ArtifactMismatch(
+                f"{path.name}: ring layout {field} is {header.geometry.get(field)!r}, this cache has "
+                f"{key.get(field)!r} (made for another model layout)"
+            )
     made_from = {"scales": header.scales_fingerprint, "token ids": header.token_ids}
     found = Header(kind.format, version, header.model_fingerprint, header.geometry, made_from)
     wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids)}
-    expected = Header(kind.format, WARM_VERSION, model_fingerprint, geometry.artifact_key(True), wanted)
+    expected = Header(kind.format, WARM_VERSION, model_fingerprint, key, wanted)
     check_header(path.name, found, expected)
-    count = header.count
+    count, held = header.count, header.ring_count
     if count != len(header.token_ids):
         raise ArtifactMismatch(
             f"{path.name}: count {count} does not match its {len(header.token_ids)} token ids"
         )
     if count > geometry.max_len:
         raise ArtifactMismatch(f"{path.name}: {count} tokens exceed max_len {geometry.max_len}")
-    shape = (geometry.num_layers, 2, geometry.num_kv_heads, count, geometry.head_dim)
-    needed = count * geometry.bytes_per_token()
+    if held > (count if geometry.ring_layers else 0):
+        raise ArtifactMismatch(
+            f"{path.name}: ring_count {held} must be 0 without ring layers, at most count {count} with them"
+        )
+    per_layer = geometry.bytes_per_token() // geometry.num_layers
+    needed = (len(geometry.full_layers) * count + len(geometry.ring_layers) * held) * per_layer
     if header.data_bytes != needed:
-        raise ArtifactMismatch(f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}")
-    kv = np.frombuffer(mapped, dtype=geometry.np_dtype, count=int(np.prod(shape)), offset=start).reshape(
-        shape
-    )
-    scales = None
-    if geometry.quantized:
-        scale_shape = (*shape[:-1], geometry.scale_groups)
-        scales = np.frombuffer(
-            mapped, dtype=KV_SCALE_DTYPE, count=int(np.prod(scale_shape)), offset=start + kv.nbytes
-        ).reshape(scale_shape)
-    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(kv, scales))
+        raise ArtifactMismatch(
+            f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}"
+            + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
+        )
+    g, offset = geometry, start
+    arrays: dict[str, np.ndarray] = {}
+    parts = [("kv", len(g.full_layers), count, g.head_dim, g.np_dtype)]
+    if g.ring_layers:
+        parts.append(("ring", len(g.ring_layers), held, g.head_dim, g.np_dtype))
+    if g.quantized:
+        parts.append(("scales", len(g.full_layers), count, g.scale_groups, np.dtype(KV_SCALE_DTYPE)))
+        if g.ring_layers:
+            parts.append(("ring_scales", len(g.ring_layers), held, g.scale_groups, np.dtype(KV_SCALE_DTYPE)))
+    for name, layers, n, last, dtype in parts:
+        shape = (layers, 2, g.num_kv_heads, n, last)
+        arrays[name] = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(
+            shape
+        )
+        offset += arrays[name].nbytes
+    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
 
 
 @dataclass
@@ -205,6 +248,7 @@ class LRUEntry:
     key: int
     token_ids: np.ndarray  # [n] int64
     blocks: list[int]  # arena blocks; block i holds tokens i*B .. i*B+B-1
+    ring_from: int = 0  # the ring layers hold positions ring_from .. n - 1 (0 without rings)
 
 
 class PrefixLRU:
@@ -225,13 +269,23 @@ class PrefixLRU:
                 f"({self.block_bytes} bytes for this cache); use 0 (off) or at least {self.block_bytes}"
             )
         g = geometry
-        shape = (g.num_layers, 2, blocks, g.num_kv_heads, block_tokens, g.head_dim)
-        # Written once here so that every page is committed at start-up: first-touch page faults
-        # on a request would add ~3 ms per MiB saved (measured, SmolLM2 fp32 geometry).
-        self.kv = np.full(shape, 0, g.np_dtype)  # [layers, 2, blocks, kv_heads, B, head_dim]
-        self.scales = (  # [layers, 2, blocks, kv_heads, B, groups]
-            np.full((*shape[:-1], g.scale_groups), 1, KV_SCALE_DTYPE) if g.quantized else None
-        )
+
+        def arena(layers: int, last: int, dtype: np.dtype, fill: int) -> np.ndarray | None:
+            # Written once here so that every page is committed at start-up: first-touch page
+            # faults on a request would add ~3 ms per MiB saved (measured, SmolLM2 fp32 geometry).
+            if not last:  # scales of a float cache
+                return None
+            return np.full((layers, 2, blocks, g.num_kv_heads, block_tokens, last), fill, dtype)
+
+        scale = np.dtype(KV_SCALE_DTYPE)
+        self.kv = arena(len(g.full_layers), g.head_dim, g.np_dtype, 0)  # [full layers, 2, blocks, kvh, B, d]
+        self.scales = arena(len(g.full_layers), g.scale_groups, scale, 1)  # [..., B, groups] (int8)
+        self.ring = self.ring_scales = None
+        if g.ring_layers:
+            self.ring = arena(
+                len(g.ring_layers), g.head_dim, g.np_dtype, 0
+            )  # [ring layers, 2, blocks, kvh, B, d]
+            self.ring_scales = arena(len(g.ring_layers), g.scale_groups, scale, 1)  # [..., B, groups]
         self.free = list(range(blocks - 1, -1, -1))
         self.entries: OrderedDict[int, LRUEntry] = OrderedDict()  # least recently used first
         self._next_key = 0
@@ -258,11 +312,16 @@ class PrefixLRU:
     def __bool__(self) -> bool:
         return self.capacity_blocks > 0
 
-    def best_match(self, ids: Sequence[int]) -> tuple[LRUEntry | None, int]:
-        """The entry sharing the most leading tokens with `ids`, and how many it shares."""
+    def best_match(
+        self, ids: Sequence[int], usable: Callable[[int, int], int] | None = None
+    ) -> tuple[LRUEntry | None, int]:
+        """The entry sharing the most leading tokens with `ids`, and how many it shares; with
+        `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
         best, count = None, 0
         for entry in self.entries.values():
             shared = common_prefix(entry.token_ids, ids)
+            if usable is not None:
+                shared = usable(entry.ring_from, shared)
             if shared > count:
                 best, count = entry, shared
         return best, count
@@ -272,12 +331,14 @@ class PrefixLRU:
         ids = cache.token_ids(slot)[: self.capacity_blocks * self.block_tokens]
         if not len(ids):
             return
+        # the slot's rings hold ring_start .. length - 1 (every position without rings)
+        ring_from = min(int(cache.ring_start[slot]), len(ids)) if self.ring is not None else 0
         for key, entry in list(self.entries.items()):
             shared = common_prefix(entry.token_ids, ids)
-            if shared == len(ids):  # already held, by this entry or one extending it
+            if shared == len(ids) and entry.ring_from <= ring_from:  # already held (rings too)
                 self.entries.move_to_end(key)
                 return
-            if shared == len(entry.token_ids):  # the new sequence extends this entry
+            if shared == len(entry.token_ids) and ring_from <= entry.ring_from:  # extended
                 self._drop(key)
         need = -(-len(ids) // self.block_tokens)
         while len(self.free) < need:
@@ -291,24 +352,40 @@ class PrefixLRU:
             self.kv[:, :, block, :, :n] = held.kv
             if self.scales is not None:
                 self.scales[:, :, block, :, :n] = held.scales
-        self.entries[self._next_key] = LRUEntry(self._next_key, ids.copy(), blocks)
+            if self.ring is not None:  # the positions of this block the rings held, at their offsets
+                self.ring[:, :, block, :, n - held.ring_count : n] = held.ring
+                if self.ring_scales is not None:
+                    self.ring_scales[:, :, block, :, n - held.ring_count : n] = held.ring_scales
+        self.entries[self._next_key] = LRUEntry(self._next_key, ids.copy(), blocks, ring_from)
         self._next_key += 1
 
     def load(self, cache: KVCache, slot: int, entry: LRUEntry, count: int, start: int = 0) -> None:
         """Make `slot` hold the entry's first `count` tokens, given that it already holds the first
-        `start` of them (those are not copied)."""
+        `start` of them (those are not copied, unless the slot's rings lack positions below
+        `start` that the entry holds and the next query needs: then all are)."""
         if not 0 <= start <= count <= len(entry.token_ids):
             raise KvedgeError(f"cannot load tokens {start}..{count} of a {len(entry.token_ids)}-token entry")
+        self._copy(cache, slot, entry, count, start)
+        if start and cache.rewind_limit(slot, count) != count:
+            self._copy(cache, slot, entry, count, 0)
+        self.entries.move_to_end(entry.key)
+        self.hits += 1
+        self.hit_tokens += count - start
+
+    def _copy(self, cache: KVCache, slot: int, entry: LRUEntry, count: int, start: int) -> None:
         b = self.block_tokens
         for i in range(start // b, -(-count // b)):
             block = entry.blocks[i]
             lo, hi = max(start, i * b) - i * b, min(count, (i + 1) * b) - i * b
             kv = self.kv[:, :, block, :, lo:hi]
             scales = None if self.scales is None else self.scales[:, :, block, :, lo:hi]
-            cache.write(slot, KVBlock(kv, scales), entry.token_ids[i * b + lo : i * b + hi], start=i * b + lo)
-        self.entries.move_to_end(entry.key)
-        self.hits += 1
-        self.hit_tokens += count - start
+            ring = ring_scales = None
+            if self.ring is not None:  # the ring positions of lo..hi the entry holds
+                held = slice(min(max(lo, entry.ring_from - i * b), hi), hi)
+                ring = self.ring[:, :, block, :, held]
+                ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, block, :, held]
+            piece = KVBlock(kv, scales, ring, ring_scales)
+            cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], start=i * b + lo)
 
     def _drop(self, key: int) -> None:
         self.free.extend(reversed(self.entries.pop(key).blocks))

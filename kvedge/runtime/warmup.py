@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,11 +52,17 @@ class PrefixStore:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.prefixes)
 
-    def best_match(self, ids: list[int]) -> tuple[WarmPrefix | None, int]:
-        """The prefix sharing the most leading tokens with `ids`, and how many it shares."""
+    def best_match(
+        self, ids: list[int], usable: Callable[[int, int], int] | None = None
+    ) -> tuple[WarmPrefix | None, int]:
+        """The prefix sharing the most leading tokens with `ids`, and how many it shares; with
+        `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
         best, count = None, 0
         for prefix in self.prefixes:
             shared = common_prefix(prefix.token_ids, ids)
+            if usable is not None:
+                block = prefix.block
+                shared = usable(block.count - block.ring_count, shared)
             if shared > count:
                 best, count = prefix, shared
         return best, count

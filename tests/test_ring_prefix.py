@@ -1,0 +1,177 @@
+"""Prefix stores and warm prefixes on ring-buffer layers (Gemma 3), against fresh prefills.
+
+A stored block carries every position of the global layer and only the last positions the
+sliding-window layers' rings held (window 8, ring 72 slots, max_len 256). Each test serves a
+conversation from a stored block and compares it with a fresh prefill from an empty slot:
+logits within test_gemma3's tolerances and the same greedy tokens. Prefixes run past the ring
+(so it wrapped before the block was taken), and partial matches either keep what the block's
+rings serve (`KVCache.ring_limit`, the rewind rule) or start over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+from conftest import random_ids
+from tiny import make_tiny_model
+
+from kvedge.calibrate.calibrate import collect_kv
+from kvedge.configs import load_warmup_config
+from kvedge.contract import RING_MARGIN
+from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.export.export import ExportOptions, export_model
+from kvedge.runtime.cache import KVCache
+from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.model import Model
+from kvedge.runtime.prefix import WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.sessions import HistoryPolicy
+
+ATOL = {"fp": 1e-4, "int8": 2e-3}  # test_gemma3's (float32 cache) and test_kv_int8's (INT8)
+MAX_LEN = 256
+WINDOW = 8  # tests/tiny.py GEMMA3
+RING = WINDOW + RING_MARGIN
+BUDGET = 2**20
+LONG_TEXT = "A KV cache stores keys and values of past tokens so decoding does not recompute them. " * 4
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """{"fp": float32 export, "int8": INT8-cache export} of the tiny Gemma 3."""
+    root = tmp_path_factory.mktemp("gemma3-prefix")
+    source = make_tiny_model(root / "hf", "gemma3", seed=1)
+    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "int8", ExportOptions(max_len=MAX_LEN, kv_dtype="int8"))
+    return {"fp": root / "fp", "int8": root / "int8"}
+
+
+def greedy(model: Model, logits: np.ndarray, n: int = 12) -> list[int]:
+    """`n` greedy tokens after `logits`, decoded in slot 0."""
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        logits = decode_one_token(model.backend, model.cache, 0, [tokens[-1]])[0]
+    return tokens
+
+
+def check_served(model: Model, reference: Model, ids: list[int], reused: int, atol: float) -> None:
+    """`model` brings slot 0 to `ids` reusing exactly `reused` tokens, and then gives the logits
+    and greedy tokens of a fresh prefill of `ids` in `reference`."""
+    logits = model.prepare(0, ids)
+    assert model.sessions[0].reused_tokens == reused
+    reference.cache.reset(0)
+    expected = prefill(reference.backend, reference.cache, 0, [ids])[0]
+    np.testing.assert_allclose(logits, expected, atol=atol, rtol=0)
+    assert greedy(model, logits) == greedy(reference, expected)
+    model.sessions[0].reset(model.cache)  # the greedy steps were not the session's
+
+
+@pytest.mark.parametrize("kind", ["fp", "int8"])
+def test_store_serves_returning_conversations_past_the_ring(gemma, kind):
+    """A (150 tokens: the rings wrapped, they hold 78..149) loses slot 0 to B, then comes back
+    whole, then with a shorter partial match the rings still serve (140), then one they do not
+    (80: its query needs 73..79): that one starts over."""
+    model, reference = Model(gemma[kind], prefix_cache_bytes=BUDGET), Model(gemma[kind])
+    a, b, tail = random_ids(150, seed=1), random_ids(60, seed=2), random_ids(9, seed=3)
+    model.prepare(0, a)
+    model.prepare(0, b)  # A is saved to the store as B replaces it
+    assert len(model.prefix_lru) == 1 and model.prefix_lru.entries[0].ring_from == 150 - RING
+    check_served(model, reference, a + tail, 150, ATOL[kind])
+    assert model.prefix_lru.hits == 1
+    model.prepare(0, b)
+    check_served(model, reference, a[:140] + tail, 140, ATOL[kind])
+    model.prepare(0, b)
+    lowest = 150 - RING + WINDOW - 1  # 85: the shortest match the stored rings serve
+    check_served(model, reference, a[:lowest] + tail, lowest, ATOL[kind])
+    model.prepare(0, b)
+    check_served(model, reference, a[: lowest - 1] + tail, 0, ATOL[kind])
+
+
+def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_rings(gemma):
+    """An entry shorter than the ring holds every position, so any head of it serves. Loading it
+    over a slot that already shares its first 55 tokens copies only the rest, unless that slot's
+    own rings no longer hold what the next query needs below 55: then the whole head is copied."""
+    model, reference = Model(gemma["fp"], prefix_cache_bytes=BUDGET), Model(gemma["fp"])
+    a, other, tail = random_ids(60, seed=4), random_ids(200, seed=5), random_ids(5, seed=6)
+    model.prepare(0, a)
+    model.prepare(0, random_ids(40, seed=7))
+    assert model.prefix_lru.entries[0].ring_from == 0
+    check_served(model, reference, a[:20] + tail, 20, ATOL["fp"])
+    model.prepare(0, a[:55] + other)  # 255 tokens (its first 55 from the store, a hit)
+    assert model.cache.ring_start[0] == 255 - RING  # this slot's rings hold 183 .. 254
+    check_served(model, reference, a[:58] + tail, 58, ATOL["fp"])  # 58 reused: needs 51 .. 57
+    assert model.prefix_lru.hits == 3
+
+
+@pytest.mark.parametrize("kind", ["fp", "int8"])
+def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
+    """A warm prefix longer than the ring, built at first boot, written, reloaded by a new Model
+    and used: whole, by a partial match its rings serve, and by one they do not."""
+    path = tmp_path / "warmup.yaml"
+    path.write_text(f'prefixes:\n  - name: notes\n    text: "{LONG_TEXT}"\n')
+    config, folder = load_warmup_config(path), tmp_path / "warm"
+    first = Model(gemma[kind], slots=2, warmup=config, warm_dir=folder)
+    assert first.warmup_report.rebuilt == {"notes": "missing"}
+    model = Model(gemma[kind], slots=2, warmup=config, warm_dir=folder)
+    assert model.warmup_report.loaded == ["notes"]
+    block = model.prefixes.prefixes[0].block
+    ids = list(model.prefixes.prefixes[0].token_ids)
+    assert len(ids) > RING and block.ring_count == RING
+    np.testing.assert_array_equal(block.ring, first.prefixes.prefixes[0].block.ring)
+    reference, tail = Model(gemma[kind]), random_ids(7, seed=8)
+    check_served(model, reference, ids + tail, len(ids), ATOL[kind])
+    check_served(model, reference, ids[:-20] + tail, len(ids) - 20, ATOL[kind])
+    check_served(model, reference, ids[: len(ids) - RING + WINDOW - 2] + tail, 0, ATOL[kind])
+
+
+def test_warm_file_of_another_ring_layout_is_refused_naming_the_field(gemma, tmp_path):
+    model = Model(gemma["fp"])
+    ids = random_ids(100, seed=9)
+    prefill(model.backend, model.cache, 0, [ids])
+    block = model.cache.read(0, len(ids))
+    assert block.kv.shape[:4] == (1, 2, 2, 100) and block.ring.shape[:4] == (2, 2, 2, RING)
+    geometry, fingerprint = model.manifest.geometry, model.manifest.source_fingerprint
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", tuple(ids), block), geometry, fingerprint)
+    assert read_warm_file(path, geometry, fingerprint, ids).block.ring_count == RING
+    for field, value in (("window", 16), ("ring_margin", 32), ("ring_layers", (0,))):
+        write_warm_file(
+            path,
+            WarmPrefix("p", tuple(ids), block),
+            dataclasses.replace(geometry, **{field: value}),
+            fingerprint,
+        )
+        shown = list(value) if isinstance(value, tuple) else value
+        message = re.escape(f"p.kvw: ring layout {field} is {shown}, this cache has")
+        with pytest.raises(ArtifactMismatch, match=message):
+            read_warm_file(path, geometry, fingerprint, ids)
+
+
+def test_blocks_carry_the_positions_the_rings_held(gemma):
+    """`read` after a rewind takes the ring positions still held below the new length; `write`
+    puts them back at p % ring_len and sets ring_start; `ring_limit` is the rewind rule."""
+    model = Model(gemma["fp"])
+    prefill(model.backend, model.cache, 0, [random_ids(150, seed=10)])
+    cache = model.cache
+    block = cache.read(0, 120)  # the rings hold 78 .. 149: of the first 120, 78 .. 119
+    assert block.count == 120 and block.ring_count == 42
+    target = KVCache(model.manifest.geometry, 1)
+    target.write(0, block, cache.token_ids(0)[:120])
+    assert target.ring_start[0] == 78 and target.rewind_limit(0, 120) == 120
+    assert cache.ring_limit(78, 84) == 0 and cache.ring_limit(78, 85) == 85
+    held = np.arange(78, 120) % RING
+    np.testing.assert_array_equal(target.ring[:, :, 0][:, :, :, held], cache.ring[:, :, 0][:, :, :, held])
+    with pytest.raises(KvedgeError, match=r"KV block ring \(2, 2, 2, 42, 32\) float32 does not fit"):
+        target.write(0, block.head(10)._replace(ring=block.ring), cache.token_ids(0)[:10])
+    head = block.head(100)
+    assert head.count == 100 and head.ring_count == 22
+    assert block.head(70).ring_count == 0
+
+
+def test_window_eviction_and_calibration_are_refused_by_name(gemma):
+    with pytest.raises(KvedgeError, match="history_policy 'window'.*not supported for this model's"):
+        Model(gemma["fp"], policy=HistoryPolicy(mode="window"))
+    with pytest.raises(KvedgeError, match="calibration is not supported for models with sliding-window"):
+        collect_kv(Model(gemma["fp"]), [])
