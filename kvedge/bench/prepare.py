@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvedge.contract import MANIFEST_FILE, Manifest
+from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.source import Source, load_hf, resolve_source
 
@@ -68,8 +69,7 @@ class Workdir:
             kv_dtype=build.kv_dtype,
             force=True,
         )
-        if (out / MANIFEST_FILE).is_file():
-            manifest = Manifest.load(out)
+        if (out / MANIFEST_FILE).is_file() and (manifest := _loadable(out)) is not None:
             if (
                 manifest.source_fingerprint == self.source.fingerprint()
                 and manifest.variant == build.variant
@@ -125,3 +125,12 @@ class Workdir:
         log.info("building %s: %s", out, " ".join(cmd))
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return out
+
+
+def _loadable(folder: Path) -> Manifest | None:
+    """The folder's manifest, or None where this kvedge refuses it (an older format): re-export."""
+    try:
+        return Manifest.load(folder)
+    except ArtifactMismatch as exc:
+        log.info("re-exporting %s: %s", folder, exc)
+        return None
