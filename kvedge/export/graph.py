@@ -91,6 +91,7 @@ from kvedge.contract import (
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import (
     EXPORT_GRIDS,
+    HEAD_MIN_BITS,
     WEIGHT_FORMATS,
     check_format,
     quantize_blockwise,
@@ -166,6 +167,11 @@ class GraphOptions:
     @property
     def bits(self) -> int:
         return WEIGHT_FORMATS[self.weights]
+
+    @property
+    def head_bits(self) -> int:
+        """The LM head's bits: never below `HEAD_MIN_BITS` (`quantize.py`)."""
+        return max(self.bits, HEAD_MIN_BITS)
 
     @property
     def quantized(self) -> bool:
@@ -600,7 +606,7 @@ class _Decoder:
                 hidden,
                 np.ascontiguousarray(head.T),
                 "logits.rows_vocab",
-                options.bits,
+                options.head_bits,
                 options.block_size,
                 self.outliers.get("lm_head"),
             )
