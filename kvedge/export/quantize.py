@@ -63,10 +63,7 @@ from kvedge.errors import KvedgeError
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
 EXPORT_GRIDS = GRIDS  # what the export offers each block
-# Input channels per quantized matmul kept float32 (see the module docstring); the LM head keeps
-# fewer, its kept rows being vocabulary-wide (32 would read 4.7 MB more a token on SmolLM2).
-OUTLIER_CHANNELS = 32
-HEAD_OUTLIER_CHANNELS = 8
+OUTLIER_CHANNELS = 32  # input channels per quantized matmul kept float32 (see the module docstring)
 # The LM head is never stored below 8 bits: at 4 bits it alone cost the int4 export most of its
 # KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's bytes.
 HEAD_MIN_BITS = 8
@@ -180,14 +177,10 @@ def calibration_ids(tokenizer: Any, max_tokens: int = 256) -> list[list[int]]:
 
 
 def input_outliers(
-    model: Any,
-    token_ids: list[list[int]],
-    channels: int = OUTLIER_CHANNELS,
-    head_channels: int = HEAD_OUTLIER_CHANNELS,
+    model: Any, token_ids: list[list[int]], channels: int = OUTLIER_CHANNELS
 ) -> dict[str, np.ndarray]:
-    """{Linear module name: its `channels` (`lm_head`: `head_channels`) input channels of largest
-    max |x| over `token_ids`, ascending [channels] int64}, from one float32 forward pass of the
-    Hugging Face `model`."""
+    """{Linear module name: its `channels` input channels of largest max |x| over `token_ids`,
+    ascending [channels] int64}, from one float32 forward pass of the Hugging Face `model`."""
     import torch
 
     peaks: dict[str, torch.Tensor] = {}  # name -> [in_features] max |x|
@@ -199,9 +192,6 @@ def input_outliers(
 
         return hook
 
-    def count(name: str) -> int:
-        return head_channels if name == "lm_head" else channels
-
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     handles = [m.register_forward_pre_hook(record(n)) for n, m in linears]
     try:
@@ -212,6 +202,6 @@ def input_outliers(
         for handle in handles:
             handle.remove()
     return {
-        name: np.sort(torch.topk(peak, min(count(name), peak.numel())).indices.numpy()).astype(np.int64)
+        name: np.sort(torch.topk(peak, min(channels, peak.numel())).indices.numpy()).astype(np.int64)
         for name, peak in peaks.items()
     }
