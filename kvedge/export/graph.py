@@ -271,18 +271,11 @@ class _Builder:
         return self.op("Cast", [stored], name, to=TensorProto.FLOAT)
 
     def matmul_weight(
-        self,
-        x: str,
-        w: np.ndarray,
-        out: str,
-        bits: int,
-        block_size: int,
-        keep: np.ndarray | None = None,
-        rank: int = 3,
+        self, x: str, w: np.ndarray, out: str, bits: int, block_size: int, keep: np.ndarray | None = None
     ) -> str:
-        """x @ w for x of `rank` dims [.., K] and w [K, N], stored float32 or as blocked integers
-        behind DequantizeLinear; the blocks' offsets and the float32 input channels `keep` [kept]
-        ride in one small second product (see `quantize.py`)."""
+        """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
+        blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
+        product (see `quantize.py`)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
         qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS)
@@ -293,14 +286,11 @@ class _Builder:
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
         k = w.shape[0]
-        side: list[str] = []  # [.., *] the second product's inputs, made from x without weights
-        rows: list[np.ndarray] = []  # [*, N] their weights
-        offsets = np.zeros_like(w)  # [K, N] each row's block offset
+        gather: list[np.ndarray] = []  # [K, *] columns: x @ them feeds the second product
+        rows: list[np.ndarray] = []  # [*, N] its weights
+        offsets = np.zeros((k, w.shape[1]), np.float32)  # [K, N] each row's block offset
         if qw.offset is not None:
-            # Reshape + ReduceSum rather than x @ a [K, K/block] 0/1 matrix: no weight bytes to read
-            shape = self.ints(*[0] * (rank - 1), k // block_size, block_size)
-            blocks = self.op("Reshape", [x, shape], f"{out}.blocks")  # [.., K/block, block]
-            side.append(self.reduce("ReduceSum", blocks, -1, f"{out}.block_sums", keepdims=0))
+            gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
             rows.append(qw.offset)
             offsets = np.repeat(qw.offset, block_size, axis=0)
         quantized_in = x
@@ -308,14 +298,18 @@ class _Builder:
             mask = np.ones(k, np.float32)
             mask[keep] = 0.0
             quantized_in = self.op("Mul", [x, self.const(f"{out}.int8_mask", mask)], f"{out}.masked")
-            side.append(self.op("Gather", [x, self.const(f"{out}.kept", keep)], f"{out}.kept_in", axis=-1))
+            select = np.zeros((k, keep.size), np.float32)
+            select[keep, np.arange(keep.size)] = 1.0
+            gather.append(select)
             rows.append(w[keep] - offsets[keep])
-        if not side:
+        if not gather:
             return self.op("MatMul", [x, deq], out)
         scaled = self.op("MatMul", [quantized_in, deq], f"{out}.scaled")
-        side_in = side[0] if len(side) == 1 else self.op("Concat", side, f"{out}.side_in", axis=-1)
+        side = self.op(
+            "MatMul", [x, self.const(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side"
+        )
         shift = self.op(
-            "MatMul", [side_in, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
+            "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
         )
         return self.op("Add", [scaled, shift], out)
 
@@ -615,7 +609,6 @@ class _Decoder:
                 options.head_bits,
                 options.block_size,
                 self.outliers.get("lm_head"),
-                rank=2,
             )
         head_name = self.embed_name if tied else g.const("lm_head.weight", self.w("lm_head.weight"))
         return g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)

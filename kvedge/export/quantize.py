@@ -37,12 +37,9 @@ and keeps the `OUTLIER_CHANNELS` largest in float32 (LLM.int8()'s decomposition)
 zeroed before the int8 kernel and multiplied by their exact float32 weight rows in the small
 second product, which now reads::
 
-    x @ w = (x * mask) @ (q * scale) + [block_sums(x) | x[kept]] @ [offset ; w[kept] - offset[kept block]]
+    x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
 
-The second product's input is made from x by ops that read no weights (Reshape + ReduceSum for
-the block sums, Gather for the kept channels), so its only weight bytes are the float32 rows
-[K/block + kept, N]: an x @ [K, K/block + kept] 0/1 matrix, the earlier form, read as many
-bytes again for the same numbers.
+with B [K, K/block] the block-sum matrix and S [K, kept] the selection of the kept channels.
 
 int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """
