@@ -30,12 +30,12 @@ it is a second, small product::
     x @ w_hat = x @ (q * scale) + block_sums(x) @ offset,   block_sums(x) [.., K/block]
 
 Activations: onnxruntime's fused kernel (accuracy level 4, the only fast one; level 0/1 run
-~20x slower at 8 bits) also rounds each activation block of `block_size` to int8 with its own
-absmax scale, so one large channel coarsens its 31 neighbours. The export measures, on the
-built-in calibration prompts, the largest |x| of every input channel of every quantized matmul
-and keeps the `OUTLIER_CHANNELS` largest in float32 (LLM.int8()'s decomposition): they are
-zeroed before the int8 kernel and multiplied by their exact float32 weight rows in the small
-second product, which now reads::
+30-130x slower at 8 bits, docs/PERFORMANCE.md) also rounds each activation block of
+`block_size` to int8 with its own absmax scale, so one large channel coarsens its 31
+neighbours. The export measures, on the built-in calibration prompts, the largest |x| of every
+input channel of every quantized matmul and keeps the `OUTLIER_CHANNELS` largest in float32
+(LLM.int8()'s decomposition): they are zeroed before the int8 kernel and multiplied by their
+exact float32 weight rows in the small second product, which now reads::
 
     x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
 
