@@ -170,8 +170,9 @@ class GraphOptions:
 
     @property
     def head_bits(self) -> int:
-        """The LM head's bits: never below `HEAD_MIN_BITS` (`quantize.py`)."""
-        return max(self.bits, HEAD_MIN_BITS)
+        """The LM head's bits: in ort graphs never below `HEAD_MIN_BITS` (`quantize.py`); portable
+        graphs keep the export's bits, as TensorRT refuses int8 weights (their negative scales)."""
+        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
 
     @property
     def quantized(self) -> bool:

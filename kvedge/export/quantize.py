@@ -61,8 +61,8 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
 EXPORT_GRIDS = GRIDS  # what the export offers each block
 OUTLIER_CHANNELS = 32  # input channels per quantized matmul kept float32 (see the module docstring)
-# The LM head is never stored below 8 bits: at 4 bits it alone cost the int4 export most of its
-# KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's bytes.
+# The ort graph's LM head is never stored below 8 bits: at 4 bits it alone cost the int4 export
+# most of its KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's bytes.
 HEAD_MIN_BITS = 8
 
 
