@@ -124,6 +124,20 @@ def test_quantized_matmuls_fuse_into_matmulnbits(exports, tmp_path, variant, wei
     assert manifest.opset == 21 and manifest.weights_dtype == weights and manifest.weight_block_size == 32
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
+    """ort int4 exports keep the tied LM head at int8 (its 4-bit copy cost most of their KL);
+    the projections, and portable (TensorRT) graphs' head, keep the export's bits."""
+    graph = onnx.load(str(exports("ort", weights) / "model.onnx")).graph
+    stored = {t.name: t.data_type for t in graph.initializer if t.name.endswith(".weight_q")}
+    projection = onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8
+    assert stored.pop("logits.rows_vocab.weight_q") == onnx.TensorProto.INT8
+    assert stored and set(stored.values()) == {projection}
+    portable = onnx.load(str(exports("portable", weights) / "model.onnx")).graph  # TensorRT's
+    head = next(t for t in portable.initializer if t.name == "logits.rows_vocab.weight_q")
+    assert head.data_type == projection
+
+
 def test_ort_variant_uses_fused_attention_and_norms(exports, tmp_path):
     folder = exports("ort", "float32")
     layers = Manifest.load(folder).geometry.num_layers

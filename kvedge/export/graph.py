@@ -106,6 +106,7 @@ from kvedge.contract import (
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import (
     EXPORT_GRIDS,
+    HEAD_MIN_BITS,
     WEIGHT_FORMATS,
     check_format,
     quantize_blockwise,
@@ -213,6 +214,12 @@ class GraphOptions:
     @property
     def bits(self) -> int:
         return WEIGHT_FORMATS[self.weights]
+
+    @property
+    def head_bits(self) -> int:
+        """The LM head's bits: in ort graphs never below `HEAD_MIN_BITS` (`quantize.py`); portable
+        graphs keep the export's bits, as TensorRT refuses int8 weights (their negative scales)."""
+        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
 
     @property
     def quantized(self) -> bool:
@@ -756,7 +763,7 @@ class _Decoder:
                 hidden,
                 np.ascontiguousarray(head.T),
                 "logits.rows_vocab",
-                options.bits,
+                options.head_bits,
                 options.block_size,
                 self.outliers.get("lm_head"),
             )

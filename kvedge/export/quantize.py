@@ -30,12 +30,12 @@ it is a second, small product::
     x @ w_hat = x @ (q * scale) + block_sums(x) @ offset,   block_sums(x) [.., K/block]
 
 Activations: onnxruntime's fused kernel (accuracy level 4, the only fast one; level 0/1 run
-~20x slower at 8 bits) also rounds each activation block of `block_size` to int8 with its own
-absmax scale, so one large channel coarsens its 31 neighbours. The export measures, on the
-built-in calibration prompts, the largest |x| of every input channel of every quantized matmul
-and keeps the `OUTLIER_CHANNELS` largest in float32 (LLM.int8()'s decomposition): they are
-zeroed before the int8 kernel and multiplied by their exact float32 weight rows in the small
-second product, which now reads::
+30-130x slower at 8 bits, docs/PERFORMANCE.md) also rounds each activation block of
+`block_size` to int8 with its own absmax scale, so one large channel coarsens its 31
+neighbours. The export measures, on the built-in calibration prompts, the largest |x| of every
+input channel of every quantized matmul and keeps the `OUTLIER_CHANNELS` largest in float32
+(LLM.int8()'s decomposition): they are zeroed before the int8 kernel and multiplied by their
+exact float32 weight rows in the small second product, which now reads::
 
     x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
 
@@ -60,7 +60,10 @@ from kvedge.errors import KvedgeError
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
 EXPORT_GRIDS = GRIDS  # what the export offers each block
-OUTLIER_CHANNELS = 8  # input channels per quantized matmul kept float32 (see the module docstring)
+OUTLIER_CHANNELS = 32  # input channels per quantized matmul kept float32 (see the module docstring)
+# The ort graph's LM head is never stored below 8 bits: at 4 bits it alone cost the int4 export
+# most of its KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's bytes.
+HEAD_MIN_BITS = 8
 
 
 @dataclass(frozen=True)
