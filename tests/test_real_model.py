@@ -199,13 +199,15 @@ def test_json_schema_replies_of_the_real_model_all_validate(smol, tmp_path):
     assert len({text for text, _ in replies}) > 25  # the prompts really vary the replies
 
 
-def test_recommended_cpu_export_answers_like_fp32(smol):
-    """README's CPU recommendation (--variant ort --weights int8 --kv-dtype int8) answers the
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_recommended_cpu_export_answers_like_fp32(smol, kv_dtype):
+    """README's CPU recommendation (--variant ort --weights int8), with either cache, answers the
     known-good question as the float32 export does. Its int8 weights reproduce the GGUF's grids
-    exactly; what is left is onnxruntime's int8 activations (docs/PERFORMANCE.md)."""
+    exactly and keep 32 input channels float32; what is left is onnxruntime's int8 activations
+    (docs/PERFORMANCE.md)."""
     out, hf, tokenizer = smol
-    fast = out.parent / "ort-int8-int8"
-    options = ExportOptions(max_len=2048, variant="ort", weights="int8", kv_dtype="int8")
+    fast = out.parent / f"ort-int8-{kv_dtype}"
+    options = ExportOptions(max_len=2048, variant="ort", weights="int8", kv_dtype=kv_dtype)
     export_model(None, fast, options, loaded=(hf, tokenizer))
     answer = "".join(e.text for e in Model(fast).chat(QUESTION, SamplingConfig(max_new_tokens=16)))
     assert "Paris" in answer, answer
