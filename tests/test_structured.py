@@ -184,6 +184,21 @@ def test_named_and_auto_tool_choice(client):
             assert not message.content.lstrip().startswith("<")
 
 
+def streamed_tool_calls(stream) -> tuple[list[dict], str | None]:
+    """The tool calls a stream's deltas add up to ({"id", "name", "arguments"}, by index) and
+    its finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
 def test_streamed_tool_calls_reassemble_to_the_non_streamed_result(client):
     fields = dict(
         model="tiny",
@@ -196,17 +211,9 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_result(client):
         max_tokens=100,
     )
     whole = client.chat.completions.create(**fields).choices[0]
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**fields, stream=True):
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
+    calls, finish = streamed_tool_calls(client.chat.completions.create(**fields, stream=True))
     assert finish == whole.finish_reason == "tool_calls"
-    assert [calls[i] for i in sorted(calls)] == [
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls
     ]
 

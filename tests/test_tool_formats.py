@@ -33,7 +33,7 @@ import jsonschema
 import openai
 import pytest
 from test_serve import KEY, Server
-from test_structured import ASK, TIME, WEATHER, arguments_valid
+from test_structured import ASK, TIME, WEATHER, arguments_valid, streamed_tool_calls
 from tiny import make_tiny_model
 from tokenizers import Tokenizer
 
@@ -312,21 +312,12 @@ def test_streamed_calls_reassemble_to_the_non_streamed_result(family):
         max_tokens=120,
     )
     whole = client.chat.completions.create(**fields).choices[0]
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**fields, stream=True):
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
+    got, finish = streamed_tool_calls(client.chat.completions.create(**fields, stream=True))
     assert finish == whole.finish_reason == "tool_calls"
     want = [
         {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
         for c in whole.message.tool_calls
     ]
-    got = [calls[i] for i in sorted(calls)]
     if name == "llama3":  # ids are drawn per reply; Mistral's are the model's own
         for entry in want + got:
             entry.pop("id")

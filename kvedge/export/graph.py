@@ -1226,7 +1226,19 @@ class _Int8Codec:
         return parts[0] if self.groups == 1 else g.op("Concat", parts, f"{name}.context", axis=-1)
 
 
-class _GroupQueryAttention:
+class _InPlaceAttention:
+    """What the in-place attentions share: the heads, the RoPE tables (cos, sin [L, d/2]) and, for
+    sliding-window layers (Gemma 3), their own tables and a window over the full-length cache."""
+
+    def __init__(
+        self, g, heads, kv_heads, names, cos_table, sin_table, local_cos=None, local_sin=None, window=0
+    ) -> None:
+        self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
+        self.cos_table, self.sin_table = cos_table, sin_table
+        self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
+
+
+class _GroupQueryAttention(_InPlaceAttention):
     """onnxruntime's GroupQueryAttention, past and present sharing one buffer (module docstring).
 
     `half` (a float16 cache, the onnxruntime CUDA form): Q/K/V are cast to float16 before the op
@@ -1240,26 +1252,9 @@ class _GroupQueryAttention:
     its work from seqlens_k per row; with total > s a prefill counts as a continuation, which
     it takes for batch 1 only, as the runtime already calls it."""
 
-    def __init__(
-        self,
-        g,
-        heads,
-        kv_heads,
-        d,
-        length,
-        names,
-        s_dim,
-        cos_table,
-        sin_table,
-        local_cos=None,
-        local_sin=None,
-        window=0,
-        half: bool = False,
-    ) -> None:
-        self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
-        self.cos_table, self.sin_table, self.half = cos_table, sin_table, half
-        # sliding-window layers (Gemma 3): their own tables, and a window over the full cache
-        self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
+    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, half=False, **tables) -> None:
+        super().__init__(g, heads, kv_heads, names, **tables)
+        self.half = half
         if half:
             ones = g.op(
                 "Cast",
@@ -1320,29 +1315,12 @@ class _GroupQueryAttention:
         return g.op("Cast", [merged], f"{p}.merged", to=TensorProto.FLOAT) if self.half else merged
 
 
-class _Int8CacheAttention:
+class _Int8CacheAttention(_InPlaceAttention):
     """kvedge's own onnxruntime kernel (`kvedge/runtime/csrc/kvedge_ops.cc`): GroupQueryAttention's
     counterpart over the INT8 cache, past and present sharing one buffer per tensor."""
 
-    def __init__(
-        self,
-        g,
-        heads,
-        kv_heads,
-        d,
-        length,
-        names,
-        s_dim,
-        cos_table,
-        sin_table,
-        local_cos=None,
-        local_sin=None,
-        window=0,
-    ) -> None:
-        self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
-        self.cos_table, self.sin_table = cos_table, sin_table
-        # sliding-window layers (Gemma 3): their own tables, and a window over the full cache
-        self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
+    def __init__(self, g, heads, kv_heads, d, length, names, s_dim, **tables) -> None:
+        super().__init__(g, heads, kv_heads, names, **tables)
         self.identity_shape = (length, d // 2)
         self.identity: list[str] = []
 
