@@ -64,6 +64,7 @@ constexpr int kKeyBlock = 64;     // prefill: cache positions dequantized at a t
 constexpr int kMaxRows = kTileRows > kQueryBlock ? kTileRows : kQueryBlock;
 constexpr int64_t kSplitKeys = 256;  // decode: fewest cache positions in a block of a split cache
 constexpr int64_t kSplitItems = 24;  // decode: work items a long enough cache is split into, at least
+constexpr int64_t kPrefetchKeys = 64;  // decode: cached positions per KV head asked of memory up front
 
 const OrtApi* g_api = nullptr;
 
@@ -747,6 +748,38 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
     if (past[r] < 0 || past[r] + seq > slots || past[r] + seq > cos_t.shape[0])
       return Fail("row " + std::to_string(r) + ": past length " + std::to_string(past[r]) + " + " +
                   std::to_string(seq) + " new tokens does not fit " + std::to_string(slots) + " slots");
+  }
+
+  // A decode step's cache lines, asked of memory before anything else touches them: in a model a
+  // layer's cache rows were last used a whole step earlier and the other layers' weights have
+  // evicted them since. Without this the new token's rows (written a byte at a time) stall the
+  // stores until each line arrives, and the attention waits on each KV head's rows in turn; asked
+  // for together, the misses overlap with each other and with onnxruntime handing over the
+  // outputs (SmolLM2-135M at context 64: the op ~20% faster; a one-node graph, whose cache stays in
+  // cache, does not show it). The new rows, then K's attended rows, then V's, in the order of use;
+  // at most kPrefetchKeys attended positions per KV head, the hardware prefetcher keeping a longer
+  // stream coming. Written out here rather than in a function of its own, which GCC would find
+  // free of side effects and drop.
+  if (heads / kv_heads * seq <= kQueryBlock) {
+    const int64_t bytes[4] = {d, d, groups * 2, groups * 2};  // per position: K, V codes; K, V scales
+    for (int pass = 0; pass < 3; ++pass) {
+      for (int i = 0; i < 4; ++i) {
+        if (pass > 0 && i % 2 != pass - 1) continue;
+        for (int64_t r = 0; r < batch; ++r) {
+          const int64_t first = window > 0 ? std::max<int64_t>(past[r] + 1 - window, 0) : 0;
+          const int64_t from = pass == 0 ? past[r] : first;
+          const int64_t count = pass == 0 ? seq : std::min(past[r] - first, kPrefetchKeys);
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            const uintptr_t start = reinterpret_cast<uintptr_t>(in[2 + i].data) +
+                                    ((r * kv_heads + h) * slots + from) * bytes[i];
+            for (uintptr_t line = start & ~uintptr_t{63}; line < start + count * bytes[i]; line += 64) {
+              if (pass == 0) __builtin_prefetch(reinterpret_cast<const void*>(line), 1);
+              else __builtin_prefetch(reinterpret_cast<const void*>(line), 0);
+            }
+          }
+        }
+      }
+    }
   }
 
   void* out[5] = {};  // the outputs' data (their shapes are the ones asked for)
