@@ -230,6 +230,20 @@ def main(verbose: int) -> None:
     "Weight-only quantization of the projections and LM head (blocked QDQ).",
 )
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
+@click.option(
+    "--outlier-channels",
+    type=int,
+    default=None,
+    help="int8/int4 weights: input channels of each matmul kept float32 (0, 8, 16, 32, 64; default "
+    "32). Fewer read fewer bytes per token, at some quality (docs/PERFORMANCE.md).",
+)
+@click.option(
+    "--head-bits",
+    type=int,
+    default=None,
+    help="int8/int4 weights: the LM head's bits (--variant ort: 8 or 4; portable: the weights' "
+    "bits). Default: at least 8 in ort graphs.",
+)
 @choice_option(
     "--kv-dtype",
     EXPORTED_KV_DTYPES,
@@ -273,6 +287,8 @@ def export(
     variant: str,
     weights: str,
     block_size: int,
+    outlier_channels: int | None,
+    head_bits: int | None,
     kv_dtype: str,
     kv_group_size: int,
     target: str,
@@ -295,6 +311,8 @@ def export(
         variant=variant,
         weights=weights,
         block_size=block_size,
+        outlier_channels=outlier_channels,
+        head_bits=head_bits,
         kv_dtype=kv_dtype,
         kv_group_size=kv_group_size,
     )
@@ -532,7 +550,13 @@ def info(model_dir: Path, as_json: bool) -> None:
             "graph",
             f"{manifest.variant}, opset {manifest.opset}, logits: {manifest.logits}, weights: "
             + manifest.weights_dtype
-            + (f" (block {manifest.weight_block_size})" if manifest.weight_block_size else ""),
+            + (f" (block {manifest.weight_block_size})" if manifest.weight_block_size else "")
+            + (
+                f", {manifest.weight_outlier_channels} float32 channels, "
+                f"LM head int{manifest.weight_head_bits}"
+                if manifest.weight_head_bits
+                else ""
+            ),
         ),
         ("names", f"{manifest.names.past_key} -> {manifest.names.present_key}"),
         ("eos ids", ", ".join(map(str, manifest.eos_token_ids))),

@@ -82,6 +82,27 @@ def test_user_errors_exit_nonzero_without_traceback(tmp_path):
         assert message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_weight_quantization_options(tmp_path):
+    """--outlier-channels and --head-bits reach the export (info shows them); values that do not
+    apply are refused by name before anything loads."""
+    for args, message in [
+        (("--weights", "int4", "--outlier-channels", "5"), "allowed: [0, 8, 16, 32, 64]"),
+        (("--head-bits", "8"), "--head-bits 8 applies to --weights int8 or int4 only, not --weights float32"),
+        (("--weights", "int4", "--head-bits", "8"), "--variant portable --weights int4; allowed: [4]"),
+        (("--variant", "ort", "--weights", "int4", "--head-bits", "3"), "--head-bits 3 is not allowed"),
+    ]:
+        done = kvedge("export", str(tmp_path / "hf"), "--out", str(tmp_path / "bad"), *args)
+        assert done.returncode != 0
+        assert message in done.stderr and "Traceback" not in done.stderr
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    out = tmp_path / "artifact"
+    args = ("--max-len", "32", "--variant", "ort", "--weights", "int4", "--outlier-channels", "0")
+    done = kvedge("export", str(source), "--out", str(out), *args, "--head-bits", "4")
+    assert done.returncode == 0, done.stderr
+    info = kvedge("info", str(out))
+    assert "weights: int4 (block 32), 0 float32 channels, LM head int4" in info.stdout
+
+
 def test_bad_sampling_option_is_named(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "llama")
     out = tmp_path / "artifact"

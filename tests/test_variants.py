@@ -97,6 +97,23 @@ def test_int4_packing_is_the_onnx_layout():
             r"--weights 'int3' is not supported; allowed: \['float16', 'float32', 'int4', 'int8'\]",
         ),
         (dict(weights="int4", block_size=48), r"--block-size 48 is not supported; allowed: \[16, 32"),
+        (
+            dict(weights="int4", outlier_channels=5),
+            r"--outlier-channels 5 is not allowed; allowed: \[0, 8, 16, 32, 64\]",
+        ),
+        (
+            dict(outlier_channels=8),
+            "--outlier-channels 8 applies to --weights int8 or int4 only, not --weights float32",
+        ),
+        (dict(weights="float16", head_bits=8), "--head-bits 8 applies to --weights int8 or int4 only"),
+        (
+            dict(weights="int4", head_bits=8),
+            r"--head-bits 8 is not allowed with --variant portable --weights int4; allowed: \[4\]",
+        ),
+        (
+            dict(variant="ort", weights="int8", head_bits=2),
+            r"--head-bits 2 is not allowed with --variant ort --weights int8; allowed: \[8, 4\]",
+        ),
     ],
 )
 def test_bad_export_options_are_named(options, message):
@@ -136,6 +153,64 @@ def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
     portable = onnx.load(str(exports("portable", weights) / "model.onnx")).graph  # TensorRT's
     head = next(t for t in portable.initializer if t.name == "logits.rows_vocab.weight_q")
     assert head.data_type == projection
+
+
+def kept_rows(folder) -> tuple[dict[str, int], dict[str, int]]:
+    """({quantized matmul: input channels its int8 mask zeroes}, {quantized matmul: float32 weight
+    rows its second product holds for single channels}). A selection column of the second
+    product's input has one 1, a block-sum column `block_size` ones (`quantize.py`)."""
+    graph = onnx.load(str(folder / "model.onnx")).graph
+    masks, rows = {}, {}
+    for t in graph.initializer:
+        if t.name.endswith(".int8_mask"):
+            masks[t.name.removesuffix(".int8_mask")] = int((numpy_helper.to_array(t) == 0).sum())
+        if t.name.endswith(".side_in"):
+            rows[t.name.removesuffix(".side_in")] = int((numpy_helper.to_array(t).sum(axis=0) == 1).sum())
+    masked = [n.input[0] for n in graph.node if n.op_type == "Mul" and n.input[1].endswith(".int8_mask")]
+    assert len(masked) == len(masks)  # one mask Mul per kept set
+    return masks, rows
+
+
+@pytest.mark.parametrize("channels", [0, 8, 16])
+def test_outlier_channels_and_head_bits_reach_the_graph(tiny_source, tmp_path, channels):
+    """--outlier-channels sets each quantized matmul's kept rows (0: no mask, no kept rows, only
+    the block offsets' product); --head-bits 4 stores the ort LM head at 4 bits; both recorded."""
+    out = tmp_path / "out"
+    options = ExportOptions(max_len=64, variant="ort", weights="int4", outlier_channels=channels, head_bits=4)
+    export_model(tiny_source, out, options)
+    masks, rows = kept_rows(out)
+    layers = Manifest.load(out).geometry.num_layers
+    if channels:
+        assert len(masks) == 4 * layers + 1 and set(masks.values()) == {channels}
+    else:
+        assert masks == {}
+    assert rows and set(rows.values()) == {channels}
+    graph = onnx.load(str(out / "model.onnx")).graph
+    stored = {t.name: t.data_type for t in graph.initializer if t.name.endswith(".weight_q")}
+    assert stored["logits.rows_vocab.weight_q"] == onnx.TensorProto.INT4
+    manifest = Manifest.load(out)
+    assert (manifest.weight_outlier_channels, manifest.weight_head_bits) == (channels, 4)
+
+
+def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports, tmp_path):
+    """No --outlier-channels / --head-bits: 32 channels and an int8 head in ort graphs, the same
+    bytes as asking for them; float exports record 0 for both."""
+    default = exports("ort", "int4")
+    explicit = tmp_path / "explicit"
+    options = ExportOptions(max_len=64, variant="ort", weights="int4", outlier_channels=32, head_bits=8)
+    export_model(tiny_source, explicit, options)
+    assert (explicit / "model.onnx").read_bytes() == (default / "model.onnx").read_bytes()
+    masks, rows = kept_rows(default)
+    assert set(masks.values()) == set(rows.values()) == {32}
+    int4 = Manifest.load(default)
+    assert (int4.weight_outlier_channels, int4.weight_head_bits) == (32, 8)
+    portable = Manifest.load(exports("portable", "int4"))
+    assert (portable.weight_outlier_channels, portable.weight_head_bits) == (32, 4)
+    fp32 = Manifest.load(exports("ort", "float32"))
+    assert (fp32.weight_outlier_channels, fp32.weight_head_bits) == (0, 0)
+    data = json.loads((default / MANIFEST_FILE).read_text())
+    old = {k: v for k, v in data.items() if k not in ("weight_outlier_channels", "weight_head_bits")}
+    assert Manifest.from_dict(old).weight_outlier_channels is None  # written before the fields
 
 
 def test_ort_variant_uses_fused_attention_and_norms(exports, tmp_path):

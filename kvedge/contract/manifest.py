@@ -377,6 +377,10 @@ class Manifest:
     names: IONames = IONames()
     weights_dtype: str = "float32"  # a WEIGHT_FORMATS key: "float32", "float16", "int8" or "int4"
     weight_block_size: int = 0  # quantization block size; 0 for float32 and float16
+    # input channels per quantized matmul kept float32, and the quantized LM head's bits; 0 for
+    # float32 and float16; None: not recorded (exported before kvedge recorded them)
+    weight_outlier_channels: int | None = None
+    weight_head_bits: int | None = None
     variant: str = "portable"  # graph variant, see VARIANTS
     chat_template: bool = False
     special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables

@@ -57,18 +57,26 @@ class ExportOptions:
     # "float32", "float16" (--variant ort: the CUDA in-place form) or "int8" (codes + float16 scales)
     kv_dtype: str = "float32"
     kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
+    # int8/int4 weights: input channels per matmul kept float32 (0, 8, 16, 32, 64); None: 32
+    outlier_channels: int | None = None
+    head_bits: int | None = None  # int8/int4 weights: the LM head's bits (ort: 8 or 4); None: the rule
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
-        self.graph_options()  # validates logits, variant, weights and block size
+        self.graph_options()  # validates logits, variant, weights, block size, channels, head bits
         check_kv_dtype(self.kv_dtype, self.variant)
         if self.kv_dtype != "int8" and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 
     def graph_options(self) -> GraphOptions:
         return GraphOptions(
-            logits=self.logits, variant=self.variant, weights=self.weights, block_size=self.block_size
+            logits=self.logits,
+            variant=self.variant,
+            weights=self.weights,
+            block_size=self.block_size,
+            outlier_channels=self.outlier_channels,
+            lm_head_bits=self.head_bits,
         )
 
 
@@ -123,8 +131,8 @@ def export_model(
     graph_options = options.graph_options()
     _check_quantizable(spec, geometry, graph_options)
     outliers = None
-    if options.weights != "float32":  # measured before the graph: its int8 kernel needs them
-        outliers = input_outliers(model, calibration_ids(tokenizer))
+    if graph_options.kept_channels:  # measured before the graph: its int8 kernel needs them
+        outliers = input_outliers(model, calibration_ids(tokenizer), graph_options.kept_channels)
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
@@ -173,6 +181,8 @@ def export_model(
             names=names,
             weights_dtype=options.weights,
             weight_block_size=options.block_size if graph_options.quantized else 0,
+            weight_outlier_channels=graph_options.kept_channels,
+            weight_head_bits=graph_options.head_bits if graph_options.quantized else 0,
             variant=options.variant,
             chat_template=bool(template),
             special_tokens={

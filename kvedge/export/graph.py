@@ -106,7 +106,10 @@ from kvedge.contract import (
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import (
     EXPORT_GRIDS,
+    HEAD_BITS,
     HEAD_MIN_BITS,
+    OUTLIER_CHANNELS,
+    OUTLIER_CHOICES,
     WEIGHT_FORMATS,
     check_format,
     quantize_blockwise,
@@ -199,6 +202,8 @@ class GraphOptions:
     variant: str = "portable"  # see VARIANTS
     weights: str = "float32"  # see quantize.WEIGHT_FORMATS
     block_size: int = 32  # quantization block along the input features
+    outlier_channels: int | None = None  # --outlier-channels; None: see kept_channels
+    lm_head_bits: int | None = None  # --head-bits; None: see head_bits
 
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all"):
@@ -206,6 +211,27 @@ class GraphOptions:
         if self.variant not in VARIANTS:
             raise KvedgeError(f"--variant {self.variant!r} is not supported; allowed: {sorted(VARIANTS)}")
         check_format(self.weights, self.block_size)
+        for flag, value in (
+            ("--outlier-channels", self.outlier_channels),
+            ("--head-bits", self.lm_head_bits),
+        ):
+            if value is not None and not self.quantized:
+                raise KvedgeError(
+                    f"{flag} {value!r} applies to --weights int8 or int4 only, not --weights {self.weights}"
+                )
+        if self.outlier_channels is not None and self.outlier_channels not in OUTLIER_CHOICES:
+            raise KvedgeError(
+                f"--outlier-channels {self.outlier_channels!r} is not allowed; "
+                f"allowed: {list(OUTLIER_CHOICES)}"
+            )
+        if self.lm_head_bits is not None:
+            allowed = list(HEAD_BITS) if self.variant == "ort" else [self.bits]
+            if self.lm_head_bits not in allowed:
+                raise KvedgeError(
+                    f"--head-bits {self.lm_head_bits!r} is not allowed with --variant {self.variant} "
+                    f"--weights {self.weights}; allowed: {allowed}"
+                    + ("" if self.variant == "ort" else " (TensorRT takes the projections' bits)")
+                )
 
     @property
     def opset(self) -> int:
@@ -217,9 +243,20 @@ class GraphOptions:
 
     @property
     def head_bits(self) -> int:
-        """The LM head's bits: in ort graphs never below `HEAD_MIN_BITS` (`quantize.py`); portable
-        graphs keep the export's bits, as TensorRT refuses int8 weights (their negative scales)."""
+        """The LM head's bits: --head-bits, else in ort graphs never below `HEAD_MIN_BITS`
+        (`quantize.py`); portable graphs keep the export's bits, as TensorRT refuses int8 weights
+        (their negative scales)."""
+        if self.lm_head_bits is not None:
+            return self.lm_head_bits
         return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
+
+    @property
+    def kept_channels(self) -> int:
+        """Input channels of each quantized matmul kept float32 (`quantize.py`): --outlier-channels,
+        else `OUTLIER_CHANNELS`; 0 for float weights."""
+        if not self.quantized:
+            return 0
+        return OUTLIER_CHANNELS if self.outlier_channels is None else self.outlier_channels
 
     @property
     def quantized(self) -> bool:

@@ -40,6 +40,8 @@ exact float32 weight rows in the small second product, which now reads::
     x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
 
 with B [K, K/block] the block-sum matrix and S [K, kept] the selection of the kept channels.
+Each kept channel costs 4 bytes x N per matmul per token; `--outlier-channels` chooses how many
+(`OUTLIER_CHOICES`; 0 keeps none: no mask, and the second product holds the offsets only).
 
 int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """
@@ -61,9 +63,13 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
 EXPORT_GRIDS = GRIDS  # what the export offers each block
 OUTLIER_CHANNELS = 32  # input channels per quantized matmul kept float32 (see the module docstring)
-# The ort graph's LM head is never stored below 8 bits: at 4 bits it alone cost the int4 export
-# most of its KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's bytes.
+# --outlier-channels: each kept channel reads 4 bytes x N more per matmul per token
+OUTLIER_CHOICES = (0, 8, 16, 32, 64)
+# By default the ort graph's LM head is never stored below 8 bits: at 4 bits it alone cost the
+# int4 export most of its KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's
+# bytes. --head-bits chooses (ort graphs only: TensorRT takes the projections' bits).
 HEAD_MIN_BITS = 8
+HEAD_BITS = (8, 4)
 
 
 @dataclass(frozen=True)
