@@ -5,7 +5,11 @@ No timing is asserted anywhere: speed targets are judged in `kvedge bench` outpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,13 +18,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tiny import make_tiny_model
 
+import kvedge
 from kvedge.bench import BenchConfig, cpu_flags, run_benchmark
 from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
+from kvedge.bench.prepare import KvedgeBuild, Workdir, export_code_file, export_code_fingerprint
 from kvedge.bench.report import evaluate_targets, speedup, warm_targets
 from kvedge.bench.systems import SystemSpec
 from kvedge.bench.warm import TURNS, sized_text
 from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
+from kvedge.export.export import export_model
 from kvedge.runtime.tokenizer import ChatTokenizer
 
 
@@ -412,3 +419,56 @@ def test_int8_cache_prefill_targets_are_issue_18s():
         assert rows[f"prefill {n}: {kv32} vs {genai}"]["met"] is True  # but is for a float cache
         assert rows[f"prefill {n}: {kv8} vs {portable}"]["value"] == pytest.approx(1.0)
     assert not any(f"{kv32} vs {portable}" in target for target in rows)
+
+
+def test_an_export_folder_is_reused_only_when_exporting_now_would_make_it(tmp_path, caplog):
+    """The bench re-exports, saying why, when an option the manifest records differs (block size,
+    outlier channels, head bits) or the export was made by other export code; else reuses it."""
+    caplog.set_level(logging.INFO, logger="kvedge.bench.prepare")
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    work = Workdir(tmp_path / "work", source)
+    build = KvedgeBuild("ort", "int8", max_len=64)
+
+    def export(build: KvedgeBuild) -> str:
+        """Why `build` was exported ("" when its folder was reused)."""
+        caplog.clear()
+        before = out.stat().st_ino if out.exists() else None
+        assert work.kvedge(build) == out
+        exported = [r.getMessage() for r in caplog.records if r.getMessage().startswith("exporting")]
+        assert bool(exported) == (out.stat().st_ino != before)  # a re-export replaces the folder
+        return exported[0] if exported else ""
+
+    out = work.root / build.folder_name
+    assert export(build).endswith("no export there yet")
+    assert export_code_file(out).read_text().strip() == export_code_fingerprint()
+    assert export(build) == ""
+    assert "weight_block_size is 32, the options give 16" in export(dataclasses.replace(build, block_size=16))
+    assert export(build).endswith("weight_block_size is 16, the options give 32")
+    for flag, message in [
+        (dict(outlier_channels=0), "weight_outlier_channels is 0, the options give 32"),
+        (dict(head_bits=4), "weight_head_bits is 4, the options give 8"),
+    ]:  # an export of the same folder name made with other options (by hand, say)
+        export_model(source, out, dataclasses.replace(build.options, **flag))
+        assert export(build).endswith(message)
+    export_code_file(out).write_text("0" * 64)  # made by older export code
+    assert export(build).endswith(
+        f"made by export code 0000000000000000, this kvedge's is {work.export_code[:16]}"
+    )
+    export_code_file(out).unlink()
+    assert "made by unknown export code" in export(build)
+    assert export(build) == ""
+
+
+def test_the_export_code_fingerprint_follows_the_graph_builder(tmp_path):
+    package = tmp_path / "kvedge"
+    shutil.copytree(
+        Path(kvedge.__file__).parent, package, ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    assert export_code_fingerprint(package) == export_code_fingerprint()
+    graph = package / "export" / "graph.py"
+    graph.write_text(graph.read_text() + "\n# a new fused op\n")
+    assert export_code_fingerprint(package) != export_code_fingerprint()
+    runtime = package / "runtime" / "model.py"  # not export code: graphs stay as they were
+    graph.write_text((Path(kvedge.__file__).parent / "export" / "graph.py").read_text())
+    runtime.write_text(runtime.read_text() + "\n# a runtime change\n")
+    assert export_code_fingerprint(package) == export_code_fingerprint()

@@ -11,10 +11,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import MAX_LEN
 
 from kvedge.configs import load_warmup_config
 from kvedge.contract import CacheGeometry
 from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
@@ -120,7 +122,49 @@ def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
             read_warm_file(path, geometry, fingerprint, prefix.token_ids)
         rebooted = boot(tiny_llama, warm)
         assert "assistant" in rebooted.warmup_report.rebuilt
-        read_warm_file(path, geometry, fingerprint, prefix.token_ids)  # the rewritten file is valid
+        graph = model.manifest.onnx_fingerprint  # the rewritten file is valid
+        read_warm_file(path, geometry, fingerprint, prefix.token_ids, graph_fingerprint=graph)
+
+
+def test_warm_file_of_another_export_of_the_same_model_is_refused_and_recomputed(tiny_llama, warm, tmp_path):
+    """Same source, same cache geometry, int8 weights: the float32 export's K/V are not this graph's."""
+    float_model = boot(tiny_llama, warm)
+    int8_out = tmp_path / "int8"
+    export_model(
+        tiny_llama.source,
+        int8_out,
+        ExportOptions(max_len=MAX_LEN, variant=float_model.manifest.variant, weights="int8"),
+    )
+    int8_model = Model(int8_out, slots=2, warmup=warm[0], warm_dir=warm[1])
+    mine, theirs = int8_model.manifest, float_model.manifest
+    assert (mine.source_fingerprint, mine.geometry) == (theirs.source_fingerprint, theirs.geometry)
+    why = int8_model.warmup_report.rebuilt["assistant"]
+    graphs = f"graph {theirs.onnx_fingerprint[:16]!r}, this model's graph is {mine.onnx_fingerprint[:16]!r}"
+    assert f"made by {graphs}" in why
+    assert int8_model.warmup_report.rebuilt.keys() == {"assistant", "notes"}
+    recomputed = int8_model.prefixes.prefixes[0]
+    ids = list(recomputed.token_ids)
+    reference = Model(int8_out, slots=1)
+    prefill(reference.backend, reference.cache, 0, [ids])
+    np.testing.assert_array_equal(recomputed.block.kv, reference.cache.read(0, len(ids)).kv)
+    assert not np.array_equal(recomputed.block.kv, float_model.prefixes.prefixes[0].block.kv)
+    again = boot(tiny_llama, warm)  # and back: the float32 export recomputes its own
+    assert "made by graph" in again.warmup_report.rebuilt["assistant"]
+
+
+def test_warm_file_of_an_older_version_is_refused_as_old(tmp_path):
+    geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    block = KVBlock(np.ones((2, 2, 2, 3, 16), np.float32))
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", (1, 2, 3), block), geometry, "x", graph_fingerprint="g")
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, 8, WARM_VERSION - 1)
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        ArtifactMismatch,
+        match=f"format version {WARM_VERSION - 1} does not match this kvedge \\({WARM_VERSION}\\)",
+    ):
+        read_warm_file(path, geometry, "x", [1, 2, 3], graph_fingerprint="g")
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ is measured on the real model, docs/PERFORMANCE.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -21,7 +23,7 @@ from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvedge.calibrate.calibrate import builtin_prompts
-from kvedge.calibrate.evaluate import evaluate
+from kvedge.calibrate.evaluate import evaluate, weights_label
 from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
@@ -135,9 +137,30 @@ def test_eval_compares_a_quantized_weight_export_with_the_float32_model(gguf_lik
     export_model(gguf_like_source, int8, ExportOptions(max_len=64, variant="ort", weights="int8"))
     prompts = builtin_prompts("heldout")[:2]
     (result,) = evaluate(Model(fp32), None, prompts, tokens=16, batch=2, weights_models=(Model(int8),))
-    assert result.scheme == "ort int8 weights, float32 cache"
+    assert result.scheme == "ort int8 weights (block 32, 32 outlier channels, 8-bit head), float32 cache"
     assert 0.0 <= result.kl_mean < 2e-3 and result.top1_agreement >= 0.9, result
     other = make_tiny_model(tmp_path / "other", "llama", seed=1)
     export_model(other, tmp_path / "other-int8", ExportOptions(max_len=64, variant="ort", weights="int8"))
     with pytest.raises(ArtifactMismatch, match="--weights-model was made from model"):
         evaluate(Model(fp32), None, prompts, tokens=4, weights_models=(Model(tmp_path / "other-int8"),))
+
+
+def test_weight_exports_differing_in_channels_or_head_bits_are_named_apart(gguf_like_source, tmp_path):
+    """`eval-kv --weights-model` rows name the block size, kept channels and head bits the manifest
+    records, so two int4 exports that differ only there are told apart."""
+    export_model(gguf_like_source, tmp_path / "fp32", ExportOptions(max_len=64, variant="ort"))
+    flags = {"default": {}, "no-outliers": dict(outlier_channels=0), "head4": dict(head_bits=4)}
+    for name, options in flags.items():
+        int4 = ExportOptions(max_len=64, variant="ort", weights="int4", **options)
+        export_model(gguf_like_source, tmp_path / name, int4)
+    models = tuple(Model(tmp_path / name) for name in flags)
+    prompts = builtin_prompts("heldout")[:1]
+    results = evaluate(Model(tmp_path / "fp32"), None, prompts, tokens=2, weights_models=models)
+    assert [r.scheme for r in results] == [
+        "ort int4 weights (block 32, 32 outlier channels, 8-bit head), float32 cache",
+        "ort int4 weights (block 32, 0 outlier channels, 8-bit head), float32 cache",
+        "ort int4 weights (block 32, 32 outlier channels, 4-bit head), float32 cache",
+    ]
+    unrecorded = dataclasses.replace(models[0].manifest, weight_outlier_channels=None, weight_head_bits=None)
+    assert weights_label(unrecorded) == "ort int4 weights (block 32)"  # exported before kvedge recorded them
+    assert weights_label(Manifest.load(tmp_path / "fp32")) == "ort float32 weights"

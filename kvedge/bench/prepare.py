@@ -5,11 +5,25 @@
     <work>/kvedge-<variant>-<weights>[-L<max_len>]/   `kvedge export` artifacts
     <work>/ort-genai-<precision>/   onnxruntime-genai model builder output (fp32, int4)
 
-An artifact is reused when its manifest names the same source fingerprint and options.
+A kvedge export is reused only when it is what exporting now would make: its manifest names the
+same source fingerprint and every field the export options decide (`ExportOptions.differences`:
+variant, logits, weights, block size, outlier channels, head bits, max_len, cache dtype and group
+size), and the export code that built it is this one. The bench writes, next to each export it
+makes, `<folder>.export-code`: `export_code_fingerprint()`, a sha256 over kvedge's graph-building
+sources (kvedge/export/*.py, the contract that declares the graph's inputs and outputs,
+kvedge/contract/*.py, and the calibration prompts that choose the outlier channels) and the kernel
+library's OPS_VERSION (an "ort" INT8-cache graph names its op). Neither the kvedge version (not
+bumped on every change) nor the git commit (blind to uncommitted edits, and changed by edits that
+leave graphs alone) tells a stale graph; rebuilding the graph to compare onnx_fingerprint would
+be the export itself. Hashing the files errs on the safe side: an edit that leaves graphs as they
+were (a comment) costs one re-export, while a missed change would benchmark an old graph
+silently. An export without the file (made by hand, or before stamps) is re-exported. Each
+re-export logs why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import subprocess
 import sys
@@ -17,12 +31,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kvedge
 from kvedge.contract import MANIFEST_FILE, Manifest
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.source import Source, load_hf, resolve_source
+from kvedge.runtime.kernels import OPS_VERSION
 
 log = logging.getLogger(__name__)
+
+EXPORT_CODE_SUFFIX = ".export-code"  # <work>/<export folder>.export-code: `export_code_fingerprint()`
+# what the exported graph is built by, relative to the kvedge package (module docstring)
+EXPORT_CODE = ("export/*.py", "contract/*.py", "calibrate/data/calibration.jsonl")
+
+
+def export_code_fingerprint(package: Path = Path(kvedge.__file__).parent) -> str:
+    """sha256 over the kernel library's OPS_VERSION and the `EXPORT_CODE` files of `package`
+    (each file's path within it, then its bytes' sha256, in path order)."""
+    digest = hashlib.sha256(f"OPS_VERSION {OPS_VERSION}\n".encode())
+    files = sorted({path for pattern in EXPORT_CODE for path in package.glob(pattern)})
+    for path in files:
+        digest.update(f"{path.relative_to(package).as_posix()}\n".encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,17 @@ class KvedgeBuild:
         kv = "" if self.kv_dtype == "float32" else f" kv {self.kv_dtype}"
         return f"kvedge {self.variant} {self.weights}{kv}"
 
+    @property
+    def options(self) -> ExportOptions:
+        return ExportOptions(
+            max_len=self.max_len,
+            variant=self.variant,
+            weights=self.weights,
+            block_size=self.block_size,
+            kv_dtype=self.kv_dtype,
+            force=True,
+        )
+
 
 class Workdir:
     """Loads the source at most once and builds what is missing under `root`."""
@@ -52,6 +94,7 @@ class Workdir:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.source: Source = resolve_source(source_path)
+        self.export_code = export_code_fingerprint()
         self._loaded: tuple[Any, Any] | None = None
 
     def loaded(self) -> tuple[Any, Any]:
@@ -60,27 +103,38 @@ class Workdir:
         return self._loaded
 
     def kvedge(self, build: KvedgeBuild) -> Path:
-        out = self.root / build.folder_name
-        options = ExportOptions(
-            max_len=build.max_len,
-            variant=build.variant,
-            weights=build.weights,
-            block_size=build.block_size,
-            kv_dtype=build.kv_dtype,
-            force=True,
-        )
-        if (out / MANIFEST_FILE).is_file() and (manifest := _loadable(out)) is not None:
-            if (
-                manifest.source_fingerprint == self.source.fingerprint()
-                and manifest.variant == build.variant
-                and manifest.weights_dtype == build.weights
-                and manifest.geometry.max_len == build.max_len
-                and manifest.geometry.dtype == build.kv_dtype
-            ):
-                return out
-        log.info("exporting %s", out)
+        out, options = self.root / build.folder_name, build.options
+        why = self.stale(out, options)
+        if why is None:
+            return out
+        log.info("exporting %s: %s", out, why)
         export_model(self.source.description, out, options, loaded=self.loaded())
+        export_code_file(out).write_text(self.export_code + "\n")
         return out
+
+    def stale(self, out: Path, options: ExportOptions) -> str | None:
+        """Why the export in `out` is not what exporting with `options` now would make (module
+        docstring), or None when it is."""
+        if not (out / MANIFEST_FILE).is_file():
+            return "no export there yet"
+        try:
+            manifest = Manifest.load(out)
+        except ArtifactMismatch as exc:  # e.g. an older manifest format
+            return str(exc)
+        if manifest.source_fingerprint != self.source.fingerprint():
+            return (
+                f"made from source {manifest.source_fingerprint[:16]}, the source is "
+                f"{self.source.fingerprint()[:16]}"
+            )
+        if differences := options.differences(manifest):
+            return "; ".join(differences)
+        stamp = export_code_file(out)
+        if not stamp.is_file():
+            return f"no {stamp.name}: made by unknown export code"
+        made_by = stamp.read_text().strip()
+        if made_by != self.export_code:
+            return f"made by export code {made_by[:16]}, this kvedge's is {self.export_code[:16]}"
+        return None
 
     def hf_folder(self) -> Path:
         """The source as an HF folder (what transformers and the onnxruntime-genai builder read)."""
@@ -127,10 +181,6 @@ class Workdir:
         return out
 
 
-def _loadable(folder: Path) -> Manifest | None:
-    """The folder's manifest, or None where this kvedge refuses it (an older format): re-export."""
-    try:
-        return Manifest.load(folder)
-    except ArtifactMismatch as exc:
-        log.info("re-exporting %s: %s", folder, exc)
-        return None
+def export_code_file(export: Path) -> Path:
+    """Where the bench records which export code made `export` (module docstring)."""
+    return export.with_name(export.name + EXPORT_CODE_SUFFIX)

@@ -16,7 +16,8 @@ KB per model; a dynamic per-token scale costs 2 bytes, float16, per group of cha
 token). The real INT8 cache (`--int8-model`, an export with `--kv-dtype int8`) runs its own graph
 on int8 buffers; its bytes ratio is the allocated pool's, measured. A quantized-weight export
 (`--weights-model`, an export of the same model with --weights int8|int4, any cache dtype) is
-compared the same way; its bytes column is its cache's, like the INT8 export's.
+compared the same way; its bytes column is its cache's, like the INT8 export's; its row is named by
+`weights_label` (variant, weights, and block size, kept channels and head bits where recorded).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvedge.calibrate.calibrate import Prompt, prompt_ids
+from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
 from kvedge.quant import RoundTrip, Scales, Scheme
 from kvedge.runtime.backend import OrtBackend
@@ -75,6 +77,22 @@ def kv_bytes_ratio(scheme: Scheme, head_dim: int) -> float:
     return (k + v) / 8.0
 
 
+def weights_label(manifest: Manifest) -> str:
+    """An export's weights as a result row names them: variant and format, and for blocked integer
+    weights what else tells one such export from another, where its manifest records it: block
+    size, input channels kept float32, the LM head's bits (exports from before kvedge recorded the
+    last two say nothing about them)."""
+    label = f"{manifest.variant} {manifest.weights_dtype} weights"
+    if not manifest.weight_block_size:  # float32 / float16 storage: nothing more to tell
+        return label
+    details = [f"block {manifest.weight_block_size}"]
+    if manifest.weight_outlier_channels is not None:
+        details.append(f"{manifest.weight_outlier_channels} outlier channels")
+    if manifest.weight_head_bits is not None:
+        details.append(f"{manifest.weight_head_bits}-bit head")
+    return f"{label} ({', '.join(details)})"
+
+
 def evaluate(
     model: Model,
     scales: Scales | None,
@@ -108,9 +126,7 @@ def evaluate(
     for other in weights_models:
         model.manifest.check_compatible(other.manifest, "--weights-model", cache_dtype=False, weights=False)
         cache = KVCache(other.manifest.geometry, batch)
-        name = (
-            f"{other.manifest.variant} {other.manifest.weights_dtype} weights, {cache.geometry.dtype} cache"
-        )
+        name = f"{weights_label(other.manifest)}, {cache.geometry.dtype} cache"
         candidates.append((name, other.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(

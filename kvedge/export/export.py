@@ -18,6 +18,7 @@ from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
     MANIFEST_FILE,
     ONNX_FILE,
+    QUANTIZED_KV_DTYPES,
     RING_MARGIN,
     TOKENIZER_FILE,
     CacheGeometry,
@@ -78,6 +79,41 @@ class ExportOptions:
             outlier_channels=self.outlier_channels,
             lm_head_bits=self.head_bits,
         )
+
+    def recorded(self) -> dict[str, Any]:
+        """The manifest fields these options decide, as `export_model` writes them (the cache
+        geometry aside, which also depends on the model: `differences` checks its part)."""
+        graph = self.graph_options()
+        return {
+            "logits": self.logits,
+            "variant": self.variant,
+            "opset": graph.opset,
+            "weights_dtype": self.weights,
+            "weight_block_size": self.block_size if graph.quantized else 0,
+            "weight_outlier_channels": graph.kept_channels,
+            "weight_head_bits": graph.head_bits if graph.quantized else 0,
+        }
+
+    def differences(self, manifest: Manifest) -> list[str]:
+        """How `manifest` differs from what these options export (empty: every field they decide
+        matches), one "field is X, the options give Y" per field."""
+        g = manifest.geometry
+        group = 0
+        if self.kv_dtype in QUANTIZED_KV_DTYPES:
+            group = self.kv_group_size or CacheGeometry.default_group_size(g.head_dim)
+        wanted = {
+            **self.recorded(),
+            "max_len": self.max_len,
+            "kv dtype": self.kv_dtype,
+            "kv group size": group,
+        }
+        found = {name: getattr(manifest, name) for name in self.recorded()}
+        found.update({"max_len": g.max_len, "kv dtype": g.dtype, "kv group size": g.group_size})
+        return [
+            f"{name} is {found[name]!r}, the options give {value!r}"
+            for name, value in wanted.items()
+            if found[name] != value
+        ]
 
 
 def export_model(
@@ -171,25 +207,19 @@ def export_model(
             vocab_size=spec.vocab_size,
             hidden_size=spec.hidden_size,
             num_heads=spec.num_heads,
-            opset=graph_options.opset,
-            logits=options.logits,
             eos_token_ids=eos_ids(
                 config, tokenizer, getattr(model_generation_config(source), "eos_token_id", None)
             ),
             rope=rope,
             onnx_fingerprint=sha256_files(onnx_files),
             names=names,
-            weights_dtype=options.weights,
-            weight_block_size=options.block_size if graph_options.quantized else 0,
-            weight_outlier_channels=graph_options.kept_channels,
-            weight_head_bits=graph_options.head_bits if graph_options.quantized else 0,
-            variant=options.variant,
             chat_template=bool(template),
             special_tokens={
                 key: str(getattr(tokenizer, key))
                 for key in ("bos_token", "eos_token", "pad_token", "unk_token")
                 if getattr(tokenizer, key, None) is not None
             },
+            **options.recorded(),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
         if out.exists():

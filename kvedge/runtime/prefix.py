@@ -12,15 +12,21 @@ Warm file (`<name>.kvw`, one per prefix)::
                          for int8 caches then their float16 scales, same order, [..., groups]
     16+H+N     32 bytes  sha256 of every byte before it
 
-Header: name, model_fingerprint (source fingerprint from the model manifest), scales_fingerprint
+Header: name, model_fingerprint (source fingerprint from the model manifest), graph_fingerprint
+(the manifest's onnx_fingerprint: the graph that computed the K/V, so an export of the same source
+with other weights, another variant or other export code never takes it), scales_fingerprint
 ("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, the scale
 group size for int8, and for ring geometries ring_layers, window and ring_margin), count,
 ring_count (the ring layers hold the prefix's last ring_count positions, in position order, so
 the data do not depend on ring_len; 0 without ring layers), token_ids, data_bytes,
 kvedge_version (`WarmHeader`; each field's type is checked on load). A file is used only if its
-magic, version, size, checksum, fingerprints, geometry (a different ring layout is named field by
-field) and token ids all match what is expected now (`kvedge.contract.header.check_header`);
-otherwise it is recomputed and rewritten.
+magic, version (an older one is refused as such), size, checksum, fingerprints, geometry (a
+different ring layout is named field by field) and token ids all match what is expected now
+(`kvedge.contract.header.check_header`); otherwise it is recomputed and rewritten.
+The graph is keyed, not the backend that ran it: a TensorRT engine is built from the folder's
+graph (`EngineManifest.check_model` refuses any other) and computes the same function, differing
+from onnxruntime only in arithmetic precision (as onnxruntime on CPU and on CUDA do), so one
+export's warm folder serves all of its devices.
 Files are written to a temporary name in the same folder, flushed, fsync'ed and renamed, so a
 crash mid-write never leaves a file under the final name. Loading memory-maps the data.
 
@@ -81,7 +87,9 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVEDGEWM"
 # 2: ring geometries store the full layers' KV, then the ring layers' last ring_count positions
 # (header field ring_count), which a version-1 reader would size as every layer's
-WARM_VERSION = 2
+# 3: graph_fingerprint, without which a version-2 file made by another export of the same source
+# (float32 vs int4 weights, the same cache) would be taken as this one's
+WARM_VERSION = 3
 SUFFIX = ".kvw"
 _PREAMBLE = struct.Struct("<8sII")
 _ALIGN = 64
@@ -109,6 +117,7 @@ class WarmHeader:
 
     name: str
     model_fingerprint: str
+    graph_fingerprint: str
     scales_fingerprint: str
     geometry: dict[str, int | str | list[int]]  # `CacheGeometry.artifact_key(holds_cache=True)`
     count: Annotated[int, msgspec.Meta(ge=0)]
@@ -124,8 +133,10 @@ def write_warm_file(
     geometry: CacheGeometry,
     model_fingerprint: str,
     scales_fingerprint: str = "",
+    graph_fingerprint: str = "",
 ) -> None:
-    """Write `prefix` to `path` atomically (temp file + fsync + rename)."""
+    """Write `prefix` to `path` atomically (temp file + fsync + rename). `graph_fingerprint` is
+    the graph that computed its K/V (`Manifest.onnx_fingerprint`; "" for K/V made by no export)."""
     block = prefix.block
     parts = [
         np.ascontiguousarray(a, dtype=geometry.np_dtype) for a in (block.kv, block.ring) if a is not None
@@ -136,6 +147,7 @@ def write_warm_file(
     header = {
         "name": prefix.name,
         "model_fingerprint": model_fingerprint,
+        "graph_fingerprint": graph_fingerprint,
         "scales_fingerprint": scales_fingerprint,
         "geometry": geometry.artifact_key(holds_cache=True),
         "count": len(prefix.token_ids),
@@ -170,8 +182,10 @@ def read_warm_file(
     model_fingerprint: str,
     token_ids: Sequence[int],
     scales_fingerprint: str = "",
+    graph_fingerprint: str = "",
 ) -> WarmPrefix:
-    """Load and verify a warm file; raise ArtifactMismatch naming what is wrong."""
+    """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`);
+    raise ArtifactMismatch naming what is wrong."""
     # Non-blocking, and checked on the open file itself: a FIFO or device swapped in after the
     # folder scan neither blocks start-up nor is read.
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
@@ -207,6 +221,12 @@ def read_warm_file(
     wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids)}
     expected = Header(kind.format, WARM_VERSION, model_fingerprint, key, wanted)
     check_header(path.name, found, expected)
+    if header.graph_fingerprint != graph_fingerprint:  # same source and cache: another export's K/V
+        raise ArtifactMismatch(
+            f"{path.name}: made by graph {_graph(header.graph_fingerprint)}, this model's graph is "
+            f"{_graph(graph_fingerprint)} (another export of the same model: other weights, variant "
+            "or export code)"
+        )
     count, held = header.count, header.ring_count
     if count != len(header.token_ids):
         raise ArtifactMismatch(
@@ -241,6 +261,10 @@ def read_warm_file(
         )
         offset += arrays[name].nbytes
     return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+
+
+def _graph(fingerprint: str) -> str:
+    return repr(fingerprint[:16]) if fingerprint else "none (K/V made by no export)"
 
 
 @dataclass

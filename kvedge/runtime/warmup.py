@@ -3,7 +3,8 @@
 Config: `configs/warmup/*.yaml`, read by `kvedge.configs.load_warmup_config` (format there).
 
 At start-up every declared prefix is loaded from its warm file if the file is valid for this
-model, cache geometry and prompt, and recomputed and rewritten otherwise (the reason is logged).
+model (its source and the graph that computed the K/V), cache geometry and prompt, and recomputed
+and rewritten otherwise (the reason is logged).
 
 A `messages` prefix holds what every conversation made of those messages and then a user message
 starts with: the rendered messages plus the template's opening of the user turn (for ChatML
@@ -100,7 +101,7 @@ def warm_up(
     rewriting any that is not valid."""
     folder = Path(folder)
     started = time.perf_counter()
-    fingerprint = manifest.source_fingerprint
+    fingerprint, graph = manifest.source_fingerprint, manifest.onnx_fingerprint
     geometry = manifest.geometry
     store, loaded, rebuilt = PrefixStore(), [], {}
     for spec in tqdm(config.prefixes, desc="warm-up", unit="prefix", disable=len(config.prefixes) < 2):
@@ -113,7 +114,7 @@ def warm_up(
         prefix, why = None, not_a_regular_file(path)
         if why is None:
             try:
-                prefix = read_warm_file(path, geometry, fingerprint, ids)
+                prefix = read_warm_file(path, geometry, fingerprint, ids, graph_fingerprint=graph)
                 loaded.append(spec.name)
             except FileNotFoundError:
                 why = "missing"
@@ -127,7 +128,7 @@ def warm_up(
             log.log(level, "warm prefix %s: recomputing (%s)", spec.name, why)
             prefix = compute_prefix(backend, cache, spec.name, ids)
             try:
-                write_warm_file(path, prefix, geometry, fingerprint)
+                write_warm_file(path, prefix, geometry, fingerprint, graph_fingerprint=graph)
             except OSError as exc:  # e.g. a directory holds the name: serve the prefix from memory
                 log.warning("warm prefix %s: cannot write %s (%s); kept in memory only", spec.name, path, exc)
         store.prefixes.append(prefix)
