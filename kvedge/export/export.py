@@ -38,7 +38,7 @@ from kvedge.export.graph import (
     rope_tables,
     rotary_frequencies,
 )
-from kvedge.export.quantize import calibration_ids, input_outliers
+from kvedge.export.quantize import OUTLIER_CHANNELS, calibration_ids, input_outliers
 from kvedge.export.source import load_hf, resolve_source
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,18 @@ class ExportOptions:
     # "float32", "float16" (--variant ort: the CUDA in-place form) or "int8" (codes + float16 scales)
     kv_dtype: str = "float32"
     kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
+    # int8/int4 weights: input channels per matmul kept float32 (quantize.py), 0 for none
+    outlier_channels: int = OUTLIER_CHANNELS
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
         self.graph_options()  # validates logits, variant, weights and block size
         check_kv_dtype(self.kv_dtype, self.variant)
+        if not isinstance(self.outlier_channels, int) or self.outlier_channels < 0:
+            raise KvedgeError(
+                f"outlier_channels {self.outlier_channels!r} must be a whole number, 0 for none"
+            )
         if self.kv_dtype != "int8" and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 
@@ -123,8 +129,9 @@ def export_model(
     graph_options = options.graph_options()
     _check_quantizable(spec, geometry, graph_options)
     outliers = None
-    if options.weights != "float32":  # measured before the graph: its int8 kernel needs them
-        outliers = input_outliers(model, calibration_ids(tokenizer))
+    # measured before the graph: its int8 kernel needs them
+    if options.weights != "float32" and options.outlier_channels:
+        outliers = input_outliers(model, calibration_ids(tokenizer), options.outlier_channels)
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
