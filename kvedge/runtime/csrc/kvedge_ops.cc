@@ -832,7 +832,12 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
 // ---- kvedge.SideInputs ----
 
 // Rows [first, last) of x [rows, k]: side [rows, k / block + n_kept] and, where masked is set,
-// masked [rows, k]. Each block's sum is 8 lane sums added pairwise (Sum), then the block's tail.
+// masked [rows, k]. Each block is summed from its first channel to its last, one addition at a
+// time, as onnxruntime's float32 MatMul with a 0/1 column adds it up (its products by 0 add exact
+// zeros), so the side input is the standard-op graph's to the bit: MatMulNBits rounds activations
+// to int8, where one changed rounding moves an output by a whole int8 level and the change grows
+// layer by layer (a block sum in another order changed SmolLM2's logits by 0.18). Eight blocks go
+// at a time, as eight independent chains of additions.
 void SideRows(const float* x, int64_t k, int64_t block, const int64_t* kept, int64_t n_kept, int64_t first,
               int64_t last, float* side, float* masked) {
   const int64_t blocks = block > 0 ? k / block : 0, width = blocks + n_kept;
@@ -840,23 +845,19 @@ void SideRows(const float* x, int64_t k, int64_t block, const int64_t* kept, int
     const float* in = x + r * k;
     float* s = side + r * width;
     float* m = masked != nullptr ? masked + r * k : nullptr;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* p = in + b * block;
-      v8f acc{};
-      int64_t c = 0;
-      for (; c + 8 <= block; c += 8) {
-        const v8f v = Load(p + c);
-        acc += v;
-        if (m != nullptr) Store(m + b * block + c, v);
-      }
-      float tail = 0.0f;
-      for (; c < block; ++c) {
-        tail += p[c];
-        if (m != nullptr) m[b * block + c] = p[c];
-      }
-      s[b] = Sum(acc) + tail;
+    if (m != nullptr) std::memcpy(m, in, k * sizeof(float));
+    int64_t b0 = 0;
+    for (; b0 + 8 <= blocks; b0 += 8) {
+      float acc[8] = {};
+      for (int64_t c = 0; c < block; ++c)
+        for (int j = 0; j < 8; ++j) acc[j] += in[(b0 + j) * block + c];
+      for (int j = 0; j < 8; ++j) s[b0 + j] = acc[j];
     }
-    if (m != nullptr && blocks == 0) std::memcpy(m, in, k * sizeof(float));
+    for (; b0 < blocks; ++b0) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < block; ++c) acc += in[b0 * block + c];
+      s[b0] = acc;
+    }
     for (int64_t i = 0; i < n_kept; ++i) {
       s[blocks + i] = in[kept[i]];
       if (m != nullptr) m[kept[i]] = 0.0f;
