@@ -7,11 +7,12 @@ repository's configs/ (device profiles, model recipes, service and warm-prefix c
 as the package `kvedge._configs` so an installed kvedge finds them from any working directory
 (`kvedge.configs.CONFIG_ROOT`).
 
-`kvedge/runtime/csrc/kvedge_ops.cc` holds the INT8-cache attention kernel that "ort" graphs
-exported with `--kv-dtype int8` run (`kvedge.runtime.kernels`). It is built here with the
-machine's C++ compiler, for the machine's own CPU (-march=native, as llama.cpp does; set
-KVEDGE_NATIVE=0 for a build that runs on other CPUs of the architecture). The extension is
-optional: without a compiler the install still succeeds and only that graph kind is unavailable.
+`kvedge/runtime/csrc/kvedge_ops.cc` holds the kernels that "ort" graphs exported with
+`--kv-dtype int8` (INT8-cache attention) or `--weights int8|int4` (the quantized matmuls' side
+inputs) run (`kvedge.runtime.kernels`). It is built here with the machine's C++ compiler, for the
+machine's own CPU (-march=native, as llama.cpp does; set KVEDGE_NATIVE=0 for a build that runs on
+other CPUs of the architecture). The extension is optional: without a compiler the install still
+succeeds and only those graph kinds are unavailable.
 """
 
 import os

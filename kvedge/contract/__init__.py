@@ -32,6 +32,7 @@ from kvedge.contract.manifest import (
     PREFILL_CHUNK,
     QUANTIZED_KV_DTYPES,
     RING_MARGIN,
+    SIDE_INPUTS_OP,
     TOKENIZER_FILE,
     VARIANTS,
     WEIGHT_FORMATS,
@@ -41,6 +42,7 @@ from kvedge.contract.manifest import (
     Manifest,
     RopeSpec,
     TensorSpec,
+    kvedge_ops,
     sha256_files,
 )
 
@@ -60,6 +62,7 @@ __all__ = [
     "PREFILL_CHUNK",
     "QUANTIZED_KV_DTYPES",
     "RING_MARGIN",
+    "SIDE_INPUTS_OP",
     "TOKENIZER_FILE",
     "VARIANTS",
     "WEIGHT_FORMATS",
@@ -69,5 +72,6 @@ __all__ = [
     "Manifest",
     "RopeSpec",
     "TensorSpec",
+    "kvedge_ops",
     "sha256_files",
 ]

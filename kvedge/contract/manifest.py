@@ -43,11 +43,28 @@ EXPORTED_KV_DTYPES = ("float32", "float16", "int8")
 # Manifests written before the field existed load as "portable" (same format version).
 VARIANTS = {"portable": "standard ONNX ops (TensorRT-compatible)", "ort": "onnxruntime fused attention"}
 IN_PLACE_VARIANTS = ("ort",)
-# kvedge's own onnxruntime kernels (kvedge/runtime/csrc): "ort" graphs over an INT8 cache use them
+# kvedge's own onnxruntime kernels (kvedge/runtime/csrc, CPU only), which "ort" graphs use
+# (`kvedge_ops`): attention over an INT8 cache, and the side inputs of a quantized matmul
 KVEDGE_OPS_DOMAIN = "kvedge"
 INT8_ATTENTION_OP = "Int8CacheAttention"
+SIDE_INPUTS_OP = "SideInputs"
 # weight formats -> bits: float32 / float16 storage, or weight-only blocked integers (fewer than 16)
 WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
+
+
+def kvedge_ops(variant: str, kv_dtype: str, weights: str) -> tuple[str, ...]:
+    """The kvedge ops (`KVEDGE_OPS_DOMAIN`) in the graph of an export with these options: in "ort"
+    graphs, INT8-cache attention, and for blocked integer weights the side inputs of each matmul,
+    except over a float16 cache: that graph is the form onnxruntime's CUDA provider runs, and a
+    CPU-only op between its matmuls would copy every activation off the device and back."""
+    if variant != "ort":
+        return ()
+    ops = (INT8_ATTENTION_OP,) if kv_dtype in QUANTIZED_KV_DTYPES else ()
+    if WEIGHT_FORMATS[weights] < 16 and kv_dtype != "float16":
+        ops += (SIDE_INPUTS_OP,)
+    return ops
+
+
 # Tokens per prefill call: bounds the [g*s, max_len+s] score buffers. The runtime prefills in
 # chunks of this, the planner sizes the activation peak for it, and a TensorRT engine's prefill
 # profile defaults to it.
@@ -408,7 +425,7 @@ class Manifest:
     @property
     def uses_kvedge_ops(self) -> bool:
         """True when the graph needs kvedge's kernel library (`kvedge.runtime.kernels`)."""
-        return self.variant == "ort" and self.geometry.quantized
+        return bool(kvedge_ops(self.variant, self.geometry.dtype, self.weights_dtype))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

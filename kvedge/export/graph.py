@@ -63,7 +63,10 @@ K/V scale buffers, in place; it quantizes the new tokens per token exactly as th
 graph does and reads each KV head's int8 codes once per step for its whole query group.
 
 Weights: float32, or blocked int8/int4 `DequantizeLinear -> MatMul` (see `quantize.py`) for every
-projection and the LM head; the embedding table stays float32 (one row is read per token).
+projection and the LM head, their block offsets and kept float32 channels in a second small
+product whose inputs `ort` graphs make with kvedge's op `kvedge.SideInputs` (not over a float16
+cache, the CUDA form: `kvedge.contract.kvedge_ops`); the embedding table stays float32 (one row is
+read per token).
 float16 (`--weights float16`): the projections and the embedding table (the tied LM head) are
 stored float16, about half the bytes, each widened by one `Cast` to float32, so arithmetic stays
 float32 and the only error is fp16 rounding of the weights (relative 2**-11). onnxruntime and
@@ -97,11 +100,13 @@ from kvedge.contract import (
     EXPORTED_KV_DTYPES,
     INT8_ATTENTION_OP,
     KVEDGE_OPS_DOMAIN,
+    SIDE_INPUTS_OP,
     VARIANTS,
     CacheGeometry,
     GraphInterface,
     IONames,
     TensorSpec,
+    kvedge_ops,
 )
 from kvedge.errors import KvedgeError
 from kvedge.export.quantize import (
@@ -340,8 +345,9 @@ def rope_tables(
 class _Builder:
     """Appends nodes and initializers; every op returns the name of its (first) output."""
 
-    def __init__(self, opset: int) -> None:
+    def __init__(self, opset: int, side_inputs: bool = False) -> None:
         self.opset = opset
+        self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
@@ -393,7 +399,8 @@ class _Builder:
     ) -> str:
         """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
         blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
-        product (see `quantize.py`)."""
+        product (see `quantize.py`), whose input [x's block sums | x[keep]] and the masked x are
+        made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
         qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS)
@@ -403,33 +410,57 @@ class _Builder:
         deq = self.op(
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
-        k = w.shape[0]
-        gather: list[np.ndarray] = []  # [K, *] columns: x @ them feeds the second product
-        rows: list[np.ndarray] = []  # [*, N] its weights
-        offsets = np.zeros((k, w.shape[1]), np.float32)  # [K, N] each row's block offset
+        keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
+        rows: list[np.ndarray] = []  # [*, N] the second product's weights
+        offsets = np.zeros_like(w, np.float32)  # [K, N] each row's block offset
         if qw.offset is not None:
-            gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
             rows.append(qw.offset)
             offsets = np.repeat(qw.offset, block_size, axis=0)
+        if keep.size:
+            rows.append(w[keep] - offsets[keep])
+        if not rows:
+            return self.op("MatMul", [x, deq], out)
+        if self.side_inputs:
+            made = self.op(
+                SIDE_INPUTS_OP,
+                [x, self.const(f"{out}.kept", keep)],
+                f"{out}.side",
+                outputs=[f"{out}.side", f"{out}.masked"] if keep.size else [f"{out}.side"],
+                domain=KVEDGE_OPS_DOMAIN,
+                block_size=block_size if qw.offset is not None else 0,
+            )
+            side, quantized_in = made if keep.size else (made, x)
+        else:
+            side, quantized_in = self._side_inputs(
+                x, w.shape[0], out, block_size, qw.offset is not None, keep
+            )
+        scaled = self.op("MatMul", [quantized_in, deq], f"{out}.scaled")
+        shift = self.op(
+            "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
+        )
+        return self.op("Add", [scaled, shift], out)
+
+    def _side_inputs(
+        self, x: str, k: int, out: str, block_size: int, offsets: bool, keep: np.ndarray
+    ) -> tuple[str, str]:
+        """kvedge.SideInputs' outputs (side, masked x) from standard ops: x times a [K, K/block +
+        kept] 0/1 matrix, block-sum columns (when the weight has `offsets`) then one column per
+        kept channel, and x times a 0/1 mask."""
+        gather: list[np.ndarray] = []  # [K, *] columns
+        if offsets:
+            gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
         quantized_in = x
-        if keep is not None and keep.size:
+        if keep.size:
             mask = np.ones(k, np.float32)
             mask[keep] = 0.0
             quantized_in = self.op("Mul", [x, self.const(f"{out}.int8_mask", mask)], f"{out}.masked")
             select = np.zeros((k, keep.size), np.float32)
             select[keep, np.arange(keep.size)] = 1.0
             gather.append(select)
-            rows.append(w[keep] - offsets[keep])
-        if not gather:
-            return self.op("MatMul", [x, deq], out)
-        scaled = self.op("MatMul", [quantized_in, deq], f"{out}.scaled")
         side = self.op(
             "MatMul", [x, self.const(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side"
         )
-        shift = self.op(
-            "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
-        )
-        return self.op("Add", [scaled, shift], out)
+        return side, quantized_in
 
 
 def build_decoder_graph(
@@ -559,7 +590,8 @@ class _Decoder:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
-        self.g = g = _Builder(options.opset)
+        ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
+        self.g = g = _Builder(options.opset, side_inputs=SIDE_INPUTS_OP in ops)
         self.two = g.const("const.two", np.array(2.0, np.float32))
         self.eps = np.array(spec.rms_norm_eps, np.float32)
         batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
@@ -816,8 +848,8 @@ def _onnx_model(g: _Builder, interface: GraphInterface, options: GraphOptions) -
     opsets = [helper.make_opsetid("", options.opset)]
     if options.variant == "ort":
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        if interface.geometry.quantized:
-            opsets.append(helper.make_opsetid(KVEDGE_OPS_DOMAIN, 1))
+    if kvedge_ops(options.variant, interface.geometry.dtype, options.weights):
+        opsets.append(helper.make_opsetid(KVEDGE_OPS_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="kvedge")
     # IR 8 is what onnxruntime and TensorRT 8.6+ both read; opset 21 (int4/int8 types) needs IR 10.
     model.ir_version = 8 if options.opset < 21 else 10

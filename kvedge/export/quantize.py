@@ -42,6 +42,11 @@ exact float32 weight rows in the small second product, which now reads::
 with B [K, K/block] the block-sum matrix and S [K, kept] the selection of the kept channels.
 Each kept channel costs 4 bytes x N per matmul per token; `--outlier-channels` chooses how many
 (`OUTLIER_CHOICES`; 0 keeps none: no mask, and the second product holds the offsets only).
+Portable graphs (TensorRT reads them) hold B | S as a float32 initializer and the mask as a Mul;
+"ort" graphs on the CPU make x * mask and x @ [B | S] with kvedge's own op `kvedge.SideInputs`
+(`kvedge/runtime/csrc/kvedge_ops.cc`) in one pass over x, where a decode step otherwise reads
+the K (K/block + kept) float32 0/1 matrix (25 MB a token on SmolLM2-135M) to add up and gather a
+row of K (`kvedge.contract.kvedge_ops` says which graphs).
 
 int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """

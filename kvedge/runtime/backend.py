@@ -105,7 +105,7 @@ def cuda_refusal(manifest: Manifest) -> str | None:
     and the present back every step."""
     if not manifest.in_place or manifest.geometry.dtype == CUDA_IN_PLACE_KV_DTYPE:
         return None
-    if manifest.uses_kvedge_ops:
+    if manifest.geometry.quantized:
         attention = "kvedge's INT8 attention kernel, CPU only"
     else:
         attention = (

@@ -1,9 +1,11 @@
 """kvedge's compiled onnxruntime kernels: where the library is and whether it is the right one.
 
 The library (`kvedge/runtime/csrc/kvedge_ops.cc`) holds `kvedge.Int8CacheAttention`, the
-attention of "ort" graphs over an INT8 cache (`kvedge export --variant ort --kv-dtype int8`).
-`pip install` builds it next to this module with the machine's C++ compiler (setup.py); nothing
-else in kvedge needs it, so an install without a compiler still works for every other graph.
+attention of "ort" graphs over an INT8 cache (`kvedge export --variant ort --kv-dtype int8`), and
+`kvedge.SideInputs`, the block sums and kept channels of "ort" graphs' quantized matmuls
+(`--weights int8|int4`; which graphs hold which: `kvedge.contract.kvedge_ops`). `pip install`
+builds it next to this module with the machine's C++ compiler (setup.py); nothing else in kvedge
+needs it, so an install without a compiler still works for every other graph.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kvedge.errors import KvedgeError
 
 # Bumped with every change to the kernel's inputs, outputs or arithmetic; the library reports its
 # own (kvedge_ops_version) and a stale build is refused rather than run.
-OPS_VERSION = 4
+OPS_VERSION = 5
 LIBRARY_STEM = "_kvedge_ops"
 
 
@@ -26,9 +28,10 @@ def library_path(here: Path = Path(__file__).parent) -> Path:
     found = sorted(here.glob(f"{LIBRARY_STEM}*.so"))
     if not found:
         raise KvedgeError(
-            f"this graph uses kvedge's INT8-cache attention kernel, but its library ({LIBRARY_STEM}*.so) "
-            f"is not built in {here}: reinstall kvedge where a C++17 compiler is present "
-            "(`pip install -e .` builds it), or export with --variant portable"
+            f"this graph uses kvedge's own onnxruntime kernels (the INT8-cache attention of --kv-dtype "
+            f"int8, the quantized matmuls' side inputs of --weights int8|int4), but their library "
+            f"({LIBRARY_STEM}*.so) is not built in {here}: reinstall kvedge where a C++17 compiler is "
+            "present (`pip install -e .` builds it), or export with --variant portable"
         )
     path = found[0]
     try:

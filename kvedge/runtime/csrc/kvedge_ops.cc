@@ -1,6 +1,7 @@
-// kvedge's onnxruntime custom operator: attention over an INT8 per-token-scaled KV cache.
+// kvedge's onnxruntime custom operators (domain "kvedge", CPU): attention over an INT8
+// per-token-scaled KV cache, and the side inputs of the "ort" graph's quantized matmuls.
 //
-// kvedge.Int8CacheAttention (domain "kvedge", CPU) is the INT8-cache counterpart of
+// kvedge.Int8CacheAttention is the INT8-cache counterpart of
 // onnxruntime's GroupQueryAttention in the "ort" export variant: one op per layer takes the fused
 // QKV projection, applies RoPE, quantizes the new tokens' K and V exactly as kvedge's INT8 cache
 // does (per token, per channel group: scale = max(absmax / 127, 2^-14) stored as float16, codes
@@ -29,6 +30,23 @@
 // Attributes: num_heads, kv_num_heads (int); local_window_size (int, optional, default -1: none):
 // a sliding window as GroupQueryAttention's, where the query at position q attends to the keys at
 // q - local_window_size + 1 .. q only (Gemma 3's local layers; the cache stays full length).
+//
+// kvedge.SideInputs feeds a quantized matmul of an "ort" graph (kvedge/export/quantize.py): with
+// blocked weights w_hat = q * scale + offset and kept float32 input channels,
+//   x @ w = (x * mask) @ (q * scale) + [block_sums(x) | x[kept]] @ [offset ; kept rows]
+// where onnxruntime's MatMulNBits computes the first product and a MatMul the second. This op
+// makes both inputs in one pass over x, where standard ops would multiply x by a 0/1 mask and by
+// a [K, K / block + kept] float32 0/1 matrix (block-sum columns, then one column per kept channel):
+// a decode step read that matrix, K (K / block + kept) floats per matmul, to add up and gather a
+// row of K.
+// Inputs:
+//   0 x       float [..., K]
+//   1 kept    int64 [kept], the float32 input channels (each in [0, K); may be empty)
+// Outputs:
+//   0 side    float [..., K / block_size + kept]: the sums of x over each block of block_size
+//             consecutive channels (none when block_size is 0), then x at each kept channel
+//   1 masked  float [..., K], optional: x with the kept channels zeroed (what MatMulNBits reads)
+// Attribute: block_size (int, >= 0; 0: the weight has no block offsets, side holds x[kept] only).
 
 #include <onnxruntime_c_api.h>
 
@@ -79,8 +97,8 @@ struct Tensor {
   }
 };
 
-OrtStatus* Fail(const std::string& message) {
-  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvedge.Int8CacheAttention: " + message).c_str());
+OrtStatus* Fail(const std::string& message, const char* op = "Int8CacheAttention") {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("kvedge." + std::string(op) + ": " + message).c_str());
 }
 
 #define KV_RETURN_IF_ERROR(expr)            \
@@ -860,6 +878,107 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   return nullptr;
 }
 
+// ---- kvedge.SideInputs ----
+
+// Rows [first, last) of x [rows, k]: side [rows, k / block + n_kept] and, where masked is set,
+// masked [rows, k]. Each block is summed from its first channel to its last, one addition at a
+// time, as onnxruntime's float32 MatMul with a 0/1 column adds it up (its products by 0 add exact
+// zeros), so the side input is the standard-op graph's to the bit: MatMulNBits rounds activations
+// to int8, where one changed rounding moves an output by a whole int8 level and the change grows
+// layer by layer (a block sum in another order changed SmolLM2's logits by 0.18). Eight blocks go
+// at a time, as eight independent chains of additions.
+void SideRows(const float* x, int64_t k, int64_t block, const int64_t* kept, int64_t n_kept, int64_t first,
+              int64_t last, float* side, float* masked) {
+  const int64_t blocks = block > 0 ? k / block : 0, width = blocks + n_kept;
+  for (int64_t r = first; r < last; ++r) {
+    const float* in = x + r * k;
+    float* s = side + r * width;
+    float* m = masked != nullptr ? masked + r * k : nullptr;
+    if (m != nullptr) std::memcpy(m, in, k * sizeof(float));
+    int64_t b0 = 0;
+    for (; b0 + 8 <= blocks; b0 += 8) {
+      float acc[8] = {};
+      for (int64_t c = 0; c < block; ++c)
+        for (int j = 0; j < 8; ++j) acc[j] += in[(b0 + j) * block + c];
+      for (int j = 0; j < 8; ++j) s[b0 + j] = acc[j];
+    }
+    for (; b0 < blocks; ++b0) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < block; ++c) acc += in[b0 * block + c];
+      s[b0] = acc;
+    }
+    for (int64_t i = 0; i < n_kept; ++i) {
+      s[blocks + i] = in[kept[i]];
+      if (m != nullptr) m[kept[i]] = 0.0f;
+    }
+  }
+}
+
+struct SideKernel {
+  int64_t block = 0;  // block_size
+
+  OrtStatus* Compute(OrtKernelContext* context) const;
+};
+
+// Everything a work item of SideInputs needs: rows [item * rows_per_item, ...) of x.
+struct SideWork {
+  const float* x;
+  float *side, *masked;
+  const int64_t* kept;
+  int64_t k, block, n_kept, rows, rows_per_item;
+
+  void Run(size_t item) const {
+    const int64_t first = static_cast<int64_t>(item) * rows_per_item;
+    SideRows(x, k, block, kept, n_kept, first, std::min(rows, first + rows_per_item), side, masked);
+  }
+};
+
+OrtStatus* SideKernel::Compute(OrtKernelContext* ctx) const {
+  constexpr const char* op = "SideInputs";
+  Tensor in[2];
+  for (size_t i = 0; i < 2; ++i) {
+    const OrtValue* value = nullptr;
+    KV_RETURN_IF_ERROR(g_api->KernelContext_GetInput(ctx, i, &value));
+    if (value == nullptr) return Fail("input " + std::to_string(i) + " is missing", op);
+    KV_RETURN_IF_ERROR(Describe(value, &in[i]));
+  }
+  const Tensor &x = in[0], &kept = in[1];
+  if (x.shape.empty()) return Fail("x must have at least one dimension (its channels)", op);
+  if (kept.shape.size() != 1) return Fail("kept must be [kept], got " + ShapeText(kept.shape), op);
+  const int64_t k = x.shape.back(), n_kept = kept.shape[0], rows = k > 0 ? x.size() / k : 0;
+  if (block > 0 && k % block)
+    return Fail("x has " + std::to_string(k) + " channels, not a multiple of block_size " + std::to_string(block), op);
+  const int64_t* channels = static_cast<const int64_t*>(kept.data);
+  for (int64_t i = 0; i < n_kept; ++i) {
+    if (channels[i] < 0 || channels[i] >= k)
+      return Fail("kept channel " + std::to_string(channels[i]) + " is outside x's " + std::to_string(k) +
+                  " channels", op);
+  }
+  size_t n_outputs = 0;
+  KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutputCount(ctx, &n_outputs));
+  std::vector<int64_t> shape = x.shape;
+  shape.back() = (block > 0 ? k / block : 0) + n_kept;
+  OrtValue* value = nullptr;
+  Tensor side, masked;
+  KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &value));
+  KV_RETURN_IF_ERROR(Describe(value, &side));
+  if (n_outputs > 1) {
+    value = nullptr;
+    KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 1, x.shape.data(), x.shape.size(), &value));
+    if (value != nullptr) KV_RETURN_IF_ERROR(Describe(value, &masked));  // null: the output is unused
+  }
+  // items of ~128 KiB of x: a decode step's row runs here, a prefill's rows on onnxruntime's threads
+  SideWork work{static_cast<const float*>(x.data), static_cast<float*>(side.data), static_cast<float*>(masked.data),
+                channels, k, block, n_kept, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1))};
+  const size_t items = static_cast<size_t>((rows + work.rows_per_item - 1) / work.rows_per_item);
+  if (items <= 1) {
+    if (items == 1) work.Run(0);
+    return nullptr;
+  }
+  return g_api->KernelContext_ParallelFor(
+      ctx, [](void* data, size_t item) { static_cast<const SideWork*>(data)->Run(item); }, items, 0, &work);
+}
+
 // ---- OrtCustomOp plumbing (C API) ----
 
 const ONNXTensorElementDataType kInputTypes[8] = {
@@ -927,7 +1046,54 @@ struct Int8CacheAttentionOp : OrtCustomOp {
   }
 };
 
+const ONNXTensorElementDataType kSideInputTypes[2] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                     ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
+
+OrtStatusPtr ORT_API_CALL CreateSideKernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info,
+                                           void** kernel) {
+  auto* k = new SideKernel();
+  OrtStatus* status = api->KernelInfoGetAttribute_int64(info, "block_size", &k->block);
+  if (status == nullptr && k->block < 0)
+    status = Fail("block_size " + std::to_string(k->block) + " must be 0 (no block sums) or positive", "SideInputs");
+  if (status != nullptr) {
+    delete k;
+    return status;
+  }
+  *kernel = k;
+  return nullptr;
+}
+
+struct SideInputsOp : OrtCustomOp {
+  SideInputsOp() {
+    std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
+    version = kMinApiVersion;
+    GetName = [](const OrtCustomOp*) { return "SideInputs"; };
+    GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
+    GetInputType = [](const OrtCustomOp*, size_t i) { return kSideInputTypes[i]; };
+    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{2}; };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{2}; };
+    KernelDestroy = [](void* kernel) { delete static_cast<SideKernel*>(kernel); };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // masked: only with kept channels
+    };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = CreateSideKernel;
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
+      return static_cast<SideKernel*>(kernel)->Compute(context);
+    };
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
+  }
+};
+
 Int8CacheAttentionOp g_op;
+SideInputsOp g_side_op;
 
 }  // namespace
 
@@ -942,13 +1108,14 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   static OrtCustomOpDomain* domain = nullptr;
   static OrtStatus* made = [] {
     OrtStatus* status = g_api->CreateCustomOpDomain("kvedge", &domain);
-    return status != nullptr ? status : g_api->CustomOpDomain_Add(domain, &g_op);
+    if (status == nullptr) status = g_api->CustomOpDomain_Add(domain, &g_op);
+    return status != nullptr ? status : g_api->CustomOpDomain_Add(domain, &g_side_op);
   }();
   if (made != nullptr) return g_api->CreateStatus(g_api->GetErrorCode(made), g_api->GetErrorMessage(made));
   return g_api->AddCustomOpDomain(options, domain);
 }
 
 // The library's format version: the Python side refuses a library built from other sources.
-__attribute__((visibility("default"))) int kvedge_ops_version() { return 4; }
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 5; }
 
 }  // extern "C"

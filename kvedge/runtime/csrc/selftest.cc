@@ -5,9 +5,11 @@
 // counts and lengths, and whole calls cut into work items (Work) of several tile sizes, ragged
 // last tiles and past lengths that are no multiple of a tile, and decode steps whose cache is
 // split into blocks (the op's own split and blocks of our own, lengths that are no multiple of a
-// block, blocks a row has no position in) run on several threads. Built and run by
-// tests/test_kv_int8.py (natively, and for aarch64 under qemu when a cross compiler is present).
-// Prints one line per case and exits non-zero on the first mismatch.
+// block, blocks a row has no position in) run on several threads. With `side`, kvedge.SideInputs'
+// rows (SideRows, through SideWork's items) against block sums in double precision, the kept
+// channels and the masked x exactly. Built and run by tests/test_kv_int8.py and
+// tests/test_side_inputs.py (natively, and for aarch64 under qemu when a cross compiler is
+// present). Prints one line per case and exits non-zero on the first mismatch.
 
 #include "kvedge_ops.cc"
 
@@ -200,10 +202,81 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   return ok ? 0 : 1;
 }
 
+// kvedge.SideInputs over x [rows, k] with `n_kept` distinct kept channels (the first and the last
+// among them from 2 on), split into work items of `rows_per_item` rows (0: the op's own), with or
+// without the masked output: block sums equal to the float32 sums from the block's first channel to
+// its last, one addition at a time, to the bit (what the standard-op graph computes); kept channels
+// and masked x exact. Also printed: how far that sum is from the double-precision one.
+int CheckSide(int64_t rows, int64_t k, int64_t block, int64_t n_kept, int64_t rows_per_item, bool masked,
+              std::mt19937* rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(rows * k);
+  for (auto& e : x) e = normal(*rng) * (1.0f + 30.0f * (std::fabs(normal(*rng)) > 2.5f));  // some outliers
+  std::vector<int64_t> channels(k);
+  for (int64_t c = 0; c < k; ++c) channels[c] = c;
+  std::shuffle(channels.begin() + 1, channels.end() - 1, *rng);
+  std::vector<int64_t> kept;
+  if (n_kept >= 2) kept = {k - 1, 0};
+  for (int64_t c = 1; static_cast<int64_t>(kept.size()) < n_kept; ++c) kept.push_back(channels[c]);
+  const int64_t blocks = block ? k / block : 0, width = blocks + n_kept;
+  std::vector<float> side(rows * width, NAN), out(masked ? rows * k : 0, NAN);
+  SideWork work{x.data(), side.data(), masked ? out.data() : nullptr, kept.data(), k, block, n_kept, rows,
+                rows_per_item ? rows_per_item : std::max<int64_t>(1, 32768 / k)};
+  for (int64_t item = 0; item * work.rows_per_item < rows; ++item) work.Run(static_cast<size_t>(item));
+  float worst = 0.0f;
+  bool exact = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = x.data() + r * k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      double sum = 0.0, size = 0.0;
+      float in_order = 0.0f;
+      for (int64_t c = b * block; c < (b + 1) * block; ++c) {
+        sum += in[c];
+        size += std::fabs(in[c]);
+        in_order += in[c];
+      }
+      exact &= side[r * width + b] == in_order;
+      worst = std::max(worst, std::fabs(static_cast<float>(sum - in_order)) / static_cast<float>(size));
+    }
+    for (int64_t i = 0; i < n_kept; ++i) exact &= side[r * width + blocks + i] == in[kept[i]];
+    for (int64_t c = 0; masked && c < k; ++c) {
+      const bool zeroed = std::find(kept.begin(), kept.end(), c) != kept.end();
+      exact &= out[r * k + c] == (zeroed ? 0.0f : in[c]);
+    }
+  }
+  const bool ok = exact;
+  std::printf("%s side inputs: rows %lld channels %lld block %lld kept %lld, items of %lld rows, %s: "
+              "block sums, kept and masked %s (in-order sums within %.3g of the block's sum |x| of exact)\n",
+              ok ? "ok  " : "FAIL", static_cast<long long>(rows), static_cast<long long>(k),
+              static_cast<long long>(block), static_cast<long long>(n_kept),
+              static_cast<long long>(work.rows_per_item), masked ? "masked" : "no masked output",
+              exact ? "exact" : "WRONG", worst);
+  return ok ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::mt19937 rng(7);
+  if (argc > 1 && std::strcmp(argv[1], "side") == 0) {
+    // SmolLM2's matmuls (576 and 1536 channels, blocks of 32, 32 kept; the LM head: no offsets);
+    // every export block size; a block that is no multiple of 8 (the tail path); channels that are
+    // no multiple of 8 without blocks; one kept channel; rows cut into items of 1 and 3 (ragged)
+    struct SideCase {
+      int64_t rows, k, block, kept, rows_per_item;
+      bool masked;
+    };
+    const SideCase cases[] = {
+        {1, 576, 32, 32, 0, true},  {1, 576, 32, 0, 0, false}, {5, 1536, 32, 32, 0, true}, {1, 576, 0, 32, 0, true},
+        {3, 64, 16, 2, 0, true},    {2, 128, 64, 5, 0, true},  {2, 256, 128, 3, 0, true},  {2, 512, 256, 7, 0, true},
+        {2, 96, 12, 4, 0, true},    {3, 40, 0, 5, 0, true},    {2, 64, 16, 1, 0, true},    {7, 576, 32, 32, 3, true},
+        {7, 576, 32, 0, 1, false},  {70, 576, 32, 32, 0, true},
+    };
+    for (const SideCase& c : cases) {
+      if (CheckSide(c.rows, c.k, c.block, c.kept, c.rows_per_item, c.masked, &rng)) return 1;
+    }
+    return 0;
+  }
   const bool tiled = argc > 1 && std::strcmp(argv[1], "tiled") == 0;
   const int64_t dims[] = {32, 64, 96, 128, 256};
   const int64_t group_sizes[] = {16, 32, 64, 128};
