@@ -157,17 +157,26 @@ def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
 
 def kept_rows(folder) -> tuple[dict[str, int], dict[str, int]]:
     """({quantized matmul: input channels its int8 mask zeroes}, {quantized matmul: float32 weight
-    rows its second product holds for single channels}). A selection column of the second
-    product's input has one 1, a block-sum column `block_size` ones (`quantize.py`)."""
+    rows its second product holds for single channels}). Standard ops (portable graphs): a
+    selection column of the second product's input has one 1, a block-sum column `block_size`
+    ones (`quantize.py`); ort graphs: kvedge.SideInputs gathers its `kept` channels and masks
+    them where it has a second output."""
     graph = onnx.load(str(folder / "model.onnx")).graph
     masks, rows = {}, {}
+    kept = {t.name: t for t in graph.initializer if t.name.endswith(".kept")}
+    for node in graph.node:
+        if node.op_type == "SideInputs":
+            name, count = node.input[1].removesuffix(".kept"), numpy_helper.to_array(kept[node.input[1]]).size
+            rows[name] = count
+            if len(node.output) == 2:
+                masks[name] = count
     for t in graph.initializer:
         if t.name.endswith(".int8_mask"):
             masks[t.name.removesuffix(".int8_mask")] = int((numpy_helper.to_array(t) == 0).sum())
         if t.name.endswith(".side_in"):
             rows[t.name.removesuffix(".side_in")] = int((numpy_helper.to_array(t).sum(axis=0) == 1).sum())
     masked = [n.input[0] for n in graph.node if n.op_type == "Mul" and n.input[1].endswith(".int8_mask")]
-    assert len(masked) == len(masks)  # one mask Mul per kept set
+    assert not masked or len(masked) == len(masks)  # one mask Mul per kept set (standard ops)
     return masks, rows
 
 
