@@ -394,12 +394,27 @@ def build_and_run_selftest(
     return run.stdout
 
 
+# The self-test built for a Jetson Orin's CPU (Cortex-A78AE: the NEON code paths), run under qemu
+NEEDS_AARCH64 = pytest.mark.skipif(
+    shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+    reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
+)
+
+
+def run_selftest(tmp_path: Path, *args: str, orin: bool = False) -> str:
+    """`csrc/selftest.cc`'s output for `args`, built for this machine's CPU or (`orin`) for an Orin's."""
+    if orin:
+        compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
+        return build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64", args)
+    return build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest", args)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_kernel_vector_paths_match_its_scalar_path(tmp_path):
     """Every vectorized (head_dim, group size) instantiation of the kernel against its
     channel-at-a-time path (`csrc/selftest.cc`; 1e-5 relative: float summation order only), built
     for this machine's CPU."""
-    out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest")
+    out = run_selftest(tmp_path)
     assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
@@ -419,28 +434,20 @@ def test_kernel_tiled_prefill_matches_exact_attention(tmp_path):
     lengths that are no multiple of a tile or block, KV groups of 3, 2 and 1, the generic head_dim;
     and decode steps whose cache is split into blocks run on 1 to 5 threads, then combined (the
     op's own split, blocks of 8 to 100 positions, lengths that are no multiple of a block)."""
-    out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest", ("tiled",))
+    out = run_selftest(tmp_path, "tiled")
     assert out.count("ok  ") == TILED_CASES and "FAIL" not in out
 
 
-@pytest.mark.skipif(
-    shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
-    reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
-)
+@NEEDS_AARCH64
 def test_kernel_neon_path_matches_its_scalar_path(tmp_path):
     """The same self-test built for a Jetson Orin's CPU (Cortex-A78AE: the NEON code path) and run
     under qemu."""
-    compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
-    out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64")
+    out = run_selftest(tmp_path, orin=True)
     assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
-@pytest.mark.skipif(
-    shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
-    reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
-)
+@NEEDS_AARCH64
 def test_kernel_neon_tiled_prefill_matches_exact_attention(tmp_path):
     """The tiled prefill self-test built for a Jetson Orin's CPU and run under qemu."""
-    compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
-    out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64", ("tiled",))
+    out = run_selftest(tmp_path, "tiled", orin=True)
     assert out.count("ok  ") == TILED_CASES and "FAIL" not in out

@@ -25,7 +25,7 @@ import onnxruntime as ort
 import pytest
 from conftest import random_ids
 from onnx import TensorProto, helper, numpy_helper
-from test_kv_int8 import build_and_run_selftest
+from test_kv_int8 import NEEDS_AARCH64, run_selftest
 from tiny import make_tiny_model
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, SIDE_INPUTS_OP, Manifest, sha256_files
@@ -43,17 +43,13 @@ def test_side_rows_match_exact_sums(tmp_path):
     """SideRows against in-order float32 block sums, kept channels and masked x, all exactly: every
     export block size, a block that is no multiple of 8, no blocks, no kept channels, no masked
     output, rows cut into ragged items."""
-    out = build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest", ("side",))
+    out = run_selftest(tmp_path, "side")
     assert out.count("ok  ") == SIDE_CASES and "FAIL" not in out
 
 
-@pytest.mark.skipif(
-    shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
-    reason="aarch64 check needs Debian's g++-aarch64-linux-gnu and qemu-user",
-)
+@NEEDS_AARCH64
 def test_side_rows_neon_match_exact_sums(tmp_path):
-    compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
-    out = build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64", ("side",))
+    out = run_selftest(tmp_path, "side", orin=True)
     assert out.count("ok  ") == SIDE_CASES and "FAIL" not in out
 
 
