@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tiny import make_tiny_model
 
 import kvedge
-from kvedge.bench import BenchConfig, cpu_flags, run_benchmark
+from kvedge.bench import BenchConfig, cpu_flags, run_benchmark, thread_groups
 from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
 from kvedge.bench.prepare import KvedgeBuild, Workdir, export_code_file, export_code_fingerprint
 from kvedge.bench.report import evaluate_targets, speedup, warm_targets
@@ -375,6 +375,18 @@ def test_two_thread_counts_side_by_side(tmp_path):
         and f"threads: {again} vs {base}, decode 32" in judged
     )
     assert not any(t.startswith("flat growth") and again in t for t in judged)
+
+
+def test_decode_steps_interleave_within_one_thread_count():
+    """A rotated round order [2-thread, 1-thread, 2-thread, 1-thread] steps each count's systems
+    in turn, apart from the other count's (their spinning workers would share its cores)."""
+    one = [SystemSpec(name=f"k{i}", kind="kvedge", path=".", weights="float32") for i in range(2)]
+    two = [dataclasses.replace(s, name=f"{s.name} @2 threads", threads=2, threads_of=s.name) for s in one]
+    groups = thread_groups([two[1], one[0], two[0], one[1]])
+    assert [[s.name for s in g] for g in groups] == [
+        ["k1 @2 threads", "k0 @2 threads"],
+        ["k0", "k1"],
+    ]
 
 
 def test_int8_cache_prefill_targets_are_issue_18s():

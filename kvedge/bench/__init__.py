@@ -29,7 +29,8 @@ have no figures. The JSON's `machine.cpu_flags` records the CPU features that de
 kernels run (x86: avx2, fma, avx512*, amx*; aarch64: the Features line).
 
 Several thread counts (`threads=(1, 2)`) measure every system at each, side by side, as systems
-of their own ("kvedge ort int4 @2 threads"); targets, quality, warm prefixes, memory and
+of their own ("kvedge ort int4 @2 threads"); a decode case steps the systems of one count in
+turn, then the next count's (`thread_groups`); targets, quality, warm prefixes, memory and
 allocation are judged at the first count, the others are reported against it.
 
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
@@ -238,8 +239,9 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                 for s in order
                 if s.name not in crashed and (not s.reference_for or c == min(config.decode_contexts))
             ]
-            for name, seconds in _decode_case(systems, here, tokens[:c], config.steps, guarded).items():
-                raw[name].setdefault(f"decode:{c}", []).append(seconds)
+            for group in thread_groups(here):
+                for name, seconds in _decode_case(systems, group, tokens[:c], config.steps, guarded).items():
+                    raw[name].setdefault(f"decode:{c}", []).append(seconds)
         echo(f"round {round_index + 1}/{config.rounds} done")
     results.rounds = raw
 
@@ -337,6 +339,19 @@ def _build(spec: SystemSpec, threads: int) -> System:
 def _started(system: System, ids: list[int]) -> bool:
     system.start(ids)
     return True
+
+
+def thread_groups(specs: list[SystemSpec]) -> list[list[SystemSpec]]:
+    """`specs` split by thread count, groups and their members in the order given.
+
+    A decode case interleaves its systems' steps only within a group: after a multi-threaded
+    step, onnxruntime's worker keeps spinning on a core for a while, so a 1-thread system stepping
+    next would be measured against it (on 2 cores: 12-16 ms against 8.5 ms alone,
+    docs/PERFORMANCE.md "Threads")."""
+    groups: dict[int, list[SystemSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.threads, []).append(spec)
+    return list(groups.values())
 
 
 def _decode_case(
