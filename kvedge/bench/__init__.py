@@ -29,8 +29,9 @@ have no figures. The JSON's `machine.cpu_flags` records the CPU features that de
 kernels run (x86: avx2, fma, avx512*, amx*; aarch64: the Features line).
 
 Several thread counts (`threads=(1, 2)`) measure every system at each, side by side, as systems
-of their own ("kvedge ort int4 @2 threads"); a decode case steps the systems of one count in
-turn, then the next count's (`thread_groups`); targets, quality, warm prefixes, memory and
+of their own ("kvedge ort int4 @2 threads"); a decode case measures one count at a time, at 1
+thread stepping the systems in turn, at more each system's steps as one block (`thread_groups`
+says why); targets, quality, warm prefixes, memory and
 allocation are judged at the first count, the others are reported against it.
 
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
@@ -240,7 +241,9 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                 if s.name not in crashed and (not s.reference_for or c == min(config.decode_contexts))
             ]
             for group in thread_groups(here):
-                for name, seconds in _decode_case(systems, group, tokens[:c], config.steps, guarded).items():
+                one = (group[0].threads or threads or os.cpu_count() or 1) == 1  # see thread_groups
+                measured = _decode_case(systems, group, tokens[:c], config.steps, guarded, interleave=one)
+                for name, seconds in measured.items():
                     raw[name].setdefault(f"decode:{c}", []).append(seconds)
         echo(f"round {round_index + 1}/{config.rounds} done")
     results.rounds = raw
@@ -344,10 +347,13 @@ def _started(system: System, ids: list[int]) -> bool:
 def thread_groups(specs: list[SystemSpec]) -> list[list[SystemSpec]]:
     """`specs` split by thread count, groups and their members in the order given.
 
-    A decode case interleaves its systems' steps only within a group: after a multi-threaded
-    step, onnxruntime's worker keeps spinning on a core for a while, so a 1-thread system stepping
-    next would be measured against it (on 2 cores: 12-16 ms against 8.5 ms alone,
-    docs/PERFORMANCE.md "Threads")."""
+    A decode case measures one group at a time: 1-thread systems step in turn, and systems at more
+    threads take their steps as one block each, one system after the other. Between steps a
+    multi-threaded runtime keeps its workers spinning (onnxruntime's pool, ggml's threads), so a
+    step interleaved after it competes with them for the cores: on 2 cores kvedge int4 measured
+    12-16 ms at 1 thread beside 2-thread systems against 8.5 ms alone, and 12.5 ms at 2 threads
+    interleaved against 5.6 ms alone (docs/PERFORMANCE.md "Threads"). A block's first 2 steps,
+    which may meet the previous system's spinning workers, are dropped as every case's are."""
     groups: dict[int, list[SystemSpec]] = {}
     for spec in specs:
         groups.setdefault(spec.threads, []).append(spec)
@@ -360,12 +366,14 @@ def _decode_case(
     ids: list[int],
     steps: int,
     guarded: Callable[[str, str, Callable[[], Any]], Any],
+    interleave: bool = True,
 ) -> dict[str, float]:
     """Median seconds per decode step at context len(ids), the first 2 steps dropped.
 
-    Steppable systems are prefilled (untimed), then their steps interleave one by one; the
-    others (transformers `generate`) run their steps as one block. A system whose process dies
-    (`guarded` returns None) leaves the case and has no figure in it.
+    Steppable systems are prefilled (untimed), then their steps interleave one by one (or, not
+    `interleave`, run as one block per system: `thread_groups`); the others (transformers
+    `generate`) run their steps as one block. A system whose process dies (`guarded` returns
+    None) leaves the case and has no figure in it.
     """
     case = f"decode {len(ids)}"
     stepped = [
@@ -374,11 +382,13 @@ def _decode_case(
         if systems[s.name].steppable and guarded(s.name, case, partial(_started, systems[s.name], ids))
     ]
     times: dict[str, list[float]] = {name: [] for name in stepped}
-    for _ in range(steps):
-        for name in list(stepped):
+    turns = [stepped] * steps if interleave else [[name] * steps for name in stepped]
+    for turn in turns:
+        for name in turn:
+            if name not in times:  # its process died earlier in this case
+                continue
             seconds = guarded(name, case, systems[name].timed_step)
             if seconds is None:
-                stepped.remove(name)
                 del times[name]
             else:
                 times[name].append(seconds)
