@@ -112,22 +112,27 @@ def test_json_object_responses_are_objects(client):
             assert isinstance(json.loads(done.choices[0].message.content), dict)
 
 
+def required_call(seed: int, max_tokens: int, parallel: bool = False) -> dict:
+    """Fields of a request that must call WEATHER or TIME about ASK (sampled with `seed`)."""
+    return dict(
+        model="tiny",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        seed=seed,
+        temperature=1.0,
+        max_tokens=max_tokens,
+    )
+
+
 def arguments_valid(call) -> None:
     tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
 def test_tool_round_trip_reuses_the_cached_prefix(client, server):
-    first = client.chat.completions.create(
-        model="tiny",
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        seed=1,
-        temperature=1.0,
-        max_tokens=100,
-    )
+    first = client.chat.completions.create(**required_call(1, 100))
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     for call in choice.message.tool_calls:
@@ -200,16 +205,7 @@ def streamed_tool_calls(stream) -> tuple[list[dict], str | None]:
 
 
 def test_streamed_tool_calls_reassemble_to_the_non_streamed_result(client):
-    fields = dict(
-        model="tiny",
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        seed=5,
-        temperature=1.0,
-        max_tokens=100,
-    )
+    fields = required_call(5, 100)
     whole = client.chat.completions.create(**fields).choices[0]
     calls, finish = streamed_tool_calls(client.chat.completions.create(**fields, stream=True))
     assert finish == whole.finish_reason == "tool_calls"

@@ -33,7 +33,7 @@ import jsonschema
 import openai
 import pytest
 from test_serve import KEY, Server
-from test_structured import ASK, TIME, WEATHER, arguments_valid, streamed_tool_calls
+from test_structured import ASK, TIME, WEATHER, arguments_valid, required_call, streamed_tool_calls
 from tiny import make_tiny_model
 from tokenizers import Tokenizer
 
@@ -248,16 +248,8 @@ def valid_calls(family: str, message) -> None:
 def test_required_calls_parse_and_validate_for_every_seed(family):
     name, _, client, _ = family
     for seed in range(6):
-        done = client.chat.completions.create(
-            model="tiny",
-            messages=ASK,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            parallel_tool_calls=name == "llama3",  # a random model keeps adding Mistral calls
-            seed=seed,
-            temperature=1.0,
-            max_tokens=120,
-        )
+        # a random model keeps adding Mistral calls: one call a reply there
+        done = client.chat.completions.create(**required_call(seed, 120, parallel=name == "llama3"))
         assert done.choices[0].finish_reason == "tool_calls", done
         valid_calls(name, done.choices[0].message)
 
@@ -301,16 +293,7 @@ def test_named_none_and_auto_tool_choice(family):
 
 def test_streamed_calls_reassemble_to_the_non_streamed_result(family):
     name, _, client, _ = family
-    fields = dict(
-        model="tiny",
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        seed=5,
-        temperature=1.0,
-        max_tokens=120,
-    )
+    fields = required_call(5, 120)
     whole = client.chat.completions.create(**fields).choices[0]
     got, finish = streamed_tool_calls(client.chat.completions.create(**fields, stream=True))
     assert finish == whole.finish_reason == "tool_calls"
@@ -326,16 +309,7 @@ def test_streamed_calls_reassemble_to_the_non_streamed_result(family):
 
 def test_round_trip_renders_through_the_template_and_reuses_the_prefix(family):
     _, server, client, _ = family
-    first = client.chat.completions.create(
-        model="tiny",
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        seed=1,
-        temperature=1.0,
-        max_tokens=120,
-    )
+    first = client.chat.completions.create(**required_call(1, 120))
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     before = server.wait_idle()
