@@ -119,10 +119,17 @@ def _grid(blocks: np.ndarray, grid: str, qmin: int, qmax: int) -> tuple[np.ndarr
 
 
 def quantize_blockwise(
-    w: np.ndarray, bits: int, block_size: int, grids: tuple[str, ...] = ("extreme",)
+    w: np.ndarray,
+    bits: int,
+    block_size: int,
+    grids: tuple[str, ...] = ("extreme",),
+    half_params: bool = False,
 ) -> QuantizedWeight:
     """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K, each
-    block on whichever of `grids` gives it the smallest squared error (the first on a tie)."""
+    block on whichever of `grids` gives it the smallest squared error (the first on a tie).
+    `half_params`: each block's scale and minimum (offset + qmin * scale, the value of qmin) are
+    float16 numbers, as kvedge.QuantMatMul stores them (`pack_quant_matmul`); the codes are
+    chosen on that grid, so both forms of the graph hold the same w_hat."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
@@ -135,6 +142,8 @@ def quantize_blockwise(
     best: tuple[np.ndarray, ...] | None = None  # (q, scale, offset, squared error [K/bs, N])
     for grid in grids:
         scale, offset = _grid(blocks, grid, qmin, qmax)
+        if half_params:
+            scale, offset = _half_grid(scale, offset, qmin)
         q = np.clip(np.rint((blocks - offset[:, None, :]) / scale[:, None, :]), qmin, qmax)
         err = np.square(q * scale[:, None, :] + offset[:, None, :] - blocks).sum(axis=1)
         if best is None:
@@ -153,6 +162,65 @@ def quantize_blockwise(
     )
     max_error = float(np.abs(qw.dequantize() - w).max()) if w.size else 0.0
     return QuantizedWeight(qw.q, scale, qw.offset, bits, block_size, max_error)
+
+
+def _half_grid(scale: np.ndarray, offset: np.ndarray, qmin: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset) moved onto float16 scales and minimums (float16 cannot hold a scale over
+    65504; a block that needs one is refused)."""
+    with np.errstate(over="ignore"):
+        scale16 = np.maximum(scale.astype(np.float16), np.float16(2.0**-24))  # 0 would divide
+        minimum16 = (offset + qmin * scale).astype(np.float16)
+    if not (np.isfinite(scale16).all() and np.isfinite(minimum16).all()):
+        raise KvedgeError(
+            f"a weight block needs a scale or minimum beyond float16's range (largest scale "
+            f"{float(np.abs(scale).max()):.6g}, allowed up to 65504)"
+        )
+    scale = scale16.astype(np.float32)
+    return scale, (minimum16.astype(np.float32) - qmin * scale).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class QuantMatMulWeight:
+    """A QuantizedWeight in kvedge.QuantMatMul's layout (kvedge/runtime/csrc/kvedge_ops.cc), per
+    group of 16 output columns and block of `block_size` input channels, codes u = q - qmin
+    (0 .. 2**bits - 1) and w_hat = scale * u + minimum:
+
+        codes    uint8   [N/16, K/bs, 2 bs bits]  vectors of 64 bytes, byte 4 i + t of vector v
+                         holding column i's codes:  4 bits: u[8v + t] (low nibble) and
+                         u[8v + 4 + t] (high nibble);  8 bits: u[4v + t]
+        scales   float16 [N/16, K/bs, 16]
+        minimums float16 [N/16, K/bs, 16], or None when every minimum is qmin * scale
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    minimums: np.ndarray | None
+
+
+def pack_quant_matmul(qw: QuantizedWeight) -> QuantMatMulWeight:
+    """`qw` (quantized with `half_params`; N a multiple of 16) in kvedge.QuantMatMul's layout."""
+    k, n = qw.q.shape
+    bs, qmin = qw.block_size, -(2 ** (qw.bits - 1))
+    if n % 16:
+        raise KvedgeError(f"kvedge.QuantMatMul takes N in multiples of 16 columns, not {n}")
+
+    def grouped(a: np.ndarray) -> np.ndarray:  # [K/bs, N] -> [N/16, K/bs, 16]
+        return np.ascontiguousarray(a.reshape(a.shape[0], n // 16, 16).transpose(1, 0, 2))
+
+    u = (qw.q.astype(np.int16) - qmin).astype(np.uint8)  # [K, N]
+    u = u.reshape(k // bs, bs, n // 16, 16).transpose(2, 0, 1, 3)  # [N/16, K/bs, bs, 16]
+    if qw.bits == 4:  # k = 8v + 4h + t -> byte (v, i, t): low nibble h = 0, high h = 1
+        u = u.reshape(n // 16, k // bs, bs // 8, 2, 4, 16).transpose(0, 1, 2, 5, 3, 4)
+        codes = u[..., 0, :] | (u[..., 1, :] << 4)  # [N/16, K/bs, bs/8, 16, 4]
+    else:  # k = 4v + t -> byte (v, i, t)
+        codes = u.reshape(n // 16, k // bs, bs // 4, 4, 16).transpose(0, 1, 2, 4, 3)
+    scale = qw.scale.astype(np.float16)
+    minimums = None
+    if qw.offset is not None:
+        minimums = grouped((qw.offset + qmin * qw.scale).astype(np.float16))
+    return QuantMatMulWeight(
+        np.ascontiguousarray(codes).reshape(n // 16, k // bs, -1), grouped(scale), minimums
+    )
 
 
 def pack_int4(q: np.ndarray) -> bytes:
