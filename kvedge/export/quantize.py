@@ -181,46 +181,47 @@ def _half_grid(scale: np.ndarray, offset: np.ndarray, qmin: int) -> tuple[np.nda
 
 @dataclass(frozen=True)
 class QuantMatMulWeight:
-    """A QuantizedWeight in kvedge.QuantMatMul's layout (kvedge/runtime/csrc/kvedge_ops.cc), per
-    group of 16 output columns and block of `block_size` input channels, codes u = q - qmin
-    (0 .. 2**bits - 1) and w_hat = scale * u + minimum:
+    """A QuantizedWeight in kvedge.QuantMatMul's layout (kvedge/runtime/csrc/kvedge_ops.cc): one
+    stream of records, one per tile of 64 output columns and block of `bs` input channels, tile
+    after tile (a tile's blocks in order), so a step reads each matrix front to back once.
 
-        codes    uint8   [N/16, K/bs, 2 bs bits]  vectors of 64 bytes, byte 4 i + t of vector v
-                         holding column i's codes:  4 bits: u[8v + t] (low nibble) and
-                         u[8v + 4 + t] (high nibble);  8 bits: u[4v + t]
-        scales   float16 [N/16, K/bs, 16]
-        minimums float16 [N/16, K/bs, 16], or None when every minimum is qmin * scale
+        weights  uint8 [N/64, K/bs, record]; a record is
+                   codes     4 groups of 16 columns x (bs bits / 8) vectors of 64 bytes
+                   scales    64 float16
+                   minimums  64 float16 (only when `has_minimums`)
+                 codes u = q - qmin (0 .. 2**bits - 1); in vector v of group g, byte 4 c + t holds
+                 column 16 g + c's codes:  4 bits: u[8v + t] (low nibble) and u[8v + 4 + t] (high
+                 nibble);  8 bits: u[4v + t]. w_hat = scale * (u + qmin) + offset, where
+                 offset = minimum - qmin * scale (0 without minimums).
     """
 
-    codes: np.ndarray
-    scales: np.ndarray
-    minimums: np.ndarray | None
+    weights: np.ndarray
+    has_minimums: bool
 
 
 def pack_quant_matmul(qw: QuantizedWeight) -> QuantMatMulWeight:
-    """`qw` (quantized with `half_params`; N a multiple of 16) in kvedge.QuantMatMul's layout."""
+    """`qw` (quantized with `half_params`; N a multiple of 64) in kvedge.QuantMatMul's layout."""
     k, n = qw.q.shape
     bs, qmin = qw.block_size, -(2 ** (qw.bits - 1))
-    if n % 16:
-        raise KvedgeError(f"kvedge.QuantMatMul takes N in multiples of 16 columns, not {n}")
+    if n % 64:
+        raise KvedgeError(f"kvedge.QuantMatMul takes N in multiples of 64 columns, not {n}")
+    tiles, blocks = n // 64, k // bs
 
-    def grouped(a: np.ndarray) -> np.ndarray:  # [K/bs, N] -> [N/16, K/bs, 16]
-        return np.ascontiguousarray(a.reshape(a.shape[0], n // 16, 16).transpose(1, 0, 2))
+    def per_tile(a: np.ndarray) -> np.ndarray:  # [K/bs, N] float -> [N/64, K/bs, 128] bytes
+        half = a.astype(np.float16).reshape(blocks, tiles, 64).transpose(1, 0, 2)
+        return np.ascontiguousarray(half).view(np.uint8)
 
     u = (qw.q.astype(np.int16) - qmin).astype(np.uint8)  # [K, N]
-    u = u.reshape(k // bs, bs, n // 16, 16).transpose(2, 0, 1, 3)  # [N/16, K/bs, bs, 16]
-    if qw.bits == 4:  # k = 8v + 4h + t -> byte (v, i, t): low nibble h = 0, high h = 1
-        u = u.reshape(n // 16, k // bs, bs // 8, 2, 4, 16).transpose(0, 1, 2, 5, 3, 4)
-        codes = u[..., 0, :] | (u[..., 1, :] << 4)  # [N/16, K/bs, bs/8, 16, 4]
-    else:  # k = 4v + t -> byte (v, i, t)
-        codes = u.reshape(n // 16, k // bs, bs // 4, 4, 16).transpose(0, 1, 2, 4, 3)
-    scale = qw.scale.astype(np.float16)
-    minimums = None
+    u = u.reshape(blocks, bs, tiles, 4, 16).transpose(2, 0, 3, 1, 4)  # [N/64, K/bs, 4, bs, 16]
+    if qw.bits == 4:  # k = 8v + 4h + t -> byte (v, c, t): low nibble h = 0, high h = 1
+        u = u.reshape(tiles, blocks, 4, bs // 8, 2, 4, 16).transpose(0, 1, 2, 3, 6, 4, 5)
+        codes = u[..., 0, :] | (u[..., 1, :] << 4)  # [N/64, K/bs, 4, bs/8, 16, 4]
+    else:  # k = 4v + t -> byte (v, c, t)
+        codes = u.reshape(tiles, blocks, 4, bs // 4, 4, 16).transpose(0, 1, 2, 3, 5, 4)
+    parts = [codes.reshape(tiles, blocks, -1), per_tile(qw.scale)]
     if qw.offset is not None:
-        minimums = grouped((qw.offset + qmin * qw.scale).astype(np.float16))
-    return QuantMatMulWeight(
-        np.ascontiguousarray(codes).reshape(n // 16, k // bs, -1), grouped(scale), minimums
-    )
+        parts.append(per_tile(qw.offset + qmin * qw.scale))
+    return QuantMatMulWeight(np.ascontiguousarray(np.concatenate(parts, axis=2)), qw.offset is not None)
 
 
 def pack_int4(q: np.ndarray) -> bytes:
