@@ -1401,6 +1401,9 @@ void QmmGroups(const QmmWork& a, int64_t first, int64_t last, bool vector) {
   QmmScalar(a, first, last);
 }
 
+// Work items of whole passes (4 groups) and ~128 KiB of codes: onnxruntime's threads split N.
+int64_t QmmGroupsPerItem(int64_t group_bytes) { return std::max<int64_t>(1, kQmmItemBytes / group_bytes / 4) * 4; }
+
 void QmmWork::Run(size_t item) const {
   const int64_t first = static_cast<int64_t>(item) * groups_per_item;
   QmmGroups(*this, first, std::min(groups, first + groups_per_item), true);
@@ -1482,8 +1485,7 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   for (int64_t r = 0; r < rows; ++r)
     QmmQuantize(xp, k, block, channels, n_kept, r, masked.data(), xq.data(), xs, bsum, xqsum.data(), kept_x.data());
 
-  // items of whole passes (4 groups) and ~128 KiB of codes: onnxruntime's threads split N
-  const int64_t per_item = std::max<int64_t>(1, kQmmItemBytes / (blocks * bytes) / 4) * 4;
+  const int64_t per_item = QmmGroupsPerItem(blocks * bytes);
   QmmWork work{static_cast<const uint8_t*>(codes.data), static_cast<const half_t*>(scales.data),
                present[3] ? static_cast<const half_t*>(minimums.data) : nullptr,
                static_cast<const half_t*>(kept_rows.data), xq.data(), xs, bsum, xqsum.data(), kept_x.data(),

@@ -254,6 +254,110 @@ int CheckSide(int64_t rows, int64_t k, int64_t block, int64_t n_kept, int64_t ro
   return ok ? 0 : 1;
 }
 
+// kvedge.QuantMatMul over x [rows, k] and a random weight of n columns (codes packed here from
+// u [k, n] the way pack_quant_matmul packs them), `n_kept` kept channels (the first and the last
+// among them from 2 on), with or without minimums: the vector path (QmmWork's items of
+// `per_item` groups, 0: the op's own, on `threads` threads) and the scalar path (QmmScalar), each
+// within 1e-5 of max |y| of the formula in double precision over the op's quantized activations.
+// Row 0's first block is constant (every xq 127) and every group's column 1 holds the largest
+// code, where int16 pair sums would saturate; row 0's second block is zero (amax 0).
+int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_t n_kept, bool with_min,
+             int64_t per_item, int threads, std::mt19937* rng) {
+  const int64_t groups = n / kQmmColumns, blocks = k / block, bytes = 2 * block * bits, top = (1 << bits) - 1;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(0, static_cast<int>(top));
+  std::vector<uint8_t> u(k * n), codes(groups * blocks * bytes);  // u: [k, n]
+  for (int64_t c = 0; c < k; ++c)
+    for (int64_t j = 0; j < n; ++j) u[c * n + j] = static_cast<uint8_t>(j % kQmmColumns == 1 ? top : code(*rng));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* out = codes.data() + (g * blocks + b) * bytes;
+      for (int64_t c = 0; c < block; ++c) {
+        for (int64_t i = 0; i < kQmmColumns; ++i) {
+          const uint8_t value = u[(b * block + c) * n + g * kQmmColumns + i];
+          if (bits == 4) out[(c / 8) * 64 + 4 * i + c % 4] |= (c % 8) < 4 ? value : value << 4;
+          else out[(c / 4) * 64 + 4 * i + c % 4] = value;
+        }
+      }
+    }
+  }
+  std::vector<half_t> scales(groups * blocks * kQmmColumns), minimums(with_min ? scales.size() : 0);
+  for (auto& s : scales) s = static_cast<half_t>((0.002f + 0.01f * std::fabs(normal(*rng))) * (bits == 4 ? 16 : 1));
+  for (size_t i = 0; i < minimums.size(); ++i)
+    minimums[i] = static_cast<half_t>(-static_cast<float>(scales[i]) * (1 << (bits - 1)) + 0.01f * normal(*rng));
+  std::vector<int64_t> channels(k), kept;
+  for (int64_t c = 0; c < k; ++c) channels[c] = c;
+  std::shuffle(channels.begin() + 1, channels.end() - 1, *rng);
+  if (n_kept >= 2) kept = {0, k - 1};
+  for (int64_t c = 1; static_cast<int64_t>(kept.size()) < n_kept; ++c) kept.push_back(channels[c]);
+  std::sort(kept.begin(), kept.end());
+  std::vector<half_t> kept_rows(groups * n_kept * kQmmColumns);
+  for (auto& w : kept_rows) w = static_cast<half_t>(0.1f * normal(*rng));
+  std::vector<float> x(rows * k);
+  for (auto& e : x) e = normal(*rng) * (1.0f + 30.0f * (std::fabs(normal(*rng)) > 2.5f));  // some outliers
+  for (int64_t c = 0; c < block; ++c) x[c] = 0.75f;
+  for (int64_t c = block; c < 2 * block && blocks > 1; ++c) x[c] = 0.0f;
+
+  std::vector<float> masked(k), scale_sum(2 * rows * blocks), kept_x(rows * n_kept);
+  std::vector<int8_t> xq(rows * k);
+  std::vector<int32_t> xqsum(rows * blocks);
+  float *xs = scale_sum.data(), *bsum = xs + rows * blocks;
+  for (int64_t r = 0; r < rows; ++r)
+    QmmQuantize(x.data(), k, block, kept.data(), n_kept, r, masked.data(), xq.data(), xs, bsum, xqsum.data(),
+                kept_x.data());
+  std::vector<float> got(rows * n, NAN), scalar(rows * n, NAN);
+  QmmWork work{codes.data(), scales.data(), with_min ? minimums.data() : nullptr, kept_rows.data(), xq.data(), xs,
+               bsum, xqsum.data(), kept_x.data(), got.data(), rows, k, block, blocks, groups, n_kept,
+               per_item ? per_item : QmmGroupsPerItem(blocks * bytes), bits};
+  const int64_t items = (groups + work.groups_per_item - 1) / work.groups_per_item;
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&] {
+      for (int64_t item; (item = next++) < items;) work.Run(static_cast<size_t>(item));
+    });
+  }
+  for (std::thread& thread : pool) thread.join();
+  work.y = scalar.data();
+  QmmGroups(work, 0, groups, false);
+
+  float worst = 0.0f, worst_scalar = 0.0f, size = 0.0f;
+  std::vector<double> want(rows * n);
+  const int qmin = -(1 << (bits - 1));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t g = j / kQmmColumns, i = j % kQmmColumns;
+      double y = 0.0;
+      for (int64_t b = 0; b < blocks; ++b) {
+        int64_t dot = 0;
+        for (int64_t c = b * block; c < (b + 1) * block; ++c) dot += int64_t{xq[r * k + c]} * u[c * n + j];
+        const int64_t at = (g * blocks + b) * kQmmColumns + i;
+        const double scale = static_cast<double>(scales[at]);
+        const double minimum = with_min ? static_cast<double>(minimums[at]) : qmin * scale;
+        y += scale * double(xs[r * blocks + b]) * double(dot) + minimum * double(bsum[r * blocks + b]);
+      }
+      for (int64_t t = 0; t < n_kept; ++t)
+        y += double(x[r * k + kept[t]]) * static_cast<double>(kept_rows[(g * n_kept + t) * kQmmColumns + i]);
+      want[r * n + j] = y;
+      size = std::max(size, static_cast<float>(std::fabs(y)));
+    }
+  }
+  for (int64_t i = 0; i < rows * n; ++i) {
+    const float diff = std::fabs(static_cast<float>(want[i] - got[i]));
+    const float diff_scalar = std::fabs(static_cast<float>(want[i] - scalar[i]));
+    worst = std::isnan(diff) ? INFINITY : std::max(worst, diff);  // a column never written stays NaN
+    worst_scalar = std::isnan(diff_scalar) ? INFINITY : std::max(worst_scalar, diff_scalar);
+  }
+  const bool ok = worst <= 1e-5f * size && worst_scalar <= 1e-5f * size;
+  std::printf("%s quant matmul (%s): bits %d block %lld rows %lld k %lld n %lld kept %lld %s, items of %lld groups "
+              "on %d threads: max |diff| %.3g, scalar %.3g (max |y| %.3g)\n",
+              ok ? "ok  " : "FAIL", kQmmPath, bits, static_cast<long long>(block), static_cast<long long>(rows),
+              static_cast<long long>(k), static_cast<long long>(n), static_cast<long long>(n_kept),
+              with_min ? "minimums" : "no minimums", static_cast<long long>(work.groups_per_item), threads, worst,
+              worst_scalar, size);
+  return ok ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -275,6 +379,48 @@ int main(int argc, char** argv) {
     for (const SideCase& c : cases) {
       if (CheckSide(c.rows, c.k, c.block, c.kept, c.rows_per_item, c.masked, &rng)) return 1;
     }
+    return 0;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "qmm") == 0) {
+    // bits x block sizes x rows (one, a row tile of 2, a ragged tile after full ones) x kept channels
+    // (none, one, several) x n (one group; passes of 4, 2 and 1 groups; a long row of 65 groups, cut
+    // into the op's items) x minimums or not
+    int cases = 0;
+    for (int bits : {4, 8}) {
+      for (int64_t block : {16, 32, 64, 128}) {
+        for (int64_t rows : {1, 2, 5}) {
+          for (int64_t n_kept : {0, 1, 7}) {
+            for (int64_t n : {16, 48, 80, 1040}) {
+              for (bool with_min : {true, false}) {
+                if (CheckQmm(bits, block, rows, block * (block <= 32 ? 6 : 3), n, n_kept, with_min, 0, 1, &rng)) return 1;
+                ++cases;
+              }
+            }
+          }
+        }
+      }
+    }
+    // SmolLM2-135M's shapes (4 bits, blocks of 32, 32 kept, minimums; the LM head's 8 bits without),
+    // blocks of 256, and items of 1, 3 and 5 groups (passes cut short) on 2 and 3 threads
+    struct QmmCase {
+      int bits;
+      int64_t block, rows, k, n, kept;
+      bool with_min;
+      int64_t per_item;
+      int threads;
+    };
+    const QmmCase more[] = {
+        {4, 32, 1, 576, 960, 32, true, 0, 1},    {4, 32, 1, 1536, 576, 32, true, 0, 2},
+        {8, 32, 1, 576, 2048, 32, false, 0, 2},  {4, 32, 8, 576, 960, 32, true, 0, 1},
+        {4, 256, 3, 512, 96, 5, true, 0, 1},     {8, 256, 2, 768, 80, 0, false, 0, 1},
+        {4, 32, 2, 576, 400, 3, true, 1, 3},     {8, 64, 5, 256, 400, 3, true, 3, 2},
+        {4, 16, 1, 96, 400, 2, false, 5, 3},
+    };
+    for (const QmmCase& c : more) {
+      if (CheckQmm(c.bits, c.block, c.rows, c.k, c.n, c.kept, c.with_min, c.per_item, c.threads, &rng)) return 1;
+      ++cases;
+    }
+    std::printf("%d quant matmul cases\n", cases);
     return 0;
   }
   const bool tiled = argc > 1 && std::strcmp(argv[1], "tiled") == 0;
