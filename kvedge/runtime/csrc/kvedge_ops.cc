@@ -1,5 +1,6 @@
 // kvedge's onnxruntime custom operators (domain "kvedge", CPU): attention over an INT8
-// per-token-scaled KV cache, and the side inputs of the "ort" graph's quantized matmuls.
+// per-token-scaled KV cache, the side inputs of the "ort" graph's quantized matmuls, and a
+// quantized matmul of its own for decode steps.
 //
 // kvedge.Int8CacheAttention is the INT8-cache counterpart of
 // onnxruntime's GroupQueryAttention in the "ort" export variant: one op per layer takes the fused
@@ -31,32 +32,6 @@
 // a sliding window as GroupQueryAttention's, where the query at position q attends to the keys at
 // q - local_window_size + 1 .. q only (Gemma 3's local layers; the cache stays full length).
 //
-// kvedge.QuantMatMul: THE LEAD CHANGED THIS CONTRACT AFTER YOUR TASK WAS WRITTEN; this comment and
-// kvedge/export/quantize.py (QuantMatMulWeight, pack_quant_matmul, as now on this branch) supersede
-// the task text's layout, inputs and formula. Rewrite this comment in the file's style when done.
-// Why: /tmp/gemv/gemv.cpp (the prototype, 2.57 ms vs MatMulNBits 4.86 ms for SmolLM2's 121 matmuls)
-// reads one sequential stream per matrix with software prefetch ~5120 bytes ahead; and a centered
-// integer dot keeps MatMulNBits' activation-rounding error (codes minus the zero point, not raw u).
-//   Inputs: 0 x          float [..., K] (M rows)
-//           1 weights    uint8 [N/64, K/bs, record]: per tile of 64 columns, its blocks in order; a
-//                        record = codes (4 groups of 16 columns x (bs * bits / 8) vectors of 64 bytes;
-//                        vector v of group g, byte 4c + t: 4 bits: low nibble u[8v + t], high nibble
-//                        u[8v + 4 + t]; 8 bits: u[4v + t], of column 16g + c; u = q + zc, zc =
-//                        2^(bits-1), unsigned) | 64 float16 scales | 64 float16 minimums (only when
-//                        the attribute minimums = 1)
-//           2 kept       int64 [kept], optional: ascending channels kept in float (zeroed before the
-//                        int8 activation quantization)
-//           3 kept_rows  float16 [N/64, kept, 64] (iff kept is non-empty): w[kept] - offset of the
-//                        kept channel's block, per column
-//   Attributes: bits (4|8), block_size (16|32|64|128|256), minimums (0|1)
-//   Output: y float [..., N], N = 64 * weights.shape[0]
-//   Per row, per block b: x_masked, amax, xs = amax/127, xq = rint(x_masked * (127/amax)) (0 if amax
-//   is 0), bsum = sum of the full x over the block (float32), as before; then
-//     acc_b[n]  = sum_k xq[k] * u[k,n] - zc * sum_k xq[k]        (exact int32: centered codes)
-//     offset[n] = minimum[b,n] + zc * scale[b,n]   (float32 from the float16 values; 0 without minimums)
-//     y[n] = sum_b ( scale[b,n] * (xs[b] * acc_b[n]) + offset[n] * bsum[b] ) + sum_j x[kept_j] * kept_rows[j,n]
-//   (for 8-bit codes without minimums this is /tmp/gemv's -128 * sum(xq) correction.)
-//
 // kvedge.SideInputs feeds a quantized matmul of an "ort" graph (kvedge/export/quantize.py): with
 // blocked weights w_hat = q * scale + offset and kept float32 input channels,
 //   x @ w = (x * mask) @ (q * scale) + [block_sums(x) | x[kept]] @ [offset ; kept rows]
@@ -73,6 +48,36 @@
 //             consecutive channels (none when block_size is 0), then x at each kept channel
 //   1 masked  float [..., K], optional: x with the kept channels zeroed (what MatMulNBits reads)
 // Attribute: block_size (int, >= 0; 0: the weight has no block offsets, side holds x[kept] only).
+//
+// kvedge.QuantMatMul is a decode step's matmul (a few rows) over a blocked 4-/8-bit weight, its
+// block minimums and kept float input channels fused in (kvedge/export/quantize.py:
+// QuantMatMulWeight, pack_quant_matmul): per block of block_size input channels and output column,
+// w_hat = scale q + offset with q = u - zc, u the stored code (0 .. 2^bits - 1), zc = 2^(bits-1).
+// A step reads each matrix front to back once, as one stream of records (codes, float16 scales
+// and minimums together), where MatMulNBits + SideInputs + MatMul read float32 block offsets and
+// kept rows besides. The integer dot is centered (q, not u) so that the int8 activations' rounding
+// error is MatMulNBits' own: it multiplies q scale, not u scale.
+// Inputs:
+//   0 x          float [..., K] (M rows: the product of the leading dims, any number)
+//   1 weights    uint8 [N / 64, K / block_size, record]: per tile of 64 output columns, its blocks
+//                in order. A record is the codes of 4 groups of 16 columns, block_size bits / 32
+//                vectors of 64 bytes each (in vector v of group g, byte 4 c + t holds column
+//                16 g + c's codes: 4 bits: u[8v + t] in the low nibble and u[8v + 4 + t] in the
+//                high one; 8 bits: u[4v + t]: one dword per column, vpdpbusd's operand), then the
+//                64 columns' float16 scales, then (attribute minimums = 1) their float16 minimums
+//                (minimum = offset - zc scale, the value of u = 0)
+//   2 kept       int64 [kept], optional: distinct ascending input channels in [0, K) kept in float
+//   3 kept_rows  float16 [N / 64, kept, 64], present iff kept is non-empty: w[kept] minus the
+//                offset of the kept channel's block, per column
+// Output: y float [..., N], N = 64 weights.shape[0].
+// Attributes: bits (4 or 8), block_size (16, 32, 64, 128 or 256), minimums (0 or 1).
+// Numerics, per row and block b: x_masked = x with the kept channels 0; amax = max |x_masked| over
+// the block; xs = amax / 127; xq = round_half_even(x_masked (127 / amax)) as int8 (0 where amax is
+// 0: MatMulNBits' accuracy_level 4 activations); bsum = the float32 sum of x (kept included) over b;
+//   acc_b[n] = sum over k in b of xq[k] u[k, n] - zc sum over k in b of xq[k]   (exact, int32)
+//   offset[b, n] = minimum[b, n] + zc scale[b, n] in float32 (0 without minimums)
+//   y[n] = sum_b (scale[b, n] (xs[b] acc_b[n]) + offset[b, n] bsum[b]) + sum_j x[kept_j] kept_rows[j, n]
+// the float sums in any order (1e-5 of max |y| from the float64 values).
 
 #include <onnxruntime_c_api.h>
 
@@ -1007,25 +1012,26 @@ OrtStatus* SideKernel::Compute(OrtKernelContext* ctx) const {
 
 // ---- kvedge.QuantMatMul ----
 
-constexpr int64_t kQmmColumns = 16;        // output columns per group of the weight layout
-constexpr int64_t kQmmItemBytes = 131072;  // codes per work item (a prefill's rows all go in each)
+constexpr int64_t kQmmTile = 64;           // output columns per record: 4 groups of 16
+constexpr int64_t kQmmItemBytes = 131072;  // weights per work item, at least one tile
+constexpr int64_t kQmmPrefetch = 5120;     // bytes read ahead of the record in use (/tmp/gemv's best)
 
 // One call: its activations quantized once per row (QmmQuantize) and the weight.
 struct QmmWork {
-  const uint8_t* codes;      // [groups, blocks, block_bytes] (QuantMatMul's layout, header comment)
-  const half_t* scales;      // [groups, blocks, 16]
-  const half_t* minimums;    // [groups, blocks, 16], or null: qmin * scale
-  const half_t* kept_rows;   // [groups, n_kept, 16]
-  const int8_t* xq;          // [rows, k] x with the kept channels zeroed, as int8 per block
-  const float* xs;           // [rows, blocks] each block's activation scale, amax / 127
-  const float* bsum;         // [rows, blocks] each block's sum of x, kept channels included
-  const int32_t* xqsum;      // [rows, blocks] each block's sum of xq
-  const float* kept_x;       // [rows, n_kept] x at the kept channels
-  float* y;                  // [rows, groups * 16]
-  int64_t rows, k, block, blocks, groups, n_kept, groups_per_item;
+  const uint8_t* weights;   // [tiles, blocks, record] (header comment)
+  const half_t* kept_rows;  // [tiles, n_kept, 64]
+  const int8_t* xq;         // [rows, k] x with the kept channels zeroed, as int8 per block
+  const float* xs;          // [rows, blocks] each block's activation scale, amax / 127
+  const float* bsum;        // [rows, blocks] each block's sum of x, kept channels included
+  const int32_t* xqsum;     // [rows, blocks] each block's sum of xq
+  const float* kept_x;      // [rows, n_kept] x at the kept channels
+  float* y;                 // [rows, tiles * 64]
+  int64_t rows, k, block, blocks, tiles, n_kept, tiles_per_item;
   int bits;
+  bool minimums;
 
-  int64_t BlockBytes() const { return 2 * block * bits; }
+  int64_t GroupBytes() const { return 2 * block * bits; }  // one group's codes in a record
+  int64_t RecordBytes() const { return 4 * GroupBytes() + (minimums ? 2 : 1) * kQmmTile * 2; }
   void Run(size_t item) const;
 };
 
@@ -1062,16 +1068,18 @@ void QmmQuantize(const float* x, int64_t k, int64_t block, const int64_t* kept, 
 }
 
 // The reference path, one column and one block at a time (also the path of CPUs without one of
-// the vector paths below): groups [first, last) of every row.
+// the vector paths below): tiles [first, last) of every row.
 void QmmScalar(const QmmWork& a, int64_t first, int64_t last) {
-  const int qmin = -(1 << (a.bits - 1));
-  const int64_t bytes = a.BlockBytes();
-  for (int64_t g = first; g < last; ++g) {
+  const int zc = 1 << (a.bits - 1);
+  const int64_t group_bytes = a.GroupBytes(), record = a.RecordBytes(), n = a.tiles * kQmmTile;
+  for (int64_t t = first; t < last; ++t) {
     for (int64_t r = 0; r < a.rows; ++r) {
-      for (int64_t i = 0; i < kQmmColumns; ++i) {
+      for (int64_t col = 0; col < kQmmTile; ++col) {
+        const int64_t g = col / 16, i = col % 16;
         float acc = 0.0f;
         for (int64_t b = 0; b < a.blocks; ++b) {
-          const uint8_t* codes = a.codes + (g * a.blocks + b) * bytes;
+          const uint8_t* rec = a.weights + (t * a.blocks + b) * record;
+          const uint8_t* codes = rec + g * group_bytes;
           const int8_t* xq = a.xq + r * a.k + b * a.block;
           int32_t dot = 0;
           for (int64_t c = 0; c < a.block; ++c) {
@@ -1084,97 +1092,89 @@ void QmmScalar(const QmmWork& a, int64_t first, int64_t last) {
             }
             dot += xq[c] * u;
           }
-          const int64_t at = (g * a.blocks + b) * kQmmColumns + i;
-          const float scale = static_cast<float>(a.scales[at]);
-          const float minimum = a.minimums != nullptr ? static_cast<float>(a.minimums[at]) : qmin * scale;
-          acc += scale * a.xs[r * a.blocks + b] * static_cast<float>(dot) + minimum * a.bsum[r * a.blocks + b];
+          dot -= zc * a.xqsum[r * a.blocks + b];
+          const half_t* params = reinterpret_cast<const half_t*>(rec + 4 * group_bytes);  // scales, minimums
+          const float scale = static_cast<float>(params[col]);
+          acc += scale * (a.xs[r * a.blocks + b] * static_cast<float>(dot));
+          if (a.minimums) acc += (static_cast<float>(params[kQmmTile + col]) + zc * scale) * a.bsum[r * a.blocks + b];
         }
         for (int64_t j = 0; j < a.n_kept; ++j)
-          acc += a.kept_x[r * a.n_kept + j] * static_cast<float>(a.kept_rows[(g * a.n_kept + j) * kQmmColumns + i]);
-        a.y[r * a.groups * kQmmColumns + g * kQmmColumns + i] = acc;
+          acc += a.kept_x[r * a.n_kept + j] * static_cast<float>(a.kept_rows[(t * a.n_kept + j) * kQmmTile + col]);
+        a.y[r * n + t * kQmmTile + col] = acc;
       }
     }
   }
 }
 
-// The vector paths: QmmPass<BITS, R, P> computes P consecutive groups (16 columns each) for R
-// consecutive rows, streaming each group's codes once: every 64-byte code vector serves the R
-// rows, and each block's broadcast activation dwords serve the P groups. Each block's int32 dot
-// products are exact; scale * xs and minimum * bsum are applied once per block in float32.
+inline int32_t QmmDword(const int8_t* p) {  // 4 activations as one int32, to broadcast
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The vector paths: QmmTile<BITS, BS, MIN> computes one tile (64 columns) of one row, reading its
+// records in order with a software prefetch kQmmPrefetch bytes ahead: the records of a matrix are
+// one sequential stream. A tile's records (K / block_size of them, ~23 KiB for K = 576 at 4 bits)
+// stay in L1/L2 for the call's other rows. Each block's int32 dot products are exact; scale, xs
+// and offset bsum are applied once per block and column in float32.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KV_QMM_VECTOR 1
 constexpr const char* kQmmPath = "avx512-vnni";
-constexpr int kQmmRowTile = 4;                                                // rows per pass, at most
-constexpr int QmmPassGroups(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }  // 32 zmm registers
 
-// vpdpbusd: u8 codes x s8 activations, 4 products per int32 lane: one lane per column.
-template <int BITS, int R, int P>
-void QmmPass(const QmmWork& a, int64_t g0, int64_t r0) {
-  const int64_t bytes = a.BlockBytes(), vectors = bytes / 64;
+// vpdpbusd: u8 codes x s8 activations, 4 products per int32 lane: one lane per column, a group of
+// 16 columns per register. Two chains per group: vpdpbusd's latency.
+template <int BITS, int BS, bool MIN>
+void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
+  constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
+  const int64_t record = a.RecordBytes();
+  const uint8_t* p = a.weights + t * a.blocks * record;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const float qmin = static_cast<float>(-(1 << (BITS - 1)));
-  __m512 acc[R][P];
-  for (int m = 0; m < R; ++m)
-    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    __m512i d[R][P][2];  // two chains per column lane: vpdpbusd's latency
-    for (int m = 0; m < R; ++m)
-      for (int p = 0; p < P; ++p) d[m][p][0] = d[m][p][1] = _mm512_setzero_si512();
-    const uint8_t* codes = a.codes + (g0 * a.blocks + b) * bytes;
-    for (int64_t v = 0; v < vectors; v += 2) {
-      __m512i x[R][4];  // the activation dwords of these two vectors, broadcast
-      for (int m = 0; m < R; ++m) {
-        const int8_t* xq = a.xq + (r0 + m) * a.k + b * a.block + v * (BITS == 4 ? 8 : 4);
-        for (int t = 0; t < (BITS == 4 ? 4 : 2); ++t) {
-          int32_t dword;
-          std::memcpy(&dword, xq + 4 * t, 4);
-          x[m][t] = _mm512_set1_epi32(dword);
-        }
-      }
-      for (int p = 0; p < P; ++p) {
-        const uint8_t* c = codes + p * a.blocks * bytes + v * 64;
-        const __m512i w0 = _mm512_loadu_si512(c), w1 = _mm512_loadu_si512(c + 64);
+  __m512 acc[4];
+  for (int g = 0; g < 4; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b, p += record) {
+    for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
+    const int8_t* x = a.xq + r * a.k + b * BS;
+    const int64_t rb = r * a.blocks + b;
+    const __m512 xs = _mm512_set1_ps(a.xs[rb]);
+    const __m512i centre = _mm512_set1_epi32(static_cast<int32_t>(-zc * a.xqsum[rb]));
+    const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* c = p + g * group_bytes;
+      __m512i d0 = centre, d1 = _mm512_setzero_si512();
+      for (int64_t v = 0; v < vectors; v += 2) {
+        const __m512i w0 = _mm512_loadu_si512(c + 64 * v), w1 = _mm512_loadu_si512(c + 64 * v + 64);
         if (BITS == 4) {  // vector v: low nibbles k = 8v..8v+3, high nibbles 8v+4..8v+7
-          const __m512i l0 = _mm512_and_si512(w0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), low);
-          const __m512i l1 = _mm512_and_si512(w1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), low);
-          for (int m = 0; m < R; ++m) {
-            d[m][p][0] = _mm512_dpbusd_epi32(d[m][p][0], l0, x[m][0]);
-            d[m][p][1] = _mm512_dpbusd_epi32(d[m][p][1], h0, x[m][1]);
-            d[m][p][0] = _mm512_dpbusd_epi32(d[m][p][0], l1, x[m][2]);
-            d[m][p][1] = _mm512_dpbusd_epi32(d[m][p][1], h1, x[m][3]);
-          }
+          d0 = _mm512_dpbusd_epi32(d0, _mm512_and_si512(w0, low), _mm512_set1_epi32(QmmDword(x + 8 * v)));
+          d1 = _mm512_dpbusd_epi32(d1, _mm512_and_si512(_mm512_srli_epi16(w0, 4), low),
+                                   _mm512_set1_epi32(QmmDword(x + 8 * v + 4)));
+          d0 = _mm512_dpbusd_epi32(d0, _mm512_and_si512(w1, low), _mm512_set1_epi32(QmmDword(x + 8 * v + 8)));
+          d1 = _mm512_dpbusd_epi32(d1, _mm512_and_si512(_mm512_srli_epi16(w1, 4), low),
+                                   _mm512_set1_epi32(QmmDword(x + 8 * v + 12)));
         } else {  // vector v: k = 4v..4v+3
-          for (int m = 0; m < R; ++m) {
-            d[m][p][0] = _mm512_dpbusd_epi32(d[m][p][0], w0, x[m][0]);
-            d[m][p][1] = _mm512_dpbusd_epi32(d[m][p][1], w1, x[m][1]);
-          }
+          d0 = _mm512_dpbusd_epi32(d0, w0, _mm512_set1_epi32(QmmDword(x + 4 * v)));
+          d1 = _mm512_dpbusd_epi32(d1, w1, _mm512_set1_epi32(QmmDword(x + 4 * v + 4)));
         }
       }
-    }
-    for (int p = 0; p < P; ++p) {
-      const int64_t at = ((g0 + p) * a.blocks + b) * kQmmColumns;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scales + at)));
-      const __m512 minimum =
-          a.minimums != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.minimums + at)))
-                                : _mm512_mul_ps(scale, _mm512_set1_ps(qmin));
-      for (int m = 0; m < R; ++m) {
-        const int64_t rb = (r0 + m) * a.blocks + b;
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d[m][p][0], d[m][p][1]));
-        acc[m][p] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(a.xs[rb])), dot, acc[m][p]);
-        acc[m][p] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(a.bsum[rb]), acc[m][p]);
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * g)));
+      const __m512 dot = _mm512_mul_ps(xs, _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)));
+      acc[g] = _mm512_fmadd_ps(scale, dot, acc[g]);
+      if (MIN) {
+        const __m512 minimum =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kQmmTile + 16 * g)));
+        const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(zc), scale, minimum);
+        acc[g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.bsum[rb]), acc[g]);
       }
     }
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
-    for (int p = 0; p < P; ++p) {
-      const half_t* row = a.kept_rows + ((g0 + p) * a.n_kept + j) * kQmmColumns;
-      const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-      for (int m = 0; m < R; ++m)
-        acc[m][p] = _mm512_fmadd_ps(w, _mm512_set1_ps(a.kept_x[(r0 + m) * a.n_kept + j]), acc[m][p]);
-    }
+    const __m512 x = _mm512_set1_ps(a.kept_x[r * a.n_kept + j]);
+    const half_t* row = a.kept_rows + (t * a.n_kept + j) * kQmmTile;
+    for (int g = 0; g < 4; ++g)
+      acc[g] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g))),
+                               x, acc[g]);
   }
-  for (int m = 0; m < R; ++m)
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(a.y + (r0 + m) * a.groups * kQmmColumns + (g0 + p) * kQmmColumns, acc[m][p]);
+  float* y = a.y + r * a.tiles * kQmmTile + t * kQmmTile;
+  for (int g = 0; g < 4; ++g) _mm512_storeu_ps(y + 16 * g, acc[g]);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -1184,8 +1184,6 @@ constexpr const char* kQmmPath = "avx2-vnni";
 #else
 constexpr const char* kQmmPath = "avx2";
 #endif
-constexpr int kQmmRowTile = 2;
-constexpr int QmmPassGroups(int rows) { return rows == 1 ? 2 : 1; }  // 16 ymm registers
 
 // codes (u8) x activations (s8), 4 products per int32 lane, added to d. Without AVX-VNNI:
 // vpmaddubsw adds pairs into int16, which 4-bit codes cannot overflow (2 x 15 x 127) but 8-bit
@@ -1204,196 +1202,148 @@ inline __m256i QmmDot(__m256i d, __m256i codes, __m256i x) {
 #endif
 }
 
-// A group's 16 columns are two halves of 8 (ymm), each half 32 bytes of every code vector.
-template <int BITS, int R, int P>
-void QmmPass(const QmmWork& a, int64_t g0, int64_t r0) {
-  const int64_t bytes = a.BlockBytes(), vectors = bytes / 64;
+// 8 columns per register: the 64-byte vectors go as two halves (h).
+template <int BITS, int BS, bool MIN>
+void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
+  constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
+  const int64_t record = a.RecordBytes();
+  const uint8_t* p = a.weights + t * a.blocks * record;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const float qmin = static_cast<float>(-(1 << (BITS - 1)));
-  __m256 acc[R][P][2];
-  for (int m = 0; m < R; ++m)
-    for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    __m256i d[R][P][2];
-    for (int m = 0; m < R; ++m)
-      for (int p = 0; p < P; ++p) d[m][p][0] = d[m][p][1] = _mm256_setzero_si256();
-    const uint8_t* codes = a.codes + (g0 * a.blocks + b) * bytes;
-    for (int64_t v = 0; v < vectors; ++v) {
-      __m256i x[R][2];
-      for (int m = 0; m < R; ++m) {
-        const int8_t* xq = a.xq + (r0 + m) * a.k + b * a.block + v * (BITS == 4 ? 8 : 4);
-        for (int t = 0; t < (BITS == 4 ? 2 : 1); ++t) {
-          int32_t dword;
-          std::memcpy(&dword, xq + 4 * t, 4);
-          x[m][t] = _mm256_set1_epi32(dword);
+  __m256 acc[8];
+  for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b, p += record) {
+    for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
+    const int8_t* x = a.xq + r * a.k + b * BS;
+    const int64_t rb = r * a.blocks + b;
+    const __m256 xs = _mm256_set1_ps(a.xs[rb]);
+    const __m256i centre = _mm256_set1_epi32(static_cast<int32_t>(-zc * a.xqsum[rb]));
+    const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
+    for (int h = 0; h < 8; ++h) {  // columns 8h .. 8h + 7: group h / 2, half h % 2
+      const uint8_t* c = p + (h / 2) * group_bytes + 32 * (h % 2);
+      __m256i d = centre;
+      for (int64_t v = 0; v < vectors; ++v) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v));
+        if (BITS == 4) {
+          d = QmmDot<4>(d, _mm256_and_si256(w, low), _mm256_set1_epi32(QmmDword(x + 8 * v)));
+          d = QmmDot<4>(d, _mm256_and_si256(_mm256_srli_epi16(w, 4), low), _mm256_set1_epi32(QmmDword(x + 8 * v + 4)));
+        } else {
+          d = QmmDot<8>(d, w, _mm256_set1_epi32(QmmDword(x + 4 * v)));
         }
       }
-      for (int p = 0; p < P; ++p) {
-        const uint8_t* c = codes + p * a.blocks * bytes + v * 64;
-        for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
-          if (BITS == 4) {
-            const __m256i l = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-            for (int m = 0; m < R; ++m) d[m][p][h] = QmmDot<4>(QmmDot<4>(d[m][p][h], l, x[m][0]), hi, x[m][1]);
-          } else {
-            for (int m = 0; m < R; ++m) d[m][p][h] = QmmDot<8>(d[m][p][h], w, x[m][0]);
-          }
-        }
-      }
-    }
-    for (int p = 0; p < P; ++p) {
-      for (int h = 0; h < 2; ++h) {
-        const int64_t at = ((g0 + p) * a.blocks + b) * kQmmColumns + 8 * h;
-        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scales + at)));
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * h)));
+      acc[h] = _mm256_fmadd_ps(scale, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(d)), acc[h]);
+      if (MIN) {
         const __m256 minimum =
-            a.minimums != nullptr ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.minimums + at)))
-                                  : _mm256_mul_ps(scale, _mm256_set1_ps(qmin));
-        for (int m = 0; m < R; ++m) {
-          const int64_t rb = (r0 + m) * a.blocks + b;
-          const __m256 dot = _mm256_cvtepi32_ps(d[m][p][h]);
-          acc[m][p][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(a.xs[rb])), dot, acc[m][p][h]);
-          acc[m][p][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(a.bsum[rb]), acc[m][p][h]);
-        }
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kQmmTile + 8 * h)));
+        const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(zc), scale, minimum);
+        acc[h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.bsum[rb]), acc[h]);
       }
     }
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
-    for (int p = 0; p < P; ++p) {
-      for (int h = 0; h < 2; ++h) {
-        const half_t* row = a.kept_rows + ((g0 + p) * a.n_kept + j) * kQmmColumns + 8 * h;
-        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-        for (int m = 0; m < R; ++m)
-          acc[m][p][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(a.kept_x[(r0 + m) * a.n_kept + j]), acc[m][p][h]);
-      }
-    }
+    const __m256 x = _mm256_set1_ps(a.kept_x[r * a.n_kept + j]);
+    const half_t* row = a.kept_rows + (t * a.n_kept + j) * kQmmTile;
+    for (int h = 0; h < 8; ++h)
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * h))), x,
+                               acc[h]);
   }
-  for (int m = 0; m < R; ++m)
-    for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_ps(a.y + (r0 + m) * a.groups * kQmmColumns + (g0 + p) * kQmmColumns + 8 * h, acc[m][p][h]);
+  float* y = a.y + r * a.tiles * kQmmTile + t * kQmmTile;
+  for (int h = 0; h < 8; ++h) _mm256_storeu_ps(y + 8 * h, acc[h]);
 }
 
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define KV_QMM_VECTOR 1
 constexpr const char* kQmmPath = "neon-dotprod";
-constexpr int kQmmRowTile = 2;
-constexpr int QmmPassGroups(int rows) { return rows == 1 ? 2 : 1; }  // 32 q registers
 
-// sdot is s8 x s8: 4-bit codes (0..15) are s8 as they are; 8-bit codes go as u - 128 (xor 0x80),
-// their dot then short by 128 * sum(xq), which starts each block's int32 sums. A group's 16
-// columns are 4 quarters of 4 (one q register each); the activation dwords come by lane.
-template <int BITS, int R, int P>
-void QmmPass(const QmmWork& a, int64_t g0, int64_t r0) {
-  const int64_t bytes = a.BlockBytes(), vectors = bytes / 64;
-  const float qmin = static_cast<float>(-(1 << (BITS - 1)));
-  float32x4_t acc[R][P][4];
-  for (int m = 0; m < R; ++m)
-    for (int p = 0; p < P; ++p)
-      for (int q = 0; q < 4; ++q) acc[m][p][q] = vdupq_n_f32(0.0f);
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    int32x4_t d[R][P][4];
-    for (int m = 0; m < R; ++m) {
-      const int32x4_t start = vdupq_n_s32(BITS == 8 ? 128 * a.xqsum[(r0 + m) * a.blocks + b] : 0);
-      for (int p = 0; p < P; ++p)
-        for (int q = 0; q < 4; ++q) d[m][p][q] = start;
-    }
-    const uint8_t* codes = a.codes + (g0 * a.blocks + b) * bytes;
-    // 4 bits: two vectors (16 k) per 16 activation bytes; 8 bits: four vectors
-    constexpr int step = BITS == 4 ? 2 : 4;
-    for (int64_t v = 0; v < vectors; v += step) {
-      int8x16_t x[R];
-      for (int m = 0; m < R; ++m) x[m] = vld1q_s8(a.xq + (r0 + m) * a.k + b * a.block + v * (BITS == 4 ? 8 : 4));
-      for (int p = 0; p < P; ++p) {
-        const uint8_t* c = codes + p * a.blocks * bytes + v * 64;
+// sdot is s8 x s8 with 4 products per int32 lane, the 4 activations by lane of a 16-byte register.
+// 8-bit codes go centred (u xor 0x80 = q); 4-bit ones (0..15) as they are, less zc sum(xq) after.
+// 4 columns per register: the 64-byte vectors go as quarters (q).
+template <int BITS, int BS, bool MIN>
+void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
+  constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
+  const int64_t record = a.RecordBytes();
+  const uint8_t* p = a.weights + t * a.blocks * record;
+  float32x4_t acc[16];
+  for (int q = 0; q < 16; ++q) acc[q] = vdupq_n_f32(0.0f);
+  for (int64_t b = 0; b < a.blocks; ++b, p += record) {
+    for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
+    const int8_t* x = a.xq + r * a.k + b * BS;
+    const int64_t rb = r * a.blocks + b;
+    const int32x4_t centre = vdupq_n_s32(BITS == 4 ? static_cast<int32_t>(-zc * a.xqsum[rb]) : 0);
+    const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* c = p + g * group_bytes;
+      int32x4_t d[4] = {centre, centre, centre, centre};
+      // 16 activation bytes serve two vectors at 4 bits, four at 8
+      for (int64_t v = 0; v < vectors; v += (BITS == 4 ? 2 : 4)) {
+        const int8x16_t xv = vld1q_s8(x + v * (BITS == 4 ? 8 : 4));
         for (int q = 0; q < 4; ++q) {
           if (BITS == 4) {
-            const uint8x16_t w0 = vld1q_u8(c + 16 * q), w1 = vld1q_u8(c + 64 + 16 * q);
-            const int8x16_t l0 = vreinterpretq_s8_u8(vandq_u8(w0, vdupq_n_u8(0x0F)));
-            const int8x16_t h0 = vreinterpretq_s8_u8(vshrq_n_u8(w0, 4));
-            const int8x16_t l1 = vreinterpretq_s8_u8(vandq_u8(w1, vdupq_n_u8(0x0F)));
-            const int8x16_t h1 = vreinterpretq_s8_u8(vshrq_n_u8(w1, 4));
-            for (int m = 0; m < R; ++m) {
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], l0, x[m], 0);
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], h0, x[m], 1);
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], l1, x[m], 2);
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], h1, x[m], 3);
-            }
+            const uint8x16_t w0 = vld1q_u8(c + 64 * v + 16 * q), w1 = vld1q_u8(c + 64 * v + 64 + 16 * q);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vandq_u8(w0, vdupq_n_u8(0x0F))), xv, 0);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vshrq_n_u8(w0, 4)), xv, 1);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vandq_u8(w1, vdupq_n_u8(0x0F))), xv, 2);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vshrq_n_u8(w1, 4)), xv, 3);
           } else {
-            int8x16_t w[4];
-            for (int t = 0; t < 4; ++t)
-              w[t] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(c + 64 * t + 16 * q), vdupq_n_u8(0x80)));
-            for (int m = 0; m < R; ++m) {
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], w[0], x[m], 0);
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], w[1], x[m], 1);
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], w[2], x[m], 2);
-              d[m][p][q] = vdotq_laneq_s32(d[m][p][q], w[3], x[m], 3);
-            }
+            const uint8_t* cq = c + 64 * v + 16 * q;
+            const uint8x16_t flip = vdupq_n_u8(0x80);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq), flip)), xv, 0);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 64), flip)), xv, 1);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 128), flip)), xv, 2);
+            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 192), flip)), xv, 3);
           }
         }
       }
-    }
-    for (int p = 0; p < P; ++p) {
       for (int q = 0; q < 4; ++q) {
-        const int64_t at = ((g0 + p) * a.blocks + b) * kQmmColumns + 4 * q;
-        const float32x4_t scale = vcvt_f32_f16(vld1_f16(a.scales + at));
-        const float32x4_t minimum =
-            a.minimums != nullptr ? vcvt_f32_f16(vld1_f16(a.minimums + at)) : vmulq_n_f32(scale, qmin);
-        for (int m = 0; m < R; ++m) {
-          const int64_t rb = (r0 + m) * a.blocks + b;
-          const float32x4_t dot = vcvtq_f32_s32(d[m][p][q]);
-          acc[m][p][q] = vfmaq_f32(acc[m][p][q], vmulq_n_f32(scale, a.xs[rb]), dot);
-          acc[m][p][q] = vfmaq_n_f32(acc[m][p][q], minimum, a.bsum[rb]);
+        const int col = 16 * g + 4 * q;
+        const float32x4_t scale = vcvt_f32_f16(vld1_f16(params + col));
+        acc[4 * g + q] = vfmaq_f32(acc[4 * g + q], scale, vmulq_n_f32(vcvtq_f32_s32(d[q]), a.xs[rb]));
+        if (MIN) {
+          const float32x4_t offset = vfmaq_n_f32(vcvt_f32_f16(vld1_f16(params + kQmmTile + col)), scale, zc);
+          acc[4 * g + q] = vfmaq_n_f32(acc[4 * g + q], offset, a.bsum[rb]);
         }
       }
     }
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
-    for (int p = 0; p < P; ++p) {
-      for (int q = 0; q < 4; ++q) {
-        const float32x4_t w = vcvt_f32_f16(vld1_f16(a.kept_rows + ((g0 + p) * a.n_kept + j) * kQmmColumns + 4 * q));
-        for (int m = 0; m < R; ++m)
-          acc[m][p][q] = vfmaq_n_f32(acc[m][p][q], w, a.kept_x[(r0 + m) * a.n_kept + j]);
-      }
-    }
+    const float x = a.kept_x[r * a.n_kept + j];
+    const half_t* row = a.kept_rows + (t * a.n_kept + j) * kQmmTile;
+    for (int q = 0; q < 16; ++q) acc[q] = vfmaq_n_f32(acc[q], vcvt_f32_f16(vld1_f16(row + 4 * q)), x);
   }
-  for (int m = 0; m < R; ++m)
-    for (int p = 0; p < P; ++p)
-      for (int q = 0; q < 4; ++q)
-        vst1q_f32(a.y + (r0 + m) * a.groups * kQmmColumns + (g0 + p) * kQmmColumns + 4 * q, acc[m][p][q]);
+  float* y = a.y + r * a.tiles * kQmmTile + t * kQmmTile;
+  for (int q = 0; q < 16; ++q) vst1q_f32(y + 4 * q, acc[q]);
 }
 
 #else
 constexpr const char* kQmmPath = "scalar";
-constexpr int kQmmRowTile = 0;  // no vector path: QmmScalar
 #endif
 
 #if defined(KV_QMM_VECTOR)
-template <int BITS, int R>
-void QmmRowTile(const QmmWork& a, int64_t g, int64_t last, int64_t r0) {
-  constexpr int P = QmmPassGroups(R);
-  for (; g + P <= last; g += P) QmmPass<BITS, R, P>(a, g, r0);
-  for (; g < last; ++g) QmmPass<BITS, R, 1>(a, g, r0);
+// Tile by tile, each tile for every row (its records still in cache for the rows after the first).
+template <int BITS, int BS, bool MIN>
+void QmmTiles(const QmmWork& a, int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t)
+    for (int64_t r = 0; r < a.rows; ++r) QmmTile<BITS, BS, MIN>(a, t, r);
 }
 
-template <int BITS>
+template <int BITS, bool MIN>
 void QmmVector(const QmmWork& a, int64_t first, int64_t last) {
-  for (int64_t r0 = 0; r0 < a.rows; r0 += kQmmRowTile) {
-    switch (std::min<int64_t>(kQmmRowTile, a.rows - r0)) {
-      case 1: QmmRowTile<BITS, 1>(a, first, last, r0); break;
-      case 2: QmmRowTile<BITS, 2>(a, first, last, r0); break;
-      case 3: if constexpr (kQmmRowTile >= 3) QmmRowTile<BITS, 3>(a, first, last, r0); break;
-      case 4: if constexpr (kQmmRowTile >= 4) QmmRowTile<BITS, 4>(a, first, last, r0); break;
-    }
+  switch (a.block) {
+    case 16: return QmmTiles<BITS, 16, MIN>(a, first, last);
+    case 32: return QmmTiles<BITS, 32, MIN>(a, first, last);
+    case 64: return QmmTiles<BITS, 64, MIN>(a, first, last);
+    case 128: return QmmTiles<BITS, 128, MIN>(a, first, last);
+    case 256: return QmmTiles<BITS, 256, MIN>(a, first, last);
   }
 }
 #endif
 
-// Groups [first, last) of every row, on the compiled vector path (`vector`; the scalar one without).
-void QmmGroups(const QmmWork& a, int64_t first, int64_t last, bool vector) {
+// Tiles [first, last) of every row, on the compiled vector path (`vector`; the scalar one without).
+void QmmRange(const QmmWork& a, int64_t first, int64_t last, bool vector) {
 #if defined(KV_QMM_VECTOR)
   if (vector) {
-    if (a.bits == 4) QmmVector<4>(a, first, last);
-    else QmmVector<8>(a, first, last);
+    if (a.bits == 4) a.minimums ? QmmVector<4, true>(a, first, last) : QmmVector<4, false>(a, first, last);
+    else a.minimums ? QmmVector<8, true>(a, first, last) : QmmVector<8, false>(a, first, last);
     return;
   }
 #endif
@@ -1401,54 +1351,55 @@ void QmmGroups(const QmmWork& a, int64_t first, int64_t last, bool vector) {
   QmmScalar(a, first, last);
 }
 
-// Work items of whole passes (4 groups) and ~128 KiB of codes: onnxruntime's threads split N.
-int64_t QmmGroupsPerItem(int64_t group_bytes) { return std::max<int64_t>(1, kQmmItemBytes / group_bytes / 4) * 4; }
+// Work items of ~128 KiB of weights, whole tiles: onnxruntime's threads split N.
+int64_t QmmTilesPerItem(int64_t tile_bytes) { return std::max<int64_t>(1, kQmmItemBytes / tile_bytes); }
 
 void QmmWork::Run(size_t item) const {
-  const int64_t first = static_cast<int64_t>(item) * groups_per_item;
-  QmmGroups(*this, first, std::min(groups, first + groups_per_item), true);
+  const int64_t first = static_cast<int64_t>(item) * tiles_per_item;
+  QmmRange(*this, first, std::min(tiles, first + tiles_per_item), true);
 }
 
 struct QmmKernel {
-  int64_t bits = 0, block = 0;
+  int64_t bits = 0, block = 0, minimums = 0;
 
   OrtStatus* Compute(OrtKernelContext* context) const;
 };
 
 OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   constexpr const char* op = "QuantMatMul";
-  constexpr const char* names[6] = {"x", "codes", "scales", "minimums", "kept", "kept_rows"};
+  constexpr const char* names[4] = {"x", "weights", "kept", "kept_rows"};
   size_t n_inputs = 0;
   KV_RETURN_IF_ERROR(g_api->KernelContext_GetInputCount(ctx, &n_inputs));
-  Tensor in[6];
-  bool present[6] = {};
-  for (size_t i = 0; i < 6 && i < n_inputs; ++i) {
+  Tensor in[4];
+  bool present[4] = {};
+  for (size_t i = 0; i < 4 && i < n_inputs; ++i) {
     const OrtValue* value = nullptr;
     KV_RETURN_IF_ERROR(g_api->KernelContext_GetInput(ctx, i, &value));
     if (value == nullptr) continue;  // an optional input left out
     KV_RETURN_IF_ERROR(Describe(value, &in[i]));
     present[i] = true;
   }
-  for (size_t i = 0; i < 3; ++i)
+  for (size_t i = 0; i < 2; ++i)
     if (!present[i]) return Fail(std::string("input ") + names[i] + " is missing", op);
-  const Tensor &x = in[0], &codes = in[1], &scales = in[2], &minimums = in[3], &kept = in[4], &kept_rows = in[5];
+  const Tensor &x = in[0], &weights = in[1], &kept = in[2], &kept_rows = in[3];
   if (x.shape.empty()) return Fail("x must have at least one dimension (its channels)", op);
   const int64_t k = x.shape.back(), rows = k > 0 ? x.size() / k : 0;
   if (k <= 0 || k % block)
     return Fail("x has " + std::to_string(k) + " channels, not a positive multiple of block_size " +
                 std::to_string(block), op);
-  const int64_t blocks = k / block, bytes = 2 * block * bits;
-  if (codes.shape.size() != 3 || codes.shape[0] <= 0 || codes.shape[1] != blocks || codes.shape[2] != bytes)
-    return Fail("codes must be [N / 16, " + std::to_string(blocks) + ", " + std::to_string(bytes) + "] for " +
+  QmmWork work{};
+  work.bits = static_cast<int>(bits);
+  work.block = block;
+  work.minimums = minimums != 0;
+  const int64_t blocks = k / block, record = work.RecordBytes();
+  if (weights.shape.size() != 3 || weights.shape[0] <= 0 || weights.shape[1] != blocks || weights.shape[2] != record)
+    return Fail("weights must be [N / 64, " + std::to_string(blocks) + ", " + std::to_string(record) + "] for " +
                 std::to_string(k) + " channels at bits " + std::to_string(bits) + ", block_size " +
-                std::to_string(block) + ", got " + ShapeText(codes.shape), op);
-  const int64_t groups = codes.shape[0];
-  const std::vector<int64_t> params = {groups, blocks, kQmmColumns};
-  if (scales.shape != params) return Fail("scales must be " + ShapeText(params) + ", got " + ShapeText(scales.shape), op);
-  if (present[3] && minimums.shape != params)
-    return Fail("minimums must be " + ShapeText(params) + ", got " + ShapeText(minimums.shape), op);
+                std::to_string(block) + ", minimums " + std::to_string(minimums) + ", got " +
+                ShapeText(weights.shape), op);
+  const int64_t tiles = weights.shape[0];
   int64_t n_kept = 0;
-  if (present[4]) {
+  if (present[2]) {
     if (kept.shape.size() != 1) return Fail("kept must be [kept], got " + ShapeText(kept.shape), op);
     n_kept = kept.shape[0];
   }
@@ -1458,13 +1409,13 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
       return Fail("kept channel " + std::to_string(channels[j]) + " (position " + std::to_string(j) +
                   ") is outside x's " + std::to_string(k) + " channels or not above the one before", op);
   }
-  const std::vector<int64_t> kept_shape = {groups, n_kept, kQmmColumns};
-  if (n_kept > 0 && !present[5]) return Fail("kept_rows is missing for " + std::to_string(n_kept) + " kept channels", op);
-  if (present[5] && kept_rows.shape != kept_shape)
+  const std::vector<int64_t> kept_shape = {tiles, n_kept, kQmmTile};
+  if (n_kept > 0 && !present[3]) return Fail("kept_rows is missing for " + std::to_string(n_kept) + " kept channels", op);
+  if (present[3] && kept_rows.shape != kept_shape)
     return Fail("kept_rows must be " + ShapeText(kept_shape) + ", got " + ShapeText(kept_rows.shape), op);
 
   std::vector<int64_t> shape = x.shape;
-  shape.back() = groups * kQmmColumns;
+  shape.back() = tiles * kQmmTile;
   OrtValue* value = nullptr;
   Tensor y;
   KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &value));
@@ -1480,17 +1431,26 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   kept_x.resize(rows * n_kept);
   xq.resize(rows * k);
   xqsum.resize(rows * blocks);
-  const float* xp = static_cast<const float*>(x.data);
   float *xs = scale_sum.data(), *bsum = xs + rows * blocks;
   for (int64_t r = 0; r < rows; ++r)
-    QmmQuantize(xp, k, block, channels, n_kept, r, masked.data(), xq.data(), xs, bsum, xqsum.data(), kept_x.data());
+    QmmQuantize(static_cast<const float*>(x.data), k, block, channels, n_kept, r, masked.data(), xq.data(), xs, bsum,
+                xqsum.data(), kept_x.data());
 
-  const int64_t per_item = QmmGroupsPerItem(blocks * bytes);
-  QmmWork work{static_cast<const uint8_t*>(codes.data), static_cast<const half_t*>(scales.data),
-               present[3] ? static_cast<const half_t*>(minimums.data) : nullptr,
-               static_cast<const half_t*>(kept_rows.data), xq.data(), xs, bsum, xqsum.data(), kept_x.data(),
-               static_cast<float*>(y.data), rows, k, block, blocks, groups, n_kept, per_item, static_cast<int>(bits)};
-  const size_t items = static_cast<size_t>((groups + per_item - 1) / per_item);
+  work.weights = static_cast<const uint8_t*>(weights.data);
+  work.kept_rows = static_cast<const half_t*>(kept_rows.data);
+  work.xq = xq.data();
+  work.xs = xs;
+  work.bsum = bsum;
+  work.xqsum = xqsum.data();
+  work.kept_x = kept_x.data();
+  work.y = static_cast<float*>(y.data);
+  work.rows = rows;
+  work.k = k;
+  work.blocks = blocks;
+  work.tiles = tiles;
+  work.n_kept = n_kept;
+  work.tiles_per_item = QmmTilesPerItem(blocks * record);
+  const size_t items = static_cast<size_t>((tiles + work.tiles_per_item - 1) / work.tiles_per_item);
   if (items == 1) {
     work.Run(0);
     return nullptr;
@@ -1612,15 +1572,16 @@ struct SideInputsOp : OrtCustomOp {
   }
 };
 
-const ONNXTensorElementDataType kQmmInputTypes[6] = {
-    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
-    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
+const ONNXTensorElementDataType kQmmInputTypes[4] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
 
 OrtStatusPtr ORT_API_CALL CreateQmmKernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info,
                                           void** kernel) {
   auto* k = new QmmKernel();
   OrtStatus* status = nullptr;
-  for (auto [name, target] : {std::pair<const char*, int64_t*>{"bits", &k->bits}, {"block_size", &k->block}}) {
+  for (auto [name, target] : {std::pair<const char*, int64_t*>{"bits", &k->bits}, {"block_size", &k->block},
+                               {"minimums", &k->minimums}}) {
     OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, name, target);
     if (absent != nullptr) {
       api->ReleaseStatus(absent);
@@ -1633,6 +1594,8 @@ OrtStatusPtr ORT_API_CALL CreateQmmKernel(const OrtCustomOp*, const OrtApi* api,
   if (status == nullptr && k->block != 16 && k->block != 32 && k->block != 64 && k->block != 128 && k->block != 256)
     status = Fail("block_size " + std::to_string(k->block) + " is not supported; allowed: 16, 32, 64, 128, 256",
                   "QuantMatMul");
+  if (status == nullptr && k->minimums != 0 && k->minimums != 1)
+    status = Fail("minimums " + std::to_string(k->minimums) + " is not supported; allowed: 0, 1", "QuantMatMul");
   if (status != nullptr) {
     delete k;
     return status;
@@ -1648,12 +1611,12 @@ struct QuantMatMulOp : OrtCustomOp {
     GetName = [](const OrtCustomOp*) { return "QuantMatMul"; };
     GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
     GetInputType = [](const OrtCustomOp*, size_t i) { return kQmmInputTypes[i]; };
-    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{6}; };
+    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{4}; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
     KernelDestroy = [](void* kernel) { delete static_cast<QmmKernel*>(kernel); };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
-      return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // minimums, kept, kept_rows
+      return i < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // kept, kept_rows
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };

@@ -7,9 +7,11 @@
 // split into blocks (the op's own split and blocks of our own, lengths that are no multiple of a
 // block, blocks a row has no position in) run on several threads. With `side`, kvedge.SideInputs'
 // rows (SideRows, through SideWork's items) against block sums in double precision, the kept
-// channels and the masked x exactly. Built and run by tests/test_kv_int8.py and
-// tests/test_side_inputs.py (natively, and for aarch64 under qemu when a cross compiler is
-// present). Prints one line per case and exits non-zero on the first mismatch.
+// channels and the masked x exactly. With `qmm`, kvedge.QuantMatMul's compiled vector path
+// (through QmmWork's items, on threads) and its scalar path against the op's formula in double
+// precision. Built and run by tests/test_kv_int8.py, tests/test_side_inputs.py and
+// tests/test_quant_matmul.py (natively, for other x86 paths, and for aarch64 under qemu when a
+// cross compiler is present). Prints one line per case and exits non-zero on the first mismatch.
 
 #include "kvedge_ops.cc"
 
@@ -254,44 +256,53 @@ int CheckSide(int64_t rows, int64_t k, int64_t block, int64_t n_kept, int64_t ro
   return ok ? 0 : 1;
 }
 
-// kvedge.QuantMatMul over x [rows, k] and a random weight of n columns (codes packed here from
+// kvedge.QuantMatMul over x [rows, k] and a random weight of n columns (records packed here from
 // u [k, n] the way pack_quant_matmul packs them), `n_kept` kept channels (the first and the last
 // among them from 2 on), with or without minimums: the vector path (QmmWork's items of
-// `per_item` groups, 0: the op's own, on `threads` threads) and the scalar path (QmmScalar), each
+// `per_item` tiles, 0: the op's own, on `threads` threads) and the scalar path (QmmScalar), each
 // within 1e-5 of max |y| of the formula in double precision over the op's quantized activations.
 // Row 0's first block is constant (every xq 127) and every group's column 1 holds the largest
 // code, where int16 pair sums would saturate; row 0's second block is zero (amax 0).
 int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_t n_kept, bool with_min,
              int64_t per_item, int threads, std::mt19937* rng) {
-  const int64_t groups = n / kQmmColumns, blocks = k / block, bytes = 2 * block * bits, top = (1 << bits) - 1;
+  const int64_t tiles = n / kQmmTile, blocks = k / block, top = (1 << bits) - 1, zc = 1 << (bits - 1);
+  QmmWork work{};
+  work.bits = bits;
+  work.block = block;
+  work.minimums = with_min;
+  const int64_t group_bytes = work.GroupBytes(), record = work.RecordBytes();
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> code(0, static_cast<int>(top));
-  std::vector<uint8_t> u(k * n), codes(groups * blocks * bytes);  // u: [k, n]
+  std::vector<uint8_t> u(k * n), weights(tiles * blocks * record);  // u: [k, n]
   for (int64_t c = 0; c < k; ++c)
-    for (int64_t j = 0; j < n; ++j) u[c * n + j] = static_cast<uint8_t>(j % kQmmColumns == 1 ? top : code(*rng));
-  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = 0; j < n; ++j) u[c * n + j] = static_cast<uint8_t>(j % 16 == 1 ? top : code(*rng));
+  std::vector<float> scales(blocks * n), minimums(blocks * n);  // [blocks, n], float16 values
+  for (auto& s : scales) s = static_cast<half_t>((0.002f + 0.01f * std::fabs(normal(*rng))) * (bits == 4 ? 16 : 1));
+  for (size_t i = 0; i < minimums.size(); ++i)
+    minimums[i] = static_cast<half_t>(-scales[i] * zc + (with_min ? 0.01f * normal(*rng) : 0.0f));
+  for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* out = codes.data() + (g * blocks + b) * bytes;
-      for (int64_t c = 0; c < block; ++c) {
-        for (int64_t i = 0; i < kQmmColumns; ++i) {
-          const uint8_t value = u[(b * block + c) * n + g * kQmmColumns + i];
-          if (bits == 4) out[(c / 8) * 64 + 4 * i + c % 4] |= (c % 8) < 4 ? value : value << 4;
-          else out[(c / 4) * 64 + 4 * i + c % 4] = value;
+      uint8_t* out = weights.data() + (t * blocks + b) * record;
+      for (int64_t col = 0; col < kQmmTile; ++col) {
+        const int64_t g = col / 16, i = col % 16, j = t * kQmmTile + col;
+        for (int64_t c = 0; c < block; ++c) {
+          const uint8_t value = u[(b * block + c) * n + j];
+          if (bits == 4) out[g * group_bytes + (c / 8) * 64 + 4 * i + c % 4] |= (c % 8) < 4 ? value : value << 4;
+          else out[g * group_bytes + (c / 4) * 64 + 4 * i + c % 4] = value;
         }
+        half_t* params = reinterpret_cast<half_t*>(out + 4 * group_bytes);
+        params[col] = static_cast<half_t>(scales[b * n + j]);
+        if (with_min) params[kQmmTile + col] = static_cast<half_t>(minimums[b * n + j]);
       }
     }
   }
-  std::vector<half_t> scales(groups * blocks * kQmmColumns), minimums(with_min ? scales.size() : 0);
-  for (auto& s : scales) s = static_cast<half_t>((0.002f + 0.01f * std::fabs(normal(*rng))) * (bits == 4 ? 16 : 1));
-  for (size_t i = 0; i < minimums.size(); ++i)
-    minimums[i] = static_cast<half_t>(-static_cast<float>(scales[i]) * (1 << (bits - 1)) + 0.01f * normal(*rng));
   std::vector<int64_t> channels(k), kept;
   for (int64_t c = 0; c < k; ++c) channels[c] = c;
   std::shuffle(channels.begin() + 1, channels.end() - 1, *rng);
   if (n_kept >= 2) kept = {0, k - 1};
   for (int64_t c = 1; static_cast<int64_t>(kept.size()) < n_kept; ++c) kept.push_back(channels[c]);
   std::sort(kept.begin(), kept.end());
-  std::vector<half_t> kept_rows(groups * n_kept * kQmmColumns);
+  std::vector<half_t> kept_rows(tiles * n_kept * kQmmTile);
   for (auto& w : kept_rows) w = static_cast<half_t>(0.1f * normal(*rng));
   std::vector<float> x(rows * k);
   for (auto& e : x) e = normal(*rng) * (1.0f + 30.0f * (std::fabs(normal(*rng)) > 2.5f));  // some outliers
@@ -306,10 +317,21 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
     QmmQuantize(x.data(), k, block, kept.data(), n_kept, r, masked.data(), xq.data(), xs, bsum, xqsum.data(),
                 kept_x.data());
   std::vector<float> got(rows * n, NAN), scalar(rows * n, NAN);
-  QmmWork work{codes.data(), scales.data(), with_min ? minimums.data() : nullptr, kept_rows.data(), xq.data(), xs,
-               bsum, xqsum.data(), kept_x.data(), got.data(), rows, k, block, blocks, groups, n_kept,
-               per_item ? per_item : QmmGroupsPerItem(blocks * bytes), bits};
-  const int64_t items = (groups + work.groups_per_item - 1) / work.groups_per_item;
+  work.weights = weights.data();
+  work.kept_rows = kept_rows.data();
+  work.xq = xq.data();
+  work.xs = xs;
+  work.bsum = bsum;
+  work.xqsum = xqsum.data();
+  work.kept_x = kept_x.data();
+  work.y = got.data();
+  work.rows = rows;
+  work.k = k;
+  work.blocks = blocks;
+  work.tiles = tiles;
+  work.n_kept = n_kept;
+  work.tiles_per_item = per_item ? per_item : QmmTilesPerItem(blocks * record);
+  const int64_t items = (tiles + work.tiles_per_item - 1) / work.tiles_per_item;
   std::atomic<int64_t> next{0};
   std::vector<std::thread> pool;
   for (int i = 0; i < threads; ++i) {
@@ -319,25 +341,23 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
   }
   for (std::thread& thread : pool) thread.join();
   work.y = scalar.data();
-  QmmGroups(work, 0, groups, false);
+  QmmRange(work, 0, tiles, false);
 
   float worst = 0.0f, worst_scalar = 0.0f, size = 0.0f;
   std::vector<double> want(rows * n);
-  const int qmin = -(1 << (bits - 1));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t g = j / kQmmColumns, i = j % kQmmColumns;
       double y = 0.0;
       for (int64_t b = 0; b < blocks; ++b) {
         int64_t dot = 0;
-        for (int64_t c = b * block; c < (b + 1) * block; ++c) dot += int64_t{xq[r * k + c]} * u[c * n + j];
-        const int64_t at = (g * blocks + b) * kQmmColumns + i;
-        const double scale = static_cast<double>(scales[at]);
-        const double minimum = with_min ? static_cast<double>(minimums[at]) : qmin * scale;
-        y += scale * double(xs[r * blocks + b]) * double(dot) + minimum * double(bsum[r * blocks + b]);
+        for (int64_t c = b * block; c < (b + 1) * block; ++c) dot += int64_t{xq[r * k + c]} * (u[c * n + j] - zc);
+        const double scale = scales[b * n + j];
+        const double offset = with_min ? double(float(minimums[b * n + j] + zc * scales[b * n + j])) : 0.0;
+        y += scale * double(xs[r * blocks + b]) * double(dot) + offset * double(bsum[r * blocks + b]);
       }
       for (int64_t t = 0; t < n_kept; ++t)
-        y += double(x[r * k + kept[t]]) * static_cast<double>(kept_rows[(g * n_kept + t) * kQmmColumns + i]);
+        y += double(x[r * k + kept[t]]) *
+             static_cast<double>(kept_rows[((j / kQmmTile) * n_kept + t) * kQmmTile + j % kQmmTile]);
       want[r * n + j] = y;
       size = std::max(size, static_cast<float>(std::fabs(y)));
     }
@@ -349,11 +369,11 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
     worst_scalar = std::isnan(diff_scalar) ? INFINITY : std::max(worst_scalar, diff_scalar);
   }
   const bool ok = worst <= 1e-5f * size && worst_scalar <= 1e-5f * size;
-  std::printf("%s quant matmul (%s): bits %d block %lld rows %lld k %lld n %lld kept %lld %s, items of %lld groups "
+  std::printf("%s quant matmul (%s): bits %d block %lld rows %lld k %lld n %lld kept %lld %s, items of %lld tiles "
               "on %d threads: max |diff| %.3g, scalar %.3g (max |y| %.3g)\n",
               ok ? "ok  " : "FAIL", kQmmPath, bits, static_cast<long long>(block), static_cast<long long>(rows),
               static_cast<long long>(k), static_cast<long long>(n), static_cast<long long>(n_kept),
-              with_min ? "minimums" : "no minimums", static_cast<long long>(work.groups_per_item), threads, worst,
+              with_min ? "minimums" : "no minimums", static_cast<long long>(work.tiles_per_item), threads, worst,
               worst_scalar, size);
   return ok ? 0 : 1;
 }
@@ -382,17 +402,17 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc > 1 && std::strcmp(argv[1], "qmm") == 0) {
-    // bits x block sizes x rows (one, a row tile of 2, a ragged tile after full ones) x kept channels
-    // (none, one, several) x n (one group; passes of 4, 2 and 1 groups; a long row of 65 groups, cut
-    // into the op's items) x minimums or not
+    // bits x block sizes x rows (one, several) x kept channels (none, one, several) x n (one tile,
+    // several, a long row of 17 tiles cut into the op's items) x minimums or not
     int cases = 0;
     for (int bits : {4, 8}) {
       for (int64_t block : {16, 32, 64, 128}) {
         for (int64_t rows : {1, 2, 5}) {
           for (int64_t n_kept : {0, 1, 7}) {
-            for (int64_t n : {16, 48, 80, 1040}) {
+            for (int64_t n : {64, 192, 1088}) {
               for (bool with_min : {true, false}) {
-                if (CheckQmm(bits, block, rows, block * (block <= 32 ? 6 : 3), n, n_kept, with_min, 0, 1, &rng)) return 1;
+                const int64_t k = block * (block <= 32 ? 6 : 3);
+                if (CheckQmm(bits, block, rows, k, n, n_kept, with_min, 0, 1, &rng)) return 1;
                 ++cases;
               }
             }
@@ -401,7 +421,7 @@ int main(int argc, char** argv) {
       }
     }
     // SmolLM2-135M's shapes (4 bits, blocks of 32, 32 kept, minimums; the LM head's 8 bits without),
-    // blocks of 256, and items of 1, 3 and 5 groups (passes cut short) on 2 and 3 threads
+    // blocks of 256, and items of 1, 3 and 5 tiles on 2 and 3 threads
     struct QmmCase {
       int bits;
       int64_t block, rows, k, n, kept;
@@ -412,9 +432,9 @@ int main(int argc, char** argv) {
     const QmmCase more[] = {
         {4, 32, 1, 576, 960, 32, true, 0, 1},    {4, 32, 1, 1536, 576, 32, true, 0, 2},
         {8, 32, 1, 576, 2048, 32, false, 0, 2},  {4, 32, 8, 576, 960, 32, true, 0, 1},
-        {4, 256, 3, 512, 96, 5, true, 0, 1},     {8, 256, 2, 768, 80, 0, false, 0, 1},
-        {4, 32, 2, 576, 400, 3, true, 1, 3},     {8, 64, 5, 256, 400, 3, true, 3, 2},
-        {4, 16, 1, 96, 400, 2, false, 5, 3},
+        {4, 256, 3, 512, 128, 5, true, 0, 1},    {8, 256, 2, 768, 64, 0, false, 0, 1},
+        {4, 32, 2, 576, 448, 3, true, 1, 3},     {8, 64, 5, 256, 448, 3, true, 3, 2},
+        {4, 16, 1, 96, 448, 2, false, 5, 3},
     };
     for (const QmmCase& c : more) {
       if (CheckQmm(c.bits, c.block, c.rows, c.k, c.n, c.kept, c.with_min, c.per_item, c.threads, &rng)) return 1;
