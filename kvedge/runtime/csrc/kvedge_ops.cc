@@ -1260,18 +1260,23 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
     const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
     for (int h = 0; h < 8; ++h) {  // columns 8h .. 8h + 7: group h / 2, half h % 2
       const uint8_t* c = p + (h / 2) * group_bytes + 32 * (h % 2);
-      __m256i d = centre;
-      for (int64_t v = 0; v < vectors; ++v) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v));
+      __m256i d0 = centre, d1 = _mm256_setzero_si256();  // two chains: vpdpbusd's latency
+      for (int64_t v = 0; v < vectors; v += 2) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v + 64));
         if (BITS == 4) {
-          d = QmmDot<4>(d, _mm256_and_si256(w, low), _mm256_set1_epi32(QmmDword(x + 8 * v)));
-          d = QmmDot<4>(d, _mm256_and_si256(_mm256_srli_epi16(w, 4), low), _mm256_set1_epi32(QmmDword(x + 8 * v + 4)));
+          d0 = QmmDot<4>(d0, _mm256_and_si256(w0, low), _mm256_set1_epi32(QmmDword(x + 8 * v)));
+          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w0, 4), low), _mm256_set1_epi32(QmmDword(x + 8 * v + 4)));
+          d0 = QmmDot<4>(d0, _mm256_and_si256(w1, low), _mm256_set1_epi32(QmmDword(x + 8 * v + 8)));
+          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w1, 4), low), _mm256_set1_epi32(QmmDword(x + 8 * v + 12)));
         } else {
-          d = QmmDot<8>(d, w, _mm256_set1_epi32(QmmDword(x + 4 * v)));
+          d0 = QmmDot<8>(d0, w0, _mm256_set1_epi32(QmmDword(x + 4 * v)));
+          d1 = QmmDot<8>(d1, w1, _mm256_set1_epi32(QmmDword(x + 4 * v + 4)));
         }
       }
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * h)));
-      acc[h] = _mm256_fmadd_ps(scale, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(d)), acc[h]);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1));
+      acc[h] = _mm256_fmadd_ps(scale, _mm256_mul_ps(xs, dot), acc[h]);
       if (MIN) {
         const __m256 minimum =
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kQmmTile + 8 * h)));
