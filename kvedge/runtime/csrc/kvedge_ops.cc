@@ -1014,7 +1014,7 @@ OrtStatus* SideKernel::Compute(OrtKernelContext* ctx) const {
 
 constexpr int64_t kQmmTile = 64;           // output columns per record: 4 groups of 16
 constexpr int64_t kQmmItemBytes = 131072;  // weights per work item, at least one tile
-constexpr int64_t kQmmPrefetch = 5120;     // bytes read ahead of the record in use (/tmp/gemv's best)
+constexpr int64_t kQmmPrefetch = 5120;     // bytes read ahead of the record in use (10240 did alike)
 
 // One call: its activations quantized once per row (QmmQuantize) and the weight.
 struct QmmWork {
@@ -1127,16 +1127,15 @@ struct QmmKeptPrefetch {
   }
 };
 
-// The vector paths: QmmTile<BITS, BS, MIN> computes one tile (64 columns) of one row, reading its
-// records in order with a software prefetch kQmmPrefetch bytes ahead (the records of a matrix are
-// one sequential stream; without it SmolLM2's 121 matmuls took 5.4 ms a token instead of 4.4).
-// A tile's records (K / block_size of them, ~23 KiB for K = 576 at 4 bits) stay in L1/L2 for the
-// call's other rows. Each block's int32 dot products are exact; scale, xs
-// and offset bsum are applied once per block and column in float32.
+// The vector paths: QmmTile<BITS, BS, MIN, R> computes one tile (64 columns) of rows r .. r + R - 1
+// (R > 1 on AVX-512 only), reading its records in order with a software prefetch kQmmPrefetch
+// bytes ahead (the records of a matrix are one sequential stream; without it SmolLM2's 121 matmuls
+// took 5.4 ms a token instead of 4.4). A tile's records (K / block_size of them, ~23 KiB for
+// K = 576 at 4 bits) stay in L1/L2 for the call's other rows. Each block's int32 dot products are
+// exact; scale, xs and offset bsum are applied once per block and column in float32.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KV_QMM_VECTOR 1
 constexpr const char* kQmmPath = "avx512-vnni";
-
 constexpr int kQmmRowTile = 4;  // rows sharing each code vector loaded (32 registers)
 
 // vpdpbusd: u8 codes x s8 activations, 4 products per int32 lane: one lane per column, a group of
@@ -1192,7 +1191,8 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
       }
       for (int m = 0; m < R; ++m) {
         const int64_t rb = (r + m) * a.blocks + b;
-        const __m512 dot = _mm512_mul_ps(_mm512_set1_ps(a.xs[rb]), _mm512_cvtepi32_ps(_mm512_add_epi32(d[m][0], d[m][1])));
+        const __m512i sum = _mm512_add_epi32(d[m][0], d[m][1]);
+        const __m512 dot = _mm512_mul_ps(_mm512_set1_ps(a.xs[rb]), _mm512_cvtepi32_ps(sum));
         acc[m][g] = _mm512_fmadd_ps(scale, dot, acc[m][g]);
         if (MIN) acc[m][g] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.bsum[rb]), acc[m][g]);
       }
@@ -1233,11 +1233,12 @@ inline __m256i QmmDot(__m256i d, __m256i codes, __m256i x) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(codes, low), x);
   const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(codes, 4), low), x);
-  return _mm256_add_epi32(d, _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, _mm256_set1_epi16(16))));
+  const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+  return _mm256_add_epi32(d, sum);
 #endif
 }
 
-constexpr int kQmmRowTile = 1;  // the 64 columns' accumulators fill the 16 registers
+constexpr int kQmmRowTile = 1;  // the 64 columns' accumulators take 8 of the 16 registers
 
 // 8 columns per register: the 64-byte vectors go as two halves (h).
 template <int BITS, int BS, bool MIN, int R>
@@ -1266,9 +1267,11 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v + 64));
         if (BITS == 4) {
           d0 = QmmDot<4>(d0, _mm256_and_si256(w0, low), _mm256_set1_epi32(QmmDword(x + 8 * v)));
-          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w0, 4), low), _mm256_set1_epi32(QmmDword(x + 8 * v + 4)));
+          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w0, 4), low),
+                         _mm256_set1_epi32(QmmDword(x + 8 * v + 4)));
           d0 = QmmDot<4>(d0, _mm256_and_si256(w1, low), _mm256_set1_epi32(QmmDword(x + 8 * v + 8)));
-          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w1, 4), low), _mm256_set1_epi32(QmmDword(x + 8 * v + 12)));
+          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w1, 4), low),
+                         _mm256_set1_epi32(QmmDword(x + 8 * v + 12)));
         } else {
           d0 = QmmDot<8>(d0, w0, _mm256_set1_epi32(QmmDword(x + 4 * v)));
           d1 = QmmDot<8>(d1, w1, _mm256_set1_epi32(QmmDword(x + 4 * v + 4)));
@@ -1467,7 +1470,8 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
                   ") is outside x's " + std::to_string(k) + " channels or not above the one before", op);
   }
   const std::vector<int64_t> kept_shape = {tiles, n_kept, kQmmTile};
-  if (n_kept > 0 && !present[3]) return Fail("kept_rows is missing for " + std::to_string(n_kept) + " kept channels", op);
+  if (n_kept > 0 && !present[3])
+    return Fail("kept_rows is missing for " + std::to_string(n_kept) + " kept channels", op);
   if (present[3] && kept_rows.shape != kept_shape)
     return Fail("kept_rows must be " + ShapeText(kept_shape) + ", got " + ShapeText(kept_rows.shape), op);
 
