@@ -263,3 +263,54 @@ def test_quant_matmul_refuses_bad_attributes_and_shapes():
         run(64, {name: a for name, a in inits.items() if name != "kept_rows"})
     with pytest.raises(Exception, match=r"kept_rows must be \[2, 2, 64\], got \[2, 1, 64\]"):
         run(64, {**inits, "kept_rows": inits["kept_rows"][:, :1]})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_matmul_equals_matmulnbits_without_offsets(bits):
+    """Weights without minimums or kept channels: the same y as onnxruntime's MatMulNBits
+    (accuracy_level 4) on the same codes and scales, within float summation order (1e-5 of max |y|):
+    the int8 activations are MLAS's own (scale amax / 127, x * (127 / amax) rounded half to even,
+    checked on a row of ties)."""
+    k, n, block = 576, 256, 32
+    inits, _, (q, scale, *_) = make_weight(k, n, bits, block, False, 0)
+    u = (q + 2 ** (bits - 1)).astype(np.uint8).T.reshape(n, k // block, block)  # [N, K/bs, bs]
+    if bits == 4:
+        u = u[..., 0::2] | (u[..., 1::2] << 4)  # two along K per byte, the first in the low nibble
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "MatMulNBits",
+                ["x", "B", "scales"],
+                ["y"],
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=bits,
+                block_size=block,
+                accuracy_level=4,
+            )
+        ],
+        "nbits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(np.ascontiguousarray(u), "B"),
+            numpy_helper.from_array(scale.T.astype(np.float32).reshape(-1), "scales"),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    nbits = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = qmm_session(k, inits, bits, block, False)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal([1, 3, k]).astype(np.float32)
+    # row 0: every block's amax 127, the other channels halfway between two levels (ties)
+    x[0, 0] = rng.integers(-100, 100, k) + 0.5
+    x[0, 0, ::block] = 127.0
+    (want,) = nbits.run(None, {"x": x})
+    (got,) = session.run(None, {"x": x})
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
