@@ -628,6 +628,7 @@ def broken_copy(artifact: Path, tmp_path: Path, name: str, content: bytes | None
     ("name", "content", "said"),
     [
         ("model.onnx", None, "model.onnx is missing"),
+        ("model.onnx.data", None, "does not match the manifest's"),
         ("tokenizer.json", None, "tokenizer.json is missing"),
         ("tokenizer.json", b"", "tokenizer.json is empty"),
         ("tokenizer.json", b'{"not": "a tokenizer"}', "tokenizer.json: not a readable tokenizer"),

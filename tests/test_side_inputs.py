@@ -30,6 +30,7 @@ from tiny import make_tiny_model
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, SIDE_INPUTS_OP, Manifest, sha256_files
 from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.graph import all_graphs
 from kvedge.runtime import kernels
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -128,41 +129,48 @@ def exports(tiny_source, tmp_path_factory):
 
 
 def with_standard_ops(folder, out):
-    """A copy of the artifact `folder` in `out` whose kvedge.SideInputs nodes are the standard ops
-    they replace (`quantize.py`): side = x @ [K, K/block + kept] 0/1 (block-sum columns, then one
-    column per kept channel), masked = x * a 0/1 mask."""
+    """A copy of the artifact `folder` in `out` whose kvedge.SideInputs nodes (in the prefill form
+    of a two-form graph) are the standard ops they replace (`quantize.py`): side = x @ [K, K/block
+    + kept] 0/1 (block-sum columns, then one column per kept channel), masked = x * a 0/1 mask."""
     shutil.copytree(folder, out)
     model = onnx.load(str(out / ONNX_FILE))
-    graph = model.graph
-    stored = {t.name: t for t in graph.initializer}
-    nodes = []
-    for node in graph.node:
-        if node.op_type != SIDE_INPUTS_OP:
-            nodes.append(node)
-            continue
-        x, kept_name = node.input
-        kept = numpy_helper.to_array(stored[kept_name])
-        block = next(a.i for a in node.attribute if a.name == "block_size")
-        prefix = node.output[0].removesuffix(".side")
-        k = stored[f"{prefix}.weight_q"].dims[0]
-        columns = [np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)] if block else []
-        select = np.zeros((k, kept.size), np.float32)
-        select[kept, np.arange(kept.size)] = 1.0
-        matrix = numpy_helper.from_array(np.concatenate([*columns, select], axis=1), f"{prefix}.side_in")
-        graph.initializer.append(matrix)
-        nodes.append(helper.make_node("MatMul", [x, matrix.name], [node.output[0]]))
-        if len(node.output) > 1:
-            mask = np.ones(k, np.float32)
-            mask[kept] = 0.0
-            graph.initializer.append(numpy_helper.from_array(mask, f"{prefix}.int8_mask"))
-            nodes.append(helper.make_node("Mul", [x, f"{prefix}.int8_mask"], [node.output[1]]))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    onnx.save(model, str(out / ONNX_FILE))
+    for graph in all_graphs(model.graph):
+        stored = {t.name: t for t in graph.initializer}
+        nodes = []
+        for node in graph.node:
+            if node.op_type != SIDE_INPUTS_OP:
+                nodes.append(node)
+                continue
+            x, kept_name = node.input
+            kept = numpy_helper.to_array(model_initializer(model, kept_name))
+            block = next(a.i for a in node.attribute if a.name == "block_size")
+            prefix = node.output[0].split("@")[0].removesuffix(".side")  # a branch's values end @form
+            k = stored[f"{prefix}.weight_q"].dims[0]
+            columns = [np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)] if block else []
+            select = np.zeros((k, kept.size), np.float32)
+            select[kept, np.arange(kept.size)] = 1.0
+            matrix = numpy_helper.from_array(np.concatenate([*columns, select], axis=1), f"{prefix}.side_in")
+            graph.initializer.append(matrix)
+            nodes.append(helper.make_node("MatMul", [x, matrix.name], [node.output[0]]))
+            if len(node.output) > 1:
+                mask = np.ones(k, np.float32)
+                mask[kept] = 0.0
+                graph.initializer.append(numpy_helper.from_array(mask, f"{prefix}.int8_mask"))
+                nodes.append(helper.make_node("Mul", [x, f"{prefix}.int8_mask"], [node.output[1]]))
+        del graph.node[:]
+        graph.node.extend(nodes)
+    data = out / (ONNX_FILE + ".data")
+    data.unlink()
+    onnx.save(model, str(out / ONNX_FILE), save_as_external_data=True, location=data.name)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
-    manifest["onnx_fingerprint"] = sha256_files([out / ONNX_FILE])
+    manifest["onnx_fingerprint"] = sha256_files([out / ONNX_FILE, data])
     (out / MANIFEST_FILE).write_text(json.dumps(manifest))
     return out
+
+
+def model_initializer(model, name: str):
+    """The initializer `name` from whichever of the model's graphs holds it."""
+    return next(t for g in all_graphs(model.graph) for t in g.initializer if t.name == name)
 
 
 def run_logits(folder, ids: list[int]) -> np.ndarray:
@@ -176,7 +184,11 @@ def run_logits(folder, ids: list[int]) -> np.ndarray:
 def optimized_ops(folder, tmp_path) -> Counter:
     path = tmp_path / "optimized.onnx"
     OrtBackend(folder, Manifest.load(folder), threads=1, optimized_model_path=path)
-    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+    return Counter(
+        node.op_type
+        for graph in all_graphs(onnx.load(str(path), load_external_data=False).graph)
+        for node in graph.node
+    )
 
 
 @pytest.mark.parametrize("channels", [32, 0])
@@ -194,8 +206,8 @@ def test_ort_quantized_graph_equals_its_standard_op_form(exports, tmp_path, weig
     assert ops["MatMulNBits"] == matmuls and ops["DequantizeLinear"] == 0
     # every matmul keeps channels; without, those whose blocks all have offset 0 need no side product
     assert ops[SIDE_INPUTS_OP] == matmuls if channels else 0 < ops[SIDE_INPUTS_OP] <= matmuls
-    graph = onnx.load(str(folder / ONNX_FILE)).graph
-    assert not [t.name for t in graph.initializer if t.name.endswith((".side_in", ".int8_mask"))]
+    graphs = all_graphs(onnx.load(str(folder / ONNX_FILE)).graph)
+    assert not [t.name for g in graphs for t in g.initializer if t.name.endswith((".side_in", ".int8_mask"))]
 
     ids = random_ids(32, seed=3)
     got = run_logits(folder, ids)

@@ -25,6 +25,7 @@ from kvedge.bench.measure import kl_and_top1
 from kvedge.contract import MANIFEST_FILE, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.graph import all_graphs
 from kvedge.export.quantize import pack_int4, quantize_blockwise, weight_tensor
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -57,7 +58,11 @@ def optimized_ops(folder, tmp_path) -> Counter:
     """Op types of the graph onnxruntime actually runs (after its fusions)."""
     path = tmp_path / "optimized.onnx"
     OrtBackend(folder, Manifest.load(folder), threads=1, optimized_model_path=path)
-    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+    return Counter(
+        node.op_type
+        for graph in all_graphs(onnx.load(str(path), load_external_data=False).graph)
+        for node in graph.node
+    )
 
 
 def test_quantizer_puts_the_extreme_on_qmin_and_reports_its_error():
@@ -145,8 +150,8 @@ def test_quantized_matmuls_fuse_into_matmulnbits(exports, tmp_path, variant, wei
 def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
     """ort int4 exports keep the tied LM head at int8 (its 4-bit copy cost most of their KL);
     the projections, and portable (TensorRT) graphs' head, keep the export's bits."""
-    graph = onnx.load(str(exports("ort", weights) / "model.onnx")).graph
-    stored = {t.name: t.data_type for t in graph.initializer if t.name.endswith(".weight_q")}
+    graphs = all_graphs(onnx.load(str(exports("ort", weights) / "model.onnx")).graph)
+    stored = {t.name: t.data_type for g in graphs for t in g.initializer if t.name.endswith(".weight_q")}
     projection = onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8
     assert stored.pop("logits.rows_vocab.weight_q") == onnx.TensorProto.INT8
     assert stored and set(stored.values()) == {projection}
@@ -161,21 +166,23 @@ def kept_rows(folder) -> tuple[dict[str, int], dict[str, int]]:
     selection column of the second product's input has one 1, a block-sum column `block_size`
     ones (`quantize.py`); ort graphs: kvedge.SideInputs gathers its `kept` channels and masks
     them where it has a second output."""
-    graph = onnx.load(str(folder / "model.onnx")).graph
+    graphs = all_graphs(onnx.load(str(folder / "model.onnx")).graph)  # a two-form graph's prefill form
+    nodes = [node for g in graphs for node in g.node]
+    initializers = [t for g in graphs for t in g.initializer]
     masks, rows = {}, {}
-    kept = {t.name: t for t in graph.initializer if t.name.endswith(".kept")}
-    for node in graph.node:
+    kept = {t.name: t for t in initializers if t.name.endswith(".kept")}
+    for node in nodes:
         if node.op_type == "SideInputs":
             name, count = node.input[1].removesuffix(".kept"), numpy_helper.to_array(kept[node.input[1]]).size
             rows[name] = count
             if len(node.output) == 2:
                 masks[name] = count
-    for t in graph.initializer:
+    for t in initializers:
         if t.name.endswith(".int8_mask"):
             masks[t.name.removesuffix(".int8_mask")] = int((numpy_helper.to_array(t) == 0).sum())
         if t.name.endswith(".side_in"):
             rows[t.name.removesuffix(".side_in")] = int((numpy_helper.to_array(t).sum(axis=0) == 1).sum())
-    masked = [n.input[0] for n in graph.node if n.op_type == "Mul" and n.input[1].endswith(".int8_mask")]
+    masked = [n.input[0] for n in nodes if n.op_type == "Mul" and n.input[1].endswith(".int8_mask")]
     assert not masked or len(masked) == len(masks)  # one mask Mul per kept set (standard ops)
     return masks, rows
 
@@ -194,8 +201,8 @@ def test_outlier_channels_and_head_bits_reach_the_graph(tiny_source, tmp_path, c
     else:
         assert masks == {}
     assert rows and set(rows.values()) == {channels}
-    graph = onnx.load(str(out / "model.onnx")).graph
-    stored = {t.name: t.data_type for t in graph.initializer if t.name.endswith(".weight_q")}
+    graphs = all_graphs(onnx.load(str(out / "model.onnx")).graph)
+    stored = {t.name: t.data_type for g in graphs for t in g.initializer if t.name.endswith(".weight_q")}
     assert stored["logits.rows_vocab.weight_q"] == onnx.TensorProto.INT4
     manifest = Manifest.load(out)
     assert (manifest.weight_outlier_channels, manifest.weight_head_bits) == (channels, 4)
@@ -208,7 +215,8 @@ def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports
     explicit = tmp_path / "explicit"
     options = ExportOptions(max_len=64, variant="ort", weights="int4", outlier_channels=32, head_bits=8)
     export_model(tiny_source, explicit, options)
-    assert (explicit / "model.onnx").read_bytes() == (default / "model.onnx").read_bytes()
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (explicit / name).read_bytes() == (default / name).read_bytes()
     masks, rows = kept_rows(default)
     assert set(masks.values()) == set(rows.values()) == {32}
     int4 = Manifest.load(default)
@@ -274,8 +282,8 @@ def test_float16_weights_match_transformers(tiny_source, exports, variant):
     graph = onnx.load(str(folder / "model.onnx"))
     stored = {t.name: t.data_type for t in graph.graph.initializer}
     assert stored["model.embed_tokens.weight.f16"] == onnx.TensorProto.FLOAT16
-    f32_bytes = (exports(variant, "float32") / "model.onnx").stat().st_size
-    assert 0.45 < (folder / "model.onnx").stat().st_size / f32_bytes < 0.56
+    f32_bytes = (exports(variant, "float32") / "model.onnx.data").stat().st_size
+    assert 0.45 < (folder / "model.onnx.data").stat().st_size / f32_bytes < 0.56
 
     ids = random_ids(52, seed=1)
     model = Model(folder)

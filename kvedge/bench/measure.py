@@ -48,16 +48,19 @@ def onnx_weight_bytes_per_token(path: Path) -> int:
     import onnx
     from onnx import TensorProto, helper
 
+    from kvedge.export.graph import decode_step_graphs
+
     model = onnx.load(str(path), load_external_data=False)
+    graphs = decode_step_graphs(model.graph)  # a two-form graph's prefill branch is not read
     row_read: set[str] = set()
     consumers: dict[str, set[str]] = {}
-    for node in model.graph.node:
+    for node in (node for graph in graphs for node in graph.node):
         for index, name in enumerate(node.input):
             consumers.setdefault(name, set()).add(node.op_type)
             if index in ROW_READ_INPUTS.get(node.op_type, ()):
                 row_read.add(name)
     total = 0
-    for tensor in model.graph.initializer:
+    for tensor in (tensor for graph in graphs for tensor in graph.initializer):
         ops = consumers.get(tensor.name, set())
         if not ops or ops <= GATHER_OPS or tensor.name in row_read:
             continue

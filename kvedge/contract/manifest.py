@@ -48,20 +48,22 @@ IN_PLACE_VARIANTS = ("ort",)
 KVEDGE_OPS_DOMAIN = "kvedge"
 INT8_ATTENTION_OP = "Int8CacheAttention"
 SIDE_INPUTS_OP = "SideInputs"
+QUANT_MATMUL_OP = "QuantMatMul"
 # weight formats -> bits: float32 / float16 storage, or weight-only blocked integers (fewer than 16)
 WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 
 def kvedge_ops(variant: str, kv_dtype: str, weights: str) -> tuple[str, ...]:
     """The kvedge ops (`KVEDGE_OPS_DOMAIN`) in the graph of an export with these options: in "ort"
-    graphs, INT8-cache attention, and for blocked integer weights the side inputs of each matmul,
-    except over a float16 cache: that graph is the form onnxruntime's CUDA provider runs, and a
-    CPU-only op between its matmuls would copy every activation off the device and back."""
+    graphs, INT8-cache attention, and for blocked integer weights the side inputs of each matmul
+    (the prefill form) and the decode form's matmuls, except over a float16 cache: that graph is
+    the form onnxruntime's CUDA provider runs, and a CPU-only op between its matmuls would copy
+    every activation off the device and back."""
     if variant != "ort":
         return ()
     ops = (INT8_ATTENTION_OP,) if kv_dtype in QUANTIZED_KV_DTYPES else ()
     if WEIGHT_FORMATS[weights] < 16 and kv_dtype != "float16":
-        ops += (SIDE_INPUTS_OP,)
+        ops += (SIDE_INPUTS_OP, QUANT_MATMUL_OP)
     return ops
 
 

@@ -44,8 +44,6 @@ from kvedge.export.source import load_hf, resolve_source
 
 log = logging.getLogger(__name__)
 
-EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; keep well clear of it
-
 
 @dataclass(frozen=True)
 class ExportOptions:
@@ -342,10 +340,12 @@ def eos_ids(config: Any, tokenizer: Any, generation_eos: Any) -> tuple[int, ...]
 
 
 def _save_onnx(model: onnx.ModelProto, folder: Path) -> list[Path]:
-    path = folder / ONNX_FILE
-    if sum(len(t.raw_data) for t in model.graph.initializer) > EXTERNAL_DATA_BYTES:
-        data = ONNX_FILE + ".data"
-        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        return [path, folder / data]
-    onnx.save_model(model, path)
-    return [path]
+    """The graph in model.onnx, its weights in model.onnx.data. Always apart: protobuf caps a
+    file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice (the parsed
+    protobuf and its tensors; measured on SmolLM2-135M int4: 396 MiB after session start with
+    the weights inline, 199 MiB from model.onnx.data, same step time)."""
+    data = ONNX_FILE + ".data"
+    onnx.save_model(
+        model, folder / ONNX_FILE, save_as_external_data=True, all_tensors_to_one_file=True, location=data
+    )
+    return [folder / ONNX_FILE, folder / data]

@@ -100,6 +100,7 @@ from kvedge.contract import (
     EXPORTED_KV_DTYPES,
     INT8_ATTENTION_OP,
     KVEDGE_OPS_DOMAIN,
+    QUANT_MATMUL_OP,
     SIDE_INPUTS_OP,
     VARIANTS,
     CacheGeometry,
@@ -116,7 +117,9 @@ from kvedge.export.quantize import (
     OUTLIER_CHANNELS,
     OUTLIER_CHOICES,
     WEIGHT_FORMATS,
+    QuantizedWeight,
     check_format,
+    pack_quant_matmul,
     quantize_blockwise,
     weight_tensor,
 )
@@ -345,9 +348,19 @@ def rope_tables(
 class _Builder:
     """Appends nodes and initializers; every op returns the name of its (first) output."""
 
-    def __init__(self, opset: int, side_inputs: bool = False) -> None:
+    def __init__(
+        self,
+        opset: int,
+        side_inputs: bool = False,
+        decode_form: bool = False,
+        quantized: dict[str, QuantizedWeight] | None = None,
+    ) -> None:
         self.opset = opset
         self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
+        # the decode form: quantized matmuls are kvedge.QuantMatMul; both forms of one graph quantize
+        # each weight once (`quantized`, by output name), onto float16 scales and minimums
+        self.decode_form = decode_form
+        self.quantized = {} if quantized is None else quantized
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
@@ -403,14 +416,19 @@ class _Builder:
         made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
-        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS)
+        if out not in self.quantized:
+            half = self.side_inputs  # graphs with kvedge.SideInputs also have a decode form
+            self.quantized[out] = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=half)
+        qw = self.quantized[out]
         self.quant_errors.append(qw.max_error)
+        keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
+        if self.decode_form and w.shape[1] % 64 == 0:
+            return self._quant_matmul(x, w, qw, out, keep)
         self.initializers.append(weight_tensor(f"{out}.weight_q", qw))
         scale = self.const(f"{out}.weight_scale", qw.scale)
         deq = self.op(
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
-        keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
         rows: list[np.ndarray] = []  # [*, N] the second product's weights
         offsets = np.zeros_like(w, np.float32)  # [K, N] each row's block offset
         if qw.offset is not None:
@@ -439,6 +457,27 @@ class _Builder:
             "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
         )
         return self.op("Add", [scaled, shift], out)
+
+    def _quant_matmul(self, x: str, w: np.ndarray, qw: QuantizedWeight, out: str, keep: np.ndarray) -> str:
+        """x @ w as one kvedge.QuantMatMul (the decode form; `quantize.QuantMatMulWeight`): the
+        block offsets and the kept channels' float rows (w[kept] less their block's offset,
+        float16 [N/64, kept, 64]) ride in the op, read in the same pass as the codes."""
+        packed = pack_quant_matmul(qw)
+        inputs = [x, self.const(f"{out}.qmm_weights", packed.weights)]
+        if keep.size:
+            offset = np.zeros_like(qw.scale) if qw.offset is None else qw.offset  # [K/bs, N]
+            rows = w[keep] - np.repeat(offset, qw.block_size, axis=0)[keep]  # [kept, N]
+            tiled = rows.astype(np.float16).reshape(keep.size, -1, 64).transpose(1, 0, 2)
+            inputs += [self.const(f"{out}.kept", keep), self.const(f"{out}.qmm_kept_rows", tiled)]
+        return self.op(
+            QUANT_MATMUL_OP,
+            inputs,
+            out,
+            domain=KVEDGE_OPS_DOMAIN,
+            bits=qw.bits,
+            block_size=qw.block_size,
+            minimums=int(packed.has_minimums),
+        )
 
     def _side_inputs(
         self, x: str, k: int, out: str, block_size: int, offsets: bool, keep: np.ndarray
@@ -490,15 +529,38 @@ def build_decoder_graph(
             f"{list(spec.local_layers)}"
         )
     prepared = _prepare_weights(spec, geometry, weights)
-    decoder = _Decoder(spec, geometry, prepared, cos, sin, names, options, outliers or {}, local_tables)
-    hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
-    for i in range(geometry.num_layers):
-        hidden, delta = decoder.layer(i, hidden, delta)
-        if progress:
-            progress(1)
-    decoder.logits(hidden, delta)
+    # Graphs with kvedge.QuantMatMul hold two forms of the decoder (`_onnx_model`): prefill's
+    # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's are the op.
+    forms = (
+        (False, True)
+        if QUANT_MATMUL_OP in kvedge_ops(options.variant, geometry.dtype, options.weights)
+        else (False,)
+    )
+    quantized: dict[str, QuantizedWeight] = {}  # each weight quantized once for both forms
+    builders = []
+    for decode_form in forms:
+        decoder = _Decoder(
+            spec,
+            geometry,
+            prepared,
+            cos,
+            sin,
+            names,
+            options,
+            outliers or {},
+            local_tables,
+            decode_form,
+            quantized,
+        )
+        hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
+        for i in range(geometry.num_layers):
+            hidden, delta = decoder.layer(i, hidden, delta)
+            if progress:
+                progress(1 / len(forms))
+        decoder.logits(hidden, delta)
+        builders.append(decoder.g)
     interface = GraphInterface(names, geometry, options.variant, options.logits, spec.vocab_size)
-    return _onnx_model(decoder.g, interface, options)
+    return _onnx_model(builders, interface, options)
 
 
 def _prepare_weights(
@@ -586,12 +648,14 @@ class _Decoder:
         options: GraphOptions,
         outliers: dict[str, np.ndarray],
         local_tables: tuple[np.ndarray, np.ndarray] | None = None,
+        decode_form: bool = False,
+        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
-        self.g = g = _Builder(options.opset, side_inputs=SIDE_INPUTS_OP in ops)
+        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form, quantized)
         self.two = g.const("const.two", np.array(2.0, np.float32))
         self.eps = np.array(spec.rms_norm_eps, np.float32)
         batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
@@ -840,11 +904,19 @@ class _Decoder:
         return g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)
 
 
-def _onnx_model(g: _Builder, interface: GraphInterface, options: GraphOptions) -> onnx.ModelProto:
-    """The model around `g`'s nodes, its inputs and outputs declared as `interface` states them."""
+def _onnx_model(
+    builders: list[_Builder], interface: GraphInterface, options: GraphOptions
+) -> onnx.ModelProto:
+    """The model around the builders' nodes, its inputs and outputs declared as `interface` states
+    them: one builder's nodes as the graph, or (prefill form, decode form) as the branches of one
+    `If` on the step's length (`_two_forms`)."""
     inputs = [_value_info(t) for t in interface.inputs()]
     outputs = [_value_info(t) for t in interface.outputs()]
-    graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
+    g = builders[0]
+    if len(builders) == 1:
+        graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
+    else:
+        graph = _two_forms(builders[0], builders[1], interface, inputs, outputs)
     opsets = [helper.make_opsetid("", options.opset)]
     if options.variant == "ort":
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
@@ -856,6 +928,58 @@ def _onnx_model(g: _Builder, interface: GraphInterface, options: GraphOptions) -
     if g.quant_errors:
         helper.set_model_props(model, {"kvedge.max_quant_error": f"{max(g.quant_errors):.6g}"})
     return model
+
+
+def _two_forms(
+    prefill: _Builder,
+    decode: _Builder,
+    interface: GraphInterface,
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+) -> onnx.GraphProto:
+    """One graph running `decode`'s nodes for a step of one token per row and `prefill`'s for
+    longer steps: If(input_ids.shape[1] == 1). Initializers both forms hold alike live in the
+    outer graph, each form's own in its branch (onnxruntime fuses DequantizeLinear -> MatMul into
+    MatMulNBits only over a branch's own initializers). A branch's values are renamed with the
+    form's name, so no name is defined twice; the graph inputs they read are the outer graph's."""
+    own = {t.name: t for t in decode.initializers}
+    shared = {
+        t.name
+        for t in prefill.initializers
+        if t.name in own and own[t.name].SerializeToString() == t.SerializeToString()
+    }
+
+    def branch(g: _Builder, form: str) -> onnx.GraphProto:
+        made = {out for node in g.nodes for out in node.output if out}
+        nodes = []
+        for node in g.nodes:
+            renamed = onnx.NodeProto()
+            renamed.CopyFrom(node)
+            renamed.name = f"{node.name}@{form}"
+            renamed.input[:] = [f"{v}@{form}" if v in made else v for v in node.input]
+            renamed.output[:] = [f"{v}@{form}" if v else v for v in node.output]
+            nodes.append(renamed)
+        outs = [_value_info(t, f"{t.name}@{form}") for t in interface.outputs()]
+        locals_ = [t for t in g.initializers if t.name not in shared]
+        return helper.make_graph(nodes, f"kvedge_{form}", [], outs, locals_)
+
+    ids = interface.names.input_ids
+    steps = [
+        helper.make_node("Shape", [ids], ["form.step_length"], name="form/Shape", start=1, end=2),  # [1]
+        helper.make_node("Equal", ["form.step_length", "form.one"], ["form.is_decode1"], name="form/Equal"),
+        helper.make_node("Squeeze", ["form.is_decode1"], ["form.is_decode"], name="form/Squeeze"),
+        helper.make_node(
+            "If",
+            ["form.is_decode"],
+            [t.name for t in interface.outputs()],
+            name="form/If",
+            then_branch=branch(decode, "decode"),
+            else_branch=branch(prefill, "prefill"),
+        ),
+    ]
+    initializers = [t for t in prefill.initializers if t.name in shared]
+    initializers.append(numpy_helper.from_array(np.array([1], np.int64), "form.one"))
+    return helper.make_graph(steps, "kvedge_decoder", inputs, outputs, initializers)
 
 
 @dataclass(frozen=True)
@@ -1423,7 +1547,29 @@ class _Int8CacheAttention(_InPlaceAttention):
         return self.identity
 
 
-def _value_info(tensor: TensorSpec) -> onnx.ValueInfoProto:
-    """A graph input/output declared as the contract's `GraphInterface` states it."""
+def all_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """`graph` and every graph inside its nodes' attributes (an If's branches), depth first."""
+    found = [graph]
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                found += all_graphs(sub)
+    return found
+
+
+def decode_step_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """The graphs a decode step runs: `graph` and, of a two-form graph's If, the decode form (the
+    then branch, `_two_forms`)."""
+    found = [graph]
+    for node in graph.node:
+        if node.op_type == "If":
+            then = next(a for a in node.attribute if a.name == "then_branch")
+            found += decode_step_graphs(then.g)
+    return found
+
+
+def _value_info(tensor: TensorSpec, name: str | None = None) -> onnx.ValueInfoProto:
+    """A graph input/output declared as the contract's `GraphInterface` states it (under `name`
+    when given: a branch's output)."""
     elem = helper.np_dtype_to_tensor_dtype(tensor.dtype)
-    return helper.make_tensor_value_info(tensor.name, elem, list(tensor.dims))
+    return helper.make_tensor_value_info(name or tensor.name, elem, list(tensor.dims))
