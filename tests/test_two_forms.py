@@ -5,14 +5,15 @@ the form whose quantized matmuls are kvedge.QuantMatMul, a longer step the MatMu
 What is compared, and how closely:
 - the graph's shape: each form's matmuls, each weight stored once per form, shared tensors once;
 - the decode form against the same graph with its decode branch replaced by the prefill form (so
-  every step runs MatMulNBits): the two hold the same w_hat (float16 scales and minimums in both)
-  and quantize activations alike, but add in another order and keep the kept channels' rows in
-  float16, and an int8-rounded activation that lands on the other side of a tie moves an output
-  by a whole int8 level (tests/test_side_inputs.py). So the bound is on distributions: mean KL
-  over 40 decode steps under 2e-4 and no logit moved by 2% of the logits' range (measured: KL
-  1.9e-5 int4, 1.4e-5 int8; 0.5% of the range). Zeroing the decode form's kept-channel rows gave
-  KL 0.26. Top-1 agreement is not asserted: these random models' next-token distributions are
-  near uniform (entropy 5.5 nats over 300 tokens), so near-ties flip (92.5% measured);
+  every step runs MatMulNBits): the two quantize activations alike, but the decode form's grids
+  have float16 scales and minimums, it adds in another order and keeps the kept channels' rows
+  in float16, and an int8-rounded activation that lands on the other side of a tie moves an
+  output by a whole int8 level (tests/test_side_inputs.py). These random weights sit on no float16
+  grid, so their blocks' grids differ more than a GGUF's would. The bound is on distributions:
+  mean KL over 40 decode steps under 4e-3 and no logit moved by 10% of the logits' range
+  (measured: int4 KL 8.4e-4, 3.3% of the range; int8 3.3e-5, 0.6%). Zeroing the decode form's
+  kept-channel rows gave KL 0.26. Top-1 agreement is not asserted: these models' next-token
+  distributions are near uniform (entropy 5.5 nats over 300 tokens), so near-ties flip (90%);
 - a batched decode step (several rows through the op's multi-row path) against the same rows
   decoded one at a time: each row's arithmetic is the same, so to 1e-5 of the logits' range.
 """
@@ -119,8 +120,8 @@ def test_decode_form_tracks_the_prefill_form(exports, tmp_path, weights, kv_dtyp
     assert np.array_equal(got[0], want[0])  # the first row is a prefill in both
     p, q = log_softmax(want[1:]), log_softmax(got[1:])
     kl = (np.exp(p) * (p - q)).sum(axis=-1)
-    assert kl.mean() < 2e-4, kl
-    assert np.abs(got - want).max() < 0.02 * float(np.ptp(want))
+    assert kl.mean() < 4e-3, kl
+    assert np.abs(got - want).max() < 0.1 * float(np.ptp(want))
 
 
 def test_a_batched_decode_step_equals_its_rows_one_at_a_time(exports):

@@ -353,14 +353,12 @@ class _Builder:
         opset: int,
         side_inputs: bool = False,
         decode_form: bool = False,
-        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> None:
         self.opset = opset
         self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
-        # the decode form: quantized matmuls are kvedge.QuantMatMul; both forms of one graph quantize
-        # each weight once (`quantized`, by output name), onto float16 scales and minimums
+        # the decode form: quantized matmuls are kvedge.QuantMatMul, quantized onto the float16 scales
+        # and minimums it stores (the prefill form keeps float32 ones: exact on a GGUF's grids)
         self.decode_form = decode_form
-        self.quantized = {} if quantized is None else quantized
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
@@ -416,10 +414,7 @@ class _Builder:
         made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
-        if out not in self.quantized:
-            half = self.side_inputs  # graphs with kvedge.SideInputs also have a decode form
-            self.quantized[out] = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=half)
-        qw = self.quantized[out]
+        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=self.decode_form)
         self.quant_errors.append(qw.max_error)
         keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
         if self.decode_form and w.shape[1] % 64 == 0:
@@ -536,21 +531,10 @@ def build_decoder_graph(
         if QUANT_MATMUL_OP in kvedge_ops(options.variant, geometry.dtype, options.weights)
         else (False,)
     )
-    quantized: dict[str, QuantizedWeight] = {}  # each weight quantized once for both forms
     builders = []
     for decode_form in forms:
         decoder = _Decoder(
-            spec,
-            geometry,
-            prepared,
-            cos,
-            sin,
-            names,
-            options,
-            outliers or {},
-            local_tables,
-            decode_form,
-            quantized,
+            spec, geometry, prepared, cos, sin, names, options, outliers or {}, local_tables, decode_form
         )
         hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
         for i in range(geometry.num_layers):
@@ -649,13 +633,12 @@ class _Decoder:
         outliers: dict[str, np.ndarray],
         local_tables: tuple[np.ndarray, np.ndarray] | None = None,
         decode_form: bool = False,
-        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
-        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form, quantized)
+        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form)
         self.two = g.const("const.two", np.array(2.0, np.float32))
         self.eps = np.array(spec.rms_norm_eps, np.float32)
         batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)

@@ -128,8 +128,8 @@ def quantize_blockwise(
     """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K, each
     block on whichever of `grids` gives it the smallest squared error (the first on a tie).
     `half_params`: each block's scale and minimum (offset + qmin * scale, the value of qmin) are
-    float16 numbers, as kvedge.QuantMatMul stores them (`pack_quant_matmul`); the codes are
-    chosen on that grid, so both forms of the graph hold the same w_hat."""
+    float16 numbers, as kvedge.QuantMatMul stores them (`pack_quant_matmul`), and the codes are
+    chosen on that grid."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
