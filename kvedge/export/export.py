@@ -344,8 +344,9 @@ def _save_onnx(model: onnx.ModelProto, folder: Path) -> list[Path]:
     file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice (the parsed
     protobuf and its tensors; measured on SmolLM2-135M int4: 396 MiB after session start with
     the weights inline, 199 MiB from model.onnx.data, same step time)."""
-    data = ONNX_FILE + ".data"
+    graph, data = folder / ONNX_FILE, folder / (ONNX_FILE + ".data")
     onnx.save_model(
-        model, folder / ONNX_FILE, save_as_external_data=True, all_tensors_to_one_file=True, location=data
+        model, graph, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name
     )
-    return [folder / ONNX_FILE, folder / data]
+    data.chmod(graph.stat().st_mode & 0o777)  # onnx creates it owner-only; a service user reads both
+    return [graph, data]
