@@ -14,7 +14,14 @@ from typing import Any
 import click
 
 from kvedge import __version__
-from kvedge.contract import EXPORTED_KV_DTYPES, KV_GROUP_SIZES, PREFILL_CHUNK, VARIANTS, WEIGHT_FORMATS
+from kvedge.contract import (
+    DECODE_MATMULS,
+    EXPORTED_KV_DTYPES,
+    KV_GROUP_SIZES,
+    PREFILL_CHUNK,
+    VARIANTS,
+    WEIGHT_FORMATS,
+)
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
@@ -244,6 +251,14 @@ def main(verbose: int) -> None:
     help="int8/int4 weights: the LM head's bits (--variant ort: 8 or 4; portable: the weights' "
     "bits). Default: at least 8 in ort graphs.",
 )
+@click.option(
+    "--decode-matmuls",
+    type=click.Choice(DECODE_MATMULS),
+    default=None,
+    help="--variant ort --weights int8|int4: kvedge (default) runs a decode step's matmuls in "
+    "kvedge's own kernel, in a second form of the graph: faster decode, the weights held twice in "
+    "memory; onnxruntime runs every step in MatMulNBits, one copy (docs/PERFORMANCE.md).",
+)
 @choice_option(
     "--kv-dtype",
     EXPORTED_KV_DTYPES,
@@ -289,6 +304,7 @@ def export(
     block_size: int,
     outlier_channels: int | None,
     head_bits: int | None,
+    decode_matmuls: str | None,
     kv_dtype: str,
     kv_group_size: int,
     target: str,
@@ -313,6 +329,7 @@ def export(
         block_size=block_size,
         outlier_channels=outlier_channels,
         head_bits=head_bits,
+        decode_matmuls=decode_matmuls,
         kv_dtype=kv_dtype,
         kv_group_size=kv_group_size,
     )
@@ -555,6 +572,11 @@ def info(model_dir: Path, as_json: bool) -> None:
                 f", {manifest.weight_outlier_channels} float32 channels, "
                 f"LM head int{manifest.weight_head_bits}"
                 if manifest.weight_head_bits
+                else ""
+            )
+            + (
+                f", decode matmuls: {manifest.weight_decode_matmuls}"
+                if manifest.weight_decode_matmuls
                 else ""
             ),
         ),

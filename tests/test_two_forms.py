@@ -31,6 +31,7 @@ from conftest import random_ids
 from tiny import make_tiny_model
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, QUANT_MATMUL_OP, Manifest, sha256_files
+from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -38,18 +39,20 @@ from kvedge.runtime.model import Model
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """(weights, kv_dtype) -> ort artifact folder, built once per module."""
+    """(weights, kv_dtype, decode_matmuls) -> ort artifact folder, built once per module."""
     root, built = tmp_path_factory.mktemp("two_forms"), {}
     source = make_tiny_model(root / "hf", "llama")
 
-    def get(weights: str, kv_dtype: str):
-        if (weights, kv_dtype) not in built:
-            out = root / f"{weights}-{kv_dtype}"
-            export_model(
-                source, out, ExportOptions(max_len=96, variant="ort", weights=weights, kv_dtype=kv_dtype)
+    def get(weights: str, kv_dtype: str, decode_matmuls: str | None = None):
+        key = (weights, kv_dtype, decode_matmuls)
+        if key not in built:
+            out = root / "-".join(map(str, key))
+            options = ExportOptions(
+                max_len=96, variant="ort", weights=weights, kv_dtype=kv_dtype, decode_matmuls=decode_matmuls
             )
-            built[weights, kv_dtype] = out
-        return built[weights, kv_dtype]
+            export_model(source, out, options)
+            built[key] = out
+        return built[key]
 
     return get
 
@@ -140,3 +143,47 @@ def test_a_batched_decode_step_equals_its_rows_one_at_a_time(exports):
         rows.append(decode_one_token(alone.backend, alone.cache, 0, [token])[0])
     want = np.stack(rows)
     np.testing.assert_allclose(both, want, rtol=0, atol=1e-5 * float(np.ptp(want)))
+
+
+def test_decode_matmuls_onnxruntime_is_the_prefill_form_alone(exports, tmp_path):
+    """--decode-matmuls onnxruntime (one copy of the weights) exports exactly the two-form graph's
+    prefill form: no If, no QuantMatMul, and the same logits to the bit as the two-form graph with
+    its decode branch replaced by its prefill form."""
+    one = exports("int4", "int8", "onnxruntime")
+    graph = onnx.load(str(one / ONNX_FILE), load_external_data=False).graph
+    assert not {"If", QUANT_MATMUL_OP} & {node.op_type for node in graph.node}
+    assert Manifest.load(one).weight_decode_matmuls == "onnxruntime"
+    assert Manifest.load(exports("int4", "int8")).weight_decode_matmuls == "kvedge"
+    ids = random_ids(40, seed=6)
+    want = decode_logits(prefill_form_only(exports("int4", "int8"), tmp_path / "prefill_only"), ids, 12)
+    np.testing.assert_array_equal(decode_logits(one, ids, 12), want)
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (dict(variant="portable", weights="int4", decode_matmuls="kvedge"), "applies to --variant ort"),
+        (dict(variant="ort", weights="float32", decode_matmuls="onnxruntime"), "applies to --variant ort"),
+        (dict(variant="ort", weights="int4", decode_matmuls="mlas"), r"allowed: \['kvedge', 'onnxruntime'\]"),
+        (dict(variant="ort", weights="int4", kv_dtype="float16", decode_matmuls="kvedge"), "CUDA form"),
+    ],
+)
+def test_decode_matmuls_refuses_what_it_does_not_apply_to(options, said):
+    with pytest.raises(KvedgeError, match=said):
+        ExportOptions(max_len=64, **options)
+
+
+def test_decode_matmuls_recorded_where_it_applies():
+    recorded = {
+        (variant, weights, kv): ExportOptions(variant=variant, weights=weights, kv_dtype=kv).recorded()[
+            "weight_decode_matmuls"
+        ]
+        for variant, weights, kv in [
+            ("ort", "int4", "int8"),
+            ("ort", "int8", "float32"),
+            ("ort", "int4", "float16"),
+            ("ort", "float32", "int8"),
+            ("portable", "int4", "float32"),
+        ]
+    }
+    assert list(recorded.values()) == ["kvedge", "kvedge", "onnxruntime", "", ""]

@@ -137,7 +137,8 @@ def test_eval_compares_a_quantized_weight_export_with_the_float32_model(gguf_lik
     export_model(gguf_like_source, int8, ExportOptions(max_len=64, variant="ort", weights="int8"))
     prompts = builtin_prompts("heldout")[:2]
     (result,) = evaluate(Model(fp32), None, prompts, tokens=16, batch=2, weights_models=(Model(int8),))
-    assert result.scheme == "ort int8 weights (block 32, 32 outlier channels, 8-bit head), float32 cache"
+    details = "block 32, 32 outlier channels, 8-bit head, kvedge decode matmuls"
+    assert result.scheme == f"ort int8 weights ({details}), float32 cache"
     assert 0.0 <= result.kl_mean < 2e-3 and result.top1_agreement >= 0.9, result
     other = make_tiny_model(tmp_path / "other", "llama", seed=1)
     export_model(other, tmp_path / "other-int8", ExportOptions(max_len=64, variant="ort", weights="int8"))
@@ -146,8 +147,8 @@ def test_eval_compares_a_quantized_weight_export_with_the_float32_model(gguf_lik
 
 
 def test_weight_exports_differing_in_channels_or_head_bits_are_named_apart(gguf_like_source, tmp_path):
-    """`eval-kv --weights-model` rows name the block size, kept channels and head bits the manifest
-    records, so two int4 exports that differ only there are told apart."""
+    """`eval-kv --weights-model` rows name the block size, kept channels, head bits and decode
+    matmuls the manifest records, so two int4 exports that differ only there are told apart."""
     export_model(gguf_like_source, tmp_path / "fp32", ExportOptions(max_len=64, variant="ort"))
     flags = {"default": {}, "no-outliers": dict(outlier_channels=0), "head4": dict(head_bits=4)}
     for name, options in flags.items():
@@ -157,10 +158,12 @@ def test_weight_exports_differing_in_channels_or_head_bits_are_named_apart(gguf_
     prompts = builtin_prompts("heldout")[:1]
     results = evaluate(Model(tmp_path / "fp32"), None, prompts, tokens=2, weights_models=models)
     assert [r.scheme for r in results] == [
-        "ort int4 weights (block 32, 32 outlier channels, 8-bit head), float32 cache",
-        "ort int4 weights (block 32, 0 outlier channels, 8-bit head), float32 cache",
-        "ort int4 weights (block 32, 32 outlier channels, 4-bit head), float32 cache",
+        "ort int4 weights (block 32, 32 outlier channels, 8-bit head, kvedge decode matmuls), float32 cache",
+        "ort int4 weights (block 32, 0 outlier channels, 8-bit head, kvedge decode matmuls), float32 cache",
+        "ort int4 weights (block 32, 32 outlier channels, 4-bit head, kvedge decode matmuls), float32 cache",
     ]
-    unrecorded = dataclasses.replace(models[0].manifest, weight_outlier_channels=None, weight_head_bits=None)
+    unrecorded = dataclasses.replace(
+        models[0].manifest, weight_outlier_channels=None, weight_head_bits=None, weight_decode_matmuls=None
+    )
     assert weights_label(unrecorded) == "ort int4 weights (block 32)"  # exported before kvedge recorded them
     assert weights_label(Manifest.load(tmp_path / "fp32")) == "ort float32 weights"

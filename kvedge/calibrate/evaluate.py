@@ -80,8 +80,8 @@ def kv_bytes_ratio(scheme: Scheme, head_dim: int) -> float:
 def weights_label(manifest: Manifest) -> str:
     """An export's weights as a result row names them: variant and format, and for blocked integer
     weights what else tells one such export from another, where its manifest records it: block
-    size, input channels kept float32, the LM head's bits (exports from before kvedge recorded the
-    last two say nothing about them)."""
+    size, input channels kept float32, the LM head's bits, what a decode step's matmuls run (exports
+    from before kvedge recorded the last three say nothing about them)."""
     label = f"{manifest.variant} {manifest.weights_dtype} weights"
     if not manifest.weight_block_size:  # float32 / float16 storage: nothing more to tell
         return label
@@ -90,6 +90,8 @@ def weights_label(manifest: Manifest) -> str:
         details.append(f"{manifest.weight_outlier_channels} outlier channels")
     if manifest.weight_head_bits is not None:
         details.append(f"{manifest.weight_head_bits}-bit head")
+    if manifest.weight_decode_matmuls:
+        details.append(f"{manifest.weight_decode_matmuls} decode matmuls")
     return f"{label} ({', '.join(details)})"
 
 

@@ -18,6 +18,7 @@ is loaded through: JSON shape, field types, format, version, model, cache geomet
 
 from kvedge.contract.manifest import (
     CHAT_TEMPLATE_FILE,
+    DECODE_MATMULS,
     EXPORTED_KV_DTYPES,
     IN_PLACE_VARIANTS,
     INT8_ATTENTION_OP,
@@ -49,6 +50,7 @@ from kvedge.contract.manifest import (
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",
+    "DECODE_MATMULS",
     "EXPORTED_KV_DTYPES",
     "IN_PLACE_VARIANTS",
     "INT8_ATTENTION_OP",

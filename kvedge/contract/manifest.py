@@ -53,17 +53,24 @@ QUANT_MATMUL_OP = "QuantMatMul"
 WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 
-def kvedge_ops(variant: str, kv_dtype: str, weights: str) -> tuple[str, ...]:
+# --decode-matmuls: what a decode step's quantized matmuls run in "ort" int8/int4 graphs. kvedge:
+# kvedge.QuantMatMul in a decode form of its own (faster, the weights held twice); onnxruntime:
+# MatMulNBits for every step, one form (docs/ARCHITECTURE.md "Two forms of one graph").
+DECODE_MATMULS = ("kvedge", "onnxruntime")
+
+
+def kvedge_ops(variant: str, kv_dtype: str, weights: str, decode_matmuls: str = "kvedge") -> tuple[str, ...]:
     """The kvedge ops (`KVEDGE_OPS_DOMAIN`) in the graph of an export with these options: in "ort"
     graphs, INT8-cache attention, and for blocked integer weights the side inputs of each matmul
-    (the prefill form) and the decode form's matmuls, except over a float16 cache: that graph is
+    (the prefill form) and, with `decode_matmuls` "kvedge", the decode form's matmuls, except
+    over a float16 cache: that graph is
     the form onnxruntime's CUDA provider runs, and a CPU-only op between its matmuls would copy
     every activation off the device and back."""
     if variant != "ort":
         return ()
     ops = (INT8_ATTENTION_OP,) if kv_dtype in QUANTIZED_KV_DTYPES else ()
     if WEIGHT_FORMATS[weights] < 16 and kv_dtype != "float16":
-        ops += (SIDE_INPUTS_OP, QUANT_MATMUL_OP)
+        ops += (SIDE_INPUTS_OP, QUANT_MATMUL_OP) if decode_matmuls == "kvedge" else (SIDE_INPUTS_OP,)
     return ops
 
 
@@ -400,6 +407,9 @@ class Manifest:
     # float32 and float16; None: not recorded (exported before kvedge recorded them)
     weight_outlier_channels: int | None = None
     weight_head_bits: int | None = None
+    # --decode-matmuls (DECODE_MATMULS) of an ort int8/int4 graph over a CPU cache; "" where it
+    # does not apply; None: exported before kvedge recorded it (one form: "onnxruntime")
+    weight_decode_matmuls: str | None = None
     variant: str = "portable"  # graph variant, see VARIANTS
     chat_template: bool = False
     special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables
@@ -427,7 +437,8 @@ class Manifest:
     @property
     def uses_kvedge_ops(self) -> bool:
         """True when the graph needs kvedge's kernel library (`kvedge.runtime.kernels`)."""
-        return bool(kvedge_ops(self.variant, self.geometry.dtype, self.weights_dtype))
+        decode = self.weight_decode_matmuls or "onnxruntime"
+        return bool(kvedge_ops(self.variant, self.geometry.dtype, self.weights_dtype, decode))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -59,12 +59,18 @@ class ExportOptions:
     # int8/int4 weights: input channels per matmul kept float32 (0, 8, 16, 32, 64); None: 32
     outlier_channels: int | None = None
     head_bits: int | None = None  # int8/int4 weights: the LM head's bits (ort: 8 or 4); None: the rule
+    decode_matmuls: str | None = None  # ort int8/int4 weights: contract.DECODE_MATMULS; None: kvedge
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
         self.graph_options()  # validates logits, variant, weights, block size, channels, head bits
         check_kv_dtype(self.kv_dtype, self.variant)
+        if self.decode_matmuls == "kvedge" and self.kv_dtype == "float16":
+            raise KvedgeError(
+                "--decode-matmuls kvedge runs on the CPU; the float16 cache is the CUDA form, whose "
+                "decode steps run MatMulNBits (allowed there: onnxruntime)"
+            )
         if self.kv_dtype != "int8" and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 
@@ -76,6 +82,7 @@ class ExportOptions:
             block_size=self.block_size,
             outlier_channels=self.outlier_channels,
             lm_head_bits=self.head_bits,
+            decode_matmuls=self.decode_matmuls,
         )
 
     def recorded(self) -> dict[str, Any]:
@@ -90,6 +97,9 @@ class ExportOptions:
             "weight_block_size": self.block_size if graph.quantized else 0,
             "weight_outlier_channels": graph.kept_channels,
             "weight_head_bits": graph.head_bits if graph.quantized else 0,
+            "weight_decode_matmuls": "onnxruntime"
+            if graph.decode and self.kv_dtype == "float16"
+            else graph.decode,
         }
 
     def differences(self, manifest: Manifest) -> list[str]:

@@ -97,6 +97,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kvedge.contract import (
+    DECODE_MATMULS,
     EXPORTED_KV_DTYPES,
     INT8_ATTENTION_OP,
     KVEDGE_OPS_DOMAIN,
@@ -212,6 +213,7 @@ class GraphOptions:
     block_size: int = 32  # quantization block along the input features
     outlier_channels: int | None = None  # --outlier-channels; None: see kept_channels
     lm_head_bits: int | None = None  # --head-bits; None: see head_bits
+    decode_matmuls: str | None = None  # --decode-matmuls (contract.DECODE_MATMULS); None: see decode
 
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all"):
@@ -227,6 +229,15 @@ class GraphOptions:
                 raise KvedgeError(
                     f"{flag} {value!r} applies to --weights int8 or int4 only, not --weights {self.weights}"
                 )
+        if self.decode_matmuls is not None and not (self.quantized and self.variant == "ort"):
+            raise KvedgeError(
+                f"--decode-matmuls {self.decode_matmuls!r} applies to --variant ort --weights int8 or "
+                f"int4 only, not --variant {self.variant} --weights {self.weights}"
+            )
+        if self.decode_matmuls is not None and self.decode_matmuls not in DECODE_MATMULS:
+            raise KvedgeError(
+                f"--decode-matmuls {self.decode_matmuls!r} is not allowed; allowed: {list(DECODE_MATMULS)}"
+            )
         if self.outlier_channels is not None and self.outlier_channels not in OUTLIER_CHOICES:
             raise KvedgeError(
                 f"--outlier-channels {self.outlier_channels!r} is not allowed; "
@@ -257,6 +268,14 @@ class GraphOptions:
         if self.lm_head_bits is not None:
             return self.lm_head_bits
         return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
+
+    @property
+    def decode(self) -> str:
+        """What a decode step's quantized matmuls run (`DECODE_MATMULS`): --decode-matmuls, else
+        kvedge's op in ort int8/int4 graphs; "" for graphs it does not apply to."""
+        if not (self.quantized and self.variant == "ort"):
+            return ""
+        return self.decode_matmuls or "kvedge"
 
     @property
     def kept_channels(self) -> int:
@@ -528,7 +547,7 @@ def build_decoder_graph(
     # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's are the op.
     forms = (
         (False, True)
-        if QUANT_MATMUL_OP in kvedge_ops(options.variant, geometry.dtype, options.weights)
+        if QUANT_MATMUL_OP in kvedge_ops(options.variant, geometry.dtype, options.weights, options.decode)
         else (False,)
     )
     builders = []
@@ -903,7 +922,7 @@ def _onnx_model(
     opsets = [helper.make_opsetid("", options.opset)]
     if options.variant == "ort":
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-    if kvedge_ops(options.variant, interface.geometry.dtype, options.weights):
+    if kvedge_ops(options.variant, interface.geometry.dtype, options.weights, options.decode):
         opsets.append(helper.make_opsetid(KVEDGE_OPS_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="kvedge")
     # IR 8 is what onnxruntime and TensorRT 8.6+ both read; opset 21 (int4/int8 types) needs IR 10.
