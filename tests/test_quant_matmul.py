@@ -88,12 +88,10 @@ def make_weight(k: int, n: int, bits: int, block: int, minimums: bool, n_kept: i
     quantized as the export does (`half_params`; the affine grid gives minimums, absmax none),
     kept channels spread over [0, K) with their rows w[kept] - offset as float16. w_eff is what
     the op multiplies by: w_hat = scale q + offset (offset from the float16 minimum in float32),
-    the kept rows replaced by offset + the float16 kept rows."""
+    the kept rows replaced by offset + the float16 kept rows (stored at the end of each tile)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32) * 0.05 + (0.02 if minimums else 0.0)
     qw = quantize_blockwise(w, bits, block, ("affine",) if minimums else ("absmax",), half_params=True)
-    packed = pack_quant_matmul(qw)
-    assert packed.has_minimums == minimums
     zc = 2 ** (bits - 1)
     kept = np.sort(rng.choice(k, n_kept, replace=False)).astype(np.int64)
     scale = qw.scale  # [K/bs, N] float32 holding float16 values
@@ -102,6 +100,14 @@ def make_weight(k: int, n: int, bits: int, block: int, minimums: bool, n_kept: i
         minimum = (qw.offset - zc * qw.scale).astype(np.float16)  # what the records hold
         offset = minimum.astype(np.float32) + np.float32(zc) * scale
     kept_rows = (w[kept] - offset[kept // block]).astype(np.float16)  # [kept, N]
+    packed = pack_quant_matmul(qw, kept_rows)
+    assert packed.has_minimums == minimums
+    record = 8 * block * bits + (256 if minimums else 128)
+    assert packed.weights.shape == (n // 64, k // block * record + 128 * n_kept)
+    tails = packed.weights[:, k // block * record :].view(np.float16)  # [N/64, kept * 64]
+    np.testing.assert_array_equal(
+        tails.reshape(n // 64, n_kept, 64).transpose(1, 0, 2).reshape(n_kept, n), kept_rows
+    )
     q = qw.q.astype(np.float64)  # [K, N]
     w_eff = (q.reshape(k // block, block, n) * scale[:, None] + offset[:, None]).reshape(k, n)
     np.testing.assert_allclose(w_eff, qw.dequantize(), rtol=0, atol=1e-6)
@@ -109,7 +115,6 @@ def make_weight(k: int, n: int, bits: int, block: int, minimums: bool, n_kept: i
     inits = {"weights": packed.weights}
     if n_kept:
         inits["kept"] = kept
-        inits["kept_rows"] = np.ascontiguousarray(kept_rows.reshape(n_kept, n // 64, 64).transpose(1, 0, 2))
     parts = (q, scale.astype(np.float64), offset.astype(np.float64), kept, kept_rows.astype(np.float64))
     return inits, w_eff, parts
 
@@ -118,7 +123,7 @@ def qmm_session(
     k: int, inits: dict, bits: int, block: int, minimums: int, threads: int = 1
 ) -> ort.InferenceSession:
     """One kvedge.QuantMatMul node on x [b, s, K] and the initializers `inits`."""
-    inputs = ["x", "weights"] + [name for name in ("kept", "kept_rows") if name in inits]
+    inputs = ["x", "weights"] + (["kept"] if "kept" in inits else [])
     node = helper.make_node(
         QMM_OP, inputs, ["y"], domain="kvedge", bits=bits, block_size=block, minimums=int(minimums)
     )
@@ -243,15 +248,17 @@ def test_quant_matmul_refuses_bad_attributes_and_shapes():
     run(64, inits)
     with pytest.raises(
         Exception,
-        match=r"weights must be \[N / 64, 2, 1152\] for 64 channels at bits 4, block_size 32, minimums 0, "
-        r"got \[2, 2, 1280\]",
+        match=r"weights must be \[N / 64, 2560\] \(2 records of 1152 bytes, then 2 kept rows of 128\) for 64 "
+        r"channels at bits 4, block_size 32, minimums 0, got \[2, 2816\]",
     ):
         run(64, inits, minimums=False)
-    with pytest.raises(Exception, match=r"weights must be \[N / 64, 2, 2304\] for 64 channels at bits 8"):
+    with pytest.raises(Exception, match=r"weights must be \[N / 64, 4864\] .* for 64 channels at bits 8"):
         run(64, inits, bits=8)
     with pytest.raises(Exception, match=r"x has 80 channels, not a positive multiple of block_size 32"):
         run(80, inits)
-    with pytest.raises(Exception, match=r"weights must be \[N / 64, 3, 1280\] for 96 channels"):
+    with pytest.raises(
+        Exception, match=r"weights must be \[N / 64, 4096\] \(3 records of 1280 bytes, then 2 kept rows"
+    ):
         run(96, inits)
     with pytest.raises(
         Exception, match="kept channel 3 .position 1. is outside x's 64 channels or not above"
@@ -259,10 +266,13 @@ def test_quant_matmul_refuses_bad_attributes_and_shapes():
         run(64, {**inits, "kept": np.array([5, 3], np.int64)})
     with pytest.raises(Exception, match="kept channel 64 .position 1. is outside x's 64 channels"):
         run(64, {**inits, "kept": np.array([5, 64], np.int64)})
-    with pytest.raises(Exception, match="kept_rows is missing for 2 kept channels"):
-        run(64, {name: a for name, a in inits.items() if name != "kept_rows"})
-    with pytest.raises(Exception, match=r"kept_rows must be \[2, 2, 64\], got \[2, 1, 64\]"):
-        run(64, {**inits, "kept_rows": inits["kept_rows"][:, :1]})
+    # the kept rows are part of each tile: kept and weights must agree on how many
+    with pytest.raises(
+        Exception, match=r"weights must be \[N / 64, 2560\] \(2 records of 1280 bytes, then 0 kept"
+    ):
+        run(64, {"weights": inits["weights"]})
+    with pytest.raises(Exception, match=r"weights must be \[N / 64, 2944\] .*, then 3 kept rows of 128"):
+        run(64, {**inits, "kept": np.array([1, 5, 9], np.int64)})
 
 
 @pytest.mark.parametrize("bits", [4, 8])

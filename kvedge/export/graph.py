@@ -474,15 +474,14 @@ class _Builder:
 
     def _quant_matmul(self, x: str, w: np.ndarray, qw: QuantizedWeight, out: str, keep: np.ndarray) -> str:
         """x @ w as one kvedge.QuantMatMul (the decode form; `quantize.QuantMatMulWeight`): the
-        block offsets and the kept channels' float rows (w[kept] less their block's offset,
-        float16 [N/64, kept, 64]) ride in the op, read in the same pass as the codes."""
-        packed = pack_quant_matmul(qw)
+        block offsets and the kept channels' float rows (w[kept] less their block's offset, float16
+        at the end of each tile's records) ride in the op, read in the same pass as the codes."""
+        offset = np.zeros_like(qw.scale) if qw.offset is None else qw.offset  # [K/bs, N]
+        rows = w[keep] - np.repeat(offset, qw.block_size, axis=0)[keep]  # [kept, N]
+        packed = pack_quant_matmul(qw, rows)
         inputs = [x, self.const(f"{out}.qmm_weights", packed.weights)]
         if keep.size:
-            offset = np.zeros_like(qw.scale) if qw.offset is None else qw.offset  # [K/bs, N]
-            rows = w[keep] - np.repeat(offset, qw.block_size, axis=0)[keep]  # [kept, N]
-            tiled = rows.astype(np.float16).reshape(keep.size, -1, 64).transpose(1, 0, 2)
-            inputs += [self.const(f"{out}.kept", keep), self.const(f"{out}.qmm_kept_rows", tiled)]
+            inputs.append(self.const(f"{out}.kept", keep))
         return self.op(
             QUANT_MATMUL_OP,
             inputs,

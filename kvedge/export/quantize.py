@@ -182,13 +182,17 @@ def _half_grid(scale: np.ndarray, offset: np.ndarray, qmin: int) -> tuple[np.nda
 @dataclass(frozen=True)
 class QuantMatMulWeight:
     """A QuantizedWeight in kvedge.QuantMatMul's layout (kvedge/runtime/csrc/kvedge_ops.cc): one
-    stream of records, one per tile of 64 output columns and block of `bs` input channels, tile
-    after tile (a tile's blocks in order), so a step reads each matrix front to back once.
+    stream, tile after tile of 64 output columns, each tile one contiguous run of its records (one
+    per block of `bs` input channels, in order) and then its kept channels' rows, so a step reads
+    each matrix front to back once.
 
-        weights  uint8 [N/64, K/bs, record]; a record is
+        weights  uint8 [N/64, tile_bytes], tile_bytes = (K/bs) record + 128 kept:
+                 K/bs records, each
                    codes     4 groups of 16 columns x (bs bits / 8) vectors of 64 bytes
                    scales    64 float16
                    minimums  64 float16 (only when `has_minimums`)
+                 then kept rows, each 64 float16 (the tile's columns of one kept channel's row,
+                 in kept order)
                  codes u = q - qmin (0 .. 2**bits - 1); in vector v of group g, byte 4 c + t holds
                  column 16 g + c's codes:  4 bits: u[8v + t] (low nibble) and u[8v + 4 + t] (high
                  nibble);  8 bits: u[4v + t]. w_hat = scale * (u + qmin) + offset, where
@@ -199,8 +203,10 @@ class QuantMatMulWeight:
     has_minimums: bool
 
 
-def pack_quant_matmul(qw: QuantizedWeight) -> QuantMatMulWeight:
-    """`qw` (quantized with `half_params`; N a multiple of 64) in kvedge.QuantMatMul's layout."""
+def pack_quant_matmul(qw: QuantizedWeight, kept_rows: np.ndarray | None = None) -> QuantMatMulWeight:
+    """`qw` (quantized with `half_params`; N a multiple of 64) in kvedge.QuantMatMul's layout, with
+    `kept_rows` [kept, N] (the kept channels' rows of w less their block's offset) stored float16
+    at the end of each tile."""
     k, n = qw.q.shape
     bs, qmin = qw.block_size, -(2 ** (qw.bits - 1))
     if n % 64:
@@ -221,7 +227,11 @@ def pack_quant_matmul(qw: QuantizedWeight) -> QuantMatMulWeight:
     parts = [codes.reshape(tiles, blocks, -1), per_tile(qw.scale)]
     if qw.offset is not None:
         parts.append(per_tile(qw.offset + qmin * qw.scale))
-    return QuantMatMulWeight(np.ascontiguousarray(np.concatenate(parts, axis=2)), qw.offset is not None)
+    records = np.concatenate(parts, axis=2).reshape(tiles, -1)  # [N/64, K/bs record]
+    kept = np.zeros((0, n), np.float16) if kept_rows is None else kept_rows.astype(np.float16)  # [kept, N]
+    tails = np.ascontiguousarray(kept.reshape(len(kept), tiles, 64).transpose(1, 0, 2))  # [N/64, kept, 64]
+    weights = np.concatenate([records, tails.view(np.uint8).reshape(tiles, -1)], axis=1)
+    return QuantMatMulWeight(np.ascontiguousarray(weights), qw.offset is not None)
 
 
 def pack_int4(q: np.ndarray) -> bytes:

@@ -53,22 +53,24 @@
 // block minimums and kept float input channels fused in (kvedge/export/quantize.py:
 // QuantMatMulWeight, pack_quant_matmul): per block of block_size input channels and output column,
 // w_hat = scale q + offset with q = u - zc, u the stored code (0 .. 2^bits - 1), zc = 2^(bits-1).
-// A step reads each matrix front to back once, as one stream of records (codes, float16 scales
-// and minimums together), where MatMulNBits + SideInputs + MatMul read float32 block offsets and
-// kept rows besides. The integer dot is centered (q, not u) so that the int8 activations' rounding
-// error is MatMulNBits' own: it multiplies q scale, not u scale.
+// A step reads each matrix front to back once, as one stream (codes, float16 scales, minimums and
+// the kept channels' rows together), where MatMulNBits + SideInputs + MatMul read float32 block
+// offsets and kept rows besides. The integer dot is centered (q, not u) so that the int8
+// activations' rounding error is MatMulNBits' own: it multiplies q scale, not u scale.
 // Inputs:
 //   0 x          float [..., K] (M rows: the product of the leading dims, any number)
-//   1 weights    uint8 [N / 64, K / block_size, record]: per tile of 64 output columns, its blocks
-//                in order. A record is the codes of 4 groups of 16 columns, block_size bits / 32
-//                vectors of 64 bytes each (in vector v of group g, byte 4 c + t holds column
-//                16 g + c's codes: 4 bits: u[8v + t] in the low nibble and u[8v + 4 + t] in the
-//                high one; 8 bits: u[4v + t]: one dword per column, vpdpbusd's operand), then the
-//                64 columns' float16 scales, then (attribute minimums = 1) their float16 minimums
-//                (minimum = offset - zc scale, the value of u = 0)
-//   2 kept       int64 [kept], optional: distinct ascending input channels in [0, K) kept in float
-//   3 kept_rows  float16 [N / 64, kept, 64], present iff kept is non-empty: w[kept] minus the
-//                offset of the kept channel's block, per column
+//   1 weights    uint8 [N / 64, tile_bytes]: per tile of 64 output columns, one contiguous run of
+//                its K / block_size records, block after block, then its kept channels' float16
+//                rows (kept x 64 float16, in kept order: w[kept] minus the offset of the kept
+//                channel's block, per column), tile_bytes = (K / block_size) record + 128 kept.
+//                A record is the codes of 4 groups of 16 columns, block_size bits / 32 vectors of
+//                64 bytes each (in vector v of group g, byte 4 c + t holds column 16 g + c's codes:
+//                4 bits: u[8v + t] in the low nibble and u[8v + 4 + t] in the high one; 8 bits:
+//                u[4v + t]: one dword per column, vpdpbusd's operand), then the 64 columns' float16
+//                scales, then (attribute minimums = 1) their float16 minimums (minimum = offset -
+//                zc scale, the value of u = 0)
+//   2 kept       int64 [kept], optional (absent: none): distinct ascending input channels in [0, K)
+//                kept in float
 // Output: y float [..., N], N = 64 weights.shape[0].
 // Attributes: bits (4 or 8), block_size (16, 32, 64, 128 or 256), minimums (0 or 1).
 // Numerics, per row and block b: x_masked = x with the kept channels 0; amax = max |x_masked| over
@@ -76,7 +78,7 @@
 // 0: MatMulNBits' accuracy_level 4 activations); bsum = the float32 sum of x (kept included) over b;
 //   acc_b[n] = sum over k in b of xq[k] u[k, n] - zc sum over k in b of xq[k]   (exact, int32)
 //   offset[b, n] = minimum[b, n] + zc scale[b, n] in float32 (0 without minimums)
-//   y[n] = sum_b (scale[b, n] (xs[b] acc_b[n]) + offset[b, n] bsum[b]) + sum_j x[kept_j] kept_rows[j, n]
+//   y[n] = sum_b (scale[b, n] (xs[b] acc_b[n]) + offset[b, n] bsum[b]) + sum_j x[kept_j] kept_row_j[n]
 // the float sums in any order (1e-5 of max |y| from the float64 values).
 
 #include <onnxruntime_c_api.h>
@@ -1018,8 +1020,7 @@ constexpr int64_t kQmmPrefetch = 5120;     // bytes read ahead of the record in 
 
 // One call: its activations quantized once per row (QmmQuantize) and the weight.
 struct QmmWork {
-  const uint8_t* weights;   // [tiles, blocks, record] (header comment)
-  const half_t* kept_rows;  // [tiles, n_kept, 64]
+  const uint8_t* weights;   // [tiles, tile_bytes]: a tile's blocks' records, then its kept rows
   const int8_t* xq;         // [rows, k] x with the kept channels zeroed, as int8 per block
   const float* xs;          // [rows, blocks] each block's activation scale, amax / 127
   const float* bsum;        // [rows, blocks] each block's sum of x, kept channels included
@@ -1032,6 +1033,12 @@ struct QmmWork {
 
   int64_t GroupBytes() const { return 2 * block * bits; }  // one group's codes in a record
   int64_t RecordBytes() const { return 4 * GroupBytes() + (minimums ? 2 : 1) * kQmmTile * 2; }
+  int64_t TileBytes() const { return blocks * RecordBytes() + n_kept * kQmmTile * 2; }
+  const uint8_t* Tile(int64_t t) const { return weights + t * TileBytes(); }
+  // [n_kept, 64] tile t's kept rows, after its records
+  const half_t* KeptRows(int64_t t) const {
+    return reinterpret_cast<const half_t*>(Tile(t) + blocks * RecordBytes());
+  }
   void Run(size_t item) const;
 };
 
@@ -1078,7 +1085,7 @@ void QmmScalar(const QmmWork& a, int64_t first, int64_t last) {
         const int64_t g = col / 16, i = col % 16;
         float acc = 0.0f;
         for (int64_t b = 0; b < a.blocks; ++b) {
-          const uint8_t* rec = a.weights + (t * a.blocks + b) * record;
+          const uint8_t* rec = a.Tile(t) + b * record;
           const uint8_t* codes = rec + g * group_bytes;
           const int8_t* xq = a.xq + r * a.k + b * a.block;
           int32_t dot = 0;
@@ -1099,7 +1106,7 @@ void QmmScalar(const QmmWork& a, int64_t first, int64_t last) {
           if (a.minimums) acc += (static_cast<float>(params[kQmmTile + col]) + zc * scale) * a.bsum[r * a.blocks + b];
         }
         for (int64_t j = 0; j < a.n_kept; ++j)
-          acc += a.kept_x[r * a.n_kept + j] * static_cast<float>(a.kept_rows[(t * a.n_kept + j) * kQmmTile + col]);
+          acc += a.kept_x[r * a.n_kept + j] * static_cast<float>(a.KeptRows(t)[j * kQmmTile + col]);
         a.y[r * n + t * kQmmTile + col] = acc;
       }
     }
@@ -1112,27 +1119,24 @@ inline int32_t QmmDword(const int8_t* p) {  // 4 activations as one int32, to br
   return v;
 }
 
-// Tile t's kept rows, asked of memory a slice per block: in cache when the tile's blocks are done
-// (a stream the hardware prefetcher does not see coming: 4 KiB a tile for 32 kept channels).
-struct QmmKeptPrefetch {
-  const char* rows;
-  int64_t bytes, step;  // step: bytes per block, whole cache lines
-
-  QmmKeptPrefetch(const QmmWork& a, int64_t t)
-      : rows(reinterpret_cast<const char*>(a.kept_rows + t * a.n_kept * kQmmTile)),
-        bytes(a.n_kept * kQmmTile * 2),
-        step(((bytes + a.blocks - 1) / a.blocks + 63) / 64 * 64) {}
-  void Block(int64_t b) const {
-    for (int64_t line = b * step; line < std::min(bytes, (b + 1) * step); line += 64) __builtin_prefetch(rows + line);
-  }
-};
+// Tile t's kept row j, with the stream kQmmPrefetch bytes past it asked of memory: the rest of
+// the kept rows and the next tile's first records (the records' prefetch ran into the first
+// kQmmPrefetch bytes of the kept rows already).
+inline const half_t* QmmKeptRow(const QmmWork& a, int64_t t, int64_t j) {
+  const half_t* row = a.KeptRows(t) + j * kQmmTile;
+  const char* ahead = reinterpret_cast<const char*>(row) + kQmmPrefetch;
+  __builtin_prefetch(ahead);
+  __builtin_prefetch(ahead + 64);
+  return row;
+}
 
 // The vector paths: QmmTile<BITS, BS, MIN, R> computes one tile (64 columns) of rows r .. r + R - 1
-// (R > 1 on AVX-512 only), reading its records in order with a software prefetch kQmmPrefetch
-// bytes ahead (the records of a matrix are one sequential stream; without it SmolLM2's 121 matmuls
-// took 5.4 ms a token instead of 4.4). A tile's records (K / block_size of them, ~23 KiB for
-// K = 576 at 4 bits) stay in L1/L2 for the call's other rows. Each block's int32 dot products are
-// exact; scale, xs and offset bsum are applied once per block and column in float32.
+// (R > 1 on AVX-512 only), reading its records and then its kept rows in order with a software
+// prefetch kQmmPrefetch bytes ahead (the tiles of a matrix are one sequential stream; without it
+// SmolLM2's 121 matmuls took 5.4 ms a token instead of 4.4). A tile (K / block_size records and
+// the kept rows, ~27 KiB for K = 576 at 4 bits) stays in L1/L2 for the call's other rows. Each
+// block's int32 dot products are exact; scale, xs and offset bsum are applied once per block and
+// column in float32.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KV_QMM_VECTOR 1
 constexpr const char* kQmmPath = "avx512-vnni";
@@ -1145,15 +1149,13 @@ template <int BITS, int BS, bool MIN, int R>
 void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
   constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
   const int64_t record = a.RecordBytes();
-  const uint8_t* p = a.weights + t * a.blocks * record;
+  const uint8_t* p = a.Tile(t);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int g = 0; g < 4; ++g) acc[m][g] = _mm512_setzero_ps();
-  const QmmKeptPrefetch kept(a, t);
   for (int64_t b = 0; b < a.blocks; ++b, p += record) {
     for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
-    kept.Block(b);
     const int8_t* x[R];
     for (int m = 0; m < R; ++m) x[m] = a.xq + (r + m) * a.k + b * BS;
     const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
@@ -1199,7 +1201,7 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
     }
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
-    const half_t* row = a.kept_rows + (t * a.n_kept + j) * kQmmTile;
+    const half_t* row = QmmKeptRow(a, t, j);
     for (int g = 0; g < 4; ++g) {
       const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g)));
       for (int m = 0; m < R; ++m)
@@ -1246,14 +1248,12 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
   static_assert(R == 1, "one row at a time");
   constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
   const int64_t record = a.RecordBytes();
-  const uint8_t* p = a.weights + t * a.blocks * record;
+  const uint8_t* p = a.Tile(t);
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[8];
   for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
-  const QmmKeptPrefetch kept(a, t);
   for (int64_t b = 0; b < a.blocks; ++b, p += record) {
     for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
-    kept.Block(b);
     const int8_t* x = a.xq + r * a.k + b * BS;
     const int64_t rb = r * a.blocks + b;
     const __m256 xs = _mm256_set1_ps(a.xs[rb]);
@@ -1290,7 +1290,7 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
     const __m256 x = _mm256_set1_ps(a.kept_x[r * a.n_kept + j]);
-    const half_t* row = a.kept_rows + (t * a.n_kept + j) * kQmmTile;
+    const half_t* row = QmmKeptRow(a, t, j);
     for (int h = 0; h < 8; ++h)
       acc[h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * h))), x,
                                acc[h]);
@@ -1313,13 +1313,11 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
   static_assert(R == 1, "one row at a time");
   constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
   const int64_t record = a.RecordBytes();
-  const uint8_t* p = a.weights + t * a.blocks * record;
+  const uint8_t* p = a.Tile(t);
   float32x4_t acc[16];
   for (int q = 0; q < 16; ++q) acc[q] = vdupq_n_f32(0.0f);
-  const QmmKeptPrefetch kept(a, t);
   for (int64_t b = 0; b < a.blocks; ++b, p += record) {
     for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
-    kept.Block(b);
     const int8_t* x = a.xq + r * a.k + b * BS;
     const int64_t rb = r * a.blocks + b;
     const int32x4_t centre = vdupq_n_s32(BITS == 4 ? static_cast<int32_t>(-zc * a.xqsum[rb]) : 0);
@@ -1360,7 +1358,7 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
     const float x = a.kept_x[r * a.n_kept + j];
-    const half_t* row = a.kept_rows + (t * a.n_kept + j) * kQmmTile;
+    const half_t* row = QmmKeptRow(a, t, j);
     for (int q = 0; q < 16; ++q) acc[q] = vfmaq_n_f32(acc[q], vcvt_f32_f16(vld1_f16(row + 4 * q)), x);
   }
   float* y = a.y + r * a.tiles * kQmmTile + t * kQmmTile;
@@ -1427,12 +1425,12 @@ struct QmmKernel {
 
 OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   constexpr const char* op = "QuantMatMul";
-  constexpr const char* names[4] = {"x", "weights", "kept", "kept_rows"};
+  constexpr const char* names[3] = {"x", "weights", "kept"};
   size_t n_inputs = 0;
   KV_RETURN_IF_ERROR(g_api->KernelContext_GetInputCount(ctx, &n_inputs));
-  Tensor in[4];
-  bool present[4] = {};
-  for (size_t i = 0; i < 4 && i < n_inputs; ++i) {
+  Tensor in[3];
+  bool present[3] = {};
+  for (size_t i = 0; i < 3 && i < n_inputs; ++i) {
     const OrtValue* value = nullptr;
     KV_RETURN_IF_ERROR(g_api->KernelContext_GetInput(ctx, i, &value));
     if (value == nullptr) continue;  // an optional input left out
@@ -1441,23 +1439,12 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   }
   for (size_t i = 0; i < 2; ++i)
     if (!present[i]) return Fail(std::string("input ") + names[i] + " is missing", op);
-  const Tensor &x = in[0], &weights = in[1], &kept = in[2], &kept_rows = in[3];
+  const Tensor &x = in[0], &weights = in[1], &kept = in[2];
   if (x.shape.empty()) return Fail("x must have at least one dimension (its channels)", op);
   const int64_t k = x.shape.back(), rows = k > 0 ? x.size() / k : 0;
   if (k <= 0 || k % block)
     return Fail("x has " + std::to_string(k) + " channels, not a positive multiple of block_size " +
                 std::to_string(block), op);
-  QmmWork work{};
-  work.bits = static_cast<int>(bits);
-  work.block = block;
-  work.minimums = minimums != 0;
-  const int64_t blocks = k / block, record = work.RecordBytes();
-  if (weights.shape.size() != 3 || weights.shape[0] <= 0 || weights.shape[1] != blocks || weights.shape[2] != record)
-    return Fail("weights must be [N / 64, " + std::to_string(blocks) + ", " + std::to_string(record) + "] for " +
-                std::to_string(k) + " channels at bits " + std::to_string(bits) + ", block_size " +
-                std::to_string(block) + ", minimums " + std::to_string(minimums) + ", got " +
-                ShapeText(weights.shape), op);
-  const int64_t tiles = weights.shape[0];
   int64_t n_kept = 0;
   if (present[2]) {
     if (kept.shape.size() != 1) return Fail("kept must be [kept], got " + ShapeText(kept.shape), op);
@@ -1469,11 +1456,20 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
       return Fail("kept channel " + std::to_string(channels[j]) + " (position " + std::to_string(j) +
                   ") is outside x's " + std::to_string(k) + " channels or not above the one before", op);
   }
-  const std::vector<int64_t> kept_shape = {tiles, n_kept, kQmmTile};
-  if (n_kept > 0 && !present[3])
-    return Fail("kept_rows is missing for " + std::to_string(n_kept) + " kept channels", op);
-  if (present[3] && kept_rows.shape != kept_shape)
-    return Fail("kept_rows must be " + ShapeText(kept_shape) + ", got " + ShapeText(kept_rows.shape), op);
+  QmmWork work{};
+  work.bits = static_cast<int>(bits);
+  work.block = block;
+  work.minimums = minimums != 0;
+  work.blocks = k / block;
+  work.n_kept = n_kept;
+  const int64_t blocks = work.blocks, record = work.RecordBytes(), tile_bytes = work.TileBytes();
+  if (weights.shape.size() != 2 || weights.shape[0] <= 0 || weights.shape[1] != tile_bytes)
+    return Fail("weights must be [N / 64, " + std::to_string(tile_bytes) + "] (" + std::to_string(blocks) +
+                " records of " + std::to_string(record) + " bytes, then " + std::to_string(n_kept) +
+                " kept rows of 128) for " + std::to_string(k) + " channels at bits " + std::to_string(bits) +
+                ", block_size " + std::to_string(block) + ", minimums " + std::to_string(minimums) + ", got " +
+                ShapeText(weights.shape), op);
+  const int64_t tiles = weights.shape[0];
 
   std::vector<int64_t> shape = x.shape;
   shape.back() = tiles * kQmmTile;
@@ -1487,6 +1483,7 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   thread_local std::vector<float> masked, scale_sum, kept_x;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<int32_t> xqsum;
+  const float* input = static_cast<const float*>(x.data);  // [rows, k]
   masked.resize(k);
   scale_sum.resize(2 * rows * blocks);
   kept_x.resize(rows * n_kept);
@@ -1494,11 +1491,9 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   xqsum.resize(rows * blocks);
   float *xs = scale_sum.data(), *bsum = xs + rows * blocks;
   for (int64_t r = 0; r < rows; ++r)
-    QmmQuantize(static_cast<const float*>(x.data), k, block, channels, n_kept, r, masked.data(), xq.data(), xs, bsum,
-                xqsum.data(), kept_x.data());
+    QmmQuantize(input, k, block, channels, n_kept, r, masked.data(), xq.data(), xs, bsum, xqsum.data(), kept_x.data());
 
   work.weights = static_cast<const uint8_t*>(weights.data);
-  work.kept_rows = static_cast<const half_t*>(kept_rows.data);
   work.xq = xq.data();
   work.xs = xs;
   work.bsum = bsum;
@@ -1507,10 +1502,8 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   work.y = static_cast<float*>(y.data);
   work.rows = rows;
   work.k = k;
-  work.blocks = blocks;
   work.tiles = tiles;
-  work.n_kept = n_kept;
-  work.tiles_per_item = QmmTilesPerItem(blocks * record);
+  work.tiles_per_item = QmmTilesPerItem(tile_bytes);
   const size_t items = static_cast<size_t>((tiles + work.tiles_per_item - 1) / work.tiles_per_item);
   if (items == 1) {
     work.Run(0);
@@ -1633,9 +1626,8 @@ struct SideInputsOp : OrtCustomOp {
   }
 };
 
-const ONNXTensorElementDataType kQmmInputTypes[4] = {
-    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
-    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
+const ONNXTensorElementDataType kQmmInputTypes[3] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 OrtStatusPtr ORT_API_CALL CreateQmmKernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info,
                                           void** kernel) {
@@ -1672,12 +1664,12 @@ struct QuantMatMulOp : OrtCustomOp {
     GetName = [](const OrtCustomOp*) { return "QuantMatMul"; };
     GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
     GetInputType = [](const OrtCustomOp*, size_t i) { return kQmmInputTypes[i]; };
-    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{4}; };
+    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{3}; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
     KernelDestroy = [](void* kernel) { delete static_cast<QmmKernel*>(kernel); };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
-      return i < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // kept, kept_rows
+      return i < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // kept
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -1720,6 +1712,6 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 }
 
 // The library's format version: the Python side refuses a library built from other sources.
-__attribute__((visibility("default"))) int kvedge_ops_version() { return 6; }
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 7; }
 
 }  // extern "C"

@@ -256,13 +256,14 @@ int CheckSide(int64_t rows, int64_t k, int64_t block, int64_t n_kept, int64_t ro
   return ok ? 0 : 1;
 }
 
-// kvedge.QuantMatMul over x [rows, k] and a random weight of n columns (records packed here from
-// u [k, n] the way pack_quant_matmul packs them), `n_kept` kept channels (the first and the last
-// among them from 2 on), with or without minimums: the vector path (QmmWork's items of
-// `per_item` tiles, 0: the op's own, on `threads` threads) and the scalar path (QmmScalar), each
-// within 1e-5 of max |y| of the formula in double precision over the op's quantized activations.
-// Row 0's first block is constant (every xq 127) and every group's column 1 holds the largest
-// code, where int16 pair sums would saturate; row 0's second block is zero (amax 0).
+// kvedge.QuantMatMul over x [rows, k] and a random weight of n columns (tiles packed here from
+// u [k, n] the way pack_quant_matmul packs them: records, then the kept rows), `n_kept` kept
+// channels (the first and the last among them from 2 on), with or without minimums: the vector
+// path (QmmWork's items of `per_item` tiles, 0: the op's own, on `threads` threads) and the scalar
+// path (QmmScalar), each within 1e-5 of max |y| of the formula in double precision over the op's
+// quantized activations. Row 0's first block is constant (every xq 127) and every group's column 1
+// holds the largest code, where int16 pair sums would saturate; row 0's second block is zero
+// (amax 0).
 int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_t n_kept, bool with_min,
              int64_t per_item, int threads, std::mt19937* rng) {
   const int64_t tiles = n / kQmmTile, blocks = k / block, top = (1 << bits) - 1, zc = 1 << (bits - 1);
@@ -270,10 +271,12 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
   work.bits = bits;
   work.block = block;
   work.minimums = with_min;
-  const int64_t group_bytes = work.GroupBytes(), record = work.RecordBytes();
+  work.blocks = blocks;
+  work.n_kept = n_kept;
+  const int64_t group_bytes = work.GroupBytes(), record = work.RecordBytes(), tile_bytes = work.TileBytes();
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> code(0, static_cast<int>(top));
-  std::vector<uint8_t> u(k * n), weights(tiles * blocks * record);  // u: [k, n]
+  std::vector<uint8_t> u(k * n), weights(tiles * tile_bytes);  // u: [k, n]
   for (int64_t c = 0; c < k; ++c)
     for (int64_t j = 0; j < n; ++j) u[c * n + j] = static_cast<uint8_t>(j % 16 == 1 ? top : code(*rng));
   std::vector<float> scales(blocks * n), minimums(blocks * n);  // [blocks, n], float16 values
@@ -282,7 +285,7 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
     minimums[i] = static_cast<half_t>(-scales[i] * zc + (with_min ? 0.01f * normal(*rng) : 0.0f));
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* out = weights.data() + (t * blocks + b) * record;
+      uint8_t* out = weights.data() + t * tile_bytes + b * record;
       for (int64_t col = 0; col < kQmmTile; ++col) {
         const int64_t g = col / 16, i = col % 16, j = t * kQmmTile + col;
         for (int64_t c = 0; c < block; ++c) {
@@ -302,8 +305,16 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
   if (n_kept >= 2) kept = {0, k - 1};
   for (int64_t c = 1; static_cast<int64_t>(kept.size()) < n_kept; ++c) kept.push_back(channels[c]);
   std::sort(kept.begin(), kept.end());
-  std::vector<half_t> kept_rows(tiles * n_kept * kQmmTile);
-  for (auto& w : kept_rows) w = static_cast<half_t>(0.1f * normal(*rng));
+  std::vector<float> kept_rows(n_kept * n);  // [n_kept, n] float16 values, each tile's after its records
+  for (int64_t t = 0; t < tiles; ++t) {
+    half_t* out = reinterpret_cast<half_t*>(weights.data() + t * tile_bytes + blocks * record);
+    for (int64_t j = 0; j < n_kept; ++j) {
+      for (int64_t col = 0; col < kQmmTile; ++col) {
+        out[j * kQmmTile + col] = static_cast<half_t>(0.1f * normal(*rng));
+        kept_rows[j * n + t * kQmmTile + col] = out[j * kQmmTile + col];
+      }
+    }
+  }
   std::vector<float> x(rows * k);
   for (auto& e : x) e = normal(*rng) * (1.0f + 30.0f * (std::fabs(normal(*rng)) > 2.5f));  // some outliers
   for (int64_t c = 0; c < block; ++c) x[c] = 0.75f;
@@ -318,7 +329,6 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
                 kept_x.data());
   std::vector<float> got(rows * n, NAN), scalar(rows * n, NAN);
   work.weights = weights.data();
-  work.kept_rows = kept_rows.data();
   work.xq = xq.data();
   work.xs = xs;
   work.bsum = bsum;
@@ -327,10 +337,8 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
   work.y = got.data();
   work.rows = rows;
   work.k = k;
-  work.blocks = blocks;
   work.tiles = tiles;
-  work.n_kept = n_kept;
-  work.tiles_per_item = per_item ? per_item : QmmTilesPerItem(blocks * record);
+  work.tiles_per_item = per_item ? per_item : QmmTilesPerItem(tile_bytes);
   const int64_t items = (tiles + work.tiles_per_item - 1) / work.tiles_per_item;
   std::atomic<int64_t> next{0};
   std::vector<std::thread> pool;
@@ -355,9 +363,7 @@ int CheckQmm(int bits, int64_t block, int64_t rows, int64_t k, int64_t n, int64_
         const double offset = with_min ? double(float(minimums[b * n + j] + zc * scales[b * n + j])) : 0.0;
         y += scale * double(xs[r * blocks + b]) * double(dot) + offset * double(bsum[r * blocks + b]);
       }
-      for (int64_t t = 0; t < n_kept; ++t)
-        y += double(x[r * k + kept[t]]) *
-             static_cast<double>(kept_rows[((j / kQmmTile) * n_kept + t) * kQmmTile + j % kQmmTile]);
+      for (int64_t t = 0; t < n_kept; ++t) y += double(x[r * k + kept[t]]) * double(kept_rows[t * n + j]);
       want[r * n + j] = y;
       size = std::max(size, static_cast<float>(std::fabs(y)));
     }
