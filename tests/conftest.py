@@ -37,6 +37,23 @@ FAMILIES = {
 MAX_LEN = 128
 
 
+def export_once(source: Path, root: Path, *fields: str, **fixed):
+    """A function (*values) -> artifact folder: `source` exported with ExportOptions(**fixed)
+    and the first len(values) `fields` set to `values`, each distinct call once (for module
+    fixtures that export a few option sets on demand)."""
+    built: dict[tuple, Path] = {}
+
+    def get(*values):
+        if values not in built:
+            out = root / "-".join(map(str, values))
+            chosen = dict(zip(fields[: len(values)], values, strict=True))
+            export_model(source, out, ExportOptions(**fixed, **chosen))
+            built[values] = out
+        return built[values]
+
+    return get
+
+
 class Exported:
     """A tiny source model, its HF reference and its kvedge export."""
 

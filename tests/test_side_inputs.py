@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import random_ids
+from conftest import export_once, random_ids
 from onnx import TensorProto, helper, numpy_helper
 from test_kv_int8 import NEEDS_AARCH64, run_selftest
 from tiny import make_tiny_model
@@ -112,20 +112,10 @@ def tiny_source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exports(tiny_source, tmp_path_factory):
     """(weights, kv_dtype, outlier_channels) -> ort artifact folder, built once per module."""
-    root, built = tmp_path_factory.mktemp("side_exports"), {}
-
-    def get(weights: str, kv_dtype: str, channels: int):
-        key = (weights, kv_dtype, channels)
-        if key not in built:
-            out = root / "-".join(map(str, key))
-            options = ExportOptions(
-                max_len=64, variant="ort", weights=weights, kv_dtype=kv_dtype, outlier_channels=channels
-            )
-            export_model(tiny_source, out, options)
-            built[key] = out
-        return built[key]
-
-    return get
+    root = tmp_path_factory.mktemp("side_exports")
+    return export_once(
+        tiny_source, root, "weights", "kv_dtype", "outlier_channels", max_len=64, variant="ort"
+    )
 
 
 def with_standard_ops(folder, out):

@@ -27,12 +27,12 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-from conftest import random_ids
+from conftest import export_once, random_ids
 from tiny import make_tiny_model
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, QUANT_MATMUL_OP, Manifest, sha256_files
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import ExportOptions
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -40,21 +40,9 @@ from kvedge.runtime.model import Model
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     """(weights, kv_dtype, decode_matmuls) -> ort artifact folder, built once per module."""
-    root, built = tmp_path_factory.mktemp("two_forms"), {}
-    source = make_tiny_model(root / "hf", "llama")
-
-    def get(weights: str, kv_dtype: str, decode_matmuls: str | None = None):
-        key = (weights, kv_dtype, decode_matmuls)
-        if key not in built:
-            out = root / "-".join(map(str, key))
-            options = ExportOptions(
-                max_len=96, variant="ort", weights=weights, kv_dtype=kv_dtype, decode_matmuls=decode_matmuls
-            )
-            export_model(source, out, options)
-            built[key] = out
-        return built[key]
-
-    return get
+    root = tmp_path_factory.mktemp("two_forms")
+    fields = ("weights", "kv_dtype", "decode_matmuls")
+    return export_once(make_tiny_model(root / "hf", "llama"), root, *fields, max_len=96, variant="ort")
 
 
 def forms(folder) -> tuple[onnx.GraphProto, onnx.GraphProto, onnx.GraphProto]:

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import random_ids
+from conftest import export_once, random_ids
 from onnx import numpy_helper
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
@@ -42,16 +42,9 @@ def tiny_source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exports(tiny_source, tmp_path_factory):
     """(variant, weights) -> artifact folder, built on demand once per module."""
-    root, built = tmp_path_factory.mktemp("variant_exports"), {}
-
-    def get(variant: str, weights: str):
-        if (variant, weights) not in built:
-            out = root / f"{variant}-{weights}"
-            export_model(tiny_source, out, ExportOptions(max_len=64, variant=variant, weights=weights))
-            built[variant, weights] = out
-        return built[variant, weights]
-
-    return get
+    return export_once(
+        tiny_source, tmp_path_factory.mktemp("variant_exports"), "variant", "weights", max_len=64
+    )
 
 
 def optimized_ops(folder, tmp_path) -> Counter:
