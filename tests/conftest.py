@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
+from kvedge.contract import MANIFEST_FILE, ONNX_FILE, sha256_files
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.model import Model
 
@@ -35,6 +38,18 @@ FAMILIES = {
     "gemma3": {},  # sliding-window layers (portable: a ring cache), sandwich norms, GELU (tests/tiny.py)
 }
 MAX_LEN = 128
+
+
+def save_graph(model, out: Path) -> Path:
+    """`model` (an artifact's graph, rewritten by a test) saved into the artifact folder `out` in
+    place of its graph, the manifest's fingerprint made to match it."""
+    data = out / (ONNX_FILE + ".data")
+    data.unlink()
+    onnx.save(model, str(out / ONNX_FILE), save_as_external_data=True, location=data.name)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["onnx_fingerprint"] = sha256_files([out / ONNX_FILE, data])
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return out
 
 
 def export_once(source: Path, root: Path, *fields: str, **fixed):

@@ -15,7 +15,6 @@ these tiny models they moved logits by 2.3e-7 of their range, so equality is wha
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import Counter
 
@@ -23,12 +22,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import export_once, random_ids
+from conftest import export_once, random_ids, save_graph
 from onnx import TensorProto, helper, numpy_helper
 from test_kv_int8 import NEEDS_AARCH64, run_selftest
 from tiny import make_tiny_model
 
-from kvedge.contract import MANIFEST_FILE, ONNX_FILE, SIDE_INPUTS_OP, Manifest, sha256_files
+from kvedge.contract import ONNX_FILE, SIDE_INPUTS_OP, Manifest
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.graph import all_graphs
 from kvedge.runtime import kernels
@@ -149,13 +148,7 @@ def with_standard_ops(folder, out):
                 nodes.append(helper.make_node("Mul", [x, f"{prefix}.int8_mask"], [node.output[1]]))
         del graph.node[:]
         graph.node.extend(nodes)
-    data = out / (ONNX_FILE + ".data")
-    data.unlink()
-    onnx.save(model, str(out / ONNX_FILE), save_as_external_data=True, location=data.name)
-    manifest = json.loads((out / MANIFEST_FILE).read_text())
-    manifest["onnx_fingerprint"] = sha256_files([out / ONNX_FILE, data])
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
-    return out
+    return save_graph(model, out)
 
 
 def model_initializer(model, name: str):

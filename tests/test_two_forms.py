@@ -20,17 +20,16 @@ What is compared, and how closely:
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import Counter
 
 import numpy as np
 import onnx
 import pytest
-from conftest import export_once, random_ids
+from conftest import export_once, random_ids, save_graph
 from tiny import make_tiny_model
 
-from kvedge.contract import MANIFEST_FILE, ONNX_FILE, QUANT_MATMUL_OP, Manifest, sha256_files
+from kvedge.contract import ONNX_FILE, QUANT_MATMUL_OP, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -80,13 +79,7 @@ def prefill_form_only(folder, out):
     then.CopyFrom(branches["else_branch"].g)
     then.name = "kvedge_prefill_again"
     branches["then_branch"].g.CopyFrom(then)
-    data = out / (ONNX_FILE + ".data")
-    data.unlink()
-    onnx.save(model, str(out / ONNX_FILE), save_as_external_data=True, location=data.name)
-    manifest = json.loads((out / MANIFEST_FILE).read_text())
-    manifest["onnx_fingerprint"] = sha256_files([out / ONNX_FILE, data])
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
-    return out
+    return save_graph(model, out)
 
 
 def decode_logits(folder, ids: list[int], start: int) -> np.ndarray:
