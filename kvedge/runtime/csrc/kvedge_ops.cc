@@ -1428,7 +1428,9 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
   constexpr const char* names[3] = {"x", "weights", "kept"};
   size_t n_inputs = 0;
   KV_RETURN_IF_ERROR(g_api->KernelContext_GetInputCount(ctx, &n_inputs));
-  Tensor in[3];
+  // per thread, kept: their shape vectors are reused, so a decode step allocates nothing
+  thread_local Tensor in[3], y;
+  thread_local std::vector<int64_t> shape;
   bool present[3] = {};
   for (size_t i = 0; i < 3 && i < n_inputs; ++i) {
     const OrtValue* value = nullptr;
@@ -1471,15 +1473,14 @@ OrtStatus* QmmKernel::Compute(OrtKernelContext* ctx) const {
                 ShapeText(weights.shape), op);
   const int64_t tiles = weights.shape[0];
 
-  std::vector<int64_t> shape = x.shape;
+  shape.assign(x.shape.begin(), x.shape.end());
   shape.back() = tiles * kQmmTile;
   OrtValue* value = nullptr;
-  Tensor y;
   KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &value));
   KV_RETURN_IF_ERROR(Describe(value, &y));
   if (rows == 0) return nullptr;
 
-  // the activations, quantized once per call: per thread, kept (a decode step allocates nothing)
+  // the activations, quantized once per call, into per-thread buffers kept like the above
   thread_local std::vector<float> masked, scale_sum, kept_x;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<int32_t> xqsum;
