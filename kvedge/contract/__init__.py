@@ -4,7 +4,7 @@ Both sides import from here; nothing here imports from `kvedge.export` or `kvedg
 
 Artifact folder written by `kvedge export`::
 
-    model.onnx            the graph (weights inline, or in model.onnx.data when large)
+    model.onnx            the graph; its weights in model.onnx.data
     tokenizer.json        Hugging Face `tokenizers` file
     chat_template.jinja   the model's chat template (absent for models without one)
     manifest.json         `Manifest` (`kvedge.contract.manifest`), as JSON

@@ -18,6 +18,7 @@ from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
     MANIFEST_FILE,
     ONNX_FILE,
+    QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
     RING_MARGIN,
     TOKENIZER_FILE,
@@ -25,6 +26,7 @@ from kvedge.contract import (
     IONames,
     Manifest,
     RopeSpec,
+    kvedge_ops,
     sha256_files,
 )
 from kvedge.errors import KvedgeError
@@ -97,10 +99,16 @@ class ExportOptions:
             "weight_block_size": self.block_size if graph.quantized else 0,
             "weight_outlier_channels": graph.kept_channels,
             "weight_head_bits": graph.head_bits if graph.quantized else 0,
-            "weight_decode_matmuls": "onnxruntime"
-            if graph.decode and self.kv_dtype == "float16"
-            else graph.decode,
+            "weight_decode_matmuls": self.decode_matmuls_recorded(graph),
         }
+
+    def decode_matmuls_recorded(self, graph: GraphOptions) -> str:
+        """What a decode step's quantized matmuls run in this export, as the graph builder decides
+        it (`kvedge_ops`: kvedge.QuantMatMul or not); "" for graphs without quantized ort matmuls."""
+        if not graph.decode:
+            return ""
+        ops = kvedge_ops(self.variant, self.kv_dtype, self.weights, graph.decode)
+        return "kvedge" if QUANT_MATMUL_OP in ops else "onnxruntime"
 
     def differences(self, manifest: Manifest) -> list[str]:
         """How `manifest` differs from what these options export (empty: every field they decide
