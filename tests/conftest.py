@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,11 @@ import torch
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvedge.contract import MANIFEST_FILE, ONNX_FILE, sha256_files
+from kvedge.contract import MANIFEST_FILE, ONNX_FILE, Manifest, sha256_files
 from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.graph import all_graphs
+from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
 FAMILIES = {
@@ -38,6 +42,24 @@ FAMILIES = {
     "gemma3": {},  # sliding-window layers (portable: a ring cache), sandwich norms, GELU (tests/tiny.py)
 }
 MAX_LEN = 128
+
+
+def optimized_ops(folder: Path, tmp_path: Path) -> Counter:
+    """Op types of the graph onnxruntime actually runs (after its fusions), every If branch
+    included."""
+    path = tmp_path / "optimized.onnx"
+    OrtBackend(folder, Manifest.load(folder), threads=1, optimized_model_path=path)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return Counter(node.op_type for g in all_graphs(graph) for node in g.node)
+
+
+def decode_logits(folder: Path, ids: list[int], start: int) -> np.ndarray:
+    """Logits [len(ids) - start + 1, vocab]: a prefill of ids[:start], then one decode step per
+    remaining token."""
+    model = Model(folder)
+    got = [prefill(model.backend, model.cache, 0, [ids[:start]])[0]]
+    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[start:]]
+    return np.stack(got)
 
 
 def save_graph(model, out: Path) -> Path:

@@ -16,13 +16,12 @@ these tiny models they moved logits by 2.3e-7 of their range, so equality is wha
 from __future__ import annotations
 
 import shutil
-from collections import Counter
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import export_once, random_ids, save_graph
+from conftest import decode_logits, export_once, optimized_ops, random_ids, save_graph
 from onnx import TensorProto, helper, numpy_helper
 from test_kv_int8 import NEEDS_AARCH64, run_selftest
 from tiny import make_tiny_model
@@ -31,9 +30,6 @@ from kvedge.contract import ONNX_FILE, SIDE_INPUTS_OP, Manifest
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.graph import all_graphs
 from kvedge.runtime import kernels
-from kvedge.runtime.backend import OrtBackend
-from kvedge.runtime.generate import decode_one_token, prefill
-from kvedge.runtime.model import Model
 
 SIDE_CASES = 14  # csrc/selftest.cc's `side` cases
 
@@ -156,24 +152,6 @@ def model_initializer(model, name: str):
     return next(t for g in all_graphs(model.graph) for t in g.initializer if t.name == name)
 
 
-def run_logits(folder, ids: list[int]) -> np.ndarray:
-    """Logits [len(ids) - 19, vocab] of a 20-token prefill, then one decode step per token."""
-    model = Model(folder)
-    got = [prefill(model.backend, model.cache, 0, [ids[:20]])[0]]
-    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[20:]]
-    return np.stack(got)
-
-
-def optimized_ops(folder, tmp_path) -> Counter:
-    path = tmp_path / "optimized.onnx"
-    OrtBackend(folder, Manifest.load(folder), threads=1, optimized_model_path=path)
-    return Counter(
-        node.op_type
-        for graph in all_graphs(onnx.load(str(path), load_external_data=False).graph)
-        for node in graph.node
-    )
-
-
 @pytest.mark.parametrize("channels", [32, 0])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -193,8 +171,8 @@ def test_ort_quantized_graph_equals_its_standard_op_form(exports, tmp_path, weig
     assert not [t.name for g in graphs for t in g.initializer if t.name.endswith((".side_in", ".int8_mask"))]
 
     ids = random_ids(32, seed=3)
-    got = run_logits(folder, ids)
-    want = run_logits(with_standard_ops(folder, tmp_path / "standard"), ids)
+    got = decode_logits(folder, ids, 20)
+    want = decode_logits(with_standard_ops(folder, tmp_path / "standard"), ids, 20)
     np.testing.assert_array_equal(got, want)  # to the bit (module docstring)
 
 

@@ -26,7 +26,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-from conftest import export_once, random_ids, save_graph
+from conftest import decode_logits, export_once, random_ids, save_graph
 from tiny import make_tiny_model
 
 from kvedge.contract import ONNX_FILE, QUANT_MATMUL_OP, Manifest
@@ -80,14 +80,6 @@ def prefill_form_only(folder, out):
     then.name = "kvedge_prefill_again"
     branches["then_branch"].g.CopyFrom(then)
     return save_graph(model, out)
-
-
-def decode_logits(folder, ids: list[int], start: int) -> np.ndarray:
-    """Logits [len(ids) - start, vocab]: a prefill of ids[:start], then one decode step per token."""
-    model = Model(folder)
-    got = [prefill(model.backend, model.cache, 0, [ids[:start]])[0]]
-    got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[start:]]
-    return np.stack(got)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -10,13 +10,12 @@ bounds leave 10x / 4x margin and still catch a wrong scale or nibble order (KL >
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import export_once, random_ids
+from conftest import export_once, optimized_ops, random_ids
 from onnx import numpy_helper
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
@@ -27,7 +26,6 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.graph import all_graphs
 from kvedge.export.quantize import pack_int4, quantize_blockwise, weight_tensor
-from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -44,17 +42,6 @@ def exports(tiny_source, tmp_path_factory):
     """(variant, weights) -> artifact folder, built on demand once per module."""
     return export_once(
         tiny_source, tmp_path_factory.mktemp("variant_exports"), "variant", "weights", max_len=64
-    )
-
-
-def optimized_ops(folder, tmp_path) -> Counter:
-    """Op types of the graph onnxruntime actually runs (after its fusions)."""
-    path = tmp_path / "optimized.onnx"
-    OrtBackend(folder, Manifest.load(folder), threads=1, optimized_model_path=path)
-    return Counter(
-        node.op_type
-        for graph in all_graphs(onnx.load(str(path), load_external_data=False).graph)
-        for node in graph.node
     )
 
 
