@@ -1556,12 +1556,26 @@ OrtStatusPtr ORT_API_CALL KernelComputeV2(void* kernel, OrtKernelContext* contex
 
 void ORT_API_CALL KernelDestroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
-struct Int8CacheAttentionOp : OrtCustomOp {
-  Int8CacheAttentionOp() {
+// What every kvedge op declares alike: CPU, this C API version, every opset, default memory, no
+// variadic inputs or outputs. Each op below sets its name, types, characteristics and kernel.
+struct CpuOp : OrtCustomOp {
+  CpuOp() {
     std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
     version = kMinApiVersion;
-    GetName = [](const OrtCustomOp*) { return "Int8CacheAttention"; };
     GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
+  }
+};
+
+struct Int8CacheAttentionOp : CpuOp {
+  Int8CacheAttentionOp() {
+    GetName = [](const OrtCustomOp*) { return "Int8CacheAttention"; };
     GetInputType = [](const OrtCustomOp*, size_t i) { return kInputTypes[i]; };
     GetInputTypeCount = [](const OrtCustomOp*) { return size_t{8}; };
     GetOutputType = [](const OrtCustomOp*, size_t i) { return kOutputTypes[i]; };
@@ -1569,15 +1583,8 @@ struct Int8CacheAttentionOp : OrtCustomOp {
     KernelDestroy = ::KernelDestroy;
     GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
     CreateKernelV2 = ::CreateKernelV2;
     KernelComputeV2 = ::KernelComputeV2;
-    GetStartVersion = [](const OrtCustomOp*) { return 1; };
-    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
   }
 };
 
@@ -1598,12 +1605,9 @@ OrtStatusPtr ORT_API_CALL CreateSideKernel(const OrtCustomOp*, const OrtApi* api
   return nullptr;
 }
 
-struct SideInputsOp : OrtCustomOp {
+struct SideInputsOp : CpuOp {
   SideInputsOp() {
-    std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
-    version = kMinApiVersion;
     GetName = [](const OrtCustomOp*) { return "SideInputs"; };
-    GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
     GetInputType = [](const OrtCustomOp*, size_t i) { return kSideInputTypes[i]; };
     GetInputTypeCount = [](const OrtCustomOp*) { return size_t{2}; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
@@ -1613,17 +1617,10 @@ struct SideInputsOp : OrtCustomOp {
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) {
       return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // masked: only with kept channels
     };
-    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
     CreateKernelV2 = CreateSideKernel;
     KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
       return static_cast<SideKernel*>(kernel)->Compute(context);
     };
-    GetStartVersion = [](const OrtCustomOp*) { return 1; };
-    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
   }
 };
 
@@ -1658,12 +1655,9 @@ OrtStatusPtr ORT_API_CALL CreateQmmKernel(const OrtCustomOp*, const OrtApi* api,
   return nullptr;
 }
 
-struct QuantMatMulOp : OrtCustomOp {
+struct QuantMatMulOp : CpuOp {
   QuantMatMulOp() {
-    std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
-    version = kMinApiVersion;
     GetName = [](const OrtCustomOp*) { return "QuantMatMul"; };
-    GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
     GetInputType = [](const OrtCustomOp*, size_t i) { return kQmmInputTypes[i]; };
     GetInputTypeCount = [](const OrtCustomOp*) { return size_t{3}; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
@@ -1673,17 +1667,10 @@ struct QuantMatMulOp : OrtCustomOp {
       return i < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // kept
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
     CreateKernelV2 = CreateQmmKernel;
     KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
       return static_cast<QmmKernel*>(kernel)->Compute(context);
     };
-    GetStartVersion = [](const OrtCustomOp*) { return 1; };
-    GetEndVersion = [](const OrtCustomOp*) { return 2147483647; };
   }
 };
 
