@@ -4,16 +4,20 @@ Each check reads one source and never raises: a missing file, tool or package is
 absent, with what to do about it when that is known.
 
     jetson      /proc/device-tree/model
-    l4t         /etc/nv_tegra_release ("# R36 (release), REVISION: 4.3, ..." -> R36.4.3)
+    l4t         /etc/nv_tegra_release ("# R36 (release), REVISION: 4.3, ..." -> R36.4.3), and the
+                JetPack line it belongs to (`JETPACK_LINES`: its Ubuntu, Python, CUDA and TensorRT)
     jetpack     dpkg's nvidia-jetpack package version
     power mode  `nvpmodel -q`
     clocks      `jetson_clocks --show` (needs root)
     gpu         `nvidia-smi` (discrete GPUs), else the device tree's Tegra SoC (Jetson's integrated GPU)
     cuda        `nvcc --version`, else the libcudart the dynamic loader finds
+    cuda driver the CUDA version the driver supports: cuDriverGetVersion from libcuda.so.1, else
+                the JetPack line's CUDA (L4T ships the driver)
     onnxruntime version and execution providers
     kernels     kvedge's own onnxruntime kernel library (built by pip install, kvedge.runtime.kernels)
     tensorrt    `import tensorrt`
-    cuda-python `import cuda.bindings` (TensorRT buffers)
+    cuda-python cuda-python / cuda-bindings installed, and whether the driver can run it: bindings
+                of CUDA major N need a driver for CUDA N or newer (`cuda_python_mismatch`)
     memory      MemTotal and MemAvailable from /proc/meminfo (on Jetson the GPU allocates from it)
 """
 
@@ -26,12 +30,35 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-L4T_TO_JETPACK = {"32": "4.x", "34": "5.0 DP", "35": "5.x", "36": "6.x", "38": "7.x"}  # major lines
 TOOL_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class JetPackLine:
+    """What a JetPack release line ships (NVIDIA's JetPack release notes). The driver comes with
+    L4T, so its CUDA is the line's."""
+
+    jetpack: str
+    l4t: tuple[int, int]  # Jetson Linux release, revision's first number: R36.4.x -> (36, 4)
+    ubuntu: str
+    python: str  # JetPack's python3; its `tensorrt` module is built for this one only
+    cuda: str
+    tensorrt: str
+    note: str = ""
+
+
+# The lines kvedge supports. setup.cfg's extras `jp6` / `jp7` pin cuda-python to
+# `cuda_python_pin(line.cuda)` (tests/test_doctor.py holds them equal).
+JETPACK_LINES = (
+    JetPackLine("6.2", (36, 4), "22.04", "3.10", "12.6", "10.3", "JetPack 6.1, 6.2 and 6.2.1 run L4T R36.4"),
+    JetPackLine("7.2", (39, 2), "24.04", "3.12", "13.2", "10.16", "Orin and Thor"),
+)
+OTHER_L4T = {32: "4.x", 34: "5.0 DP", 35: "5.x", 36: "6.x", 38: "7.0/7.1 (Jetson Thor)"}  # major: JetPack
 
 
 @dataclass(frozen=True)
@@ -71,14 +98,41 @@ def jetson_model(root: Path) -> Check:
     return Check("jetson", model, "/proc/device-tree/model")
 
 
+def parse_l4t(text: str) -> tuple[int, str] | None:
+    """(major, revision) from /etc/nv_tegra_release's first line, e.g. (36, "4.3")."""
+    found = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", text)
+    return (int(found.group(1)), found.group(2)) if found else None
+
+
+def jetpack_line(major: int, revision: str) -> JetPackLine | None:
+    minor = int(revision.split(".")[0])
+    return next((line for line in JETPACK_LINES if line.l4t == (major, minor)), None)
+
+
+def describe_l4t(major: int, revision: str, python: str) -> str:
+    """Which JetPack line L4T R`major`.`revision` is, with what, and whether `python` (this
+    interpreter's major.minor) is the line's own."""
+    line = jetpack_line(major, revision)
+    if line is None:
+        supported = ", ".join(f"JetPack {x.jetpack} (L4T R{x.l4t[0]}.{x.l4t[1]})" for x in JETPACK_LINES)
+        name = OTHER_L4T.get(major)
+        return f"JetPack {name + ' line' if name else 'line unknown'}; kvedge supports {supported}"
+    text = (
+        f"JetPack {line.jetpack} line ({line.note}): Ubuntu {line.ubuntu}, Python {line.python}, "
+        f"CUDA {line.cuda}, TensorRT {line.tensorrt}"
+    )
+    if python != line.python:
+        text += f"; this is Python {python}: JetPack's tensorrt module is built for {line.python}"
+    return text
+
+
 def l4t_release(root: Path) -> Check:
-    text = _read(root / "etc/nv_tegra_release")
-    found = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", text or "")
+    found = parse_l4t(_read(root / "etc/nv_tegra_release") or "")
     if not found:
         return Check("l4t", None, "no /etc/nv_tegra_release: not an L4T (Jetson Linux) system")
-    major, revision = found.groups()
-    jetpack = L4T_TO_JETPACK.get(major, "unknown")
-    return Check("l4t", f"R{major}.{revision}", f"JetPack {jetpack} line (/etc/nv_tegra_release)")
+    major, revision = found
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return Check("l4t", f"R{major}.{revision}", describe_l4t(major, revision, python))
 
 
 def jetpack_package() -> Check:
@@ -169,15 +223,91 @@ def tensorrt() -> Check:
     return Check("tensorrt", trt.__version__, "import tensorrt")
 
 
-def cuda_python() -> Check:
+def libcuda_version(library: str = "libcuda.so.1") -> str | None:
+    """The CUDA version the driver supports, "major.minor", from cuDriverGetVersion (which needs
+    no cuInit: 1000 * major + 10 * minor), or None when the driver library cannot be loaded."""
+    try:
+        driver = ctypes.CDLL(library)
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if driver.cuDriverGetVersion(ctypes.byref(version)) != 0:  # CUDA_SUCCESS
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def driver_cuda(libcuda: str | None, l4t: tuple[int, str] | None) -> tuple[str, str] | None:
+    """(CUDA version the driver supports, where that came from): libcuda's own answer, else the
+    JetPack line's CUDA (on a Jetson the driver is part of L4T), else None."""
+    if libcuda is not None:
+        return libcuda, "libcuda.so.1 cuDriverGetVersion"
+    line = jetpack_line(*l4t) if l4t else None
+    if line is not None:
+        return line.cuda, f"L4T R{l4t[0]}.{l4t[1]} (JetPack {line.jetpack}); libcuda.so.1 did not load"
+    return None
+
+
+def cuda_python_pin(driver: str) -> str:
+    """The cuda-python requirement for a driver supporting CUDA `driver`: its major, from its
+    own minor on (cuda-bindings keeps CUDA minor version compatibility within a major)."""
+    major, minor = (int(x) for x in driver.split(".")[:2])
+    return f"cuda-python>={major}.{minor},<{major + 1}"
+
+
+def cuda_python_mismatch(
+    cuda_python: str | None, driver: str | None, dist: str = "cuda-python"
+) -> str | None:
+    """One line naming why `dist` `cuda_python` cannot run on a driver supporting CUDA `driver`,
+    and the pin that can; None when it can, or when either is unknown. Bindings for CUDA major N
+    need a driver for CUDA N or newer: a CUDA 12 driver answers their first call with
+    cudaErrorInsufficientDriver. An older major on a newer driver runs (driver backward
+    compatibility)."""
+    if cuda_python is None or driver is None:
+        return None
+    needs, has = int(cuda_python.split(".")[0]), int(driver.split(".")[0])
+    if needs <= has:
+        return None
+    return (
+        f"{dist} {cuda_python} needs a CUDA {needs} driver; this device's driver supports CUDA "
+        f"{driver}: pip install '{cuda_python_pin(driver)}'"
+    )
+
+
+def installed_cuda_python() -> tuple[str, str] | None:
+    """(distribution, version): cuda-python (since 12.6.1 a metapackage of cuda-bindings, same
+    major), else cuda-bindings alone."""
     for dist in ("cuda-python", "cuda-bindings"):
         try:
-            return Check("cuda-python", importlib.metadata.version(dist), f"{dist} (TensorRT buffers)")
+            return dist, importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return Check(
-        "cuda-python", None, "not installed: `pip install cuda-python` (needed by the TensorRT backend)"
-    )
+    return None
+
+
+def cuda_driver(root: Path) -> Check:
+    found = driver_cuda(libcuda_version(), parse_l4t(_read(root / "etc/nv_tegra_release") or ""))
+    if found is None:
+        return Check("cuda driver", None, "libcuda.so.1 did not load and this is no known JetPack line")
+    return Check("cuda driver", *found)
+
+
+def cuda_python(root: Path) -> Check:
+    installed, driver = installed_cuda_python(), cuda_driver(root).value
+    if installed is None:
+        how = (
+            f"`pip install '{cuda_python_pin(driver)}'`"
+            if driver
+            else "its major must be the driver's CUDA major; on a Jetson `pip install '.[jp6]'` "
+            "(JetPack 6.2) or `'.[jp7]'` (7.2)"
+        )
+        return Check("cuda-python", None, f"not installed (the GPU backends' CUDA bindings): {how}")
+    dist, version = installed
+    problem = cuda_python_mismatch(version, driver, dist)
+    if problem:
+        return Check("cuda-python", version, "MISMATCH: " + problem)
+    if driver is None:
+        return Check("cuda-python", version, f"{dist}; no CUDA driver found to run it")
+    return Check("cuda-python", version, f"{dist}, runs on this driver (CUDA {driver})")
 
 
 def memory(root: Path) -> Check:
@@ -199,10 +329,11 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         clocks,
         lambda: gpu(root),
         cuda,
+        lambda: cuda_driver(root),
         onnxruntime,
         kernels,
         tensorrt,
-        cuda_python,
+        lambda: cuda_python(root),
         lambda: memory(root),
     ]
     return [check() for check in checks]

@@ -1,10 +1,15 @@
-"""`kvedge doctor` on this machine (saying what is absent) and on a fake Jetson file tree."""
+"""`kvedge doctor` on this machine (saying what is absent) and on a fake Jetson file tree; which
+JetPack line an L4T release is; the cuda-python / driver decision, as pure functions and through
+the whole report with a stand-in libcuda."""
 
 from __future__ import annotations
 
+import configparser
+import ctypes.util
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +18,27 @@ import onnxruntime as ort
 import pytest
 
 from kvedge.contract import Manifest
-from kvedge.doctor import doctor_report, run_checks
+from kvedge.doctor import (
+    JETPACK_LINES,
+    cuda_python_mismatch,
+    cuda_python_pin,
+    describe_l4t,
+    doctor_report,
+    driver_cuda,
+    jetpack_line,
+    parse_l4t,
+    run_checks,
+)
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.model import Model
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+HAVE_LIBCUDA = ctypes.util.find_library("cuda") is not None
+REPO = Path(__file__).resolve().parents[1]
+# /etc/nv_tegra_release's first line as each JetPack writes it (GCID and date vary by build)
+JP62 = "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64, DATE: Wed Jan  8 2025"
+JP72 = "# R39 (release), REVISION: 2.0, GCID: 43318301, BOARD: generic, EABI: aarch64, DATE: Mon Jun  1 2026"
 
 
 def kvedge(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -38,6 +58,9 @@ def test_doctor_reports_absence_on_a_bare_machine(tmp_path, monkeypatch):
     assert checks["kernels"].present and "_kvedge_ops" in checks["kernels"].detail, checks["kernels"]
     if not HAVE_TENSORRT:
         assert not checks["tensorrt"].present and "JetPack ships it" in checks["tensorrt"].detail
+    if not HAVE_LIBCUDA:  # no driver and no L4T: nothing to pin cuda-python against
+        assert not checks["cuda driver"].present
+        assert "libcuda.so.1 did not load" in checks["cuda driver"].detail
 
 
 def _fake_jetson(tmp_path: Path) -> Path:
@@ -84,7 +107,7 @@ def test_doctor_reads_a_jetson(tmp_path, monkeypatch):
     assert checks["gpu"] == "integrated (tegra234)"
     assert checks["cuda"] == "12.6"
     assert checks["memory"] == "6.00 GiB available of 7.44 GiB"
-    assert "JetPack 6.x line" in doctor_report(root=root)
+    assert "JetPack 6.2 line" in doctor_report(root=root)
 
 
 def test_cli_doctor():
@@ -105,3 +128,159 @@ def test_gpu_provider_plumbing_refuses_what_is_absent(tiny_llama):
     manifest = Manifest.load(tiny_llama.out)
     with pytest.raises(KvedgeError, match="'tensorrt' is not supported; allowed: \\['cpu', 'cuda'\\]"):
         OrtBackend(tiny_llama.out, manifest, provider="tensorrt")
+
+
+@pytest.mark.parametrize(
+    ("text", "jetpack"),
+    [
+        (
+            JP62,
+            "JetPack 6.2 line (JetPack 6.1, 6.2 and 6.2.1 run L4T R36.4): Ubuntu 22.04, Python 3.10, "
+            "CUDA 12.6, TensorRT 10.3",
+        ),
+        (JP72, "JetPack 7.2 line (Orin and Thor): Ubuntu 24.04, Python 3.12, CUDA 13.2, TensorRT 10.16"),
+        (
+            "# R36 (release), REVISION: 3.0, GCID: 36191598, BOARD: generic, EABI: aarch64",
+            "JetPack 6.x line;",
+        ),
+        (
+            "# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64",
+            "JetPack 5.x line;",
+        ),
+        ("# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64", "JetPack 7.0/7.1"),
+        ("# R40 (release), REVISION: 1.0", "JetPack line unknown;"),
+    ],
+)
+def test_the_jetpack_line_of_an_l4t_release(text, jetpack):
+    major, revision = parse_l4t(text)
+    described = describe_l4t(major, revision, "3.10" if major == 36 else "3.12")
+    assert described.startswith(jetpack), described
+    if jetpack_line(major, revision) is None:  # the lines kvedge supports are named instead
+        assert described.endswith("kvedge supports JetPack 6.2 (L4T R36.4), JetPack 7.2 (L4T R39.2)")
+    assert parse_l4t("Ubuntu 22.04.5 LTS") is None
+
+
+def test_a_python_other_than_the_lines_own_is_named():
+    assert describe_l4t(36, "4.3", "3.12").endswith(
+        "; this is Python 3.12: JetPack's tensorrt module is built for 3.10"
+    )
+    assert "this is Python" not in describe_l4t(39, "2.0", "3.12")
+
+
+JP6_PIN = "pip install 'cuda-python>=12.6,<13'"
+
+
+@pytest.mark.parametrize(
+    ("cuda_python", "libcuda", "l4t", "problem"),
+    [
+        # JetPack 6.2 with `pip install cuda-python` unpinned: 13.x on a CUDA 12.6 driver
+        (
+            "13.0.1",
+            None,
+            JP62,
+            f"cuda-python 13.0.1 needs a CUDA 13 driver; this device's driver supports CUDA 12.6: {JP6_PIN}",
+        ),
+        (
+            "13.0.1",
+            "12.6",
+            JP62,
+            f"cuda-python 13.0.1 needs a CUDA 13 driver; this device's driver supports CUDA 12.6: {JP6_PIN}",
+        ),
+        ("12.9.10", None, JP62, None),  # the jp6 extra's resolution: CUDA minor version compatibility
+        ("13.4.4", None, JP72, None),  # the jp7 extra's resolution on JetPack 7.2
+        ("12.9.10", None, JP72, None),  # an older major on a newer driver runs
+        ("13.4.4", "13.0", None, None),  # an x86_64 CUDA 13 driver, no L4T
+        (
+            "13.4.4",
+            "12.8",
+            None,
+            "cuda-python 13.4.4 needs a CUDA 13 driver; this device's driver supports "
+            "CUDA 12.8: pip install 'cuda-python>=12.8,<13'",
+        ),
+        ("13.4.4", "13.2", JP62, None),  # the driver's own answer outranks the L4T table
+        ("13.4.4", None, None, None),  # no driver found: nothing to decide
+        (None, "12.6", JP62, None),  # nothing installed: nothing to decide
+    ],
+)
+def test_the_cuda_python_driver_decision(cuda_python, libcuda, l4t, problem):
+    driver = driver_cuda(libcuda, parse_l4t(l4t) if l4t else None)
+    assert cuda_python_mismatch(cuda_python, driver[0] if driver else None) == problem
+    if libcuda is None and l4t is not None:
+        assert driver[1].startswith("L4T R")  # says where the version came from
+
+
+def test_the_jetpack_extras_pin_what_doctor_would():
+    """setup.cfg's jp6 / jp7 extras are doctor's pin for each supported line's CUDA."""
+    extras = configparser.ConfigParser()
+    extras.read(REPO / "setup.cfg")
+    by_line = {"6.2": "jp6", "7.2": "jp7"}
+    assert {line.jetpack for line in JETPACK_LINES} == set(by_line)
+    for line in JETPACK_LINES:
+        assert extras["options.extras_require"][by_line[line.jetpack]].split() == [cuda_python_pin(line.cuda)]
+
+
+FAKE_LIBCUDA = """
+/* cuDriverGetVersion as the CUDA Driver API documents it: CUDA_ERROR_INVALID_VALUE (1) for a
+   NULL pointer, else the version as 1000 * major + 10 * minor and CUDA_SUCCESS (0). */
+int cuDriverGetVersion(int *version) {
+    if (!version) return 1;
+    *version = VERSION;
+    return 0;
+}
+"""
+
+
+def _stand_ins(tmp_path: Path, driver: int | None, cuda_python: str) -> dict:
+    """An environment whose dynamic loader finds a libcuda.so.1 answering `driver` (none: an
+    empty folder) and whose Python sees cuda-python `cuda_python` installed (its metadata only):
+    the driver and the package this machine has not."""
+    lib, site = tmp_path / "lib", tmp_path / "site"
+    lib.mkdir(parents=True)
+    info = site / f"cuda_python-{cuda_python}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cuda-python\nVersion: {cuda_python}\n")
+    if driver is not None:
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            pytest.skip("no C compiler to build the stand-in libcuda.so.1")
+        source = tmp_path / "libcuda.c"
+        source.write_text(FAKE_LIBCUDA.replace("VERSION", str(driver)))
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-o", str(lib / "libcuda.so.1"), str(source)], check=True
+        )
+    pythonpath = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "LD_LIBRARY_PATH": str(lib), "PYTHONPATH": pythonpath}
+
+
+def _report_line(env: dict, root: Path, name: str) -> str:
+    script = (
+        "import sys; from pathlib import Path; from kvedge.doctor import doctor_report; "
+        "print(doctor_report(root=Path(sys.argv[1])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return next(line.strip() for line in done.stdout.splitlines() if line.strip().startswith(f"{name}  "))
+
+
+@pytest.mark.skipif(HAVE_LIBCUDA, reason="a real libcuda here; the stand-in is for machines without one")
+def test_doctor_names_the_mismatch_in_one_line(tmp_path):
+    jetson = _fake_jetson(tmp_path)  # L4T R36.4.3: JetPack 6.2
+    env = _stand_ins(tmp_path, driver=12060, cuda_python="13.0.1")
+    want = (
+        "cuda-python  13.0.1  (MISMATCH: cuda-python 13.0.1 needs a CUDA 13 driver; this device's driver "
+        f"supports CUDA 12.6: {JP6_PIN})"
+    )
+    assert _report_line(env, jetson, "cuda-python") == want
+    assert _report_line(env, jetson, "cuda driver") == "cuda driver  12.6  (libcuda.so.1 cuDriverGetVersion)"
+    # the same device whose libcuda does not load (a container without the driver mounted): L4T says
+    bare = _stand_ins(tmp_path / "no-driver", driver=None, cuda_python="13.0.1")
+    assert _report_line(bare, jetson, "cuda-python") == want
+    # JetPack 7.2's driver runs it
+    (jetson / "etc/nv_tegra_release").write_text(JP72 + "\n")
+    fine = _stand_ins(tmp_path / "jp7", driver=13020, cuda_python="13.0.1")
+    assert (
+        _report_line(fine, jetson, "cuda-python")
+        == "cuda-python  13.0.1  (cuda-python, runs on this driver (CUDA 13.2))"
+    )
