@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from kvedge.export.graph import (
 )
 from kvedge.export.quantize import calibration_ids, input_outliers
 from kvedge.export.source import load_hf, resolve_source
+from kvedge.files import new_folder
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def export_model(
         )
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
     try:
         onnx_files = _save_onnx(graph, staging)
         tokenizer.backend_tokenizer.save(str(staging / TOKENIZER_FILE))

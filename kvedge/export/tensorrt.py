@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from kvedge.contract.engine import (
     EngineManifest,
 )
 from kvedge.errors import KvedgeError
+from kvedge.files import new_file
 from kvedge.runtime.cuda import current_device, import_cudart, import_tensorrt_builder
 
 log = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ def _keep_reductions_fp32(trt: Any, network: Any, config: Any) -> None:
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, tmp = new_file(path.parent, f".{path.name}.")  # readable by the service user
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)

@@ -65,7 +65,6 @@ import mmap
 import os
 import stat
 import struct
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +78,7 @@ from kvedge import __version__
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.contract.header import Header, check_header, convert, decode_json
 from kvedge.errors import ArtifactMismatch, KvedgeError
+from kvedge.files import new_file
 from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.sessions import common_prefix
 
@@ -160,7 +160,7 @@ def write_warm_file(
     raw += b" " * ((-(_PREAMBLE.size + len(raw))) % _ALIGN)
     digest = hashlib.sha256()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp")  # readable by the service user
     try:
         with os.fdopen(fd, "wb") as handle:
             chunks = [_PREAMBLE.pack(MAGIC, WARM_VERSION, len(raw)), raw]

@@ -17,7 +17,9 @@ UNIT = """\
 # `kvedge serve --config CONFIG --print-systemd-unit` writes this file for the current install.
 # A bearer key (required when the config binds a non-loopback host) goes in /etc/kvedge/kvedge.env
 # as NAME=value, NAME being the config's api_key_env. The service runs as User, never root; create
-# it with `sudo useradd --system --home-dir /nonexistent kvedge` and let it read the model folder.
+# it with `sudo useradd --system --home-dir /nonexistent kvedge`. It reads what export and
+# warm-prefixes wrote under umask 022 (folders 0755, files 0644); to let it write warm prefix files
+# at boot, give it the config's warm_dir: `sudo install -d -o kvedge -m 0755 WARM_DIR`.
 [Unit]
 Description=kvedge chatbot service (OpenAI-compatible HTTP API)
 After=network.target
