@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import getpass
 import json
 import logging
 import sys
@@ -50,7 +51,8 @@ def starting(what: str) -> None:
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a KvedgeError into one line on stderr and exit status 2, without a traceback."""
+    """Turn a KvedgeError, or a file this user may not read or write, into one line on stderr and
+    exit status 1, without a traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -58,6 +60,11 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             return func(*args, **kwargs)
         except KvedgeError as exc:
             raise click.ClickException(str(exc)) from None
+        except PermissionError as exc:  # typically the service user and files another user made
+            raise click.ClickException(
+                f"{exc.filename}: {exc.strerror} for user {getpass.getuser()} "
+                "(docs/JETSON.md, 'The service': what the service user must be able to read)"
+            ) from None
 
     return wrapper
 

@@ -8,8 +8,8 @@
    command lines, parsed from `kvedge serve --print-systemd-unit`, through `runuser`, in the
    unit's WorkingDirectory, with systemd's environment (the user's HOME, nothing inherited). The
    service loads root's warm file, writes the second one itself, and a chat request to 127.0.0.1
-   answers 200 with the text the model gives in-process. The user and its files are removed
-   afterwards.
+   answers 200 with the text the model gives in-process; a model folder the user may not read is
+   then refused in one line. The user and its files are removed afterwards.
 """
 
 from __future__ import annotations
@@ -266,3 +266,7 @@ def test_the_unit_serves_as_its_user_what_root_exported(system_user, deploy, tmp
     finally:
         service.terminate()
         service.wait(timeout=30)
+    (deploy / "model").chmod(0o700)  # as a umask of 077 would have left it: one line, no traceback
+    refused = ran_as(system_user, shlex.split(unit["ExecStartPre"]), deploy)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"manifest.json: Permission denied for user {system_user} (docs/JETSON.md" in refused.stderr
