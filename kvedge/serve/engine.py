@@ -201,9 +201,11 @@ class Engine:
             else:
                 log.exception("cannot start the model")
             self.state = "failed"
-            if model is not None:
-                model.close()
-            self.on_failure()
+            try:
+                if model is not None:
+                    model.close()
+            finally:
+                self.on_failure()
             return
         log.info("ready: %d slots", len(self._free))
         try:
