@@ -5,8 +5,9 @@ GPU does not cache pinned host memory; on a discrete GPU mapped memory is read o
 
 The probe: a one-node graph (ReduceSum) that reads a whole buffer the size of a SmolLM2-135M
 float32 cache at a context of 64 and of 1536 tokens (30 layers x K, V x 3 kv heads x 64 x 4 bytes
-per token), bound once as "cuda" at a mapped address and once at a cudaMalloc address, run 50
-times each on onnxruntime's CUDA provider. Both reads must give the same sum; the figures are
+per token), bound as "cuda" at a mapped address, at a cudaMalloc address and at a
+cudaMallocManaged address (which a Jetson's GPU caches and numpy can still address), run 50
+times each on onnxruntime's CUDA provider. Every read must give the same sum; the figures are
 milliseconds per read and GB/s, per placement and context: the decode step reads its cache
 once, so this is the floor each placement puts under decode at that context.
 """
@@ -61,24 +62,33 @@ def test_pool_placement_read_time(context, tmp_path, record):
     count = context * TOKEN_BYTES // 4
     values = np.random.default_rng(0).standard_normal(count).astype(np.float32)  # [count]
     host = MappedHost(cudart)
-    device = None
+    allocated = []  # device and managed buffers, freed after the session
+    times = {}
     try:
         mapped = page_aligned((count,), np.float32)
         mapped[...] = values
-        mapped_ms, mapped_sum = _read_ms(session, host.device_address(mapped), count)
-        device = cuda_call(cudart, cudart.cudaMalloc(values.nbytes), "cudaMalloc")
-        kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-        cuda_call(cudart, cudart.cudaMemcpy(device, values.ctypes.data, values.nbytes, kind), "cudaMemcpy")
-        device_ms, device_sum = _read_ms(session, int(device), count)
+        times["mapped"] = _read_ms(session, host.device_address(mapped), count)
+        # managed memory: the CPU may touch it between kernels, so the pool could stay numpy
+        flags = cudart.cudaMemAttachGlobal
+        for name, allocate in (
+            ("device", lambda: cudart.cudaMalloc(values.nbytes)),
+            ("managed", lambda: cudart.cudaMallocManaged(values.nbytes, flags)),
+        ):
+            address = int(cuda_call(cudart, allocate(), name))
+            allocated.append(address)
+            kind = cudart.cudaMemcpyKind.cudaMemcpyDefault
+            cuda_call(
+                cudart, cudart.cudaMemcpy(address, values.ctypes.data, values.nbytes, kind), "cudaMemcpy"
+            )
+            times[name] = _read_ms(session, address, count)
     finally:
         session = None
         host.close()
-        if device is not None:
-            cuda_call(cudart, cudart.cudaFree(device), "cudaFree")
-    assert device_sum == pytest.approx(mapped_sum, rel=1e-5)
+        for address in allocated:
+            cuda_call(cudart, cudart.cudaFree(address), "cudaFree")
     gb = values.nbytes / 1e9
     record(f"pool_placement.context_{context}.bytes", values.nbytes)
-    record(f"pool_placement.context_{context}.mapped_ms", mapped_ms)
-    record(f"pool_placement.context_{context}.device_ms", device_ms)
-    record(f"pool_placement.context_{context}.mapped_GBps", gb / (mapped_ms / 1e3))
-    record(f"pool_placement.context_{context}.device_GBps", gb / (device_ms / 1e3))
+    for name, (ms, total) in times.items():
+        assert total == pytest.approx(times["mapped"][1], rel=1e-5), name
+        record(f"pool_placement.context_{context}.{name}_ms", ms)
+        record(f"pool_placement.context_{context}.{name}_GBps", gb / (ms / 1e3))
