@@ -9,8 +9,12 @@
 #   2. run device_tests/ (for the portable and the `--variant ort --kv-dtype float16` exports:
 #      the CUDA binding, CUDA vs CPU logits within 1e-3 (float16 cache: its bound), cache on = off,
 #      decode time at context 1536 vs 64 with and without a CUDA graph, GPU memory vs the
-#      planner; TensorRT tests where TensorRT is present);
+#      planner, models opened and closed in turn, the cache read from mapped vs device memory
+#      at 64 / 1536 tokens (test_pool_placement.py); TensorRT tests where TensorRT is present);
 #   3. write the JSON report to ${KVEDGE_DEVICE_REPORT:-device_report.json}.
+# On a Jetson (JetPack 6.2 or 7.2), with kvedge, NVIDIA's Jetson onnxruntime-gpu (>= 1.20) and the
+# cuda-python of the device's CUDA major installed (docs/JETSON.md), step 1 is skipped: the same
+# script runs the same tests (memory figures there come from cudaMemGetInfo: one DRAM, all of it).
 #
 # On a lent device machine (/work/.library/device/README.md: at most 64 MiB carried per call,
 # the machine stays warm 30 s after a call, ignored files carried earlier stay there), with

@@ -6,6 +6,7 @@ Never run on hardware yet (see docs/JETSON.md). What each test establishes:
     float16 engine   what users run: logits within 2% of their range, same greedy tokens
     batch of two     the prefill/decode profiles with 2 rows of different lengths
     wrong device     an engine manifest naming another GPU is refused, naming both
+    contexts         one execution context per profile, each set once; close releases everything
 """
 
 from __future__ import annotations
@@ -93,3 +94,16 @@ def test_engine_for_another_device_is_refused(exported):
     path.write_text(json.dumps({**data, "device_name": "Some Other GPU"}))
     with pytest.raises(ArtifactMismatch, match="built for Some Other GPU .* this machine has"):
         TrtBackend(exported, Model(exported).manifest)
+
+
+def test_one_context_per_profile_released_in_order(exported):
+    """Prefill and decode run on their own contexts, each holding its profile from construction
+    (no switch per step); close gives every page lock and mapped buffer back."""
+    trt = _engine(exported, fp16=False)
+    try:
+        assert {p: c.active_optimization_profile for p, c in trt.contexts.items()} == {0: 0, 1: 1}
+        _compare(Model(exported), trt, [_prompt(20)], steps=4, atol=1e-3)
+        assert {p: c.active_optimization_profile for p, c in trt.contexts.items()} == {0: 0, 1: 1}
+    finally:
+        trt.close()
+    assert trt.host.nbytes == 0 and not trt.contexts

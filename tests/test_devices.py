@@ -16,11 +16,21 @@ import sys
 import tracemalloc
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from conftest import random_ids
 
 from kvedge.errors import KvedgeError
-from kvedge.runtime.backend import CALL, POOL, STEP, OrtBackend, binding_plan
+from kvedge.runtime.backend import (
+    CALL,
+    POOL,
+    STEP,
+    OrtBackend,
+    binding_plan,
+    cuda_provider_options,
+    cuda_refusal,
+    onnxruntime_cuda_refusal,
+)
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -212,3 +222,65 @@ def test_cuda_graph_refusals(tiny_llama):
     want = "cannot run this 'ort'-variant export" if manifest.in_place else "cannot capture a portable graph"
     with pytest.raises(KvedgeError, match=want):
         OrtBackend(tiny_llama.out, manifest, provider="cuda", cuda_graph=True)
+
+
+def test_step_inputs_are_bound_again_before_every_decode_step(tiny_llama, monkeypatch):
+    """onnxruntime copies an input at bind time wherever one of its consumers reads it on another
+    device (IOBinding::BindInput -> utils::CopyOneInputAcrossDevices): bound once, a step input
+    would be read as the first step left it. The plan marks exactly the inputs decode rewrites per
+    step (`rebind`), on cpu and cuda alike, and nothing of prefill (bound anew each call); the
+    decode step binds those again before every run, as onnxruntime's own IOBinding records."""
+    manifest = tiny_llama.model().manifest
+    step_inputs = {spec.name for spec in manifest.graph_inputs() if spec.layer is None}
+    providers = ["cpu"] + ([] if cuda_refusal(manifest) else ["cuda"])
+    for provider in providers:
+        for batch in (1, 2):
+            plan = binding_plan(manifest, provider, "decode", batch)
+            assert {b.name for b in plan if b.rebind} == step_inputs
+            assert all(b.buffer == STEP and not b.output for b in plan if b.rebind)
+        assert not [b for b in binding_plan(manifest, provider, "prefill", 1, seq=8) if b.rebind]
+
+    model = tiny_llama.model()
+    bound: list[str] = []
+    make = model.backend.session.io_binding
+
+    def recording_binding() -> ort.IOBinding:
+        binding = make()
+        real = binding.bind_input
+        binding.bind_input = lambda name, *args: bound.append(name) or real(name, *args)
+        return binding
+
+    monkeypatch.setattr(model.backend.session, "io_binding", recording_binding)
+    model.backend._decode_bindings.clear()
+    logits = prefill(model.backend, model.cache, 0, [random_ids(12, seed=5)])
+    token = int(np.argmax(logits))
+    steps = []
+    for step in range(4):
+        bound.clear()
+        steps.append(token)
+        token = int(np.argmax(decode_one_token(model.backend, model.cache, 0, [token])[0]))
+        if step:  # the first step made the binding; each later one binds the step inputs again
+            assert sorted(bound) == sorted(step_inputs), bound
+    # and what each step read was that step's token: the same logits as a fresh prefill
+    model.cache.reset(0)
+    fresh = prefill(model.backend, model.cache, 0, [random_ids(12, seed=5) + steps])
+    assert int(np.argmax(fresh)) == token
+
+
+def test_cuda_floor_and_provider_options():
+    """onnxruntime-gpu older than 1.20 (no GroupQueryAttention prefill on top of a past) is
+    refused naming both versions; TF32 is off on the CUDA provider."""
+    message = onnxruntime_cuda_refusal("1.19.2")
+    assert "onnxruntime 1.19.2 is older than 1.20" in message and "onnxruntime-gpu>=1.20" in message
+    for version in ("1.20.0", "1.20.1", "1.31.1", "2.0.0", "1.21.0.dev20250101"):
+        assert onnxruntime_cuda_refusal(version) is None, version
+    assert cuda_provider_options(False) == {"use_tf32": "0"}
+    assert cuda_provider_options(True) == {"use_tf32": "0", "enable_cuda_graph": "1"}
+
+
+def test_a_closed_model_refuses_to_run_and_closes_twice(tiny_llama):
+    with tiny_llama.model() as model:
+        prefill(model.backend, model.cache, 0, [random_ids(4)])
+    with pytest.raises(KvedgeError, match="backend was closed"):
+        prefill(model.backend, model.cache, 0, [random_ids(4)])
+    model.close()

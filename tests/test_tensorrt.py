@@ -11,6 +11,7 @@ itself builds and runs the graph is device_tests/test_tensorrt.py's job.
 from __future__ import annotations
 
 import ctypes
+import gc
 import inspect
 import json
 import subprocess
@@ -21,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from conftest import random_ids
+from cuda_standin import CudaRuntime
 from tiny import make_tiny_model
 
 from kvedge.contract import ONNX_FILE, Manifest
@@ -156,24 +158,40 @@ def _array(address: int, shape: tuple[int, ...], dtype) -> np.ndarray:
 
 
 class FakeContext:
-    """Runs the ONNX graph on onnxruntime CPU over the addresses and shapes bound to it."""
+    """Runs the ONNX graph on onnxruntime CPU over the addresses and shapes bound to it, holding
+    the calls to TensorRT 10's contract: a profile set once per context and used by no other
+    context, input shapes within the context's profile, 256-byte aligned addresses (False where
+    TensorRT refuses), an integer stream handle; its destruction is logged with CUDA's calls."""
 
     def __init__(self, engine):
-        self.engine, self.shapes, self.addresses, self.profile = engine, {}, {}, 0
+        self.engine, self.shapes, self.addresses, self.profile = engine, {}, {}, None
 
     def set_optimization_profile_async(self, index, stream):
+        assert isinstance(stream, int), "TensorRT's Python API takes the stream as an int"
+        if self.engine.profiles_in_use.get(index, id(self)) != id(self):
+            return False  # a profile is one context's at a time
+        self.engine.profiles_in_use[index] = id(self)
         self.profile = index
+        return True
 
     def set_input_shape(self, name, shape):
+        assert self.profile is not None, "set a profile first"
+        if name == self.engine.manifest.names.input_ids and self.profile == 1 and shape[1] > 1:
+            return False  # the decode profile's seq axis is 1..1
         self.shapes[name] = tuple(shape)
+        return True
 
     def set_tensor_address(self, name, address):
+        if address % 256:
+            return False
         self.addresses[name] = address
+        return True
 
     def execute_async_v3(self, stream):
+        assert isinstance(stream, int), "TensorRT's Python API takes the stream as an int"
         names = self.engine.manifest.names
-        batch, seq = self.shapes[names.input_ids]
-        assert self.profile == (1 if seq == 1 else 0), "decode must run on profile 1, prefill on 0"
+        assert self.profile == (1 if self.shapes[names.input_ids][1] == 1 else 0), "decode on 1, prefill on 0"
+        self.engine.runs.append(self.profile)
         feeds = {
             i.name: _array(
                 self.addresses[i.name], self.shapes[i.name], self.engine.get_tensor_dtype(i.name)
@@ -187,6 +205,10 @@ class FakeContext:
             )
         return True
 
+    def __del__(self):
+        self.engine.profiles_in_use.pop(self.profile, None)
+        self.engine.cudart.log("context destroyed", self.profile)
+
 
 ONNX_TYPES = {
     "tensor(float)": np.float32,
@@ -197,8 +219,10 @@ ONNX_TYPES = {
 
 
 class FakeEngine:
-    def __init__(self, folder, manifest):
-        self.manifest = manifest
+    def __init__(self, folder, manifest, cudart):
+        self.manifest, self.cudart = manifest, cudart
+        self.profiles_in_use: dict[int, int] = {}  # profile -> id() of the context holding it
+        self.runs: list[int] = []  # the profile of each execute_async_v3
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
         names = manifest.names
         args = self.session.get_inputs() + self.session.get_outputs()
@@ -280,34 +304,8 @@ class FakeBuilder:
         return b"plan"
 
 
-def fake_modules(folder, manifest) -> dict[str, types.ModuleType]:
-    keep_alive: list = []
-    ok = 0
-
-    def host_alloc(nbytes, flags):
-        buffer = (ctypes.c_uint8 * nbytes)()
-        keep_alive.append(buffer)
-        return ok, ctypes.addressof(buffer)
-
-    runtime = types.SimpleNamespace(
-        cudaError_t=types.SimpleNamespace(cudaSuccess=ok),
-        cudaDeviceAttr=types.SimpleNamespace(cudaDevAttrHostRegisterSupported=100),
-        cudaHostAllocMapped=2,
-        cudaHostRegisterMapped=2,
-        cudaGetErrorString=lambda error: (ok, b"fake error"),
-        cudaGetDeviceProperties=lambda index: (
-            ok,
-            types.SimpleNamespace(name=b"Orin\x00", major=8, minor=7, multiProcessorCount=8),
-        ),
-        cudaDeviceGetAttribute=lambda attribute, device: (ok, 1),
-        cudaStreamCreate=lambda: (ok, 7),
-        cudaStreamSynchronize=lambda stream: (ok,),
-        cudaHostAlloc=host_alloc,
-        cudaHostGetDevicePointer=lambda host, flags: (ok, host),  # one DRAM: same address
-        cudaHostRegister=lambda address, size, flags: (ok,),
-        cudaHostUnregister=lambda address: (ok,),
-        cudaFreeHost=lambda address: (ok,),
-    )
+def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[str, types.ModuleType]:
+    runtime = cudart or CudaRuntime()
 
     def logger(severity):
         return None
@@ -318,7 +316,7 @@ def fake_modules(folder, manifest) -> dict[str, types.ModuleType]:
         Logger=logger,
         nptype=lambda dtype: dtype,
         Runtime=lambda logger: types.SimpleNamespace(
-            deserialize_cuda_engine=lambda data: FakeEngine(folder, manifest)
+            deserialize_cuda_engine=lambda data: FakeEngine(folder, manifest, runtime)
         ),
         **FakeBuilder.module_attributes(),
     )
@@ -337,7 +335,8 @@ def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: floa
     (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
-        for name, module in fake_modules(folder, manifest).items():
+        cudart = CudaRuntime()
+        for name, module in fake_modules(folder, manifest, cudart).items():
             monkeypatch.setitem(sys.modules, name, module)
         trt = TrtBackend(folder, manifest)
         cpu = Model(folder, slots=3)
@@ -358,10 +357,37 @@ def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: floa
             np.testing.assert_array_equal(trt_cache.scales, cpu.cache.scales)
         with pytest.raises(KvedgeError, match="exceeds the engine's profiles"):
             prefill(trt, trt_cache, 0, [[5]] * 3)
-        trt.close()
+        # one context per profile, each set once: prefill ran on 0, decode on 1, no switching
+        engine = trt.engine
+        assert sorted(engine.profiles_in_use) == [0, 1] and 0 in engine.runs and 1 in engine.runs
+        assert engine.profiles_in_use == {profile: id(c) for profile, c in trt.contexts.items()}
+        _closes_in_order(trt, cudart)
     finally:
         (folder / ENGINE_MANIFEST_FILE).unlink()
         (folder / ENGINE_FILE).unlink()
+
+
+def _closes_in_order(trt, cudart: CudaRuntime) -> None:
+    """`close` stops TensorRT before it gives the memory back: both contexts are destroyed before
+    the first unregister or free, every page lock and buffer is released, the stream last."""
+    before = len(cudart.events)
+    del cudart.events[:before]
+    trt.close()
+    gc.collect()
+    events = [name for name, _ in cudart.events]
+    released = [i for i, name in enumerate(events) if name in ("cudaHostUnregister", "cudaFreeHost")]
+    assert events.count("context destroyed") == 2 and released, events
+    assert max(i for i, name in enumerate(events) if name == "context destroyed") < min(released), events
+    assert events[-1] == "cudaStreamDestroy" and cudart.registered == {} and cudart.allocated == {}
+    trt.close()  # twice: nothing left
+    with pytest.raises(KvedgeError, match="was closed"):
+        trt.run(
+            np.zeros((1, 1), np.int64),
+            np.zeros((1, 1), np.int64),
+            np.zeros(1, np.int64),
+            np.zeros(1, np.int64),
+            [],
+        )
 
 
 def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):
@@ -386,7 +412,7 @@ def test_both_backends_implement_the_backend_protocol():
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
     methods = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and name[0] != "_"]
-    assert sorted(methods) == ["reserve", "run"]
+    assert sorted(methods) == ["close", "reserve", "run"]
     for cls in (OrtBackend, TrtBackend):
         for name in methods:
             assert parameters(getattr(cls, name)) == parameters(getattr(Backend, name)), (cls, name)
@@ -407,3 +433,36 @@ def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_
     assert EngineManifest.load(tmp_path) == engine == engine_manifest(manifest, workspace_bytes=256 << 20)
     build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
     assert FakeBuilder.last.timing_seeds == [b"timing"]  # the second build starts from the first's cache
+
+
+def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, monkeypatch):
+    """TensorRT's setters answer False (reason in its log): each answer is checked and a refusal
+    names the tensor; the memory taken so far is given back."""
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
+    (folder / ENGINE_FILE).write_bytes(b"fake plan")
+    try:
+        cudart = CudaRuntime()
+        for name, module in fake_modules(folder, manifest, cudart).items():
+            monkeypatch.setitem(sys.modules, name, module)
+        trt = TrtBackend(folder, manifest)
+        cache = KVCache(manifest.geometry, 1)
+        trt.reserve(cache.layer_views(0, 1), manifest.geometry.max_len)
+        refused = manifest.names.layer(manifest.names.past_value, 1)
+        accept = FakeContext.set_tensor_address
+        monkeypatch.setattr(
+            FakeContext, "set_tensor_address", lambda self, n, a: n != refused and accept(self, n, a)
+        )
+        with pytest.raises(KvedgeError, match=rf"TensorRT refused set_tensor_address\('{refused}', 0x"):
+            prefill(trt, cache, 0, [random_ids(5)])
+        monkeypatch.setattr(FakeContext, "set_optimization_profile_async", lambda self, i, s: False)
+        with pytest.raises(KvedgeError, match=r"TensorRT refused set_optimization_profile_async\(0\)"):
+            TrtBackend(folder, manifest)
+        trt.close()
+        gc.collect()
+        assert cudart.registered == {} and cudart.allocated == {} and not cudart.streams
+    finally:
+        (folder / ENGINE_MANIFEST_FILE).unlink()
+        (folder / ENGINE_FILE).unlink()

@@ -29,8 +29,13 @@ both providers bind from and tests check without a GPU:
   cache-sized is copied between host and device, ever. Decode's step buffers (ids, lengths,
   logits, the portable graph's one-token K/V) are mapped pinned buffers bound as "cuda" too:
   a few bytes per row that the GPU reads and writes in place, at addresses fixed for the
-  binding's life, which CUDA graph replay needs. Prefill's inputs and outputs are per-call and
-  prompt-sized, bound as "cpu": onnxruntime copies them once per call. On Jetson the mapped
+  binding's life, which CUDA graph replay needs. The step inputs among them are bound again
+  before every step (`Bound.rebind`): onnxruntime copies an input at bind time wherever a
+  consumer reads it on another device (shape arithmetic it keeps on the CPU, say), and a copy
+  made once would hold the first step's tokens and lengths forever. Every device address bound
+  is 256-byte aligned (`kvedge.runtime.memory`), TF32 is off (`cuda_provider_options`), and
+  onnxruntime older than `ONNXRUNTIME_CUDA_FLOOR` is refused. Prefill's inputs and outputs are
+  per-call and prompt-sized, bound as "cpu": onnxruntime copies them once per call. On Jetson the mapped
   memory is the GPU's own DRAM; on a discrete GPU every cache read crosses PCIe (correct, slow).
   Portable graphs and the float16-cache `ort` graph run on cuda (`cuda_refusal` says why the
   other in-place ones cannot); the latter's GroupQueryAttention writes the new K/V into the
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -60,6 +66,7 @@ from kvedge.contract.engine import DEVICES, ENGINE_FILE
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.memory import check_alignment
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,8 @@ INSTALL_ONNXRUNTIME_GPU = (
 MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
 # the cache dtype of the one in-place export onnxruntime's CUDA provider runs (`cuda_refusal`)
 CUDA_IN_PLACE_KV_DTYPE = "float16"
+# the oldest onnxruntime the cuda backend opens with (`onnxruntime_cuda_refusal`)
+ONNXRUNTIME_CUDA_FLOOR = (1, 20)
 # onnxruntime run option selecting a captured CUDA graph; -1: this run is neither captured nor replayed
 CUDA_GRAPH_ID = "gpu_graph_id"
 
@@ -90,6 +99,11 @@ class Bound:
     device: str  # the memory onnxruntime is told it is in: "cpu", or "cuda" (device-addressable)
     shape: tuple[int, ...]
     dtype: np.dtype
+    # bound again before every step: an input whose values change per step. onnxruntime copies
+    # an input at bind time to where its consumers read it when that is not where it is bound
+    # (IOBinding::BindInput -> utils::CopyOneInputAcrossDevices), so an input bound once would
+    # leave later steps reading the first step's values wherever a consumer sits elsewhere
+    rebind: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +150,33 @@ def cuda_graph_refusal(manifest: Manifest) -> str | None:
     return cuda_refusal(manifest)
 
 
+def onnxruntime_cuda_refusal(version: str) -> str | None:
+    """Why this onnxruntime cannot run kvedge's CUDA path, or None: older than
+    `ONNXRUNTIME_CUDA_FLOOR`, where GroupQueryAttention first takes new tokens on top of a
+    non-empty past ("continuous decoding", onnxruntime PR #21523, first released in 1.20.0),
+    which the float16 in-place export's chunked prefill runs. One floor for every cuda export:
+    the Jetson builds (1.19.2 .. 1.25.1 on NVIDIA's jp6/cu126 index) include newer ones."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if release >= ONNXRUNTIME_CUDA_FLOOR:
+        return None
+    floor = ".".join(str(n) for n in ONNXRUNTIME_CUDA_FLOOR)
+    return (
+        f"onnxruntime {version} is older than {floor}, the first whose CUDA GroupQueryAttention "
+        f"prefills on top of a cached past; install onnxruntime-gpu>={floor} ({INSTALL_ONNXRUNTIME_GPU})"
+    )
+
+
+def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
+    """onnxruntime CUDA provider options. TF32 off (onnxruntime turns it on by default): a float32
+    graph (or a float32 island of a float16 graph: norms, softmax, logits) is float32 because
+    kvedge promises float32 results, and TF32 matmuls round inputs to 10 mantissa bits, about
+    1e-3 relative, the size of the tolerance parity is checked at."""
+    options = {"use_tf32": "0"}
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return options
+
+
 def binding_plan(
     manifest: Manifest, provider: str, phase: str, batch: int, seq: int = 1
 ) -> tuple[Bound, ...]:
@@ -158,7 +199,8 @@ def binding_plan(
             else:
                 buffer = STEP if decode else CALL
             where = "cpu" if buffer == CALL else device
-            plan.append(Bound(spec.name, output, buffer, where, spec.shape(batch, seq), np.dtype(spec.dtype)))
+            shape, dtype = spec.shape(batch, seq), np.dtype(spec.dtype)
+            plan.append(Bound(spec.name, output, buffer, where, shape, dtype, buffer == STEP and not output))
     return tuple(plan)
 
 
@@ -173,8 +215,8 @@ class StepOutput:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load.
-    `OrtBackend` (here) and `kvedge.runtime.trt_backend.TrtBackend` implement it."""
+    """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load
+    and closes it. `OrtBackend` (here) and `kvedge.runtime.trt_backend.TrtBackend` implement it."""
 
     manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
 
@@ -192,6 +234,11 @@ class Backend(Protocol):
 
     def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
         """Take now, at load, the memory later steps over `past` (all slots' views) will need."""
+        ...
+
+    def close(self) -> None:
+        """Stop running, then give back what was taken for the GPU (page locks, mapped buffers),
+        in that order; safe to call twice. The cache arrays themselves are the caller's."""
         ...
 
 
@@ -252,6 +299,8 @@ class OrtBackend:
                 f"onnxruntime provider {PROVIDERS[provider]} is not available here "
                 f"(have: {ort.get_available_providers()}); {INSTALL_ONNXRUNTIME_GPU}"
             )
+        if provider == "cuda" and (refusal := onnxruntime_cuda_refusal(ort.__version__)):
+            raise KvedgeError(refusal)
         binding_plan(manifest, provider, "decode", 1)  # refuses what the provider cannot bind
         self.manifest = manifest
         self.provider = provider
@@ -266,7 +315,7 @@ class OrtBackend:
         self.threads = options.intra_op_num_threads
         if manifest.uses_kvedge_ops:
             options.register_custom_ops_library(str(kernels.library_path()))
-        provider_options = {"enable_cuda_graph": "1"} if cuda_graph else {}
+        provider_options = cuda_provider_options(cuda_graph) if provider == "cuda" else {}
         self.session = ort.InferenceSession(
             str(folder / ONNX_FILE), options, providers=[(PROVIDERS[provider], provider_options)]
         )
@@ -329,6 +378,8 @@ class OrtBackend:
         counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
     ) -> StepOutput:
         """Run one step. Logits of a row with no real tokens are zeros (in-place variant)."""
+        if self.session is None:
+            raise KvedgeError("this onnxruntime backend was closed")
         batch, seq = input_ids.shape
         counts = last_index + 1 if counts is None else np.asarray(counts, np.int64)
         if seq == 1 and bool((counts == 1).all()):
@@ -382,6 +433,8 @@ class OrtBackend:
         step.input_ids[...] = input_ids
         step.past_lengths[...] = past_lengths
         step.position_ids[...] = position_ids  # bound only where the graph takes positions
+        for args in step.rebind:  # the same buffers, bound again: what they hold now (`Bound.rebind`)
+            step.binding.bind_input(*args)
         self.session.run_with_iobinding(step.binding, step.run_options)
         return StepOutput(step.logits[:, 0].copy(), step.present)
 
@@ -393,8 +446,10 @@ class OrtBackend:
         owned = {bound.name: self._step_buffer(bound) for bound in plan if bound.buffer == STEP}
         arrays.update(owned)
         binding = self.session.io_binding()
+        rebind = [self._bind(binding, bound, arrays[bound.name]) for bound in plan if bound.rebind]
         for bound in plan:
-            self._bind(binding, bound, arrays[bound.name])
+            if not bound.rebind:
+                self._bind(binding, bound, arrays[bound.name])
         present = None
         if not self.manifest.in_place:  # the new token's K/V [batch, kvh, 1, d or groups], per layer
             templates = names.present(g.quantized)
@@ -415,6 +470,7 @@ class OrtBackend:
             owned=list(owned.values()),
             plan=plan,
             run_options=run_options,
+            rebind=rebind,
         )
 
     def _step_buffer(self, bound: Bound) -> np.ndarray:
@@ -441,17 +497,23 @@ class OrtBackend:
             for template, view in zip(per_layer, views, strict=True)
         }
 
-    def _bind(self, binding: ort.IOBinding, bound: Bound, array: np.ndarray) -> None:
+    def _bind(self, binding: ort.IOBinding, bound: Bound, array: np.ndarray) -> tuple:
         """Bind `array` by pointer as `bound` says: its host address on the CPU, its device
-        address on cuda. The caller keeps `array` alive while the binding is used."""
+        address (256-byte aligned) on cuda. The caller keeps `array` alive while the binding is
+        used. Returns the arguments bound, to bind again."""
         if not array.flags.c_contiguous or array.shape != bound.shape or array.dtype != bound.dtype:
             raise KvedgeError(
                 f"{bound.name}: buffer {list(array.shape)} {array.dtype} (contiguous: "
                 f"{array.flags.c_contiguous}) cannot be bound in place as {list(bound.shape)} {bound.dtype}"
             )
-        address = array.ctypes.data if bound.device == "cpu" else self.host.device_address(array)
-        bind = binding.bind_output if bound.output else binding.bind_input
-        bind(bound.name, bound.device, 0, array.dtype, list(array.shape), address)
+        if bound.device == "cpu":
+            address = array.ctypes.data
+        else:
+            address = self.host.device_address(array)
+            check_alignment(bound.name, address, array if bound.buffer == POOL else None)
+        args = (bound.name, bound.device, 0, array.dtype, list(array.shape), address)
+        (binding.bind_output if bound.output else binding.bind_input)(*args)
+        return args
 
     def _bind_call(
         self,
@@ -502,8 +564,11 @@ class OrtBackend:
         return self._select_last(logits, last_index)  # [batch, 1 or seq, vocab] -> [batch, vocab]
 
     def close(self) -> None:
-        """Give back the mapped memory (cuda); the backend is unusable afterwards."""
+        """Stop onnxruntime, then give back the mapped memory (cuda), in that order: the bindings
+        and the session that read the pool and the step buffers on the device go first. The
+        backend is unusable afterwards; safe to call twice."""
         self._decode_bindings.clear()
+        self.session = None
         if self.host is not None:
             self.host.close()
 
@@ -522,6 +587,7 @@ class _DecodeBinding:
     owned: list[np.ndarray]  # the step buffers made for this binding (plan's STEP entries)
     plan: tuple[Bound, ...]  # what is bound where, `binding_plan`
     run_options: ort.RunOptions | None  # cuda_graph: this binding's gpu_graph_id
+    rebind: list[tuple]  # bind_input arguments of the plan's `rebind` inputs, bound before each step
 
 
 def _run_options(graph_id: int) -> ort.RunOptions:

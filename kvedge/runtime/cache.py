@@ -1,6 +1,7 @@
 """The KV cache: one preallocated pool, a valid length per slot, nothing inferred from contents.
 
-Memory layout (one allocation, made at construction and reused forever)::
+Memory layout (made at construction and reused forever; each array alone in whole pages,
+`kvedge.runtime.memory.page_aligned`, so a GPU backend can page-lock it in place)::
 
     pool     [layers, 2 (K, V), slots, kv_heads, max_len, head_dim]   geometry dtype
     scales   [layers, 2 (K, V), slots, kv_heads, max_len, groups]     float16, int8 caches only
@@ -39,6 +40,7 @@ import numpy as np
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.quant import dequantize_tokens, quantize_tokens
+from kvedge.runtime.memory import page_aligned
 from kvedge.runtime.rope import rotate_keys
 
 
@@ -84,17 +86,17 @@ class KVCache:
             raise KvedgeError(f"slots={slots!r} must be a positive integer")
         self.geometry = geometry
         self.slots = slots
-        # np.full writes every page now (np.zeros would map zero pages lazily, as tokens arrive):
-        # the whole pool is resident from the start, so a cache that does not fit fails at load,
-        # not mid-conversation, and decoding never faults in new pages as the context grows.
-        self.pool = np.full(geometry.pool_shape(slots), 0, geometry.np_dtype)
+        # Each array alone in its own whole pages, every page written now (`page_aligned`): the
+        # pool is resident from the start, so a cache that does not fit fails at load, not
+        # mid-conversation; and the GPU backends can page-lock exactly these pages, once.
+        self.pool = page_aligned(geometry.pool_shape(slots), geometry.np_dtype)
         self.scales = (
-            np.full(geometry.scale_pool_shape(slots), 1, KV_SCALE_DTYPE) if geometry.quantized else None
+            page_aligned(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1) if geometry.quantized else None
         )
         ring = bool(geometry.ring_layers)
-        self.ring = np.full(geometry.ring_shape(slots), 0, geometry.np_dtype) if ring else None
+        self.ring = page_aligned(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
         self.ring_scales = (
-            np.full(geometry.ring_scale_shape(slots), 1, KV_SCALE_DTYPE)
+            page_aligned(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
             if ring and geometry.quantized
             else None
         )

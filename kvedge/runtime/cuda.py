@@ -14,13 +14,14 @@ by `TrtBackend` (another flavour), so on a Jetson the build is redone there.
 from __future__ import annotations
 
 import ctypes
-import mmap
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvedge.contract.engine import DeviceInfo
 from kvedge.errors import KvedgeError
+from kvedge.runtime.memory import owned_mapping
 
 INSTALL_TENSORRT = (
     "TensorRT is not installed for this Python. On a Jetson it ships with JetPack "
@@ -99,12 +100,17 @@ class MappedHost:
     on a discrete GPU the same memory is reached over PCIe: correct, but every access crosses
     the bus.
 
-    Two kinds of mapping, and `device_address` of any view into either:
-      - arrays kvedge already owns (the `KVCache` pool and its scales) are page-locked in place
-        once, with cudaHostRegister(Mapped), at the first `device_address` of a view into them;
-      - step buffers are allocated here, zeroed (`empty`: cudaHostAlloc(Mapped)), and given back
+    Only memory kvedge owns is mapped, each piece once (`kvedge.runtime.memory`):
+      - the `KVCache` arrays (pool, scales, ring layers), each its own whole pages from
+        `memory.page_aligned`: page-locked in place with cudaHostRegister(Mapped) at the first
+        `device_address` of a view into them (or `register`); this object keeps a reference to
+        each until it unregisters it, so its pages cannot be freed (and reused) while locked;
+      - step buffers allocated here, zeroed (`empty`: cudaHostAlloc(Mapped)), and given back
         with `release`.
-    `close` unregisters and frees everything; the arrays from `empty` are invalid afterwards.
+    Any other array is refused: its pages may be shared with other arrays and CUDA refuses a
+    range part of which is registered already (cudaErrorHostMemoryAlreadyRegistered, 712).
+    `close` (after whatever reads this memory on the device has stopped: the caller's to order)
+    unregisters and frees everything, newest first; the arrays from `empty` are invalid after.
     """
 
     def __init__(self, cudart: Any | None = None) -> None:
@@ -117,8 +123,7 @@ class MappedHost:
         )
         if not supported:
             raise KvedgeError("this GPU cannot map host memory (cudaHostRegister); the GPU backends need it")
-        # (host start, host end, device start, allocated here) of every mapping, registered or allocated
-        self._mappings: list[tuple[int, int, int, bool]] = []
+        self._mappings: list[_Mapping] = []  # in the order made
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
@@ -130,53 +135,93 @@ class MappedHost:
         host = int(
             self._call(self.cudart.cudaHostAlloc(nbytes, self.cudart.cudaHostAllocMapped), "cudaHostAlloc")
         )
-        device = self._call(self.cudart.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer")
-        self._mappings.append((host, host + nbytes, int(device), True))
+        try:
+            device = self._call(self.cudart.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer")
+        except KvedgeError:
+            self.cudart.cudaFreeHost(host)
+            raise
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host))
         array = raw[: int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
         array[...] = 0
+        self._mappings.append(_Mapping(host, host + nbytes, int(device), array, allocated=True))
         return array
 
     def device_address(self, view: np.ndarray) -> int:
-        """The device address of `view`'s first element; a view into memory not yet mapped
-        page-locks the whole array it belongs to, once."""
-        address = view.ctypes.data
-        for start, end, device, _ in self._mappings:
-            if start <= address < end:
-                return device + (address - start)
-        root = view
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        start = root.ctypes.data & ~(mmap.PAGESIZE - 1)
-        end = -(-(root.ctypes.data + root.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+        """The device address of `view`'s first element; a view into a `KVCache` array not yet
+        mapped page-locks that whole array, once."""
+        address = view.__array_interface__["data"][0]
+        for mapping in self._mappings:
+            if mapping.start <= address < mapping.end:
+                return mapping.device + (address - mapping.start)
+        return self.register(view) + (address - owned_mapping(view)[1])
+
+    def register(self, view: np.ndarray) -> int:
+        """Page-lock and map the `memory.page_aligned` array `view` looks into (once); returns the
+        device address of that array's start."""
+        owned = owned_mapping(view)
+        if owned is None:
+            raise KvedgeError(
+                f"memory at {view.__array_interface__['data'][0]:#x} was not allocated by kvedge "
+                "(kvedge.runtime.memory.page_aligned or MappedHost.empty): it may share pages with "
+                "other arrays, which CUDA cannot register twice; the GPU backends map only their own"
+            )
+        root, start, size = owned
+        for mapping in self._mappings:
+            if mapping.start == start:
+                return mapping.device
         self._call(
-            self.cudart.cudaHostRegister(start, end - start, self.cudart.cudaHostRegisterMapped),
-            "cudaHostRegister(cache pool)",
+            self.cudart.cudaHostRegister(start, size, self.cudart.cudaHostRegisterMapped),
+            f"cudaHostRegister({size} bytes at {start:#x})",
         )
-        device = self._call(self.cudart.cudaHostGetDevicePointer(start, 0), "cudaHostGetDevicePointer")
-        self._mappings.append((start, end, int(device), False))
-        return int(device) + (address - start)
+        try:
+            device = self._call(self.cudart.cudaHostGetDevicePointer(start, 0), "cudaHostGetDevicePointer")
+        except KvedgeError:
+            self.cudart.cudaHostUnregister(start)
+            raise
+        self._mappings.append(_Mapping(start, start + size, int(device), root, allocated=False))
+        return int(device)
 
     @property
     def nbytes(self) -> int:
         """Host bytes page-locked and mapped (registered arrays and allocated buffers)."""
-        return sum(end - start for start, end, _, _ in self._mappings)
+        return sum(mapping.end - mapping.start for mapping in self._mappings)
 
     def release(self, array: np.ndarray) -> None:
         """Free a buffer from `empty`; `array` is invalid afterwards."""
-        address = array.ctypes.data
+        address = array.__array_interface__["data"][0]
         for mapping in self._mappings:
-            if mapping[3] and mapping[0] == address:
+            if mapping.allocated and mapping.start == address:
                 self._mappings.remove(mapping)
                 self._call(self.cudart.cudaFreeHost(address), "cudaFreeHost")
                 return
         raise KvedgeError(f"buffer at {address:#x} was not allocated by this MappedHost")
 
     def close(self) -> None:
-        """Unregister the registered arrays and free the allocated buffers."""
-        for start, _, _, allocated in self._mappings:
-            if allocated:
-                self.cudart.cudaFreeHost(start)
+        """Unregister the registered arrays and free the allocated buffers, newest first; every
+        one is attempted, then the first failure is raised. Safe to call twice."""
+        failures = []
+        while self._mappings:
+            mapping = self._mappings.pop()
+            if mapping.allocated:
+                call, what = self.cudart.cudaFreeHost, "cudaFreeHost"
             else:
-                self.cudart.cudaHostUnregister(start)
-        self._mappings.clear()
+                call, what = self.cudart.cudaHostUnregister, "cudaHostUnregister"
+            try:
+                self._call(call(mapping.start), f"{what}({mapping.start:#x})")
+            except KvedgeError as exc:
+                failures.append(exc)
+            # the registered array's last reference here goes only now, after the unregister
+            del mapping
+        if failures:
+            raise failures[0]
+
+
+@dataclass
+class _Mapping:
+    """Host range [start, end) page-locked and mapped at device address `device`."""
+
+    start: int
+    end: int
+    device: int
+    array: np.ndarray  # registered: the page_aligned array, kept alive; allocated: the buffer's view
+    allocated: bool  # cudaHostAlloc'd here (freed with cudaFreeHost), else cudaHostRegister'd

@@ -45,7 +45,10 @@ class Model:
     with its tokenizer, a preallocated cache of `slots` sequences, one
     `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at start-up, and
     optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`).
-    `cuda_graph`: capture the decode step as a CUDA graph (cuda only, `kvedge.runtime.backend`)."""
+    `cuda_graph`: capture the decode step as a CUDA graph (cuda only, `kvedge.runtime.backend`).
+
+    `close()` (or leaving `with Model(...) as model:`) stops the backend and gives back what it
+    took on the GPU (page locks on the cache, mapped buffers); the model is unusable after."""
 
     def __init__(
         self,
@@ -73,6 +76,13 @@ class Model:
             self._verify_graph()
         self.policy = policy or HistoryPolicy()
         _check_ring_features(self.manifest.geometry, self.policy)
+        if (
+            self.policy.mode == "window"
+            and len(self.manifest.rope.inv_freq) != self.manifest.geometry.head_dim // 2
+        ):
+            raise KvedgeError(
+                "history_policy 'window' needs RoPE frequencies in the manifest; re-export the model"
+            )
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.device = device
@@ -84,6 +94,20 @@ class Model:
             max_decode_bindings=ranges,
             cuda_graph=cuda_graph,
         )
+        try:
+            self._load(slots, warmup, warm_dir, prefix_cache_bytes)
+        except BaseException:
+            self.backend.close()  # the GPU memory it took is given back even when loading fails
+            raise
+
+    def _load(
+        self,
+        slots: int,
+        warmup: WarmupConfig | None,
+        warm_dir: str | Path | None,
+        prefix_cache_bytes: int,
+    ) -> None:
+        """Everything after the backend opened: tokenizer, cache, sessions, warm prefixes."""
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(
             self.folder / TOKENIZER_FILE, self.manifest.vocab_size, self.manifest.eos_token_ids
@@ -95,10 +119,6 @@ class Model:
         self._last_used = [0.0] * slots
         self.prefix_lru = PrefixLRU(self.manifest.geometry, prefix_cache_bytes)
         geometry = self.manifest.geometry
-        if self.policy.mode == "window" and len(self.manifest.rope.inv_freq) != geometry.head_dim // 2:
-            raise KvedgeError(
-                "history_policy 'window' needs RoPE frequencies in the manifest; re-export the model"
-            )
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
         self.prefixes = PrefixStore()
         self.warmup_report: WarmupReport | None = None
@@ -134,6 +154,17 @@ class Model:
         """Load the warm prefixes `config` declares from `folder`, recomputing any that is not
         valid (in the last slot, which is left empty)."""
         return warm_up(self.tokenizer, self.backend, self.cache, self.manifest, config, folder)
+
+    def close(self) -> None:
+        """Stop the backend, then release what it holds of the cache (GPU page locks, mapped
+        buffers); the cache arrays go with this object. Safe to call twice."""
+        self.backend.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- what the service and the CLI call ---------------------------------------------------
 

@@ -6,8 +6,9 @@ compares it with the onnxruntime CPU reference; run that before trusting it.
 
 Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
 
-    cache pool   the KVCache's own numpy pool (and, for an INT8 cache, its float16 scales pool),
-                 page-locked once with cudaHostRegister(Mapped); past K/V [batch, kv_heads,
+    cache pool   the KVCache's own arrays (pool; for an INT8 cache its float16 scales), each in
+                 its own whole pages (`kvedge.runtime.memory`), page-locked once with
+                 cudaHostRegister(Mapped) at `reserve` and unregistered at `close`; past K/V [batch, kv_heads,
                  max_len, head_dim] views (int8 caches: then K/V scales [batch, kv_heads, max_len,
                  groups] float16) are bound by device pointer, so the GPU reads the cache in
                  place and nothing cache-sized is copied
@@ -18,7 +19,8 @@ Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
 
 Inputs and outputs are mapped pinned host buffers (cudaHostAlloc Mapped), allocated once for
 the engine's largest profile (B = max_batch, P = max_prefill): the GPU reads and writes them
-directly and the hot path allocates nothing. On a discrete GPU the same code is correct but
+directly and the hot path allocates nothing. Every bound address is checked for TensorRT's
+256-byte alignment, and every setter's answer is checked. On a discrete GPU the same code is correct but
 every cache read crosses PCIe; it is meant for Jetson. Not done yet: CUDA graph capture of the
 decode step.
 """
@@ -31,14 +33,17 @@ from typing import Any
 import numpy as np
 
 from kvedge.contract import Manifest, TensorSpec
-from kvedge.contract.engine import ENGINE_FILE, EngineManifest, profile_for
+from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import StepOutput
 from kvedge.runtime.cuda import MappedHost, cuda_call, current_device, import_cudart, import_tensorrt
+from kvedge.runtime.memory import check_alignment
 
 
 class TrtBackend:
-    """One TensorRT execution context over `model.engine` in an artifact folder."""
+    """TensorRT over `model.engine` in an artifact folder: one execution context per optimization
+    profile (prefill, decode), each set to its profile once, so no step switches profiles (a
+    switch costs a resource update, TensorRT warns)."""
 
     def __init__(self, folder: Path, manifest: Manifest) -> None:
         self.trt, self.cudart = import_tensorrt(), import_cudart()
@@ -47,14 +52,30 @@ class TrtBackend:
         self.engine_manifest.check_model(manifest)
         self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart), "tensorrt")
         self.host = MappedHost(self.cudart)  # the pool, mapped in place, and the step buffers
-
-        self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
-        self.engine = self.runtime.deserialize_cuda_engine((Path(folder) / ENGINE_FILE).read_bytes())
-        if self.engine is None:
-            raise KvedgeError(f"TensorRT could not load {Path(folder) / ENGINE_FILE}; rebuild it")
-        self.context = self.engine.create_execution_context()
         self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
-        self.profile: int | None = None
+        self.contexts: dict[int, Any] = {}  # profile -> the execution context that runs it
+        self.engine = self.runtime = None
+        try:
+            self._load(Path(folder), manifest)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, folder: Path, manifest: Manifest) -> None:
+        self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
+        self.engine = self.runtime.deserialize_cuda_engine((folder / ENGINE_FILE).read_bytes())
+        if self.engine is None:
+            raise KvedgeError(f"TensorRT could not load {folder / ENGINE_FILE}; rebuild it")
+        # TensorRT gives a profile to one context at a time: context i runs profile i
+        for profile in (PREFILL_PROFILE, DECODE_PROFILE):
+            context = self.engine.create_execution_context()
+            if context is None:
+                raise KvedgeError("TensorRT could not create an execution context (out of GPU memory?)")
+            self.contexts[profile] = context
+            _check(
+                context.set_optimization_profile_async(profile, int(self.stream)),
+                f"set_optimization_profile_async({profile})",
+            )
 
         b, p = self.engine_manifest.max_batch, self.engine_manifest.max_prefill
         self.max_batch, self.max_prefill = b, p
@@ -66,16 +87,19 @@ class TrtBackend:
             dtype = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(spec.name)))
             flat = self.host.empty((int(np.prod(spec.shape(b, p))),), dtype)
             self.buffers[spec.name] = flat, self.host.device_address(flat)
+            check_alignment(spec.name, self.buffers[spec.name][1])
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
 
     def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
-        """Page-lock the cache pool now rather than at the first step; every other buffer was
-        allocated at construction for the largest profile, so nothing grows later."""
-        for views in past:
-            for view in views:
-                self.host.device_address(view)
+        """Page-lock the cache pool now rather than at the first step, and refuse now a pool
+        whose views TensorRT could not take (256-byte alignment, at any slot); every other
+        buffer was allocated at construction for the largest profile, so nothing grows later."""
+        names, g = self.manifest.names, self.manifest.geometry
+        for i, views in enumerate(past):
+            for template, view in zip(names.past(g.quantized), views, strict=True):
+                check_alignment(names.layer(template, i), self.host.device_address(view), view)
 
     def run(
         self,
@@ -86,6 +110,8 @@ class TrtBackend:
         past: list[tuple[np.ndarray, ...]],  # per layer [batch, kvh, max_len, d] pool views
         counts: np.ndarray | None = None,  # [batch] real tokens per row; portable graphs ignore it
     ) -> StepOutput:
+        if self.stream is None:
+            raise KvedgeError("this TensorRT backend was closed")
         names, g = self.manifest.names, self.manifest.geometry
         batch, seq = input_ids.shape
         if batch > self.max_batch or seq > self.max_prefill:
@@ -94,11 +120,7 @@ class TrtBackend:
                 f"({self.max_batch} rows x {self.max_prefill} tokens); rebuild it with a larger "
                 "--max-batch or --max-prefill"
             )
-        profile = profile_for(seq)
-        if profile != self.profile:
-            self.context.set_optimization_profile_async(profile, self.stream)
-            self.profile = profile
-
+        context = self.contexts[profile_for(seq)]
         values = {
             names.input_ids: input_ids,
             names.position_ids: position_ids,
@@ -108,17 +130,15 @@ class TrtBackend:
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
             np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")
-            self.context.set_input_shape(spec.name, value.shape)
-            self.context.set_tensor_address(spec.name, device)
+            self._bind(context, spec.name, device, value.shape)
         for i, views in enumerate(past):
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 name = names.layer(template, i)
-                self.context.set_input_shape(name, view.shape)
-                self.context.set_tensor_address(name, self.host.device_address(view))
+                self._bind(context, name, self.host.device_address(view), view.shape)
         for spec in self.outputs:
-            self.context.set_tensor_address(spec.name, self.buffers[spec.name][1])
+            self._bind(context, spec.name, self.buffers[spec.name][1])
 
-        if not self.context.execute_async_v3(self.stream):
+        if not context.execute_async_v3(int(self.stream)):
             raise KvedgeError("TensorRT execute_async_v3 failed; see its log above")
         self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
@@ -127,11 +147,40 @@ class TrtBackend:
         present = [tuple(layers[i * per_layer : (i + 1) * per_layer]) for i in range(g.num_layers)]
         return StepOutput(logits=logits[:, 0].copy(), present=present)  # "last" logits only
 
+    @staticmethod
+    def _bind(context: Any, name: str, address: int, shape: tuple[int, ...] | None = None) -> None:
+        """Give `context` tensor `name` at device `address` (and, for an input, its `shape`),
+        refusing what TensorRT refuses (it says so with False) or would misread."""
+        check_alignment(name, address)
+        if shape is not None:
+            _check(context.set_input_shape(name, tuple(shape)), f"set_input_shape({name!r}, {list(shape)})")
+        _check(context.set_tensor_address(name, address), f"set_tensor_address({name!r}, {address:#x})")
+
     def _output(self, spec: TensorSpec, batch: int, seq: int) -> np.ndarray:
         """The output `spec` of the last call, a view of its pinned buffer."""
         shape = spec.shape(batch, seq)
         return self.buffers[spec.name][0][: int(np.prod(shape))].reshape(shape)
 
     def close(self) -> None:
-        """Give back pinned and registered memory; the backend is unusable afterwards."""
-        self.host.close()
+        """Stop using the GPU and give its memory back, in that order: the contexts and the
+        engine that read the pool and the step buffers go first, then the mapped memory is
+        unregistered and freed, then the stream. The backend is unusable afterwards; safe to
+        call twice."""
+        if self.stream is None:
+            return
+        try:
+            self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        finally:
+            self.contexts = {}
+            self.engine = self.runtime = None
+            try:
+                self.host.close()
+            finally:
+                stream, self.stream = self.stream, None
+                self._call(self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def _check(ok: bool, what: str) -> None:
+    """TensorRT's setters answer False where they refuse (the reason goes to its logger)."""
+    if not ok:
+        raise KvedgeError(f"TensorRT refused {what}; see its log above")

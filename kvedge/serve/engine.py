@@ -180,6 +180,7 @@ class Engine:
     # -- the engine thread ----------------------------------------------------------------
 
     def _main(self) -> None:
+        model = None
         try:
             model = self._load()
             with self._cond:
@@ -200,11 +201,18 @@ class Engine:
             else:
                 log.exception("cannot start the model")
             self.state = "failed"
-            self.on_failure()
+            try:
+                if model is not None:
+                    model.close()
+            finally:
+                self.on_failure()
             return
         log.info("ready: %d slots", len(self._free))
-        self._schedule()
-        self.state = "stopped"
+        try:
+            self._schedule()
+        finally:
+            model.close()  # on the thread that ran it: nothing else steps it
+            self.state = "stopped"
 
     def _schedule(self) -> None:
         while True:

@@ -36,12 +36,13 @@ def serve_command(
     config = load_service_config(config_path, overrides)
     need = check_memory(config)
     if check:
-        model = load_model(config, slots=1)  # verifies the graph, loads or rebuilds warm files
+        with load_model(config, slots=1) as model:  # verifies the graph, loads or rebuilds warm files
+            prefixes = len(model.prefixes)
         kv = model.manifest.geometry.bytes_per_slot() * config.slots
         return (
             f"ok: {config.model_name} on {config.host}:{config.port}, {config.slots} slots "
             f"({kv / 2**20:.1f} MiB KV, {need / 2**20:.0f} MiB planned), queue {config.queue_size}, "
-            f"{len(model.prefixes)} warm prefixes\n"
+            f"{prefixes} warm prefixes\n"
         )
     serve(config)
     return None

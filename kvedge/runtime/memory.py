@@ -1,0 +1,77 @@
+"""Memory kvedge owns: page-aligned arrays that a GPU backend may page-lock, and the alignment a
+bound address must have.
+
+The GPU backends give the device the cache pool's own pages (`kvedge.runtime.cuda.MappedHost`),
+so the pool must be memory kvedge allocated, not an array numpy placed somewhere in its heap:
+
+- CUDA page-locks whole pages (cudaHostRegister rounds the range out to them) and refuses a range
+  any page of which is registered already (cudaErrorHostMemoryAlreadyRegistered, 712). Two small
+  numpy arrays can share a page, and an array allocated after another was freed can land on the
+  freed one's pages, still registered if nothing unregistered them.
+- TensorRT requires every tensor address to be aligned to 256 bytes
+  (`IExecutionContext::setTensorAddress`); numpy places array data at 16-byte alignment only.
+
+So every cache array (pool, scales, ring layers) is its own anonymous mapping (`page_aligned`):
+it starts on a page, spans whole pages, and shares none with anything else; it lives as long
+as a reference to it does, and whoever registers it keeps one until it unregisters. A view at a
+slot or layer offset is aligned when the slot stride is (`check_alignment`): the pool is
+[layers, 2, slots, kv_heads, L, d], so a view's offset is a whole number of slot strides of
+kv_heads x L x d x itemsize bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import numpy as np
+
+from kvedge.errors import KvedgeError
+
+PAGE = mmap.PAGESIZE
+ALIGNMENT = 256  # bytes: TensorRT's requirement for a tensor address, and onnxruntime CUDA's allocations
+
+
+def page_aligned(shape: tuple[int, ...], dtype: np.dtype, fill: float = 0) -> np.ndarray:
+    """A new array of `shape` filled with `fill`, alone in its own whole pages. Every page is
+    written now, so the memory is resident from the start: a cache that does not fit fails at
+    load, not mid-conversation."""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    size = max(1, -(-count * dtype.itemsize // PAGE)) * PAGE
+    array = np.frombuffer(mmap.mmap(-1, size), dtype, count).reshape(shape)
+    array[...] = fill
+    return array
+
+
+def owned_mapping(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
+    """(the array `page_aligned` made, its first address, its bytes in whole pages) that `view`
+    looks into, or None when `view` is memory kvedge did not allocate so."""
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    buffer = root.base.obj if isinstance(root.base, memoryview) else root.base  # frombuffer's
+    if not isinstance(buffer, mmap.mmap):
+        return None
+    return root, root.__array_interface__["data"][0], len(buffer)
+
+
+def check_alignment(name: str, address: int, view: np.ndarray | None = None) -> None:
+    """Refuse a bound address that is not a multiple of `ALIGNMENT`, naming the tensor; for a
+    pool `view` [slots, kv_heads, L, last] also the stride between its slots, so that a view of
+    any slot range is aligned too."""
+    if address % ALIGNMENT:
+        raise KvedgeError(
+            f"{name}: address {address:#x} is {address % ALIGNMENT} bytes past a {ALIGNMENT}-byte "
+            "boundary; TensorRT and the CUDA kernels need every bound tensor aligned to it"
+        )
+    if view is not None and view.strides[0] % ALIGNMENT:
+        _, heads, length, last = view.shape
+        position = heads * last * view.itemsize  # bytes of one cache position, over the heads
+        step = ALIGNMENT // math.gcd(ALIGNMENT, position)
+        raise KvedgeError(
+            f"{name}: a slot of this cache is {view.strides[0]} bytes ({length} positions), not a "
+            f"multiple of {ALIGNMENT}, so views at later slots would be misaligned on the GPU; "
+            f"export with a cache length (--max-len, or the ring length of sliding-window layers) "
+            f"that is a multiple of {step}"
+        )
