@@ -79,7 +79,7 @@ def test_a_table_it_cannot_read_is_refused_by_name():
 # Claimed graphs the check refuses today, with the reason (strict: once fixed, the marker must go).
 # The "extreme" weight grid (`quantize.py`) stores scale = m / qmin, negative where a block's
 # largest-magnitude weight is positive; 10.1-GA's importer refuses any constant Q/DQ scale <= 0
-# (onnxOpImporters.cpp:1375-1404). TensorRT for RTX 1.7.1 parses these int4 graphs anyway.
+# (onnxOpImporters.cpp:1379-1405). TensorRT for RTX 1.7.1 parses these int4 graphs anyway.
 NEGATIVE_INT4_SCALES = "int4 weight scales <= 0 from the extreme grid: 10.1-GA refuses them"
 REFUSED_TODAY = {"int4-weights": NEGATIVE_INT4_SCALES, "int4-weights-int8-cache": NEGATIVE_INT4_SCALES}
 

@@ -58,7 +58,7 @@ TABLE_TYPES = {
 }
 
 # The importer's source at 10.1-GA, beyond the table (paths in onnx/onnx-tensorrt):
-# importerUtils.cpp:314-334 (convertDtype): the only ONNX element types a tensor can be imported as.
+# importerUtils.cpp:314-335 (convertDtype): the only ONNX element types a tensor can be imported as.
 IMPORTER_DTYPES = frozenset(
     {
         TensorProto.DOUBLE,
@@ -74,13 +74,13 @@ IMPORTER_DTYPES = frozenset(
         TensorProto.INT4,
     }
 )
-# onnxOpImporters.cpp:1424-1462, 1513-1517, 1593-1596: the only types Q/DQ quantize to (a UINT8
+# onnxOpImporters.cpp:1424-1462, 1513-1519, 1593-1597: the only types Q/DQ quantize to (a UINT8
 # zero point is silently replaced by INT8, which changes the codes' meaning: refused here).
 QUANTIZED_TYPES = frozenset({TensorProto.INT8, TensorProto.INT4, TensorProto.FLOAT8E4M3FN})
 # ModelImporter.cpp:729-742 sets no upper opset bound (it only warns below 7), and the op importers
 # read the opset-21 forms of these ops as before: opset 21 added INT4/UINT4 to their types, and to
 # Q/DQ `block_size` (the importer infers the block from the scale's shape, onnxOpImporters.cpp:
-# 1516-1545) and `output_dtype` (read at 1434-1443). The table's range stops at 20, so a graph at
+# 1542-1563) and `output_dtype` (read at 1430-1441). The table's range stops at 20, so a graph at
 # opset 21 is taken when every op it uses is either older than 21 or one of these.
 OPSET21_TYPE_ONLY = frozenset(
     {
@@ -316,13 +316,13 @@ def _restriction_problems(node: onnx.NodeProto, text: str, scope: _Scope) -> lis
 
 def _qdq_problems(node: onnx.NodeProto, scope: _Scope) -> list[str]:
     """onnxOpImporters.cpp:1346-1620 (QuantDequantLinearHelper) at 10.1-GA."""
-    if len(node.input) < 2:  # 1369
+    if len(node.input) < 2:  # 1369-1371
         return ["needs a scale input"]
     problems = []
     scale = scope.consts.get(node.input[1])
-    if scale is not None and not (scale > 0).all():  # 1375-1404
+    if scale is not None and not (scale > 0).all():  # 1379-1405
         problems.append(f"scale {node.input[1]} has coefficients <= 0; TensorRT takes positive scales only")
-    if scale is not None and scale.size > 1 and scale.ndim != 1:  # 1500-1545: per-tensor, per-axis or blocked
+    if scale is not None and scale.size > 1 and scale.ndim != 1:  # 1524-1568: per-tensor, per-axis or blocked
         x_rank = scope.ranks.get(node.input[0])
         if x_rank is not None and scale.ndim != x_rank:
             problems.append(
@@ -330,19 +330,19 @@ def _qdq_problems(node: onnx.NodeProto, scope: _Scope) -> list[str]:
             )
     if len(node.input) > 2 and node.input[2]:
         zero = node.input[2]
-        if scope.types.get(zero) not in QUANTIZED_TYPES:  # 1450-1462
+        if scope.types.get(zero) not in QUANTIZED_TYPES:  # 1442-1462
             problems.append(
                 f"zero point {zero} is {_dtype_name(scope.types.get(zero, 0))}, not INT8/INT4/FP8"
             )
         value = scope.consts.get(zero)
-        if value is None:  # 1466-1476: only a constant zero point is checked (and must be zero) there
+        if value is None:  # 1468-1487: only a constant zero point is checked (and must be zero) there
             problems.append(f"zero point {zero} is not an initializer: cannot check it is zero")
-        elif value.astype(np.float64).any():  # 1478-1482
+        elif value.astype(np.float64).any():  # 1491-1494
             problems.append(f"zero point {zero} is not all zeros: TensorRT quantizes symmetrically only")
-        elif scale is not None and value.size != scale.size:  # 1487-1494
+        elif scale is not None and value.size != scale.size:  # 1501-1510
             problems.append(f"zero point {zero} and scale {node.input[1]} differ in size")
     dtype = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
-    if dtype and dtype not in QUANTIZED_TYPES:  # 1513-1517
+    if dtype and dtype not in QUANTIZED_TYPES:  # 1513-1519
         problems.append(f"output_dtype {_dtype_name(dtype)} is not INT8/INT4/FP8")
     return problems
 
