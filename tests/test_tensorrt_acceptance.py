@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
 from kvedge.contract import Manifest
@@ -29,16 +30,7 @@ from kvedge.export.tensorrt import EngineOptions, build_engine, parse_errors, pr
 
 trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX: pip install 'kvedge[trtcheck]'")
 
-MAX_LEN, MAX_PREFILL, MAX_BATCH = 128, 64, 2
-# Every export kvedge says TensorRT takes: --variant portable with these weights and cache dtypes.
-ACCEPTED = {
-    "float32": ExportOptions(max_len=MAX_LEN),
-    "float16-weights": ExportOptions(max_len=MAX_LEN, weights="float16"),
-    "int4-weights": ExportOptions(max_len=MAX_LEN, weights="int4"),
-    "int8-cache": ExportOptions(max_len=MAX_LEN, kv_dtype="int8"),
-    "int4-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
-    "float16-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
-}
+MAX_PREFILL, MAX_BATCH = 64, 2
 # What TensorRT for RTX 1.7.1 refuses, with (part of) its reason
 REFUSED = {
     "int8-weights": (

@@ -45,6 +45,9 @@ REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
 DEVICES = ("cpu", "cuda", "tensorrt")
 # Python module -> product name. Same ONNX importer code; RTX is strongly typed and builds ahead of time.
 TENSORRT_FLAVOURS = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}
+# The oldest TensorRT kvedge claims (JetPack 6.2's). Its ONNX importer is checked statically
+# against every TensorRT-claimed graph (`kvedge.export.trt_compat`); docs name it from here.
+OLDEST_TENSORRT = "10.3"
 
 
 def profile_for(seq: int) -> int:

@@ -1277,8 +1277,12 @@ class _PortableAttention:
 class _Int8Codec:
     """The INT8 cache's math in graph ops (`kvedge.quant`: quantize_tokens / dequantize_tokens).
 
-    Round, Clip and Cast rather than QuantizeLinear: the scales are computed per token at run
-    time, which QuantizeLinear (and TensorRT's Q/DQ layers) take only as constants.
+    The codes are computed in float with Div, Round and Clip: the scales are per token at run
+    time, which QuantizeLinear (and TensorRT's Q/DQ layers) take only as constants. The int8
+    tensors themselves enter and leave the graph only through DequantizeLinear / QuantizeLinear
+    with scale 1 and zero point 0, exact for integers in [-127, 127]: TensorRT 10.x's importer
+    takes INT8 only as Q/DQ's quantized side (`kvedge.export.trt_compat`), not through Cast,
+    Reshape, Split or Slice.
     """
 
     def __init__(
@@ -1300,6 +1304,8 @@ class _Int8Codec:
         self.qmax = g.const(f"{prefix}.qmax", np.array(127.0, np.float32))
         self.qmin = g.const(f"{prefix}.qmin", np.array(-127.0, np.float32))
         self.floor = g.const(f"{prefix}.scale_floor", np.array(2.0**-14, np.float32))
+        self.unit = g.const(f"{prefix}.unit_scale", np.array(1.0, np.float32))  # Q/DQ of the codes themselves
+        self.zero = g.const(f"{prefix}.zero_point", np.array(0, np.int8))
 
     def write(self, k: str, v: str, outputs: list[str], name: str) -> tuple[str, str]:
         """New K and V [b, kvh, n, d] float -> the layer's four present outputs (`IONames.present`
@@ -1324,14 +1330,15 @@ class _Int8Codec:
             ],
             f"{name}.levels",
         )  # integers in [-127, 127], as float
-        codes = g.op("Cast", [levels], f"{name}.codes5", to=TensorProto.INT8)
-        g.op(
+        parts = g.op(
             "Split",
-            [g.op("Reshape", [codes, self.to_channels], f"{name}.codes"), self.heads],
-            f"{name}.codes_kv",
-            outputs=outputs[:2],
+            [g.op("Reshape", [levels, self.to_channels], f"{name}.levels_bhsd"), self.heads],
+            f"{name}.levels_kv",
+            outputs=2,
             axis=1,
-        )
+        )  # K, V levels [b, kvh, n, d] float
+        for part, output in zip(parts, outputs[:2], strict=True):
+            g.op("QuantizeLinear", [part, self.unit, self.zero], f"{name}.codes", outputs=[output])
         g.op(
             "Split",
             [g.op("Squeeze", [scale16, g.ints(-1)], f"{name}.scales"), self.heads],
@@ -1348,11 +1355,11 @@ class _Int8Codec:
     def _past(self, codes: str, scales: str, name: str) -> tuple[list[str], list[str]]:
         """The valid part of a cached tensor, per channel group: codes [b, kvh, max_len, d] int8
         and scales [b, kvh, max_len, groups] float16 -> ([b, kvh, A, group_size] float per group,
-        [b, kvh, 1, A] scale per group). One Slice per group cuts both the valid length and the
-        group's channels out of the int8 buffer, so nothing wider than int8 is copied before the
-        cast; the scales are folded into the scores (K) and probabilities (V), never multiplied
-        into K/V."""
+        [b, kvh, 1, A] scale per group). The codes are widened by one DequantizeLinear (scale 1),
+        then one Slice per group cuts the valid length and the group's channels; the scales are
+        folded into the scores (K) and probabilities (V), never multiplied into K/V."""
         g = self.g
+        widened = g.op("DequantizeLinear", [codes, self.unit, self.zero], f"{name}.codes")  # [b, kvh, L, d]
         valid = g.op("Slice", [scales, g.ints(0), self.attend, g.ints(2)], f"{name}.scales")
         scale = g.op(
             "Transpose",
@@ -1365,18 +1372,7 @@ class _Int8Codec:
         else:
             factors = g.op("Split", [scale, self.ones], f"{name}.scale_parts", outputs=self.groups, axis=2)
         parts = [
-            g.op(
-                "Cast",
-                [
-                    g.op(
-                        "Slice",
-                        [codes, self.starts[j], self.ends[j], self.length_and_channels],
-                        f"{name}.g{j}",
-                    )
-                ],
-                f"{name}.g{j}_float",
-                to=TensorProto.FLOAT,
-            )
+            g.op("Slice", [widened, self.starts[j], self.ends[j], self.length_and_channels], f"{name}.g{j}")
             for j in range(self.groups)
         ]
         return parts, factors

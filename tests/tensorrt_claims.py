@@ -1,0 +1,18 @@
+"""Every export kvedge says TensorRT takes (`--variant portable`), one option set per line: the
+parse-and-build test (test_tensorrt_acceptance.py, TensorRT for RTX) and the static check against
+the oldest claimed TensorRT (test_tensorrt_oldest.py, no TensorRT needed) both read this."""
+
+from __future__ import annotations
+
+from kvedge.export.export import ExportOptions
+
+MAX_LEN = 128
+# --variant portable with these weights and cache dtypes
+ACCEPTED = {
+    "float32": ExportOptions(max_len=MAX_LEN),
+    "float16-weights": ExportOptions(max_len=MAX_LEN, weights="float16"),
+    "int4-weights": ExportOptions(max_len=MAX_LEN, weights="int4"),
+    "int8-cache": ExportOptions(max_len=MAX_LEN, kv_dtype="int8"),
+    "int4-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
+    "float16-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
+}
