@@ -139,7 +139,8 @@ def test_float16_graph_is_typed_as_documented(llama, tmp_path):
     f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
     # the interface: cache float16 in and out, logits float32
     for spec in manifest.graph_inputs() + manifest.graph_outputs():
-        assert types[spec.name] == (f32 if spec.name == manifest.names.logits else f16), spec.name
+        if spec.dtype.kind == "f":
+            assert types[spec.name] == (f32 if spec.name == manifest.names.logits else f16), spec.name
     # the islands in float32, every matrix product in float16
     for node in model.graph.node:
         first = types[node.input[0]]
@@ -214,16 +215,20 @@ def test_float16_arithmetic_in_every_op(family):
     "weights, kv_dtype", [("int4", "float16"), ("float16", "int8"), ("int4", "int8"), ("int8", "float16")]
 )
 def test_quantized_weights_and_int8_cache_in_float16_match_their_float32_twins(llama, weights, kv_dtype):
-    """int8/int4 blocks dequantized to float16, the INT8 cache under a float16 graph: against the
-    float32 graph of the same weights and cache (whose own distance to transformers is the
-    quantization's, tests/test_variants.py and test_kv_int8.py), at the float16 bound."""
-    half = llama.export(
-        ExportOptions(max_len=MAX_LEN, precision="float16", weights=weights, kv_dtype=kv_dtype)
+    """int8/int4 blocks dequantized to float16 (the float32 graph's codes, float16 scales), the
+    INT8 cache under a float16 graph: against the float32 graph of the same weights and cache,
+    whose own distance to transformers is the quantization's (tests/test_variants.py,
+    test_kv_int8.py), at the float16 bound; measured 1.6-4.3 x FP16_UNIT x the range, the most
+    with the INT8 cache, whose codes round the other way where float16 moves a value across a
+    rounding boundary. Both run in the reference evaluator: onnxruntime fuses DequantizeLinear ->
+    MatMul into MatMulNBits, whose int8 rounding of activations moves both graphs by ~10 x,
+    differently."""
+    options = dict(max_len=MAX_LEN, weights=weights, kv_dtype=kv_dtype)
+    half = llama.export(ExportOptions(precision="float16", **options))
+    twin = llama.export(
+        ExportOptions(**{**options, "kv_dtype": "float32" if kv_dtype == "float16" else kv_dtype})
     )
-    twin = ExportOptions(
-        max_len=MAX_LEN, weights=weights, kv_dtype=kv_dtype if kv_dtype == "int8" else "float32"
-    )
-    got, want = (decode_logits(f, llama.ids, 20) for f in (half, llama.export(twin)))
+    got, want = (_reference_logits(f, llama.ids, 20, 4) for f in (half, twin))
     np.testing.assert_allclose(got, want, atol=llama.bound, rtol=0)
 
 

@@ -74,7 +74,8 @@ TensorRT fold the Cast when they load the graph; what the memory then holds is t
 
 The float16 graph (`--precision float16`, portable only; `GraphOptions.half`): what TensorRT's
 strongly typed builder computes in float16, written as such. Weights (float16, or int8/int4
-blocks dequantized to float16 by float16 scales), the residual stream, the projections, RoPE and
+blocks dequantized to float16: the float32 graph's codes, their scales, offsets and kept channels'
+rows stored float16), the residual stream, the projections, RoPE and
 the MLP are float16; float32 islands, each opened and closed by a Cast (`_Builder.widen`,
 `narrow`), are where float16 would fail: every RMSNorm (x**2 and its mean: activations of a few
 hundred square past float16's 65504; normed and weighted in float32, as transformers does),
@@ -507,9 +508,10 @@ class _Builder:
         made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
-        # float16 scales (the decode form's, a float16 graph's): codes chosen on that grid
-        half_params = self.decode_form or self.half
-        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=half_params)
+        # a float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
+        # when stored (`fconst`), relative 2**-11 like any float16 weight; the decode form chooses
+        # its codes on the float16 grid it stores
+        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=self.decode_form)
         self.quant_errors.append(qw.max_error)
         keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
         if self.decode_form and w.shape[1] % 64 == 0:
