@@ -164,9 +164,11 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
 
 
 @pytest.mark.real_model
-def test_the_default_model_portable_graph_parses(tmp_path):
-    """SmolLM2-135M, portable float32, max_len 2048: zero parser errors (the ~17 min build is
-    measured once in docs/JETSON.md, not in CI)."""
-    export_model(None, tmp_path / "smol", ExportOptions(max_len=2048))
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_the_default_model_portable_graph_parses(precision, tmp_path):
+    """SmolLM2-135M, portable, max_len 2048, in both precisions: zero parser errors, strongly
+    typed with the graph's dtypes (the build is measured once in docs/JETSON.md, not in CI)."""
+    export_model(None, tmp_path / "smol", ExportOptions(max_len=2048, precision=precision))
     assert parse_errors(tmp_path / "smol") == []
-    assert np.dtype(Manifest.load(tmp_path / "smol").geometry.dtype) == np.float32
+    check_strongly_typed(tmp_path / "smol")
+    assert np.dtype(Manifest.load(tmp_path / "smol").geometry.dtype) == np.dtype(precision)
