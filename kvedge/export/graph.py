@@ -1115,10 +1115,9 @@ class _PortableAttention:
         sin_table,
         kv_group_size=0,
         ring: _RingSpec | None = None,
-        half=False,
+        half=False,  # over a float16 cache: float16 but for the softmax (module docstring)
     ) -> None:
-        self.g, self.names = g, names
-        self.half = half  # over a float16 cache: float16 but for the softmax (module docstring)
+        self.g, self.names, self.half = g, names, half
         self.heads, self.kv_heads, self.d = heads, kv_heads, d
         groups = heads // kv_heads
         self.half_split = g.ints(d // 2, d // 2)
