@@ -3,7 +3,9 @@
 Never run on hardware yet (see docs/JETSON.md). What each test establishes:
 
     float32 engine   the graph converts exactly: logits within 1e-3 of onnxruntime CPU
-    float16 engine   what users run: logits within 2% of their range, same greedy tokens
+    float16 engine   what users run (`--precision float16`, strongly typed like every engine):
+                     logits within 2% of their range of the same graph on onnxruntime CPU, same
+                     greedy tokens
     batch of two     the prefill/decode profiles with 2 rows of different lengths
     wrong device     an engine manifest naming another GPU is refused, naming both
     contexts         one execution context per profile, each set once; close releases everything
@@ -32,15 +34,24 @@ MAX_PREFILL = 64
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trt")
-    source = make_tiny_model(root / "hf", "llama")
-    export_model(source, root / "out", ExportOptions(max_len=128))
-    return root / "out"
+def source(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("trt") / "hf", "llama")
 
 
-def _engine(folder, fp16: bool) -> TrtBackend:
-    build_engine(folder, folder, MAX_PREFILL, 256 << 20, fp16=fp16, max_batch=2)
+@pytest.fixture(scope="module")
+def exported(source):
+    export_model(source, source.parent / "out", ExportOptions(max_len=128))
+    return source.parent / "out"
+
+
+@pytest.fixture(scope="module")
+def exported_half(source):
+    export_model(source, source.parent / "half", ExportOptions(max_len=128, precision="float16"))
+    return source.parent / "half"
+
+
+def _engine(folder) -> TrtBackend:
+    build_engine(folder, folder, MAX_PREFILL, 256 << 20, max_batch=2)
     return TrtBackend(folder, Model(folder).manifest)
 
 
@@ -61,17 +72,17 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def test_float32_engine_matches_cpu(exported):
-    trt = _engine(exported, fp16=False)
+    trt = _engine(exported)
     try:
         _compare(Model(exported), trt, [_prompt(100)], steps=16, atol=1e-3)  # 100 > MAX_PREFILL: 2 chunks
     finally:
         trt.close()
 
 
-def test_float16_engine_matches_cpu_greedy(exported):
-    trt = _engine(exported, fp16=True)
+def test_float16_engine_matches_cpu_greedy(exported_half):
+    trt = _engine(exported_half)
     try:
-        cpu = Model(exported)
+        cpu = Model(exported_half)
         reference = prefill(cpu.backend, KVCache(cpu.manifest.geometry, 1), 0, [_prompt(20)])
         atol = 0.02 * float(reference.max() - reference.min())
         _compare(cpu, trt, [_prompt(20)], steps=16, atol=atol)
@@ -80,7 +91,7 @@ def test_float16_engine_matches_cpu_greedy(exported):
 
 
 def test_batch_of_two_rows(exported):
-    trt = _engine(exported, fp16=False)
+    trt = _engine(exported)
     try:
         _compare(Model(exported, slots=2), trt, [_prompt(30, 1), _prompt(11, 2)], steps=8, atol=1e-3)
     finally:
@@ -88,7 +99,7 @@ def test_batch_of_two_rows(exported):
 
 
 def test_engine_for_another_device_is_refused(exported):
-    build_engine(exported, exported, MAX_PREFILL, 256 << 20, fp16=True, max_batch=1)
+    build_engine(exported, exported, MAX_PREFILL, 256 << 20, max_batch=1)
     path = exported / ENGINE_MANIFEST_FILE
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "device_name": "Some Other GPU"}))

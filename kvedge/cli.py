@@ -19,6 +19,7 @@ from kvedge.contract import (
     DECODE_MATMULS,
     EXPORTED_KV_DTYPES,
     KV_GROUP_SIZES,
+    PRECISIONS,
     PREFILL_CHUNK,
     VARIANTS,
     WEIGHT_FORMATS,
@@ -238,10 +239,19 @@ def main(verbose: int) -> None:
     "portable: standard ONNX ops (TensorRT); ort: onnxruntime fused attention, cache written in place.",
 )
 @choice_option(
-    "--weights",
-    WEIGHT_FORMATS,
+    "--precision",
+    PRECISIONS,
     "float32",
-    "Weight-only quantization of the projections and LM head (blocked QDQ).",
+    "The dtype the graph computes in. float16: --variant portable only, weights and activations "
+    "float16 with RMSNorm, softmax and the logits output in float32, for TensorRT's strongly typed "
+    "engines; its cache is float16 or int8.",
+)
+@click.option(
+    "--weights",
+    type=click.Choice(list(WEIGHT_FORMATS)),
+    default=None,
+    help="Weight storage: float, or weight-only blocked quantization (int8, int4) of the projections "
+    "and LM head. Default: the precision's (float32; float16 with --precision float16).",
 )
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
 @click.option(
@@ -266,13 +276,14 @@ def main(verbose: int) -> None:
     "kvedge's own kernel, in a second form of the graph: faster decode, the weights held twice in "
     "memory; onnxruntime runs every step in MatMulNBits, one copy (docs/PERFORMANCE.md).",
 )
-@choice_option(
+@click.option(
     "--kv-dtype",
-    EXPORTED_KV_DTYPES,
-    "float32",
-    "KV cache dtype. int8: codes plus a float16 scale per token per channel group (with --variant ort "
-    "it runs kvedge's own attention kernel, built at install). float16: --variant ort only, the "
-    "in-place form for --device cuda.",
+    type=click.Choice(list(EXPORTED_KV_DTYPES)),
+    default=None,
+    help="KV cache dtype. Default: the precision's (float32; float16 with --precision float16). int8: "
+    "codes plus a float16 scale per token per channel group (with --variant ort it runs kvedge's "
+    "own attention kernel, built at install). float16: a float16 graph's, or with --variant ort "
+    "the in-place form for --device cuda.",
 )
 @click.option(
     "--kv-group-size",
@@ -307,12 +318,13 @@ def export(
     logits: str,
     force: bool,
     variant: str,
-    weights: str,
+    precision: str,
+    weights: str | None,
     block_size: int,
     outlier_channels: int | None,
     head_bits: int | None,
     decode_matmuls: str | None,
-    kv_dtype: str,
+    kv_dtype: str | None,
     kv_group_size: int,
     target: str,
     max_prefill: int,
@@ -332,6 +344,7 @@ def export(
         logits=logits,
         force=force,
         variant=variant,
+        precision=precision,
         weights=weights,
         block_size=block_size,
         outlier_channels=outlier_channels,
@@ -344,7 +357,7 @@ def export(
     size = sum(f.stat().st_size for f in out_dir.iterdir())
     click.echo(
         f"wrote {out_dir} ({size / 2**20:.1f} MiB): {manifest.architecture}, "
-        f"{manifest.variant} graph, {manifest.weights_dtype} weights, "
+        f"{manifest.variant} {manifest.precision} graph, {manifest.weights_dtype} weights, "
         f"{manifest.geometry.num_layers} layers, max_len {manifest.geometry.max_len}, "
         f"{manifest.geometry.dtype} cache, "
         f"KV {manifest.geometry.bytes_per_slot() / 2**20:.1f} MiB per sequence"
@@ -572,7 +585,8 @@ def info(model_dir: Path, as_json: bool) -> None:
         ("KV bytes", f"{g.bytes_per_token()} per token, {g.bytes_per_slot() / 2**20:.1f} MiB per sequence"),
         (
             "graph",
-            f"{manifest.variant}, opset {manifest.opset}, logits: {manifest.logits}, weights: "
+            f"{manifest.variant}, {manifest.precision} compute, opset {manifest.opset}, "
+            f"logits: {manifest.logits}, weights: "
             + manifest.weights_dtype
             + (f" (block {manifest.weight_block_size})" if manifest.weight_block_size else "")
             + (
@@ -622,7 +636,11 @@ def info(model_dir: Path, as_json: bool) -> None:
 @click.option(
     "--kv-dtype", "kv_dtypes", multiple=True, help="Cache dtype, repeatable (default: the model's)."
 )
-@click.option("--weights-dtype", default=None, help="Recipes only: float32 or float16 (TensorRT --fp16).")
+@click.option(
+    "--weights-dtype",
+    default=None,
+    help="Recipes only: float32 or float16 (--precision float16 halves them).",
+)
 @click.option("--slots", default=None, help="Slot counts, e.g. 1,2,4 (default 1,2,4,8,16).")
 @click.option("--context", "contexts", default=None, help="Context lengths, e.g. 1024,2048.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")

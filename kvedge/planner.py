@@ -112,7 +112,10 @@ class ModelFootprint:
             origin=str(folder / MANIFEST_FILE),
             weights_bytes=(weights := sum(p.stat().st_size for p in files)),
             weights_note=" + ".join(p.name for p in files) + f" ({manifest.weights_dtype})",
-            widened_bytes=2 * weights if manifest.weights_dtype == "float16" else 0,
+            # a float32 graph widens float16-stored weights; a float16 graph computes with them
+            widened_bytes=2 * weights
+            if (manifest.weights_dtype, manifest.precision) == ("float16", "float32")
+            else 0,
             geometry=manifest.geometry,
             num_heads=manifest.num_heads,
             hidden_size=manifest.hidden_size,

@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvedge.export.export import ExportOptions
 
 MAX_LEN = 128
-# --variant portable with these weights and cache dtypes
+# --variant portable with these precisions, weights and cache dtypes (each --precision's allowed
+# --weights but int8, whose negative scales TensorRT refuses, times its allowed --kv-dtype)
 ACCEPTED = {
     "float32": ExportOptions(max_len=MAX_LEN),
     "float16-weights": ExportOptions(max_len=MAX_LEN, weights="float16"),
@@ -15,4 +16,10 @@ ACCEPTED = {
     "int8-cache": ExportOptions(max_len=MAX_LEN, kv_dtype="int8"),
     "int4-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
     "float16-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
+    "float16-precision": ExportOptions(max_len=MAX_LEN, precision="float16"),
+    "float16-precision-int4-weights": ExportOptions(max_len=MAX_LEN, precision="float16", weights="int4"),
+    "float16-precision-int8-cache": ExportOptions(max_len=MAX_LEN, precision="float16", kv_dtype="int8"),
+    "float16-precision-int4-weights-int8-cache": ExportOptions(
+        max_len=MAX_LEN, precision="float16", weights="int4", kv_dtype="int8"
+    ),
 }

@@ -192,7 +192,8 @@ def test_pool_and_planner_count_half_the_float32_bytes(llama):
 def test_options_are_refused_by_name():
     with pytest.raises(
         KvedgeError,
-        match=r"--kv-dtype float16 is built for --variant ort only .* allowed: \['float32', 'int8'\]",
+        match=r"--kv-dtype float16 with float32 compute is built for --variant ort only .* "
+        r"allowed: \['float32', 'int8'\]",
     ):
         ExportOptions(kv_dtype="float16")
     with pytest.raises(KvedgeError, match=r"allowed: \['float32', 'float16', 'int8'\]"):

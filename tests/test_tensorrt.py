@@ -105,7 +105,8 @@ def engine_manifest(manifest: Manifest, **changes) -> EngineManifest:
         multiprocessors=8,
         max_batch=2,
         max_prefill=64,
-        fp16=True,
+        precision=manifest.precision,
+        strongly_typed=True,
         workspace_bytes=1 << 30,
     )
     return EngineManifest(**{**fields, **changes})
@@ -237,26 +238,19 @@ class FakeEngine:
         return FakeContext(self)
 
 
-class FakeLayer:
-    def __init__(self, kind, op=None):
-        self.type, self.op, self.precision, self.output_types = kind, op, None, {}
-
-    def set_output_type(self, index, dtype):
-        self.output_types[index] = dtype
-
-
-class FakeElementWise(FakeLayer):
-    pass
+# TensorRT 10.3's NvInfer.h: kEXPLICIT_BATCH = 0 (deprecated, ignored), kSTRONGLY_TYPED = 1
+STRONGLY_TYPED = 1
 
 
 class FakeBuilder:
-    """Records what build_engine asks of TensorRT's builder."""
+    """Records what build_engine asks of TensorRT's builder. Its module has no BuilderFlag and no
+    layer access: a strongly typed build sets neither a precision flag nor a layer's precision."""
 
     last: FakeBuilder | None = None
 
     def __init__(self, logger):
         FakeBuilder.last = self
-        self.layers = [FakeLayer("elementwise", "pow"), FakeLayer("elementwise", "sum"), FakeLayer("reduce")]
+        self.network_flags: int | None = None
         self.shapes: list[dict] = []
         self.flags: set[str] = set()
         self.limits: dict = {}
@@ -270,16 +264,12 @@ class FakeBuilder:
                 parse_from_file=lambda path: path.endswith("model.onnx"), num_errors=0
             ),
             MemoryPoolType=types.SimpleNamespace(WORKSPACE="workspace"),
-            BuilderFlag=types.SimpleNamespace(FP16="fp16", PREFER_PRECISION_CONSTRAINTS="prefer"),
-            LayerType=types.SimpleNamespace(ELEMENTWISE="elementwise", REDUCE="reduce", SOFTMAX="softmax"),
-            ElementWiseOperation=types.SimpleNamespace(POW="pow"),
-            IElementWiseLayer=FakeElementWise,
-            float32="float32",
+            NetworkDefinitionCreationFlag=types.SimpleNamespace(STRONGLY_TYPED=STRONGLY_TYPED),
         )
 
     def create_network(self, flags):
-        assert flags == 0  # TensorRT 10
-        return types.SimpleNamespace(num_layers=len(self.layers), get_layer=self.layers.__getitem__)
+        self.network_flags = flags
+        return types.SimpleNamespace(get_flag=lambda flag: bool(flags & (1 << flag)))
 
     def create_optimization_profile(self):
         shapes: dict = {}
@@ -427,8 +417,10 @@ def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_
     engine = build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
     builder = FakeBuilder.last
     assert builder.shapes == profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=2))
-    assert builder.limits == {"workspace": 256 << 20} and builder.flags == {"fp16", "prefer"}
-    assert [layer.precision for layer in builder.layers] == ["float32", None, "float32"]  # pow, add, reduce
+    # strongly typed, and no builder flag at all (TensorRT 11 has no FP16 flag to set)
+    assert builder.network_flags == 1 << STRONGLY_TYPED
+    assert builder.limits == {"workspace": 256 << 20} and builder.flags == set()
+    assert engine.strongly_typed and engine.precision == "float32"
     assert (tmp_path / ENGINE_FILE).read_bytes() == b"plan"
     assert EngineManifest.load(tmp_path) == engine == engine_manifest(manifest, workspace_bytes=256 << 20)
     build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
@@ -466,3 +458,32 @@ def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, 
     finally:
         (folder / ENGINE_MANIFEST_FILE).unlink()
         (folder / ENGINE_FILE).unlink()
+
+
+def test_tensorrt_older_than_10_is_refused_naming_both_versions(tiny_llama, tmp_path, monkeypatch):
+    """JetPack 6.0's TensorRT 8.6 has no strongly typed networks (kSTRONGLY_TYPED arrived in 9)."""
+    from kvedge.export.tensorrt import build_engine
+
+    manifest = portable(tiny_llama)
+    modules = fake_modules(tiny_llama.out, manifest)
+    modules["tensorrt"].__version__ = "8.6.2"
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(
+        KvedgeError, match=r"TensorRT 8\.6\.2 cannot build .*strongly typed .*TensorRT 10 or newer"
+    ):
+        build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20)
+    with pytest.raises(KvedgeError, match=r"TensorRT 8\.6\.2 cannot build"):
+        require_tensorrt("portable", "last")
+    assert not (tmp_path / ENGINE_FILE).exists()
+
+
+def test_a_weakly_typed_version_1_engine_manifest_is_refused_naming_both_versions(tmp_path, tiny_llama):
+    """Engines built before strong typing (format version 1, the FP16 flag recorded as `fp16`)."""
+    data = json.loads(engine_manifest(Manifest.load(tiny_llama.out)).to_json())
+    del data["precision"], data["strongly_typed"]
+    (tmp_path / ENGINE_MANIFEST_FILE).write_text(json.dumps({**data, "fp16": True, "format_version": 1}))
+    with pytest.raises(
+        ArtifactMismatch, match=r"format version 1 does not match this kvedge \(2\); rebuild the engine"
+    ):
+        EngineManifest.load(tmp_path)

@@ -5,7 +5,10 @@ ahead of time without a GPU, with the same ONNX importer as Jetson's TensorRT 10
 exports a tiny model, asks the parser for its errors (none allowed), then builds an engine through
 `build_engine`, the code `kvedge export --target tensorrt` runs, with the same two optimization
 profiles. A pass here is strong evidence for Jetson, not proof: docs/JETSON.md keeps the
-difference (explicit quantization only, slightly different type coverage).
+difference (explicit quantization only, slightly different type coverage). Every network is
+strongly typed on both flavours, so the engine built here computes in the dtypes a Jetson's
+does: each case checks the network's own flag, the engine manifest, and that the network's
+inputs and outputs carry the graph's dtypes (a float16 graph's cache float16, its logits float32).
 
 What the parser rejects is refused with the parser's own words: the cases below that expect a
 refusal check the message `build_engine` raises carries the parser's reason.
@@ -26,7 +29,7 @@ from kvedge.contract import Manifest
 from kvedge.contract.engine import ENGINE_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.export.tensorrt import EngineOptions, build_engine, parse_errors, profile_shapes
+from kvedge.export.tensorrt import EngineOptions, _parse, build_engine, parse_errors, profile_shapes
 
 trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX: pip install 'kvedge[trtcheck]'")
 
@@ -45,14 +48,35 @@ def source(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("trt-accept") / "hf", "llama")
 
 
+def check_strongly_typed(out) -> None:
+    """The parsed network is strongly typed and its inputs and outputs carry the graph interface's
+    dtypes (`Manifest.graph_inputs` / `graph_outputs`), as TensorRT itself reports them."""
+    parsed = _parse(out)
+    network = parsed.network
+    assert parsed.errors == [] and parsed.strongly_typed
+    assert network.get_flag(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    manifest = Manifest.load(out)
+    found = [network.get_input(i) for i in range(network.num_inputs)]
+    found += [network.get_output(i) for i in range(network.num_outputs)]
+    dtypes = {tensor.name: np.dtype(trt.nptype(tensor.dtype)) for tensor in found}
+    wanted = {spec.name: np.dtype(spec.dtype) for spec in manifest.graph_inputs() + manifest.graph_outputs()}
+    # TensorRT takes int64 ids and lengths as int64 (or int32 on TensorRT 8); the rest must agree
+    assert {n: d for n, d in dtypes.items() if d.kind == "f"} == {
+        n: d for n, d in wanted.items() if d.kind == "f"
+    }
+    assert dtypes[manifest.names.logits] == np.float32
+
+
 @pytest.mark.parametrize("case", sorted(ACCEPTED))
 def test_tensorrt_parses_and_builds(case, source, tmp_path):
     out = tmp_path / case
     export_model(source, out, ACCEPTED[case])
     assert parse_errors(out) == []
+    check_strongly_typed(out)
     engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
     assert (out / ENGINE_FILE).stat().st_size > 100_000
     assert engine.tensorrt_flavour == "tensorrt_rtx" and engine.tensorrt_version == trt.__version__
+    assert engine.strongly_typed and engine.precision == ACCEPTED[case].precision
     assert EngineManifest.load(out) == engine
     # the engine's profiles are the ones the runtime sizes its buffers from
     runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
@@ -61,16 +85,19 @@ def test_tensorrt_parses_and_builds(case, source, tmp_path):
         assert built.num_optimization_profiles == 2
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_tensorrt_parses_and_builds_gemma3_ring_layers(kv_dtype, tmp_path):
+@pytest.mark.parametrize(
+    "precision, kv_dtype", [("float32", "float32"), ("float32", "int8"), ("float16", "float16")]
+)
+def test_tensorrt_parses_and_builds_gemma3_ring_layers(precision, kv_dtype, tmp_path):
     """Gemma 3's portable graph: ring-buffer sliding-window layers (Mod, Min, And in the mask),
-    GELU-tanh, sandwich norms; float32 and INT8 caches."""
+    GELU-tanh, sandwich norms; float32 and INT8 caches, and the float16 graph."""
     source = make_tiny_model(tmp_path / "hf", "gemma3")
     out = tmp_path / kv_dtype
-    export_model(source, out, ExportOptions(max_len=MAX_LEN, kv_dtype=kv_dtype))
+    export_model(source, out, ExportOptions(max_len=MAX_LEN, kv_dtype=kv_dtype, precision=precision))
     assert parse_errors(out) == []
-    build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
-    assert (out / ENGINE_FILE).stat().st_size > 100_000
+    check_strongly_typed(out)
+    engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
+    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -105,7 +132,8 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
     assert f"TensorRT for RTX {trt.__version__}" in done.stdout
     recorded = json.loads((out / "engine_manifest.json").read_text())
     assert recorded["tensorrt_flavour"] == "tensorrt_rtx" and recorded["tensorrt_version"] == trt.__version__
-    assert recorded["max_prefill"] == 32 and recorded["fp16"] is False  # RTX: strongly typed
+    assert recorded["max_prefill"] == 32 and recorded["strongly_typed"] is True
+    assert recorded["precision"] == "float32" and recorded["format_version"] == 2
     manifest = Manifest.load(out)
     engine = EngineManifest.load(out)
     engine.check_model(manifest)
@@ -120,9 +148,11 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
 
 
 @pytest.mark.real_model
-def test_the_default_model_portable_graph_parses(tmp_path):
-    """SmolLM2-135M, portable float32, max_len 2048: zero parser errors (the ~17 min build is
-    measured once in docs/JETSON.md, not in CI)."""
-    export_model(None, tmp_path / "smol", ExportOptions(max_len=2048))
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_the_default_model_portable_graph_parses(precision, tmp_path):
+    """SmolLM2-135M, portable, max_len 2048, in both precisions: zero parser errors, strongly
+    typed with the graph's dtypes (the build is measured once in docs/JETSON.md, not in CI)."""
+    export_model(None, tmp_path / "smol", ExportOptions(max_len=2048, precision=precision))
     assert parse_errors(tmp_path / "smol") == []
-    assert np.dtype(Manifest.load(tmp_path / "smol").geometry.dtype) == np.float32
+    check_strongly_typed(tmp_path / "smol")
+    assert np.dtype(Manifest.load(tmp_path / "smol").geometry.dtype) == np.dtype(precision)

@@ -30,6 +30,7 @@ from kvedge.contract.manifest import (
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
     ONNX_FILE,
+    PRECISIONS,
     PREFILL_CHUNK,
     QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
@@ -44,6 +45,8 @@ from kvedge.contract.manifest import (
     Manifest,
     RopeSpec,
     TensorSpec,
+    export_kv_dtypes,
+    export_weight_formats,
     kvedge_ops,
     sha256_files,
 )
@@ -62,6 +65,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_VERSION",
     "ONNX_FILE",
+    "PRECISIONS",
     "PREFILL_CHUNK",
     "QUANTIZED_KV_DTYPES",
     "RING_MARGIN",
@@ -76,6 +80,8 @@ __all__ = [
     "Manifest",
     "RopeSpec",
     "TensorSpec",
+    "export_kv_dtypes",
+    "export_weight_formats",
     "kvedge_ops",
     "sha256_files",
 ]

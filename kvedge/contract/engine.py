@@ -20,7 +20,8 @@ it was built for: `EngineManifest.check_runtime` refuses any other, naming both 
 Two TensorRT flavours build engines (`TENSORRT_FLAVOURS`): Jetson's (and x86 CUDA's) `tensorrt`,
 which `TrtBackend` runs, and TensorRT for RTX's `tensorrt_rtx`, whose builder runs ahead of time
 without a GPU, so CI proves the graph parses and builds. The engine manifest records which one
-built the engine; an engine of one flavour never loads under the other.
+built the engine; an engine of one flavour never loads under the other. Both build strongly typed
+networks: the engine computes in the dtypes of the graph, whose precision the manifest records.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 ENGINE_FILE = "model.engine"
 ENGINE_MANIFEST_FILE = "engine_manifest.json"
 ENGINE_FORMAT = "kvedge-engine"
-ENGINE_VERSION = 1
+# 2: strongly typed engines; `precision` (the graph's) and `strongly_typed` replace version 1's
+# `fp16` (the weakly typed builder's FP16 flag)
+ENGINE_VERSION = 2
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
 # `--device`: what runs an artifact: onnxruntime on the CPU or CUDA, or its TensorRT engine
@@ -79,7 +82,8 @@ class EngineManifest:
     multiprocessors: int
     max_batch: int
     max_prefill: int
-    fp16: bool  # the builder's FP16 flag was set (TensorRT for RTX has none: the graph's dtypes rule)
+    precision: str  # the graph's (`Manifest.precision`): the dtype the engine computes in
+    strongly_typed: bool  # what the built network said of itself (`build_engine` builds no other)
     workspace_bytes: int
     tensorrt_flavour: str = "tensorrt"  # a `TENSORRT_FLAVOURS` key; absent in files from before it existed
     format: str = ENGINE_FORMAT

@@ -37,8 +37,12 @@ KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 QUANTIZED_KV_DTYPES = ("int8",)  # stored as codes plus one float16 scale per token per channel group
 KV_SCALE_DTYPE = np.float16
 KV_GROUP_SIZES = (16, 32, 64, 128)
-# what `kvedge export --kv-dtype` builds graphs for; float16 with --variant ort only (the CUDA form)
+# what `kvedge export --kv-dtype` builds graphs for (`export_kv_dtypes` says which with what)
 EXPORTED_KV_DTYPES = ("float32", "float16", "int8")
+# `kvedge export --precision`: the dtype the graph computes in (`GraphInterface` for its I/O).
+# float16: weights and activations float16, with float32 islands (RMSNorm's reduction, softmax,
+# the logits output), for TensorRT's strongly typed builds; the portable variant only.
+PRECISIONS = ("float32", "float16")
 # Graph variants: what attention is built from, and whether present K/V alias the past buffers.
 # Manifests written before the field existed load as "portable" (same format version).
 VARIANTS = {"portable": "standard ONNX ops (TensorRT-compatible)", "ort": "onnxruntime fused attention"}
@@ -57,6 +61,29 @@ WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 # kvedge.QuantMatMul in a decode form of its own (faster, the weights held twice); onnxruntime:
 # MatMulNBits for every step, one form (docs/ARCHITECTURE.md "Two forms of one graph").
 DECODE_MATMULS = ("kvedge", "onnxruntime")
+
+
+def export_kv_dtypes(variant: str, precision: str = "float32") -> tuple[str, ...]:
+    """The cache dtypes a graph of `variant` computing in `precision` is exported with, its
+    default first. float32 graphs: float32 or int8 (and with --variant ort float16, the
+    GroupQueryAttention form onnxruntime's CUDA provider runs). float16 graphs (portable only):
+    float16, attention computed over it in float16, or int8, whose codes and scales are read and
+    written by the same float32 ops as in a float32 graph (products of a query with int8 codes
+    before scaling can pass float16's 65504); never float32, which would hold float16 values at
+    twice the bytes."""
+    if precision == "float16":
+        return ("float16", "int8")
+    return EXPORTED_KV_DTYPES if variant == "ort" else ("float32", "int8")
+
+
+def export_weight_formats(precision: str) -> tuple[str, ...]:
+    """The `--weights` a graph computing in `precision` is exported with, its default first:
+    float16 graphs store float weights as float16 (float32 storage would only be cast down) and
+    dequantize int8/int4 blocks to float16; float32 graphs take every format (float16 storage is
+    widened to float32 by one Cast per weight)."""
+    if precision == "float16":
+        return tuple(w for w in WEIGHT_FORMATS if w != "float32")
+    return tuple(WEIGHT_FORMATS)
 
 
 def kvedge_ops(variant: str, kv_dtype: str, weights: str, decode_matmuls: str = "kvedge") -> tuple[str, ...]:
@@ -308,6 +335,11 @@ class GraphInterface:
     (max_len, or ring_len for a ring layer).
     Outputs: logits [batch, 1 or seq, vocab] float32; per layer, present tensors like the past
     ones, of length seq (the new tokens, portable) or L (the past buffer, in place).
+
+    The dtypes do not depend on the graph's precision beyond the cache dtype it is exported with
+    (`export_kv_dtypes`): a float16 graph (`Manifest.precision`) takes and gives its cache as
+    float16 (or int8 codes and float16 scales) and widens its logits to float32 at the output,
+    so the runtime binds every export alike.
     """
 
     names: IONames
@@ -411,6 +443,9 @@ class Manifest:
     # does not apply; None: exported before kvedge recorded it (one form: "onnxruntime")
     weight_decode_matmuls: str | None = None
     variant: str = "portable"  # graph variant, see VARIANTS
+    # the dtype the graph computes in (PRECISIONS); manifests written before the field existed
+    # load as "float32" (same format version: the graph's interface says all a reader binds)
+    precision: str = "float32"
     chat_template: bool = False
     special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables
     format: str = MANIFEST_FORMAT
@@ -453,6 +488,11 @@ class Manifest:
             raise ArtifactMismatch(
                 f"{where}: graph variant {manifest.variant!r} is unknown to this kvedge "
                 f"(knows {sorted(VARIANTS)}); upgrade kvedge or re-export the model"
+            )
+        if manifest.precision not in PRECISIONS:
+            raise ArtifactMismatch(
+                f"{where}: graph precision {manifest.precision!r} is unknown to this kvedge "
+                f"(knows {list(PRECISIONS)}); upgrade kvedge or re-export the model"
             )
         return manifest
 

@@ -25,6 +25,8 @@ from kvedge.contract import (
     IONames,
     Manifest,
     RopeSpec,
+    export_kv_dtypes,
+    export_weight_formats,
     kvedge_ops,
     sha256_files,
 )
@@ -49,25 +51,41 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExportOptions:
+    """What `kvedge export` makes. `weights` and `kv_dtype` left None take the precision's default
+    (`contract.export_weight_formats`, `contract.export_kv_dtypes`): float32 for a float32 graph,
+    float16 for a float16 one; after construction both are always set."""
+
     max_len: int = 2048
     logits: str = "last"
     force: bool = False
     variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
-    weights: str = "float32"  # "float32", "float16" (stored), "int8" or "int4" (weight-only, blocked)
+    # "float32", "float16" (stored float16), "int8" or "int4" (weight-only, blocked)
+    weights: str | None = None
     block_size: int = 32  # quantization block (input features per scale)
-    # "float32", "float16" (--variant ort: the CUDA in-place form) or "int8" (codes + float16 scales)
-    kv_dtype: str = "float32"
+    # "float32", "float16" (--variant ort: the CUDA in-place form; portable: a float16 graph's) or
+    # "int8" (codes + float16 scales)
+    kv_dtype: str | None = None
     kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
     # int8/int4 weights: input channels per matmul kept float32 (0, 8, 16, 32, 64); None: 32
     outlier_channels: int | None = None
     head_bits: int | None = None  # int8/int4 weights: the LM head's bits (ort: 8 or 4); None: the rule
     decode_matmuls: str | None = None  # ort int8/int4 weights: contract.DECODE_MATMULS; None: kvedge
+    # the dtype the graph computes in (contract.PRECISIONS): float16 is the portable graph in
+    # float16 with float32 islands (kvedge.export.graph), for TensorRT's strongly typed builds
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
             raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
-        self.graph_options()  # validates logits, variant, weights, block size, channels, head bits
-        check_kv_dtype(self.kv_dtype, self.variant)
+        # frozen: the defaults are filled in once, here, before anything reads them
+        if self.weights is None:
+            object.__setattr__(self, "weights", export_weight_formats(self.precision)[0])
+        if self.kv_dtype is None:
+            kv_dtypes = export_kv_dtypes(self.variant, self.precision)
+            object.__setattr__(self, "kv_dtype", kv_dtypes[0])
+        # validates logits, variant, precision, weights, block size, channels, head bits
+        self.graph_options()
+        check_kv_dtype(self.kv_dtype, self.variant, self.precision)
         if self.decode_matmuls == "kvedge" and self.kv_dtype == "float16":
             raise KvedgeError(
                 "--decode-matmuls kvedge runs on the CPU; the float16 cache is the CUDA form, whose "
@@ -85,6 +103,7 @@ class ExportOptions:
             outlier_channels=self.outlier_channels,
             lm_head_bits=self.head_bits,
             decode_matmuls=self.decode_matmuls,
+            precision=self.precision,
         )
 
     def recorded(self) -> dict[str, Any]:
@@ -94,6 +113,7 @@ class ExportOptions:
         return {
             "logits": self.logits,
             "variant": self.variant,
+            "precision": self.precision,
             "opset": graph.opset,
             "weights_dtype": self.weights,
             "weight_block_size": self.block_size if graph.quantized else 0,

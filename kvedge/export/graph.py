@@ -72,6 +72,20 @@ stored float16, about half the bytes, each widened by one `Cast` to float32, so 
 float32 and the only error is fp16 rounding of the weights (relative 2**-11). onnxruntime and
 TensorRT fold the Cast when they load the graph; what the memory then holds is theirs to choose.
 
+The float16 graph (`--precision float16`, portable only; `GraphOptions.half`): what TensorRT's
+strongly typed builder computes in float16, written as such. Weights (float16, or int8/int4
+blocks dequantized to float16: the float32 graph's codes, their scales, offsets and kept channels'
+rows stored float16), the residual stream, the projections, RoPE and
+the MLP are float16; float32 islands, each opened and closed by a Cast (`_Builder.widen`,
+`narrow`), are where float16 would fail: every RMSNorm (x**2 and its mean: activations of a few
+hundred square past float16's 65504; normed and weighted in float32, as transformers does),
+softmax (scores widened, the -inf mask added and the probabilities narrowed after), and the
+logits (the LM head computes in float16, its output widened: the graph's logits are float32 in
+both precisions). The cache is float16 (attention over it in float16 but for the softmax) or
+int8: then attention runs in float32 exactly as in a float32 graph, its packed QKV widened and
+its output narrowed, since a query times int8 codes before scaling can pass 65504. The graph's
+inputs and outputs are those of `GraphInterface` for the export's cache dtype.
+
 Families differ before attention only (`DecoderSpec`, `_prepare_weights`), so the three attention
 implementations above serve them all: Qwen3's per-head Q/K RMSNorm is applied to the packed QKV,
 ahead of every variant's RoPE; Phi-3's fused projections are split and its partial rotary becomes
@@ -101,6 +115,7 @@ from kvedge.contract import (
     EXPORTED_KV_DTYPES,
     INT8_ATTENTION_OP,
     KVEDGE_OPS_DOMAIN,
+    PRECISIONS,
     QUANT_MATMUL_OP,
     SIDE_INPUTS_OP,
     VARIANTS,
@@ -108,6 +123,8 @@ from kvedge.contract import (
     GraphInterface,
     IONames,
     TensorSpec,
+    export_kv_dtypes,
+    export_weight_formats,
     kvedge_ops,
 )
 from kvedge.errors import KvedgeError
@@ -126,7 +143,9 @@ from kvedge.export.quantize import (
 )
 
 OPSET = 17  # float32 and float16 weights
-HALF_KV_DTYPES = ("float16",)  # caches GroupQueryAttention reads and writes in float16 (`ort` only)
+# caches attention reads and writes in float16: GroupQueryAttention's (`ort`), or a float16
+# graph's (`--precision float16`, portable)
+HALF_KV_DTYPES = ("float16",)
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # longrope: short factors only
@@ -214,6 +233,7 @@ class GraphOptions:
     outlier_channels: int | None = None  # --outlier-channels; None: see kept_channels
     lm_head_bits: int | None = None  # --head-bits; None: see head_bits
     decode_matmuls: str | None = None  # --decode-matmuls (contract.DECODE_MATMULS); None: see decode
+    precision: str = "float32"  # --precision (contract.PRECISIONS): the dtype the graph computes in
 
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all"):
@@ -221,6 +241,7 @@ class GraphOptions:
         if self.variant not in VARIANTS:
             raise KvedgeError(f"--variant {self.variant!r} is not supported; allowed: {sorted(VARIANTS)}")
         check_format(self.weights, self.block_size)
+        self._check_precision()
         for flag, value in (
             ("--outlier-channels", self.outlier_channels),
             ("--head-bits", self.lm_head_bits),
@@ -251,6 +272,29 @@ class GraphOptions:
                     f"--weights {self.weights}; allowed: {allowed}"
                     + ("" if self.variant == "ort" else " (TensorRT takes the projections' bits)")
                 )
+
+    def _check_precision(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise KvedgeError(f"--precision {self.precision!r} is not allowed; allowed: {list(PRECISIONS)}")
+        if self.half and self.variant != "portable":
+            raise KvedgeError(
+                f"--precision float16 is built for --variant portable only (the graph TensorRT "
+                f"builds strongly typed); --variant {self.variant} computes in float32 (its float16 "
+                "form for onnxruntime's CUDA provider is --kv-dtype float16); allowed with "
+                f"--variant {self.variant}: --precision float32"
+            )
+        allowed = export_weight_formats(self.precision)
+        if self.weights not in allowed:
+            raise KvedgeError(
+                f"--weights {self.weights} is not allowed with --precision {self.precision}: a float16 "
+                f"graph computes with float16 weights, float32 storage would only be cast down; "
+                f"allowed: {list(allowed)}"
+            )
+
+    @property
+    def half(self) -> bool:
+        """The graph computes in float16 (`--precision float16`, `_Builder`'s float type)."""
+        return self.precision == "float16"
 
     @property
     def opset(self) -> int:
@@ -291,19 +335,26 @@ class GraphOptions:
         return self.bits < 16
 
 
-def check_kv_dtype(kv_dtype: str, variant: str = "portable") -> None:
-    """Refuse a cache dtype the `variant` graph cannot be built with, naming the allowed ones:
-    float16 only for the `ort` variant (GroupQueryAttention in float16, the onnxruntime CUDA
-    in-place form); the portable graph's attention is float32 over a float32 or int8 cache."""
-    allowed = [d for d in EXPORTED_KV_DTYPES if variant == "ort" or d not in HALF_KV_DTYPES]
+def check_kv_dtype(kv_dtype: str, variant: str = "portable", precision: str = "float32") -> None:
+    """Refuse a cache dtype the `variant` graph computing in `precision` cannot be built with,
+    naming the allowed ones (`contract.export_kv_dtypes`)."""
+    allowed = list(export_kv_dtypes(variant, precision))
     if kv_dtype in allowed:
         return
-    if kv_dtype in EXPORTED_KV_DTYPES:
+    if kv_dtype not in EXPORTED_KV_DTYPES:
         raise KvedgeError(
-            f"--kv-dtype {kv_dtype} is built for --variant ort only (the onnxruntime CUDA in-place "
-            f"form); with --variant {variant}, allowed: {allowed}"
+            f"--kv-dtype {kv_dtype!r} is not allowed with --variant {variant}; allowed: {allowed}"
         )
-    raise KvedgeError(f"--kv-dtype {kv_dtype!r} is not allowed with --variant {variant}; allowed: {allowed}")
+    if precision == "float16":
+        raise KvedgeError(
+            f"--kv-dtype {kv_dtype} is not allowed with --precision float16: the cache of a float16 "
+            f"graph holds float16 values (or int8 codes); allowed: {allowed}"
+        )
+    raise KvedgeError(
+        f"--kv-dtype {kv_dtype} with float32 compute is built for --variant ort only (the onnxruntime "
+        f"CUDA in-place form; --precision float16 makes a portable float16 graph over a float16 "
+        f"cache); with --variant {variant}, allowed: {allowed}"
+    )
 
 
 def local_layers(config: Any) -> tuple[int, ...]:
@@ -372,12 +423,17 @@ class _Builder:
         opset: int,
         side_inputs: bool = False,
         decode_form: bool = False,
+        half: bool = False,
     ) -> None:
         self.opset = opset
         self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
         # the decode form: quantized matmuls are kvedge.QuantMatMul, quantized onto the float16 scales
         # and minimums it stores (the prefill form keeps float32 ones: exact on a GGUF's grids)
         self.decode_form = decode_form
+        # a float16 graph (--precision float16): weights, their scales and the activations between
+        # the float32 islands (`widen` ... `narrow`) are float16
+        self.half = half
+        self.float = np.dtype(np.float16 if half else np.float32)
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
@@ -419,8 +475,27 @@ class _Builder:
             return self.op(op_type, [x], name, axes=[axis], keepdims=keepdims)
         return self.op(op_type, [x, self.ints(axis)], name, keepdims=keepdims)
 
-    def float16_weight(self, name: str, w: np.ndarray) -> str:
-        """`w` stored float16 under `name`.f16, widened to float32 under `name` by one Cast."""
+    def fconst(self, name: str, array: np.ndarray) -> str:
+        """A float constant in the graph's float type (float16 or float32)."""
+        return self.const(name, np.asarray(array).astype(self.float))
+
+    def widen(self, x: str, name: str) -> str:
+        """x as float32 under `name`: where a float32 island starts (x itself in a float32 graph)."""
+        return self.op("Cast", [x], name, to=TensorProto.FLOAT) if self.half else x
+
+    def narrow(self, x: str, name: str) -> str:
+        """x (float32) back in the graph's float type under `name`: where an island ends (x itself
+        in a float32 graph)."""
+        return self.op("Cast", [x], name, to=TensorProto.FLOAT16) if self.half else x
+
+    def float_weight(self, name: str, w: np.ndarray, stored_half: bool = False) -> str:
+        """`w` as a float weight under `name`: float16 in a float16 graph; float32 in a float32
+        graph, or with `stored_half` (--weights float16) stored float16 under `name`.f16 and
+        widened by one Cast."""
+        if self.half:
+            return self.const(name, w.astype(np.float16))
+        if not stored_half:
+            return self.const(name, w.astype(np.float32))
         stored = self.const(f"{name}.f16", w.astype(np.float16))
         return self.op("Cast", [stored], name, to=TensorProto.FLOAT)
 
@@ -433,13 +508,16 @@ class _Builder:
         made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
         if bits == 32:
             return self.op("MatMul", [x, self.const(f"{out}.weight", w)], out)
+        # a float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
+        # when stored (`fconst`), relative 2**-11 like any float16 weight; the decode form chooses
+        # its codes on the float16 grid it stores
         qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=self.decode_form)
         self.quant_errors.append(qw.max_error)
         keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
         if self.decode_form and w.shape[1] % 64 == 0:
             return self._quant_matmul(x, w, qw, out, keep)
         self.initializers.append(weight_tensor(f"{out}.weight_q", qw))
-        scale = self.const(f"{out}.weight_scale", qw.scale)
+        scale = self.fconst(f"{out}.weight_scale", qw.scale)  # its type is DequantizeLinear's output's
         deq = self.op(
             "DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size
         )
@@ -468,7 +546,7 @@ class _Builder:
             )
         scaled = self.op("MatMul", [quantized_in, deq], f"{out}.scaled")
         shift = self.op(
-            "MatMul", [side, self.const(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
+            "MatMul", [side, self.fconst(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift"
         )
         return self.op("Add", [scaled, shift], out)
 
@@ -505,12 +583,12 @@ class _Builder:
         if keep.size:
             mask = np.ones(k, np.float32)
             mask[keep] = 0.0
-            quantized_in = self.op("Mul", [x, self.const(f"{out}.int8_mask", mask)], f"{out}.masked")
+            quantized_in = self.op("Mul", [x, self.fconst(f"{out}.int8_mask", mask)], f"{out}.masked")
             select = np.zeros((k, keep.size), np.float32)
             select[keep, np.arange(keep.size)] = 1.0
             gather.append(select)
         side = self.op(
-            "MatMul", [x, self.const(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side"
+            "MatMul", [x, self.fconst(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side"
         )
         return side, quantized_in
 
@@ -532,7 +610,7 @@ def build_decoder_graph(
     quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
     (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer."""
     options = options or GraphOptions()
-    check_kv_dtype(geometry.dtype, options.variant)
+    check_kv_dtype(geometry.dtype, options.variant, options.precision)
     check_ring(geometry, options.variant)
     if spec.local_layers and local_tables is None:
         raise KvedgeError("sliding-window layers need their RoPE tables (local_tables)")
@@ -656,8 +734,11 @@ class _Decoder:
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
-        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form)
-        self.two = g.const("const.two", np.array(2.0, np.float32))
+        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form, options.half)
+        # a float16 graph over the INT8 cache runs attention in float32, as a float32 graph does:
+        # its codec's products of a query with int8 codes before scaling can pass 65504
+        self.wide_attention = options.half and geometry.quantized
+        self.two = g.const("const.two", np.array(2.0, np.float32))  # RMSNorm's island: float32
         self.eps = np.array(spec.rms_norm_eps, np.float32)
         batch_seq = g.op("Shape", [names.input_ids], "shape.bs")  # [2] = (b, s)
         self.b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
@@ -666,7 +747,7 @@ class _Decoder:
         self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
         if spec.activation == "gelu_pytorch_tanh":
             consts = {"cubic": 0.044715, "root": math.sqrt(2.0 / math.pi), "half": 0.5, "one": 1.0}
-            self.gelu_consts = {k: g.const(f"gelu.{k}", np.array(v, np.float32)) for k, v in consts.items()}
+            self.gelu_consts = {k: g.fconst(f"gelu.{k}", np.array(v)) for k, v in consts.items()}
         if spec.qk_norm:
             d, kv_heads = geometry.head_dim, geometry.num_kv_heads
             self.qkv_split = g.ints(spec.num_heads * d, kv_heads * d, kv_heads * d)
@@ -675,11 +756,11 @@ class _Decoder:
 
     def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray, local_tables=None):
         """The variant's attention (module docstring), sharing the RoPE tables [L, d/2] (float16
-        for GroupQueryAttention over a float16 cache: the op takes them in its own type); the
-        sliding-window layers read a ring (portable) or attend through a local window over a full
-        length cache (ort), rotated with `local_tables`."""
+        over a float16 cache: attention computes in the cache's float type); the sliding-window
+        layers read a ring (portable) or attend through a local window over a full length cache
+        (ort), rotated with `local_tables`."""
         g = self.g
-        half = not self.portable and geometry.dtype in HALF_KV_DTYPES
+        half = geometry.dtype in HALF_KV_DTYPES
         table_dtype = np.float16 if half else np.float32
         ring, local = None, {}
         if self.spec.local_layers:
@@ -705,7 +786,7 @@ class _Decoder:
         )
         if self.portable:
             return _PortableAttention(
-                **ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size, ring=ring
+                **ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size, ring=ring, half=half
             )
         if geometry.quantized:
             return _Int8CacheAttention(**ctx, **tables, **local)
@@ -720,27 +801,32 @@ class _Decoder:
         g, options = self.g, self.options
         mat = np.concatenate([self.w(f"{prefix}.{p}.weight") for p in parts], axis=0)
         if options.weights == "float16":
-            y = g.op("MatMul", [x, g.float16_weight(f"{out}.weight", np.ascontiguousarray(mat.T))], out)
+            weight = g.float_weight(f"{out}.weight", np.ascontiguousarray(mat.T), stored_half=True)
+            y = g.op("MatMul", [x, weight], out)
         else:
             keep = self.outliers.get(f"{prefix}.{parts[0]}")  # fused parts share their input
             y = g.matmul_weight(x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size, keep)
         biases = [f"{prefix}.{p}.bias" for p in parts]
         if all(b in self.weights for b in biases):
             bias = np.concatenate([self.w(b) for b in biases])
-            y = g.op("Add", [y, g.const(f"{out}.bias", bias)], f"{out}.biased")
+            y = g.op("Add", [y, g.fconst(f"{out}.bias", bias)], f"{out}.biased")
         elif any(b in self.weights for b in biases):
             raise KvedgeError(f"{prefix}: some of {parts} have a bias and some do not")
         return y
 
     def rms_norm(self, x: str, weight: np.ndarray, name: str) -> str:
-        # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern onnxruntime fuses into one norm kernel.
+        """A float32 island in a float16 graph, as transformers computes it: activations of a few
+        hundred square past float16's 65504. Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern
+        onnxruntime fuses into one norm kernel."""
         g = self.g
+        x = g.widen(x, f"{name}.x32")
         sq = g.op("Pow", [x, self.two], f"{name}.sq")
         mean = g.reduce("ReduceMean", sq, -1, f"{name}.mean")
         var = g.op("Add", [mean, g.const(f"{name}.eps", self.eps)], f"{name}.var")
         root = g.op("Sqrt", [var], name + ".rms")
         normed = g.op("Div", [x, root], f"{name}.normed")
-        return g.op("Mul", [normed, g.const(f"{name}.weight", weight)], name)
+        scaled = g.op("Mul", [normed, g.const(f"{name}.weight", weight)], f"{name}.f32" if g.half else name)
+        return g.narrow(scaled, name)
 
     def residual_norm(self, hidden: str, delta: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
         """(rms_norm(hidden + delta), hidden + delta): onnxruntime's fused op in the ort variant."""
@@ -763,14 +849,13 @@ class _Decoder:
     def embed(self) -> str:
         """Token embeddings [b, s, H]; the table is kept for a tied LM head."""
         self.embed_table = self.w("model.embed_tokens.weight")  # [vocab, hidden]
-        if self.options.weights == "float16":
-            self.embed_name = self.g.float16_weight("model.embed_tokens.weight", self.embed_table)
-        else:
-            self.embed_name = self.g.const("model.embed_tokens.weight", self.embed_table)
+        self.embed_name = self.g.float_weight(
+            "model.embed_tokens.weight", self.embed_table, stored_half=self.options.weights == "float16"
+        )
         rows = self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
         if self.spec.embed_scale == 1.0:
             return rows
-        scale = self.g.const("model.embed_scale", np.array(self.spec.embed_scale, np.float32))
+        scale = self.g.fconst("model.embed_scale", np.array(self.spec.embed_scale, np.float32))
         return self.g.op("Mul", [rows, scale], "model.embed_scaled")
 
     def layer(self, i: int, hidden: str, delta: str | None) -> tuple[str, str]:
@@ -784,10 +869,14 @@ class _Decoder:
         )  # [b, s, (h+2kvh)d]
         if self.spec.qk_norm:
             qkv = self.qk_norm(qkv, f"{p}.self_attn")
+        if self.wide_attention:
+            qkv = self.g.widen(qkv, f"{p}.attn.qkv32")
         if i in self.spec.local_layers:
             attn = self.attention.layer(i, qkv, local=True)  # [b, s, heads*d]
         else:
             attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)
+        if self.wide_attention:
+            attn = self.g.narrow(attn, f"{p}.attn.merged16")
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
         if self.spec.gemma_norms:  # each sublayer's output normed before its residual add
             delta = self.rms_norm(
@@ -858,9 +947,11 @@ class _Decoder:
         )
 
     def logits(self, hidden: str, delta: str) -> str:
-        """The final norm, the LM head and the logits output [b, 1 or s, vocab]."""
+        """The final norm, the LM head and the logits output [b, 1 or s, vocab] float32: a float16
+        graph's LM head computes in float16 (TensorRT accumulates its products in float32), its
+        logits widened before they leave the graph."""
         g = self.g
-        scores = self.lm_head(self.final_rows(hidden, delta))  # [rows, vocab]
+        scores = g.widen(self.lm_head(self.final_rows(hidden, delta)), "logits.rows_vocab32")  # [rows, vocab]
         vocab = g.const("const.vocab", np.array([self.spec.vocab_size], np.int64))
         seq = g.ints(1) if self.options.logits == "last" else self.s_dim
         out_shape = g.op("Concat", [self.b_dim, seq, vocab], "shape.logits", axis=0)
@@ -888,9 +979,6 @@ class _Decoder:
         """hidden [rows, H] @ head^T: the embedding table when tied (stored once, float weights)."""
         g, options = self.g, self.options
         tied = self.spec.tie_word_embeddings or "lm_head.weight" not in self.weights
-        if options.weights == "float16" and not tied:
-            head = g.float16_weight("lm_head.weight", self.w("lm_head.weight"))
-            return g.op("Gemm", [hidden, head], "logits.rows_vocab", transB=1)
         if options.quantized:
             head = self.embed_table if tied else self.w("lm_head.weight")  # [vocab, H]
             return g.matmul_weight(
@@ -901,7 +989,11 @@ class _Decoder:
                 options.block_size,
                 self.outliers.get("lm_head"),
             )
-        head_name = self.embed_name if tied else g.const("lm_head.weight", self.w("lm_head.weight"))
+        if tied:
+            head_name = self.embed_name
+        else:
+            stored_half = options.weights == "float16"
+            head_name = g.float_weight("lm_head.weight", self.w("lm_head.weight"), stored_half)
         return g.op("Gemm", [hidden, head_name], "logits.rows_vocab", transB=1)
 
 
@@ -1023,8 +1115,9 @@ class _PortableAttention:
         sin_table,
         kv_group_size=0,
         ring: _RingSpec | None = None,
+        half=False,  # over a float16 cache: float16 but for the softmax (module docstring)
     ) -> None:
-        self.g, self.names = g, names
+        self.g, self.names, self.half = g, names, half
         self.heads, self.kv_heads, self.d = heads, kv_heads, d
         groups = heads // kv_heads
         self.half_split = g.ints(d // 2, d // 2)
@@ -1193,6 +1286,16 @@ class _PortableAttention:
         )
         return g.op("Concat", [r1, r2], name, axis=-1)
 
+    def softmax(self, scores: str, mask: str, p: str) -> str:
+        """softmax(scores + mask) over the keys, in float32: the mask is float32 (-inf) and, over a
+        float16 cache, the scores are widened for it and the probabilities narrowed after."""
+        g = self.g
+        if self.half:
+            scores = g.op("Cast", [scores], f"{p}.scores32", to=TensorProto.FLOAT)
+        masked = g.op("Add", [scores, mask], f"{p}.masked")
+        probs = g.op("Softmax", [masked], f"{p}.probs32" if self.half else f"{p}.probs", axis=-1)
+        return g.op("Cast", [probs], f"{p}.probs", to=TensorProto.FLOAT16) if self.half else probs
+
     def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
         """Layer i's attention; a sliding-window layer (`local`) reads its ring through the ring mask."""
         g, names, p = self.g, self.names, f"model.layers.{i}"
@@ -1250,9 +1353,7 @@ class _PortableAttention:
             f"{p}.attn.scores",
             axis=-1,
         )
-        probs = g.op(
-            "Softmax", [g.op("Add", [scores, inputs.mask], f"{p}.attn.masked")], f"{p}.attn.probs", axis=-1
-        )
+        probs = self.softmax(scores, inputs.mask, f"{p}.attn")
         p_past, p_new = g.op("Split", [probs, inputs.split_as], f"{p}.attn.probs_parts", outputs=2, axis=-1)
         if codec:
             from_past = codec.past_context(p_past, past[1], past[3], f"{p}.attn.past_v")

@@ -13,8 +13,13 @@ this builder and `kvedge.runtime.trt_backend` follow, in `kvedge.contract.engine
 
     timing.cache          TensorRT's timing cache, reused by the next build on the same device
 
-Engine kernels are FP16 with --fp16 under `tensorrt`; TensorRT for RTX is strongly typed (no FP16
-flag), so its engines compute in the graph's dtypes. The two optimization profiles (prefill,
+Every network is strongly typed (`NetworkDefinitionCreationFlag.STRONGLY_TYPED`, TensorRT 10 and
+TensorRT for RTX alike; TensorRT 11 has no other kind): each tensor has the dtype the ONNX graph
+gives it, so the engine computes in the export's precision (`kvedge export --precision`), float32
+islands included, and the engine CI builds with TensorRT for RTX is the one a Jetson builds. No
+FP16 builder flag, no per-layer precision: weak typing was deprecated in TensorRT 10.12 and
+removed in 11. The engine manifest records the graph's precision and the network's flag. The
+two optimization profiles (prefill,
 decode) are made from the manifest's graph inputs by `profile_shapes`; the cache inputs keep the
 exported static length L so the runtime binds its preallocated pool in place, as it does with
 onnxruntime. What the parser rejects is refused with the parser's own reason
@@ -49,14 +54,17 @@ TIMING_CACHE_FILE = "timing.cache"
 DEFAULT_WORKSPACE = 1 << 30  # builder scratch; 1 GiB leaves room for weights on an 8 GB Orin Nano
 # What an engine built by TensorRT for RTX without a GPU records as its device
 AHEAD_OF_TIME = DeviceInfo("no GPU (TensorRT for RTX, built ahead of time)", "any", 0)
+# Jetson's TensorRT: strongly typed networks arrived in TensorRT 9; JetPack 6.1/6.2 carry 10.3,
+# JetPack 6.0 (TensorRT 8.6) cannot build kvedge's engines
+MIN_TENSORRT_MAJOR = 10
 
 
 def require_tensorrt(variant: str, logits: str) -> str:
     """Everything a TensorRT build needs that can be checked before exporting: graph options
     TensorRT can take, and the packages. Returns the flavour that will build."""
     _check_graph(variant, logits)
-    _, flavour = import_tensorrt_builder()
-    _Flavour(flavour).require()
+    trt, flavour = import_tensorrt_builder()
+    _Flavour(flavour).require(trt)
     return flavour
 
 
@@ -80,7 +88,6 @@ class EngineOptions:
     max_prefill: int = PREFILL_CHUNK  # longest prefill chunk: the runtime prefills in chunks of it
     max_batch: int = 1  # most sequences per call
     workspace_bytes: int = DEFAULT_WORKSPACE
-    fp16: bool = True
 
     def check(self, manifest: Manifest) -> None:
         max_len = manifest.geometry.max_len
@@ -113,7 +120,7 @@ def profile_shapes(manifest: Manifest, options: EngineOptions) -> list[dict[str,
 
 @dataclass(frozen=True)
 class _Flavour:
-    """Where `tensorrt` (JetPack's TensorRT 8.6/10) and `tensorrt_rtx` (TensorRT for RTX 1.x) differ."""
+    """Where `tensorrt` (JetPack's TensorRT 10) and `tensorrt_rtx` (TensorRT for RTX 1.x) differ."""
 
     name: str  # a `TENSORRT_FLAVOURS` key
 
@@ -121,27 +128,31 @@ class _Flavour:
     def rtx(self) -> bool:
         return self.name == "tensorrt_rtx"
 
-    def require(self) -> None:
+    def require(self, trt: Any) -> None:
         """TensorRT asks CUDA which GPU it builds for; TensorRT for RTX builds without one."""
+        self.check_version(trt)
         if not self.rtx:
             import_cudart()
 
-    def network_flags(self, trt: Any) -> int:
-        # TensorRT 8.6 (JetPack 6.0) must be asked for explicit batch; TensorRT 10 and TensorRT
-        # for RTX (versioned 1.x) have only explicit batch and no such flag
-        if not self.rtx and int(trt.__version__.split(".")[0]) < 10:
-            return 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-        return 0
+    def check_version(self, trt: Any) -> None:
+        """TensorRT must build strongly typed networks; TensorRT for RTX (versioned 1.x) does."""
+        if not self.rtx and int(trt.__version__.split(".")[0]) < MIN_TENSORRT_MAJOR:
+            raise KvedgeError(
+                f"TensorRT {trt.__version__} cannot build kvedge's strongly typed engines; they need "
+                f"TensorRT {MIN_TENSORRT_MAJOR} or newer (JetPack 6.1 and later: TensorRT 10.3)"
+            )
+
+    @staticmethod
+    def network_flags(trt: Any) -> int:
+        """Strongly typed: the same flag on both flavours (TensorRT 11 keeps it, ignored, as
+        every network there is strongly typed); explicit batch is the only kind since 10."""
+        return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
 
     def device(self) -> DeviceInfo:
         return AHEAD_OF_TIME if self.rtx else current_device()
 
     def has_timing_cache(self) -> bool:
         # TensorRT for RTX keeps the calls but makes them no-ops (deprecated since RTX 1.2)
-        return not self.rtx
-
-    def has_fp16_flag(self) -> bool:
-        # TensorRT for RTX networks are strongly typed: no FP16 or precision-constraint flags
         return not self.rtx
 
 
@@ -156,10 +167,16 @@ class _Parsed:
     parser: Any
     errors: list[str]  # the parser's, one per error; empty when it parsed
 
+    @property
+    def strongly_typed(self) -> bool:
+        """What the network itself says of its typing."""
+        return bool(self.network.get_flag(self.trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+
 
 def _parse(folder: Path) -> _Parsed:
     trt, name = import_tensorrt_builder()
     flavour = _Flavour(name)
+    flavour.check_version(trt)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(flavour.network_flags(trt))
@@ -180,14 +197,14 @@ def build_engine(
     out: str | Path | None = None,
     max_prefill: int = PREFILL_CHUNK,
     workspace_bytes: int = DEFAULT_WORKSPACE,
-    fp16: bool = True,
     max_batch: int = 1,
 ) -> EngineManifest:
-    """Build `model.engine` + `engine_manifest.json` into `out` (default: the artifact folder)."""
+    """Build `model.engine` + `engine_manifest.json` into `out` (default: the artifact folder),
+    strongly typed: the engine computes in the graph's precision (`Manifest.precision`)."""
     folder = Path(artifact_dir)
     out = Path(out) if out else folder
     manifest = Manifest.load(folder)
-    options = EngineOptions(max_prefill, max_batch, workspace_bytes, fp16)
+    options = EngineOptions(max_prefill, max_batch, workspace_bytes)
     options.check(manifest)
     parsed = _parse(folder)
     trt, flavour, builder, network = parsed.trt, parsed.flavour, parsed.builder, parsed.network
@@ -196,16 +213,12 @@ def build_engine(
             f"{TENSORRT_FLAVOURS[flavour.name]} {trt.__version__} cannot parse {folder / ONNX_FILE}: "
             + "; ".join(parsed.errors)
         )
+    if not parsed.strongly_typed:
+        raise KvedgeError(f"{TENSORRT_FLAVOURS[flavour.name]} {trt.__version__} made a weakly typed network")
     device = flavour.device()
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
-    use_fp16 = options.fp16 and flavour.has_fp16_flag()
-    if use_fp16:
-        config.set_flag(trt.BuilderFlag.FP16)
-        _keep_reductions_fp32(trt, network, config)
-    elif options.fp16:
-        log.info("TensorRT for RTX is strongly typed: the engine computes in the graph's dtypes")
     for shapes in profile_shapes(manifest, options):
         profile = builder.create_optimization_profile()
         for name, (low, opt, high) in shapes.items():
@@ -216,7 +229,12 @@ def build_engine(
         timing = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
         config.set_timing_cache(timing, ignore_mismatch=False)
 
-    log.info("building a TensorRT %s engine for %s (minutes on a Jetson)", trt.__version__, device.describe())
+    log.info(
+        "building a strongly typed %s TensorRT %s engine for %s (minutes on a Jetson)",
+        manifest.precision,
+        trt.__version__,
+        device.describe(),
+    )
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise KvedgeError("TensorRT could not build the engine; run `kvedge -v export ...` for its log")
@@ -230,7 +248,8 @@ def build_engine(
         multiprocessors=device.multiprocessors,
         max_batch=options.max_batch,
         max_prefill=options.max_prefill,
-        fp16=use_fp16,
+        precision=manifest.precision,
+        strongly_typed=parsed.strongly_typed,
         workspace_bytes=options.workspace_bytes,
         tensorrt_flavour=flavour.name,
     )
@@ -240,22 +259,6 @@ def build_engine(
         _write_atomic(cache_path, memoryview(config.get_timing_cache().serialize()))
     _write_atomic(out / ENGINE_MANIFEST_FILE, engine.to_json().encode())
     return engine
-
-
-def _keep_reductions_fp32(trt: Any, network: Any, config: Any) -> None:
-    """Ask for float32 in RMSNorm's x**2 and mean and in softmax: activations of a few hundred
-    square past float16's 65504. Preferred, not obeyed, so TensorRT may still fall back."""
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.type == trt.LayerType.ELEMENTWISE:
-            layer.__class__ = trt.IElementWiseLayer  # the Python API's documented downcast
-            keep = layer.op == trt.ElementWiseOperation.POW
-        else:
-            keep = layer.type in (trt.LayerType.REDUCE, trt.LayerType.SOFTMAX)
-        if keep:
-            layer.precision = trt.float32
-            layer.set_output_type(0, trt.float32)
-    config.set_flag(trt.BuilderFlag.PREFER_PRECISION_CONSTRAINTS)
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
