@@ -8,15 +8,17 @@ from kvedge.export.export import ExportOptions
 
 MAX_LEN = 128
 # --variant portable with these precisions, weights and cache dtypes (each --precision's allowed
-# --weights but int8, whose negative scales TensorRT refuses, times its allowed --kv-dtype)
+# --weights times its allowed --kv-dtype, the int8 cache with int4 weights)
 ACCEPTED = {
     "float32": ExportOptions(max_len=MAX_LEN),
     "float16-weights": ExportOptions(max_len=MAX_LEN, weights="float16"),
+    "int8-weights": ExportOptions(max_len=MAX_LEN, weights="int8"),
     "int4-weights": ExportOptions(max_len=MAX_LEN, weights="int4"),
     "int8-cache": ExportOptions(max_len=MAX_LEN, kv_dtype="int8"),
     "int4-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
     "float16-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
     "float16-precision": ExportOptions(max_len=MAX_LEN, precision="float16"),
+    "float16-precision-int8-weights": ExportOptions(max_len=MAX_LEN, precision="float16", weights="int8"),
     "float16-precision-int4-weights": ExportOptions(max_len=MAX_LEN, precision="float16", weights="int4"),
     "float16-precision-int8-cache": ExportOptions(max_len=MAX_LEN, precision="float16", kv_dtype="int8"),
     "float16-precision-int4-weights-int8-cache": ExportOptions(

@@ -76,22 +76,10 @@ def test_a_table_it_cannot_read_is_refused_by_name():
         parse_operator_table(text.replace("range of opset", "range"))
 
 
-# Claimed graphs the check refuses today, with the reason. The "extreme" weight grid
-# (`quantize.py`) stores scale = m / qmin, negative where a block's largest-magnitude weight is
-# positive; 10.1-GA's importer refuses any constant Q/DQ scale <= 0 (onnxOpImporters.cpp:
-# 1379-1405). TensorRT for RTX 1.7.1 parses these int4 graphs anyway.
-NEGATIVE_INT4_SCALES = "int4 weight scales <= 0 from the extreme grid: 10.1-GA refuses them"
-REFUSED_TODAY = {"int4-weights": NEGATIVE_INT4_SCALES, "int4-weights-int8-cache": NEGATIVE_INT4_SCALES}
-
-
 @pytest.mark.parametrize("case", sorted(ACCEPTED))
 def test_every_claimed_graph_is_taken_by_the_oldest_claimed_tensorrt(case, llama, table, tmp_path):
     export_model(llama, tmp_path, ACCEPTED[case])
     problems = check_graph(load(tmp_path), table)
-    if case in REFUSED_TODAY:
-        # still refused, for that reason alone; once mended this fails: take the case out
-        assert problems and all("DequantizeLinear): scale" in p and "<= 0" in p for p in problems), problems
-        pytest.xfail(REFUSED_TODAY[case])
     assert problems == []
 
 

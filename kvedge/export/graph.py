@@ -307,8 +307,8 @@ class GraphOptions:
     @property
     def head_bits(self) -> int:
         """The LM head's bits: --head-bits, else in ort graphs never below `HEAD_MIN_BITS`
-        (`quantize.py`); portable graphs keep the export's bits, as TensorRT refuses int8 weights
-        (their negative scales)."""
+        (`quantize.py`); portable graphs keep the export's bits (their int8 head was refused by
+        TensorRT until their scales were kept positive; an 8-bit head there is not yet measured)."""
         if self.lm_head_bits is not None:
             return self.lm_head_bits
         return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
@@ -424,6 +424,7 @@ class _Builder:
         side_inputs: bool = False,
         decode_form: bool = False,
         half: bool = False,
+        positive_scales: bool = False,
     ) -> None:
         self.opset = opset
         self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
@@ -433,6 +434,8 @@ class _Builder:
         # a float16 graph (--precision float16): weights, their scales and the activations between
         # the float32 islands (`widen` ... `narrow`) are float16
         self.half = half
+        # weight scales > 0 only (`quantize_blockwise`): portable graphs, which TensorRT reads
+        self.positive_scales = positive_scales
         self.float = np.dtype(np.float16 if half else np.float32)
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
@@ -511,7 +514,14 @@ class _Builder:
         # a float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
         # when stored (`fconst`), relative 2**-11 like any float16 weight; the decode form chooses
         # its codes on the float16 grid it stores
-        qw = quantize_blockwise(w, bits, block_size, EXPORT_GRIDS, half_params=self.decode_form)
+        qw = quantize_blockwise(
+            w,
+            bits,
+            block_size,
+            EXPORT_GRIDS,
+            half_params=self.decode_form,
+            positive_scales=self.positive_scales,
+        )
         self.quant_errors.append(qw.max_error)
         keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
         if self.decode_form and w.shape[1] % 64 == 0:
@@ -734,7 +744,7 @@ class _Decoder:
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
-        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form, options.half)
+        self.g = g = _Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form, options.half, self.portable)
         # a float16 graph over the INT8 cache runs attention in float32, as a float32 graph does:
         # its codec's products of a query with int8 codes before scaling can pass 65504
         self.wide_attention = options.half and geometry.quantized

@@ -124,12 +124,15 @@ def quantize_blockwise(
     block_size: int,
     grids: tuple[str, ...] = ("extreme",),
     half_params: bool = False,
+    positive_scales: bool = False,
 ) -> QuantizedWeight:
     """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K, each
     block on whichever of `grids` gives it the smallest squared error (the first on a tie).
     `half_params`: each block's scale and minimum (offset + qmin * scale, the value of qmin) are
     float16 numbers, as kvedge.QuantMatMul stores them (`pack_quant_matmul`), and the codes are
-    chosen on that grid."""
+    chosen on that grid. `positive_scales`: no block takes a scale <= 0 (the extreme grid's
+    m / qmin is negative where m > 0), for TensorRT, whose importer refuses a DequantizeLinear
+    scale <= 0; absmax and affine always offer one."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
@@ -146,6 +149,8 @@ def quantize_blockwise(
             scale, offset = _half_grid(scale, offset, qmin)
         q = np.clip(np.rint((blocks - offset[:, None, :]) / scale[:, None, :]), qmin, qmax)
         err = np.square(q * scale[:, None, :] + offset[:, None, :] - blocks).sum(axis=1)
+        if positive_scales:
+            err = np.where(scale > 0, err, np.inf)
         if best is None:
             best = (q, scale, offset, err)
             continue
