@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARTIFACT ?= artifacts/smollm2-135m
 PROMPT ?= What is a KV cache, in two sentences?
 
-.PHONY: install demo test test-fast lint format bench device-test clean
+.PHONY: install demo test test-fast test-python lint format bench device-test clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,12 @@ test: install $(VENV)/.trtcheck lint
 test-fast: install $(VENV)/.trtcheck
 	$(BIN)/python -m pytest -q -m "not real_model"
 
+# The tests under Python 3.10 (JetPack 6.2) or 3.12 (JetPack 7.2), in .venv-3.10 / .venv-3.12 made
+# from pyenv's interpreter: `make test-python PY=3.10`, or PY=/path/to/python3.10.
+PY ?= 3.10
+test-python:
+	.ci/python-versions $(PY)
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -52,4 +58,4 @@ device-test: install
 	PYTHON=$(BIN)/python device_tests/run.sh
 
 clean:
-	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-3.* artifacts .pytest_cache .ruff_cache

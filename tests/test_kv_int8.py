@@ -310,6 +310,23 @@ def test_missing_kernel_library_is_named(tmp_path):
         kernels.library_path(tmp_path)
 
 
+def test_kernel_library_is_the_one_this_python_built(tmp_path):
+    """A source tree installed into venvs of several Pythons holds a library per Python; another
+    Python's (a `.cpython-3XX-` name not this one's) may be stale and is not taken."""
+    import importlib.machinery
+
+    from kvedge.runtime import kernels
+
+    ours = kernels.library_path()
+    assert ours.name == kernels.LIBRARY_STEM + importlib.machinery.EXTENSION_SUFFIXES[0], ours
+    other = f"{kernels.LIBRARY_STEM}.cpython-39-x86_64-linux-gnu.so"  # sorts before any 3.10+ name
+    (tmp_path / other).write_bytes(b"another Python's build")
+    with pytest.raises(KvedgeError, match="is not built in"):
+        kernels.library_path(tmp_path)
+    (tmp_path / ours.name).symlink_to(ours)
+    assert kernels.library_path(tmp_path) == tmp_path / ours.name
+
+
 def split_decode_layer(threads: int):
     """One kvedge.Int8CacheAttention node (SmolLM2's heads: 9 query / 3 KV, head_dim 64, scale
     groups of 32) in its own session on `threads` onnxruntime intra-op threads."""

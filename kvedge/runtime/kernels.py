@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.machinery
 from pathlib import Path
 
 from kvedge.errors import KvedgeError
@@ -25,14 +26,18 @@ LIBRARY_STEM = "_kvedge_ops"
 
 @functools.cache
 def library_path(here: Path = Path(__file__).parent) -> Path:
-    """The built kernel library in `here` (where setup.py builds it), checked against OPS_VERSION."""
-    found = sorted(here.glob(f"{LIBRARY_STEM}*.so"))
+    """The built kernel library in `here` (where setup.py builds it), checked against OPS_VERSION.
+    The one this Python built: one source tree installed into venvs of several Pythons (3.10, 3.11,
+    3.12) holds a library per Python, named by its extension suffix, and another's may be stale."""
+    found = [here / f"{LIBRARY_STEM}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [path for path in found if path.is_file()]
     if not found:
         raise KvedgeError(
             f"this graph uses kvedge's own onnxruntime kernels (the INT8-cache attention of --kv-dtype "
             f"int8, the quantized matmuls' side inputs of --weights int8|int4), but their library "
-            f"({LIBRARY_STEM}*.so) is not built in {here}: reinstall kvedge where a C++17 compiler is "
-            "present (`pip install -e .` builds it), or export with --variant portable"
+            f"({LIBRARY_STEM}{importlib.machinery.EXTENSION_SUFFIXES[0]}) is not built in {here}: "
+            "reinstall kvedge where a C++17 compiler is present (`pip install -e .` builds it), or "
+            "export with --variant portable"
         )
     path = found[0]
     try:

@@ -361,6 +361,16 @@ def check_limits(config: ServiceConfig, max_tokens: int | None, messages: int) -
         )
 
 
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body, refusing it (413) as soon as more than `limit` bytes have arrived."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+    return body
+
+
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
     """The request body as JSON, refusing more than `limit` bytes before reading them all, and a
     body that takes more than `timeout_s` to arrive (a slow client holds a connection, nothing
@@ -368,14 +378,9 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
-    except TimeoutError:
+    try:  # wait_for, not asyncio.timeout: that exists from Python 3.11, JetPack 6 runs 3.10
+        body = await asyncio.wait_for(read_body(request, limit), timeout_s)
+    except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on; a distinct class on 3.10
         raise ApiError(
             408,
             f"the request body did not arrive within {timeout_s:g} s (body_timeout_s)",
