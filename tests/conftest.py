@@ -118,6 +118,8 @@ VARIANTS = ("portable", "ort")
 )
 def tiny(request, tmp_path_factory) -> Exported:
     name, variant = request.param
+    if name == "gemma3" and variant == "ort":
+        require_onnxruntime(*GQA_WINDOW)
     overrides = dict(FAMILIES[name])
     family = overrides.pop("family", name)
     root = tmp_path_factory.mktemp(f"{name}-{variant}")
@@ -132,6 +134,26 @@ def tiny_llama(request, tmp_path_factory) -> Exported:
     source = make_tiny_model(root / "hf", "llama")
     export_model(source, root / "out", ExportOptions(max_len=MAX_LEN, variant=request.param))
     return Exported(source, root / "out")
+
+
+def require_onnxruntime(release: tuple[int, int], why: str) -> None:
+    """Skip, naming both versions and why, where this onnxruntime is older than `release`: the
+    test's premise is a behaviour of that release (Python 3.10's newest wheel is 1.23.2)."""
+    import onnxruntime
+
+    from kvedge.runtime.backend import onnxruntime_release
+
+    if onnxruntime_release(onnxruntime.__version__) < release:
+        pytest.skip(f"needs onnxruntime >= {release[0]}.{release[1]} (have {onnxruntime.__version__}): {why}")
+
+
+# The premises, each where its test says: GroupQueryAttention's window counts the query's own key
+# (`kvedge.runtime.backend.ONNXRUNTIME_WINDOW_FLOOR`; older ones are refused at load); the
+# quantized matmuls fuse into MatMulNBits (1.27; unfused before: slower, not wrong); Gemma 3's
+# INT8-cache tolerances were measured with 1.30's kernels (0.004-0.005 against 0.002 before).
+GQA_WINDOW = ((1, 24), "GroupQueryAttention's local_window_size as kvedge's windowed ort graphs need it")
+FUSES_MATMULNBITS = ((1, 27), "DequantizeLinear + MatMul fused into MatMulNBits")
+GEMMA3_INT8_TOLERANCE = ((1, 30), "Gemma 3 INT8-cache tolerances measured with onnxruntime 1.30+ kernels")
 
 
 def random_ids(n: int, seed: int = 0, vocab: int = 300) -> list[int]:

@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import random_ids
+from conftest import GEMMA3_INT8_TOLERANCE, GQA_WINDOW, random_ids, require_onnxruntime
 from onnx import helper
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvedge.contract import RING_MARGIN, CacheGeometry
+from kvedge.contract import RING_MARGIN, CacheGeometry, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.planner import ModelFootprint, kv_bytes
@@ -177,6 +177,7 @@ def test_chat_template_folds_the_system_message_like_transformers(gemma):
 
 
 def test_int8_ring_cache_equals_its_reprefill_and_tracks_float32(gemma):
+    require_onnxruntime(*GEMMA3_INT8_TOLERANCE)
     q, reference, fp = Model(gemma[2], slots=2), Model(gemma[2]), Model(gemma[1])
     ids = random_ids(180, seed=6)
     a = [prefill(fp.backend, fp.cache, 0, [ids[:17]])[0]]
@@ -213,6 +214,7 @@ def test_pool_bytes_are_what_the_geometry_and_the_planner_count(gemma, kv_dtype)
 def test_ort_variant_windows_a_full_length_cache(gemma, hf, tmp_path):
     """GroupQueryAttention has no ring: the ort variant keeps every layer at max_len and gives
     the local layers local_window_size and their own RoPE tables (not the memory saving)."""
+    require_onnxruntime(*GQA_WINDOW)
     export_model(gemma[0], tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
     model = Model(tmp_path / "ort")
     g = model.manifest.geometry
@@ -230,6 +232,7 @@ def test_ort_int8_kernel_windows_a_full_length_cache(gemma, hf, tmp_path):
     straddle the window's start and batched decode far past the window (and the portable ring),
     it equals the portable INT8 graph, whose rings hold the same codes, at test_kv_int8's
     tolerance, and tracks transformers as test_kv_int8 bounds the INT8 cache (KL, top-1)."""
+    require_onnxruntime(*GEMMA3_INT8_TOLERANCE)
     export_model(gemma[0], tmp_path / "ort8", ExportOptions(max_len=MAX_LEN, variant="ort", kv_dtype="int8"))
     model, portable = Model(tmp_path / "ort8", slots=2), Model(gemma[2], slots=2)
     g = model.manifest.geometry
@@ -274,3 +277,19 @@ def test_softcapping_is_refused_by_name(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "gemma3", final_logit_softcapping=30.0)
     with pytest.raises(KvedgeError, match="final_logit_softcapping=30.0 is not supported"):
         export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+
+
+def test_windowed_ort_graphs_are_refused_on_onnxruntime_older_than_their_window(gemma, tmp_path):
+    """onnxruntime before 1.24 counts GroupQueryAttention's window one key short (1.23.2, Python
+    3.10's newest, is off by up to 2.5 in these logits): such a graph is refused at load, naming
+    both versions; the INT8 cache (kvedge's kernel) and the portable ring do not depend on it."""
+    from kvedge.runtime.backend import onnxruntime_window_refusal
+
+    export_model(gemma[0], tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
+    ort_graph = Manifest.load(tmp_path / "ort")
+    refusal = onnxruntime_window_refusal(ort_graph, "1.23.2")
+    assert refusal and "onnxruntime 1.23.2" in refusal and "fixed in 1.24" in refusal
+    assert onnxruntime_window_refusal(ort_graph, "1.24.1") is None
+    assert onnxruntime_window_refusal(ort_graph, "1.32.0.dev20261101") is None
+    for folder in gemma[1:]:  # the portable float32 and INT8 rings
+        assert onnxruntime_window_refusal(Manifest.load(folder), "1.23.2") is None

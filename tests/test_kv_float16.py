@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import FAMILIES, random_ids
+from conftest import FAMILIES, GQA_WINDOW, random_ids, require_onnxruntime
 from onnx import TensorProto
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
@@ -56,6 +56,8 @@ def export_pair(root, family: str) -> tuple:
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def pair(request, tmp_path_factory):
+    if request.param == "gemma3":
+        require_onnxruntime(*GQA_WINDOW)
     return export_pair(tmp_path_factory.mktemp(f"kv16-{request.param}"), request.param)
 
 

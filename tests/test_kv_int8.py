@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import random_ids
+from conftest import GEMMA3_INT8_TOLERANCE, random_ids, require_onnxruntime
 from tiny import make_tiny_model
 
 from kvedge.cli import main
@@ -76,6 +76,8 @@ def export_int8(root, case: tuple[str, int, str]):
 def int8_pair(request, tmp_path_factory):
     """(float32 export, int8 export) of one tiny model; "hd32" has head_dim 32, so group 16 gives
     two scales per token per head (a Slice, MatMul and scale per channel group) instead of one."""
+    if request.param[0] == "gemma3":
+        require_onnxruntime(*GEMMA3_INT8_TOLERANCE)
     return export_int8(tmp_path_factory.mktemp("int8-" + "-".join(map(str, request.param))), request.param)
 
 

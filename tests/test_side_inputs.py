@@ -21,7 +21,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import decode_logits, export_once, optimized_ops, random_ids, save_graph
+from conftest import (
+    FUSES_MATMULNBITS,
+    decode_logits,
+    export_once,
+    optimized_ops,
+    random_ids,
+    require_onnxruntime,
+    save_graph,
+)
 from onnx import TensorProto, helper, numpy_helper
 from test_kv_int8 import NEEDS_AARCH64, run_selftest
 from tiny import make_tiny_model
@@ -156,6 +164,7 @@ def model_initializer(model, name: str):
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_ort_quantized_graph_equals_its_standard_op_form(exports, tmp_path, weights, kv_dtype, channels):
+    require_onnxruntime(*FUSES_MATMULNBITS)
     """Prefill and decode logits of the ort graph (one SideInputs per quantized matmul that has
     block offsets or kept channels, each still fused into MatMulNBits) equal to the bit those of
     the same graph with the op rewritten into MatMul + Mul, with and without kept channels."""

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import export_once, optimized_ops, random_ids
+from conftest import FUSES_MATMULNBITS, export_once, optimized_ops, random_ids, require_onnxruntime
 from onnx import numpy_helper
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
@@ -117,6 +117,7 @@ def test_block_size_must_divide_the_model(tiny_source, tmp_path):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_matmuls_fuse_into_matmulnbits(exports, tmp_path, variant, weights):
     """Every projection and the LM head run as onnxruntime's n-bit matmul; no DequantizeLinear is left."""
+    require_onnxruntime(*FUSES_MATMULNBITS)
     folder = exports(variant, weights)
     manifest = Manifest.load(folder)
     ops = optimized_ops(folder, tmp_path)

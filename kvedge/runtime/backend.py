@@ -80,6 +80,10 @@ MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings
 CUDA_IN_PLACE_KV_DTYPE = "float16"
 # the oldest onnxruntime the cuda backend opens with (`onnxruntime_cuda_refusal`)
 ONNXRUNTIME_CUDA_FLOOR = (1, 20)
+# the oldest onnxruntime whose GroupQueryAttention local_window_size counts the query's own key,
+# as kvedge's windowed ort graphs (Gemma 3) and transformers do (microsoft/onnxruntime#25927):
+# 1.23.2, the newest with Python 3.10 wheels, is off by up to 2.5 in Gemma 3's logits, silently
+ONNXRUNTIME_WINDOW_FLOOR = (1, 24)
 # onnxruntime run option selecting a captured CUDA graph; -1: this run is neither captured nor replayed
 CUDA_GRAPH_ID = "gpu_graph_id"
 
@@ -150,14 +154,34 @@ def cuda_graph_refusal(manifest: Manifest) -> str | None:
     return cuda_refusal(manifest)
 
 
+def onnxruntime_release(version: str) -> tuple[int, int]:
+    """(major, minor) of an onnxruntime version string ("1.23.2", "1.32.0.dev20261101")."""
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    return major, minor
+
+
+def onnxruntime_window_refusal(manifest: Manifest, version: str) -> str | None:
+    """Why this onnxruntime would compute the manifest's graph wrong, or None: an ort graph with
+    sliding-window layers on GroupQueryAttention (float32 / float16 cache; the INT8 cache's
+    windows are kvedge's own kernel) needs `ONNXRUNTIME_WINDOW_FLOOR`."""
+    windowed = manifest.variant == "ort" and manifest.rope.local_layers and not manifest.geometry.quantized
+    if not windowed or onnxruntime_release(version) >= ONNXRUNTIME_WINDOW_FLOOR:
+        return None
+    floor = ".".join(str(n) for n in ONNXRUNTIME_WINDOW_FLOOR)
+    return (
+        f"onnxruntime {version} counts GroupQueryAttention's sliding window one key short of what "
+        f"this export's sliding-window layers need (fixed in {floor}): install onnxruntime>={floor}, "
+        "or export with --variant portable (a ring cache) or --kv-dtype int8 (kvedge's kernel)"
+    )
+
+
 def onnxruntime_cuda_refusal(version: str) -> str | None:
     """Why this onnxruntime cannot run kvedge's CUDA path, or None: older than
     `ONNXRUNTIME_CUDA_FLOOR`, where GroupQueryAttention first takes new tokens on top of a
     non-empty past ("continuous decoding", onnxruntime PR #21523, first released in 1.20.0),
     which the float16 in-place export's chunked prefill runs. One floor for every cuda export:
     the Jetson builds (1.19.2 .. 1.25.1 on NVIDIA's jp6/cu126 index) include newer ones."""
-    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if release >= ONNXRUNTIME_CUDA_FLOOR:
+    if onnxruntime_release(version) >= ONNXRUNTIME_CUDA_FLOOR:
         return None
     floor = ".".join(str(n) for n in ONNXRUNTIME_CUDA_FLOOR)
     return (
@@ -300,6 +324,8 @@ class OrtBackend:
                 f"(have: {ort.get_available_providers()}); {INSTALL_ONNXRUNTIME_GPU}"
             )
         if provider == "cuda" and (refusal := onnxruntime_cuda_refusal(ort.__version__)):
+            raise KvedgeError(refusal)
+        if refusal := onnxruntime_window_refusal(manifest, ort.__version__):
             raise KvedgeError(refusal)
         binding_plan(manifest, provider, "decode", 1)  # refuses what the provider cannot bind
         self.manifest = manifest
