@@ -272,7 +272,7 @@ class Architecture(Strict):
 class ExportSettings(Strict):
     max_len: Annotated[int, msgspec.Meta(ge=16)] = 2048  # cache length per sequence, baked into the graph
     logits: Literal[LOGITS] = "last"
-    weights_dtype: Literal[tuple(WEIGHT_BYTES)] = "float32"  # of the graph (TensorRT --fp16 halves it)
+    weights_dtype: Literal[tuple(WEIGHT_BYTES)] = "float32"  # of the graph (--precision float16: float16)
     kv_dtype: Text = "float32"  # CacheGeometry's to allow: checked by `load_recipe`
     max_prefill: Count = PREFILL_CHUNK  # TensorRT prefill profile: longest chunk
     max_batch: Count = 1  # TensorRT profiles: most rows per call

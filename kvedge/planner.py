@@ -130,7 +130,7 @@ class ModelFootprint:
 
     @classmethod
     def from_recipe(cls, recipe: ModelRecipe, weights_dtype: str | None = None) -> ModelFootprint:
-        """`weights_dtype` overrides the recipe's, e.g. float16 for a TensorRT --fp16 engine."""
+        """`weights_dtype` overrides the recipe's, e.g. float16 for a `--precision float16` export."""
         a = recipe.architecture
         dtype = weights_dtype or recipe.export.weights_dtype
         if dtype not in WEIGHT_BYTES:
