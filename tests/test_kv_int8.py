@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import random_ids
-from tiny import make_tiny_model
 
 from kvedge.cli import main
 from kvedge.contract import CacheGeometry
@@ -60,6 +59,8 @@ HEAD_DIMS = {  # config overrides giving the named head_dim
 
 def export_int8(root, case: tuple[str, int, str]):
     """(float32 export, int8 export) of one tiny model, both under `root`."""
+    from tiny import make_tiny_model  # here, not above: the kernel tests run where torch is absent
+
     family, group, variant = case
     overrides = HEAD_DIMS.get(family.partition("-")[2], {})
     source = make_tiny_model(root / "hf", family.split("-")[0], **overrides)
@@ -244,6 +245,8 @@ def test_eval_kv_measures_the_real_int8_cache_and_calibration_refuses_it(int8_pa
 def int8_variants(tmp_path_factory):
     """The same tiny model (head_dim 64, cache group 32: SmolLM2's shapes) exported with the INT8
     cache as the portable graph (standard ops) and the ort graph (kvedge's kernel)."""
+    from tiny import make_tiny_model
+
     root = tmp_path_factory.mktemp("int8-variants")
     source = make_tiny_model(root / "hf", "llama", **HEAD_DIMS["hd64"])
     for variant in ("portable", "ort"):
