@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARTIFACT ?= artifacts/smollm2-135m
 PROMPT ?= What is a KV cache, in two sentences?
 
-.PHONY: install demo test test-fast lint format bench device-test clean
+.PHONY: install demo test test-fast test-aarch64 lint format bench device-test clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ test: install $(VENV)/.trtcheck lint
 
 test-fast: install $(VENV)/.trtcheck
 	$(BIN)/python -m pytest -q -m "not real_model"
+
+# As root: the aarch64 job (.ci/aarch64): kvedge installed and tested in an emulated Debian 12 arm64
+# root (qemu-user as a Jetson Orin's CPU), an x86 export answering there. About 20-25 minutes.
+test-aarch64: install
+	.ci/aarch64
 
 lint: install
 	$(BIN)/ruff check .
