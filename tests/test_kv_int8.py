@@ -383,16 +383,26 @@ def test_int8_kernel_split_decode_on_threads_matches_exact_attention():
 CSRC = Path(__file__).resolve().parent.parent / "kvedge" / "runtime" / "csrc"
 
 
+# compiler command line -> the self-test built with it, once per test session: the binary takes
+# its case set as an argument, and a build is the slow part (minutes under emulation)
+BUILT_SELFTESTS: dict[tuple[str, ...], Path] = {}
+
+
 def build_and_run_selftest(
     compiler: list[str], runner: list[str], out: Path, args: tuple[str, ...] = ()
 ) -> str:
-    include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
-    subprocess.run(
-        [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    run = subprocess.run([*runner, str(out), *args], capture_output=True, text=True, timeout=600)
+    """`csrc/selftest.cc`'s output for `args`, built with `compiler` at `out` unless this session
+    built it already (pytest keeps a session's tmp_path folders), run through `runner`."""
+    if tuple(compiler) not in BUILT_SELFTESTS:
+        include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
+        subprocess.run(
+            [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
+            check=True,
+            capture_output=True,
+        )
+        BUILT_SELFTESTS[tuple(compiler)] = out
+    binary = BUILT_SELFTESTS[tuple(compiler)]
+    run = subprocess.run([*runner, str(binary), *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     return run.stdout
 
