@@ -37,7 +37,7 @@ test-fast: install $(VENV)/.trtcheck
 	$(BIN)/python -m pytest -q -m "not real_model"
 
 # As root: the aarch64 job (.ci/aarch64): kvedge installed and tested in an emulated Debian 12 arm64
-# root (qemu-user as a Jetson Orin's CPU), an x86 export answering there. About 20-25 minutes.
+# root (qemu-user as a Jetson Orin's CPU), an x86 export answering there (25-30 min on 2 idle cores).
 test-aarch64: install
 	.ci/aarch64
 
