@@ -331,8 +331,8 @@ def test_quant_matmul_and_matmulnbits_multiply_by_the_same_weight(bits):
     even; onnxruntime's MLAS on x86-64: the same; its aarch64 build: ties away from zero at 8
     bits, KleidiAI's per-row asymmetric codes at 4), and every such way moves a channel by at most
     half a level of the row's symmetric scale, amax / 127 / 2 (a block's amax is at most the row's;
-    an asymmetric row's level, (max - min) / 255, is at most 2 amax / 255). A weight packed in another layout
-    (nibbles, block order, scales) is off by the size of y itself."""
+    an asymmetric row's level, (max - min) / 255, is at most 2 amax / 255). A weight packed in
+    another layout (nibbles, block order, scales) is off by the size of y itself."""
     x, theirs, ours, w_hat = matmulnbits_and_ours(bits)
     rows = x.reshape(-1, x.shape[-1]).astype(np.float64)  # [3, K]
     exact = rows @ w_hat  # [3, N]
