@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARTIFACT ?= artifacts/smollm2-135m
 PROMPT ?= What is a KV cache, in two sentences?
 
-.PHONY: install demo test test-fast test-python lint format bench device-test clean
+.PHONY: install demo test test-fast test-python test-aarch64 lint format bench device-test clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ test-fast: install $(VENV)/.trtcheck
 PY ?= 3.10
 test-python:
 	.ci/python-versions $(PY)
+
+# As root: the aarch64 job (.ci/aarch64): kvedge installed and tested in an emulated Debian 12 arm64
+# root (qemu-user as a Jetson Orin's CPU), an x86 export answering there (25-30 min on 2 idle cores).
+test-aarch64: install
+	.ci/aarch64
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny models exported once per session, and the real default model."""
+"""Shared fixtures: tiny models exported once per session, and the real default model.
+
+torch and transformers (and tests/tiny.py, which needs both) are imported where a fixture builds or
+runs a Hugging Face model, not here: the kernel tests (tests/test_quant_matmul.py, the self-tests
+in tests/test_kv_int8.py) also run where kvedge's runtime is installed without them, as in the
+emulated aarch64 root of .ci/aarch64 (PyPI's aarch64 torch is a CUDA build of several GB).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
-from tiny import make_tiny_model
-from transformers import AutoModelForCausalLM
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, Manifest, sha256_files
 from kvedge.export.export import ExportOptions, export_model
@@ -95,6 +98,8 @@ class Exported:
     """A tiny source model, its HF reference and its kvedge export."""
 
     def __init__(self, source: Path, out: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
         self.source, self.out = source, out
         self.hf = AutoModelForCausalLM.from_pretrained(source, dtype="float32").eval()
 
@@ -103,6 +108,8 @@ class Exported:
 
     def hf_logits(self, ids: list[int]) -> np.ndarray:
         """Reference logits [seq, vocab] of a full forward pass without cache."""
+        import torch
+
         with torch.no_grad():
             return self.hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
 
@@ -117,6 +124,8 @@ VARIANTS = ("portable", "ort")
     ids=lambda param: "-".join(param),
 )
 def tiny(request, tmp_path_factory) -> Exported:
+    from tiny import make_tiny_model
+
     name, variant = request.param
     if name == "gemma3" and variant == "ort":
         require_onnxruntime(*GQA_WINDOW)
@@ -130,6 +139,8 @@ def tiny(request, tmp_path_factory) -> Exported:
 
 @pytest.fixture(scope="session", params=VARIANTS)
 def tiny_llama(request, tmp_path_factory) -> Exported:
+    from tiny import make_tiny_model
+
     root = tmp_path_factory.mktemp(f"llama_main-{request.param}")
     source = make_tiny_model(root / "hf", "llama")
     export_model(source, root / "out", ExportOptions(max_len=MAX_LEN, variant=request.param))

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import GEMMA3_INT8_TOLERANCE, random_ids, require_onnxruntime
-from tiny import make_tiny_model
 
 from kvedge.cli import main
 from kvedge.contract import CacheGeometry
@@ -60,6 +59,8 @@ HEAD_DIMS = {  # config overrides giving the named head_dim
 
 def export_int8(root, case: tuple[str, int, str]):
     """(float32 export, int8 export) of one tiny model, both under `root`."""
+    from tiny import make_tiny_model  # here, not above: the kernel tests run where torch is absent
+
     family, group, variant = case
     overrides = HEAD_DIMS.get(family.partition("-")[2], {})
     source = make_tiny_model(root / "hf", family.split("-")[0], **overrides)
@@ -246,6 +247,8 @@ def test_eval_kv_measures_the_real_int8_cache_and_calibration_refuses_it(int8_pa
 def int8_variants(tmp_path_factory):
     """The same tiny model (head_dim 64, cache group 32: SmolLM2's shapes) exported with the INT8
     cache as the portable graph (standard ops) and the ort graph (kvedge's kernel)."""
+    from tiny import make_tiny_model
+
     root = tmp_path_factory.mktemp("int8-variants")
     source = make_tiny_model(root / "hf", "llama", **HEAD_DIMS["hd64"])
     for variant in ("portable", "ort"):
@@ -399,16 +402,26 @@ def test_int8_kernel_split_decode_on_threads_matches_exact_attention():
 CSRC = Path(__file__).resolve().parent.parent / "kvedge" / "runtime" / "csrc"
 
 
+# compiler command line -> the self-test built with it, once per test session: the binary takes
+# its case set as an argument, and a build is the slow part (minutes under emulation)
+BUILT_SELFTESTS: dict[tuple[str, ...], Path] = {}
+
+
 def build_and_run_selftest(
     compiler: list[str], runner: list[str], out: Path, args: tuple[str, ...] = ()
 ) -> str:
-    include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
-    subprocess.run(
-        [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    run = subprocess.run([*runner, str(out), *args], capture_output=True, text=True, timeout=600)
+    """`csrc/selftest.cc`'s output for `args`, built with `compiler` at `out` unless this session
+    built it already (pytest keeps a session's tmp_path folders), run through `runner`."""
+    if tuple(compiler) not in BUILT_SELFTESTS:
+        include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
+        subprocess.run(
+            [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
+            check=True,
+            capture_output=True,
+        )
+        BUILT_SELFTESTS[tuple(compiler)] = out
+    binary = BUILT_SELFTESTS[tuple(compiler)]
+    run = subprocess.run([*runner, str(binary), *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     return run.stdout
 
