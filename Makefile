@@ -63,4 +63,4 @@ device-test: install
 	PYTHON=$(BIN)/python device_tests/run.sh
 
 clean:
-	rm -rf $(VENV) .venv-3.* artifacts .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-3.* .aarch64 artifacts .pytest_cache .ruff_cache
