@@ -10,6 +10,7 @@ itself builds and runs the graph is device_tests/test_tensorrt.py's job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import inspect
@@ -17,6 +18,7 @@ import json
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 
 import numpy as np
 import onnxruntime as ort
@@ -317,17 +319,28 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
     return {"tensorrt": tensorrt, "cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.runtime": runtime}
 
 
-def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: float) -> None:
-    """TrtBackend over the fake engine against OrtBackend on the CPU: logits and the whole pool."""
-    from kvedge.runtime.model import Model
-    from kvedge.runtime.trt_backend import TrtBackend
-
+@contextlib.contextmanager
+def fake_engine(folder, manifest: Manifest, monkeypatch) -> Iterator[CudaRuntime]:
+    """A fake `model.engine` and its manifest in `folder`, TensorRT and the CUDA runtime faked in
+    sys.modules, for the block's TrtBackend; the files are removed afterwards."""
     (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
         cudart = CudaRuntime()
         for name, module in fake_modules(folder, manifest, cudart).items():
             monkeypatch.setitem(sys.modules, name, module)
+        yield cudart
+    finally:
+        (folder / ENGINE_MANIFEST_FILE).unlink()
+        (folder / ENGINE_FILE).unlink()
+
+
+def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: float) -> None:
+    """TrtBackend over the fake engine against OrtBackend on the CPU: logits and the whole pool."""
+    from kvedge.runtime.model import Model
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    with fake_engine(folder, manifest, monkeypatch) as cudart:
         trt = TrtBackend(folder, manifest)
         cpu = Model(folder, slots=3)
         trt_cache = KVCache(manifest.geometry, 3)
@@ -352,9 +365,6 @@ def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: floa
         assert sorted(engine.profiles_in_use) == [0, 1] and 0 in engine.runs and 1 in engine.runs
         assert engine.profiles_in_use == {profile: id(c) for profile, c in trt.contexts.items()}
         _closes_in_order(trt, cudart)
-    finally:
-        (folder / ENGINE_MANIFEST_FILE).unlink()
-        (folder / ENGINE_FILE).unlink()
 
 
 def _closes_in_order(trt, cudart: CudaRuntime) -> None:
@@ -433,12 +443,7 @@ def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, 
     from kvedge.runtime.trt_backend import TrtBackend
 
     folder, manifest = tiny_llama.out, portable(tiny_llama)
-    (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
-    (folder / ENGINE_FILE).write_bytes(b"fake plan")
-    try:
-        cudart = CudaRuntime()
-        for name, module in fake_modules(folder, manifest, cudart).items():
-            monkeypatch.setitem(sys.modules, name, module)
+    with fake_engine(folder, manifest, monkeypatch) as cudart:
         trt = TrtBackend(folder, manifest)
         cache = KVCache(manifest.geometry, 1)
         trt.reserve(cache.layer_views(0, 1), manifest.geometry.max_len)
@@ -455,9 +460,6 @@ def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, 
         trt.close()
         gc.collect()
         assert cudart.registered == {} and cudart.allocated == {} and not cudart.streams
-    finally:
-        (folder / ENGINE_MANIFEST_FILE).unlink()
-        (folder / ENGINE_FILE).unlink()
 
 
 def test_tensorrt_older_than_10_is_refused_naming_both_versions(tiny_llama, tmp_path, monkeypatch):
