@@ -100,7 +100,7 @@ def test_matches_transformers_and_greedy_equals_the_float32_graph(pair):
 def test_graph_is_float16_attention_in_a_float32_graph(llama):
     """The pool and the op are float16, everything around them float32; GroupQueryAttention's
     lengths come from device inputs (no Shape upstream) and its host-side total is the constant
-    max_len, which is what lets CUDA capture the decode step (module docstring of graph.py)."""
+    max_len, which is what lets CUDA capture the decode step (the docstring of kvedge.export.graph)."""
     _, fp32, fp16 = llama
     manifest = Manifest.load(fp16)
     layers = manifest.geometry.num_layers

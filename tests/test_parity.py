@@ -17,7 +17,7 @@ from tiny import make_tiny_model
 
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.export.graph import _rotary_order, rope_tables, rotary_frequencies
+from kvedge.export.graph.rope import rope_tables, rotary_frequencies, rotary_order
 from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -74,7 +74,7 @@ def test_partial_rotary_as_full_rotary_over_a_permuted_head():
     cos, sin = rope_tables(inv_freq, 1.0, n + 3, d)  # [n+3, d/2]
 
     def rotate(x, first):  # rotate_half with the tables from position `first`, as the graphs do
-        x1, x2 = np.split(x[..., _rotary_order(d, r)], 2, -1)
+        x1, x2 = np.split(x[..., rotary_order(d, r)], 2, -1)
         c, s = cos[first : first + n], sin[first : first + n]
         return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 

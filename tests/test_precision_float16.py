@@ -1,5 +1,5 @@
 """`kvedge export --precision float16`: the portable graph computing in float16, with float32
-islands (RMSNorm, softmax, the logits output; kvedge/export/graph.py), against Hugging Face
+islands (RMSNorm, softmax, the logits output; kvedge/export/graph/), against Hugging Face
 transformers in float32.
 
 Tolerance: float16 has 11 significant bits, so every stored weight, cached key and value and

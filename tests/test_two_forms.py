@@ -1,6 +1,7 @@
-"""Two forms of one graph (`graph._two_forms`, docs/ARCHITECTURE.md): "ort" exports with int8/int4
-weights hold the decoder twice, as the branches of one If on the step's length; a decode step runs
-the form whose quantized matmuls are kvedge.QuantMatMul, a longer step the MatMulNBits form.
+"""Two forms of one graph (`kvedge.export.graph.forms.two_forms`, docs/ARCHITECTURE.md): "ort"
+exports with int8/int4 weights hold the decoder twice, as the branches of one If on the step's
+length; a decode step runs the form whose quantized matmuls are kvedge.QuantMatMul, a longer step
+the MatMulNBits form.
 
 What is compared, and how closely:
 - the graph's shape: each form's matmuls, each weight stored once per form, shared tensors once;

@@ -35,7 +35,7 @@ def one_node_session(node, inputs, outputs, domain: str, threads: int) -> ort.In
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)]
     )
-    # export's IR version for opset 17 (kvedge/export/graph.py): onnx's default is its own newest
+    # export's IR version for opset 17 (kvedge/export/graph/): onnx's default is its own newest
     # (14 for onnx 1.23), which onnxruntime 1.23 (the newest with Python 3.10 wheels) refuses
     model.ir_version = 8
     options = ort.SessionOptions()

@@ -10,15 +10,15 @@ same source fingerprint and every field the export options decide (`ExportOption
 variant, logits, weights, block size, outlier channels, head bits, max_len, cache dtype and group
 size), and the export code that built it is this one. The bench writes, next to each export it
 makes, `<folder>.export-code`: `export_code_fingerprint()`, a sha256 over kvedge's graph-building
-sources (kvedge/export/*.py, the contract that declares the graph's inputs and outputs,
-kvedge/contract/*.py, and the calibration prompts that choose the outlier channels) and the kernel
-library's OPS_VERSION (an "ort" INT8-cache graph names its op). Neither the kvedge version (not
-bumped on every change) nor the git commit (blind to uncommitted edits, and changed by edits that
-leave graphs alone) tells a stale graph; rebuilding the graph to compare onnx_fingerprint would
-be the export itself. Hashing the files errs on the safe side: an edit that leaves graphs as they
-were (a comment) costs one re-export, while a missed change would benchmark an old graph
-silently. An export without the file (made by hand, or before stamps) is re-exported. Each
-re-export logs why.
+sources (kvedge/export/*.py and kvedge/export/graph/*.py, the contract that declares the graph's
+inputs and outputs, kvedge/contract/*.py, and the calibration prompts that choose the outlier
+channels) and the kernel library's OPS_VERSION (an "ort" INT8-cache graph names its op). Neither
+the kvedge version (not bumped on every change) nor the git commit (blind to uncommitted edits,
+and changed by edits that leave graphs alone) tells a stale graph; rebuilding the graph to compare
+onnx_fingerprint would be the export itself. Hashing the files errs on the safe side: an edit that
+leaves graphs as they were (a comment) costs one re-export, while a missed change would benchmark
+an old graph silently. An export without the file (made by hand, or before stamps) is re-exported.
+Each re-export logs why.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 EXPORT_CODE_SUFFIX = ".export-code"  # <work>/<export folder>.export-code: `export_code_fingerprint()`
 # what the exported graph is built by, relative to the kvedge package (module docstring)
-EXPORT_CODE = ("export/*.py", "contract/*.py", "calibrate/data/calibration.jsonl")
+EXPORT_CODE = ("export/*.py", "export/graph/*.py", "contract/*.py", "calibrate/data/calibration.jsonl")
 
 
 def export_code_fingerprint(package: Path = Path(kvedge.__file__).parent) -> str:

@@ -1,0 +1,100 @@
+"""`Builder`: appends nodes and initializers to one ONNX graph; every op returns its output's name.
+Its float type is float16 in a float16 graph, whose float32 islands open with `widen` and close
+with `narrow`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+class Builder:
+    """Appends nodes and initializers; every op returns the name of its (first) output."""
+
+    def __init__(
+        self,
+        opset: int,
+        side_inputs: bool = False,
+        decode_form: bool = False,
+        half: bool = False,
+        positive_scales: bool = False,
+    ) -> None:
+        self.opset = opset
+        self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
+        # the decode form: quantized matmuls are kvedge.QuantMatMul, quantized onto the float16 scales
+        # and minimums it stores (the prefill form keeps float32 ones: exact on a GGUF's grids)
+        self.decode_form = decode_form
+        # a float16 graph (--precision float16): weights, their scales and the activations between
+        # the float32 islands (`widen` ... `narrow`) are float16
+        self.half = half
+        # weight scales > 0 only (`quantize_blockwise`): portable graphs, which TensorRT reads
+        self.positive_scales = positive_scales
+        self.float = np.dtype(np.float16 if half else np.float32)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
+        self._count = 0
+        self._shared: set[str] = set()
+
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        name: str,
+        outputs: int | list[str] = 1,
+        **attrs: Any,
+    ):
+        """Add a node; `outputs` is a count (names derived from `name`) or the output names."""
+        self._count += 1
+        if isinstance(outputs, list):
+            outs = outputs
+        else:
+            outs = [f"{name}" if outputs == 1 else f"{name}_{i}" for i in range(outputs)]
+        node = helper.make_node(op_type, inputs, outs, name=f"{name}/{op_type}_{self._count}", **attrs)
+        self.nodes.append(node)
+        return outs[0] if len(outs) == 1 else outs
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def ints(self, *values: int) -> str:
+        """A shared int64 vector constant, e.g. ints(0) -> [0]."""
+        name = "const.i64_" + "_".join(str(v) for v in values)
+        if name not in self._shared:
+            self._shared.add(self.const(name, np.array(values, np.int64)))
+        return name
+
+    def reduce(self, op_type: str, x: str, axis: int, name: str, keepdims: int = 1) -> str:
+        """ReduceMean/ReduceMax over one axis: axes are an attribute before opset 18, an input after."""
+        if self.opset < 18:
+            return self.op(op_type, [x], name, axes=[axis], keepdims=keepdims)
+        return self.op(op_type, [x, self.ints(axis)], name, keepdims=keepdims)
+
+    def fconst(self, name: str, array: np.ndarray) -> str:
+        """A float constant in the graph's float type (float16 or float32)."""
+        return self.const(name, np.asarray(array).astype(self.float))
+
+    def widen(self, x: str, name: str) -> str:
+        """x as float32 under `name`: where a float32 island starts (x itself in a float32 graph)."""
+        return self.op("Cast", [x], name, to=TensorProto.FLOAT) if self.half else x
+
+    def narrow(self, x: str, name: str) -> str:
+        """x (float32) back in the graph's float type under `name`: where an island ends (x itself
+        in a float32 graph)."""
+        return self.op("Cast", [x], name, to=TensorProto.FLOAT16) if self.half else x
+
+    def float_weight(self, name: str, w: np.ndarray, stored_half: bool = False) -> str:
+        """`w` as a float weight under `name`: float16 in a float16 graph; float32 in a float32
+        graph, or with `stored_half` (--weights float16) stored float16 under `name`.f16 and
+        widened by one Cast."""
+        if self.half:
+            return self.const(name, w.astype(np.float16))
+        if not stored_half:
+            return self.const(name, w.astype(np.float32))
+        stored = self.const(f"{name}.f16", w.astype(np.float16))
+        return self.op("Cast", [stored], name, to=TensorProto.FLOAT)

@@ -1,0 +1,117 @@
+"""Weight matmuls with blocked integer weights (`quantize.py`): DequantizeLinear -> MatMul, the
+blocks' offsets and the kept float32 channels in a small second product (its inputs made by
+kvedge.SideInputs or by standard ops), or one kvedge.QuantMatMul in the decode form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvedge.contract import (
+    KVEDGE_OPS_DOMAIN,
+    QUANT_MATMUL_OP,
+    SIDE_INPUTS_OP,
+)
+from kvedge.export.graph.builder import Builder
+from kvedge.export.quantize import (
+    EXPORT_GRIDS,
+    QuantizedWeight,
+    pack_quant_matmul,
+    quantize_blockwise,
+    weight_tensor,
+)
+
+
+def matmul_weight(
+    g: Builder, x: str, w: np.ndarray, out: str, bits: int, block_size: int, keep: np.ndarray | None = None
+) -> str:
+    """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
+    blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
+    product (see `quantize.py`), whose input [x's block sums | x[keep]] and the masked x are
+    made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
+    if bits == 32:
+        return g.op("MatMul", [x, g.const(f"{out}.weight", w)], out)
+    # a float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
+    # when stored (`fconst`), relative 2**-11 like any float16 weight; the decode form chooses
+    # its codes on the float16 grid it stores
+    qw = quantize_blockwise(
+        w,
+        bits,
+        block_size,
+        EXPORT_GRIDS,
+        half_params=g.decode_form,
+        positive_scales=g.positive_scales,
+    )
+    g.quant_errors.append(qw.max_error)
+    keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
+    if g.decode_form and w.shape[1] % 64 == 0:
+        return _quant_matmul(g, x, w, qw, out, keep)
+    g.initializers.append(weight_tensor(f"{out}.weight_q", qw))
+    scale = g.fconst(f"{out}.weight_scale", qw.scale)  # its type is DequantizeLinear's output's
+    deq = g.op("DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size)
+    rows: list[np.ndarray] = []  # [*, N] the second product's weights
+    offsets = np.zeros_like(w, np.float32)  # [K, N] each row's block offset
+    if qw.offset is not None:
+        rows.append(qw.offset)
+        offsets = np.repeat(qw.offset, block_size, axis=0)
+    if keep.size:
+        rows.append(w[keep] - offsets[keep])
+    if not rows:
+        return g.op("MatMul", [x, deq], out)
+    if g.side_inputs:
+        made = g.op(
+            SIDE_INPUTS_OP,
+            [x, g.const(f"{out}.kept", keep)],
+            f"{out}.side",
+            outputs=[f"{out}.side", f"{out}.masked"] if keep.size else [f"{out}.side"],
+            domain=KVEDGE_OPS_DOMAIN,
+            block_size=block_size if qw.offset is not None else 0,
+        )
+        side, quantized_in = made if keep.size else (made, x)
+    else:
+        side, quantized_in = _side_inputs(g, x, w.shape[0], out, block_size, qw.offset is not None, keep)
+    scaled = g.op("MatMul", [quantized_in, deq], f"{out}.scaled")
+    shift = g.op("MatMul", [side, g.fconst(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift")
+    return g.op("Add", [scaled, shift], out)
+
+
+def _quant_matmul(g: Builder, x: str, w: np.ndarray, qw: QuantizedWeight, out: str, keep: np.ndarray) -> str:
+    """x @ w as one kvedge.QuantMatMul (the decode form; `quantize.QuantMatMulWeight`): the
+    block offsets and the kept channels' float rows (w[kept] less their block's offset, float16
+    at the end of each tile's records) ride in the op, read in the same pass as the codes."""
+    offset = np.zeros_like(qw.scale) if qw.offset is None else qw.offset  # [K/bs, N]
+    rows = w[keep] - np.repeat(offset, qw.block_size, axis=0)[keep]  # [kept, N]
+    packed = pack_quant_matmul(qw, rows)
+    inputs = [x, g.const(f"{out}.qmm_weights", packed.weights)]
+    if keep.size:
+        inputs.append(g.const(f"{out}.kept", keep))
+    return g.op(
+        QUANT_MATMUL_OP,
+        inputs,
+        out,
+        domain=KVEDGE_OPS_DOMAIN,
+        bits=qw.bits,
+        block_size=qw.block_size,
+        minimums=int(packed.has_minimums),
+    )
+
+
+def _side_inputs(
+    g: Builder, x: str, k: int, out: str, block_size: int, offsets: bool, keep: np.ndarray
+) -> tuple[str, str]:
+    """kvedge.SideInputs' outputs (side, masked x) from standard ops: x times a [K, K/block +
+    kept] 0/1 matrix, block-sum columns (when the weight has `offsets`) then one column per
+    kept channel, and x times a 0/1 mask."""
+    gather: list[np.ndarray] = []  # [K, *] columns
+    if offsets:
+        gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
+    quantized_in = x
+    if keep.size:
+        mask = np.ones(k, np.float32)
+        mask[keep] = 0.0
+        quantized_in = g.op("Mul", [x, g.fconst(f"{out}.int8_mask", mask)], f"{out}.masked")
+        select = np.zeros((k, keep.size), np.float32)
+        select[keep, np.arange(keep.size)] = 1.0
+        gather.append(select)
+    side = g.op("MatMul", [x, g.fconst(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side")
+    return side, quantized_in
