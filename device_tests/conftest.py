@@ -37,8 +37,8 @@ def _tensorrt_missing() -> str | None:
         return "tensorrt is not importable (JetPack ships it; `pip install tensorrt` on x86_64 CUDA)"
     if importlib.util.find_spec("cuda") is None:
         return "cuda-python is not installed (`pip install cuda-python`)"
+    from kvedge.accel import current_device
     from kvedge.errors import KvedgeError
-    from kvedge.runtime.cuda import current_device
 
     try:
         current_device()

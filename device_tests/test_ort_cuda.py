@@ -209,7 +209,7 @@ def test_decode_time_with_a_cuda_graph(exported, record):
 def _gpu_used_bytes() -> int:
     """Device memory in use (cudaMemGetInfo: a Jetson has no nvidia-smi; there it counts the
     whole DRAM, which CPU and GPU share)."""
-    from kvedge.runtime.cuda import cuda_call, import_cudart
+    from kvedge.accel import cuda_call, import_cudart
 
     cudart = import_cudart()
     free, total = cuda_call(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")

@@ -22,7 +22,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from kvedge.runtime.cuda import MappedHost, cuda_call, import_cudart
+from kvedge.accel import cuda_call, import_cudart
+from kvedge.runtime.cuda import MappedHost
 from kvedge.runtime.memory import page_aligned
 
 pytestmark = pytest.mark.ort_cuda

@@ -51,10 +51,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-from kvedge.contract import PREFILL_CHUNK, RING_MARGIN, CacheGeometry
+from kvedge.contract import PREFILL_CHUNK, RING_MARGIN, ROLES, SUPPORTED_MODEL_TYPES, CacheGeometry
 from kvedge.errors import KvedgeError
-from kvedge.export.source import SUPPORTED_MODEL_TYPES
-from kvedge.runtime.tokenizer import ROLES
 
 # configs/ as installed package data (setup.py ships it as kvedge._configs), else the source
 # checkout's (an editable install included); other files are passed as paths

@@ -32,9 +32,9 @@ from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
-from kvedge.runtime.backend import Backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.interface import Backend
 
 
 def portable(exported) -> Manifest:

@@ -119,8 +119,8 @@ class KvedgeSystem(Steppable):
 
     def __init__(self, folder: Path, threads: int, device: str = "cpu") -> None:
         from kvedge.contract import Manifest
-        from kvedge.runtime.backend import open_backend
         from kvedge.runtime.cache import KVCache
+        from kvedge.runtime.registry import open_backend
 
         self.manifest = Manifest.load(folder)
         self.backend = open_backend(folder, self.manifest, device, threads=threads)

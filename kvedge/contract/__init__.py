@@ -11,7 +11,8 @@ Artifact folder written by `kvedge export`::
     model.engine          with `--target tensorrt`: the engine, and beside it
     engine_manifest.json  `EngineManifest` (`kvedge.contract.engine`)
 
-Modules: `manifest` (cache geometry, graph names and interface, the model manifest), `engine`
+Modules: `manifest` (cache geometry, graph names and interface, the model manifest), `models`
+(the model families an export may hold, the chat roles), `engine`
 (the TensorRT engine manifest and profiles), `header` (the one header check every artifact kind
 is loaded through: JSON shape, field types, format, version, model, cache geometry).
 """
@@ -50,6 +51,7 @@ from kvedge.contract.manifest import (
     kvedge_ops,
     sha256_files,
 )
+from kvedge.contract.models import ROLES, SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",
@@ -69,8 +71,10 @@ __all__ = [
     "PREFILL_CHUNK",
     "QUANTIZED_KV_DTYPES",
     "RING_MARGIN",
+    "ROLES",
     "QUANT_MATMUL_OP",
     "SIDE_INPUTS_OP",
+    "SUPPORTED_MODEL_TYPES",
     "TOKENIZER_FILE",
     "VARIANTS",
     "WEIGHT_FORMATS",

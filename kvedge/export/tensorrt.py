@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvedge.accel import current_device, import_cudart, import_tensorrt_builder
 from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, Manifest
 from kvedge.contract.engine import (
     DECODE_PROFILE,
@@ -46,7 +47,6 @@ from kvedge.contract.engine import (
 )
 from kvedge.errors import KvedgeError
 from kvedge.files import new_file
-from kvedge.runtime.cuda import current_device, import_cudart, import_tensorrt_builder
 
 log = logging.getLogger(__name__)
 

@@ -56,16 +56,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
 
 from kvedge.contract import ONNX_FILE, Manifest
-from kvedge.contract.engine import DEVICES, ENGINE_FILE
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.interface import StepOutput
 from kvedge.runtime.memory import check_alignment
 
 log = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ def cuda_graph_refusal(manifest: Manifest) -> str | None:
     every step (shapes that follow the context). The float16-cache `ort` graph qualifies: its
     decode step binds the whole pool [b, kv_heads, max_len, head_dim] and fixed step buffers, and
     GroupQueryAttention's inputs are made on the device from those buffers, its one host-side
-    input (total_sequence_length) a constant (kvedge.export.graph `_GroupQueryAttention`)."""
+    input (total_sequence_length) a constant (kvedge.export.graph.inplace `GroupQueryAttention`)."""
     if not manifest.in_place:
         return (
             "cuda_graph cannot capture a portable graph: it slices the past to the longest valid "
@@ -226,77 +225,6 @@ def binding_plan(
             shape, dtype = spec.shape(batch, seq), np.dtype(spec.dtype)
             plan.append(Bound(spec.name, output, buffer, where, shape, dtype, buffer == STEP and not output))
     return tuple(plan)
-
-
-@dataclass
-class StepOutput:
-    logits: np.ndarray  # [batch, vocab] float32: next-token logits for each row
-    # Per layer, the new tokens' cache tensors in `IONames.present` order ((K, V) [batch, kvh,
-    # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
-    # wrote them into the cache in place.
-    present: list[tuple[np.ndarray, ...]] | None
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load
-    and closes it. `OrtBackend` (here) and `kvedge.runtime.trt_backend.TrtBackend` implement it."""
-
-    manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
-
-    def run(
-        self,
-        input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
-        position_ids: np.ndarray,  # [batch, seq] int64
-        past_lengths: np.ndarray,  # [batch] int64
-        last_index: np.ndarray,  # [batch] int64
-        past: list[tuple[np.ndarray, ...]],  # per layer views of the pool, `KVCache.layer_views`
-        counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
-    ) -> StepOutput:
-        """One step over `past`: next-token logits per row, and the new K/V unless written in place."""
-        ...
-
-    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
-        """Take now, at load, the memory later steps over `past` (all slots' views) will need."""
-        ...
-
-    def close(self) -> None:
-        """Stop running, then give back what was taken for the GPU (page locks, mapped buffers),
-        in that order; safe to call twice. The cache arrays themselves are the caller's."""
-        ...
-
-
-def open_backend(
-    folder: Path,
-    manifest: Manifest,
-    device: str = "cpu",
-    threads: int | None = None,
-    max_decode_bindings: int = MAX_DECODE_BINDINGS,
-    cuda_graph: bool = False,
-) -> Backend:
-    """The backend `device` (a `DEVICES` name) runs on; where a piece is missing, a KvedgeError
-    in one line naming what to install or build. `cuda_graph`: capture decode (cuda only)."""
-    if device not in DEVICES:
-        raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
-    if device != "tensorrt":
-        return OrtBackend(
-            folder,
-            manifest,
-            threads=threads,
-            provider=device,
-            max_decode_bindings=max_decode_bindings,
-            cuda_graph=cuda_graph,
-        )
-    if cuda_graph:
-        raise KvedgeError("cuda_graph (CUDA graph capture) applies to --device cuda only")
-    if not (folder / ENGINE_FILE).is_file():
-        raise KvedgeError(
-            f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
-            "`kvedge export --target tensorrt`"
-        )
-    from kvedge.runtime.trt_backend import TrtBackend
-
-    return TrtBackend(folder, manifest)
 
 
 class OrtBackend:

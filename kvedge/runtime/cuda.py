@@ -1,14 +1,9 @@
-"""TensorRT and CUDA runtime bindings, imported on demand, and the GPU this process runs on.
+"""Host memory mapped for the GPU (`MappedHost`): the cache pool's pages, page-locked and mapped
+into the device's address space, so the GPU backends read and write the cache where it is.
 
-Run-time helpers: `TrtBackend` uses all of them, `OrtBackend` on CUDA uses `MappedHost`; the
-engine builder (`kvedge.export.tensorrt`) imports `import_tensorrt_builder` and `current_device`
-from here, since an engine is built on the device that will run it. Nothing here is imported
-unless a GPU path is taken.
-
-Engines run only under Jetson's (or x86 CUDA's) `tensorrt`. They are built with it too, or, where
-it is absent, with TensorRT for RTX (`tensorrt_rtx`, `pip install 'kvedge[trtcheck]'`), whose
-builder needs no GPU: that build proves the graph parses and builds, and its engine is refused
-by `TrtBackend` (another flavour), so on a Jetson the build is redone there.
+`TrtBackend` and `OrtBackend` on CUDA use it. The CUDA runtime bindings it calls are imported on
+demand through `kvedge.accel`, which the engine builder (`kvedge.export.tensorrt`) shares.
+Nothing here is imported unless a GPU path is taken.
 """
 
 from __future__ import annotations
@@ -19,78 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from kvedge.contract.engine import DeviceInfo
+from kvedge.accel import cuda_call, import_cudart
 from kvedge.errors import KvedgeError
 from kvedge.runtime.memory import owned_mapping
-
-INSTALL_TENSORRT = (
-    "TensorRT is not installed for this Python. On a Jetson it ships with JetPack "
-    "(`sudo apt install nvidia-jetpack`; use the system python3, or a venv made with "
-    "--system-site-packages); on an x86_64 machine with CUDA: `pip install 'kvedge[trt]'` "
-    "(tensorrt and cuda-python). `kvedge doctor` shows what this machine has."
-)
-INSTALL_TENSORRT_BUILDER = (
-    INSTALL_TENSORRT[:-1] + ", and to check a graph parses and builds without a GPU: "
-    "`pip install 'kvedge[trtcheck]'` (TensorRT for RTX)."
-)
-INSTALL_CUDA_PYTHON = (
-    "cuda-python is not installed: `pip install cuda-python` (the CUDA runtime bindings the GPU "
-    "backends map the cache pool with; part of `pip install 'kvedge[gpu]'` and `'kvedge[trt]'`)."
-)
-
-
-def import_tensorrt() -> Any:
-    """The `tensorrt` module, or a KvedgeError saying what to install."""
-    try:
-        import tensorrt
-    except ImportError:
-        raise KvedgeError(INSTALL_TENSORRT) from None
-    return tensorrt
-
-
-def import_tensorrt_builder() -> tuple[Any, str]:
-    """(module, flavour) to build engines with: `tensorrt` where installed, else `tensorrt_rtx`;
-    a KvedgeError saying what to install when neither is."""
-    try:
-        import tensorrt
-
-        return tensorrt, "tensorrt"
-    except ImportError:
-        pass
-    try:
-        import tensorrt_rtx
-
-        return tensorrt_rtx, "tensorrt_rtx"
-    except ImportError:
-        raise KvedgeError(INSTALL_TENSORRT_BUILDER) from None
-
-
-def import_cudart() -> Any:
-    """cuda-python's CUDA runtime bindings (`cuda.bindings.runtime`, or `cuda.cudart` before 12.6)."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError:
-            raise KvedgeError(INSTALL_CUDA_PYTHON) from None
-    return runtime
-
-
-def cuda_call(cudart: Any, result: tuple, what: str) -> Any:
-    """Unpack a cuda-python result `(error, value...)`, raising on any error."""
-    error, *values = result
-    if error != cudart.cudaError_t.cudaSuccess:
-        _, message = cudart.cudaGetErrorString(error)
-        raise KvedgeError(f"{what} failed: {message.decode() if isinstance(message, bytes) else message}")
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def current_device(cudart: Any | None = None, index: int = 0) -> DeviceInfo:
-    cudart = cudart or import_cudart()
-    props = cuda_call(cudart, cudart.cudaGetDeviceProperties(index), "cudaGetDeviceProperties")
-    name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-    return DeviceInfo(name.rstrip("\x00").strip(), f"{props.major}.{props.minor}", props.multiProcessorCount)
 
 
 class MappedHost:

@@ -34,9 +34,9 @@ import numpy as np
 
 from kvedge.contract import PREFILL_CHUNK
 from kvedge.errors import ContextOverflow, KvedgeError
-from kvedge.runtime.backend import Backend, StepOutput
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
+from kvedge.runtime.interface import Backend, StepOutput
 from kvedge.runtime.tokenizer import TextStream
 
 

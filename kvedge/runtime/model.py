@@ -26,11 +26,12 @@ from tqdm import tqdm
 
 from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, CacheGeometry, Manifest, sha256_files
 from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
-from kvedge.runtime.backend import Backend, open_backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
+from kvedge.runtime.interface import Backend
 from kvedge.runtime.prefix import PrefixLRU
+from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up

@@ -16,10 +16,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kvedge.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, Manifest
+from kvedge.contract import CHAT_TEMPLATE_FILE, ROLES, TOKENIZER_FILE, Manifest
 from kvedge.errors import KvedgeError
-
-ROLES = ("system", "user", "assistant", "tool")
 
 
 def _tojson(

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from kvedge.accel import cuda_call, current_device, import_cudart, import_tensorrt
 from kvedge.contract import Manifest, TensorSpec
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
-from kvedge.runtime.backend import StepOutput
-from kvedge.runtime.cuda import MappedHost, cuda_call, current_device, import_cudart, import_tensorrt
+from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.interface import StepOutput
 from kvedge.runtime.memory import check_alignment
 
 

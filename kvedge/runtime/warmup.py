@@ -29,9 +29,9 @@ from tqdm import tqdm
 from kvedge.configs import PrefixSpec, WarmupConfig
 from kvedge.contract import Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.runtime.backend import Backend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import prefill
+from kvedge.runtime.interface import Backend
 from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
 from kvedge.runtime.sessions import common_prefix
 from kvedge.runtime.tokenizer import ChatTokenizer

@@ -35,8 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvedge.contract import ROLES
 from kvedge.runtime.model import Constraint
-from kvedge.runtime.tokenizer import ROLES
 from kvedge.serve import tools as toolkit
 from kvedge.serve.tools import Tool, ToolError
 

@@ -1,0 +1,19 @@
+"""What an artifact can hold and a chat can say: the model families `kvedge export` builds a graph
+for (Hugging Face `model_type` -> a name people know) and the roles a chat message may take.
+
+The exporter refuses other families (`kvedge.export.source`), the recipe configs check their
+`family` against the same list (`kvedge.configs`), and the tokenizer, the configs' warm prefixes
+and the service check roles against `ROLES`: facts several layers share, so they live here.
+"""
+
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama family",
+    "qwen2": "Qwen2/Qwen2.5",
+    "mistral": "Mistral",
+    "qwen3": "Qwen3 dense",
+    "phi3": "Phi-3/Phi-3.5/Phi-4-mini",
+    "smollm3": "SmolLM3",
+    "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
+}
+
+ROLES = ("system", "user", "assistant", "tool")

@@ -1,0 +1,52 @@
+"""What every backend is: the `Backend` protocol the runtime steps through and the `StepOutput`
+a step returns. Both backends import it and neither imports the other; `kvedge.runtime.registry`
+chooses between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from kvedge.contract import Manifest
+
+
+@dataclass
+class StepOutput:
+    logits: np.ndarray  # [batch, vocab] float32: next-token logits for each row
+    # Per layer, the new tokens' cache tensors in `IONames.present` order ((K, V) [batch, kvh,
+    # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
+    # wrote them into the cache in place.
+    present: list[tuple[np.ndarray, ...]] | None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load
+    and closes it. `kvedge.runtime.backend.OrtBackend` and `kvedge.runtime.trt_backend.TrtBackend`
+    implement it; `kvedge.runtime.registry.open_backend` picks one."""
+
+    manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
+        position_ids: np.ndarray,  # [batch, seq] int64
+        past_lengths: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64
+        past: list[tuple[np.ndarray, ...]],  # per layer views of the pool, `KVCache.layer_views`
+        counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
+    ) -> StepOutput:
+        """One step over `past`: next-token logits per row, and the new K/V unless written in place."""
+        ...
+
+    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+        """Take now, at load, the memory later steps over `past` (all slots' views) will need."""
+        ...
+
+    def close(self) -> None:
+        """Stop running, then give back what was taken for the GPU (page locks, mapped buffers),
+        in that order; safe to call twice. The cache arrays themselves are the caller's."""
+        ...

@@ -1,0 +1,47 @@
+"""Which backend runs on which `--device`: `open_backend`, the one place that knows both
+backends. `kvedge.runtime.backend` (onnxruntime) and `kvedge.runtime.trt_backend` (TensorRT)
+import neither this module nor each other; TensorRT's is imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvedge.contract import Manifest
+from kvedge.contract.engine import DEVICES, ENGINE_FILE
+from kvedge.errors import KvedgeError
+from kvedge.runtime.backend import MAX_DECODE_BINDINGS, OrtBackend
+from kvedge.runtime.interface import Backend
+
+
+def open_backend(
+    folder: Path,
+    manifest: Manifest,
+    device: str = "cpu",
+    threads: int | None = None,
+    max_decode_bindings: int = MAX_DECODE_BINDINGS,
+    cuda_graph: bool = False,
+) -> Backend:
+    """The backend `device` (a `DEVICES` name) runs on; where a piece is missing, a KvedgeError
+    in one line naming what to install or build. `cuda_graph`: capture decode (cuda only)."""
+    if device not in DEVICES:
+        raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
+    if device != "tensorrt":
+        return OrtBackend(
+            folder,
+            manifest,
+            threads=threads,
+            provider=device,
+            max_decode_bindings=max_decode_bindings,
+            cuda_graph=cuda_graph,
+        )
+    if cuda_graph:
+        raise KvedgeError("cuda_graph (CUDA graph capture) applies to --device cuda only")
+    if not (folder / ENGINE_FILE).is_file():
+        raise KvedgeError(
+            f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
+            "`kvedge export --target tensorrt`"
+        )
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    return TrtBackend(folder, manifest)
