@@ -206,17 +206,45 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     tokens = [int(t) for t in rng.integers(100, vocab - 100, longest)]
 
     echo(f"loading {len(specs)} systems ({', '.join(map(str, config.thread_counts))} threads)")
-    crashed = results.crashed
+    guarded = partial(_guarded, crashed=results.crashed, echo=echo)
+    systems = _load_systems(specs, threads, tokens, guarded)
+    results.rounds = _measure_rounds(config, specs, systems, tokens, threads, guarded, results.crashed, echo)
+    _summarize(results, config, specs, bandwidth, threads)
+    _measure_quality(results, config, specs, systems, guarded, echo)
+    for system in systems.values():
+        if isinstance(system, ChildSystem):
+            system.close()
+    systems.clear()  # unload before the warm-prefix and memory runs
+    _measure_fresh(results, config, specs, tokens, threads, guarded, echo)
 
-    def guarded(name: str, case: str, call: Callable[[], Any]) -> Any:
-        """call(), or None when `name`'s process dies in it (recorded in `crashed`)."""
-        try:
-            return call()
-        except SystemCrashed as exc:
-            crashed[name] = f"{case}: {exc}"
-            echo(f"{name} crashed in {case}: {exc}")
-            return None
+    results.targets = evaluate_targets(results, specs)
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "bench.json").write_text(json.dumps(_jsonable(asdict(results)), indent=2))
+    plot(results, config.out / "bench.png")
+    echo(table(results))
+    echo(f"wrote {config.out / 'bench.json'} and {config.out / 'bench.png'}")
+    return results
 
+
+Guarded = Callable[[str, str, Callable[[], Any]], Any]
+
+
+def _guarded(
+    name: str, case: str, call: Callable[[], Any], crashed: dict[str, str], echo: Callable[[str], None]
+) -> Any:
+    """call(), or None when `name`'s process dies in it (recorded in `crashed`)."""
+    try:
+        return call()
+    except SystemCrashed as exc:
+        crashed[name] = f"{case}: {exc}"
+        echo(f"{name} crashed in {case}: {exc}")
+        return None
+
+
+def _load_systems(
+    specs: list[SystemSpec], threads: int | None, tokens: list[int], guarded: Guarded
+) -> dict[str, System]:
+    """Every system that loads and runs a warm-up, by name."""
     systems: dict[str, System] = {}
     for spec in specs:
         system = guarded(spec.name, "loading", partial(_build, spec, spec.threads or threads))
@@ -225,7 +253,22 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         ):
             systems[spec.name] = system
             log.info("warmed up %s", spec.name)
+    return systems
 
+
+def _measure_rounds(
+    config: BenchConfig,
+    specs: list[SystemSpec],
+    systems: dict[str, System],
+    tokens: list[int],
+    threads: int | None,
+    guarded: Guarded,
+    crashed: dict[str, str],
+    echo: Callable[[str], None],
+) -> dict[str, dict[str, list[float]]]:
+    """Prefill and decode seconds, system -> "prefill:n" / "decode:c" -> one figure per round;
+    each round starts with the next system, so no system always runs first. A system in `crashed`
+    (which `guarded` fills) runs no further case."""
     raw: dict[str, dict[str, list[float]]] = {s.name: {} for s in specs}
     for round_index in range(config.rounds):
         order = specs[round_index % len(specs) :] + specs[: round_index % len(specs)]
@@ -246,7 +289,14 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                 for name, seconds in measured.items():
                     raw[name].setdefault(f"decode:{c}", []).append(seconds)
         echo(f"round {round_index + 1}/{config.rounds} done")
-    results.rounds = raw
+    return raw
+
+
+def _summarize(
+    results: Results, config: BenchConfig, specs: list[SystemSpec], bandwidth: float, threads: int | None
+) -> None:
+    """Each system's medians over the rounds (cases finished in every round only), its roofline and
+    its description, into `results`."""
 
     def complete(figures: dict[str, list[float]], case: str) -> list[float] | None:
         """A case's per-round figures, if the system finished it in every round."""
@@ -254,7 +304,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         return values if values and len(values) == config.rounds else None
 
     for spec in specs:
-        figures = raw[spec.name]
+        figures = results.rounds[spec.name]
         results.prefill[spec.name] = {
             n: {"ttft_ms": 1e3 * float(np.median(v)), "tokens_per_s": n / float(np.median(v))}
             for n in config.prefill_lengths
@@ -279,12 +329,22 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
                 "weight_bytes_per_token": spec.weight_bytes_per_token,
                 "kv_bytes_per_token": spec.kv_bytes_per_token,
                 "reference_for": spec.reference_for,
-                "crashed": crashed.get(spec.name),
+                "crashed": results.crashed.get(spec.name),
                 **spec.extra,
             }
         )
 
-    alive = [s for s in specs if s.name not in crashed and not s.threads_of]  # quality: one thread count
+
+def _measure_quality(
+    results: Results,
+    config: BenchConfig,
+    specs: list[SystemSpec],
+    systems: dict[str, System],
+    guarded: Guarded,
+    echo: Callable[[str], None],
+) -> None:
+    """KL / top-1 of every live system against a float32 reference, at one thread count."""
+    alive = [s for s in specs if s.name not in results.crashed and not s.threads_of]
     reference = _quality_reference(alive)
     if config.quality and reference is None:
         results.skipped["quality"] = (
@@ -294,11 +354,20 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     elif config.quality:
         echo("quality: KL / top-1 against float32 weights over 20 prompts")
         results.quality = _quality(reference, alive, systems, guarded)
-    for system in systems.values():
-        if isinstance(system, ChildSystem):
-            system.close()
-    systems.clear()  # unload before the warm-prefix and memory runs
-    first = [s for s in specs if not s.reference_for and not s.threads_of]  # one system per thread count
+
+
+def _measure_fresh(
+    results: Results,
+    config: BenchConfig,
+    specs: list[SystemSpec],
+    tokens: list[int],
+    threads: int | None,
+    guarded: Guarded,
+    echo: Callable[[str], None],
+) -> None:
+    """What runs after the systems are unloaded: warm prefixes, peak RSS (a fresh process per
+    system) and allocation growth, each on one system per thread count."""
+    first = [s for s in specs if not s.reference_for and not s.threads_of]
     warm = [s for s in first if s.kind == "kvedge"]
     for spec in {"all": warm, "first": warm[:1], "none": []}[config.warm]:
         echo(f"warm prefixes: {spec.name}")
@@ -310,7 +379,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
     if config.memory:
         echo("peak RSS: one fresh process per system")
         for spec in first:
-            if spec.name not in crashed:
+            if spec.name not in results.crashed:
                 rss = guarded(
                     spec.name,
                     "peak RSS",
@@ -324,14 +393,6 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
             results.allocation[spec.name] = measure.allocation_profile(
                 spec, threads, tokens[:64], config.allocation_steps
             )
-
-    results.targets = evaluate_targets(results, specs)
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "bench.json").write_text(json.dumps(_jsonable(asdict(results)), indent=2))
-    plot(results, config.out / "bench.png")
-    echo(table(results))
-    echo(f"wrote {config.out / 'bench.json'} and {config.out / 'bench.png'}")
-    return results
 
 
 def _build(spec: SystemSpec, threads: int) -> System:
@@ -365,7 +426,7 @@ def _decode_case(
     specs: list[SystemSpec],
     ids: list[int],
     steps: int,
-    guarded: Callable[[str, str, Callable[[], Any]], Any],
+    guarded: Guarded,
     interleave: bool = True,
 ) -> dict[str, float]:
     """Median seconds per decode step at context len(ids), the first 2 steps dropped.
@@ -555,7 +616,7 @@ def _quality(
     reference_name: str,
     specs: list[SystemSpec],
     systems: dict[str, Any],
-    guarded: Callable[[str, str, Callable[[], Any]], Any],
+    guarded: Guarded,
 ) -> dict[str, dict[str, float]]:
     """Every other system against the float32 reference `reference_name` (a system whose process
     dies meanwhile is left out)."""

@@ -55,18 +55,28 @@ def _target(name: str, value: float | None, goal: str, met: bool | None, note: s
 
 def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, Any]]:
     """Target rows at the first thread count, then report rows for the other counts."""
-    rows: list[dict[str, Any]] = []
     again = [s for s in specs if s.threads_of]  # the same systems at other thread counts
     specs = [s for s in specs if not s.threads_of]
-    names = {s.name: s for s in specs}
     kvedge = [s for s in specs if s.kind == "kvedge" and not s.reference_for]
     contexts = sorted({c for figures in results.decode.values() for c in figures})
     lengths = sorted({n for figures in results.prefill.values() for n in figures})
-    crashed = getattr(results, "crashed", {})
+    return [
+        *_twin_rows(results, specs, contexts),
+        *_growth_rows(results, kvedge, contexts),
+        *_allocation_rows(results),
+        *_peer_rows(results, specs, kvedge, contexts, lengths),
+        *_int8_cache_rows(results, kvedge, contexts),
+        *_llama_prefill_rows(results, specs, kvedge, lengths),
+        *warm_targets(results.warm),
+        *_thread_rows(results, again, contexts, lengths),
+    ]
 
+
+def _twin_rows(results: Any, specs: list[SystemSpec], contexts: list[int]) -> list[dict[str, Any]]:
+    """Unused slots cost nothing: each max_len twin against its reference."""
+    rows = []
     for twin in (s for s in specs if s.reference_for):
-        case = f"decode:{contexts[0]}"
-        ratio = speedup(results, twin.name, twin.reference_for, case)
+        ratio = speedup(results, twin.name, twin.reference_for, f"decode:{contexts[0]}")
         rows.append(
             _target(
                 f"unused slots: {twin.reference_for}, ctx {contexts[0]}, max_len 2048 vs {twin.max_len}",
@@ -75,9 +85,13 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                 ratio is not None and ratio <= 1.10,
             )
         )
-    for spec in kvedge:
-        if len(contexts) < 2:
-            break
+    return rows
+
+
+def _growth_rows(results: Any, kvedge: list[SystemSpec], contexts: list[int]) -> list[dict[str, Any]]:
+    """Decode time flat in the context: far context over the first, per round, median."""
+    rows = []
+    for spec in kvedge if len(contexts) >= 2 else []:
         figures = results.rounds[spec.name]
         far = FLAT_GROWTH_CONTEXT if FLAT_GROWTH_CONTEXT in contexts else contexts[-1]
         low, high = figures[f"decode:{contexts[0]}"], figures[f"decode:{far}"]
@@ -91,6 +105,11 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                 (ratio <= 1.30) if fp32 else None,
             )
         )
+    return rows
+
+
+def _allocation_rows(results: Any) -> list[dict[str, Any]]:
+    rows = []
     for name, alloc in results.allocation.items():
         ok = alloc["rss_growth_mib"] < 2 and alloc["heap_growth_kib"] < 16
         rows.append(
@@ -103,31 +122,40 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                 f"heap growth {alloc['heap_growth_kib']:.1f} KiB",
             )
         )
+    return rows
+
+
+def _faster(results: Any, label: str, spec_name: str, other: str, case: str, floor: float) -> dict[str, Any]:
+    """A speed-ratio target row: `spec_name` over `other` on `case`, met at >= `floor`; not
+    judged when `other` crashed before finishing the case."""
+    ratio = speedup(results, spec_name, other, case)
+    if ratio is None and other in getattr(results, "crashed", {}):
+        return _target(f"{label}: {spec_name} vs {other}", None, f">= {floor}", None, "peer crashed")
+    return _target(
+        f"{label}: {spec_name} vs {other}", ratio, f">= {floor}", ratio is not None and ratio >= floor
+    )
+
+
+def _peer_rows(
+    results: Any, specs: list[SystemSpec], kvedge: list[SystemSpec], contexts: list[int], lengths: list[int]
+) -> list[dict[str, Any]]:
+    """Each kvedge system against its peers (onnxruntime-genai, llama.cpp, transformers) and the
+    INT8-cache ort graph against the portable float32-cache one."""
+    names = {s.name for s in specs}
     peers = {"float32": "onnxruntime-genai fp32", "int4": "onnxruntime-genai int4"}
     llama = next((s.name for s in specs if s.kind == "llama.cpp"), None)
     hf = next((s.name for s in specs if s.kind == "transformers"), None)
-
-    def faster(label: str, spec_name: str, other: str, case: str, floor: float) -> None:
-        """A speed-ratio target row: `spec_name` over `other` on `case`, met at >= `floor`; not
-        judged when `other` crashed before finishing the case."""
-        ratio = speedup(results, spec_name, other, case)
-        if ratio is None and other in crashed:
-            rows.append(
-                _target(f"{label}: {spec_name} vs {other}", None, f">= {floor}", None, "peer crashed")
-            )
-            return
-        rows.append(
-            _target(
-                f"{label}: {spec_name} vs {other}", ratio, f">= {floor}", ratio is not None and ratio >= floor
-            )
-        )
-
+    rows = []
     for spec in kvedge:
         peer = peers.get(spec.weights)
         int8_cache = spec.extra.get("kv_dtype") == "int8"
         if peer in names:  # issue 18: the INT8-cache kernel's prefill by a margin
             for n in lengths:
-                faster(f"prefill {n}", spec.name, peer, f"prefill:{n}", 1.2 if int8_cache else 1.0)
+                rows.append(
+                    _faster(
+                        results, f"prefill {n}", spec.name, peer, f"prefill:{n}", 1.2 if int8_cache else 1.0
+                    )
+                )
         portable = next(
             (
                 s
@@ -139,17 +167,17 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
         )
         if int8_cache and spec.extra.get("variant") == "ort" and portable is not None:
             for n in lengths:
-                faster(f"prefill {n}", spec.name, portable.name, f"prefill:{n}", 1.0)
+                rows.append(_faster(results, f"prefill {n}", spec.name, portable.name, f"prefill:{n}", 1.0))
         if spec.weights == "int4":
             for c in contexts:
                 if peer in names:
-                    faster(f"int4 decode {c}", spec.name, peer, f"decode:{c}", 1.0)
+                    rows.append(_faster(results, f"int4 decode {c}", spec.name, peer, f"decode:{c}", 1.0))
                 if llama:
-                    faster(f"int4 decode {c}", spec.name, llama, f"decode:{c}", 1.4)
+                    rows.append(_faster(results, f"int4 decode {c}", spec.name, llama, f"decode:{c}", 1.4))
         if spec.weights == "float32":
             for c in contexts:
                 if peer in names:
-                    faster(f"fp32 decode {c}", spec.name, peer, f"decode:{c}", 1.0)
+                    rows.append(_faster(results, f"fp32 decode {c}", spec.name, peer, f"decode:{c}", 1.0))
             if hf and contexts:
                 ratio = speedup(
                     results, spec.name, hf, f"decode:{contexts[1] if len(contexts) > 1 else contexts[0]}"
@@ -157,7 +185,13 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
                 rows.append(
                     _target(f"fp32 decode: {spec.name} vs {hf}", ratio, "report (~3x expected)", None)
                 )
-    for spec in kvedge:  # each INT8-cache system against the same graph and weights with an fp32 cache
+    return rows
+
+
+def _int8_cache_rows(results: Any, kvedge: list[SystemSpec], contexts: list[int]) -> list[dict[str, Any]]:
+    """Each INT8-cache system against the same graph and weights with a float32 cache."""
+    rows = []
+    for spec in kvedge:
         twin = next(
             (
                 s
@@ -168,16 +202,33 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
             None,
         )
         if spec.extra.get("kv_dtype") == "int8" and twin is not None and contexts:
-            faster(f"int8 cache decode {contexts[-1]}", spec.name, twin.name, f"decode:{contexts[-1]}", 1.0)
-    if llama:
-        for spec in kvedge:
-            if spec.weights == "int4":
-                for n in lengths:
-                    ratio = speedup(results, spec.name, llama, f"prefill:{n}")
-                    rows.append(
-                        _target(f"prefill {n}: {spec.name} vs {llama}", ratio, "report (~2x expected)", None)
-                    )
-    rows.extend(warm_targets(results.warm))
+            case = f"decode:{contexts[-1]}"
+            rows.append(
+                _faster(results, f"int8 cache decode {contexts[-1]}", spec.name, twin.name, case, 1.0)
+            )
+    return rows
+
+
+def _llama_prefill_rows(
+    results: Any, specs: list[SystemSpec], kvedge: list[SystemSpec], lengths: list[int]
+) -> list[dict[str, Any]]:
+    llama = next((s.name for s in specs if s.kind == "llama.cpp"), None)
+    rows = []
+    for spec in kvedge if llama else []:
+        if spec.weights == "int4":
+            for n in lengths:
+                ratio = speedup(results, spec.name, llama, f"prefill:{n}")
+                rows.append(
+                    _target(f"prefill {n}: {spec.name} vs {llama}", ratio, "report (~2x expected)", None)
+                )
+    return rows
+
+
+def _thread_rows(
+    results: Any, again: list[SystemSpec], contexts: list[int], lengths: list[int]
+) -> list[dict[str, Any]]:
+    """Report rows: each system at another thread count against its first."""
+    rows = []
     for spec in again:
         for case in ([f"prefill:{lengths[-1]}"] if lengths else []) + (
             [f"decode:{contexts[-1]}"] if contexts else []

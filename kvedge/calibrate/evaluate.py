@@ -114,22 +114,7 @@ def evaluate(
     geometry = model.manifest.geometry
     if geometry.quantized:
         raise KvedgeError(f"eval-kv needs the float32-cache export as --model, not a {geometry.dtype} one")
-    candidates: list[tuple[str, OrtBackend, KVCache, float]] = []  # name, backend, cache, bytes ratio
-    if scales is not None:
-        for scheme in schemes or default_schemes(scales.manifest.group_size, geometry.head_dim):
-            cache = KVCache(geometry, batch)
-            cache.round_trip = RoundTrip(scheme, scales)
-            candidates.append((scheme.name, model.backend, cache, kv_bytes_ratio(scheme, geometry.head_dim)))
-    if int8_model is not None:
-        model.manifest.check_compatible(int8_model.manifest, "--int8-model", cache_dtype=False)
-        cache = KVCache(int8_model.manifest.geometry, batch)
-        name = f"INT8 cache in memory (per-token, g{cache.geometry.group_size})"
-        candidates.append((name, int8_model.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
-    for other in weights_models:
-        model.manifest.check_compatible(other.manifest, "--weights-model", cache_dtype=False, weights=False)
-        cache = KVCache(other.manifest.geometry, batch)
-        name = f"{weights_label(other.manifest)}, {cache.geometry.dtype} cache"
-        candidates.append((name, other.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
+    candidates = _candidates(model, scales, schemes, batch, int8_model, weights_models)
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(
             "nothing to evaluate: give scales (--scales), an INT8 export (--int8-model), a "
@@ -183,6 +168,39 @@ def evaluate(
     if llama_cpp_gguf is not None:
         results.extend(llama_cpp_cache_quality(llama_cpp_gguf, sequences, threads))
     return results
+
+
+Candidate = tuple[str, OrtBackend, KVCache, float]  # name, backend, its cache, cache bytes / fp32's
+
+
+def _candidates(
+    model: Model,
+    scales: Scales | None,
+    schemes: tuple[Scheme, ...] | None,
+    batch: int,
+    int8_model: Model | None,
+    weights_models: tuple[Model, ...],
+) -> list[Candidate]:
+    """What `evaluate` compares with the fp32 model, each with a cache of `batch` slots: the
+    simulated schemes over `scales`, the real INT8 cache, the quantized-weight exports."""
+    geometry = model.manifest.geometry
+    candidates: list[Candidate] = []
+    if scales is not None:
+        for scheme in schemes or default_schemes(scales.manifest.group_size, geometry.head_dim):
+            cache = KVCache(geometry, batch)
+            cache.round_trip = RoundTrip(scheme, scales)
+            candidates.append((scheme.name, model.backend, cache, kv_bytes_ratio(scheme, geometry.head_dim)))
+    if int8_model is not None:
+        model.manifest.check_compatible(int8_model.manifest, "--int8-model", cache_dtype=False)
+        cache = KVCache(int8_model.manifest.geometry, batch)
+        name = f"INT8 cache in memory (per-token, g{cache.geometry.group_size})"
+        candidates.append((name, int8_model.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
+    for other in weights_models:
+        model.manifest.check_compatible(other.manifest, "--weights-model", cache_dtype=False, weights=False)
+        cache = KVCache(other.manifest.geometry, batch)
+        name = f"{weights_label(other.manifest)}, {cache.geometry.dtype} cache"
+        candidates.append((name, other.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
+    return candidates
 
 
 def quality(

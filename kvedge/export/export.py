@@ -174,58 +174,10 @@ def export_model(
     )
     spec = DecoderSpec.from_config(config)
     check_ring(geometry, options.variant)
-    rotary = model.model.rotary_emb
-    local_tables, local = None, None
-    if spec.local_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
-        local = rotary.sliding_attention_inv_freq.numpy()
-        local_scaling = float(rotary.sliding_attention_attention_scaling)
-        local_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
-        inv_freq = rotary.full_attention_inv_freq.numpy()
-        attention_scaling = float(rotary.full_attention_attention_scaling)
-    else:
-        # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
-        inv_freq = rotary.inv_freq.numpy()
-        attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-    if 2 * inv_freq.size != spec.rotary_dim:
-        raise KvedgeError(
-            f"the model rotates {2 * inv_freq.size} channels per head but its config says "
-            f"{spec.rotary_dim}; refusing to guess which"
-        )
-    frequencies = rotary_frequencies(inv_freq, spec.head_dim)
-    rope = rope_from_config(config, frequencies, attention_scaling, options.max_len, spec.unrotated_layers)
-    if local is not None:
-        rope = dataclasses.replace(
-            rope, local_layers=spec.local_layers, local_inv_freq=tuple(float(f) for f in local)
-        )
-    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
-    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    cos, sin, local_tables, rope = _rope(model, spec, geometry, options.max_len)
     names = IONames()
-    graph_options = options.graph_options()
-    _check_quantizable(spec, geometry, graph_options)
-    outliers = None
-    if graph_options.kept_channels:  # measured before the graph: its int8 kernel needs them
-        outliers = input_outliers(model, calibration_ids(tokenizer), graph_options.kept_channels)
-
-    with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
-        graph = build_decoder_graph(
-            spec,
-            geometry,
-            weights,
-            cos,
-            sin,
-            names,
-            graph_options,
-            progress=bar.update,
-            outliers=outliers,
-            local_tables=local_tables,
-        )
-    del weights, model
-    quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
-    if quant_error:
-        log.info(
-            "%s weights, block %d: max |w - w_hat| = %s", options.weights, options.block_size, quant_error
-        )
-
+    graph = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options)
+    del model  # its weights, before the files are written
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
     try:
@@ -267,6 +219,78 @@ def export_model(
     size = sum(f.stat().st_size for f in out.iterdir())
     log.info("wrote %s (%.1f MiB)", out, size / 2**20)
     return manifest
+
+
+def _rope(
+    model: Any, spec: DecoderSpec, geometry: CacheGeometry, max_len: int
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, RopeSpec]:
+    """The RoPE tables (cos, sin [max_len, d/2], and the sliding-window layers' own or None) and
+    the manifest's `RopeSpec`, from the model's rotary embedding."""
+    rotary = model.model.rotary_emb
+    local_tables, local = None, None
+    if spec.local_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
+        local = rotary.sliding_attention_inv_freq.numpy()
+        local_scaling = float(rotary.sliding_attention_attention_scaling)
+        local_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
+        inv_freq = rotary.full_attention_inv_freq.numpy()
+        attention_scaling = float(rotary.full_attention_attention_scaling)
+    else:
+        # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
+        inv_freq = rotary.inv_freq.numpy()
+        attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if 2 * inv_freq.size != spec.rotary_dim:
+        raise KvedgeError(
+            f"the model rotates {2 * inv_freq.size} channels per head but its config says "
+            f"{spec.rotary_dim}; refusing to guess which"
+        )
+    frequencies = rotary_frequencies(inv_freq, spec.head_dim)
+    rope = rope_from_config(model.config, frequencies, attention_scaling, max_len, spec.unrotated_layers)
+    if local is not None:
+        rope = dataclasses.replace(
+            rope, local_layers=spec.local_layers, local_inv_freq=tuple(float(f) for f in local)
+        )
+    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
+    return cos, sin, local_tables, rope
+
+
+def _graph(
+    model: Any,
+    tokenizer: Any,
+    spec: DecoderSpec,
+    geometry: CacheGeometry,
+    tables: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
+    names: IONames,
+    options: ExportOptions,
+) -> onnx.ModelProto:
+    """The decoder graph from the model's state dict, with a progress bar over its layers; the
+    outlier channels of quantized weights are measured first (its int8 kernel needs them)."""
+    cos, sin, local_tables = tables
+    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    graph_options = options.graph_options()
+    _check_quantizable(spec, geometry, graph_options)
+    outliers = None
+    if graph_options.kept_channels:  # measured before the graph: its int8 kernel needs them
+        outliers = input_outliers(model, calibration_ids(tokenizer), graph_options.kept_channels)
+
+    with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
+        graph = build_decoder_graph(
+            spec,
+            geometry,
+            weights,
+            cos,
+            sin,
+            names,
+            graph_options,
+            progress=bar.update,
+            outliers=outliers,
+            local_tables=local_tables,
+        )
+    quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
+    if quant_error:
+        log.info(
+            "%s weights, block %d: max |w - w_hat| = %s", options.weights, options.block_size, quant_error
+        )
+    return graph
 
 
 def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: GraphOptions) -> None:

@@ -186,16 +186,7 @@ def read_warm_file(
 ) -> WarmPrefix:
     """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`);
     raise ArtifactMismatch naming what is wrong."""
-    # Non-blocking, and checked on the open file itself: a FIFO or device swapped in after the
-    # folder scan neither blocks start-up nor is read.
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
-        status = os.fstat(handle.fileno())
-        if not stat.S_ISREG(status.st_mode):
-            raise ArtifactMismatch(f"{path.name}: not a regular file")
-        size = status.st_size
-        if size < _PREAMBLE.size + _DIGEST:
-            raise ArtifactMismatch(f"{path.name}: truncated ({size} bytes)")
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped, size = _map(path)
     magic, version, header_len = _PREAMBLE.unpack_from(mapped, 0)
     kind = Header(MAGIC.decode(), WARM_VERSION)
     check_header(path.name, Header(magic.decode("latin-1"), version), kind)
@@ -245,6 +236,30 @@ def read_warm_file(
             f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}"
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
         )
+    arrays = _arrays(mapped, geometry, start, count, held)
+    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+
+
+def _map(path: Path) -> tuple[mmap.mmap, int]:
+    """`path` mapped read-only, and its size; a file too short for a preamble and digest is refused."""
+    # Non-blocking, and checked on the open file itself: a FIFO or device swapped in after the
+    # folder scan neither blocks start-up nor is read.
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise ArtifactMismatch(f"{path.name}: not a regular file")
+        size = status.st_size
+        if size < _PREAMBLE.size + _DIGEST:
+            raise ArtifactMismatch(f"{path.name}: truncated ({size} bytes)")
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    return mapped, size
+
+
+def _arrays(
+    mapped: mmap.mmap, geometry: CacheGeometry, start: int, count: int, held: int
+) -> dict[str, np.ndarray]:
+    """The K/V (and ring, scales) arrays of a warm file's data, views of `mapped` from `start`:
+    each [layers, 2, kv_heads, tokens, head_dim or scale groups]."""
     g, offset = geometry, start
     arrays: dict[str, np.ndarray] = {}
     parts = [("kv", len(g.full_layers), count, g.head_dim, g.np_dtype)]
@@ -260,7 +275,7 @@ def read_warm_file(
             shape
         )
         offset += arrays[name].nbytes
-    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+    return arrays
 
 
 def _graph(fingerprint: str) -> str:

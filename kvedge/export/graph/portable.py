@@ -61,16 +61,32 @@ class PortableAttention:
         groups = heads // kv_heads
         self.half_split = g.ints(d // 2, d // 2)
 
-        # RoPE angles, shared by all layers (ring layers: by all ring layers).
-        self.cos4, self.sin4 = position_angles(
-            g, names.position_ids, cos_table, sin_table, "rope"
-        )  # [b, 1, s, d/2] each
+        # RoPE angles [b, 1, s, d/2] each, shared by all layers (ring layers: by all ring layers).
+        self.cos4, self.sin4 = position_angles(g, names.position_ids, cos_table, sin_table, "rope")
 
         # A = longest valid past in the batch: attention reads slots [0, A) only.
         self.attend = longest = g.reduce("ReduceMax", names.past_lengths, 0, "attn.attend_len")  # [1]
         self.codec = Int8Codec(g, kv_heads, d, kv_group_size, longest) if kv_group_size else None
-        self.neg_inf = neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
-        self.zero_f = zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
+        self.neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
+        self.zero_f = g.const("const.zero_f", np.array(0.0, np.float32))
+        self.mask, lengths, rows, new_idx = self._mask(length, b_dim, s_dim, groups)  # [b, 1, g*s, A+s]
+        self.split_as = g.op("Concat", [longest, s_dim], "attn.split_as", axis=0)
+        self.ring = None
+        if ring is not None:
+            self.ring = self._ring(ring, lengths, rows, new_idx, b_dim, s_dim, groups, kv_group_size)
+        self.q_shape = g.ints(0, 0, heads, d)
+        self.kv_shape = g.ints(0, 0, kv_heads, d)
+        self.grouped = g.ints(0, kv_heads, -1, d)
+        self.per_head = g.ints(0, heads, -1, d)
+        self.merged = g.ints(0, 0, heads * d)
+        self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
+
+    def _mask(self, length: int, b_dim: str, s_dim: str, groups: int) -> tuple[str, str, str, str]:
+        """The full layers' mask [b, 1, g*s, A+s], shared by them: slot j of row b visible iff
+        j < past_lengths[b], new token k to new token i iff k <= i; with the tensors the ring mask
+        reuses (lengths [b, 1], rows [s, 1], new_idx [s])."""
+        g, names, longest = self.g, self.names, self.attend
+        zero_f, neg_inf = self.zero_f, self.neg_inf
         slots = g.op(
             "Slice",
             [
@@ -111,17 +127,8 @@ class PortableAttention:
             "mask.bs",
             axis=-1,
         )  # [b, 1, s, A+s]
-        self.mask = g.op("Tile", [mask, g.ints(1, 1, groups, 1)], "mask")  # [b, 1, g*s, A+s]
-        self.split_as = g.op("Concat", [longest, s_dim], "attn.split_as", axis=0)
-        self.ring = None
-        if ring is not None:
-            self.ring = self._ring(ring, lengths, rows, new_idx, b_dim, s_dim, groups, kv_group_size)
-        self.q_shape = g.ints(0, 0, heads, d)
-        self.kv_shape = g.ints(0, 0, kv_heads, d)
-        self.grouped = g.ints(0, kv_heads, -1, d)
-        self.per_head = g.ints(0, heads, -1, d)
-        self.merged = g.ints(0, 0, heads * d)
-        self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
+        mask = g.op("Tile", [mask, g.ints(1, 1, groups, 1)], "mask")  # [b, 1, g*s, A+s]
+        return mask, lengths, rows, new_idx
 
     def _ring(
         self, spec: RingSpec, lengths, rows, new_idx, b_dim, s_dim, groups, kv_group_size
