@@ -8,12 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kvedge.contract import (
-    KVEDGE_OPS_DOMAIN,
-    GraphInterface,
-    TensorSpec,
-    kvedge_ops,
-)
+from kvedge.contract import KVEDGE_OPS_DOMAIN, GraphInterface, TensorSpec, kvedge_ops
 from kvedge.export.graph.builder import Builder
 from kvedge.export.graph.options import MS_DOMAIN, GraphOptions
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from kvedge.contract import (
-    INT8_ATTENTION_OP,
-    KVEDGE_OPS_DOMAIN,
-)
+from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN
 from kvedge.export.graph.options import MS_DOMAIN
 
 

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvedge.contract import (
-    KVEDGE_OPS_DOMAIN,
-    QUANT_MATMUL_OP,
-    SIDE_INPUTS_OP,
-)
+from kvedge.contract import KVEDGE_OPS_DOMAIN, QUANT_MATMUL_OP, SIDE_INPUTS_OP
 from kvedge.export.graph.builder import Builder
 from kvedge.export.quantize import (
     EXPORT_GRIDS,

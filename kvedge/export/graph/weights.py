@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvedge.contract import (
-    CacheGeometry,
-)
+from kvedge.contract import CacheGeometry
 from kvedge.export.graph.options import DecoderSpec
 from kvedge.export.graph.rope import rotary_order
 
