@@ -2,7 +2,7 @@
 
 Every `bench/results/<folder>` the page names exists with its JSON and is named
 <YYYY-MM-DD>-<commit>-<what> (`kvedge.bench.results`; a "-dirty" run names no commit, so it is
-not citable). A table whose first header is "system", "kvedge vs" or "mode" holds figures: its
+not citable). A table whose first header is one of KINDS holds figures: its
 source is the last results folder named between the heading above it and the table, and every
 cell is checked against that folder's JSON:
 
@@ -11,6 +11,7 @@ cell is checked against that folder's JSON:
     kvedge vs   speed-ups, rows "A vs B", recomputed from the JSON's per-round times with
                 `kvedge.bench.report.speedup` (what the bench's targets use)
     mode        bench/serve.py's JSON: rows are its modes ("batched", "one at a time")
+    batch       bench/serve.py's JSON: the cost of one decode call over that many rows
 
 A cell matches when the JSON's value, rounded to the cell's decimals, gives the cell; "-" and a
 cell in parentheses ("(reference)") are not figures.
@@ -35,6 +36,7 @@ DOC = ROOT / "docs" / "PERFORMANCE.md"
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
 CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
+KINDS = ("system", "kvedge vs", "mode", "batch")
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
 
 
@@ -71,6 +73,9 @@ def figure(data: dict, kind: str, header: str, row: str) -> float:
         return ratio
     if kind == "mode":
         return SERVE_COLUMNS[header](data, row)
+    if kind == "batch":
+        assert header == "ms per decode call", f"'batch' column {header!r}: expected 'ms per decode call'"
+        return 1000 * data["decode_call_s"][row]
     if decode:
         return data["decode"][row][decode[1]]
     if match := re.fullmatch(r"prefill (\d+) tok/s", header):
@@ -152,7 +157,7 @@ def test_every_cited_results_folder_is_committed_and_named_by_date_and_commit():
 
 
 def test_every_table_figure_is_in_its_results_folder():
-    checked = [t for t in tables(DOC.read_text()) if t.header[0] in ("system", "kvedge vs", "mode")]
+    checked = [t for t in tables(DOC.read_text()) if t.header[0] in KINDS]
     assert len(checked) >= 5, "the decode, prefill, memory, quality and threads tables"
     wrong = [f"line {t.line}: {w}" for t in checked for w in check_table(t)]
     assert not wrong, "figures that differ from their results folder:\n" + "\n".join(wrong)
