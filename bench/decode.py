@@ -2,7 +2,8 @@
 
     python bench/decode.py [--threads 1] [--quick] ...
 
-Results go to bench/results/ (bench.json, bench.png); docs/PERFORMANCE.md explains them.
+Results go to a new bench/results/<date>-<commit>-<device>-t<threads>/ (bench.json, bench.png);
+docs/PERFORMANCE.md explains them.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
 #!/usr/bin/env bash
-# The device check (`make device-test`): on an x86-64 machine with an NVIDIA GPU, the CUDA 13
-# driver, cuBLAS and cuDNN 9 for CUDA 13 (see ../shared/FINDINGS.md; NVIDIA's pip packages of
-# them will do: onnxruntime preloads them), cuda-python, and no onnxruntime-gpu:
+# The device check (`make device-test`; what a GPU machine needs: docs/JETSON.md "Proving it on
+# your device"). On an x86-64 Linux machine with an NVIDIA GPU, the CUDA 13 driver, cuBLAS and
+# cuDNN 9 for CUDA 13 (NVIDIA's pip packages of them will do: onnxruntime preloads them),
+# cuda-python of the driver's CUDA major, and no onnxruntime-gpu:
 #   1. join wheels/onnxruntime_gpu-1.31.1-<python tag>-...whl.part-* (made by
 #      device_tests/split_wheel.sh), check its sha256 (device_tests/onnxruntime_gpu.sha256), and
-#      install it in place of the CPU onnxruntime, without dependencies (the machine has CUDA 13;
-#      it may have no network); install wheels/*.whl of kvedge's dependencies that do not import;
+#      install it in place of the CPU onnxruntime, without dependencies (the machine may have no
+#      network); install wheels/*.whl of kvedge's dependencies that do not import;
 #   2. run device_tests/ (for the portable and the `--variant ort --kv-dtype float16` exports:
 #      the CUDA binding, CUDA vs CPU logits within 1e-3 (float16 cache: its bound), cache on = off,
 #      decode time at context 1536 vs 64 with and without a CUDA graph, GPU memory vs the
 #      planner, models opened and closed in turn, the cache read from mapped vs device memory
 #      at 64 / 1536 tokens (test_pool_placement.py); TensorRT tests where TensorRT is present);
 #   3. write the JSON report to ${KVEDGE_DEVICE_REPORT:-device_report.json}.
-# On a Jetson (JetPack 6.2 or 7.2), with kvedge, NVIDIA's Jetson onnxruntime-gpu (>= 1.20) and the
-# cuda-python of the device's CUDA major installed (docs/JETSON.md), step 1 is skipped: the same
-# script runs the same tests (memory figures there come from cudaMemGetInfo: one DRAM, all of it).
-#
-# On a lent device machine (/work/.library/device/README.md: at most 64 MiB carried per call,
-# the machine stays warm 30 s after a call, ignored files carried earlier stay there), with
-# wheels/ prepared here by `PYVER=3.12 device_tests/split_wheel.sh`: one quick call per part,
-# back to back, each carrying that part alone (carry ["wheels/<wheel>.part-00"], command
-# `true`), then one call carrying the dependency wheels that runs
-#   KVEDGE_DEVICE_REPORT=$OUT/device_report.json device_tests/run.sh
+# Where onnxruntime already lists CUDAExecutionProvider (a Jetson with kvedge, NVIDIA's Jetson
+# onnxruntime-gpu >= 1.20 and cuda-python of the device's CUDA major: docs/JETSON.md), step 1 is
+# skipped and the same tests run (memory figures there come from cudaMemGetInfo: one DRAM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}

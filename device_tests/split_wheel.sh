@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Prepare wheels/ for a device machine that cannot reach PyPI, for its Python (PYVER, default
-# 3.12: the lent H200's python3; 3.11 for a .venv like this one's):
-#   - onnxruntime-gpu 1.31.1 (255 MB, built for CUDA 13) as parts of 55 MiB, small enough to
-#     carry one per call (a call carries at most 64 MiB); device_tests/run.sh joins them and
-#     checks the whole wheel's sha256 (device_tests/onnxruntime_gpu.sha256) before installing;
+# Prepare wheels/ for a GPU machine that cannot reach PyPI (docs/JETSON.md "Proving it on your
+# device"), for that machine's Python (PYVER, default 3.12):
+#   - onnxruntime-gpu 1.31.1 (255 MB, built for CUDA 13) as parts of 55 MiB, for a transfer that
+#     limits the size of what it carries; device_tests/run.sh joins them and checks the whole
+#     wheel's sha256 (device_tests/onnxruntime_gpu.sha256) before installing;
 #   - kvedge's runtime dependencies that such a machine may lack (llguidance, msgspec, at the
 #     versions of constraints.txt), whole; run.sh installs them where they do not import.
-# Run on a machine that reaches PyPI.
+# Run on a machine that reaches PyPI, then copy the repository with wheels/ to the GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}

@@ -830,9 +830,9 @@ def eval_kv(
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
-    default=Path("bench/results"),
-    show_default=True,
-    help="Where bench.json and bench.png go.",
+    default=None,
+    help="Where bench.json and bench.png go [default: a new "
+    "bench/results/<date>-<commit>-<device>-t<threads>; bench/results/scratch/ is git-ignored].",
 )
 @click.option(
     "--work",
@@ -885,7 +885,7 @@ def eval_kv(
 @click.option("--no-warm", is_flag=True, help="Same as --warm none.")
 @user_errors
 def bench(
-    out: Path,
+    out: Path | None,
     work: Path,
     source: str | None,
     threads: tuple[int, ...],

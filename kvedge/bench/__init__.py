@@ -35,7 +35,8 @@ says why); targets, quality, warm prefixes, memory and
 allocation are judged at the first count, the others are reported against it.
 
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
-table; see docs/PERFORMANCE.md for the latest figures.
+table; <out> defaults to a new bench/results/<date>-<commit>-<what> (`kvedge.bench.results`);
+see docs/PERFORMANCE.md for the latest figures.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import numpy as np
 from kvedge.bench import measure
 from kvedge.bench.prepare import KvedgeBuild, Workdir
 from kvedge.bench.report import evaluate_targets, plot, table
+from kvedge.bench.results import code_revision, results_folder
 from kvedge.bench.systems import ChildSystem, System, SystemCrashed, SystemSpec
 from kvedge.bench.warm import measure_warm
 from kvedge.contract import ONNX_FILE, Manifest
@@ -112,7 +114,7 @@ QUALITY_PROMPTS = (
 
 @dataclass(frozen=True)
 class BenchConfig:
-    out: Path = Path("bench/results")
+    out: Path | None = None  # None: a new bench/results/<date>-<commit>-<what> (`results_folder`)
     work: Path = Path("artifacts/bench")
     source: str | None = None  # HF folder or GGUF; default: SmolLM2-135M-Instruct GGUF
     threads: int | tuple[int, ...] = 0  # per system, 0: all cores; several: each count side by side
@@ -161,6 +163,8 @@ class BenchConfig:
             raise KvedgeError(
                 f"decode at context {longest} + {self.steps} steps does not fit max_len {MAX_LEN}"
             )
+        if self.out is None:  # frozen: the one place the default is filled in
+            object.__setattr__(self, "out", results_folder(self.device, self.thread_counts))
 
     @property
     def thread_counts(self) -> tuple[int, ...]:
@@ -479,8 +483,8 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                     device=config.device,
                 )
             )
-    geometry = Manifest.load(specs[0].path).geometry
-    fp32_kv = geometry.bytes_per_token()
+    geometry = Manifest.load(specs[0].path).geometry  # the first system's cache may be INT8
+    fp32_kv = dataclasses.replace(geometry, dtype="float32", group_size=0).bytes_per_token()
     if "transformers" in config.peers:
         hf = work.hf_folder()
         specs.append(
@@ -677,6 +681,7 @@ def _machine(threads: int, bandwidth: float) -> dict[str, Any]:
         pass
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "code": code_revision(),  # the commit the results folder is named by
         "cpu": cpu,
         "cpu_flags": cpu_flags(cpuinfo),
         "cores": os.cpu_count(),

@@ -1,0 +1,173 @@
+"""docs/PERFORMANCE.md's figures come from results folders committed in the repository.
+
+Every `bench/results/<folder>` the page names exists with its JSON and is named
+<YYYY-MM-DD>-<commit>-<what> (`kvedge.bench.results`; a "-dirty" run names no commit, so it is
+not citable). A table whose first header is one of KINDS holds figures: its
+source is the last results folder named between the heading above it and the table, and every
+cell is checked against that folder's JSON:
+
+    system      `kvedge bench` figures: rows are system names as the JSON spells them, columns
+                one of COLUMNS' headers
+    kvedge vs   speed-ups, rows "A vs B", recomputed from the JSON's per-round times with
+                `kvedge.bench.report.speedup` (what the bench's targets use)
+    mode        bench/serve.py's JSON: rows are its modes ("batched", "one at a time")
+    batch       bench/serve.py's JSON: the cost of one decode call over that many rows
+
+A cell matches when the JSON's value, rounded to the cell's decimals, gives the cell; "-" and a
+cell in parentheses ("(reference)") are not figures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvedge.bench.report import speedup
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "PERFORMANCE.md"
+FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
+CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
+NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
+KINDS = ("system", "kvedge vs", "mode", "batch")
+NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
+
+
+def _system(data: dict, row: str) -> dict:
+    return next(s for s in data["systems"] if s["name"] == row)
+
+
+# header -> value of (the JSON, the row's label) for "system" tables
+COLUMNS: dict[str, Callable[[dict, str], float]] = {
+    "peak RSS MiB": lambda d, r: d["memory"][r],
+    "weights MB/token": lambda d, r: _system(d, r)["weight_bytes_per_token"] / 1e6,
+    "KV KB/token": lambda d, r: _system(d, r)["kv_bytes_per_token"] / 1e3,
+    "RSS growth MiB": lambda d, r: d["allocation"][r]["rss_growth_mib"],
+    "heap growth KiB": lambda d, r: d["allocation"][r]["heap_growth_kib"],
+    "KL vs float32": lambda d, r: d["quality"][r]["mean_kl"],
+    "top-1": lambda d, r: 100 * d["quality"][r]["top1_agreement"],
+}
+SERVE_COLUMNS: dict[str, Callable[[dict, str], float]] = {
+    "1 stream alone tok/s": lambda d, r: d[r]["alone_tokens_per_s"],
+    "streams together tok/s": lambda d, r: d[r]["together_tokens_per_s"],
+    "TTFT together ms": lambda d, r: 1000 * d[r]["together_ttft_s"],
+}
+
+
+def figure(data: dict, kind: str, header: str, row: str) -> float:
+    """The JSON's value for one table cell."""
+    decode, prefill = re.fullmatch(r"@(\d+)", header), re.fullmatch(r"prefill (\d+)", header)
+    if kind == "kvedge vs":
+        a, b = row.split(" vs ")
+        case = f"decode:{decode[1]}" if decode else f"prefill:{prefill[1]}" if prefill else None
+        assert case, f"'kvedge vs' column {header!r}: expected '@<context>' or 'prefill <length>'"
+        ratio = speedup(SimpleNamespace(rounds=data["rounds"]), a, b, case)
+        assert ratio is not None, f"no per-round times for {row!r} at {case}"
+        return ratio
+    if kind == "mode":
+        return SERVE_COLUMNS[header](data, row)
+    if kind == "batch":
+        assert header == "ms per decode call", f"'batch' column {header!r}: expected 'ms per decode call'"
+        return 1000 * data["decode_call_s"][row]
+    if decode:
+        return data["decode"][row][decode[1]]
+    if match := re.fullmatch(r"prefill (\d+) tok/s", header):
+        return data["prefill"][row][match[1]]["tokens_per_s"]
+    if match := re.fullmatch(r"TTFT (\d+) ms", header):
+        return data["prefill"][row][match[1]]["ttft_ms"]
+    assert header in COLUMNS, f"column {header!r} has no JSON figure; known: {sorted(COLUMNS)}"
+    return COLUMNS[header](data, row)
+
+
+@dataclass
+class Table:
+    line: int  # 1-based line of its header row in the doc
+    source: str | None  # the results folder it cites
+    header: list[str]
+    rows: list[list[str]]
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip().replace("**", "") for cell in line.strip().strip("|").split("|")]
+
+
+def tables(text: str) -> Iterator[Table]:
+    """Every markdown table of `text`, with the last results folder named since the heading above."""
+    lines, source, i = text.splitlines(), None, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            source = None
+        elif line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            table = Table(i + 1, source, _cells(line), [])
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                table.rows.append(_cells(lines[i]))
+                i += 1
+            yield table
+            continue
+        else:
+            found = FOLDER.findall(line)
+            source = found[-1] if found else source
+        i += 1
+
+
+def results_json(folder: str) -> dict[str, Any]:
+    path = ROOT / "bench" / "results" / folder
+    files = sorted(path.glob("*.json"))
+    assert len(files) == 1, f"bench/results/{folder}: expected one JSON file, found {files}"
+    return json.loads(files[0].read_text())
+
+
+def check_table(table: Table) -> list[str]:
+    """The cells of a figures table that its source's JSON does not give."""
+    kind = table.header[0]
+    assert table.source, f"line {table.line}: a {kind!r} table names no results folder above it"
+    data = results_json(table.source)
+    wrong = []
+    for row in table.rows:
+        for header, cell in zip(table.header[1:], row[1:], strict=True):
+            if cell == "-" or cell.startswith("("):
+                continue
+            number = NUMBER.fullmatch(cell)
+            assert number, f"line {table.line}, {row[0]!r}, {header!r}: {cell!r} is not a figure"
+            decimals = len(number[1] or "")
+            value = figure(data, kind, header, row[0])
+            if abs(value - float(cell.rstrip("%"))) > 0.5 * 10**-decimals + 1e-9:
+                wrong.append(f"{row[0]!r} {header!r}: doc {cell}, {table.source} {value:.{decimals + 2}f}")
+    return wrong
+
+
+def test_every_cited_results_folder_is_committed_and_named_by_date_and_commit():
+    cited = set(FOLDER.findall(DOC.read_text())) - NOT_CITED
+    assert cited, "docs/PERFORMANCE.md names no results folder"
+    for folder in sorted(cited):
+        name = CITABLE.fullmatch(folder)
+        assert name, f"bench/results/{folder}: not <YYYY-MM-DD>-<commit>-<what> (without -dirty)"
+        data = results_json(folder)
+        if "machine" in data:  # a `kvedge bench` run records when it ran
+            assert data["machine"]["date"].startswith(name[1]), (folder, data["machine"]["date"])
+
+
+def test_every_table_figure_is_in_its_results_folder():
+    checked = [t for t in tables(DOC.read_text()) if t.header[0] in KINDS]
+    assert len(checked) >= 5, "the decode, prefill, memory, quality and threads tables"
+    wrong = [f"line {t.line}: {w}" for t in checked for w in check_table(t)]
+    assert not wrong, "figures that differ from their results folder:\n" + "\n".join(wrong)
+
+
+def test_a_wrong_figure_or_a_missing_source_is_caught():
+    doc = DOC.read_text()
+    decode = next(t for t in tables(doc) if t.header[1:3] == ["@64", "@512"] and t.header[0] == "system")
+    assert not check_table(decode)
+    decode.rows[0][1] = f"{float(decode.rows[0][1]) + 0.1:.1f}"
+    assert check_table(decode) and "'@64'" in check_table(decode)[0]
+    with pytest.raises(AssertionError, match="names no results folder"):
+        check_table(Table(1, None, ["system", "@64"], [["kvedge portable float32", "17.2"]]))
