@@ -221,7 +221,7 @@ def test_gpu_memory_vs_the_planner(exported, record):
     gpu = Model(exported, device="cuda")
     prefill(gpu.backend, gpu.cache, 0, [_ids(1536, seed=3)])
     used = _gpu_used_bytes() - before
-    planned = check_fits(exported, 1, 1 << 40, backend="cuda").total
+    planned = check_fits(exported, 1, 1 << 40, device="cuda").total
     name = _name(exported)
     record(f"{name}.cuda_gpu_memory_used_bytes", used)
     record(f"{name}.cuda_mapped_host_bytes", gpu.backend.host.nbytes)

@@ -94,6 +94,14 @@ def or_old_spelling(ctx: click.Context, param: click.Parameter, value: Any) -> A
     return value
 
 
+def required_or_old_spelling(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """`or_old_spelling` for a required option (click's `required` would refuse the old spelling)."""
+    value = or_old_spelling(ctx, param, value)
+    if value is None:
+        raise click.MissingParameter(ctx=ctx, param=param)
+    return value
+
+
 model_option = click.option(
     "--model",
     "model_dir",
@@ -501,12 +509,14 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
 @main.command("warm-prefixes")
 @model_option
 @click.option(
-    "--config",
+    "--warm-prefixes",
     "config_path",
-    required=True,
+    default=None,
     type=click.Path(path_type=Path),
-    help="Warm-prefix YAML (configs/warmup/).",
+    callback=required_or_old_spelling,
+    help="Warm-prefix YAML (configs/warmup/), as in generate and serve.",
 )
+@old_spelling("--config", "--warm-prefixes", "config_path", type=click.Path(path_type=Path))
 @click.option(
     "--warm-dir", required=True, type=click.Path(path_type=Path), help="Folder for the warm prefix files."
 )
@@ -615,41 +625,100 @@ def info(model_dir: Path, as_json: bool) -> None:
         click.echo(f"{key:>12}  {value}")
 
 
+def _plan_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--device is where the model runs, as elsewhere; a device profile given as --device (its
+    meaning in `plan` before 0.x) still works, with a warning naming --profile."""
+    if value is None or value in DEVICES:
+        return value
+    from kvedge.configs import DEVICES_DIR, available
+
+    if value in available(DEVICES_DIR) or value.endswith((".yaml", ".yml")):
+        log.warning("--device %s (a device profile) is deprecated; use --profile %s", value, value)
+        ctx.meta[("old spelling", "profile")] = value
+        return None
+    raise click.BadParameter(
+        f"{value!r} is not allowed; allowed: {', '.join(DEVICES)} (a device profile is --profile NAME)"
+    )
+
+
+def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--backend, the former name of plan's --device; its "gpu" is now cuda (the same overheads)."""
+    if value is not None:
+        log.warning("--backend is deprecated; use --device")
+        ctx.meta[("old spelling", "device")] = "cuda" if value == "gpu" else value
+
+
 @main.command()
 @click.argument("model")
 @click.option(
+    "--profile",
+    default=None,
+    callback=or_old_spelling,
+    help="Device profile (configs/devices name or YAML path) whose memory is the budget; "
+    "default: this machine's free memory.",
+)
+@click.option(
+    "--memory-budget",
+    "budget",
+    default=None,
+    callback=or_old_spelling,
+    help="Bytes the model may use instead of a profile's, e.g. 6GiB (the service's memory_budget).",
+)
+@old_spelling("--budget", "--memory-budget", "budget")
+@click.option(
+    "--reserve", default=None, help="Bytes kept for the OS (default: 1.5GiB with --profile, else 0)."
+)
+@click.option(
     "--device",
     default=None,
-    help="Device profile (configs/devices name or YAML path); default: this machine.",
-)
-@click.option("--budget", default=None, help="A byte budget instead of a device, e.g. 6GiB.")
-@click.option(
-    "--reserve", default=None, help="Bytes kept for the OS (default: 1.5GiB with --device, else 0)."
+    callback=_plan_device,
+    help="Where the model runs, as in generate/serve: cpu, cuda or tensorrt (default: cuda with "
+    "--profile, else cpu).",
 )
 @click.option(
     "--backend",
+    hidden=True,
+    expose_value=False,
     type=click.Choice(["cpu", "gpu", "cuda", "tensorrt"]),
-    default=None,
-    help="Overheads of the backend `--device` picks elsewhere: cpu, or cuda / tensorrt (= gpu; "
-    "default with --device).",
+    callback=_plan_backend,
 )
 @click.option(
     "--kv-dtype", "kv_dtypes", multiple=True, help="Cache dtype, repeatable (default: the model's)."
 )
 @click.option(
-    "--weights-dtype",
+    "--weights",
+    type=click.Choice(list(WEIGHT_FORMATS)),
     default=None,
-    help="Recipes only: float32 or float16 (--precision float16 halves them).",
+    callback=or_old_spelling,
+    help="Recipes only: the weight form an export would make (default: the recipe's); "
+    "--variant, --block-size, --outlier-channels, --head-bits and --decode-matmuls as in export.",
 )
+@old_spelling("--weights-dtype", "--weights", "weights", type=click.Choice(list(WEIGHT_FORMATS)))
+@click.option("--variant", type=click.Choice(sorted(VARIANTS)), default=None, help="As in export.")
+@click.option("--block-size", type=int, default=None, help="As in export.")
+@click.option("--outlier-channels", type=int, default=None, help="As in export.")
+@click.option("--head-bits", type=int, default=None, help="As in export.")
+@click.option("--decode-matmuls", type=click.Choice(DECODE_MATMULS), default=None, help="As in export.")
 @click.option("--slots", default=None, help="Slot counts, e.g. 1,2,4 (default 1,2,4,8,16).")
-@click.option("--context", "contexts", default=None, help="Context lengths, e.g. 1024,2048.")
+@click.option(
+    "--max-len",
+    "max_lens",
+    default=None,
+    callback=or_old_spelling,
+    help="Cache lengths (tokens per slot) to plan, e.g. 1024,2048 (export's --max-len).",
+)
+@old_spelling("--context", "--max-len", "max_lens")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @user_errors
-def plan(model: str, **kwargs: Any) -> None:
-    """Which slots x context combinations of MODEL (export folder or recipe) fit in memory."""
-    from kvedge.planner import plan_report
+def plan(model: str, profile: str | None, device: str | None, **kwargs: Any) -> None:
+    """Which slots x max_len combinations of MODEL (export folder or recipe) fit in memory, and
+    when none does, the smallest change that would."""
+    from kvedge.planner import plan_report, weight_form
 
-    click.echo(plan_report(model, **kwargs))
+    device = device or click.get_current_context().meta.get(("old spelling", "device"))  # --backend
+    form_keys = ("weights", "variant", "block_size", "outlier_channels", "head_bits", "decode_matmuls")
+    form = weight_form({k: kwargs.pop(k) for k in form_keys})
+    click.echo(plan_report(model, profile=profile, device=device, form=form, **kwargs))
 
 
 @main.command()
@@ -674,12 +743,15 @@ def doctor(as_json: bool) -> None:
     "--method", type=click.Choice(["minmax", "percentile", "mse"]), default="mse", show_default=True
 )
 @click.option(
-    "--group-size",
+    "--kv-group-size",
+    "group_size",
     default="32",
     show_default=True,
     type=click.Choice(["16", "32", "64", "128"]),
-    help="Channels per scale; the export's --kv-group-size default is 32 too.",
+    callback=or_old_spelling,
+    help="Channels per scale, as export's --kv-group-size.",
 )
+@old_spelling("--group-size", "--kv-group-size", "group_size", type=click.Choice(["16", "32", "64", "128"]))
 @click.option("--percentile", default=99.99, show_default=True, type=float)
 @click.option("--force", is_flag=True, help="Overwrite existing scales.")
 @user_errors
@@ -765,8 +837,14 @@ def calibrate(
     "--tokens", default=256, show_default=True, type=int, help="Teacher-forced continuation length."
 )
 @click.option(
-    "--json", "json_path", default=None, type=click.Path(path_type=Path), help="Also write results here."
+    "--out",
+    "json_path",
+    default=None,
+    type=click.Path(path_type=Path),
+    callback=or_old_spelling,
+    help="Also write the results here (JSON).",
 )
+@old_spelling("--json", "--out", "json_path", type=click.Path(path_type=Path))
 @user_errors
 def eval_kv(
     model_dir: Path,

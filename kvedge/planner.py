@@ -4,8 +4,20 @@ The estimate, per (slots, context, kv dtype)::
 
     total = weights + load + kv + activations + runtime
 
-weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: param_count x bytes
-             per parameter of `export.weights_dtype`.
+weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: what `kvedge export`
+             writes for the weight form (`WeightForm`: --weights, --variant, --block-size,
+             --outlier-channels, --head-bits, --decode-matmuls). float32/float16: param_count x 4/2.
+             int8/int4 (`kvedge/export/quantize.py`, `graph.py`): each projection [K, N] (fused
+             QKV, O, fused gate/up, down, and the LM head at its head bits) stores its codes
+             (K N bits/8), a float scale per block of `block_size` rows (K/bs x N), the second
+             product's rows (block offsets, assumed present, + the kept channels: (K/bs + kept) x
+             N floats) and its side inputs (portable: the [K, K/bs + kept] 0/1 matrix and the
+             mask; ort: the kept indices); with `--variant ort` and kvedge's decode matmuls the
+             graph holds the decode form too: the codes again with float16 scales and minimums
+             and float16 kept rows. Everything else (the embedding table, which stays float32
+             even with a tied quantized head, norms, biases) is param_count less the
+             projections, 4 bytes each. Checked against real exports (tests/test_planner.py):
+             within 1% + 64 KiB (the graph's own bytes and RoPE tables are not counted).
 load         what the backend holds beyond the weight bytes. onnxruntime 1.32 CPU: SmolLM2-135M's
              514 MiB float32 graph left the process 757-789 MiB larger after session creation
              (prepacked MatMul weights; two runs), so 0.6 x weights. GPU backends (onnxruntime CUDA,
@@ -35,6 +47,12 @@ runtime      Python + numpy + onnxruntime + tokenizer: 96 MiB (measured 70-75 Mi
 Checked (cpu preset): SmolLM2-135M float32, max_len 2048, 1/2/4/8 slots each prefilled with 600
 tokens then decoding: measured peak RSS 1078/1178/1424/1718 MiB, planned 1202/1292/1472/1832.
 
+What fits instead: when no cell of a plan fits, `what_fits` tries the smallest change, in this
+order: fewer options changed first; one change in the order cache dtype (float16, then int8),
+weights (float16, int8, int4: least quantization first; recipes only, an export's weights are its
+files) and a shorter context; then weights with cache dtype; then both with a shorter context.
+The first that fits at 1 slot is shown with its own table.
+
 Budgets: a device profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
 (1.5 GiB by default, an estimate for a headless L4T; a desktop session needs about 1 GiB
 more), or the live machine's MemAvailable from /proc/meminfo. On Jetson's unified memory that
@@ -47,12 +65,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kvedge.configs import WEIGHT_BYTES, DeviceProfile, ModelRecipe, load_device, load_recipe
-from kvedge.contract import KV_DTYPES, MANIFEST_FILE, ONNX_FILE, PREFILL_CHUNK, CacheGeometry, Manifest
+from kvedge.configs import Architecture, DeviceProfile, ModelRecipe, load_device, load_recipe
+from kvedge.contract import (
+    DECODE_MATMULS,
+    KV_DTYPES,
+    MANIFEST_FILE,
+    ONNX_FILE,
+    PREFILL_CHUNK,
+    VARIANTS,
+    WEIGHT_FORMATS,
+    CacheGeometry,
+    Manifest,
+)
+from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -61,6 +91,7 @@ SCORE_BUFFERS, MLP_BUFFERS, HIDDEN_BUFFERS, PRESENT_COPIES = 8, 3, 4, 2  # see t
 DEVICE_RESERVE = 1536 * MiB
 DEFAULT_SLOTS = (1, 2, 4, 8, 16)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+MIN_CONTEXT = 16  # the shortest cache an export takes (configs.ExportSettings.max_len)
 
 
 @dataclass(frozen=True)
@@ -73,13 +104,94 @@ class Overheads:
 
 
 _GPU = Overheads(96 * MiB + GiB, 1.0, "CUDA/TensorRT on unified memory, assumed, not measured")
-# by backend: "cpu", "gpu", or a `--device` name (cpu, cuda, tensorrt)
-OVERHEADS = {
-    "cpu": Overheads(96 * MiB, 0.6, "onnxruntime CPU, measured"),
-    "gpu": _GPU,
-    "cuda": _GPU,
-    "tensorrt": _GPU,
-}
+# by `--device` (contract.engine.DEVICES): where the model runs
+_CPU = Overheads(96 * MiB, 0.6, "onnxruntime CPU, measured")
+OVERHEADS = {device: _CPU if device == "cpu" else _GPU for device in DEVICES}
+# `kvedge export`'s defaults for quantized weights (kvedge/export/quantize.py, GraphOptions; that
+# module needs onnx, which the runtime-only install lacks: tests/test_planner.py checks they agree)
+OUTLIER_CHANNELS, HEAD_MIN_BITS, DEFAULT_BLOCK = 32, 8, 32
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """How `kvedge export` stores the weights: its options that set their bytes (same names)."""
+
+    weights: str = "float32"  # WEIGHT_FORMATS
+    variant: str = "portable"  # VARIANTS
+    block_size: int = DEFAULT_BLOCK
+    outlier_channels: int | None = None  # None: OUTLIER_CHANNELS for int8/int4
+    head_bits: int | None = None  # None: the weights' bits, at least 8 in ort graphs
+    decode_matmuls: str | None = None  # DECODE_MATMULS; None: kvedge in ort int8/int4 graphs
+
+    def __post_init__(self) -> None:
+        for flag, value, allowed in (
+            ("--weights", self.weights, list(WEIGHT_FORMATS)),
+            ("--variant", self.variant, list(VARIANTS)),
+            ("--decode-matmuls", self.decode_matmuls, [None, *DECODE_MATMULS]),
+        ):
+            if value not in allowed:
+                shown = ", ".join(str(a) for a in allowed if a is not None)
+                raise KvedgeError(f"{flag} {value!r} is not allowed; allowed: {shown}")
+
+    @property
+    def bits(self) -> int:
+        return WEIGHT_FORMATS[self.weights]
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def lm_head_bits(self) -> int:
+        if self.head_bits is not None:
+            return self.head_bits
+        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
+
+    @property
+    def kept(self) -> int:
+        if not self.quantized:
+            return 0
+        return OUTLIER_CHANNELS if self.outlier_channels is None else self.outlier_channels
+
+    @property
+    def two_forms(self) -> bool:
+        """The graph also holds the decode form (kvedge.QuantMatMul): the weights twice."""
+        return self.quantized and self.variant == "ort" and (self.decode_matmuls or "kvedge") == "kvedge"
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return self.weights
+        text = f"{self.weights} {self.variant} (block {self.block_size}, {self.kept} float32 channels"
+        if self.lm_head_bits != self.bits:
+            text += f", int{self.lm_head_bits} head"
+        return text + (", prefill and decode forms)" if self.two_forms else ")")
+
+
+def quantized_matmul_bytes(k: int, n: int, bits: int, form: WeightForm) -> int:
+    """Bytes `kvedge export` stores for one quantized w [K, N] (module docstring, `graph.py`'s
+    `matmul_weight` and `_quant_matmul`)."""
+    blocks, kept = k // form.block_size, form.kept
+    codes = k * n * bits // 8
+    total = codes + FLOAT32 * blocks * n + FLOAT32 * (blocks + kept) * n  # scales, second product
+    if form.variant == "portable":  # side inputs from standard ops: [K, K/bs + kept] 0/1, the mask
+        total += FLOAT32 * k * (blocks + kept) + (FLOAT32 * k if kept else 0)
+    else:  # kvedge.SideInputs takes the kept indices
+        total += 8 * kept
+    if form.two_forms and n % 64 == 0:  # decode form: codes, float16 scale + minimum, float16 rows
+        total += codes + 2 * 2 * blocks * n + 2 * kept * n
+    return total
+
+
+def recipe_weight_bytes(a: Architecture, form: WeightForm) -> int:
+    """The bytes of an export of architecture `a` in weight form `form` (module docstring)."""
+    if not form.quantized:
+        return a.param_count * form.bits // 8
+    q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
+    layer = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # [K, N]: fused QKV, O, fused gate/up, down
+    untied_head = 0 if a.tie_word_embeddings else h * a.vocab_size
+    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - untied_head  # float32
+    quantized = a.num_layers * sum(quantized_matmul_bytes(k, n, form.bits, form) for k, n in layer)
+    return FLOAT32 * rest + quantized + quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
 
 
 @dataclass(frozen=True)
@@ -99,6 +211,8 @@ class ModelFootprint:
     max_context: int  # longest usable context
     fixed_context: bool  # an export's max_len is baked into its graph
     widened_bytes: int = 0  # float32 copy of float16-stored weights made at load (module docstring)
+    form: WeightForm | None = None  # a recipe's weight form (None: an export's files)
+    architecture: Architecture | None = None  # a recipe's, to plan other weight forms
 
     @classmethod
     def from_export(cls, folder: str | Path) -> ModelFootprint:
@@ -129,17 +243,17 @@ class ModelFootprint:
         )
 
     @classmethod
-    def from_recipe(cls, recipe: ModelRecipe, weights_dtype: str | None = None) -> ModelFootprint:
-        """`weights_dtype` overrides the recipe's, e.g. float16 for a `--precision float16` export."""
+    def from_recipe(cls, recipe: ModelRecipe, form: WeightForm | None = None) -> ModelFootprint:
+        """`form` overrides the recipe's weights, e.g. int4 (`--weights int4`)."""
         a = recipe.architecture
-        dtype = weights_dtype or recipe.export.weights_dtype
-        if dtype not in WEIGHT_BYTES:
-            raise KvedgeError(f"weights dtype {dtype!r} is not allowed; allowed: {', '.join(WEIGHT_BYTES)}")
+        form = form or WeightForm(recipe.export.weights_dtype)
         return cls(
             name=recipe.name,
             origin=str(recipe.path),
-            weights_bytes=a.param_count * WEIGHT_BYTES[dtype],
-            weights_note=f"{a.param_count:,} params x {dtype}",
+            weights_bytes=recipe_weight_bytes(a, form),
+            weights_note=f"{a.param_count:,} params, {form.describe()}",
+            form=form,
+            architecture=a,
             geometry=recipe.geometry(),
             num_heads=a.num_heads,
             hidden_size=a.hidden_size,
@@ -152,24 +266,24 @@ class ModelFootprint:
 
 
 def footprint(
-    model: ModelFootprint | ModelRecipe | str | Path, weights_dtype: str | None = None
+    model: ModelFootprint | ModelRecipe | str | Path, form: WeightForm | None = None
 ) -> ModelFootprint:
     """`model` as an export folder (has manifest.json), a recipe, or a recipe name or path.
 
-    `weights_dtype` applies to recipes only: an export's weights are what its files hold.
+    `form` applies to recipes only: an export's weights are what its files hold.
     """
     if isinstance(model, ModelFootprint):
         found = model
     elif isinstance(model, ModelRecipe):
-        return ModelFootprint.from_recipe(model, weights_dtype)
+        return ModelFootprint.from_recipe(model, form)
     elif Path(model).is_dir():
         found = ModelFootprint.from_export(model)
     else:
-        return ModelFootprint.from_recipe(load_recipe(model), weights_dtype)
-    if weights_dtype:
+        return ModelFootprint.from_recipe(load_recipe(model), form)
+    if form:
         raise KvedgeError(
-            f"--weights-dtype applies to recipes only; {found.name} is an export whose weights are "
-            f"its files ({found.weights_note})"
+            f"--weights and its options apply to recipes only; {found.name} is an export whose weights "
+            f"are its files ({found.weights_note})"
         )
     return found
 
@@ -220,13 +334,13 @@ def _call_bytes(model: ModelFootprint, rows: int, seq: int, context: int) -> int
 
 
 def estimate(
-    model: ModelFootprint, slots: int, context: int, kv_dtype: str | None = None, backend: str = "cpu"
+    model: ModelFootprint, slots: int, context: int, kv_dtype: str | None = None, device: str = "cpu"
 ) -> Estimate:
-    if backend not in OVERHEADS:
-        raise KvedgeError(f"backend {backend!r} is not allowed; allowed: {', '.join(OVERHEADS)}")
+    if device not in OVERHEADS:
+        raise KvedgeError(f"--device {device!r} is not allowed; allowed: {', '.join(OVERHEADS)}")
     if not isinstance(slots, int) or slots < 1:
         raise KvedgeError(f"slots={slots!r} must be a positive integer")
-    overheads = OVERHEADS[backend]
+    overheads = OVERHEADS[device]
     return Estimate(
         slots=slots,
         context=context,
@@ -245,7 +359,7 @@ def check_fits(
     budget_bytes: int,
     context: int | None = None,
     kv_dtype: str | None = None,
-    backend: str = "cpu",
+    device: str = "cpu",
 ) -> Estimate:
     """Return the estimate for `slots` sequences of `context` tokens, or raise saying by how much
     it does not fit. `model` is an export folder (weights come from its file sizes; a Manifest
@@ -253,14 +367,14 @@ def check_fits(
     model's own max_len."""
     fp = footprint(model)
     context = context or fp.geometry.max_len
-    need = estimate(fp, slots, context, kv_dtype, backend)
+    need = estimate(fp, slots, context, kv_dtype, device)
     if need.total <= budget_bytes:
         return need
     fitting = next(
         (
             s
             for s in range(slots - 1, 0, -1)
-            if estimate(fp, s, context, kv_dtype, backend).total <= budget_bytes
+            if estimate(fp, s, context, kv_dtype, device).total <= budget_bytes
         ),
         None,
     )
@@ -294,7 +408,9 @@ def live_budget(reserve_bytes: int = 0, meminfo: Path = Path("/proc/meminfo")) -
         text = ""
     found = re.search(r"^MemAvailable:\s+(\d+)\s+kB", text, re.MULTILINE)
     if not found:
-        raise KvedgeError(f"cannot read MemAvailable from {meminfo}; give --device or --budget instead")
+        raise KvedgeError(
+            f"cannot read MemAvailable from {meminfo}; give --profile or --memory-budget instead"
+        )
     return Budget(int(found.group(1)) * 1024, reserve_bytes, f"MemAvailable of this machine ({meminfo})")
 
 
@@ -306,7 +422,7 @@ def device_budget(profile: DeviceProfile, reserve_bytes: int = DEVICE_RESERVE) -
 class Plan:
     model: ModelFootprint
     budget: Budget
-    backend: str
+    device: str
     kv_dtype: str
     contexts: tuple[int, ...]
     slots: tuple[int, ...]
@@ -315,11 +431,15 @@ class Plan:
     def fits(self, cell: Estimate) -> bool:
         return cell.total <= self.budget.usable
 
+    @property
+    def anything_fits(self) -> bool:
+        return any(self.fits(cell) for row in self.cells for cell in row)
+
 
 def make_plan(
     model: ModelFootprint,
     budget: Budget,
-    backend: str = "cpu",
+    device: str = "cpu",
     kv_dtype: str | None = None,
     slots: Sequence[int] = DEFAULT_SLOTS,
     contexts: Sequence[int] | None = None,
@@ -332,24 +452,24 @@ def make_plan(
         raise KvedgeError(
             f"context {too_long[0]} exceeds what {model.name} supports; allowed: 1..{model.max_context}"
         )
-    cells = tuple(tuple(estimate(model, s, c, kv_dtype, backend) for s in slots) for c in contexts)
-    return Plan(model, budget, backend, kv_dtype, tuple(contexts), tuple(slots), cells)
+    cells = tuple(tuple(estimate(model, s, c, kv_dtype, device) for s in slots) for c in contexts)
+    return Plan(model, budget, device, kv_dtype, tuple(contexts), tuple(slots), cells)
 
 
 def render(plan: Plan) -> str:
     m, b, first = plan.model, plan.budget, plan.cells[0][0]
     per_token = m.geometry.with_dtype(plan.kv_dtype).bytes_per_token()
-    overheads = OVERHEADS[plan.backend]
+    overheads = OVERHEADS[plan.device]
     lines = [
         f"model        {m.name} ({m.origin})",
         f"weights      {human(m.weights_bytes)}: {m.weights_note}",
-        f"backend      {plan.backend} ({overheads.note}): runtime {human(first.runtime)}, "
+        f"device       {plan.device} ({overheads.note}): runtime {human(first.runtime)}, "
         f"load {human(first.load)} ({overheads.load_fraction:g} x weights)",
         f"kv cache     {plan.kv_dtype}: {per_token:,} bytes per token per slot",
         f"budget       {human(b.usable)} = {b.source} {human(b.total_bytes)}"
         f" - reserve {human(b.reserve_bytes)}",
         "",
-        "total GiB by context (rows) and slots (columns); '-' does not fit",
+        "total GiB by max_len (rows) and slots (columns); '-' does not fit",
     ]
     g = m.geometry.with_dtype(plan.kv_dtype)
     if g.ring_layers:  # the per-token figure above counts every layer; ring layers stop at ring_len
@@ -360,7 +480,7 @@ def render(plan: Plan) -> str:
             f"{human(g.bytes_per_slot())}, {g.bytes_per_slot() / full.bytes_per_slot():.3f} x "
             f"{human(full.bytes_per_slot())} at full length"
         ]
-    lines.append(f"{'context':>8} " + "".join(f"{s:>8}" for s in plan.slots))
+    lines.append(f"{'max_len':>8} " + "".join(f"{s:>8}" for s in plan.slots))
     for context, row in zip(plan.contexts, plan.cells, strict=True):
         cells = "".join(f"{c.total / GiB:>8.2f}" if plan.fits(c) else f"{'-':>8}" for c in row)
         mark = ""
@@ -373,11 +493,14 @@ def render(plan: Plan) -> str:
 
 
 def to_json(plan: Plan) -> str:
+    """The plan's cells, and `fits_with`: the options of `what_fits` (null when none)."""
+    change = what_fits(plan)
     return json.dumps(
         {
+            "fits_with": dict(change.options) if change else None,
             "model": plan.model.name,
             "budget_bytes": plan.budget.usable,
-            "backend": plan.backend,
+            "device": plan.device,
             "kv_dtype": plan.kv_dtype,
             "rows": [
                 {**dataclasses.asdict(c), "total": c.total, "fits": plan.fits(c)}
@@ -416,44 +539,183 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
+# what `what_fits` tries, least change first (module docstring)
+KV_STEPS = ("float16", "int8")
+WEIGHT_STEPS = ("float16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Change:
+    """Options that make a plan fit, and that plan."""
+
+    options: tuple[tuple[str, str], ...]  # ("--weights", "int4"), ...
+    plan: Plan
+
+    def describe(self) -> str:
+        flags = " ".join(f"{flag} {value}" for flag, value in self.options)
+        return f"re-export with {flags}" if self.plan.model.fixed_context else flags
+
+
+def what_fits(plan: Plan) -> Change | None:
+    """The smallest change of slots, cache dtype, weights or context that makes something of
+    `plan` fit (module docstring for the order), or None when something fits already or nothing
+    tried does."""
+    if plan.anything_fits:
+        return None
+    return next((change for change in _changes(plan) if change.plan.anything_fits), None)
+
+
+def closest(plan: Plan) -> tuple[Change, Estimate] | None:
+    """Of the changes `what_fits` tries, the one whose smallest cell needs the fewest bytes, and
+    that cell (None when there is nothing to change)."""
+    smallest = [(min((c for row in ch.plan.cells for c in row), key=_total), ch) for ch in _changes(plan)]
+    if not smallest:
+        return None
+    cell, change = min(smallest, key=lambda pair: pair[0].total)
+    return change, cell
+
+
+def _total(cell: Estimate) -> int:
+    return cell.total
+
+
+def _changes(plan: Plan) -> Iterator[Change]:
+    """The changes `what_fits` tries, in its order, each with its plan."""
+    m = plan.model
+    fewer = tuple(s for s in range(min(plan.slots) - 1, 0, -1))
+    kvs = [k for k in KV_STEPS if _per_token(m, k) < _per_token(m, plan.kv_dtype)]
+    forms = _smaller_forms(m)
+    halved = {min(plan.contexts) >> i for i in range(1, 16)}
+    shorter = sorted(
+        {c for c in (*DEFAULT_CONTEXTS, *halved) if MIN_CONTEXT <= c < min(plan.contexts)}, reverse=True
+    )
+    tries: list[tuple[tuple[str, str], ...]] = []
+    tries += [(("--slots", str(s)),) for s in fewer]
+    tries += [(("--kv-dtype", k),) for k in kvs]
+    tries += [(("--weights", f.weights),) for f in forms]
+    tries += [(("--max-len", str(c)),) for c in shorter]
+    tries += [(("--weights", f.weights), ("--kv-dtype", k)) for f in forms for k in kvs]
+    tries += [  # the longest context first: a shorter one changes what the model can do most
+        (("--weights", f.weights), ("--kv-dtype", k), ("--max-len", str(c)))
+        for c in shorter
+        for f in forms
+        for k in kvs
+    ]
+    by_name = {f.weights: f for f in forms}
+    for options in tries:
+        yield Change(options, _changed_plan(plan, dict(options), by_name))
+
+
+def _per_token(model: ModelFootprint, kv_dtype: str) -> float:
+    """Cache bytes per token, or infinity for a dtype this model's cache cannot take (an INT8
+    cache's channel groups wider than its heads)."""
+    try:
+        return model.geometry.with_dtype(kv_dtype).bytes_per_token()
+    except KvedgeError:
+        return float("inf")
+
+
+def _smaller_forms(model: ModelFootprint) -> list[WeightForm]:
+    """A recipe's weight forms smaller than its own, least quantized first (an export's weights
+    are its files: re-exporting them is out of the planner's sight, so none)."""
+    if model.architecture is None or model.form is None:
+        return []
+    forms = [dataclasses.replace(model.form, weights=w) for w in WEIGHT_STEPS]
+    return [f for f in forms if recipe_weight_bytes(model.architecture, f) < model.weights_bytes]
+
+
+def _changed_plan(plan: Plan, options: dict[str, str], forms: dict[str, WeightForm]) -> Plan:
+    model = plan.model
+    if "--weights" in options:
+        form = forms[options["--weights"]]
+        model = dataclasses.replace(
+            model,
+            weights_bytes=recipe_weight_bytes(model.architecture, form),
+            weights_note=f"{model.architecture.param_count:,} params, {form.describe()}",
+            form=form,
+        )
+    slots = (int(options["--slots"]),) if "--slots" in options else plan.slots
+    contexts = plan.contexts
+    if "--max-len" in options:
+        longest = int(options["--max-len"])
+        contexts = tuple(sorted({c for c in DEFAULT_CONTEXTS if c <= longest} | {longest}))
+    return make_plan(
+        model, plan.budget, plan.device, options.get("--kv-dtype", plan.kv_dtype), slots, contexts
+    )
+
+
+def render_with_advice(plan: Plan) -> str:
+    """The plan's table; when nothing in it fits, what would, with its own table."""
+    text = render(plan)
+    if plan.anything_fits:
+        return text
+    change = what_fits(plan)
+    if change is not None:
+        return (
+            f"{text}\n\nnothing above fits; the smallest change that does: {change.describe()}\n\n"
+            + render(change.plan)
+        )
+    near = closest(plan)
+    text += "\n\nnothing above fits, and no smaller slots, cache dtype, weights or context fits either"
+    if near is not None:
+        change, cell = near
+        text += (
+            f"; the closest, {change.describe()}, needs {human(cell.total)} for {cell.slots} x "
+            f"{cell.context} tokens, {human(cell.total - plan.budget.usable)} over ({cell.breakdown()})"
+        )
+    return text
+
+
+def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Budget:
+    reserve_bytes = parse_bytes(reserve) if reserve else None
+    if budget:
+        return Budget(parse_bytes(budget), reserve_bytes or 0, "--memory-budget")
+    if profile:
+        return device_budget(load_device(profile), DEVICE_RESERVE if reserve_bytes is None else reserve_bytes)
+    return live_budget(reserve_bytes or 0)
+
+
+def weight_form(options: dict[str, Any]) -> WeightForm | None:
+    """The weight form `kvedge plan`'s export options name (None: the model's own): --weights
+    (default float32) and the options of `kvedge export` that go with it."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if not given:
+        return None
+    return WeightForm(**{"weights": "float32", **given})
+
+
 def plan_report(
     model: str | Path,
-    device: str | None = None,
+    profile: str | None = None,
     budget: str | None = None,
     reserve: str | None = None,
-    backend: str | None = None,
+    device: str | None = None,
     kv_dtypes: Sequence[str] = (),
-    weights_dtype: str | None = None,
+    form: WeightForm | None = None,
     slots: str | None = None,
-    contexts: str | None = None,
+    max_lens: str | None = None,
     as_json: bool = False,
 ) -> str:
-    """`kvedge plan`: the table(s) for `model` on a device profile, a fixed budget or this machine."""
-    fp = footprint(model, weights_dtype)
+    """`kvedge plan`: the table(s) for `model` on a device profile, a fixed budget or this machine,
+    and what would fit when nothing does. `device` defaults to cuda with a profile (a Jetson's
+    GPU), else cpu."""
+    fp = footprint(model, form)
     for dtype in kv_dtypes:
         if dtype not in KV_DTYPES:
             raise KvedgeError(f"--kv-dtype {dtype!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
-    reserve_bytes = parse_bytes(reserve) if reserve else None
-    if budget:
-        chosen = Budget(parse_bytes(budget), reserve_bytes or 0, "--budget")
-    elif device:
-        chosen = device_budget(
-            load_device(device), DEVICE_RESERVE if reserve_bytes is None else reserve_bytes
-        )
-    else:
-        chosen = live_budget(reserve_bytes or 0)
-    backend = backend or ("gpu" if device else "cpu")
+    chosen = _budget(profile, budget, reserve)
+    device = device or ("cuda" if profile else "cpu")
     plans = [
         make_plan(
             fp,
             chosen,
-            backend,
+            device,
             dtype,
             parse_ints(slots, "--slots") if slots else DEFAULT_SLOTS,
-            parse_ints(contexts, "--context") if contexts else None,
+            parse_ints(max_lens, "--max-len") if max_lens else None,
         )
         for dtype in (kv_dtypes or (fp.geometry.dtype,))
     ]
     if as_json:
         return "[" + ",\n".join(to_json(p) for p in plans) + "]"
-    return "\n\n".join(render(p) for p in plans)
+    return "\n\n".join(render_with_advice(p) for p in plans)

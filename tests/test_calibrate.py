@@ -166,7 +166,7 @@ def test_cli_calibrate_and_eval(tiny_llama, tmp_path):
             [sys.executable, "-m", "kvedge", *args], capture_output=True, text=True, timeout=600
         )
 
-    done = run("calibrate", "--model", str(tiny_llama.out), "--out", str(out), "--group-size", "16")
+    done = run("calibrate", "--model", str(tiny_llama.out), "--out", str(out), "--kv-group-size", "16")
     assert done.returncode == 0, done.stderr
     assert (out / "kv_scales.png").stat().st_size > 1000
     again = run("calibrate", "--model", str(tiny_llama.out), "--out", str(out))
@@ -181,7 +181,7 @@ def test_cli_calibrate_and_eval(tiny_llama, tmp_path):
         "2",
         "--tokens",
         "8",
-        "--json",
+        "--out",
         str(tmp_path / "q.json"),
     )
     assert report.returncode == 0, report.stderr

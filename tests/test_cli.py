@@ -128,7 +128,7 @@ def test_history_policy_and_warm_prefixes_and_their_old_spellings(tmp_path):
 
     config = tmp_path / "warm.yaml"
     config.write_text("prefixes:\n  - {name: notes, text: hello there}\n")
-    warm_dir = ["--config", str(config), "--warm-dir", str(tmp_path / "warm")]
+    warm_dir = ["--warm-prefixes", str(config), "--warm-dir", str(tmp_path / "warm")]
     built = kvedge("warm-prefixes", "--model", str(out), *warm_dir)
     assert built.returncode == 0 and "notes: " in built.stdout and "recomputed (missing)" in built.stdout
     old = kvedge("warmup", "--model", str(out), *warm_dir)

@@ -154,9 +154,9 @@ def test_bench_and_plan_take_the_device(tiny_llama):
         spec.build(1)
     assert SystemSpec("kvedge", "kvedge", tiny_llama.out, "float32").build(1).backend.manifest
     # the planner's overheads by device: cuda and tensorrt are the GPU preset
-    assert OVERHEADS["cuda"] == OVERHEADS["tensorrt"] == OVERHEADS["gpu"] != OVERHEADS["cpu"]
-    gpu = check_fits(tiny_llama.out, 1, 1 << 40, backend="tensorrt")
-    assert gpu.runtime == OVERHEADS["gpu"].runtime_bytes
+    assert OVERHEADS["cuda"] == OVERHEADS["tensorrt"] != OVERHEADS["cpu"]
+    gpu = check_fits(tiny_llama.out, 1, 1 << 40, device="tensorrt")
+    assert gpu.runtime == OVERHEADS["tensorrt"].runtime_bytes
 
 
 def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_llama):

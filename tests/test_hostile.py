@@ -390,7 +390,7 @@ prefixes:
 def warm_prefixes(artifact: Path, config: Path, folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvedge", "-v", "warm-prefixes", "--model", str(artifact)]
-        + ["--config", str(config), "--warm-dir", str(folder)],
+        + ["--warm-prefixes", str(config), "--warm-dir", str(folder)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -530,7 +530,7 @@ def test_long_commands_say_what_they_start_within_two_seconds(artifact, tmp_path
         "export": ["export", str(artifact.parent / "hf"), "--out", str(tmp_path / "x")],
         "calibrate": ["calibrate", "--model", str(artifact), "--out", str(tmp_path / "scales")],
         "eval-kv": ["eval-kv", "--model", str(artifact)],
-        "warm-prefixes": ["warm-prefixes", "--model", str(artifact), "--config", str(warm)]
+        "warm-prefixes": ["warm-prefixes", "--model", str(artifact), "--warm-prefixes", str(warm)]
         + ["--warm-dir", str(tmp_path / "w")],
     }
     for name, args in commands.items():

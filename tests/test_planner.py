@@ -19,6 +19,7 @@ from kvedge.planner import (
     OVERHEADS,
     Budget,
     ModelFootprint,
+    WeightForm,
     check_fits,
     estimate,
     footprint,
@@ -27,7 +28,9 @@ from kvedge.planner import (
     make_plan,
     parse_bytes,
     plan_report,
+    recipe_weight_bytes,
     render,
+    what_fits,
 )
 from kvedge.runtime.cache import KVCache
 
@@ -137,12 +140,12 @@ def test_parse_bytes():
 
 def test_plan_report_for_a_device_and_per_kv_dtype():
     text = plan_report(
-        "smollm2-135m", device="orin-nano-8gb", kv_dtypes=["float32", "float16", "int8"], slots="1,4"
+        "smollm2-135m", profile="orin-nano-8gb", kv_dtypes=["float32", "float16", "int8"], slots="1,4"
     )
     assert text.count("budget       6.50 GiB = orin-nano-8gb 8.00 GiB - reserve 1.50 GiB") == 3
     assert "float32: 46,080 bytes per token" in text and "float16: 23,040 bytes per token" in text
     assert "int8: 12,240 bytes per token" in text  # 30 layers x 2 x 3 heads x (64 codes + 2 x 2-byte scales)
-    rows = json.loads(plan_report("smollm2-135m", budget="4GiB", slots="1", contexts="2048", as_json=True))
+    rows = json.loads(plan_report("smollm2-135m", budget="4GiB", slots="1", max_lens="2048", as_json=True))
     assert rows[0]["rows"][0]["kv"] == 30 * 2 * 3 * 64 * 4 * 2048 and rows[0]["rows"][0]["fits"]
     with pytest.raises(
         KvedgeError, match="--kv-dtype 'int4' is not allowed; allowed: float32, float16, int8"
@@ -153,21 +156,21 @@ def test_plan_report_for_a_device_and_per_kv_dtype():
 
 
 def test_cli_plan(tmp_path, tiny_llama):
-    done = kvedge("plan", "smollm2-135m", "--device", "orin-nano-8gb", "--slots", "1,2")
+    done = kvedge("plan", "smollm2-135m", "--profile", "orin-nano-8gb", "--slots", "1,2")
     assert done.returncode == 0, done.stderr
-    assert "<- recipe max_len" in done.stdout and "gpu (CUDA/TensorRT" in done.stdout
+    assert "<- recipe max_len" in done.stdout and "device       cuda (CUDA/TensorRT" in done.stdout
 
-    export = kvedge("plan", str(tiny_llama.out), "--budget", "1MiB")
+    export = kvedge("plan", str(tiny_llama.out), "--memory-budget", "1MiB")
     assert export.returncode == 0, export.stderr
-    assert "<- this export" in export.stdout and export.stdout.splitlines()[-1].split()[1] == "-"
-    with pytest.raises(KvedgeError, match="--weights-dtype applies to recipes only"):
-        plan_report(tiny_llama.out, weights_dtype="float16")
+    assert "<- this export" in export.stdout and "nothing above fits" in export.stdout
+    with pytest.raises(KvedgeError, match="--weights and its options apply to recipes only"):
+        plan_report(tiny_llama.out, form=WeightForm("float16"))
 
     bad = yaml.safe_load((DEVICES_DIR / "orin-nano-8gb.yaml").read_text())
     bad["memory_bytes"] = "lots"
     path = tmp_path / "orin-nano-8gb.yaml"
     path.write_text(yaml.safe_dump(bad))
-    refused = kvedge("plan", "smollm2-135m", "--device", str(path))
+    refused = kvedge("plan", "smollm2-135m", "--profile", str(path))
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert f"{path}: memory_bytes: 'lots' is not allowed" in refused.stderr
 
@@ -182,3 +185,129 @@ def test_float16_weight_export_counts_half_the_file_and_the_widened_copy(tmp_pat
     cpu = estimate(f16, 1, 64)
     assert cpu.weights == f16.weights_bytes
     assert cpu.load == int(OVERHEADS["cpu"].load_fraction * f16.weights_bytes) + 2 * f16.weights_bytes
+
+
+# --- every weight form export makes, and what fits when nothing does ----------------------------
+
+
+def test_plan_takes_every_weight_form():
+    sizes = {
+        w: footprint("smollm2-135m", WeightForm(w)).weights_bytes
+        for w in ("float32", "float16", "int8", "int4")
+    }
+    assert sizes["float32"] == 2 * sizes["float16"] == 134_515_008 * 4
+    assert sizes["float32"] > sizes["int8"] > sizes["int4"]  # the embedding table stays float32
+    # the ort graph's two decode forms: kvedge's QuantMatMul holds the codes again; onnxruntime's one copy
+    two = footprint("smollm2-135m", WeightForm("int4", "ort")).weights_bytes
+    one = footprint("smollm2-135m", WeightForm("int4", "ort", decode_matmuls="onnxruntime")).weights_bytes
+    assert two > one
+    for weights in ("int8", "int4"):
+        done = kvedge("plan", "smollm2-135m", "--profile", "orin-nano-8gb", "--weights", weights)
+        assert done.returncode == 0, done.stderr
+        assert f"params, {weights} portable (block 32, 32 float32 channels)" in done.stdout
+    old = kvedge("plan", "smollm2-135m", "--device", "orin-nano-8gb", "--weights-dtype", "int8")
+    assert old.returncode == 0, old.stderr
+    assert "use --profile orin-nano-8gb" in old.stderr and "use --weights" in old.stderr
+    assert "budget       6.50 GiB = orin-nano-8gb" in old.stdout and "int8 portable" in old.stdout
+
+
+def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():
+    # Phi-3.5-mini (3.8B) on an Orin Nano 8GB, onnxruntime on its CPU: int4 weights + INT8 cache
+    done = kvedge("plan", "phi-3.5-mini", "--profile", "orin-nano-8gb", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    first, advice = done.stdout.split("nothing above fits; the smallest change that does: ")
+    assert all(cell == "-" for line in first.splitlines()[-4:] for cell in line.split()[1:6])
+    assert advice.startswith("--weights int4 --kv-dtype int8\n")
+    assert "int4 portable (block 32, 32 float32 channels)" in advice and "kv cache     int8" in advice
+    fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["512"]]
+    assert fitting and fitting[0][1] != "-"  # 1 slot x 512 tokens fits
+    # Llama-3.2-3B: its 128K-token vocabulary's float32 embedding table (1.47 GiB) stays float32
+    # in every export, and the GPU preset counts the weights twice while loading: nothing fits,
+    # and the plan says which change came closest and by how much it is over
+    done = kvedge("plan", "llama-3.2-3b", "--profile", "orin-nano-8gb")
+    assert done.returncode == 0, done.stderr
+    assert (
+        "nothing above fits, and no smaller slots, cache dtype, weights or context fits either" in done.stdout
+    )
+    assert "the closest, --weights int4 --kv-dtype int8 --max-len 16, needs" in done.stdout
+    plan = make_plan(footprint("llama-3.2-3b"), Budget(16 << 30, 1536 << 20, "orin-nx-16gb"), "cuda")
+    assert what_fits(plan).options == (("--weights", "float16"),)
+
+
+def test_what_fits_tries_the_smallest_change_first():
+    budget = lambda extra: Budget(RUNTIME + extra, 0, "test")  # noqa: E731
+    # weights + load 1,600, activations 145,448 at 32 tokens (EXPECTED), KV 64 B a token float32
+    plan = make_plan(HAND, budget(1600 + 145_448 + 3 * 2048), slots=(4,), contexts=(32,))
+    assert not plan.anything_fits
+    assert what_fits(plan).options == (("--slots", "3"),)
+    plan = make_plan(HAND, budget(1600 + 145_448 + 1024), slots=(1,), contexts=(32,))
+    assert what_fits(plan).options == (("--kv-dtype", "float16"),)  # 32 x 32 B fits, 32 x 64 B not
+    plan = make_plan(HAND, budget(1600 + 39_976 + 16 * 64), slots=(1,), contexts=(32, 64))
+    assert what_fits(plan).options == (("--max-len", "16"),)  # no weights to shrink: a shorter context
+    assert what_fits(make_plan(HAND, budget(1 << 30), slots=(1,), contexts=(32,))) is None
+
+
+def test_weight_form_defaults_are_the_exporters():
+    from kvedge.export.graph import GraphOptions
+
+    for weights in ("int8", "int4"):
+        for variant in ("portable", "ort"):
+            for decode in (None, "kvedge", "onnxruntime") if variant == "ort" else (None,):
+                graph = GraphOptions(weights=weights, variant=variant, decode_matmuls=decode)
+                form = WeightForm(weights, variant, decode_matmuls=decode)
+                assert (form.lm_head_bits, form.kept) == (graph.head_bits, graph.kept_channels)
+                assert form.two_forms == (graph.decode == "kvedge")
+                assert form.block_size == graph.block_size
+
+
+SIZE_CHECKS = [
+    WeightForm("int8"),
+    WeightForm("int4"),
+    WeightForm("int4", "ort"),
+    WeightForm("int4", "ort", decode_matmuls="onnxruntime"),
+    WeightForm("int8", "ort", outlier_channels=0, head_bits=8),
+]
+
+
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory):
+    """A random llama big enough that its matrices, not the graph's own bytes, make the file."""
+    from kvedge.configs import Architecture
+
+    root = tmp_path_factory.mktemp("mid")
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    source = make_tiny_model(root / "hf", "llama", **shape)
+    config = json.loads((source / "config.json").read_text())
+    import safetensors.numpy
+
+    params = sum(a.size for a in safetensors.numpy.load_file(source / "model.safetensors").values())
+    arch = Architecture(
+        family="llama",
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=config["hidden_size"] // config["num_attention_heads"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        tie_word_embeddings=config["tie_word_embeddings"],
+        attention_bias=False,
+        max_position_embeddings=config["max_position_embeddings"],
+        param_count=params,
+    )
+    return source, arch, root
+
+
+@pytest.mark.parametrize("form", SIZE_CHECKS, ids=WeightForm.describe)
+def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
+    """The planner's bytes for a weight form against the files `kvedge export` writes: within 1% +
+    64 KiB, what the planner leaves out (the graph's nodes, RoPE tables [max_len, head_dim/2] x 2,
+    small constants; and block offsets it assumes present)."""
+    source, arch, root = mid_llama
+    out = root / form.describe().replace(" ", "_")
+    options = dict(max_len=64, weights=form.weights, variant=form.variant)
+    options.update(outlier_channels=form.outlier_channels, head_bits=form.head_bits)
+    export_model(source, out, ExportOptions(**options, decode_matmuls=form.decode_matmuls))
+    on_disk = footprint(out).weights_bytes
+    planned = recipe_weight_bytes(arch, form)
+    assert abs(planned - on_disk) <= 0.01 * on_disk + 64 * 1024, (planned, on_disk)

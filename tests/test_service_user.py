@@ -207,7 +207,7 @@ def test_the_unit_serves_as_its_user_what_root_exported(system_user, deploy, tmp
     )
     assert done.returncode == 0, done.stderr
     (deploy / "warmup.yaml").write_text(yaml.safe_dump({"prefixes": WARMUP["prefixes"][:1]}))
-    args = ["--model", "model", "--config", "warmup.yaml", "--warm-dir", "warm"]
+    args = ["--model", "model", "--warm-prefixes", "warmup.yaml", "--warm-dir", "warm"]
     done = subprocess.run([python, "-m", "kvedge", "warm-prefixes", *args], **root_runs)
     assert done.returncode == 0, done.stderr
     (deploy / "warmup.yaml").write_text(yaml.safe_dump(WARMUP))  # the second prefix: the service's to make

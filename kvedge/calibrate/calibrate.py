@@ -149,7 +149,7 @@ def calibrate(model: Model, prompts: list[Prompt], options: CalibrationOptions) 
             f"{model.manifest.geometry.dtype} one"
         )
     if head_dim % options.group_size:
-        raise KvedgeError(f"--group-size {options.group_size} does not divide head_dim {head_dim}")
+        raise KvedgeError(f"--kv-group-size {options.group_size} does not divide head_dim {head_dim}")
     k, v, tokens = collect_kv(model, prompts, options.max_tokens)
     layers = k.shape[0]
     k_scale = np.stack(

@@ -79,7 +79,7 @@ def check_memory(config: ServiceConfig) -> int:
             f"({budget} bytes) for the model and its slots"
         )
     # the run-time prefix store is allocated in full at start-up, beside the slots
-    fits = check_fits(config.model, config.slots, budget - config.prefix_cache_bytes, backend=config.device)
+    fits = check_fits(config.model, config.slots, budget - config.prefix_cache_bytes, device=config.device)
     return fits.total + config.prefix_cache_bytes
 
 
