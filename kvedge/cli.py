@@ -31,18 +31,44 @@ from kvedge.runtime.sessions import POLICIES
 log = logging.getLogger("kvedge")
 
 
-def serve_extra(module: str) -> Any:
-    """Import `module`, which needs the serve extra's packages, or say how to install them."""
-    import importlib
+# Import names that are not their distribution's name (the others are, with "_" read as "-").
+DISTRIBUTIONS = {"llama_cpp": "llama-cpp-python", "tensorrt_rtx": "tensorrt-rtx-cu12", "cuda": "cuda-python"}
 
+
+def missing_package(module: str) -> KvedgeError:
+    """The one line for an optional package `module` that is not installed: which of kvedge's
+    extras brings it (as setup.cfg declares them, read from the installed metadata)."""
+    import importlib.metadata
+    import re
+
+    top = module.split(".")[0]
+    distribution = DISTRIBUTIONS.get(top, top).replace("_", "-").lower()
     try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.startswith("kvedge"):
-            raise
-        raise KvedgeError(
-            f"this command needs the serve extra ({exc.name} is not installed): pip install 'kvedge[serve]'"
-        ) from None
+        requirements = importlib.metadata.requires("kvedge") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        requirements = []
+    extras = []
+    for requirement in requirements:
+        found = re.match(r"([A-Za-z0-9_.-]+).*\bextra\s*==\s*[\'\"]([^\'\"]+)", requirement)
+        if found and found[1].replace("_", "-").lower() == distribution and found[2] != "dev":
+            extras.append(found[2])
+    if not extras:
+        return KvedgeError(f"this command needs {top}, which is not installed: pip install {distribution}")
+    others = ", ".join(f"kvedge[{extra}]" for extra in extras[1:])
+    also = f"; also in {others}" if others else ""
+    return KvedgeError(
+        f"this command needs the {extras[0]} extra ({top} is not installed): "
+        f"pip install 'kvedge[{extras[0]}]'{also}"
+    )
+
+
+def require(*modules: str) -> None:
+    """Refuse at once, naming the extra, a command that will need `modules` late in its run."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise missing_package(module)
 
 
 def starting(what: str) -> None:
@@ -52,8 +78,8 @@ def starting(what: str) -> None:
 
 
 def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a KvedgeError, or a file this user may not read or write, into one line on stderr and
-    exit status 1, without a traceback."""
+    """Turn a KvedgeError, a missing optional package, or a file this user may not read or write,
+    into one line on stderr and exit status 1, without a traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -61,6 +87,10 @@ def user_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             return func(*args, **kwargs)
         except KvedgeError as exc:
             raise click.ClickException(str(exc)) from None
+        except ModuleNotFoundError as exc:  # an optional package; kvedge's own modules are a bug
+            if exc.name is None or exc.name.split(".")[0] == "kvedge":
+                raise
+            raise click.ClickException(str(missing_package(exc.name))) from None
         except PermissionError as exc:  # typically the service user and files another user made
             raise click.ClickException(
                 f"{exc.filename}: {exc.strerror} for user {getpass.getuser()} "
@@ -447,6 +477,8 @@ def generate(
     **kwargs: Any,
 ) -> None:
     """Answer PROMPT in one chat turn, streamed to stdout."""
+    if not prompt:
+        raise KvedgeError("PROMPT is empty; give the text to answer (a non-empty argument)")
     config = dataclasses.replace(
         _sampling(kwargs), constraint=_constraint(json_schema, regex, grammar), logprobs=logprobs
     )
@@ -473,7 +505,9 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
     """Interactive multi-turn chat. /reset starts over, /exit quits."""
     config = _sampling(kwargs)
     if url is not None:
-        answer = serve_extra("kvedge.serve.client").RemoteChat(url, config).stream
+        from kvedge.serve.client import RemoteChat
+
+        answer = RemoteChat(url, config).stream
     elif model_dir is None:
         raise click.UsageError("give --model DIR, or --url of a running `kvedge serve`")
     else:
@@ -532,6 +566,9 @@ def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     for prefix in model.prefixes.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
         click.echo(f"{prefix.name}: {len(prefix.token_ids)} tokens, {prefix.nbytes / 2**20:.2f} MiB, {state}")
+    if report.unwritten:  # this command's job is the files; the service would serve from memory
+        names = ", ".join(f"{name} ({why})" for name, why in report.unwritten.items())
+        raise KvedgeError(f"{warm_dir}: could not write {len(report.unwritten)} warm prefix files: {names}")
     click.echo(f"warm prefixes ready in {report.seconds:.2f} s: {warm_dir}")
 
 
@@ -563,7 +600,7 @@ main.add_command(  # the former name of warm-prefixes, kept for scripts that sti
 @user_errors
 def serve(config_path: Path | None, check: bool, print_systemd_unit: bool, **overrides: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (flags override --config)."""
-    serve_command = serve_extra("kvedge.serve.service").serve_command
+    from kvedge.serve.service import serve_command
 
     text = serve_command(config_path, overrides, check=check, print_unit=print_systemd_unit)
     if text:
@@ -766,6 +803,7 @@ def calibrate(
 ) -> None:
     """Calibrate INT8 KV scales (per channel group) and write a quality report."""
     starting(f"calibrating {model_dir}: {method}, {group_size} channels per scale, into {out_dir}")
+    require("matplotlib")  # for the plot, drawn after minutes of calibration
     import numpy as np
 
     from kvedge.calibrate.calibrate import (

@@ -209,7 +209,7 @@ def kernels() -> Check:
         path = library.library_path()
     except KvedgeError as exc:
         return Check("kernels", None, str(exc))
-    detail = f"{path.name}, for --variant ort --kv-dtype int8 graphs"
+    detail = f"{path.name}: the INT8-cache attention and int8/int4 weight matmuls of --variant ort graphs"
     return Check("kernels", f"version {library.OPS_VERSION}", detail)
 
 

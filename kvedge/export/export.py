@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -16,11 +18,13 @@ from tqdm import tqdm
 from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
     MANIFEST_FILE,
+    MANIFEST_FORMAT,
     ONNX_FILE,
     QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
     RING_MARGIN,
     TOKENIZER_FILE,
+    WEIGHT_FORMATS,
     CacheGeometry,
     IONames,
     Manifest,
@@ -35,6 +39,7 @@ from kvedge.export.graph import (
     STATIC_ROPE_TYPES,
     DecoderSpec,
     GraphOptions,
+    all_graphs,
     build_decoder_graph,
     check_kv_dtype,
     check_ring,
@@ -45,6 +50,7 @@ from kvedge.export.graph import (
 from kvedge.export.quantize import calibration_ids, input_outliers
 from kvedge.export.source import load_hf, resolve_source
 from kvedge.files import new_folder
+from kvedge.planner import human
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +170,10 @@ def export_model(
     variants from one load (the benchmark does); by default the source is loaded here.
     """
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not options.force:
-        raise KvedgeError(f"output folder {str(out)!r} is not empty; pass --force to overwrite it")
+    check_output_folder(out, options.force)
     source = resolve_source(source_path)
     model, tokenizer = loaded or load_hf(source)
+    check_free_space(out, least_weight_bytes(model, options.weights), "at least")
     config = model.config
     geometry = geometry_from_config(config, options.max_len, options.variant).with_dtype(
         options.kv_dtype, options.kv_group_size or None
@@ -178,6 +184,7 @@ def export_model(
     names = IONames()
     graph = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options)
     del model  # its weights, before the files are written
+    needed = check_free_space(out, graph_bytes(graph), "about")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
     try:
@@ -213,8 +220,13 @@ def export_model(
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise KvedgeError(
+                f"{out.parent}: no space left on the device while writing the export, which needs "
+                f"about {human(needed)}; nothing was kept, {out} is unchanged"
+            ) from None
         raise
     size = sum(f.stat().st_size for f in out.iterdir())
     log.info("wrote %s (%.1f MiB)", out, size / 2**20)
@@ -291,6 +303,63 @@ def _graph(
             "%s weights, block %d: max |w - w_hat| = %s", options.weights, options.block_size, quant_error
         )
     return graph
+
+
+def check_output_folder(out: Path, force: bool) -> None:
+    """Refuse an `out` whose contents the export would lose: a file, or a folder holding anything
+    but a kvedge export (which --force replaces whole: another folder's files would be gone)."""
+    if out.exists() and not out.is_dir():
+        raise KvedgeError(f"--out {str(out)!r} is a file; --out names the folder the export writes")
+    entries = sorted(entry.name for entry in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    if not holds_export(out):
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise KvedgeError(
+            f"output folder {str(out)!r} holds {shown}, not a kvedge export ({MANIFEST_FILE}); "
+            "--force replaces only a kvedge export: choose another --out or empty this one"
+        )
+    if not force:
+        raise KvedgeError(
+            f"output folder {str(out)!r} is not empty; pass --force to overwrite it "
+            "(it holds a kvedge export)"
+        )
+
+
+def holds_export(folder: Path) -> bool:
+    """True when `folder` has a kvedge export's manifest, of any version (an old export is
+    still one to replace), read no further than its format."""
+    try:
+        data = json.loads((folder / MANIFEST_FILE).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT
+
+
+def least_weight_bytes(model: Any, weights: str) -> int:
+    """A lower bound of the bytes an export of `model` writes: every parameter at the weights'
+    bits (quantization scales, float32 channels and a second decode form only add to it)."""
+    return sum(p.numel() for p in model.parameters()) * WEIGHT_FORMATS[weights] // 8
+
+
+def graph_bytes(graph: onnx.ModelProto) -> int:
+    """The bytes of the graph's tensors, every If branch included: what model.onnx.data holds
+    (the graph's structure and the tokenizer add a few MiB)."""
+    return sum(len(t.raw_data) for g in all_graphs(graph.graph) for t in g.initializer)
+
+
+def check_free_space(out: Path, needed: int, bound: str) -> int:
+    """Refuse an export of `needed` bytes (`bound`: "at least" or "about") into `out` when the
+    file system it goes to has less free; returns `needed`. The old export in `out`, if any,
+    stays until the new one is complete, so its space does not count as free."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise KvedgeError(
+            f"the export needs {bound} {human(needed)} but {existing} has {human(free)} free; "
+            "free some space or choose an --out on another disk"
+        )
+    return needed
 
 
 def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: GraphOptions) -> None:

@@ -16,6 +16,7 @@ One turn, as the CLI (a batch of one) and the service (many slots) both drive it
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,7 +67,7 @@ class Model:
     ) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise KvedgeError(f"model folder {str(self.folder)!r} does not exist")
+            raise KvedgeError(_not_a_folder(self.folder))
         self.manifest = Manifest.load(self.folder)
         for name in (ONNX_FILE, TOKENIZER_FILE):  # before the slow graph load, and in one line
             path = self.folder / name
@@ -439,3 +440,13 @@ def _within(ids: list[int], limit: int | None, what: str) -> list[int]:
             cause="prompt",
         )
     return ids
+
+
+def _not_a_folder(path: Path) -> str:
+    """Why `path`, given as a model, is not one: a GGUF (or other) file is a source to export."""
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        command = f"kvedge export {shlex.quote(str(path))} --out DIR"
+        return f"{path} is a GGUF file, a source to export first: `{command}`, then use --model DIR"
+    if path.exists():
+        return f"model {str(path)!r} is not a folder; give the folder `kvedge export` wrote"
+    return f"model folder {str(path)!r} does not exist"

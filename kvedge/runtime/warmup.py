@@ -20,7 +20,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ class WarmupReport:
     loaded: list[str]
     rebuilt: dict[str, str]  # name -> why
     seconds: float
+    unwritten: dict[str, str] = field(default_factory=dict)  # rebuilt, not stored: why
 
 
 def prefix_ids(tokenizer: ChatTokenizer, spec: PrefixSpec) -> list[int]:
@@ -103,7 +104,7 @@ def warm_up(
     started = time.perf_counter()
     fingerprint, graph = manifest.source_fingerprint, manifest.onnx_fingerprint
     geometry = manifest.geometry
-    store, loaded, rebuilt = PrefixStore(), [], {}
+    store, loaded, rebuilt, unwritten = PrefixStore(), [], {}, {}
     for spec in tqdm(config.prefixes, desc="warm-up", unit="prefix", disable=len(config.prefixes) < 2):
         ids = prefix_ids(tokenizer, spec)
         if len(ids) >= geometry.max_len:
@@ -129,7 +130,8 @@ def warm_up(
             prefix = compute_prefix(backend, cache, spec.name, ids)
             try:
                 write_warm_file(path, prefix, geometry, fingerprint, graph_fingerprint=graph)
-            except OSError as exc:  # e.g. a directory holds the name: serve the prefix from memory
+            except OSError as exc:  # e.g. a full disk: serve the prefix from memory
+                unwritten[spec.name] = exc.strerror or str(exc)
                 log.warning("warm prefix %s: cannot write %s (%s); kept in memory only", spec.name, path, exc)
         store.prefixes.append(prefix)
     for stale in folder.glob(f".*{SUFFIX}.*.tmp"):  # left by a crash mid-write
@@ -138,7 +140,7 @@ def warm_up(
                 stale.unlink()
             except OSError as exc:
                 log.warning("cannot remove %s: %s", stale, exc)
-    report = WarmupReport(loaded=loaded, rebuilt=rebuilt, seconds=time.perf_counter() - started)
+    report = WarmupReport(loaded, rebuilt, time.perf_counter() - started, unwritten)
     log.info("warm-up: %d loaded, %d recomputed in %.2f s", len(loaded), len(rebuilt), report.seconds)
     return store, report
 

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import getpass
 import logging
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -159,10 +160,29 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The service's socket, bound (uvicorn listens on it): bound before the model loads, so a
+    port in use is said in one line at once, not after loading and warm-up (uvicorn binds
+    after its start-up, which starts the load)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise KvedgeError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses it or choose "
+            "another --port"
+        ) from None
+    return sock
+
+
 def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) -> None:
     """Serve until SIGTERM/SIGINT. /health turns ready after the model loads and `warmup` (default:
     `config.warmup_tokens` greedy decode steps) returns; warm-up files can hook in here."""
     manifest = Manifest.load(config.model)  # a broken folder fails here, before the port opens
+    listening = listening_socket(config.host, config.port)  # a port in use fails before the load
     if logging.getLogger("kvedge.serve").getEffectiveLevel() > logging.INFO:
         # where it listens and one line per request: a service's record, with or without -v
         logging.getLogger("kvedge.serve").setLevel(logging.INFO)
@@ -205,6 +225,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
         server.should_exit = True
 
     engine.on_failure = failed
-    server.run()
+    with listening:
+        server.run(sockets=[listening])
     if engine.state == "failed":
         raise KvedgeError("the model could not be loaded; see the log above")
