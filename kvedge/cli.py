@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import getpass
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +29,9 @@ from kvedge.contract import (
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.sessions import POLICIES
+
+if TYPE_CHECKING:
+    from kvedge.runtime.generate import Event
 
 log = logging.getLogger("kvedge")
 
@@ -236,9 +241,10 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
     )
 
 
-def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> Any:
-    """Echo the events' text; with a tokenizer, each token's log probabilities to stderr too."""
-    last = None
+def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> list[Any]:
+    """Echo the events' text (with a tokenizer, each token's log probabilities to stderr too);
+    return the events."""
+    seen = []
     for event in events:
         click.echo(event.text, nl=False)
         sys.stdout.flush()
@@ -246,9 +252,9 @@ def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> Any:
             best = ", ".join(f"{logprob_tokenizer.decode([t])!r} {p:.3f}" for t, p in event.top_logprobs)
             token = logprob_tokenizer.decode([event.token])
             click.echo(f"\n  [{token!r} {event.logprob:.3f}; top: {best}]", err=True)
-        last = event
+        seen.append(event)
     click.echo()
-    return last
+    return seen
 
 
 @click.group()
@@ -476,16 +482,18 @@ def generate(
     model_dir: Path,
     **kwargs: Any,
 ) -> None:
-    """Answer PROMPT in one chat turn, streamed to stdout."""
+    """Answer PROMPT in one chat turn, streamed to stdout. A reply cut short by --max-new-tokens
+    or the context is said so on stderr; with --json-schema, --regex or --grammar, an output cut
+    before the constraint is complete exits with status 1."""
     if not prompt:
         raise KvedgeError("PROMPT is empty; give the text to answer (a non-empty argument)")
-    config = dataclasses.replace(
-        _sampling(kwargs), constraint=_constraint(json_schema, regex, grammar), logprobs=logprobs
-    )
+    constraint = _constraint(json_schema, regex, grammar)
+    config = dataclasses.replace(_sampling(kwargs), constraint=constraint, logprobs=logprobs)
     model = _load_model(model_dir, kwargs)
-    last = _print_stream(
+    events = _print_stream(
         model.stream(prompt, config, raw=raw), model.tokenizer if logprobs is not None else None
     )
+    last = events[-1]
     log.info(
         "%d prompt + %d completion tokens, first token %.0f ms, %.1f tokens/s (%s)",
         last.prompt_tokens,
@@ -494,6 +502,29 @@ def generate(
         last.completion_tokens / max(last.seconds, 1e-9),
         last.finish_reason,
     )
+    cut = _cut(last, config.max_new_tokens, model.manifest.geometry.max_len)
+    if cut is None:
+        return
+    tokens = [e.token for e in events if e.token is not None]
+    if constraint is not None and not model.grammars.accepts(constraint, tokens):
+        option = "--json-schema" if json_schema else "--regex" if regex else "--grammar"
+        raise KvedgeError(f"{cut}, before the output was complete: it does not satisfy {option}")
+    click.echo(f"kvedge: {cut}", err=True)
+
+
+def _cut(last: Event, max_new_tokens: int, max_len: int | None) -> str | None:
+    """Why the reply that `last` ended was cut short, or None if it was not."""
+    if last.finish_reason != "length":
+        return None
+    # Turn.sample checks max_new_tokens before room: a reply that reached it was cut by it
+    if last.completion_tokens >= max_new_tokens:
+        return f"the reply was cut at --max-new-tokens {max_new_tokens}"
+    context = "the context" if max_len is None else f"the model's context ({max_len} tokens)"
+    return f"the reply was cut after {last.completion_tokens} tokens: {context} is full"
+
+
+# (conversation, stop) -> the reply's events; `stop` is asked between steps and ends the reply
+Answer = Callable[[Sequence[dict[str, str]], Callable[[], bool]], Iterator[Any]]
 
 
 @main.command()
@@ -502,17 +533,19 @@ def generate(
 @click.option("--url", default=None, help="Talk to a running `kvedge serve` (e.g. http://127.0.0.1:8000).")
 @user_errors
 def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: Any) -> None:
-    """Interactive multi-turn chat. /reset starts over, /exit quits."""
+    """Interactive multi-turn chat. /reset starts over, /exit quits. Ctrl-C stops a reply (what
+    it wrote stays in the conversation); at the prompt, or twice during a reply, it quits."""
     config = _sampling(kwargs)
     if url is not None:
         from kvedge.serve.client import RemoteChat
 
-        answer = RemoteChat(url, config).stream
+        answer: Answer = RemoteChat(url, config).events
+        max_len = None
     elif model_dir is None:
         raise click.UsageError("give --model DIR, or --url of a running `kvedge serve`")
     else:
         model = _load_model(model_dir, kwargs)
-        answer = lambda messages: (event.text for event in model.chat(messages, config))  # noqa: E731
+        answer, max_len = _local_answer(model, config), model.manifest.geometry.max_len
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     while True:
@@ -530,14 +563,73 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
             click.echo("(conversation reset)")
             continue
         messages.append({"role": "user", "content": line})
-        click.echo("assistant> ", nl=False)
-        reply = []
-        for text in answer(messages):
-            reply.append(text)
-            click.echo(text, nl=False)
+        try:
+            reply = _chat_turn(answer, messages, config.max_new_tokens, max_len)
+        except KeyboardInterrupt:  # Ctrl-C twice before the reply stopped
+            click.echo()
+            return
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _local_answer(model: Any, config: Any) -> Answer:
+    def answer(messages: Sequence[dict[str, str]], stop: Callable[[], bool]) -> Iterator[Any]:
+        events = model.chat(messages, config, stop=stop)  # begins the turn: the slot is reused now
+        log.info("chat: %d tokens of the conversation reused from the cache", model.sessions[0].reused_tokens)
+        return events
+
+    return answer
+
+
+def _chat_turn(
+    answer: Answer, messages: Sequence[dict[str, str]], max_new_tokens: int, max_len: int | None
+) -> str:
+    """Stream one reply to stdout and return its text: all of it, or what was shown when Ctrl-C
+    stopped it (`ctrl_c_stops`), which the conversation keeps (the model's slot keeps its tokens,
+    as the service's does when a client disconnects)."""
+    click.echo("assistant> ", nl=False)
+    reply, last = [], None
+    with ctrl_c_stops() as stopped, contextlib.closing(answer(messages, stopped)) as events:
+        for event in events:
+            reply.append(event.text)
+            click.echo(event.text, nl=False)
             sys.stdout.flush()
-        click.echo()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+            last = event
+    click.echo()
+    if last is None or last.finish_reason is None:  # Ctrl-C stopped it before its end
+        log.info("chat: reply stopped after %d tokens", len(reply))
+        click.echo("(stopped: the reply so far stays in the conversation)", err=True)
+    else:
+        log.info(
+            "chat: %d prompt + %d reply tokens (%s)",
+            last.prompt_tokens,
+            last.completion_tokens,
+            last.finish_reason,
+        )
+        cut = _cut(last, max_new_tokens, max_len)
+        if cut is not None:
+            click.echo(f"kvedge: {cut}", err=True)
+    return "".join(reply)
+
+
+@contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
+    """While a reply streams, the first Ctrl-C (SIGINT) only asks it to stop: the runtime and the
+    remote client ask the returned function between steps, so the reply ends at a step boundary
+    and never in the middle of a cache write (a KeyboardInterrupt could land anywhere). A second
+    Ctrl-C before it stopped raises KeyboardInterrupt: the user wants out."""
+    pressed = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal pressed
+        if pressed:
+            raise KeyboardInterrupt
+        pressed = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @main.command("warm-prefixes")

@@ -140,6 +140,14 @@ class Grammars:
         assert self._worker is not None
         return Matcher(matcher, self.vocab_size, self._worker)
 
+    def accepts(self, constraint: Constraint, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` are a whole output of `constraint`: the grammar may end after them (a
+        turn cut by max_new_tokens or the context may stop short of that)."""
+        matcher = self.matcher(constraint)
+        for token in tokens:
+            matcher.accept(token)
+        return bool(matcher.matcher.is_accepting())
+
 
 class Matcher:
     """One turn's grammar state."""

@@ -312,11 +312,17 @@ class Model:
         return self.chat([{"role": "user", "content": prompt}], config, slot=slot)
 
     def chat(
-        self, messages: Sequence[dict[str, str]], config: SamplingConfig, slot: int = 0
+        self,
+        messages: Sequence[dict[str, str]],
+        config: SamplingConfig,
+        slot: int = 0,
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[Event]:
-        """Answer the conversation `messages` in `slot`, reusing whatever prefix the slot holds."""
+        """Answer the conversation `messages` in `slot`, reusing whatever prefix the slot holds.
+        `stop`, asked before each step: when true the turn ends there (no final event), what it
+        wrote kept in the slot, as when the service's client disconnects."""
         ids = self.encode_chat(messages, config.max_new_tokens)
-        return self._run(self.begin(slot, ids, config))
+        return self._run(self.begin(slot, ids, config), stop)
 
     def prepare(self, slot: int, ids: Sequence[int]) -> np.ndarray:
         """Bring `slot` to hold `ids` (reusing what it can) and return next-token logits [vocab]."""
@@ -331,10 +337,10 @@ class Model:
             self.end(turn)
         return logits
 
-    def _run(self, turn: Turn) -> Iterator[Event]:
+    def _run(self, turn: Turn, stop: Callable[[], bool] | None = None) -> Iterator[Event]:
         """The turn's events, one `step` at a time; an error is raised. Ending the iteration
-        early (or dropping it) ends the turn. A prompt of more than four chunks shows a
-        progress bar on stderr while it is prefilled (minutes on a small board)."""
+        early (or dropping it, or `stop` turning true) ends the turn. A prompt of more than four
+        chunks shows a progress bar on stderr while it is prefilled (minutes on a small board)."""
         progress = tqdm(
             total=len(turn.todo),
             desc="prefill",
@@ -343,7 +349,7 @@ class Model:
             disable=len(turn.todo) <= 4 * turn.chunk,
         )
         try:
-            while not turn.done:
+            while not turn.done and not (stop is not None and stop()):
                 todo = len(turn.todo)
                 event = self.step([turn]).events.get(turn)
                 progress.update(todo - len(turn.todo))

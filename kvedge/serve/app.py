@@ -516,7 +516,7 @@ class ChatReply(Reply):
 
     def finish(self, event: Event) -> tuple[list[dict[str, Any]], str]:
         """The last deltas and the finish reason ("tool_calls" when the reply is calls)."""
-        deltas, calls = self.parser.finish()
+        deltas, calls = self.parser.finish(cut=event.finish_reason == "length")
         return deltas, "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
 
     def opening(self) -> list[dict[str, Any]]:

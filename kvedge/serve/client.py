@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
 
 from kvedge.errors import KvedgeError
-from kvedge.runtime.generate import SamplingConfig
+from kvedge.runtime.generate import Event, SamplingConfig
 
 API_KEY_ENV = "KVEDGE_API_KEY"
 
@@ -40,28 +40,45 @@ class RemoteChat:
             extras["repetition_penalty"] = c.repetition_penalty
         return body | {k: v for k, v in extras.items() if v is not None}
 
-    def stream(self, messages: Sequence[dict[str, str]]) -> Iterator[str]:
-        """The assistant's reply to `messages`, as text deltas."""
+    def events(
+        self, messages: Sequence[dict[str, str]], stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[Event]:
+        """The assistant's reply to `messages`: an event per text delta, then one with the finish
+        reason and the usage counts. `stop`, asked before each line of the stream: when true the
+        stream is closed there, and the server ends the turn as for any client that disconnects
+        (its slot keeps what it wrote)."""
         try:
             with self.client.stream("POST", self.url, json=self.request(messages)) as response:
                 if response.status_code != 200:
                     response.read()
                     raise KvedgeError(f"server answered {response.status_code}: {_message(response)}")
                 for line in response.iter_lines():
+                    if stop():
+                        return
                     if not line.startswith("data: "):
                         continue
                     data = line.removeprefix("data: ")
                     if data == "[DONE]":
                         return
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise KvedgeError(f"server error: {chunk['error'].get('message')}")
-                    for choice in chunk.get("choices", []):
-                        text = choice.get("delta", {}).get("content")
-                        if text:
-                            yield text
+                    yield from _chunk_events(json.loads(data))
         except httpx.HTTPError as exc:
             raise KvedgeError(f"cannot talk to {self.url}: {exc}") from None
+
+
+def _chunk_events(chunk: dict[str, Any]) -> Iterator[Event]:
+    if "error" in chunk:
+        raise KvedgeError(f"server error: {chunk['error'].get('message')}")
+    usage = chunk.get("usage") or {}
+    for choice in chunk.get("choices", []):
+        text = choice.get("delta", {}).get("content") or ""
+        finish = choice.get("finish_reason")
+        if text or finish:
+            yield Event(
+                text=text,
+                finish_reason=finish,
+                prompt_tokens=usage.get("prompt_tokens", 0),
+                completion_tokens=usage.get("completion_tokens", 0),
+            )
 
 
 def _message(response: httpx.Response) -> str:

@@ -116,7 +116,7 @@ class ChatRequest:
     include_usage: bool
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "none"  # "none", "auto", "required" or a function name
-    parallel_tool_calls: bool = True  # False: at most one call per reply
+    parallel_tool_calls: bool = True  # False: at most one call per reply (`parallel_default`)
     constraint: Constraint | None = None  # from response_format
     logprobs: int | None = None  # None: off; k: log probabilities with the k most likely
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -192,12 +192,25 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=_optional(
-            body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True
+            body,
+            "parallel_tool_calls",
+            lambda v: isinstance(v, bool),
+            "true or false",
+            parallel_default(tool_choice),
         ),
         constraint=constraint,
         logprobs=(top or 0) if logprobs else None,
         template_kwargs=dict(kwargs),
     )
+
+
+def parallel_default(tool_choice: str) -> bool:
+    """parallel_tool_calls when the request does not give it: true (OpenAI's default), except for
+    a named function, where it is false: a client that names the function asks for that call
+    (LangChain's `bind_tools(tool_choice=...)` and `with_structured_output` read only the first),
+    so the reply ends after it. A small model otherwise goes on writing calls until max_tokens
+    cuts one (issue 28). `parallel_tool_calls: true` given explicitly still allows several."""
+    return tool_choice in ("auto", "required", "none")
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

@@ -43,6 +43,12 @@ function it is the family's calls, each call's JSON matching {"name": <a given f
 or plain text that does not start with the family's `opening` ("<", "{", "["); with "none" it is
 not constrained and not read for calls. JSON is written with ", " and ": " separators, the way
 `json.dumps` and chat templates' `tojson` write it, so a call renders back into the same text.
+Several calls are allowed with `parallel_tool_calls` (protocol.py: its default is true, but one
+call for a named function).
+
+A reply cut short (max_tokens, or the context full: finish_reason "length") in the middle of its
+calls gives the calls that completed before the cut (`ToolFormat.completed`) and never the
+half-written markup as content.
 
 Reasoning: when the template has a thinking block (`<think>`), text between `<think>` and
 `</think>` at the start of the reply is `reasoning_content`; `chat_template_kwargs:
@@ -294,6 +300,10 @@ class ToolFormat:
         """The OpenAI tool calls `text` is made of, or None if it is not entirely calls."""
         raise NotImplementedError
 
+    def completed(self, text: str) -> list[dict[str, Any]]:
+        """The calls that completed in `text`, a reply of calls cut short (maybe inside the first)."""
+        raise NotImplementedError
+
 
 class Hermes(ToolFormat):
     """<tool_call> blocks: the template's own ("native") or kvedge's prompt ("fallback")."""
@@ -313,7 +323,11 @@ class Hermes(ToolFormat):
         return tool_constraint(tools, choice, parallel)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        return _parse_calls(text)
+        calls, rest = _parse_calls(text)
+        return None if rest or not calls else calls
+
+    def completed(self, text: str) -> list[dict[str, Any]]:
+        return _parse_calls(text)[0]
 
 
 class Llama3Json(ToolFormat):
@@ -350,6 +364,9 @@ class Llama3Json(ToolFormat):
         ):
             return None
         return [_openai_call(0, "call_" + uuid.uuid4().hex[:24], call["name"], call["parameters"])]
+
+    def completed(self, text: str) -> list[dict[str, Any]]:
+        return self.calls(text) or []  # one call per reply: cut, it did not complete
 
 
 class Mistral(ToolFormat):
@@ -390,28 +407,51 @@ class Mistral(ToolFormat):
         return Constraint("lark", start + calls)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
+        calls, complete = self._read(text)
+        return calls if complete and calls else None
+
+    def completed(self, text: str) -> list[dict[str, Any]]:
+        return self._read(text)[0]
+
+    def _read(self, text: str) -> tuple[list[dict[str, Any]], bool]:
+        """The calls of the list `text` holds, up to the first that is not a whole valid call, and
+        whether that is the whole text (the list closed, nothing after it)."""
         # the tokenizer's own [TOOL_CALLS] token is not in the decoded text; a written one is
         text = text.removeprefix(MISTRAL_MARK).lstrip()
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(calls, list) or not calls:
-            return None
+        if not text.startswith("["):
+            return [], False
+        decoder = json.JSONDecoder()
         out: list[dict[str, Any]] = []
-        for call in calls:
+        at = 1
+        while True:
+            try:
+                call, at = decoder.raw_decode(text, _skip_space(text, at))
+            except ValueError:
+                return out, False
             if not (
                 isinstance(call, dict)
                 and isinstance(call.get("name"), str)
                 and isinstance(call.get("arguments"), dict)
                 and isinstance(call.get("id"), str)
             ):
-                return None
+                return out, False
             call_id = call["id"]
             if call_id in {c["id"] for c in out}:  # ids must tell calls apart; the model may repeat one
                 call_id = mistral_id(f"{call_id}#{len(out)}")
             out.append(_openai_call(len(out), call_id, call["name"], call["arguments"]))
-        return out
+            at = _skip_space(text, at)
+            if text[at : at + 1] == "]":
+                return out, not text[at + 1 :].strip()
+            if text[at : at + 1] != ",":
+                return out, False
+            at += 1
+
+
+def _skip_space(text: str, at: int) -> int:
+    """The index of the first character at or after `at` that is not JSON whitespace."""
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def mistral_id(call_id: str) -> str:
@@ -467,18 +507,31 @@ class ReplyParser:
                 return out
             out.extend(step)
 
-    def finish(self) -> tuple[list[dict[str, Any]], bool]:
-        """The remaining deltas, and whether they are tool calls."""
+    def finish(self, cut: bool = False) -> tuple[list[dict[str, Any]], bool]:
+        """The remaining deltas, and whether they are tool calls. `cut`: the reply was cut short
+        (finish_reason "length"), so calls it was writing give only those that completed."""
         rest = self.text[self.done :]
         self.done = len(self.text)
         if self.mode == "tool":
             calls = self.fmt.calls(rest.strip())
             if calls is not None:
                 return [{"tool_calls": calls}], True
+            if cut:
+                calls = self.fmt.completed(rest.strip())
+                return ([{"tool_calls": calls}] if calls else []), bool(calls)
             return [{"content": rest}], False
+        if self.waiting_for_opening(rest) and cut:  # cut while writing the opening of a call
+            return [], False
         if self.mode in ("start", "reasoning"):
             return ([{"reasoning_content": rest}] if rest else []), False
         return ([{"content": rest}] if rest else []), False
+
+    def waiting_for_opening(self, rest: str) -> bool:
+        """Whether `rest`, the text not yet turned into deltas, could still open calls."""
+        if self.mode != "content" or self.content_started or not self.tools:
+            return False
+        stripped = rest.lstrip()
+        return bool(stripped) and self.fmt.opening.startswith(stripped)
 
     def _advance(self) -> list[dict[str, Any]] | None:
         """One state change or emission; None when more text is needed."""
@@ -537,27 +590,27 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _parse_calls(text: str) -> list[dict[str, Any]] | None:
-    """The tool calls in `text` (blocks, optionally separated by whitespace), or None if it is
-    not entirely made of valid blocks."""
+def _parse_calls(text: str) -> tuple[list[dict[str, Any]], str]:
+    """The tool calls of the valid blocks `text` starts with (separated by whitespace), and the
+    text after them: "" when `text` is entirely valid blocks."""
     calls: list[dict[str, Any]] = []
     rest = text.strip()
     while rest:
         if not rest.startswith(OPEN) or CLOSE not in rest:
-            return None
-        body, _, rest = rest[len(OPEN) :].partition(CLOSE)
-        rest = rest.lstrip()
+            break
+        body, _, after = rest[len(OPEN) :].partition(CLOSE)
         try:
             call = json.loads(body)
         except ValueError:
-            return None
+            break
         if not (
             isinstance(call, dict)
             and isinstance(call.get("name"), str)
             and isinstance(call.get("arguments"), dict)
         ):
-            return None
+            break
         calls.append(
             _openai_call(len(calls), "call_" + uuid.uuid4().hex[:24], call["name"], call["arguments"])
         )
-    return calls or None
+        rest = after.lstrip()
+    return calls, rest
