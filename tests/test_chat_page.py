@@ -33,7 +33,19 @@ from kvedge.serve.engine import Engine
 from kvedge.serve.metrics import Metrics
 
 PERSONA = "You are the helpful assistant of a kiosk."
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+            "required": ["city"],
+        },
+    },
+}
 LONG = 440  # tokens: a reply that streams for a second or more on the tiny model
+ENDLESS = 1800  # tokens: a reply that would stream for several seconds, to be stopped
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromedriver")
 # what a script in a reply would set if it ran; the page never defines it
 PWNED = "kvPwned"
@@ -44,7 +56,7 @@ HOSTILE = f"<script>window.{PWNED}=1</script><img src=x onerror=window.{PWNED}=2
 def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("page")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportOptions(max_len=512))
+    export_model(source, root / "out", ExportOptions(max_len=2048))  # room for a tools prompt
     return root / "out"
 
 
@@ -282,7 +294,7 @@ def test_reply_streams_in_visible_updates_with_its_stats(page, server, client):
 
 def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     before = server.metrics()
-    page.settings(temperature="0", **{"max-tokens": str(LONG)})
+    page.settings(temperature="0", **{"max-tokens": str(ENDLESS)})
     page.type("Tell me a long story.")
     page.wait(lambda: len((page.replies() or [{"text": ""}])[-1]["text"]) > 20)
     page.el("#stop").click()
@@ -292,11 +304,11 @@ def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     after = server.wait_idle(timeout_s=2)
     assert time.monotonic() - clicked < 1.0
     assert after["kvedge_requests_cancelled_total"] == before["kvedge_requests_cancelled_total"] + 1
-    assert after["kvedge_completion_tokens_total"] - before["kvedge_completion_tokens_total"] < LONG / 2
+    assert after["kvedge_completion_tokens_total"] - before["kvedge_completion_tokens_total"] < ENDLESS / 2
     assert page.js("return document.getElementById('send').hidden") is False  # ready for the next
 
 
-def test_third_reply_equals_the_openai_clients_and_turns_reuse_the_cache(page, client):
+def test_third_reply_equals_the_openai_clients_and_turns_reuse_the_cache(page, client, tmp_path):
     page.settings(temperature="0", **{"max-tokens": "24"})
     questions = ["Hello! How are you today?", "What is a KV cache?", "What is the capital of France?"]
     replies = [page.reply(q) for q in questions]
@@ -307,6 +319,8 @@ def test_third_reply_equals_the_openai_clients_and_turns_reuse_the_cache(page, c
     assert replies[2]["text"] == greedy(client, messages, 24)
     cached = [int(r["stats"].split(" of ")[0].split(" · ")[-1]) for r in replies]
     assert cached[1] > 0 and cached[2] > cached[1], replies  # each turn prefills only its new part
+    shot = tmp_path / "chat-page.png"  # docs/chat-page.png is this, with the real default model
+    assert page.driver.save_screenshot(shot) and shot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_markup_in_a_reply_is_shown_as_text_and_runs_nothing(page):
@@ -317,6 +331,33 @@ def test_markup_in_a_reply_is_shown_as_text_and_runs_nothing(page):
     assert page.js(f"return window.{PWNED}") is None
     assert page.js("return document.querySelectorAll('#log script, #log img, #log a').length") == 0
     assert json.loads(answer["text"]) == HOSTILE  # every character shown, as text
+
+
+def test_tool_calls_show_as_calls_and_their_results_go_back(page, client):
+    from selenium.webdriver.support.select import Select
+
+    page.settings(temperature="0", **{"max-tokens": "100", "tools": json.dumps([WEATHER])})
+    Select(page.el("#tool-choice")).select_by_value("required")
+    answer = page.reply("What is the weather in Paris?")
+    assert "finish: tool_calls" in answer["stats"] and answer["text"] == ""
+    calls = page.js(
+        "return [...document.querySelectorAll('#log .msg.assistant .call')].map(c => c.textContent)"
+    )
+    want = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=100,
+    ).choices[0]
+    assert calls == [f"{c.function.name}({c.function.arguments})" for c in want.message.tool_calls]
+    assert calls[0].startswith("get_weather(")
+    assert page.el("#input").get_attribute("placeholder") == f"Result of {calls[0]}"
+    Select(page.el("#tool-choice")).select_by_value("none")
+    after = page.reply("Sunny, 21 C.")  # the call's result, then the model's next reply
+    assert after["state"] == "done" and page.js("return document.getElementById('error').hidden")
+    assert page.js("return document.querySelector('#log .msg.tool .content').textContent") == "Sunny, 21 C."
 
 
 def test_regenerate_edit_new_chat_and_shift_enter(page, client):

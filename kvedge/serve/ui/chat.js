@@ -123,7 +123,7 @@ function requestBody() {
   const schema = jsonField("schema", "the reply format");
   if (schema) body.response_format = { type: "json_schema", json_schema: { name: "reply", schema } };
   const tools = jsonField("tools", "the tools list");
-  if (tools) body.tools = tools;
+  if (tools) Object.assign(body, { tools, tool_choice: $("tool-choice").value });
   return body;
 }
 
@@ -177,7 +177,6 @@ async function reply() {
   const msg = { role: "assistant", content: "", state: "streaming" };
   chat.messages.push(msg);
   render();
-  const view = $("log").lastElementChild;
   const timing = { started: performance.now(), first: null, ended: null };
   let usage = null;
   let finish = null;
@@ -208,7 +207,8 @@ async function reply() {
         applyDelta(msg, delta);
         if (choice.finish_reason) finish = choice.finish_reason;
       }
-      fillMessage(view, msg, chat.messages.length - 1);
+      // the reply is the last view, even if a settings change drew the log anew meanwhile
+      fillMessage($("log").lastElementChild, msg, chat.messages.length - 1);
     }
     msg.state = "done";
   } catch (err) {
@@ -308,6 +308,8 @@ function render() {
   const log = $("log");
   const chosen = persona();
   const views = [];
+  if (chosen) views.push(element("p", "note", `persona: ${chosen.name} (a warm prefix)`));
+  else if ($("system").value.trim()) views.push(element("p", "note", "system prompt: see Settings"));
   for (const m of chosen ? chosen.messages.filter((p) => p.role !== "system") : []) {
     views.push(element("article", "msg persona", `${m.role} (persona): ${m.content}`));
   }
@@ -406,6 +408,7 @@ function editSystem() {
   const system = persona()?.messages.find((m) => m.role === "system");
   if (system && $("system").value !== system.content) $("persona").value = ""; // no longer that prefix
   save();
+  render();
 }
 
 function save() {
