@@ -47,6 +47,7 @@ setup(
     package_dir={"kvedge._configs": "configs"},
     package_data={
         "kvedge.calibrate.data": ["*.jsonl"],
+        "kvedge.serve.ui": ["*.html", "*.js", "*.css", "*.svg"],  # the chat page (GET /)
         "kvedge._configs": ["*.md", "*.service"],
         **{name: ["*.yaml"] for name in configs[1:]},
     },

@@ -687,6 +687,9 @@ main.add_command(  # the former name of warm-prefixes, kept for scripts that sti
 @click.option("--queue-size", type=int, help="Requests that may wait for a slot before 429.")
 @click.option("--threads", type=int, help="onnxruntime intra-op threads (default: all cores).")
 @click.option("--device", type=click.Choice(DEVICES), help="cpu (default), cuda or tensorrt.")
+@click.option(
+    "--ui/--no-ui", default=None, help="Serve the chat page at / (default: on for a loopback host only)."
+)
 @click.option("--check", is_flag=True, help="Validate the config and load the model once, then exit.")
 @click.option("--print-systemd-unit", is_flag=True, help="Print a systemd unit for this install and exit.")
 @user_errors

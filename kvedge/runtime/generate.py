@@ -261,6 +261,7 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those reused from the slot or a stored prefix
     time_to_first_token_s: float | None = None
     seconds: float = 0.0
     error: Exception | None = None
@@ -365,6 +366,7 @@ class Turn:
             finish_reason=reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.produced,
+            cached_tokens=self.reused_tokens,
             time_to_first_token_s=self.first_token_at,
             seconds=time.perf_counter() - self.started,
             error=error,

@@ -3,11 +3,15 @@
 Routes::
 
     POST /v1/chat/completions   OpenAI chat completions, JSON or `stream: true` server-sent events
-    GET  /v1/models[/{id}]      the one served model
+    GET  /v1/models[/{id}]      the one served model, with its `warm_prefixes`: [{name, messages}]
+                                (or {name, text}), what a conversation starts with to reuse their KV
     GET  /health                200 {"status": "ready"} after load and warm-up, else 503 with the state
     GET  /metrics               Prometheus text (see metrics.py)
+    GET  /, /ui/<file>          the chat page, when the `ui` setting is on (kvedge/serve/ui/)
 
-With an API key configured every route but /health needs `Authorization: Bearer <key>`.
+With an API key configured every route but /health and the (static) chat page needs
+`Authorization: Bearer <key>`. Usage counts carry `prompt_tokens_details.cached_tokens`: the prompt
+tokens taken from the slot or a stored prefix instead of being prefilled.
 Handlers run on the event loop and never touch onnxruntime: they validate the body, render and
 count the prompt (tokenizer only, in a worker thread), submit a `Job` and relay its events.
 """
@@ -31,9 +35,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvedge.configs import load_warmup_config
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
-from kvedge.serve import protocol, tools
+from kvedge.serve import protocol, tools, ui
 from kvedge.serve.config import ServiceConfig
 from kvedge.serve.engine import Engine, Job, NotReady, QueueFull, ShuttingDown
 from kvedge.serve.metrics import Metrics
@@ -89,7 +94,7 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         return error_response(ApiError(500, "internal server error", type="server_error"))
 
     return Starlette(
-        routes=api.routes(),
+        routes=api.routes() + (ui.routes() if config.ui else []),
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
@@ -106,6 +111,7 @@ class Api:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "kvedge",
+            "warm_prefixes": warm_prefix_cards(config),
         }
 
     def routes(self) -> list[Route]:
@@ -315,6 +321,22 @@ class Api:
             log_request(request, status, job)
 
 
+def warm_prefix_cards(config: ServiceConfig) -> list[dict[str, Any]]:
+    """The warm prefixes the service loads before ready, as a client starts a conversation that
+    reuses one: its chat messages (or raw text, for /v1/completions). The chat page offers them
+    by name."""
+    if config.warm_prefixes is None:
+        return []
+    cards = []
+    for spec in load_warmup_config(config.warm_prefixes).prefixes:
+        if spec.messages is None:
+            cards.append({"name": spec.name, "text": spec.text})
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+            cards.append({"name": spec.name, "messages": messages})
+    return cards
+
+
 def log_request(request: Request, status: int, job: Job) -> None:
     """One line per request that reached the engine: status, tokens, time to first token."""
     now = time.monotonic()
@@ -440,8 +462,8 @@ class Reply:
         self.id, self.model, self.prompt_tokens, self.include_usage = id, model, prompt_tokens, include_usage
         self.tokenizer = tokenizer  # set when log probabilities were asked for
 
-    def usage(self, final: Event) -> dict[str, int]:
-        return protocol.usage(self.prompt_tokens, final.completion_tokens)
+    def usage(self, final: Event) -> dict[str, Any]:
+        return protocol.usage(self.prompt_tokens, final.completion_tokens, final.cached_tokens)
 
     async def collect(self, events: asyncio.Queue[Event], request: Request) -> Response:
         """Wait for the whole reply, or give up as soon as the client disconnects."""
@@ -495,7 +517,7 @@ class Reply:
     def chunks(self, event: Event) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -539,7 +561,7 @@ class ChatReply(Reply):
             chunks.append(protocol.chunk_body(self.id, self.model, {}, finish, usage))
         return chunks
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return protocol.chunk_body(self.id, self.model, {}, usage=usage, choices=False)
 
     def body(self, events: list[Event], final: Event) -> dict[str, Any]:
@@ -593,7 +615,7 @@ class TextReply(Reply):
             [body] if event.text or event.finish_reason is not None or body["choices"][0]["logprobs"] else []
         )
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         body = protocol.text_completion_body(self.id, self.model, "", None, usage)
         body["choices"] = []
         return body

@@ -34,6 +34,8 @@ File format (every key optional except `model`, which may come from `--model` in
     memory_budget: null             # bytes the service may use; null = MemAvailable at start-up
     prefix_cache_bytes: 0           # in-memory store of conversation prefixes seen at run time, kept
                                     # when their slot goes to another conversation (LRU); 0 = off
+    ui: null                        # the chat page at GET /: true | false | null = on for a loopback
+                                    # host, off otherwise (the page is public: see `ui_default`)
 
 Command-line flags override the file. Every error names where the value came from (file or flag),
 the key and what is allowed. Old key names still read, with a warning naming the new one:
@@ -125,6 +127,9 @@ class ServiceConfig:
     prefix_cache_bytes: Annotated[
         int, Meta(ge=0, le=2**50, description="a number of bytes >= 0 (0 = off)")
     ] = 0
+    ui: Annotated[  # None only until load_service_config applies `ui_default`
+        bool | None, Meta(description="true, false, or null (on for a loopback host, off otherwise)")
+    ] = None
     api_key: str | None = field(default=None, repr=False)  # read from $api_key_env, never logged
 
     @property
@@ -142,6 +147,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name may resolve anywhere
+
+
+def ui_default(host: str) -> bool:
+    """Whether the chat page is served when the config does not say. On a loopback host, yes: only
+    this device reaches it (a kiosk's browser). On any other address, no: such a bind always has
+    an API key, so the page could do nothing without it, but a static page anyone on the network
+    can open is one more thing a service exposes, and an API server should grow one only when
+    asked (`ui: true` or `--ui`, e.g. for a phone on the same network)."""
+    return is_loopback(host)
 
 
 def load_service_config(
@@ -185,7 +199,11 @@ def load_service_config(
         raise KvedgeError("warm_prefixes and warm_dir go together: set both or neither")
     if config.warm_prefixes is not None and not config.warm_prefixes.is_file():
         raise KvedgeError(f"{origin['warm_prefixes']}={str(config.warm_prefixes)!r}: no such file")
-    config = dataclasses.replace(config, model_name=config.model_name or config.model.resolve().name)
+    config = dataclasses.replace(
+        config,
+        model_name=config.model_name or config.model.resolve().name,
+        ui=ui_default(config.host) if config.ui is None else config.ui,
+    )
     return dataclasses.replace(config, api_key=_api_key(config, origin, environ))
 
 

@@ -95,12 +95,13 @@ class Engine:
         warmup: Callable[[Model], None] | None = None,
         on_failure: Callable[[], None] = lambda: None,
         batch_decode: bool = True,
+        on_ready: Callable[[], None] = lambda: None,
     ) -> None:
         self._load, self._warmup = load, warmup
         self.queue_size = queue_size
         self.batch_decode = batch_decode
         self.metrics = metrics
-        self.on_failure = on_failure
+        self.on_failure, self.on_ready = on_failure, on_ready
         self.model: Model | None = None
         self.state = "loading"
         self._cond = threading.Condition()
@@ -208,6 +209,7 @@ class Engine:
                 self.on_failure()
             return
         log.info("ready: %d slots", len(self._free))
+        self.on_ready()
         try:
             self._schedule()
         finally:

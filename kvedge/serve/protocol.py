@@ -398,11 +398,13 @@ def completion_id(prefix: str = "chatcmpl-") -> str:
     return prefix + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens reused from a slot or stored prefix."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -411,7 +413,7 @@ def completion_body(
     model: str,
     message: dict[str, Any],
     finish_reason: str,
-    usage: dict[str, int],
+    usage: dict[str, Any],
     logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     return {
@@ -436,7 +438,7 @@ def chunk_body(
     model: str,
     delta: dict[str, Any],
     finish_reason: str | None = None,
-    usage: dict[str, int] | None = None,
+    usage: dict[str, Any] | None = None,
     choices: bool = True,
     logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
@@ -464,7 +466,7 @@ def text_completion_body(
     model: str,
     text: str,
     finish_reason: str | None,
-    usage: dict[str, int] | None = None,
+    usage: dict[str, Any] | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A `text_completion` (whole, or one streamed chunk when `usage` is None)."""

@@ -24,6 +24,7 @@ from kvedge.serve.config import ServiceConfig, load_service_config
 from kvedge.serve.engine import Engine, decode_warmup
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.systemd import render_unit
+from kvedge.serve.ui import page_url
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
     absolute, as the current user unless that is root (then `kvedge`, a system user)."""
     flags = []
     for key, value in overrides.items():
-        if value is not None:
+        if isinstance(value, bool):  # an on/off flag (--ui / --no-ui) takes no value
+            flags.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
+        elif value is not None:
             value = Path(value).absolute() if key == "model" else value
             flags.append(f"--{key.replace('_', '-')} {value}")
     if config_path is None and not flags:
@@ -224,7 +227,13 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     def failed() -> None:
         server.should_exit = True
 
-    engine.on_failure = failed
+    def ready() -> None:
+        if config.ui:
+            log.info("chat page: %s", page_url(config.host, config.port))
+        else:
+            log.info("API: %sv1 (chat page off: ui is false)", page_url(config.host, config.port))
+
+    engine.on_failure, engine.on_ready = failed, ready
     with listening:
         server.run(sockets=[listening])
     if engine.state == "failed":
