@@ -75,3 +75,49 @@ def check_alignment(name: str, address: int, view: np.ndarray | None = None) -> 
             f"export with a cache length (--max-len, or the ring length of sliding-window layers) "
             f"that is a multiple of {step}"
         )
+
+
+ALL = slice(None)
+KV_MEMORY = ("mapped", "device")  # where a GPU backend's cache pool lives (`--kv-memory`)
+
+
+def check_kv_memory(kv_memory: str, device: str) -> None:
+    """Refuse a `kv_memory` that is not one of `KV_MEMORY`, or a device pool off the GPU."""
+    if kv_memory not in KV_MEMORY:
+        raise KvedgeError(f"--kv-memory {kv_memory!r} is not supported; allowed: {list(KV_MEMORY)}")
+    if kv_memory == "device" and device not in ("cuda", "tensorrt"):
+        raise KvedgeError(
+            f"--kv-memory device puts the cache in GPU memory: it needs --device cuda or tensorrt, "
+            f"not {device!r} (use --kv-memory mapped there)"
+        )
+
+
+class HostMemory:
+    """The cache arrays as numpy arrays in host memory (`page_aligned`): the CPU backend's pool,
+    and the GPU backends' "mapped" pool, which `kvedge.runtime.cuda.MappedHost` page-locks in
+    place so the device reads these very pages.
+
+    `kvedge.runtime.cuda.DeviceMemory` answers the same calls for a pool in device memory; the
+    cache reaches its arrays only through them. Index: `array[layer, kind, slot]` ->
+    [..., heads, L, last], then `columns` of L (a slice, or positions in any order); `layer` and
+    `kind` an int (that axis dropped) or ALL. Values come and go as [layers?, kinds?, heads,
+    n, last], in `columns` order."""
+
+    name = "mapped"
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype, fill: float = 0) -> np.ndarray:
+        return page_aligned(shape, dtype, fill)
+
+    def get(self, array: np.ndarray, slot: int, columns, layer=ALL, kind=ALL) -> np.ndarray:
+        """The values at `columns` (a view where numpy can give one)."""
+        return array[layer, kind, slot][..., columns, :]
+
+    def set(self, array: np.ndarray, slot: int, columns, value: np.ndarray, layer=ALL, kind=ALL) -> None:
+        array[layer, kind, slot][..., columns, :] = value
+
+    def slots(self, array: np.ndarray, layer: int, kind: int, first: int, end: int) -> np.ndarray:
+        """The bindable view of slots first..end-1: [end - first, heads, L, last]."""
+        return array[layer, kind, first:end]
+
+    def close(self) -> None:
+        """Nothing to give back: the arrays go with their last reference."""
