@@ -22,8 +22,8 @@ from kvedge.cli import main
 from kvedge.contract import CacheGeometry
 from kvedge.errors import KvedgeError
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.cuda import DeviceArray, DeviceMemory, MappedHost
-from kvedge.runtime.memory import ALIGNMENT, ALL, check_alignment, check_kv_memory
+from kvedge.runtime.cuda import DeviceMemory, MappedHost
+from kvedge.runtime.memory import ALIGNMENT, ALL, DeviceArray, check_alignment, check_kv_memory, data_address
 from kvedge.runtime.prefix import PrefixLRU, WarmPrefix, read_warm_file, write_warm_file
 
 FLOAT = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=64)
@@ -178,6 +178,12 @@ def test_device_arrays_are_cudamalloc_memory_bound_where_they_are():
         expected = array.address + ((1 * 2 + kind) * SLOTS + 1) * array.strides[2]
         assert host.device_address(view) == expected
         check_alignment("view", host.device_address(view), view)
+    row = layer[0][1:2]  # slot 2 alone, as the in-place prefill binds a batch row by row
+    assert row.shape == (1, *cache.pool.shape[3:]) and row.address == layer[0].address + layer[0].strides[0]
+    plain = np.zeros(4)
+    assert data_address(row) == row.address and data_address(plain) == plain.ctypes.data
+    with pytest.raises(TypeError, match="only \\[first:end\\] of its leading axis"):
+        layer[0][0]
     assert cuda.registered == {} and host.nbytes == 0  # nothing page-locked
     np.testing.assert_array_equal(cache.memory.get(cache.scales, 2, ALL), 1)
     # a CPU-side write reaches the device only through the copies, and is synchronized

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvedge.contract.engine import DeviceInfo
 from kvedge.errors import KvedgeError
-from kvedge.runtime.memory import ALL, owned_mapping
+from kvedge.runtime.memory import ALL, DeviceArray, owned_mapping
 
 INSTALL_TENSORRT = (
     "TensorRT is not installed for this Python. On a Jetson it ships with JetPack "
@@ -229,34 +229,6 @@ class _Mapping:
     allocated: bool  # cudaHostAlloc'd here (freed with cudaFreeHost), else cudaHostRegister'd
 
 
-@dataclass(frozen=True)
-class DeviceArray:
-    """`shape` of `dtype`, C-contiguous at device `address`: a `DeviceMemory` allocation or a
-    slot range of one. The CPU cannot address it; it carries what the binders read of a numpy
-    view (shape, dtype, strides, contiguity) and `MappedHost.device_address` gives its address."""
-
-    address: int
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.itemsize
-
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return tuple(int(np.prod(self.shape[i + 1 :])) * self.itemsize for i in range(len(self.shape)))
-
-    @property
-    def flags(self) -> Any:
-        return _CONTIGUOUS
-
-
-_CONTIGUOUS = type("Flags", (), {"c_contiguous": True})()
 FILL_CHUNK = 1 << 20  # bytes of host fill copied per cudaMemcpy when a pool starts non-zero (scales)
 
 

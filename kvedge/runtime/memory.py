@@ -17,12 +17,18 @@ as a reference to it does, and whoever registers it keeps one until it unregiste
 slot or layer offset is aligned when the slot stride is (`check_alignment`): the pool is
 [layers, 2, slots, kv_heads, L, d], so a view's offset is a whole number of slot strides of
 kv_heads x L x d x itemsize bytes.
+
+The same cache can live in device memory instead (`--kv-memory device`): `HostMemory` and
+`kvedge.runtime.cuda.DeviceMemory` answer the cache's reads and writes alike, and a
+`DeviceArray` stands where a bound numpy view would (shape, dtype, strides, its device address).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +62,7 @@ def owned_mapping(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
     return root, root.__array_interface__["data"][0], len(buffer)
 
 
-def check_alignment(name: str, address: int, view: np.ndarray | None = None) -> None:
+def check_alignment(name: str, address: int, view: np.ndarray | DeviceArray | None = None) -> None:
     """Refuse a bound address that is not a multiple of `ALIGNMENT`, naming the tensor; for a
     pool `view` [slots, kv_heads, L, last] also the stride between its slots, so that a view of
     any slot range is aligned too."""
@@ -75,6 +81,50 @@ def check_alignment(name: str, address: int, view: np.ndarray | None = None) -> 
             f"export with a cache length (--max-len, or the ring length of sliding-window layers) "
             f"that is a multiple of {step}"
         )
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """`shape` of `dtype`, C-contiguous at device `address`: a `DeviceMemory` allocation or a
+    slot range of one. The CPU cannot address it; it carries what the binders read of a numpy
+    view (shape, dtype, strides, contiguity) and `MappedHost.device_address` gives its address."""
+
+    address: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return tuple(int(np.prod(self.shape[i + 1 :])) * self.itemsize for i in range(len(self.shape)))
+
+    @property
+    def flags(self) -> Any:
+        return _CONTIGUOUS
+
+    def __getitem__(self, index: slice) -> DeviceArray:
+        """Rows first..end-1 of the leading axis (a batch's slots), as numpy's `view[a:b]`: the
+        one slicing the backends do to a bound view. Anything else needs a copy to the host."""
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"a DeviceArray takes only [first:end] of its leading axis, not {index!r}")
+        first, end, _ = index.indices(self.shape[0])
+        count = max(0, end - first)
+        return DeviceArray(self.address + first * self.strides[0], (count, *self.shape[1:]), self.dtype)
+
+
+_CONTIGUOUS = type("Flags", (), {"c_contiguous": True})()
+
+
+def data_address(view: np.ndarray | DeviceArray) -> int:
+    """Where `view`'s first element is: a host address, or a `DeviceArray`'s device address."""
+    return view.address if isinstance(view, DeviceArray) else view.__array_interface__["data"][0]
 
 
 ALL = slice(None)
