@@ -243,3 +243,15 @@ def test_service_config_refuses_a_device_pool_on_the_cpu(tmp_path):
         load_service_config(None, {"model": tmp_path, "kv_memory": "device"})
     with pytest.raises(KvedgeError, match=r"--kv-memory='pinned' is not allowed; allowed: .*mapped"):
         load_service_config(None, {"model": tmp_path, "kv_memory": "pinned"})
+
+
+def test_a_pool_that_does_not_fit_gives_back_what_was_allocated():
+    """cudaMalloc of the scales fails (out of memory): the pool allocated before it is freed."""
+    cuda = CudaRuntime()
+    malloc = cuda.cudaMalloc
+    cuda.cudaMalloc = lambda size: (
+        malloc(size) if not cuda.device else (cuda.cudaError_t.cudaErrorMemoryAllocation, None)
+    )
+    with pytest.raises(KvedgeError, match=r"cudaMalloc\(\d+ bytes\) failed: cudaErrorMemoryAllocation"):
+        KVCache(INT8, SLOTS, DeviceMemory(cuda))
+    assert cuda.device == {} and [n for n, _ in cuda.events].count("cudaFree") == 1

@@ -99,17 +99,21 @@ class KVCache:
         # these pages, once), or device memory (`kvedge.runtime.cuda.DeviceMemory`).
         self.memory = memory or HostMemory()
         allocate = self.memory.allocate
-        self.pool = allocate(geometry.pool_shape(slots), geometry.np_dtype)
-        self.scales = (
-            allocate(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1) if geometry.quantized else None
-        )
         ring = bool(geometry.ring_layers)
-        self.ring = allocate(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
-        self.ring_scales = (
-            allocate(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
-            if ring and geometry.quantized
-            else None
-        )
+        try:
+            self.pool = allocate(geometry.pool_shape(slots), geometry.np_dtype)
+            self.scales = (
+                allocate(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1) if geometry.quantized else None
+            )
+            self.ring = allocate(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
+            self.ring_scales = (
+                allocate(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
+                if ring and geometry.quantized
+                else None
+            )
+        except BaseException:
+            self.memory.close()  # what was allocated before the failure (device memory) goes back
+            raise
         # where each layer lives: (its arrays, KV then scales; its index in them; is it a ring)
         full = (self.pool,) if self.scales is None else (self.pool, self.scales)
         rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
