@@ -16,14 +16,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import random_ids
 from cuda_standin import DEVICE_BASE, CudaRuntime
 
 from kvedge.cli import main
 from kvedge.contract import CacheGeometry
 from kvedge.errors import KvedgeError
+from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory, MappedHost
+from kvedge.runtime.generate import prefill
 from kvedge.runtime.memory import ALIGNMENT, ALL, DeviceArray, check_alignment, check_kv_memory, data_address
+from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import PrefixLRU, WarmPrefix, read_warm_file, write_warm_file
 
 FLOAT = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=64)
@@ -255,3 +259,38 @@ def test_a_pool_that_does_not_fit_gives_back_what_was_allocated():
     with pytest.raises(KvedgeError, match=r"cudaMalloc\(\d+ bytes\) failed: cudaErrorMemoryAllocation"):
         KVCache(INT8, SLOTS, DeviceMemory(cuda))
     assert cuda.device == {} and [n for n, _ in cuda.events].count("cudaFree") == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("pool")
+    export_model(make_tiny_model(root / "hf", "llama"), root / "out", ExportOptions(max_len=64))
+    return root / "out"
+
+
+def test_a_tiny_models_cache_operations_match(tiny_export):
+    """A tiny Llama's real K/V (its prefill on onnxruntime CPU, then one decode step's new K/V as
+    the portable graph returns them) through both pools: written in as a warm prefix is, appended,
+    saved to and loaded from the prefix store, evicted with the model's RoPE frequencies."""
+    model = Model(tiny_export, slots=1)
+    ids = random_ids(24)
+    logits = prefill(model.backend, model.cache, 0, [ids])
+    g = model.manifest.geometry
+    host, device = KVCache(g, SLOTS), KVCache(g, SLOTS, DeviceMemory(CudaRuntime()))
+    token = np.array([[int(np.argmax(logits[0]))]])
+    for cache in (host, device):
+        cache.write(0, model.cache.read(0, len(ids)), ids)
+    out = model.backend.run(token, np.array([[24]]), np.array([24]), np.array([0]), host.layer_views(0, 1))
+    assert out.present is not None  # the portable graph: the runtime writes the new K/V
+    for cache in (host, device):
+        cache.append([0], token, [1], out.present)
+        lru = PrefixLRU(g, 2 * g.bytes_per_token() * 16, block_tokens=16)
+        lru.save(cache, 0)
+        lru.load(cache, 1, *lru.best_match(cache.token_ids(0)))
+        cache.evict(1, 4, 6, model.inv_freq)
+        cache.truncate(0, 10)
+    assert_same(host, device)
+    np.testing.assert_array_equal(device.read(0, 10).kv, model.cache.read(0, 10).kv)
+    model.close()
