@@ -121,7 +121,7 @@ def test_engine_for_another_device_is_refused(exported):
 def test_one_context_per_profile_released_in_order(exported):
     """Prefill and decode run on their own contexts, each holding its profile from construction
     (no switch per step); close gives every page lock and mapped buffer back."""
-    trt = _engine(exported, fp16=False)
+    trt = _engine(exported)
     try:
         assert {p: c.active_optimization_profile for p, c in trt.contexts.items()} == {0: 0, 1: 1}
         _compare(Model(exported), trt, [_prompt(20)], steps=4, atol=1e-3)
