@@ -11,7 +11,9 @@
 #      the CUDA binding, CUDA vs CPU logits within 1e-3 (float16 cache: its bound), cache on = off,
 #      decode time at context 1536 vs 64 with and without a CUDA graph, GPU memory vs the
 #      planner, models opened and closed in turn, the cache read from mapped vs device memory
-#      at 64 / 1536 tokens (test_pool_placement.py); TensorRT tests where TensorRT is present);
+#      at 64 / 1536 tokens (test_pool_placement.py), decode at 64 / 1536 with the pool mapped
+#      and with `--kv-memory device` (onnxruntime and TensorRT); TensorRT tests where TensorRT
+#      is present);
 #   3. write the JSON report to ${KVEDGE_DEVICE_REPORT:-device_report.json}.
 # Where onnxruntime already lists CUDAExecutionProvider (a Jetson with kvedge, NVIDIA's Jetson
 # onnxruntime-gpu >= 1.20 and cuda-python of the device's CUDA major: docs/JETSON.md), step 1 is

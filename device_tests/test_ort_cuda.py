@@ -20,6 +20,9 @@ close        models opened and closed in turn in one process map their pools ane
              a freed pool's pages still locked) and give every page lock back
 in place     one decode binding, run after the pool and the step inputs changed, reads the new
              values: nothing was copied at bind time (`Bound.rebind`)
+pool         the pool mapped (default) vs in device memory (`--kv-memory device`): equal logits,
+             equal bytes through the device pool's copies (read, write, rewind), and decode per
+             step at context 64 and 1536 with each ("<export>.pool_<mapped|device>_decode_ms_...")
 
 Figures are recorded per export: "<export>.<figure>", export "portable" or "ort16".
 """
@@ -164,6 +167,43 @@ def test_decode_time_at_long_and_short_context(exported, record):
         record(f"{name}.{device}_decode_ms_context_64", short)
         record(f"{name}.{device}_decode_ms_context_1536", long)
         record(f"{name}.{device}_decode_ratio_1536_over_64", long / short)
+
+
+def test_decode_time_with_the_pool_mapped_and_in_device_memory(exported, record):
+    """The pool in mapped pinned host memory (the default) and in device memory (`--kv-memory
+    device`): the same logits (the same kernels over the same bytes: expected equal, held to the
+    CUDA-vs-CPU tolerance in case a kernel does not reduce deterministically), the device pool's
+    CPU-side copies (a prefix read out and written into another slot, a rewind) giving what the
+    mapped pool holds, and decode per step at context 64 and 1536 with each, so the first GPU
+    run says which should be the default (docs/JETSON.md)."""
+    name, ids = _name(exported), _ids(40, seed=4)
+    models = {
+        memory: Model(exported, slots=2, device="cuda", kv_memory=memory) for memory in ("mapped", "device")
+    }
+    try:
+        logits = {m: prefill(model.backend, model.cache, 0, [ids])[0] for m, model in models.items()}
+        atol = _tolerance(exported, logits["mapped"])  # same kernels, same bytes: expected equal
+        record(
+            f"{name}.pool_device_vs_mapped_max_abs_logit_diff",
+            float(np.abs(logits["device"] - logits["mapped"]).max()),
+        )
+        np.testing.assert_allclose(logits["device"], logits["mapped"], atol=atol, rtol=0)
+        blocks = {}
+        for m, model in models.items():
+            model.cache.write(1, model.cache.read(0, 30), ids[:30])  # a prefix, as the store moves one
+            model.cache.truncate(0, 25)
+            blocks[m] = (model.cache.read(0, 25), model.cache.read(1, 30))
+        for got, want in zip(blocks["device"], blocks["mapped"], strict=True):
+            np.testing.assert_allclose(
+                got.kv.astype(np.float32), want.kv.astype(np.float32), atol=atol, rtol=0
+            )
+        for context in (64, 1536):
+            for m, model in models.items():
+                _decode_ms(model, context, steps=4)  # warm-up at this context
+                record(f"{name}.pool_{m}_decode_ms_context_{context}", _decode_ms(model, context))
+    finally:
+        for model in models.values():
+            model.close()
 
 
 def _teacher_forced(model: Model, ids: list[int], context: int, steps: int = 8) -> np.ndarray:

@@ -1,7 +1,9 @@
 """Where the cache pool should live on this GPU: mapped pinned host memory (what kvedge does today,
-`kvedge.runtime.cuda.MappedHost`) or device memory (cudaMalloc; issue 24, "What to build" 7, not
-built yet). CUDA for Tegra recommends device memory for buffers only the GPU uses, since Orin's
-GPU does not cache pinned host memory; on a discrete GPU mapped memory is read over PCIe.
+`kvedge.runtime.cuda.MappedHost`) or device memory (cudaMalloc: `--kv-memory device`,
+`kvedge.runtime.cuda.DeviceMemory`, whose decode time test_ort_cuda.py and test_tensorrt.py
+record beside the mapped pool's). CUDA for Tegra recommends device memory for buffers only
+the GPU uses, since Orin's GPU does not cache pinned host memory; on a discrete GPU mapped memory
+is read over PCIe.
 
 The probe: a one-node graph (ReduceSum) that reads a whole buffer the size of a SmolLM2-135M
 float32 cache at a context of 64 and of 1536 tokens (30 layers x K, V x 3 kv heads x 64 x 4 bytes

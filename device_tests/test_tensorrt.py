@@ -9,11 +9,15 @@ Never run on hardware yet (see docs/JETSON.md). What each test establishes:
     batch of two     the prefill/decode profiles with 2 rows of different lengths
     wrong device     an engine manifest naming another GPU is refused, naming both
     contexts         one execution context per profile, each set once; close releases everything
+    pool             the cache pool mapped (default) vs in device memory (`--kv-memory device`):
+                     the same logits, and decode per step at context 64 and 1536 with each
+                     ("tensorrt.pool_<mapped|device>_decode_ms_context_<n>")
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +28,7 @@ from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import build_engine
 from kvedge.runtime.cache import KVCache
+from kvedge.runtime.cuda import DeviceMemory
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.trt_backend import TrtBackend
@@ -48,6 +53,12 @@ def exported(source):
 def exported_half(source):
     export_model(source, source.parent / "half", ExportOptions(max_len=128, precision="float16"))
     return source.parent / "half"
+
+
+@pytest.fixture(scope="module")
+def exported_long(source):
+    export_model(source, source.parent / "long", ExportOptions(max_len=2048))
+    return source.parent / "long"
 
 
 def _engine(folder) -> TrtBackend:
@@ -110,7 +121,7 @@ def test_engine_for_another_device_is_refused(exported):
 def test_one_context_per_profile_released_in_order(exported):
     """Prefill and decode run on their own contexts, each holding its profile from construction
     (no switch per step); close gives every page lock and mapped buffer back."""
-    trt = _engine(exported, fp16=False)
+    trt = _engine(exported)
     try:
         assert {p: c.active_optimization_profile for p, c in trt.contexts.items()} == {0: 0, 1: 1}
         _compare(Model(exported), trt, [_prompt(20)], steps=4, atol=1e-3)
@@ -118,3 +129,33 @@ def test_one_context_per_profile_released_in_order(exported):
     finally:
         trt.close()
     assert trt.host.nbytes == 0 and not trt.contexts
+
+
+def _decode_ms(trt: TrtBackend, cache: KVCache, logits: np.ndarray, steps: int = 32) -> float:
+    token = int(np.argmax(logits[0]))
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = int(np.argmax(decode_one_token(trt, cache, 0, [token])[0]))
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def test_decode_time_with_the_pool_mapped_and_in_device_memory(exported_long, record):
+    trt = _engine(exported_long)
+    memory = DeviceMemory(trt.cudart)
+    geometry = Model(exported_long).manifest.geometry
+    caches = {"mapped": KVCache(geometry, 1), "device": KVCache(geometry, 1, memory)}
+    try:
+        for context in (64, 1536):
+            logits = {}
+            for name, cache in caches.items():
+                cache.reset(0)
+                logits[name] = prefill(trt, cache, 0, [_prompt(context, 5)], chunk=MAX_PREFILL)
+            np.testing.assert_allclose(logits["device"], logits["mapped"], atol=1e-3, rtol=0)
+            for name, cache in caches.items():
+                _decode_ms(trt, cache, logits[name], steps=4)  # warm-up at this context
+                record(
+                    f"tensorrt.pool_{name}_decode_ms_context_{context}", _decode_ms(trt, cache, logits[name])
+                )
+    finally:
+        trt.close()  # the engine stops before the device pool goes
+        memory.close()

@@ -28,6 +28,7 @@ from kvedge.contract import (
 )
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
+from kvedge.runtime.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
 
 if TYPE_CHECKING:
@@ -153,6 +154,13 @@ device_option = click.option(
     show_default=True,
     help="cpu or cuda (onnxruntime), or tensorrt (the folder's model.engine).",
 )
+KV_MEMORY_HELP = (
+    "GPU devices: where the KV cache pool lives: mapped (pinned host memory the GPU reads in "
+    "place; default) or device (GPU memory, copied where the CPU needs it). docs/JETSON.md."
+)
+kv_memory_option = click.option(
+    "--kv-memory", type=click.Choice(KV_MEMORY), default="mapped", show_default=True, help=KV_MEMORY_HELP
+)
 
 
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
@@ -178,6 +186,7 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
         ),
         device_option,
+        kv_memory_option,
         click.option(
             "--history-policy",
             type=click.Choice(POLICIES),
@@ -238,6 +247,7 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
         policy=policy,
         warmup=prefixes,
         warm_dir=kwargs["warm_dir"],
+        kv_memory=kwargs["kv_memory"],
     )
 
 
@@ -690,6 +700,7 @@ main.add_command(  # the former name of warm-prefixes, kept for scripts that sti
 @click.option(
     "--ui/--no-ui", default=None, help="Serve the chat page at / (default: on for a loopback host only)."
 )
+@click.option("--kv-memory", type=click.Choice(KV_MEMORY), help=KV_MEMORY_HELP)
 @click.option("--check", is_flag=True, help="Validate the config and load the model once, then exit.")
 @click.option("--print-systemd-unit", is_flag=True, help="Print a systemd unit for this install and exit.")
 @user_errors

@@ -65,7 +65,7 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
 from kvedge.runtime.interface import StepOutput
-from kvedge.runtime.memory import check_alignment
+from kvedge.runtime.memory import check_alignment, data_address
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ class OrtBackend:
     def _decode(self, input_ids, position_ids, past_lengths, past) -> StepOutput:
         """One token per row through a binding made once per (batch, slots) and then reused."""
         # the buffer address without a ctypes object: made every step, it would churn the heap
-        key = (input_ids.shape[0], past[0][0].__array_interface__["data"][0], past[0][0].strides)
+        key = (input_ids.shape[0], data_address(past[0][0]), past[0][0].strides)
         step = self._decode_bindings.get(key)
         if step is None:
             if len(self._decode_bindings) >= self.max_decode_bindings:

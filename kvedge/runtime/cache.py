@@ -1,7 +1,9 @@
 """The KV cache: one preallocated pool, a valid length per slot, nothing inferred from contents.
 
-Memory layout (made at construction and reused forever; each array alone in whole pages,
-`kvedge.runtime.memory.page_aligned`, so a GPU backend can page-lock it in place)::
+Memory layout (made at construction and reused forever; in host memory each array alone in whole
+pages, `kvedge.runtime.memory.page_aligned`, so a GPU backend can page-lock it in place, or, with
+`--kv-memory device`, in device memory, `kvedge.runtime.cuda.DeviceMemory`; the cache reaches
+the arrays only through its memory's `get` / `set` / `slots`, explicit copies on the device)::
 
     pool     [layers, 2 (K, V), slots, kv_heads, max_len, head_dim]   geometry dtype
     scales   [layers, 2 (K, V), slots, kv_heads, max_len, groups]     float16, int8 caches only
@@ -33,15 +35,18 @@ positions, still refuses ring geometries by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.quant import dequantize_tokens, quantize_tokens
-from kvedge.runtime.memory import page_aligned
+from kvedge.runtime.memory import HostMemory
 from kvedge.runtime.rope import rotate_keys
+
+if TYPE_CHECKING:
+    from kvedge.runtime.cuda import DeviceMemory
 
 
 class KVBlock(NamedTuple):
@@ -81,25 +86,34 @@ class KVBlock(NamedTuple):
 class KVCache:
     """Fixed pool of cache slots. A slot holds one sequence; its fill is `lengths[slot]`."""
 
-    def __init__(self, geometry: CacheGeometry, slots: int = 1) -> None:
+    def __init__(
+        self, geometry: CacheGeometry, slots: int = 1, memory: HostMemory | DeviceMemory | None = None
+    ) -> None:
         if not isinstance(slots, int) or slots < 1:
             raise KvedgeError(f"slots={slots!r} must be a positive integer")
         self.geometry = geometry
         self.slots = slots
-        # Each array alone in its own whole pages, every page written now (`page_aligned`): the
-        # pool is resident from the start, so a cache that does not fit fails at load, not
-        # mid-conversation; and the GPU backends can page-lock exactly these pages, once.
-        self.pool = page_aligned(geometry.pool_shape(slots), geometry.np_dtype)
-        self.scales = (
-            page_aligned(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1) if geometry.quantized else None
-        )
+        # Where the arrays live, and the one way in and out of them (`get`, `set`, `slots`): host
+        # memory (`HostMemory`: numpy arrays, each alone in whole pages, every page written now,
+        # so a cache that does not fit fails at load and a GPU backend can page-lock exactly
+        # these pages, once), or device memory (`kvedge.runtime.cuda.DeviceMemory`).
+        self.memory = memory or HostMemory()
+        allocate = self.memory.allocate
         ring = bool(geometry.ring_layers)
-        self.ring = page_aligned(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
-        self.ring_scales = (
-            page_aligned(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
-            if ring and geometry.quantized
-            else None
-        )
+        try:
+            self.pool = allocate(geometry.pool_shape(slots), geometry.np_dtype)
+            self.scales = (
+                allocate(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1) if geometry.quantized else None
+            )
+            self.ring = allocate(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
+            self.ring_scales = (
+                allocate(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
+                if ring and geometry.quantized
+                else None
+            )
+        except BaseException:
+            self.memory.close()  # what was allocated before the failure (device memory) goes back
+            raise
         # where each layer lives: (its arrays, KV then scales; its index in them; is it a ring)
         full = (self.pool,) if self.scales is None else (self.pool, self.scales)
         rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
@@ -129,6 +143,11 @@ class KVCache:
     def __len__(self) -> int:
         return self.slots
 
+    def close(self) -> None:
+        """Give back the arrays' memory where it is the GPU's (`DeviceMemory`), after whatever
+        reads it has stopped; the cache is unusable after. Safe to call twice."""
+        self.memory.close()
+
     def length(self, slot: int) -> int:
         return int(self.lengths[slot])
 
@@ -152,7 +171,7 @@ class KVCache:
         if not 0 <= first < end <= self.slots:
             raise KvedgeError(f"slots {first}..{end - 1} are outside the pool of {self.slots}")
         views = [
-            tuple(a[index, kind, first:end] for a in arrays for kind in (0, 1))
+            tuple(self.memory.slots(a, index, kind, first, end) for a in arrays for kind in (0, 1))
             for arrays, index, _ in self._homes
         ]
         self._views[(first, count)] = views
@@ -192,7 +211,7 @@ class KVCache:
                 to, source = columns[ring]
                 targets = [(a, kind) for a in arrays for kind in (0, 1)]
                 for (array, kind), new in zip(targets, outputs, strict=True):
-                    array[index, kind, slot, :, to] = new[row, :, source]
+                    self.memory.set(array, slot, to, new[row][:, source], layer=index, kind=kind)
         self.commit(slots, tokens, counts)
 
     def commit(
@@ -213,7 +232,7 @@ class KVCache:
             start = self.length(slot)
             if self.round_trip is not None:
                 self._refuse_ring("measuring INT8 round trips")
-                self.round_trip(self.pool[:, :, slot, :, start : start + count], start)
+                self.round_trip(self.memory.get(self.pool, slot, slice(start, start + count)), start)
             self.tokens[slot, start : start + count] = tokens[row, :count]
             self.lengths[slot] = start + count
 
@@ -267,37 +286,36 @@ class KVCache:
             raise KvedgeError(f"cannot evict {count} tokens at {start} from slot {slot} holding {length}")
         moved = length - start - count
         kept, dest = slice(start + count, length), slice(start, start + moved)
-        # numpy copies overlapping slices through a temporary, so moving left in place is safe
-        self.pool[:, :, slot, :, dest] = self.pool[:, :, slot, :, kept]
+        get, put = self.memory.get, self.memory.set
+        kv = get(self.pool, slot, kept).copy()  # [layers, 2, kv_heads, moved, head_dim], off the pool
         if self.scales is None:
-            rotate_keys(self.pool[:, 0, slot, :, dest], -count, inv_freq)
+            rotate_keys(kv[:, 0], -count, inv_freq)
         else:  # int8: V codes and scales move as they are; K is dequantized, rotated, requantized
-            self.scales[:, 1, slot, :, dest] = self.scales[:, 1, slot, :, kept]
-            group = self.geometry.group_size
-            # the K codes are already at `dest`; their scales still at `kept`
-            keys = dequantize_tokens(self.pool[:, 0, slot, :, dest], self.scales[:, 0, slot, :, kept], group)
+            scales = get(self.scales, slot, kept).copy()  # [layers, 2, kv_heads, moved, groups]
+            keys = dequantize_tokens(kv[:, 0], scales[:, 0], self.geometry.group_size)
             rotate_keys(keys, -count, inv_freq)
-            self.pool[:, 0, slot, :, dest], self.scales[:, 0, slot, :, dest] = quantize_tokens(keys, group)
+            kv[:, 0], scales[:, 0] = quantize_tokens(keys, self.geometry.group_size)
+            put(self.scales, slot, dest, scales)
+        put(self.pool, slot, dest, kv)
         self.tokens[slot, start : start + moved] = self.tokens[slot, start + count : length].copy()
         self.lengths[slot] = length - count
 
     def view(self, slot: int, start: int, stop: int) -> KVBlock:
-        """The KV (and scales) of positions start..stop-1 of `slot`: views of the full layers and,
-        for ring layers, a copy of the positions of the run the rings still hold (from
-        `ring_start` on; they wrap around the ring)."""
+        """The KV (and scales) of positions start..stop-1 of `slot`: of the full layers, views of
+        a host pool and copies of a device pool; for ring layers, a copy of the positions of the
+        run the rings still hold (from `ring_start` on; they wrap around the ring)."""
         if not 0 <= start < stop <= self.length(slot):
             raise KvedgeError(
                 f"cannot read tokens {start}..{stop} from slot {slot} holding {self.length(slot)}"
             )
-        scales = None if self.scales is None else self.scales[:, :, slot, :, start:stop]
+        get, run = self.memory.get, slice(start, stop)
+        scales = None if self.scales is None else get(self.scales, slot, run)
         if self.ring is None:
-            return KVBlock(self.pool[:, :, slot, :, start:stop], scales)
+            return KVBlock(get(self.pool, slot, run), scales)
         # rings hold ring_start .. length - 1, and ring_start >= length - ring_len >= stop - ring_len
         held = np.arange(min(max(start, int(self.ring_start[slot])), stop), stop) % self.geometry.ring_len
-        ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, slot][:, :, :, held]
-        return KVBlock(
-            self.pool[:, :, slot, :, start:stop], scales, self.ring[:, :, slot][:, :, :, held], ring_scales
-        )
+        ring_scales = None if self.ring_scales is None else get(self.ring_scales, slot, held)
+        return KVBlock(get(self.pool, slot, run), scales, get(self.ring, slot, held), ring_scales)
 
     def read(self, slot: int, count: int) -> KVBlock:
         """A copy of the first `count` tokens' KV (and scales) of `slot`."""
@@ -338,15 +356,16 @@ class KVCache:
                 f"{count}-token run (expected {ring[:3]} + (at most {count}, {g.head_dim}) {g.dtype})"
             )
         end = start + count
-        self.pool[:, :, slot, :, start:end] = block.kv
+        put = self.memory.set
+        put(self.pool, slot, slice(start, end), block.kv)
         if self.scales is not None:
-            self.scales[:, :, slot, :, start:end] = block.scales
+            put(self.scales, slot, slice(start, end), block.scales)
         if self.ring is not None:
             kept = min(held, g.ring_len)  # positions end - kept .. end - 1 fit in the ring
             to = np.arange(end - kept, end) % g.ring_len
-            self.ring[:, :, slot][:, :, :, to] = block.ring[:, :, :, held - kept :]
+            put(self.ring, slot, to, block.ring[:, :, :, held - kept :])
             if self.ring_scales is not None:
-                self.ring_scales[:, :, slot][:, :, :, to] = block.ring_scales[:, :, :, held - kept :]
+                put(self.ring_scales, slot, to, block.ring_scales[:, :, :, held - kept :])
             # the slot's own positions below `start` (ring_start .. start - 1) still count where
             # the block's ring covers the whole run, and survive down to end - ring_len
             below = min(int(self.ring_start[slot]), start) if held == count else end - held

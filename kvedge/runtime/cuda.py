@@ -16,7 +16,7 @@ import numpy as np
 
 from kvedge.accel import cuda_call, import_cudart
 from kvedge.errors import KvedgeError
-from kvedge.runtime.memory import owned_mapping
+from kvedge.runtime.memory import ALL, DeviceArray, owned_mapping
 
 
 class MappedHost:
@@ -74,7 +74,9 @@ class MappedHost:
 
     def device_address(self, view: np.ndarray) -> int:
         """The device address of `view`'s first element; a view into a `KVCache` array not yet
-        mapped page-locks that whole array, once."""
+        mapped page-locks that whole array, once; a `DeviceArray` is bound where it is."""
+        if isinstance(view, DeviceArray):  # a device pool (`DeviceMemory`): the device's already
+            return view.address
         address = view.__array_interface__["data"][0]
         for mapping in self._mappings:
             if mapping.start <= address < mapping.end:
@@ -151,3 +153,135 @@ class _Mapping:
     device: int
     array: np.ndarray  # registered: the page_aligned array, kept alive; allocated: the buffer's view
     allocated: bool  # cudaHostAlloc'd here (freed with cudaFreeHost), else cudaHostRegister'd
+
+
+FILL_CHUNK = 1 << 20  # bytes of host fill copied per cudaMemcpy when a pool starts non-zero (scales)
+
+
+class DeviceMemory:
+    """The cache arrays in device memory (cudaMalloc), the `--kv-memory device` pool: the GPU
+    reads them every step where it caches them (CUDA for Tegra's advice for buffers only the GPU
+    uses; Orin's GPU does not cache pinned host memory), and the CPU side (prefix store, warm
+    prefixes, rewinds, window eviction, the portable graph's new K/V) reaches them only through
+    the explicit copies `get` and `set`, which answer as `kvedge.runtime.memory.HostMemory` does.
+
+    A copy is one cudaMemcpy2D per (layer, kind) and run of consecutive positions: `heads` rows
+    of n x last elements, the device rows max_len x last apart. The copies run on the legacy
+    default stream between steps; both GPU backends synchronize at the end of a step, so no
+    kernel is reading or writing the pool then. `close` frees every allocation, newest first,
+    after whatever reads them has stopped (`Model.close` orders it)."""
+
+    name = "device"
+
+    def __init__(self, cudart: Any | None = None) -> None:
+        self.cudart = cudart or import_cudart()
+        self._allocations: list[int] = []  # device addresses, in the order made
+
+    def _call(self, result: tuple, what: str) -> Any:
+        return cuda_call(self.cudart, result, what)
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype, fill: float = 0) -> DeviceArray:
+        """A new device array of `shape`, every element `fill`."""
+        array = DeviceArray(0, tuple(shape), np.dtype(dtype))
+        nbytes = max(1, array.nbytes)
+        address = int(self._call(self.cudart.cudaMalloc(nbytes), f"cudaMalloc({nbytes} bytes)"))
+        self._allocations.append(address)
+        array = DeviceArray(address, array.shape, array.dtype)
+        if fill == 0:
+            self._call(self.cudart.cudaMemset(address, 0, nbytes), "cudaMemset")
+        else:
+            chunk = np.full(max(1, min(array.nbytes, FILL_CHUNK) // array.itemsize), fill, array.dtype)
+            to_device = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+            for offset in range(0, array.nbytes, chunk.nbytes):
+                size = min(chunk.nbytes, array.nbytes - offset)
+                copy = self.cudart.cudaMemcpy(address + offset, chunk.ctypes.data, size, to_device)
+                self._call(copy, "cudaMemcpy")
+        self._synchronize()
+        return array
+
+    def _synchronize(self) -> None:
+        """Wait for what this object queued: cudaMemset and a copy from pageable host memory
+        may return before the device memory holds the bytes, and the backends' streams (one
+        onnxruntime makes non-blocking) do not wait for the legacy default stream."""
+        self._call(self.cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def get(self, array: DeviceArray, slot: int, columns, layer=ALL, kind=ALL) -> np.ndarray:
+        """A host copy of the values at `columns`: [layers?, kinds?, heads, n, last]."""
+        layers, kinds, positions = self._select(array, layer, kind, columns)
+        host = np.empty(
+            (len(layers), len(kinds), *array.shape[3:4], len(positions), array.shape[5]), array.dtype
+        )
+        self._copy(array, slot, layers, kinds, positions, host, to_device=False)
+        return host[_dropped(layer, kind)]
+
+    def set(self, array: DeviceArray, slot: int, columns, value: np.ndarray, layer=ALL, kind=ALL) -> None:
+        layers, kinds, positions = self._select(array, layer, kind, columns)
+        full = (len(layers), len(kinds), array.shape[3], len(positions), array.shape[5])
+        given = tuple(
+            n for n, axis in zip(full, (layer, kind, ALL, ALL, ALL), strict=True) if isinstance(axis, slice)
+        )
+        host = np.ascontiguousarray(
+            np.broadcast_to(np.asarray(value), given).astype(array.dtype).reshape(full)
+        )
+        self._copy(array, slot, layers, kinds, positions, host, to_device=True)
+        self._synchronize()
+
+    def slots(self, array: DeviceArray, layer: int, kind: int, first: int, end: int) -> DeviceArray:
+        """Slots first..end-1 of (`layer`, `kind`): [end - first, heads, L, last] at its address."""
+        kinds, slots = array.shape[1:3]
+        offset = ((layer * kinds + kind) * slots + first) * array.strides[2]
+        return DeviceArray(array.address + offset, (end - first, *array.shape[3:]), array.dtype)
+
+    @staticmethod
+    def _select(array: DeviceArray, layer, kind, columns) -> tuple[range, range, np.ndarray]:
+        """The layers, kinds and positions (in order) an index names, as numpy would read it."""
+        pick = [
+            range(n)[axis] if isinstance(axis, slice) else range(n)[axis : axis + 1]
+            for n, axis in zip(array.shape[:2], (layer, kind), strict=True)
+        ]
+        return pick[0], pick[1], np.arange(array.shape[4])[columns].reshape(-1)
+
+    def _copy(self, array, slot, layers, kinds, positions, host: np.ndarray, to_device: bool) -> None:
+        """Copy between `host` [layers, kinds, heads, n, last] (contiguous) and the device."""
+        _, nkinds, nslots, heads, length, last = array.shape
+        element = last * array.itemsize  # bytes of one position of one head
+        runs = np.split(np.arange(len(positions)), np.flatnonzero(np.diff(positions) != 1) + 1)
+        direction = "HostToDevice" if to_device else "DeviceToHost"
+        kind_of_copy = getattr(self.cudart.cudaMemcpyKind, f"cudaMemcpy{direction}")
+        host_pitch = len(positions) * element
+        for i, a in enumerate(layers):
+            for j, k in enumerate(kinds):
+                device_row0 = array.address + ((a * nkinds + k) * nslots + slot) * heads * length * element
+                host_row0 = host.ctypes.data + (i * len(kinds) + j) * heads * host_pitch
+                for run in runs:
+                    if not len(run):
+                        continue
+                    device = device_row0 + int(positions[run[0]]) * element
+                    near = host_row0 + int(run[0]) * element
+                    ends = (
+                        (device, length * element, near, host_pitch)
+                        if to_device
+                        else (near, host_pitch, device, length * element)
+                    )
+                    self._call(
+                        self.cudart.cudaMemcpy2D(*ends, len(run) * element, heads, kind_of_copy),
+                        f"cudaMemcpy2D({direction})",
+                    )
+
+    def close(self) -> None:
+        """Free every allocation, newest first; each is attempted, then the first failure is
+        raised. Safe to call twice."""
+        failures = []
+        while self._allocations:
+            address = self._allocations.pop()
+            try:
+                self._call(self.cudart.cudaFree(address), f"cudaFree({address:#x})")
+            except KvedgeError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+
+def _dropped(layer, kind) -> tuple:
+    """The index that drops the layer and kind axes an int selected (numpy's reading of it)."""
+    return tuple(0 if not isinstance(axis, slice) else ALL for axis in (layer, kind))

@@ -29,8 +29,10 @@ from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, CacheGeome
 from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
+from kvedge.runtime.cuda import DeviceMemory
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend
+from kvedge.runtime.memory import check_kv_memory
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
@@ -48,6 +50,9 @@ class Model:
     `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at start-up, and
     optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`).
     `cuda_graph`: capture the decode step as a CUDA graph (cuda only, `kvedge.runtime.backend`).
+    `kv_memory` (`KV_MEMORY`; GPU devices only): where the cache pool lives: "mapped", pinned host
+    memory the GPU reads in place (the default, until hardware measures the other), or
+    "device", device memory (cudaMalloc) the CPU side reaches by explicit copies.
 
     `close()` (or leaving `with Model(...) as model:`) stops the backend and gives back what it
     took on the GPU (page locks on the cache, mapped buffers); the model is unusable after."""
@@ -64,8 +69,10 @@ class Model:
         verify: bool = True,
         prefix_cache_bytes: int = 0,
         cuda_graph: bool = False,
+        kv_memory: str = "mapped",
     ) -> None:
         self.folder = Path(folder)
+        check_kv_memory(kv_memory, device)
         if not self.folder.is_dir():
             raise KvedgeError(_not_a_folder(self.folder))
         self.manifest = Manifest.load(self.folder)
@@ -96,10 +103,11 @@ class Model:
             max_decode_bindings=ranges,
             cuda_graph=cuda_graph,
         )
+        self.cache: KVCache | None = None
         try:
-            self._load(slots, warmup, warm_dir, prefix_cache_bytes)
+            self._load(slots, warmup, warm_dir, prefix_cache_bytes, kv_memory)
         except BaseException:
-            self.backend.close()  # the GPU memory it took is given back even when loading fails
+            self.close()  # the GPU memory taken is given back even when loading fails
             raise
 
     def _load(
@@ -108,13 +116,14 @@ class Model:
         warmup: WarmupConfig | None,
         warm_dir: str | Path | None,
         prefix_cache_bytes: int,
+        kv_memory: str,
     ) -> None:
         """Everything after the backend opened: tokenizer, cache, sessions, warm prefixes."""
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(
             self.folder / TOKENIZER_FILE, self.manifest.vocab_size, self.manifest.eos_token_ids
         )
-        self.cache = KVCache(self.manifest.geometry, slots)
+        self.cache = KVCache(self.manifest.geometry, slots, DeviceMemory() if kv_memory == "device" else None)
         self.backend.reserve(self.cache.layer_views(0, slots), self.manifest.geometry.max_len)
         self.sessions = [ChatSession(slot) for slot in range(slots)]
         self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
@@ -159,8 +168,13 @@ class Model:
 
     def close(self) -> None:
         """Stop the backend, then release what it holds of the cache (GPU page locks, mapped
-        buffers); the cache arrays go with this object. Safe to call twice."""
-        self.backend.close()
+        buffers), then the cache's device memory (`kv_memory="device"`); host arrays go with
+        this object. Safe to call twice."""
+        try:
+            self.backend.close()
+        finally:
+            if self.cache is not None:
+                self.cache.close()
 
     def __enter__(self) -> Model:
         return self

@@ -23,6 +23,8 @@ File format (every key optional except `model`, which may come from `--model` in
                                     # fit; the reply stops at the context end, finish_reason "length")
     threads: null                   # onnxruntime intra-op threads; null = all cores
     device: cpu                     # cpu | cuda (onnxruntime-gpu) | tensorrt (the folder's model.engine)
+    kv_memory: mapped               # GPU devices: the KV cache pool in mapped pinned host memory
+                                    # (mapped) or in GPU memory (device); docs/JETSON.md
     batch_decode: true              # decode all active slots in one call per round (false: one by one)
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # warm-up: greedy decode steps run before /health reports ready;
@@ -60,6 +62,7 @@ from kvedge.configs import find_problem, read_yaml
 from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
+from kvedge.runtime.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,8 @@ class ServiceConfig:
         Annotated[int, Meta(ge=1, le=1024)] | None, Meta(description="an integer >= 1, or null for all cores")
     ] = None
     device: Annotated[Literal[DEVICES], Meta(description=f"one of {list(DEVICES)}")] = "cpu"
+    # where a GPU device's KV cache pool lives (kvedge.runtime.memory.KV_MEMORY; docs/JETSON.md)
+    kv_memory: Annotated[Literal[KV_MEMORY], Meta(description=f"one of {list(KV_MEMORY)}")] = "mapped"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
@@ -194,6 +199,11 @@ def load_service_config(
         raise KvedgeError(
             f"{where}: default_max_tokens ({config.default_max_tokens}) is more than max_reply_tokens "
             f"({config.max_reply_tokens}); allowed: default_max_tokens <= max_reply_tokens"
+        )
+    if config.kv_memory == "device" and config.device == "cpu":
+        where = origin.get("kv_memory", "kv_memory")
+        raise KvedgeError(
+            f"{where}=device puts the cache in GPU memory: it needs device cuda or tensorrt, not cpu"
         )
     if (config.warm_prefixes is None) != (config.warm_dir is None):
         raise KvedgeError("warm_prefixes and warm_dir go together: set both or neither")

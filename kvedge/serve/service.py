@@ -98,6 +98,7 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
         slots=slots,
         threads=config.threads,
         device=config.device,
+        kv_memory=config.kv_memory,
         policy=HistoryPolicy(mode=config.history_policy),
         warmup=prefixes,
         warm_dir=config.warm_dir,
