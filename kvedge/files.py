@@ -24,6 +24,7 @@ from pathlib import Path
 
 FOLDER_MODE = 0o777  # before the umask
 FILE_MODE = 0o666
+MiB, GiB = 1 << 20, 1 << 30
 _ATTEMPTS = 100  # 32 random bits per name: a clash is a stale leftover, not chance
 
 
@@ -50,3 +51,10 @@ def new_file(parent: Path, prefix: str, suffix: str = "") -> tuple[int, Path]:
             continue
         return fd, path
     raise FileExistsError(f"no free name {prefix}*{suffix} in {parent} after {_ATTEMPTS} tries")
+
+
+def human(n: int) -> str:
+    """A byte count as people read it: GiB, MiB or bytes."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n:,} B"

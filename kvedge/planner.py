@@ -84,8 +84,8 @@ from kvedge.contract import (
 )
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
+from kvedge.files import GiB, MiB, human
 
-MiB, GiB = 1 << 20, 1 << 30
 FLOAT32 = 4  # the graph computes activations in float32
 SCORE_BUFFERS, MLP_BUFFERS, HIDDEN_BUFFERS, PRESENT_COPIES = 8, 3, 4, 2  # see the module docstring
 DEVICE_RESERVE = 1536 * MiB
@@ -510,12 +510,6 @@ def to_json(plan: Plan) -> str:
         },
         indent=2,
     )
-
-
-def human(n: int) -> str:
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n:,} B"
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}

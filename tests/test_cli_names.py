@@ -101,6 +101,8 @@ CONCEPTS = {
     "shutdown_grace_s": ("seconds streams get on SIGTERM", "shutdown_grace_s"),
     "warmup_tokens": ("greedy decode steps before ready", "warmup_tokens"),
     "prefix_cache_bytes": ("bytes of conversation prefixes kept in memory", "prefix_cache_bytes"),
+    "kv_memory": ("GPU devices: where the KV cache pool lives (mapped host or device memory)", "kv_memory"),
+    "ui": ("serve the chat page at GET /", "ui"),
 }
 
 RUNTIME = {
@@ -114,6 +116,7 @@ RUNTIME = {
     "--stop": "stop",
     "--threads": "threads",
     "--device": "device",
+    "--kv-memory": "kv_memory",
     "--history-policy": "history_policy",
     "--n-sink": "n_sink",
     "--warm-prefixes": "warm_prefixes",
@@ -158,6 +161,8 @@ COMMANDS = {
         "--queue-size": "queue_size",
         "--threads": "threads",
         "--device": "device",
+        "--ui": "ui",
+        "--kv-memory": "kv_memory",
         "--check": "check",
         "--print-systemd-unit": "print_systemd_unit",
     },

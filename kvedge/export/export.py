@@ -49,8 +49,7 @@ from kvedge.export.graph import (
 )
 from kvedge.export.quantize import calibration_ids, input_outliers
 from kvedge.export.source import load_hf, resolve_source
-from kvedge.files import new_folder
-from kvedge.planner import human
+from kvedge.files import human, new_folder
 
 log = logging.getLogger(__name__)
 
