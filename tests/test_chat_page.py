@@ -21,16 +21,20 @@ import httpx
 import openai
 import pytest
 import yaml
+from click.testing import CliRunner
 from starlette.testclient import TestClient
 from test_serve import KEY, Server
 from tiny import make_tiny_model
 
+from kvedge.cli import main
+from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.serve import ui
 from kvedge.serve.app import create_app
 from kvedge.serve.config import load_service_config
 from kvedge.serve.engine import Engine
 from kvedge.serve.metrics import Metrics
+from kvedge.serve.service import systemd_unit
 
 PERSONA = "You are the helpful assistant of a kiosk."
 WEATHER = {
@@ -101,7 +105,7 @@ def greedy(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: in
 # -- without a browser ------------------------------------------------------------------------
 
 
-def test_ui_is_on_by_default_on_loopback_only_and_flags_override(artifact):
+def test_ui_is_on_by_default_on_loopback_only_and_flags_override(artifact, tmp_path):
     env = {"KEY": "k"}
     assert load_service_config(None, {"model": artifact}, env).ui is True
     assert load_service_config(None, {"model": artifact, "ui": False}, env).ui is False
@@ -110,6 +114,16 @@ def test_ui_is_on_by_default_on_loopback_only_and_flags_override(artifact):
     assert load_service_config(None, {**lan, "ui": True}, env).ui is True
     assert ui.page_url("0.0.0.0", 8000) == "http://<this device's address>:8000/"
     assert ui.page_url("::1", 8000) == "http://[::1]:8000/"
+    bad = tmp_path / "service.yaml"
+    bad.write_text(f"model: {artifact}\nui: maybe\n")
+    with pytest.raises(
+        KvedgeError, match=r"service.yaml: ui='maybe' is not allowed; allowed: true, false, or null"
+    ):
+        load_service_config(bad, {}, env)
+    assert "--no-ui" in systemd_unit(None, {"model": artifact, "ui": False})
+    assert "--ui" in systemd_unit(None, {"model": artifact, "ui": True}).split()
+    cli = CliRunner().invoke(main, ["serve", "--help"])
+    assert cli.exit_code == 0 and "--ui / --no-ui" in cli.output
 
 
 def test_page_and_files_carry_the_security_headers_are_small_and_public(artifact):

@@ -217,7 +217,12 @@ async function reply() {
   } finally {
     timing.ended = performance.now();
     chat.controller = null;
-    if (chat.messages.includes(msg)) msg.stats = statsText(timing, usage, finish, msg.state);
+    const at = chat.messages.indexOf(msg); // -1 after New chat
+    if (at >= 0 && msg.state === "error" && !msg.content && !msg.tool_calls) {
+      chat.messages.splice(at, 1); // nothing came: the error says it all
+    } else if (at >= 0) {
+      msg.stats = statsText(timing, usage, finish, msg.state);
+    }
     setBusy(false);
     save();
     render();
