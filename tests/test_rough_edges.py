@@ -221,6 +221,14 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(source, artifact
     one_line_error(done, "no space left on the device", "nothing was kept")
     assert [p.name for p in room.iterdir()] == ["filler"]
 
+    # room for the graph but not the tokenizer, whose writer (Rust) raises a plain Exception
+    pages = sum(-(-(artifact / name).stat().st_size // 4096) for name in ("model.onnx", "model.onnx.data"))
+    assert (artifact / "tokenizer.json").stat().st_size > 4096
+    tight = tmpfs(f"{(pages + 1) * 4096}")
+    done = kvedge("export", str(source), "--out", str(tight / "out"), "--max-len", str(MAX_LEN))
+    one_line_error(done, "no space left on the device", "nothing was kept")
+    assert list(tight.iterdir()) == []
+
 
 # 10. warm-prefixes onto a full disk
 

@@ -221,7 +221,7 @@ def export_model(
         staging.rename(out)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        if out_of_space(exc):
             raise KvedgeError(
                 f"{out.parent}: no space left on the device while writing the export, which needs "
                 f"about {human(needed)}; nothing was kept, {out} is unchanged"
@@ -359,6 +359,14 @@ def check_free_space(out: Path, needed: int, bound: str) -> int:
             "free some space or choose an --out on another disk"
         )
     return needed
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """True when `exc` says the disk is full: an OSError, or the Rust io error the tokenizers
+    library raises as a plain Exception ("No space left on device (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    return isinstance(exc, Exception) and f"(os error {errno.ENOSPC})" in str(exc)
 
 
 def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: GraphOptions) -> None:
