@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_serve import KEY, Server
 from tiny import make_tiny_model
 
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.model import Model
+from kvedge.serve.client import API_KEY_ENV
 
 MAX_LEN = 1024
 LONG = 600  # reply tokens: the tiny model writes them for a second or more, time to press Ctrl-C
@@ -46,12 +48,13 @@ def kvedge(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 class Chat:
     """`kvedge -v chat` in a subprocess whose stdout and stderr are read as they come."""
 
-    def __init__(self, artifact: Path, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvedge", "-v", "chat", "--model", str(artifact), "--threads", "1", *args],
+            [sys.executable, "-m", "kvedge", "-v", "chat", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
         )
         self.out, self.err = bytearray(), bytearray()
         self.readers = [
@@ -98,6 +101,24 @@ class Chat:
         return code
 
 
+def local(artifact: Path, *args: str) -> Chat:
+    return Chat("--model", str(artifact), "--threads", "1", *args)
+
+
+def stop_the_first_reply(chat: Chat) -> Chat:
+    """Ask STORY, press Ctrl-C once the reply is under way, ask NEXT, and quit."""
+    chat.wait_for(lambda out: out.count("you> ") == 1)
+    chat.say(STORY)
+    chat.wait_for(lambda out: len(out.partition("assistant> ")[2]) >= 40)
+    chat.interrupt()
+    chat.wait_for(lambda out: out.count("you> ") == 2)
+    chat.say(NEXT)
+    chat.wait_for(lambda out: out.count("you> ") == 3)
+    chat.say("/exit")
+    assert chat.exit_code() == 0, chat.stderr
+    return chat
+
+
 def replies(stdout: str) -> list[str]:
     """The assistant's replies as shown (each between "assistant> " and the next prompt)."""
     return re.findall(r"assistant> (.*?)\nyou> ", stdout, flags=re.S)
@@ -108,16 +129,7 @@ def logged(stderr: str, pattern: str) -> list[tuple[int, ...]]:
 
 
 def test_ctrl_c_stops_the_reply_and_the_next_turn_keeps_it(artifact):
-    chat = Chat(artifact, "--max-new-tokens", str(LONG))
-    chat.wait_for(lambda out: out.count("you> ") == 1)
-    chat.say(STORY)
-    chat.wait_for(lambda out: len(out.partition("assistant> ")[2]) >= 40)
-    chat.interrupt()
-    chat.wait_for(lambda out: out.count("you> ") == 2)
-    chat.say(NEXT)
-    chat.wait_for(lambda out: out.count("you> ") == 3)
-    chat.say("/exit")
-    assert chat.exit_code() == 0, chat.stderr
+    chat = stop_the_first_reply(local(artifact, "--max-new-tokens", str(LONG)))
     stopped, second = replies(chat.stdout)
     assert "(stopped: the reply so far stays in the conversation)" in chat.stderr
     assert "Traceback" not in chat.stderr
@@ -134,13 +146,35 @@ def test_ctrl_c_stops_the_reply_and_the_next_turn_keeps_it(artifact):
     assert reused[0] > len(tokenizer.encode_chat(first_turn)), (reused, chat.stderr)
 
 
+def test_ctrl_c_in_a_chat_with_a_server_is_a_disconnect_the_next_turn_reuses(artifact, tmp_path):
+    server = Server(artifact, tmp_path, slots=1, queue_size=2, warmup_tokens=0)
+    try:
+        server.startup()
+        before = server.metrics()
+        chat = Chat("--url", server.url, "--max-new-tokens", str(LONG), env={API_KEY_ENV: KEY})
+        stopped, second = replies(stop_the_first_reply(chat).stdout)
+        after = server.wait_idle()
+    finally:
+        server.stop()
+    assert "(stopped: the reply so far stays in the conversation)" in chat.stderr and second
+    assert after["kvedge_requests_cancelled_total"] == before["kvedge_requests_cancelled_total"] + 1
+    tokenizer = Model(artifact).tokenizer
+    first_turn = [{"role": "user", "content": STORY}]
+    kept = [*first_turn, {"role": "assistant", "content": stopped}, {"role": "user", "content": NEXT}]
+    prompts = after["kvedge_prompt_tokens_total"] - before["kvedge_prompt_tokens_total"]
+    assert prompts == len(tokenizer.encode_chat(first_turn)) + len(tokenizer.encode_chat(kept))
+    # the server's slot kept what the stopped turn wrote, and the next turn reused it
+    reused = after["kvedge_prefix_cache_hit_tokens_total"] - before["kvedge_prefix_cache_hit_tokens_total"]
+    assert reused > len(tokenizer.encode_chat(first_turn))
+
+
 def test_ctrl_c_at_the_prompt_or_twice_quits(artifact):
-    at_prompt = Chat(artifact)
+    at_prompt = local(artifact)
     at_prompt.wait_for(lambda out: out.count("you> ") == 1)
     at_prompt.interrupt()
     assert at_prompt.exit_code() == 0 and "Traceback" not in at_prompt.stderr
 
-    twice = Chat(artifact, "--max-new-tokens", str(LONG))
+    twice = local(artifact, "--max-new-tokens", str(LONG))
     twice.wait_for(lambda out: out.count("you> ") == 1)
     twice.say(STORY)
     twice.wait_for(lambda out: len(out.partition("assistant> ")[2]) >= 10)

@@ -119,14 +119,14 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def langchain(server, max_tokens: int, **bind) -> Any:
+def langchain(server, max_tokens: int, temperature: float = 1.0, **bind) -> Any:
     """LangChain's ChatOpenAI as the issue used it, bound to `set_light` by name."""
     model = ChatOpenAI(
         base_url=server.url + "/v1",
         api_key=KEY,
         model="tiny",
         max_tokens=max_tokens,  # sent as max_completion_tokens
-        temperature=1.0,
+        temperature=temperature,
         seed=SEED,
         max_retries=0,
     )
@@ -167,3 +167,27 @@ def test_calls_cut_by_max_tokens_come_back_as_the_completed_calls(server):
     calls, finish = streamed_tool_calls(stream)
     assert finish == "length"
     assert [json.loads(c["arguments"]) for c in calls] == [whole.tool_calls[0]["args"]]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2")
+    export_model(None, root / "artifact", ExportOptions(max_len=2048))
+    srv = Server(root / "artifact", root, slots=1, queue_size=2, warmup_tokens=0)
+    srv.startup(timeout_s=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.real_model
+def test_the_default_model_with_max_tokens_64_as_the_issue_saw_it(smollm2):
+    # greedy, allowed several calls, SmolLM2 writes one whole set_light call, then a second
+    # that 64 tokens cut: the issue's reply, which LangChain read as no call at all
+    cut = langchain(smollm2, 64, temperature=0.0, parallel_tool_calls=True).invoke(ASK[0]["content"])
+    assert cut.response_metadata["finish_reason"] == "length" and cut.usage_metadata["output_tokens"] == 64
+    assert cut.content == "" and not cut.invalid_tool_calls
+    assert [c["name"] for c in cut.tool_calls] == ["set_light"]
+
+    named = langchain(smollm2, 64, temperature=0.0).invoke(ASK[0]["content"])
+    assert named.response_metadata["finish_reason"] == "tool_calls" and named.content == ""
+    assert [c["args"] for c in named.tool_calls] == [cut.tool_calls[0]["args"]]
