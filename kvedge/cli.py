@@ -814,6 +814,7 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option(
     "--device",
     default=None,
+    metavar="[cpu|cuda|tensorrt]",
     callback=_plan_device,
     help="Where the model runs, as in generate/serve: cpu, cuda or tensorrt (default: cuda with "
     "--profile, else cpu).",

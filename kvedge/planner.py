@@ -110,6 +110,7 @@ OVERHEADS = {device: _CPU if device == "cpu" else _GPU for device in DEVICES}
 # `kvedge export`'s defaults for quantized weights (kvedge/export/quantize.py, GraphOptions; that
 # module needs onnx, which the runtime-only install lacks: tests/test_planner.py checks they agree)
 OUTLIER_CHANNELS, HEAD_MIN_BITS, DEFAULT_BLOCK = 32, 8, 32
+BLOCK_SIZES, OUTLIER_CHOICES, HEAD_BITS = (16, 32, 64, 128, 256), (0, 8, 16, 32, 64), (8, 4)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,9 @@ class WeightForm:
             ("--weights", self.weights, list(WEIGHT_FORMATS)),
             ("--variant", self.variant, list(VARIANTS)),
             ("--decode-matmuls", self.decode_matmuls, [None, *DECODE_MATMULS]),
+            ("--block-size", self.block_size, list(BLOCK_SIZES)),
+            ("--outlier-channels", self.outlier_channels, [None, *OUTLIER_CHOICES]),
+            ("--head-bits", self.head_bits, [None, *HEAD_BITS]),
         ):
             if value not in allowed:
                 shown = ", ".join(str(a) for a in allowed if a is not None)

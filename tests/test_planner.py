@@ -248,7 +248,17 @@ def test_what_fits_tries_the_smallest_change_first():
 
 
 def test_weight_form_defaults_are_the_exporters():
+    from kvedge.export import quantize
     from kvedge.export.graph import GraphOptions
+    from kvedge.planner import BLOCK_SIZES, HEAD_BITS, OUTLIER_CHOICES
+
+    assert (BLOCK_SIZES, OUTLIER_CHOICES, HEAD_BITS) == (
+        quantize.BLOCK_SIZES,
+        quantize.OUTLIER_CHOICES,
+        quantize.HEAD_BITS,
+    )
+    with pytest.raises(KvedgeError, match=r"--block-size 7 is not allowed; allowed: 16, 32, 64, 128, 256"):
+        WeightForm("int4", block_size=7)
 
     for weights in ("int8", "int4"):
         for variant in ("portable", "ort"):
