@@ -4,12 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARTIFACT ?= artifacts/smollm2-135m
 PROMPT ?= What is a KV cache, in two sentences?
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test test-fast test-python test-aarch64 lint format bench device-test clean
 
 install: $(VENV)/.installed
 
-# torch first and pinned: it is taken from the local CPU wheel, never a CUDA download. The two
+# torch first, pinned to its CPU build (2.13.0+cpu): PyPI's Linux torch is the CUDA build (about
+# 20 nvidia packages, GBs). Where pip's configured indexes have it (a local wheel) that is taken;
+# otherwise PyTorch's own CPU index, TORCH_CPU_INDEX. Only export needs torch. The two
 # long steps (a minute or more) are not -q, so pip shows what it installs. setuptools says at
 # length that an editable install finds kvedge by a meta path finder (setup.py's configs/ as
 # kvedge._configs makes it one); nothing to act on, so that one warning is filtered by its module.
@@ -18,7 +21,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@echo "kvedge install 2/4: torch 2.13.0 (CPU build)"
-	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install torch==2.13.0+cpu 2>/dev/null \
+		|| $(BIN)/pip install torch==2.13.0+cpu --extra-index-url $(TORCH_CPU_INDEX)
 	@echo "kvedge install 3/4: kvedge with its export and dev extras; compiling its kernels"
 	PYTHONWARNINGS=ignore:::setuptools.command.editable_wheel \
 		$(BIN)/pip install -c constraints.txt -e '.[export,dev]'
