@@ -9,9 +9,9 @@ The contract (declared from `kvedge.contract.GraphInterface`, names from `IOName
     inputs  input_ids      [b, s]                     int64
             position_ids   [b, s]                     int64  (portable only: index into the RoPE tables)
             past_lengths   [b]                        int64  (valid slots of each row's cache)
-            last_index     [b]                        int64  (only when logits="last")
+            last_index     [b] ("last"), [b, r] ("rows") int64  (not when logits="all")
             past K/V per layer [b, kv_heads, L, d]    L = max_len, fixed
-    outputs logits         [b, 1, vocab] ("last") or [b, s, vocab] ("all")
+    outputs logits         [b, 1 | r | s, vocab] ("last" | "rows" | "all")
             present K/V per layer                     portable: [b, kv_heads, s, d], the new tokens
                                                       only, K after RoPE; ort: [b, kv_heads, L, d],
                                                       the past buffer itself, written in place
@@ -115,6 +115,7 @@ from kvedge.contract import (
     EXPORTED_KV_DTYPES,
     INT8_ATTENTION_OP,
     KVEDGE_OPS_DOMAIN,
+    LOGITS_MODES,
     PRECISIONS,
     QUANT_MATMUL_OP,
     SIDE_INPUTS_OP,
@@ -226,7 +227,7 @@ class DecoderSpec:
 class GraphOptions:
     """How to build the graph; invalid values fail here, naming the allowed ones."""
 
-    logits: str = "last"  # "last" or "all"
+    logits: str = "rows"  # contract.LOGITS_MODES
     variant: str = "portable"  # see VARIANTS
     weights: str = "float32"  # see quantize.WEIGHT_FORMATS
     block_size: int = 32  # quantization block along the input features
@@ -236,8 +237,8 @@ class GraphOptions:
     precision: str = "float32"  # --precision (contract.PRECISIONS): the dtype the graph computes in
 
     def __post_init__(self) -> None:
-        if self.logits not in ("last", "all"):
-            raise KvedgeError(f"--logits {self.logits!r} is not allowed; choose 'last' or 'all'")
+        if self.logits not in LOGITS_MODES:
+            raise KvedgeError(f"--logits {self.logits!r} is not allowed; allowed: {list(LOGITS_MODES)}")
         if self.variant not in VARIANTS:
             raise KvedgeError(f"--variant {self.variant!r} is not supported; allowed: {sorted(VARIANTS)}")
         check_format(self.weights, self.block_size)
@@ -963,14 +964,15 @@ class _Decoder:
         g = self.g
         scores = g.widen(self.lm_head(self.final_rows(hidden, delta)), "logits.rows_vocab32")  # [rows, vocab]
         vocab = g.const("const.vocab", np.array([self.spec.vocab_size], np.int64))
-        seq = g.ints(1) if self.options.logits == "last" else self.s_dim
+        seq = {"last": g.ints(1), "rows": g.ints(-1)}.get(self.options.logits, self.s_dim)
         out_shape = g.op("Concat", [self.b_dim, seq, vocab], "shape.logits", axis=0)
         return g.op("Reshape", [scores, out_shape], self.names.logits)
 
     def final_rows(self, hidden: str, delta: str) -> str:
         """The normed last hidden state of the rows logits are wanted for: [b, H] at each row's
-        last_index ("last"), or [b*s, H] ("all"). Portable graphs pick the rows before the norm,
-        so it runs on them only; ort graphs keep the fused residual norm."""
+        last_index ("last"), [b*r, H] at last_index [b, r] ("rows"), or [b*s, H] ("all").
+        Portable graphs pick the rows before the norm, so it runs on them only; ort graphs keep
+        the fused residual norm."""
         if not self.portable:
             hidden, _ = self.residual_norm(hidden, delta, self.w("model.norm.weight"), "model.norm")
             return self._select_rows(hidden)
@@ -983,6 +985,9 @@ class _Decoder:
             index = g.op("Unsqueeze", [self.names.last_index, g.ints(1)], "logits.index")  # [b, 1]
             return g.op("GatherND", [hidden, index], "logits.last_hidden", batch_dims=1)  # [b, H]
         rows = g.const("shape.rows", np.array([-1, self.spec.hidden_size], np.int64))
+        if self.options.logits == "rows":
+            index = g.op("Unsqueeze", [self.names.last_index, g.ints(2)], "logits.index")  # [b, r, 1]
+            hidden = g.op("GatherND", [hidden, index], "logits.row_hidden", batch_dims=1)  # [b, r, H]
         return g.op("Reshape", [hidden, rows], "logits.rows")
 
     def lm_head(self, hidden: str) -> str:
