@@ -21,7 +21,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import SamplingConfig, _distribution
 from kvedge.runtime.model import Model
-from kvedge.runtime.speculate import MAX_PAUSE, MISSES, Lookup, accept, lookup
+from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, Lookup, accept, lookup
 
 # (name, ExportOptions fields, family): every cache kind on both variants where it exists
 CASES = [
@@ -69,6 +69,14 @@ def run_turn(model: Model, slot: int, ids: list[int], config: SamplingConfig):
     return [e.token for e in events], events, verifies
 
 
+def logprob_tolerance(model: Model) -> float:
+    """How far a verify row's log probabilities may be from a decode step's: float sums in
+    another order (measured <= 1e-4 on float caches); quantized ort graphs verify with the prompt
+    form of their matmuls (onnxruntime's MatMulNBits) and decode with kvedge's kernel, whose
+    activations round differently (measured 0.032 on the tiny int4 model)."""
+    return 0.05 if model.manifest.weights_dtype in ("int8", "int4") else 2e-3
+
+
 def greedy(n: int, speculate: str, logprobs: int | None = None) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=n, speculate=speculate, logprobs=logprobs)
 
@@ -84,9 +92,13 @@ def test_greedy_identical_every_cache_kind(exports, name):
             assert fast == plain
             proposed += sum(p for p, _ in verifies)
             kept += sum(k - 1 for _, k in verifies)
+            tolerance = logprob_tolerance(model)
             for a, b in zip(plain_events, fast_events, strict=True):  # logprobs from the verify rows
-                assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
-                assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+                assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
+                assert a.top_logprobs[0][0] == b.top_logprobs[0][0]  # the runner-up may be a near tie
+                fast_top = dict(b.top_logprobs)
+                for token, logprob in a.top_logprobs:
+                    assert token not in fast_top or fast_top[token] == pytest.approx(logprob, abs=tolerance)
             # the slots hold the same tokens, and K/V to what two paths' float sums allow
             n = model.cache.length(0)
             assert model.cache.length(1) == n
@@ -143,13 +155,14 @@ def test_bad_mode_names_allowed():
 
 def test_lookup_takes_longest_latest_match():
     h = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
-    assert lookup(h, 3) == [7, 8, 5]  # "2 3" last occurred before 7; "1 2 3" does not end h
-    assert lookup(np.array([4, 1, 2, 5, 6, 1, 2, 7, 1, 2]), 2) == [7, 1]  # the latest "1 2"
+    assert lookup(h, 3, min_ngram=2) == [7, 8, 5]  # "2 3" last occurred before 7; "1 2 3" does not end h
+    assert lookup(h, 3) == []  # 3 tokens at least by default: "5 2 3" never occurred
+    assert lookup(np.array([4, 1, 2, 5, 6, 1, 2, 7, 1, 2]), 2, min_ngram=2) == [7, 1]  # the latest "1 2"
     assert lookup(np.array([1, 2, 3, 4]), 4) == []
-    assert lookup(np.array([5, 6, 5, 6]), 5) == [5, 6, 5, 6, 5]  # past the end: the loop goes on
-    assert lookup(np.array([7, 1, 2, 3, 1, 2]), 4) == [3, 1, 2, 3]
+    assert lookup(np.array([5, 6, 5, 6]), 5, min_ngram=2) == [5, 6, 5, 6, 5]  # past the end: the loop goes on
+    assert lookup(np.array([7, 1, 2, 3, 1, 2, 3]), 4) == [1, 2, 3, 1]
     h = np.array([1, 2, 3, 4, 0, 2, 3, 4])
-    assert lookup(h, 1, max_ngram=4) == [0]  # "2 3 4" (3 tokens) beats "3 4"
+    assert lookup(h, 1, min_ngram=2, max_ngram=4) == [0]  # "2 3 4" (3 tokens) beats "3 4"
 
 
 def test_lookup_adapts_and_pauses():
@@ -161,7 +174,7 @@ def test_lookup_adapts_and_pauses():
     for _ in range(MISSES):
         spec.update(3, 0)
     assert spec.pause == 1 and spec.propose([1, 2, 1, 2], 8) == [] and spec.pause == 0
-    assert spec.k == 1 and spec.propose([3, 1, 2, 1, 2], 8) == [1]  # k fell to 1 with the misses
+    assert spec.k == 1 and spec.propose([3, 1, 2, 3, 1, 2, 3], 8) == [1]  # k fell to 1 with the misses
     for _ in range(20 * MISSES):
         spec.update(1, 0)
     assert spec.backoff == MAX_PAUSE  # doubling, capped
@@ -190,13 +203,31 @@ def test_accept_rule_keeps_the_distribution():
     assert ((counts - expected) ** 2 / expected).sum() > chi_square_critical(probs.size - 1)
 
 
+def lookup_bait(model: Model, base: list[int]) -> list[int]:
+    """`base` after blocks [.., last, t, x_t] for each of the 3 likeliest next tokens t (the
+    context lookup matches: `MIN_NGRAM` tokens ending in t), with x_t the
+    likeliest after t: then whichever first token is drawn, lookup proposes x_t, which the model
+    takes often but not always. The blocks change what is likeliest at the end, so they are
+    rebuilt until they cover it (a few rounds)."""
+    ids = base
+    for _ in range(6):
+        top = np.argsort(-model.prepare(0, ids))[:3]
+        context = base[len(base) - MIN_NGRAM + 1 :]
+        block = [[*context, int(t), int(np.argmax(model.prepare(0, [*ids, int(t)])))] for t in top]
+        grown = [tok for b in block for tok in b] + base
+        if grown == ids:
+            break
+        ids = grown
+    return ids
+
+
 def test_sampled_distribution_preserved(exports):
     """The first three sampled tokens of a reply (top-k 3: 27 outcomes), with speculation, follow
     the model's exact distribution, computed from its teacher-forced logits: chi-square at
     p = 0.001 over 1500 replies, in which proposals are both taken and refused."""
     config = SamplingConfig(max_new_tokens=3, temperature=1.5, top_k=3, speculate="lookup")
-    ids = [5, 6, 7, 8] * 6 + [5, 6]
     with Model(exports("portable-f32"), slots=1) as model:
+        ids = lookup_bait(model, random_ids(20, seed=4))
         exact: dict[tuple[int, ...], float] = {(): 1.0}
         for _ in range(3):
             grown = {}
@@ -213,7 +244,7 @@ def test_sampled_distribution_preserved(exports):
             counts[tuple(tokens)] += 1
             taken += sum(k - 1 for _, k in verifies)
             refused += sum(p - (k - 1) for p, k in verifies)
-    assert taken > 100 and refused > 100
+    assert taken > 50 and refused > 50, (taken, refused)
     expected = np.array([exact[k] for k in counts]) * 1500
     observed = np.array(list(counts.values()))
     assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(len(counts) - 1)
