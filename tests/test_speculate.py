@@ -248,3 +248,19 @@ def test_sampled_distribution_preserved(exports):
     expected = np.array([exact[k] for k in counts]) * 1500
     observed = np.array(list(counts.values()))
     assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(len(counts) - 1)
+
+
+def test_service_request_field_overrides_config():
+    from kvedge.serve.app import sampling_config
+    from kvedge.serve.protocol import ApiError, parse_chat_request, parse_completion_request
+
+    messages = [{"role": "user", "content": "hi"}]
+    asked = parse_chat_request({"messages": messages, "speculate": "lookup"})
+    plain = parse_chat_request({"messages": messages})
+    assert (asked.speculate, plain.speculate) == ("lookup", None)
+    assert sampling_config(asked, 8, None, None, "off").speculate == "lookup"
+    assert sampling_config(plain, 8, None, None, "lookup").speculate == "lookup"  # the service's default
+    assert sampling_config(plain, 8, None, None).speculate == "off"
+    assert parse_completion_request({"prompt": "x", "speculate": "off"}).speculate == "off"
+    with pytest.raises(ApiError, match=r"speculate=.*draft.* is not allowed; allowed: one of"):
+        parse_chat_request({"messages": messages, "speculate": "draft"})
