@@ -104,8 +104,11 @@ def test_greedy_identical_every_cache_kind(exports, name):
             n = model.cache.length(0)
             assert model.cache.length(1) == n
             assert list(model.cache.token_ids(1)) == list(model.cache.token_ids(0))
+            if model.manifest.weights_dtype in ("int8", "int4"):
+                continue  # two matmul forms: K/V differ by their rounding (`logprob_tolerance`)
             a, b = model.cache.view(0, 0, n), model.cache.view(1, 0, n)
-            atol = 2e-3 if model.manifest.geometry.dtype == "float32" else 3e-2
+            # float32: sums in another order; float16: its rounding; int8: the same codes
+            atol = {"float32": 2e-3, "float16": 3e-2, "int8": 3e-2}[model.manifest.geometry.dtype]
             np.testing.assert_allclose(b.kv.astype(np.float32), a.kv.astype(np.float32), atol=atol)
     assert 0 < kept < proposed, (name, kept, proposed)  # took some, refused some
 
