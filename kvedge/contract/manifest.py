@@ -474,6 +474,12 @@ class Manifest:
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step (logits at several positions of a
         row in one call), or None."""
+        if self.weight_decode_matmuls == "kvedge":
+            return (
+                "speculative decoding is off for this export: it decodes with kvedge's matmul kernel "
+                "and would verify with onnxruntime's (the prompt form), which round differently, so a "
+                "greedy reply could differ at a near tie; export with --decode-matmuls onnxruntime"
+            )
         if self.logits in ("rows", "all"):
             return None
         return (
