@@ -215,7 +215,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     assert any(t["target"].startswith("unused slots") for t in results.targets)
     speculation = data["speculation"]["kvedge portable float32"]  # SPECULATION_SYSTEMS measured
     assert set(speculation) == {"a-quote", "b-rewrite", "c-chat"}
-    assert all(w["greedy_equal"] and w["plain_tokens_per_s"] > 0 for w in speculation.values())
+    assert all(w["greedy_equal"] for w in speculation.values())
     assert data["allocation"]["kvedge ort int4"]["steps"] == 27
     assert any("transformers eager" in line for line in lines)
 

@@ -103,7 +103,10 @@ def measure_speculation(
                 for kind, config in order if r % 2 == 0 else order[::-1]:
                     runs[kind].append(timed_reply(model, text, config))
             plain, fast = runs["plain"], runs["lookup"]
-            ratios = [f["tokens_per_s"] / p["tokens_per_s"] for p, f in zip(plain, fast, strict=True)]
+            ratios = [  # a reply of one token decodes nothing: no ratio
+                f["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else float("nan")
+                for p, f in zip(plain, fast, strict=True)
+            ]
             proposed = sum(f["proposed"] for f in fast)
             figures[name] = {
                 "plain_tokens_per_s": float(np.median([p["tokens_per_s"] for p in plain])),
