@@ -30,6 +30,7 @@ from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
+from kvedge.runtime.speculate import SPECULATE_MODES
 
 if TYPE_CHECKING:
     from kvedge.runtime.generate import Event
@@ -183,6 +184,15 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
         click.option("--seed", default=None, type=int),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option(
+            "--speculate",
+            type=click.Choice(SPECULATE_MODES),
+            default="off",
+            show_default=True,
+            help="lookup: propose the tokens that followed the reply's last words earlier in the "
+            "conversation and verify them in one step (the same reply, faster where it repeats its "
+            "input: quoting, rewriting; off where proposals keep failing); needs a --logits rows export.",
+        ),
+        click.option(
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
         ),
         device_option,
@@ -230,6 +240,7 @@ def _sampling(kwargs: dict[str, Any]):
         repetition_penalty=kwargs["repetition_penalty"],
         seed=kwargs["seed"],
         stop=tuple(kwargs["stop"]),
+        speculate=kwargs["speculate"],
     )
 
 
@@ -284,7 +295,14 @@ def main(verbose: int) -> None:
 @click.option(
     "--max-len", default=2048, show_default=True, type=int, help="Cache length (tokens) per sequence."
 )
-@choice_option("--logits", ["last", "all"], "last", "Return logits for the last position only, or all.")
+@choice_option(
+    "--logits",
+    ["rows", "last", "all"],
+    "rows",
+    "rows: logits at the positions the runtime asks for (the last prompt token; every proposed "
+    "token of a speculative step); last: the last position only (no speculative decoding); "
+    "all: every position.",
+)
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
 @choice_option(
     "--variant",

@@ -64,7 +64,7 @@ MODELS_DIR = CONFIG_ROOT / "models"
 PRECISIONS = ("float32", "float16", "int8", "int4")  # what a recommendation may name
 WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
 FAMILIES = tuple(SUPPORTED_MODEL_TYPES)  # what `kvedge export` supports
-LOGITS = ("last", "all")
+LOGITS = ("rows", "last", "all")  # contract.LOGITS_MODES
 PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is its file name
 
 T = TypeVar("T")
@@ -269,7 +269,7 @@ class Architecture(Strict):
 
 class ExportSettings(Strict):
     max_len: Annotated[int, msgspec.Meta(ge=16)] = 2048  # cache length per sequence, baked into the graph
-    logits: Literal[LOGITS] = "last"
+    logits: Literal[LOGITS] = "rows"
     weights_dtype: Literal[tuple(WEIGHT_BYTES)] = "float32"  # of the graph (--precision float16: float16)
     kv_dtype: Text = "float32"  # CacheGeometry's to allow: checked by `load_recipe`
     max_prefill: Count = PREFILL_CHUNK  # TensorRT prefill profile: longest chunk

@@ -213,6 +213,9 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     assert data["quality"]["kvedge portable float32"]["mean_kl"] < 1e-6  # fp32 against transformers
     assert data["quality"]["kvedge ort int4"]["positions"] > 100
     assert any(t["target"].startswith("unused slots") for t in results.targets)
+    speculation = data["speculation"]["kvedge portable float32"]  # SPECULATION_SYSTEMS measured
+    assert set(speculation) == {"a-quote", "b-rewrite", "c-chat"}
+    assert all(w["greedy_equal"] for w in speculation.values())
     assert data["allocation"]["kvedge ort int4"]["steps"] == 27
     assert any("transformers eager" in line for line in lines)
 

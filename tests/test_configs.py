@@ -131,7 +131,7 @@ RECIPE_CASES = [
     ),
     (
         lambda d: d["export"].update(logits="first"),
-        "export.logits: 'first' is not allowed; allowed: last, all",
+        "export.logits: 'first' is not allowed; allowed: rows, last, all",
     ),
     (
         lambda d: d["export"].update(weights_dtype="int4"),

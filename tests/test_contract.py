@@ -107,10 +107,15 @@ def test_graph_interface_follows_variant_and_logits(tiny_llama):
     g, names = manifest.geometry, manifest.names
     inputs = {spec.name: spec for spec in manifest.graph_inputs()}
     assert (names.position_ids in inputs) == (not manifest.in_place)
-    assert (names.last_index in inputs) == (manifest.logits == "last")
+    assert (names.last_index in inputs) == (manifest.logits != "all")
+    rows = 2 if manifest.logits == "rows" else 1  # a rows graph's logits follow last_index [batch, rows]
+    if names.last_index in inputs:
+        assert inputs[names.last_index].shape(3, 5, rows) == (
+            (3, rows) if manifest.logits == "rows" else (3,)
+        )
     assert inputs[names.layer(names.past_value, 1)].shape(3, 5) == g.layer_shape(3)
     logits, *present = manifest.graph_outputs()
-    assert logits.shape(3, 5) == (3, 1 if manifest.logits == "last" else 5, manifest.vocab_size)
+    assert logits.shape(3, 5, rows) == (3, 5 if manifest.logits == "all" else rows, manifest.vocab_size)
     assert len(present) == g.num_layers * len(names.present(g.quantized))
     new_len = g.max_len if manifest.in_place else 5
     assert present[0].shape(3, 5) == (3, g.num_kv_heads, new_len, g.head_dim)

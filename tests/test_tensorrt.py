@@ -75,7 +75,7 @@ def test_export_tensorrt_without_tensorrt_says_what_to_install(tmp_path):
 def test_tensorrt_refuses_graphs_it_cannot_take():
     with pytest.raises(KvedgeError, match="need the portable graph .*not --variant 'ort'"):
         require_tensorrt("ort", "last")
-    with pytest.raises(KvedgeError, match="need --logits last, not 'all'"):
+    with pytest.raises(KvedgeError, match="need --logits rows or last, not 'all'"):
         require_tensorrt("portable", "all")
 
 
@@ -85,7 +85,7 @@ def test_engine_profiles(tiny_llama):
     prefill_profile, decode_profile = profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=4))
     assert prefill_profile[names.input_ids] == ((1, 1), (1, 64), (4, 64))
     assert decode_profile[names.input_ids] == ((1, 1), (4, 1), (4, 1))
-    assert prefill_profile[names.last_index] == ((1,), (1,), (4,))
+    assert prefill_profile[names.last_index] == ((1, 1), (1, 1), (4, 1))  # rows: one per sequence
     assert decode_profile[names.past_lengths] == ((1,), (4,), (4,))
     one, four = (1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(4)
     last_layer = names.layer(names.past_value, g.num_layers - 1)

@@ -63,6 +63,7 @@ from kvedge.bench import measure
 from kvedge.bench.prepare import KvedgeBuild, Workdir
 from kvedge.bench.report import evaluate_targets, plot, table
 from kvedge.bench.results import code_revision, results_folder
+from kvedge.bench.speculate import measure_speculation
 from kvedge.bench.systems import ChildSystem, System, SystemCrashed, SystemSpec
 from kvedge.bench.warm import measure_warm
 from kvedge.contract import ONNX_FILE, Manifest
@@ -87,6 +88,8 @@ DEFAULT_KVEDGE = (
     "ort:int4:int8",
 )
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
+# the kvedge systems speculative decoding is measured on (issue 26's two)
+SPECULATION_SYSTEMS = ("ort:int4:int8", "portable:float32")
 WARM = ("all", "first", "none")  # which kvedge systems get the warm-prefix section
 QUALITY_PROMPTS = (
     "The history of the Roman Empire spans more than a thousand years, from the founding of the city",
@@ -131,6 +134,8 @@ class BenchConfig:
     quality: bool = True  # KL / top-1 of quantized weights against float32
     exact_size: bool = True  # exact-size twins for the unused-slots target
     warm: str = "all"  # warm prefixes and multi-turn reuse for kvedge systems: one of WARM
+    # speculative decoding against plain, on these kvedge systems where measured (`kvedge.bench.speculate`)
+    speculation: tuple[str, ...] = SPECULATION_SYSTEMS
     debug_crashing_peer: bool = False  # tests only: add a peer whose process segfaults in decode
     seed: int = 0
     command: str = ""  # recorded in the JSON
@@ -190,6 +195,8 @@ class Results:
     memory: dict[str, float] = field(default_factory=dict)
     allocation: dict[str, dict[str, float]] = field(default_factory=dict)
     warm: dict[str, dict[str, Any]] = field(default_factory=dict)  # system -> `measure_warm` figures
+    # system -> workload -> `measure_speculation` figures
+    speculation: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     crashed: dict[str, str] = field(default_factory=dict)  # system -> the case and how its process died
     targets: list[dict[str, Any]] = field(default_factory=list)
@@ -380,6 +387,10 @@ def _measure_fresh(
         except KvedgeError as exc:  # one section refused: say so, keep the run's other figures
             echo(f"  warm prefixes of {spec.name} skipped: {exc}")
             results.skipped[f"{spec.name} warm prefixes"] = str(exc)
+    for spec in warm:
+        if spec.extra.get("system") in config.speculation:
+            echo(f"speculative decoding (prompt lookup) against plain: {spec.name}")
+            results.speculation[spec.name] = measure_speculation(spec.path, threads, config.rounds, echo=echo)
     if config.memory:
         echo("peak RSS: one fresh process per system")
         for spec in first:
@@ -472,7 +483,8 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
         variant, weights, kv_dtype = kvedge_system(item)
         build = KvedgeBuild(variant, weights, block_size=config.block_size, kv_dtype=kv_dtype)
         name = build.system_name
-        specs.append(_kvedge_spec(work.kvedge(build), name, device=config.device))
+        spec = _kvedge_spec(work.kvedge(build), name, device=config.device)
+        specs.append(dataclasses.replace(spec, extra={**spec.extra, "system": item}))
         if config.exact_size and weights == "float32" and kv_dtype == "float32":
             twin = dataclasses.replace(build, max_len=EXACT_SIZE_MAX_LEN)
             specs.append(

@@ -105,6 +105,11 @@ def kvedge_ops(variant: str, kv_dtype: str, weights: str, decode_matmuls: str = 
 # chunks of this, the planner sizes the activation peak for it, and a TensorRT engine's prefill
 # profile defaults to it.
 PREFILL_CHUNK = 256
+# What the logits output holds (`--logits`): "last": each row's last real token, picked by
+# last_index [batch]; "rows": the positions last_index [batch, rows] names (one per row for a
+# prompt, every proposed position when verifying a speculative step, kvedge.runtime.speculate);
+# "all": every position. The default is "rows": the LM head runs on the rows asked for only.
+LOGITS_MODES = ("rows", "last", "all")
 # Ring slots a sliding-window layer keeps beyond its window (`CacheGeometry.ring_margin`): a
 # slot can then rewind up to this many tokens and keep its cache, which covers the few tokens a
 # chat template re-renders at the end of a turn; a longer rewind re-prefills from the start.
@@ -271,7 +276,8 @@ class IONames:
     input_ids: str = "input_ids"  # [batch, seq] int64
     position_ids: str = "position_ids"  # [batch, seq] int64
     past_lengths: str = "past_lengths"  # [batch] int64: valid cache slots per row
-    last_index: str = "last_index"  # [batch] int64: row's last real token (last-logits graphs)
+    # [batch] ("last") or [batch, rows] ("rows") int64: the positions whose logits are returned
+    last_index: str = "last_index"
     past_key: str = "past_key_values.%d.key"  # [batch, kv_heads, max_len, head_dim]
     past_value: str = "past_key_values.%d.value"  # [batch, kv_heads, max_len, head_dim]
     # int8 caches only: float16 scales [batch, kv_heads, max_len or seq, head_dim / group_size]
@@ -279,7 +285,7 @@ class IONames:
     past_value_scale: str = "past_key_values.%d.value_scale"
     present_key_scale: str = "present.%d.key_scale"
     present_value_scale: str = "present.%d.value_scale"
-    logits: str = "logits"  # [batch, 1 or seq, vocab] float32
+    logits: str = "logits"  # [batch, 1 | rows | seq, vocab] float32 (`LOGITS_MODES`)
     # Portable graphs: [batch, kv_heads, seq, head_dim], the new tokens only. In-place variants
     # ("ort"): [batch, kv_heads, max_len, head_dim], the past buffer itself, written in place.
     present_key: str = "present.%d.key"
@@ -301,7 +307,7 @@ class IONames:
         return (self.present_key, self.present_value)
 
 
-Dim = int | str  # a fixed size, or an axis that varies per call: "batch" or "seq"
+Dim = int | str  # a fixed size, or an axis that varies per call: "batch", "seq" or "rows"
 
 
 @dataclass(frozen=True)
@@ -313,9 +319,10 @@ class TensorSpec:
     dims: tuple[Dim, ...]
     layer: int | None = None  # per-layer cache tensors: the layer's index; None for the others
 
-    def shape(self, batch: int, seq: int) -> tuple[int, ...]:
-        """The concrete shape of a call of `batch` rows x `seq` tokens."""
-        sizes = {"batch": batch, "seq": seq}
+    def shape(self, batch: int, seq: int, rows: int = 1) -> tuple[int, ...]:
+        """The concrete shape of a call of `batch` rows x `seq` tokens asking for `rows` logits
+        rows per row (a "rows"-logits graph)."""
+        sizes = {"batch": batch, "seq": seq, "rows": rows}
         return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
 
     def describe(self) -> str:
@@ -330,11 +337,12 @@ class GraphInterface:
 
     Inputs: input_ids [batch, seq]; position_ids [batch, seq] (not in place variants: in-place
     graphs take positions from past_lengths); past_lengths [batch]; last_index [batch] (logits
-    "last"); per layer, past K, V [batch, kv_heads, L, head_dim] in the cache dtype, and for
-    int8 caches K, V scales [batch, kv_heads, L, groups] float16, where L = `geometry.layer_len`
-    (max_len, or ring_len for a ring layer).
-    Outputs: logits [batch, 1 or seq, vocab] float32; per layer, present tensors like the past
-    ones, of length seq (the new tokens, portable) or L (the past buffer, in place).
+    "last") or [batch, rows] (logits "rows"); per layer, past K, V [batch, kv_heads, L,
+    head_dim] in the cache dtype, and for int8 caches K, V scales [batch, kv_heads, L, groups]
+    float16, where L = `geometry.layer_len` (max_len, or ring_len for a ring layer).
+    Outputs: logits [batch, 1 | rows | seq, vocab] float32 (logits "last" | "rows" | "all");
+    per layer, present tensors like the past ones, of length seq (the new tokens, portable) or L
+    (the past buffer, in place).
 
     The dtypes do not depend on the graph's precision beyond the cache dtype it is exported with
     (`export_kv_dtypes`): a float16 graph (`Manifest.precision`) takes and gives its cache as
@@ -360,12 +368,14 @@ class GraphInterface:
         specs.append(TensorSpec(names.past_lengths, int64, ("batch",)))
         if self.logits == "last":
             specs.append(TensorSpec(names.last_index, int64, ("batch",)))
+        elif self.logits == "rows":
+            specs.append(TensorSpec(names.last_index, int64, ("batch", "rows")))
         for i in range(self.geometry.num_layers):
             specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.layer_len(i))
         return tuple(specs)
 
     def outputs(self) -> tuple[TensorSpec, ...]:
-        logits_len = 1 if self.logits == "last" else "seq"
+        logits_len = {"last": 1, "rows": "rows"}.get(self.logits, "seq")
         specs = [TensorSpec(self.names.logits, np.dtype(np.float32), ("batch", logits_len, self.vocab_size))]
         for i in range(self.geometry.num_layers):
             length = self.geometry.layer_len(i) if self.in_place else "seq"
@@ -428,7 +438,7 @@ class Manifest:
     hidden_size: int
     num_heads: int
     opset: int
-    logits: str  # "last" or "all"
+    logits: str  # a LOGITS_MODES value
     eos_token_ids: tuple[int, ...]
     rope: RopeSpec
     onnx_fingerprint: str
@@ -460,6 +470,22 @@ class Manifest:
     @property
     def interface(self) -> GraphInterface:
         return GraphInterface(self.names, self.geometry, self.variant, self.logits, self.vocab_size)
+
+    def verify_refusal(self) -> str | None:
+        """Why this graph cannot verify a speculative step (logits at several positions of a
+        row in one call), or None."""
+        if self.weight_decode_matmuls == "kvedge":
+            return (
+                "speculative decoding is off for this export: it decodes with kvedge's matmul kernel "
+                "and would verify with onnxruntime's (the prompt form), which round differently, so a "
+                "greedy reply could differ at a near tie; export with --decode-matmuls onnxruntime"
+            )
+        if self.logits in ("rows", "all"):
+            return None
+        return (
+            "speculative decoding needs logits at every proposed position, which this export's "
+            f"--logits {self.logits!r} graph does not return; re-export it (default --logits rows)"
+        )
 
     def graph_inputs(self) -> tuple[TensorSpec, ...]:
         """The graph's inputs, in graph order (`GraphInterface`)."""

@@ -61,7 +61,7 @@ class ExportOptions:
     float16 for a float16 one; after construction both are always set."""
 
     max_len: int = 2048
-    logits: str = "last"
+    logits: str = "rows"  # contract.LOGITS_MODES: "rows" lets the runtime verify speculative steps
     force: bool = False
     variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
     # "float32", "float16" (stored float16), "int8" or "int4" (weight-only, blocked)

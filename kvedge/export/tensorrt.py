@@ -76,10 +76,10 @@ def _check_graph(variant: str, logits: str) -> None:
             f"TensorRT builds need the portable graph (standard ONNX ops), not --variant {variant!r}; "
             "export with --variant portable"
         )
-    if logits != "last":
+    if logits == "all":
         raise KvedgeError(
-            f"TensorRT builds need --logits last, not {logits!r}: [batch, seq, vocab] logits for every "
-            "prompt position would not fit a small device"
+            "TensorRT builds need --logits rows or last, not 'all': [batch, seq, vocab] logits for "
+            "every prompt position would not fit a small device"
         )
 
 

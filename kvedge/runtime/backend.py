@@ -201,12 +201,13 @@ def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
 
 
 def binding_plan(
-    manifest: Manifest, provider: str, phase: str, batch: int, seq: int = 1
+    manifest: Manifest, provider: str, phase: str, batch: int, seq: int = 1, rows: int = 1
 ) -> tuple[Bound, ...]:
-    """What a `phase` ("decode": one token per row; "prefill": `seq` tokens) step of `batch` rows
-    binds on `provider`, in the graph's input then output order. Pool views are bound where
-    they are, on the provider's device; decode's step buffers too; prefill's per-call arrays on
-    the CPU, where onnxruntime copies them once per call."""
+    """What a `phase` ("decode": one token per row; "prefill": `seq` tokens, logits at `rows`
+    positions of each row) step of `batch` rows binds on `provider`, in the graph's input then
+    output order. Pool views are bound where they are, on the provider's device; decode's step
+    buffers too; prefill's per-call arrays on the CPU, where onnxruntime copies them once per
+    call."""
     if phase not in ("decode", "prefill"):
         raise KvedgeError(f"binding phase {phase!r} is unknown; allowed: ['decode', 'prefill']")
     if provider == "cuda" and (refusal := cuda_refusal(manifest)):
@@ -222,7 +223,7 @@ def binding_plan(
             else:
                 buffer = STEP if decode else CALL
             where = "cpu" if buffer == CALL else device
-            shape, dtype = spec.shape(batch, seq), np.dtype(spec.dtype)
+            shape, dtype = spec.shape(batch, seq, 1 if decode else rows), np.dtype(spec.dtype)
             plan.append(Bound(spec.name, output, buffer, where, shape, dtype, buffer == STEP and not output))
     return tuple(plan)
 
@@ -318,7 +319,10 @@ class OrtBackend:
             names.input_ids: input_ids,
             names.position_ids: position_ids,
             names.past_lengths: past_lengths,
-            names.last_index: last_index,
+            # a "rows" graph takes [batch, rows]: one row per sequence unless a verify asks for more
+            names.last_index: last_index.reshape(len(past_lengths), -1)
+            if self.manifest.logits == "rows"
+            else last_index,
         }
         return [(name, values[name]) for name in self._step_names]
 
@@ -327,29 +331,32 @@ class OrtBackend:
         input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
         position_ids: np.ndarray,  # [batch, seq] int64
         past_lengths: np.ndarray,  # [batch] int64
-        last_index: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer views, `KVCache.layer_views`
         counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
     ) -> StepOutput:
-        """Run one step. Logits of a row with no real tokens are zeros (in-place variant)."""
+        """Run one step. Logits of a row with no real tokens are zeros (in-place variant). With
+        last_index [batch, rows] the logits are [batch, rows, vocab], at those positions."""
         if self.session is None:
             raise KvedgeError("this onnxruntime backend was closed")
         batch, seq = input_ids.shape
-        counts = last_index + 1 if counts is None else np.asarray(counts, np.int64)
-        if seq == 1 and bool((counts == 1).all()):
+        if last_index.ndim == 2 and (refusal := self.manifest.verify_refusal()):
+            raise KvedgeError(refusal)
+        counts = last_index.reshape(batch, -1)[:, -1] + 1 if counts is None else np.asarray(counts, np.int64)
+        if seq == 1 and last_index.ndim == 1 and bool((counts == 1).all()):
             return self._decode(input_ids, position_ids, past_lengths, past)
         if not self.manifest.in_place:
             return self._prefill_portable(input_ids, position_ids, past_lengths, last_index, past)
         if batch == 1 and int(counts[0]) == seq:
             return StepOutput(self._prefill_in_place(input_ids, past_lengths, last_index, past), None)
-        logits = np.zeros((batch, self.manifest.vocab_size), np.float32)
+        logits = np.zeros((batch, *last_index.shape[1:], self.manifest.vocab_size), np.float32)
         for r in range(batch):
             n = int(counts[r])
             if n:
                 logits[r] = self._prefill_in_place(
                     input_ids[r : r + 1, :n],
                     past_lengths[r : r + 1],
-                    np.array([n - 1], np.int64),
+                    last_index[r : r + 1],
                     [tuple(a[r : r + 1] for a in views) for views in past],
                 )[0]
         return StepOutput(logits, None)
@@ -488,13 +495,16 @@ class OrtBackend:
                 self._bind(binding, bound, array)
 
     def _select_last(self, logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
-        """[batch, 1 or seq, vocab] -> [batch, vocab] at each row's last real token (a copy)."""
+        """The graph's logits [batch, 1 | rows | seq, vocab] -> [batch, vocab] at each row's
+        last_index [batch], or [batch, rows, vocab] at last_index [batch, rows] (a copy)."""
+        rows = last_index.reshape(logits.shape[0], -1)  # [batch, rows]
         if self.manifest.logits == "all":
-            logits = logits[np.arange(logits.shape[0]), last_index][:, None]
-        return logits[:, 0].copy()
+            logits = logits[np.arange(logits.shape[0])[:, None], rows]
+        return logits.copy() if last_index.ndim == 2 else logits[:, 0].copy()
 
     def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
-        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape)
+        rows = last_index.size // len(last_index)
+        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape, rows)
         arrays = dict(self._step_inputs(input_ids, position_ids, past_lengths, last_index))
         arrays.update(self._pool_arrays(past))
         binding = self.session.io_binding()
@@ -508,10 +518,11 @@ class OrtBackend:
     def _prefill_in_place(self, input_ids, past_lengths, last_index, past) -> np.ndarray:
         """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
         names = self.manifest.names
-        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape)
+        rows = last_index.size // len(last_index)
+        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape, rows)
         arrays = dict(self._step_inputs(input_ids, None, past_lengths, last_index))
         arrays.update(self._pool_arrays(past))
-        logits = arrays[names.logits] = np.empty(self._outputs[0].shape(*input_ids.shape), np.float32)
+        logits = arrays[names.logits] = np.empty(self._outputs[0].shape(*input_ids.shape, rows), np.float32)
         binding = self.session.io_binding()
         self._bind_call(binding, plan, arrays)
         self.session.run_with_iobinding(binding, self._prefill_options)

@@ -184,6 +184,12 @@ class Matcher:
             raise KvedgeError(f"the constraint allows no next token ({self.error or 'dead end'})")
         return np.where(allowed.astype(bool), logits, -np.inf)
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar takes in a row from its state now (which stays)."""
+        if self._pending is not None:  # the worker may be reading the matcher: let it finish
+            self._pending.result()
+        return int(self.matcher.validate_tokens(list(tokens)))
+
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise KvedgeError(f"the constraint refused token {token} ({self.error})")

@@ -37,6 +37,7 @@ from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.interface import Backend, StepOutput
+from kvedge.runtime.speculate import Lookup, accept, check_mode
 from kvedge.runtime.tokenizer import TextStream
 
 
@@ -51,6 +52,9 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None  # output must match it (kvedge.runtime.constrain)
     logprobs: int | None = None  # None: off; k: each token's log probability and the k most likely
+    # "lookup": speculative decoding with prompt-lookup proposals (kvedge.runtime.speculate), where
+    # the export can verify them; "off". Replies are the same either way (sampled: in distribution)
+    speculate: str = "off"
     max_top_logprobs: ClassVar[int] = 20
 
     def __post_init__(self) -> None:
@@ -81,16 +85,33 @@ class SamplingConfig:
         for name, value, ok, allowed in checks:
             if not ok:
                 raise KvedgeError(f"{name}={value!r} is not allowed; allowed: {allowed}")
+        check_mode(self.speculate)
 
 
-def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator, seen: Sequence[int]) -> int:
-    """Pick the next token from one row's logits [vocab]."""
+def sample(
+    logits: np.ndarray,
+    config: SamplingConfig,
+    rng: np.random.Generator,
+    seen: Sequence[int],
+    proposal: int | None = None,
+) -> int:
+    """Pick the next token from one row's logits [vocab]. With a speculative `proposal`, sampled
+    decoding keeps it by the rejection rule (`speculate.accept`): the token's distribution is
+    the same; greedy picks the argmax whatever was proposed."""
     z = logits.astype(np.float64)
     if config.repetition_penalty != 1.0 and len(seen):
         ids = np.unique(np.asarray(seen, np.int64))
         z[ids] = np.where(z[ids] > 0, z[ids] / config.repetition_penalty, z[ids] * config.repetition_penalty)
     if config.temperature == 0.0:
         return int(np.argmax(z))
+    probs = _distribution(z, config)
+    if proposal is not None:
+        return accept(probs, proposal, rng)
+    return int(rng.choice(probs.size, p=probs))
+
+
+def _distribution(z: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """The sampling distribution [vocab] float64 of penalized logits `z`: temperature, top-k, top-p."""
     z = z / config.temperature
     if 0 < config.top_k < z.size:
         kth = np.partition(z, -config.top_k)[-config.top_k]
@@ -104,7 +125,7 @@ def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator,
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
-    return int(rng.choice(probs.size, p=probs))
+    return probs
 
 
 RoomFn = Callable[[int, int], None]  # (slot, tokens about to be written): make room or raise
@@ -292,6 +313,7 @@ class Turn:
     rng: np.random.Generator
     eos_ids: tuple[int, ...]
     matcher: Matcher | None = None  # the constraint's grammar state, if the turn has one
+    speculator: Lookup | None = None  # speculative decoding's proposals (kvedge.runtime.speculate)
     started: float = field(default_factory=time.perf_counter)
     written: list[int] = field(default_factory=list)  # tokens this turn appended to the slot
     pending: int | None = None
@@ -326,11 +348,38 @@ class Turn:
         if self.matcher is not None:
             self.matcher.start_mask()
 
-    def sample(self, logits: np.ndarray) -> Event:
-        """Sample the next token from `logits` [vocab] and say what it means for the stream."""
+    def propose(self, cache: KVCache) -> list[int]:
+        """Tokens to verify after the pending one this step ([]: decode as usual): no more than
+        the slot has room for with the pending token and the one sampled after them, nor than
+        the reply may still take, cut at the first one the constraint refuses."""
+        if self.speculator is None or self.pending is None:
+            return []
+        room = min(cache.room(self.slot) - 2, self.config.max_new_tokens - self.produced - 1)
+        draft = self.speculator.propose([*self.seen, self.pending], room)
+        if draft and self.matcher is not None:
+            draft = draft[: self.matcher.allowed_prefix(draft)]
+        return draft
+
+    def take_verified(self, rows: np.ndarray, draft: list[int]) -> tuple[list[Event], int]:
+        """Sample from `rows` [len(draft) + 1, vocab], the logits after the pending token and after
+        each proposal, one row at a time as decode steps would, while the token sampled is the
+        next proposal. Returns the events and how many of pending + draft the slot keeps."""
+        events: list[Event] = []
+        for i, row in enumerate(rows):
+            self.wrote_pending()  # the verify call wrote it; the caller makes it valid
+            events.append(self.sample(row, draft[i] if i < len(draft) else None))
+            if self.done or i == len(draft) or events[-1].token != draft[i]:
+                break
+        assert self.speculator is not None
+        self.speculator.update(len(draft), sum(e.token == d for e, d in zip(events, draft, strict=False)))
+        return events, len(events)
+
+    def sample(self, logits: np.ndarray, proposal: int | None = None) -> Event:
+        """Sample the next token from `logits` [vocab] (a speculative `proposal`: see `sample`)
+        and say what it means for the stream."""
         try:
             allowed = logits if self.matcher is None else self.matcher.apply(logits)
-            token = sample(allowed, self.config, self.rng, self.seen)
+            token = sample(allowed, self.config, self.rng, self.seen, proposal)
             if self.matcher is not None:
                 self.matcher.accept(token)
         except KvedgeError as exc:
@@ -375,19 +424,28 @@ class Turn:
 
 @dataclass
 class StepResult:
-    """What one `step_turns` call did: an event per turn that produced one, and the decode calls."""
+    """What one `step_turns` call did: an event per turn that produced one (its last), the events
+    a speculative step produced before it, and the decode and verify calls."""
 
     events: dict[Turn, Event] = field(default_factory=dict)
+    earlier: dict[Turn, list[Event]] = field(default_factory=dict)
     decode_calls: list[tuple[int, int]] = field(default_factory=list)  # (busy rows, idle rows)
+    verify_calls: list[tuple[int, int]] = field(default_factory=list)  # (proposed, tokens kept)
+
+    def emitted(self, turn: Turn) -> list[Event]:
+        """Every event `turn` produced this step, in order."""
+        last = self.events.get(turn)
+        return [*self.earlier.get(turn, ()), last] if last is not None else []
 
 
 def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: bool = True) -> StepResult:
     """Advance the unfinished turns by one step: of the turns still prefilling, the one that has
     prefilled the fewest tokens runs its next prompt chunk (one chunk per step, so a new short
     prompt waits for at most the chunk running when it came, not for every long prompt's next
-    chunk too); every turn past its prompt writes its pending token, decoded together in as few
-    calls over contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call per
-    turn), and samples the next. A failure ends the turns it touched with an "error" event."""
+    chunk too); every turn past its prompt with proposals (`Turn.propose`) verifies them in a call
+    of its own (`speculate_turn`); every other writes its pending token, decoded together in as
+    few calls over contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call
+    per turn), and samples the next. A failure ends the turns it touched with an "error" event."""
     result = StepResult()
     prefilling = [turn for turn in turns if turn.prefilling]
     if prefilling:
@@ -402,12 +460,17 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
             if not turn.todo:  # the whole prompt is in: sample the first token
                 result.events[turn] = turn.sample(logits)
     by_slot = {t.slot: t for t in turns if not t.done and t.pending is not None and t not in result.events}
+    for turn in by_slot.values():
+        turn.will_sample()
+    for slot, turn in list(by_slot.items()):
+        draft = turn.propose(cache)
+        if draft:
+            del by_slot[slot]
+            speculate_turn(backend, cache, turn, draft, result)
     if batch:
         ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
     else:
         ranges = [(slot, 1) for slot in by_slot]
-    for turn in by_slot.values():
-        turn.will_sample()
     for first, count in ranges:
         rows = [by_slot.get(slot) for slot in range(first, first + count)]
         try:
@@ -423,3 +486,41 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
                 turn.wrote_pending()
                 result.events[turn] = turn.sample(row)
     return result
+
+
+def speculate_turn(
+    backend: Backend, cache: KVCache, turn: Turn, draft: list[int], result: StepResult
+) -> None:
+    """Verify `turn`'s pending token and `draft` in one call (`verify`), take what the model
+    agrees with (`Turn.take_verified`), and make exactly those tokens valid in its slot: the
+    rejected ones' K/V are never made valid (kvedge.runtime.speculate, "roll back")."""
+    tokens = [turn.pending, *draft]
+    try:
+        out, input_ids = verify(backend, cache, turn.slot, tokens)
+        events, keep = turn.take_verified(out.logits[0], draft)
+        _keep(cache, out, [turn.slot], input_ids, [keep])
+    except Exception as exc:
+        result.events[turn] = turn.finish("error", error=exc)
+        return
+    result.verify_calls.append((len(draft), keep))
+    result.events[turn] = events[-1]
+    if len(events) > 1:
+        result.earlier[turn] = events[:-1]
+
+
+def verify(
+    backend: Backend, cache: KVCache, slot: int, tokens: Sequence[int]
+) -> tuple[StepOutput, np.ndarray]:
+    """Run `tokens` [n] on `slot` after its valid tokens in one call, with the logits after each
+    of them: (the output, its logits [1, n, vocab]; the input ids [1, n]). Nothing becomes valid: an in-place
+    graph has written all n beyond the valid length, a portable one returned their K/V."""
+    n = len(tokens)
+    cache.check_room(slot, n)  # before the run: in-place graphs write
+    input_ids = np.asarray([tokens], np.int64)  # [1, n]
+    past_lengths = cache.lengths[[slot]].copy()  # [1]
+    positions = past_lengths[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [1, n]
+    rows = np.arange(n, dtype=np.int64)[None, :]  # [1, n]: logits at every position
+    counts = np.array([n], np.int64)
+    return backend.run(
+        input_ids, positions, past_lengths, rows, cache.layer_views(slot, 1), counts
+    ), input_ids

@@ -36,6 +36,7 @@ from kvedge.runtime.memory import check_kv_memory
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
+from kvedge.runtime.speculate import Lookup
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
 
@@ -128,6 +129,7 @@ class Model:
         self.sessions = [ChatSession(slot) for slot in range(slots)]
         self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
         self._last_used = [0.0] * slots
+        self._warned: set[str] = set()  # reasons logged once
         self.prefix_lru = PrefixLRU(self.manifest.geometry, prefix_cache_bytes)
         geometry = self.manifest.geometry
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
@@ -286,9 +288,31 @@ class Model:
             rng=np.random.default_rng(config.seed),
             eos_ids=tuple(self.manifest.eos_token_ids),
             matcher=matcher,
+            speculator=self._speculator(config),
         )
         self._turns[slot] = turn
         return turn
+
+    def speculation_refusal(self) -> str | None:
+        """Why this model cannot decode speculatively (`SamplingConfig.speculate`), or None."""
+        if self.device == "tensorrt":
+            return (
+                "speculative decoding is not available on --device tensorrt yet: the engine's "
+                "profiles take one logits row per sequence; it decodes one token per step"
+            )
+        return self.manifest.verify_refusal()
+
+    def _speculator(self, config: SamplingConfig) -> Lookup | None:
+        """A turn's proposals: prompt lookup if `config` asks for it and this model can verify."""
+        if config.speculate == "off":
+            return None
+        refusal = self.speculation_refusal()
+        if refusal is not None:
+            if refusal not in self._warned:
+                self._warned.add(refusal)
+                log.warning("%s", refusal)
+            return None
+        return Lookup()
 
     def step(self, turns: Sequence[Turn], batch: bool = True) -> StepResult:
         """Advance each turn by one step (`step_turns`; `batch`: decode contiguous slots in one
@@ -365,14 +389,14 @@ class Model:
         try:
             while not turn.done and not (stop is not None and stop()):
                 todo = len(turn.todo)
-                event = self.step([turn]).events.get(turn)
+                events = self.step([turn]).emitted(turn)
                 progress.update(todo - len(turn.todo))
-                if event is None:
-                    continue
-                progress.close()
-                if event.error is not None:
-                    raise event.error
-                yield event
+                if events:
+                    progress.close()
+                for event in events:
+                    if event.error is not None:
+                        raise event.error
+                    yield event
         finally:
             progress.close()
             self.end(turn)

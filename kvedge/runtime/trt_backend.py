@@ -13,6 +13,7 @@ Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
                  groups] float16) are bound by device pointer, so the GPU reads the cache in
                  place and nothing cache-sized is copied
     inputs       input_ids, position_ids [B, P]; past_lengths, last_index [B]   engine int dtype
+                 (last_index [B, 1] in a "rows" engine: one logits row per sequence)
     outputs      logits [B, 1, vocab] float32; per layer the new tokens only (`KVCache.append`
                  writes them into the pool): present K/V [B, kv_heads, P, head_dim] in the cache
                  dtype, then for int8 caches their scales [B, kv_heads, P, groups] float16
@@ -126,7 +127,8 @@ class TrtBackend:
             names.input_ids: input_ids,
             names.position_ids: position_ids,
             names.past_lengths: past_lengths,
-            names.last_index: last_index,
+            # a "rows"-logits engine's profiles take one row per sequence: last_index [batch, 1]
+            names.last_index: last_index.reshape(batch, -1),
         }
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
@@ -146,7 +148,7 @@ class TrtBackend:
         logits, *layers = [self._output(spec, batch, seq) for spec in self.outputs]
         per_layer = len(layers) // g.num_layers
         present = [tuple(layers[i * per_layer : (i + 1) * per_layer]) for i in range(g.num_layers)]
-        return StepOutput(logits=logits[:, 0].copy(), present=present)  # "last" logits only
+        return StepOutput(logits=logits[:, 0].copy(), present=present)  # one logits row per sequence
 
     @staticmethod
     def _bind(context: Any, name: str, address: int, shape: tuple[int, ...] | None = None) -> None:

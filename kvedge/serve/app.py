@@ -203,7 +203,9 @@ class Api:
             )
         except KvedgeError as exc:
             raise api_error(exc) from None
-        job, events = self.submit(ids, sampling_config(chat, max_new, constraint, chat.logprobs))
+        job, events = self.submit(
+            ids, sampling_config(chat, max_new, constraint, chat.logprobs, self.config.speculate)
+        )
         parser = tools.ReplyParser(chat.tool_choice != "none", tools.THINK_OPEN in template, tool_fmt)
         tokenizer = model.tokenizer if chat.logprobs is not None else None
         reply = ChatReply(
@@ -266,7 +268,9 @@ class Api:
             )
         except KvedgeError as exc:
             raise api_error(exc, "prompt") from None
-        job, events = self.submit(ids, sampling_config(body, max_new, None, body.logprobs))
+        job, events = self.submit(
+            ids, sampling_config(body, max_new, None, body.logprobs, self.config.speculate)
+        )
         tokenizer = model.tokenizer if body.logprobs is not None else None
         reply = TextReply(
             protocol.completion_id("cmpl-"), config.model_name, len(ids), body.include_usage, tokenizer
@@ -427,6 +431,7 @@ def sampling_config(
     max_new_tokens: int,
     constraint: Constraint | None,
     logprobs: int | None,
+    speculate: str = "off",  # the service's default; the request's field wins
 ) -> SamplingConfig:
     return SamplingConfig(
         max_new_tokens=max_new_tokens,
@@ -438,6 +443,7 @@ def sampling_config(
         stop=request.stop,
         constraint=constraint,
         logprobs=logprobs,
+        speculate=request.speculate or speculate,
     )
 
 

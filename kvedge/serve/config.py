@@ -26,6 +26,8 @@ File format (every key optional except `model`, which may come from `--model` in
     kv_memory: mapped               # GPU devices: the KV cache pool in mapped pinned host memory
                                     # (mapped) or in GPU memory (device); docs/JETSON.md
     batch_decode: true              # decode all active slots in one call per round (false: one by one)
+    speculate: "off"                # lookup: speculative decoding by prompt lookup, where the export
+                                    # verifies (--logits rows); a request's "speculate" overrides it
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # warm-up: greedy decode steps run before /health reports ready;
                                     # 0 = none
@@ -64,6 +66,7 @@ from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
+from kvedge.runtime.speculate import SPECULATE_MODES
 
 log = logging.getLogger(__name__)
 REPLY_OVERFLOW = ("clip", "reject")
@@ -116,6 +119,9 @@ class ServiceConfig:
     # where a GPU device's KV cache pool lives (kvedge.runtime.memory.KV_MEMORY; docs/JETSON.md)
     kv_memory: Annotated[Literal[KV_MEMORY], Meta(description=f"one of {list(KV_MEMORY)}")] = "mapped"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
+    speculate: Annotated[Literal[SPECULATE_MODES], Meta(description=f"one of {list(SPECULATE_MODES)}")] = (
+        "off"
+    )
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )

@@ -265,7 +265,8 @@ class Engine:
         for busy, idle in result.decode_calls:
             self.metrics.decode_call(busy, idle)
         now = time.monotonic()
-        for turn, event in result.events.items():
+        emitted = [(turn, event) for turn in result.events for event in result.emitted(turn)]
+        for turn, event in emitted:
             job = turns[turn]
             if event.error is not None:
                 if not isinstance(event.error, KvedgeError):

@@ -7,7 +7,8 @@ Request fields of `POST /v1/chat/completions`:
                stream, stream_options.include_usage, response_format (text, json_object,
                json_schema), tools, tool_choice, parallel_tool_calls, logprobs, top_logprobs (0..20),
                chat_template_kwargs.enable_thinking;
-               kvedge extensions: top_k, repetition_penalty
+               kvedge extensions: top_k, repetition_penalty, speculate ("lookup" | "off"; default:
+               the service's `speculate`)
     ignored    user, metadata, store, service_tier
     accepted only at their neutral value (else 400)
                n (1), presence_penalty / frequency_penalty (0), logit_bias ({}),
@@ -37,6 +38,7 @@ from typing import Any
 
 from kvedge.contract import ROLES
 from kvedge.runtime.model import Constraint
+from kvedge.runtime.speculate import SPECULATE_MODES
 from kvedge.serve import tools as toolkit
 from kvedge.serve.tools import Tool, ToolError
 
@@ -66,6 +68,7 @@ SAMPLING = {
     "stream_options",
     "top_k",
     "repetition_penalty",
+    "speculate",
 }
 HONOURED = SAMPLING | {
     "messages",
@@ -114,6 +117,7 @@ class ChatRequest:
     seed: int | None  # already mapped into 0..2**64-1
     stream: bool
     include_usage: bool
+    speculate: str | None  # None: the service's default (`ServiceConfig.speculate`)
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "none"  # "none", "auto", "required" or a function name
     parallel_tool_calls: bool = True  # False: at most one call per reply (`parallel_default`)
@@ -134,6 +138,7 @@ class CompletionRequest:
     seed: int | None
     stream: bool
     include_usage: bool
+    speculate: str | None  # None: the service's default (`ServiceConfig.speculate`)
     logprobs: int | None
 
 
@@ -275,6 +280,9 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         "seed": None if seed is None else seed % (2 * INT64),
         "stream": stream,
         "include_usage": bool(include_usage),
+        "speculate": _optional(
+            body, "speculate", lambda v: v in SPECULATE_MODES, f"one of {list(SPECULATE_MODES)}", None
+        ),
     }
 
 

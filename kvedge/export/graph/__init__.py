@@ -9,9 +9,9 @@ The contract (declared from `kvedge.contract.GraphInterface`, names from `IOName
     inputs  input_ids      [b, s]                     int64
             position_ids   [b, s]                     int64  (portable only: index into the RoPE tables)
             past_lengths   [b]                        int64  (valid slots of each row's cache)
-            last_index     [b]                        int64  (only when logits="last")
+            last_index     [b] ("last"), [b, r] ("rows") int64  (not when logits="all")
             past K/V per layer [b, kv_heads, L, d]    L = max_len, fixed
-    outputs logits         [b, 1, vocab] ("last") or [b, s, vocab] ("all")
+    outputs logits         [b, 1 | r | s, vocab] ("last" | "rows" | "all")
             present K/V per layer                     portable: [b, kv_heads, s, d], the new tokens
                                                       only, K after RoPE; ort: [b, kv_heads, L, d],
                                                       the past buffer itself, written in place

@@ -286,14 +286,15 @@ class Decoder:
         g = self.g
         scores = g.widen(self.lm_head(self.final_rows(hidden, delta)), "logits.rows_vocab32")  # [rows, vocab]
         vocab = g.const("const.vocab", np.array([self.spec.vocab_size], np.int64))
-        seq = g.ints(1) if self.options.logits == "last" else self.s_dim
+        seq = {"last": g.ints(1), "rows": g.ints(-1)}.get(self.options.logits, self.s_dim)
         out_shape = g.op("Concat", [self.b_dim, seq, vocab], "shape.logits", axis=0)
         return g.op("Reshape", [scores, out_shape], self.names.logits)
 
     def final_rows(self, hidden: str, delta: str) -> str:
         """The normed last hidden state of the rows logits are wanted for: [b, H] at each row's
-        last_index ("last"), or [b*s, H] ("all"). Portable graphs pick the rows before the norm,
-        so it runs on them only; ort graphs keep the fused residual norm."""
+        last_index ("last"), [b*r, H] at last_index [b, r] ("rows"), or [b*s, H] ("all").
+        Portable graphs pick the rows before the norm, so it runs on them only; ort graphs keep
+        the fused residual norm."""
         if not self.portable:
             hidden, _ = self.norms.residual_norm(hidden, delta, self.w("model.norm.weight"), "model.norm")
             return self._select_rows(hidden)
@@ -306,6 +307,9 @@ class Decoder:
             index = g.op("Unsqueeze", [self.names.last_index, g.ints(1)], "logits.index")  # [b, 1]
             return g.op("GatherND", [hidden, index], "logits.last_hidden", batch_dims=1)  # [b, H]
         rows = g.const("shape.rows", np.array([-1, self.spec.hidden_size], np.int64))
+        if self.options.logits == "rows":
+            index = g.op("Unsqueeze", [self.names.last_index, g.ints(2)], "logits.index")  # [b, r, 1]
+            hidden = g.op("GatherND", [hidden, index], "logits.row_hidden", batch_dims=1)  # [b, r, H]
         return g.op("Reshape", [hidden, rows], "logits.rows")
 
     def lm_head(self, hidden: str) -> str:

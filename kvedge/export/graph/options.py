@@ -13,6 +13,7 @@ import numpy as np
 from kvedge.contract import (
     DECODE_MATMULS,
     EXPORTED_KV_DTYPES,
+    LOGITS_MODES,
     PRECISIONS,
     VARIANTS,
     CacheGeometry,
@@ -113,7 +114,7 @@ class DecoderSpec:
 class GraphOptions:
     """How to build the graph; invalid values fail here, naming the allowed ones."""
 
-    logits: str = "last"  # "last" or "all"
+    logits: str = "rows"  # contract.LOGITS_MODES
     variant: str = "portable"  # see VARIANTS
     weights: str = "float32"  # see quantize.WEIGHT_FORMATS
     block_size: int = 32  # quantization block along the input features
@@ -123,8 +124,8 @@ class GraphOptions:
     precision: str = "float32"  # --precision (contract.PRECISIONS): the dtype the graph computes in
 
     def __post_init__(self) -> None:
-        if self.logits not in ("last", "all"):
-            raise KvedgeError(f"--logits {self.logits!r} is not allowed; choose 'last' or 'all'")
+        if self.logits not in LOGITS_MODES:
+            raise KvedgeError(f"--logits {self.logits!r} is not allowed; allowed: {list(LOGITS_MODES)}")
         if self.variant not in VARIANTS:
             raise KvedgeError(f"--variant {self.variant!r} is not supported; allowed: {sorted(VARIANTS)}")
         check_format(self.weights, self.block_size)

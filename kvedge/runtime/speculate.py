@@ -1,0 +1,117 @@
+"""Speculative decoding by prompt lookup: propose the tokens that followed the conversation's
+last few tokens where they occurred before, verify them in one forward pass, keep what the
+model would have produced anyway.
+
+A step of a turn whose pending token p (sampled, not yet in the slot of valid length L) has
+proposals d1..dk (`propose`)::
+
+    verify     run [p, d1..dk] at positions L..L+k in one call with logits at every one of
+               them ("rows"-logits graph): row i is the next-token distribution after d_i (row 0
+               after p), exactly what k+1 decode steps would compute
+    accept     row by row, as the decode loop would sample: greedy, t_i = argmax(row i); go on
+               while t_i == d_{i+1}. Sampled, the standard rejection rule with the proposal
+               distribution q = a point mass at d_{i+1} (prompt lookup is deterministic):
+               accept d_{i+1} with probability min(1, p(d)/q(d)) = p(d); on rejection draw from
+               normalize(max(0, p - q)) = p with d removed; either way each emitted token has
+               the distribution p (`accept`). Row i + 1 is read only after acceptance at i.
+    roll back  the c = i + 1 tokens p, d1..d_i become valid (the slot's length moves L -> L + c);
+               nothing else: a portable graph's new K/V of the rejected tokens are never copied
+               into the pool, an in-place graph's sit beyond the valid length, masked by it and
+               overwritten by the next write. Gemma 3's ring layers are portable-only, so nothing
+               rejected reaches a ring either. The slot's token ids, the prefix store and warm
+               prefixes only ever see valid tokens.
+
+Adaptive k (`Lookup`): k grows (to `MAX_DRAFT`) while every proposal is taken and falls to one
+more than was taken otherwise; after a verify that took nothing (`MISSES`), lookup pauses
+for a number of steps that doubles each time (up to `MAX_PAUSE`), so a conversation that does
+not repeat itself decodes as without speculation, but for the lookup itself (microseconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvedge.errors import KvedgeError
+
+SPECULATE_MODES = ("off", "lookup")
+MAX_DRAFT = 8  # most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core
+FIRST_DRAFT = 4
+# suffix lengths looked up, longest first: 2 matched common pairs of open chat ("of the") and
+# proposed wrongly a third of its steps on SmolLM2-135M; after an edit, 3 resyncs one token later
+MIN_NGRAM, MAX_NGRAM = 3, 5
+MISSES = 1  # verifies in a row that took nothing before lookup pauses
+MAX_PAUSE = 64  # steps
+
+
+def check_mode(mode: str) -> str:
+    if mode not in SPECULATE_MODES:
+        raise KvedgeError(f"speculate={mode!r} is not allowed; allowed: {list(SPECULATE_MODES)}")
+    return mode
+
+
+def lookup(history: np.ndarray, k: int, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """`k` tokens that followed the latest earlier occurrence of the longest suffix of
+    `history` [tokens] int64 of max_ngram .. min_ngram tokens; [] when none occurs before. A
+    continuation that reaches the end of `history` goes on with the proposal itself: a match
+    p tokens back proposes the last p tokens again, and again (a loop, or a list, repeating)."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)  # [len - n, n]
+        hits = np.flatnonzero((windows == history[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            period = len(history) - start  # >= 1: the match ends before the history does
+            return [int(history[start + i % period]) for i in range(k)]
+    return []
+
+
+def accept(probs: np.ndarray, proposal: int, rng: np.random.Generator) -> int:
+    """One token with distribution `probs` [vocab] given a proposal drawn from a point mass:
+    `proposal` with probability probs[proposal], else a draw from the rest, renormalized."""
+    p = float(probs[proposal])
+    if rng.random() < p:
+        return proposal
+    rest = probs.copy()
+    rest[proposal] = 0.0
+    return int(rng.choice(rest.size, p=rest / rest.sum()))
+
+
+@dataclass
+class Lookup:
+    """One turn's prompt-lookup state: how many to propose next, and counts for reports."""
+
+    k: int = FIRST_DRAFT
+    misses: int = 0  # verifies in a row that took nothing
+    pause: int = 0  # steps left without lookup
+    backoff: int = 1  # the next pause
+    verifies: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def propose(self, history: Sequence[int], room: int) -> list[int]:
+        """Proposals to follow `history` (the conversation and the reply, the pending token
+        last), at most `room`; [] while paused."""
+        if self.pause:
+            self.pause -= 1
+            return []
+        if min(self.k, room) < 1:
+            return []
+        return lookup(np.asarray(history, np.int64), min(self.k, room))
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """A verify of `proposed` tokens took `accepted` of them."""
+        self.verifies += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        if accepted == proposed:
+            self.k = min(MAX_DRAFT, self.k + 2)
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted:
+            self.misses, self.backoff = 0, 1
+            return
+        self.misses += 1
+        if self.misses >= MISSES:
+            self.pause, self.backoff, self.misses = self.backoff, min(MAX_PAUSE, 2 * self.backoff), 0

@@ -1,0 +1,287 @@
+"""Speculative decoding (kvedge.runtime.speculate): prompt lookup, verification in one call,
+acceptance, roll back.
+
+Exactness: greedy replies with `speculate="lookup"` are compared token for token with the same
+model decoding one token per step, on every cache kind (float32, float16, INT8 codes + scales,
+Gemma 3's ring) and both graph variants, alone and as rows of a batch; the slot then holds the
+same tokens, and the same K/V to the tolerance the two paths' float sums allow. Tiny random
+models repeat themselves within a few tokens, so lookup proposes often and the model both takes
+and refuses proposals in every run (asserted: a test that never verified proves nothing).
+
+Sampled replies: the rejection rule keeps the distribution (`test_sampled_distribution_*`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import MAX_LEN, random_ids
+
+from kvedge.errors import KvedgeError
+from kvedge.export.export import ExportOptions, export_model
+from kvedge.runtime.generate import SamplingConfig, _distribution
+from kvedge.runtime.model import Model
+from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, Lookup, accept, lookup
+
+# (name, ExportOptions fields, family): every cache kind on both variants where it exists
+CASES = [
+    ("portable-f32", {"variant": "portable"}, "llama"),
+    ("ort-f32", {"variant": "ort"}, "llama"),
+    ("portable-int8", {"variant": "portable", "kv_dtype": "int8"}, "llama"),
+    ("ort-int8", {"variant": "ort", "kv_dtype": "int8"}, "llama"),
+    # one matmul form: verify and decode run the same arithmetic (`Manifest.verify_refusal`)
+    (
+        "ort-int4-int8",
+        {"variant": "ort", "kv_dtype": "int8", "weights": "int4", "decode_matmuls": "onnxruntime"},
+        "llama",
+    ),
+    ("ort-f16", {"variant": "ort", "kv_dtype": "float16"}, "llama"),
+    ("portable-half", {"variant": "portable", "precision": "float16"}, "llama"),
+    ("gemma3-ring", {"variant": "portable"}, "gemma3"),
+]
+# a prompt that repeats, so lookup has something to propose from the first step
+PROMPT = random_ids(12, seed=3) * 3
+PROMPTS = [PROMPT, random_ids(30, seed=8), random_ids(8, seed=9) * 3]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("speculate")
+    sources = {family: make_tiny_model(root / f"hf-{family}", family) for family in ("llama", "gemma3")}
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            fields, family = next((f, fam) for n, f, fam in CASES if n == name)
+            out = root / name
+            export_model(sources[family], out, ExportOptions(max_len=MAX_LEN, **fields))
+            built[name] = out
+        return built[name]
+
+    return get
+
+
+def run_turn(model: Model, slot: int, ids: list[int], config: SamplingConfig):
+    """(tokens, events, verify calls) of one turn run to its end in `slot`."""
+    turn = model.begin(slot, ids, config)
+    events, verifies = [], []
+    while not turn.done:
+        result = model.step([turn])
+        events += result.emitted(turn)
+        verifies += result.verify_calls
+    return [e.token for e in events], events, verifies
+
+
+def logprob_tolerance(model: Model) -> float:
+    """How far a verify row's log probabilities may be from a decode step's: float sums in
+    another order (measured <= 1e-4 on float caches); quantized weights' MatMulNBits at one row
+    and at several may block their sums differently (bound kept from the two-form exports,
+    measured up to 0.052 on the tiny int4 model, whose logits span ~40)."""
+    return 0.1 if model.manifest.weights_dtype in ("int8", "int4") else 2e-3
+
+
+def greedy(n: int, speculate: str, logprobs: int | None = None) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=n, speculate=speculate, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_greedy_identical_every_cache_kind(exports, name):
+    proposed = kept = 0
+    with Model(exports(name), slots=2) as model:
+        for ids in PROMPTS:
+            plain, plain_events, none = run_turn(model, 0, ids, greedy(40, "off", logprobs=2))
+            fast, fast_events, verifies = run_turn(model, 1, ids, greedy(40, "lookup", logprobs=2))
+            assert not none
+            assert fast == plain
+            proposed += sum(p for p, _ in verifies)
+            kept += sum(k - 1 for _, k in verifies)
+            tolerance = logprob_tolerance(model)
+            for a, b in zip(plain_events, fast_events, strict=True):  # logprobs from the verify rows
+                assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
+                assert a.top_logprobs[0][0] == b.top_logprobs[0][0]  # the runner-up may be a near tie
+                fast_top = dict(b.top_logprobs)
+                for token, logprob in a.top_logprobs:
+                    assert token not in fast_top or fast_top[token] == pytest.approx(logprob, abs=tolerance)
+            # the slots hold the same tokens, and K/V to what two paths' float sums allow
+            n = model.cache.length(0)
+            assert model.cache.length(1) == n
+            assert list(model.cache.token_ids(1)) == list(model.cache.token_ids(0))
+            if model.manifest.weights_dtype in ("int8", "int4"):
+                continue  # K/V differ by the matmuls' rounding (`logprob_tolerance`)
+            a, b = model.cache.view(0, 0, n), model.cache.view(1, 0, n)
+            # float32: sums in another order; float16: its rounding; int8: the same codes
+            atol = {"float32": 2e-3, "float16": 3e-2, "int8": 3e-2}[model.manifest.geometry.dtype]
+            np.testing.assert_allclose(b.kv.astype(np.float32), a.kv.astype(np.float32), atol=atol)
+    assert 0 < kept < proposed, (name, kept, proposed)  # took some, refused some
+
+
+def test_batched_rows_equal_solo(exports):
+    prompts = [PROMPT, random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
+    with Model(exports("ort-int8"), slots=3) as model:
+        solo = [run_turn(model, 0, ids, greedy(30, "off"))[0] for ids in prompts]
+        turns = [model.begin(slot, ids, greedy(30, "lookup")) for slot, ids in enumerate(prompts)]
+        got: dict[int, list[int]] = {t.slot: [] for t in turns}
+        decoded_together = False
+        while not all(t.done for t in turns):
+            result = model.step(turns)
+            decoded_together |= bool(result.verify_calls and result.decode_calls)
+            for turn in turns:
+                got[turn.slot] += [e.token for e in result.emitted(turn)]
+    assert [got[s] for s in range(3)] == solo
+    assert decoded_together  # a verify and a batched decode in the same step
+
+
+def test_stop_inside_accepted_run_keeps_slot_as_plain(exports):
+    """A reply that ends (max_new_tokens) in the middle of what the model took leaves the slot
+    holding what it would hold without speculation: no token past the reply."""
+    with Model(exports("portable-f32"), slots=2) as model:
+        for n in (3, 7, 11):
+            plain = run_turn(model, 0, PROMPT, greedy(n, "off"))[0]
+            fast = run_turn(model, 1, PROMPT, greedy(n, "lookup"))[0]
+            assert fast == plain and len(fast) == n
+            assert list(model.cache.token_ids(1)) == list(model.cache.token_ids(0))
+
+
+def test_old_artifact_decodes_without_speculation(tmp_path, exports, caplog):
+    from tiny import make_tiny_model
+
+    out = tmp_path / "last"
+    export_model(make_tiny_model(tmp_path / "hf"), out, ExportOptions(max_len=MAX_LEN, logits="last"))
+    with Model(out) as model:
+        assert "--logits 'last'" in model.speculation_refusal()
+        tokens, _, verifies = run_turn(model, 0, PROMPT, greedy(20, "lookup"))
+    assert len(tokens) == 20 and not verifies
+    assert "speculative decoding needs logits at every proposed position" in caplog.text
+
+
+def test_two_matmul_forms_decode_without_speculation(tmp_path):
+    """kvedge's decode kernel and onnxruntime's prompt form round differently: measured, greedy
+    replies of the tiny int4 model then parted at a near tie, so such exports do not speculate."""
+    from tiny import make_tiny_model
+
+    out = tmp_path / "two-forms"
+    options = ExportOptions(max_len=MAX_LEN, variant="ort", weights="int4", kv_dtype="int8")
+    export_model(make_tiny_model(tmp_path / "hf"), out, options)
+    with Model(out) as model:
+        assert "--decode-matmuls onnxruntime" in model.speculation_refusal()
+        assert not run_turn(model, 0, PROMPT, greedy(20, "lookup"))[2]
+
+
+def test_bad_mode_names_allowed():
+    with pytest.raises(KvedgeError, match=r"speculate='draft' is not allowed; allowed: \['off', 'lookup'\]"):
+        SamplingConfig(speculate="draft")
+
+
+def test_lookup_takes_longest_latest_match():
+    h = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert lookup(h, 3, min_ngram=2) == [7, 8, 5]  # "2 3" last occurred before 7; "1 2 3" does not end h
+    assert lookup(h, 3) == []  # 3 tokens at least by default: "5 2 3" never occurred
+    assert lookup(np.array([4, 1, 2, 5, 6, 1, 2, 7, 1, 2]), 2, min_ngram=2) == [7, 1]  # the latest "1 2"
+    assert lookup(np.array([1, 2, 3, 4]), 4) == []
+    assert lookup(np.array([5, 6, 5, 6]), 5, min_ngram=2) == [5, 6, 5, 6, 5]  # past the end: the loop goes on
+    assert lookup(np.array([7, 1, 2, 3, 1, 2, 3]), 4) == [1, 2, 3, 1]
+    h = np.array([1, 2, 3, 4, 0, 2, 3, 4])
+    assert lookup(h, 1, min_ngram=2, max_ngram=4) == [0]  # "2 3 4" (3 tokens) beats "3 4"
+
+
+def test_lookup_adapts_and_pauses():
+    spec = Lookup()
+    spec.update(4, 4)
+    assert spec.k == 6
+    spec.update(6, 2)
+    assert spec.k == 3
+    for _ in range(MISSES):
+        spec.update(3, 0)
+    assert spec.pause == 1 and spec.propose([1, 2, 1, 2], 8) == [] and spec.pause == 0
+    assert spec.k == 1 and spec.propose([3, 1, 2, 3, 1, 2, 3], 8) == [1]  # k fell to 1 with the misses
+    for _ in range(20 * MISSES):
+        spec.update(1, 0)
+    assert spec.backoff == MAX_PAUSE  # doubling, capped
+    spec.update(1, 1)
+    assert spec.backoff == 1 and spec.misses == 0
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square distribution's quantile at the standard normal's z (3.09: 0.999) by
+    Wilson-Hilferty, within 1% for df >= 3."""
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def test_accept_rule_keeps_the_distribution():
+    """Whatever the proposal, `accept`'s token has the target distribution: chi-square at
+    p = 0.001 over 20000 draws per proposal."""
+    probs = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+    rng = np.random.default_rng(0)
+    for proposal in range(probs.size):
+        counts = np.bincount([accept(probs, proposal, rng) for _ in range(20000)], minlength=probs.size)
+        expected = probs * counts.sum()
+        assert ((counts - expected) ** 2 / expected).sum() < chi_square_critical(probs.size - 1)
+    # a rule that always took the proposal would fail the same test
+    counts = np.bincount([3] * 20000, minlength=probs.size)
+    expected = probs * counts.sum()
+    assert ((counts - expected) ** 2 / expected).sum() > chi_square_critical(probs.size - 1)
+
+
+def lookup_bait(model: Model, base: list[int]) -> list[int]:
+    """`base` after blocks [.., last, t, x_t] for each of the 3 likeliest next tokens t (the
+    context lookup matches: `MIN_NGRAM` tokens ending in t), with x_t the
+    likeliest after t: then whichever first token is drawn, lookup proposes x_t, which the model
+    takes often but not always. The blocks change what is likeliest at the end, so they are
+    rebuilt until they cover it (a few rounds)."""
+    ids = base
+    for _ in range(6):
+        top = np.argsort(-model.prepare(0, ids))[:3]
+        context = base[len(base) - MIN_NGRAM + 1 :]
+        block = [[*context, int(t), int(np.argmax(model.prepare(0, [*ids, int(t)])))] for t in top]
+        grown = [tok for b in block for tok in b] + base
+        if grown == ids:
+            break
+        ids = grown
+    return ids
+
+
+def test_sampled_distribution_preserved(exports):
+    """The first three sampled tokens of a reply (top-k 3: 27 outcomes), with speculation, follow
+    the model's exact distribution, computed from its teacher-forced logits: chi-square at
+    p = 0.001 over 1500 replies, in which proposals are both taken and refused."""
+    config = SamplingConfig(max_new_tokens=3, temperature=1.5, top_k=3, speculate="lookup")
+    with Model(exports("portable-f32"), slots=1) as model:
+        ids = lookup_bait(model, random_ids(20, seed=4))
+        exact: dict[tuple[int, ...], float] = {(): 1.0}
+        for _ in range(3):
+            grown = {}
+            for prefix, p in exact.items():
+                logits = model.prepare(0, ids + list(prefix))
+                dist = _distribution(logits.astype(np.float64), config)
+                for t in np.flatnonzero(dist):
+                    grown[(*prefix, int(t))] = p * dist[t]
+            exact = grown
+        counts = dict.fromkeys(exact, 0)
+        taken = refused = 0
+        for seed in range(1500):
+            tokens, _, verifies = run_turn(model, 0, ids, SamplingConfig(**{**config.__dict__, "seed": seed}))
+            counts[tuple(tokens)] += 1
+            taken += sum(k - 1 for _, k in verifies)
+            refused += sum(p - (k - 1) for p, k in verifies)
+    assert taken > 50 and refused > 50, (taken, refused)
+    expected = np.array([exact[k] for k in counts]) * 1500
+    observed = np.array(list(counts.values()))
+    assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(len(counts) - 1)
+
+
+def test_service_request_field_overrides_config():
+    from kvedge.serve.app import sampling_config
+    from kvedge.serve.protocol import ApiError, parse_chat_request, parse_completion_request
+
+    messages = [{"role": "user", "content": "hi"}]
+    asked = parse_chat_request({"messages": messages, "speculate": "lookup"})
+    plain = parse_chat_request({"messages": messages})
+    assert (asked.speculate, plain.speculate) == ("lookup", None)
+    assert sampling_config(asked, 8, None, None, "off").speculate == "lookup"
+    assert sampling_config(plain, 8, None, None, "lookup").speculate == "lookup"  # the service's default
+    assert sampling_config(plain, 8, None, None).speculate == "off"
+    assert parse_completion_request({"prompt": "x", "speculate": "off"}).speculate == "off"
+    with pytest.raises(ApiError, match=r"speculate=.*draft.* is not allowed; allowed: one of"):
+        parse_chat_request({"messages": messages, "speculate": "draft"})
