@@ -76,8 +76,8 @@ def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
 def test_export_refuses_overwrite_and_bad_options(tiny_llama, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    with pytest.raises(KvedgeError, match="not empty; pass --force"):
-        export_model(tiny_llama.source, tmp_path / "out", ExportOptions(max_len=32))
+    with pytest.raises(KvedgeError, match="holds keep.txt, not a kvedge export"):
+        export_model(tiny_llama.source, tmp_path / "out", ExportOptions(max_len=32, force=True))
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
     with pytest.raises(KvedgeError, match="--max-len 4 is out of range"):
         ExportOptions(max_len=4)
