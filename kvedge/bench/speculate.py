@@ -13,7 +13,9 @@ speculative reply was token for token the plain one (greedy: it must be).
 
 from __future__ import annotations
 
+import datetime
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvedge.bench.results import code_revision, results_folder
 from kvedge.runtime.model import Model, SamplingConfig
 
 PASSAGE = (
@@ -134,12 +137,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, help="results folder (default: a new dated one)")
     args = parser.parse_args(argv)
-    out = {}
+    out: dict[str, Any] = {}
     for folder in args.model:
         print(folder)
-        out[str(folder)] = measure_speculation(folder, args.threads, args.rounds, args.max_new_tokens)
-    print(json.dumps(out, indent=2))
+        out[folder.name] = measure_speculation(folder, args.threads, args.rounds, args.max_new_tokens)
+    results = args.out or results_folder("speculate-cpu", [args.threads])
+    results.mkdir(parents=True, exist_ok=True)
+    machine = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "code": code_revision(),
+        "command": "python bench/speculate.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    (results / "speculate.json").write_text(json.dumps({"machine": machine, "exports": out}, indent=2))
+    print(f"wrote {results / 'speculate.json'}")
 
 
 if __name__ == "__main__":
