@@ -29,12 +29,9 @@ CASES = [
     ("ort-f32", {"variant": "ort"}, "llama"),
     ("portable-int8", {"variant": "portable", "kv_dtype": "int8"}, "llama"),
     ("ort-int8", {"variant": "ort", "kv_dtype": "int8"}, "llama"),
-    # one matmul form: verify and decode run the same arithmetic (`Manifest.verify_refusal`)
-    (
-        "ort-int4-int8",
-        {"variant": "ort", "kv_dtype": "int8", "weights": "int4", "decode_matmuls": "onnxruntime"},
-        "llama",
-    ),
+    # quantized weights dequantized to float: verify and decode run the same arithmetic
+    # (and a graph onnxruntime refused to load before `OrtBackend` disabled its S8->U8 rewrite)
+    ("portable-int4-int8", {"variant": "portable", "kv_dtype": "int8", "weights": "int4"}, "llama"),
     ("ort-f16", {"variant": "ort", "kv_dtype": "float16"}, "llama"),
     ("portable-half", {"variant": "portable", "precision": "float16"}, "llama"),
     ("gemma3-ring", {"variant": "portable"}, "gemma3"),
@@ -156,16 +153,20 @@ def test_old_artifact_decodes_without_speculation(tmp_path, exports, caplog):
     assert "speculative decoding needs logits at every proposed position" in caplog.text
 
 
-def test_two_matmul_forms_decode_without_speculation(tmp_path):
-    """kvedge's decode kernel and onnxruntime's prompt form round differently: measured, greedy
-    replies of the tiny int4 model then parted at a near tie, so such exports do not speculate."""
+@pytest.mark.parametrize("decode_matmuls", ["kvedge", "onnxruntime"])
+def test_quantized_ort_weights_decode_without_speculation(tmp_path, decode_matmuls):
+    """Quantized `ort` matmuls round differently over one row and several, in kvedge's decode
+    kernel and in onnxruntime's MatMulNBits alike: measured, greedy replies of the tiny int4
+    model and of SmolLM2-135M then parted at near ties, so such exports do not speculate."""
     from tiny import make_tiny_model
 
-    out = tmp_path / "two-forms"
-    options = ExportOptions(max_len=MAX_LEN, variant="ort", weights="int4", kv_dtype="int8")
+    out = tmp_path / "quantized"
+    options = ExportOptions(
+        max_len=MAX_LEN, variant="ort", weights="int4", kv_dtype="int8", decode_matmuls=decode_matmuls
+    )
     export_model(make_tiny_model(tmp_path / "hf"), out, options)
     with Model(out) as model:
-        assert "--decode-matmuls onnxruntime" in model.speculation_refusal()
+        assert "--weights int4 matmuls round differently" in model.speculation_refusal()
         assert not run_turn(model, 0, PROMPT, greedy(20, "lookup"))[2]
 
 

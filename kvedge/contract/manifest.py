@@ -474,11 +474,14 @@ class Manifest:
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step (logits at several positions of a
         row in one call), or None."""
-        if self.weight_decode_matmuls == "kvedge":
+        if self.variant == "ort" and self.weights_dtype in ("int8", "int4"):
+            # Measured on SmolLM2-135M (2026-12-01): with kvedge's decode kernel, and with
+            # onnxruntime's MatMulNBits alone, a verify over several rows rounds differently
+            # from a one-row decode step, and greedy replies parted at near ties (token 12 of 96)
             return (
-                "speculative decoding is off for this export: it decodes with kvedge's matmul kernel "
-                "and would verify with onnxruntime's (the prompt form), which round differently, so a "
-                "greedy reply could differ at a near tie; export with --decode-matmuls onnxruntime"
+                f"speculative decoding is off for this export: its --weights {self.weights_dtype} "
+                "matmuls round differently over one row (a decode step) and several (a verify), so a "
+                "greedy reply could differ at a near tie; the portable variant or float weights speculate"
             )
         if self.logits in ("rows", "all"):
             return None

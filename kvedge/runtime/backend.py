@@ -272,7 +272,13 @@ class OrtBackend:
             options.register_custom_ops_library(str(kernels.library_path()))
         provider_options = cuda_provider_options(cuda_graph) if provider == "cuda" else {}
         self.session = ort.InferenceSession(
-            str(folder / ONNX_FILE), options, providers=[(PROVIDERS[provider], provider_options)]
+            str(folder / ONNX_FILE),
+            options,
+            providers=[(PROVIDERS[provider], provider_options)],
+            # The INT8 cache's exact Q/DQ (scale 1) beside quantized weights' DequantizeLinear:
+            # onnxruntime's S8->U8 rewrite then leaves a QuantizeLinear with an int8 output and a
+            # uint8 zero point, and the session refuses to load (seen with 1.23 and 1.30)
+            disabled_optimizers=["QDQS8ToU8Transformer"],
         )
         if PROVIDERS[provider] not in self.session.get_providers():  # onnxruntime fell back to the CPU
             raise KvedgeError(
