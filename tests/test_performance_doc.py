@@ -36,7 +36,7 @@ DOC = ROOT / "docs" / "PERFORMANCE.md"
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
 CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
-KINDS = ("system", "kvedge vs", "mode", "batch")
+KINDS = ("system", "kvedge vs", "mode", "batch", "workload")
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
 
 
@@ -61,8 +61,23 @@ SERVE_COLUMNS: dict[str, Callable[[dict, str], float]] = {
 }
 
 
+# bench/speculate.py's speculate.json: a row is "<export folder> <workload>"
+SPECULATE_COLUMNS = {
+    "plain tok/s": lambda f: f["plain_tokens_per_s"],
+    "lookup tok/s": lambda f: f["lookup_tokens_per_s"],
+    "ratio": lambda f: f["speedup"],
+    "tokens / call": lambda f: f["tokens_per_call"],
+    "proposals taken": lambda f: 100 * f["taken_share"],
+    "greedy equal": lambda f: float(f["greedy_equal"]),  # the doc's yes / no
+}
+
+
 def figure(data: dict, kind: str, header: str, row: str) -> float:
     """The JSON's value for one table cell."""
+    if kind == "workload":
+        export, workload = row.split(" ")
+        assert header in SPECULATE_COLUMNS, f"'workload' column {header!r}: not in speculate.json"
+        return SPECULATE_COLUMNS[header](data["exports"][export][workload])
     decode, prefill = re.fullmatch(r"@(\d+)", header), re.fullmatch(r"prefill (\d+)", header)
     if kind == "kvedge vs":
         a, b = row.split(" vs ")
@@ -136,6 +151,7 @@ def check_table(table: Table) -> list[str]:
         for header, cell in zip(table.header[1:], row[1:], strict=True):
             if cell == "-" or cell.startswith("("):
                 continue
+            cell = {"yes": "1", "no": "0"}.get(cell, cell)
             number = NUMBER.fullmatch(cell)
             assert number, f"line {table.line}, {row[0]!r}, {header!r}: {cell!r} is not a figure"
             decimals = len(number[1] or "")
