@@ -205,7 +205,8 @@ def _reference_logits(folder: Path, ids: list[int], start: int, steps: int) -> n
             names.input_ids: np.array([chunk], np.int64),
             names.position_ids: np.arange(length, length + n, dtype=np.int64)[None],
             names.past_lengths: np.array([length], np.int64),
-            names.last_index: np.array([n - 1], np.int64),
+            # [batch] ("last") or [batch, rows] ("rows", the default since speculation): one row
+            names.last_index: np.array([n - 1] if manifest.logits == "last" else [[n - 1]], np.int64),
             **past,
         }
         outputs = dict(
