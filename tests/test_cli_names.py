@@ -103,6 +103,7 @@ CONCEPTS = {
     "prefix_cache_bytes": ("bytes of conversation prefixes kept in memory", "prefix_cache_bytes"),
     "kv_memory": ("GPU devices: where the KV cache pool lives (mapped host or device memory)", "kv_memory"),
     "ui": ("serve the chat page at GET /", "ui"),
+    "speculate": ("speculative decoding: off or prompt lookup", "speculate"),
 }
 
 RUNTIME = {
@@ -149,8 +150,9 @@ COMMANDS = {
         "--regex": "regex",
         "--grammar": "grammar",
         "--logprobs": "logprobs",
+        "--speculate": "speculate",
     },
-    "chat": {**RUNTIME, "--system": "system", "--url": "url"},
+    "chat": {**RUNTIME, "--system": "system", "--url": "url", "--speculate": "speculate"},
     "warm-prefixes": {"--model": "model", "--warm-prefixes": "warm_prefixes", "--warm-dir": "warm_dir"},
     "serve": {
         "--config": "service_config",
