@@ -43,8 +43,8 @@ PARAGRAPH = (
 )
 WORKLOADS: dict[str, str] = {
     "a-quote": (
-        f"Here is a passage from a manual:\n\n{PASSAGE}\n\nQuoting the passage word for word, what "
-        "does the manual say to do if the pump does not deliver water?"
+        f"Here is a passage from a manual:\n\n{PASSAGE}\n\nWhat should I do if the pump does not "
+        "deliver water? Answer with the exact words of the manual."
     ),
     "b-rewrite": (
         f"Rewrite this paragraph exactly as it is, but change Monday to Tuesday, Anna to Maria and "
