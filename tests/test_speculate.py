@@ -286,3 +286,15 @@ def test_service_request_field_overrides_config():
     assert parse_completion_request({"prompt": "x", "speculate": "off"}).speculate == "off"
     with pytest.raises(ApiError, match=r"speculate=.*draft.* is not allowed; allowed: one of"):
         parse_chat_request({"messages": messages, "speculate": "draft"})
+
+
+def test_s8_to_u8_rewrite_disabled_only_where_it_breaks_loading(exports):
+    """The INT8 cache beside quantized weights' DequantizeLinear fails to load with onnxruntime's
+    S8->U8 rewrite (the portable-int4-int8 case above loads at all only without it); elsewhere
+    it stays, as it speeds up portable int8-weight graphs."""
+    from kvedge.contract import Manifest
+    from kvedge.runtime.backend import disabled_optimizers
+
+    assert disabled_optimizers(Manifest.load(exports("portable-int4-int8"))) == ["QDQS8ToU8Transformer"]
+    for name in ("portable-f32", "portable-int8", "ort-int8"):
+        assert disabled_optimizers(Manifest.load(exports(name))) == []
