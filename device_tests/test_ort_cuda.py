@@ -23,6 +23,9 @@ in place     one decode binding, run after the pool and the step inputs changed,
 pool         the pool mapped (default) vs in device memory (`--kv-memory device`): equal logits,
              equal bytes through the device pool's copies (read, write, rewind), and decode per
              step at context 64 and 1536 with each ("<export>.pool_<mapped|device>_decode_ms_...")
+speculation  greedy replies with `speculate="lookup"` equal plain decoding token for token on
+             CUDA (device_tests/speculation.py), decode tokens/s of both
+             ("<export>.cuda.speculate_tokens_per_s", "<export>.cuda.plain_tokens_per_s")
 
 Figures are recorded per export: "<export>.<figure>", export "portable" or "ort16".
 """
@@ -35,6 +38,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from speculation import check_speculation
 from tiny import make_tiny_model
 
 from kvedge.contract import ONNX_FILE, Manifest
@@ -309,3 +313,8 @@ def test_decode_binding_reads_the_pool_and_step_inputs_as_they_are_now(exported)
         cache.pool[:, 1, 0, :, : n // 2] *= 2  # V of the first half of the slot, every layer
         assert np.abs(step(5) - first).max() > 1e-4
         assert len(backend._decode_bindings) == 1
+
+
+def test_speculative_greedy_replies_equal_plain(exported, record):
+    with Model(exported, slots=2, device="cuda") as model:
+        check_speculation(model, record, f"{_name(exported)}.cuda")

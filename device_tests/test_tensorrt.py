@@ -12,6 +12,12 @@ Never run on hardware yet (see docs/JETSON.md). What each test establishes:
     pool             the cache pool mapped (default) vs in device memory (`--kv-memory device`):
                      the same logits, and decode per step at context 64 and 1536 with each
                      ("tensorrt.pool_<mapped|device>_decode_ms_context_<n>")
+    speculation      float32 and float16 engines: the engine's own profiles take last_index
+                     [1..2, 1..VERIFY_ROWS] on prefill and [1..2, 1] on decode; a verify of
+                     VERIFY_ROWS tokens returns that many logits rows, equal to the CPU's within
+                     the engine's tolerance; greedy replies with `speculate="lookup"` equal plain
+                     decoding token for token (device_tests/speculation.py), decode tokens/s of
+                     both ("tensorrt.<precision>.speculate_tokens_per_s", "...plain_tokens_per_s")
 """
 
 from __future__ import annotations
@@ -21,15 +27,17 @@ import time
 
 import numpy as np
 import pytest
+from speculation import check_speculation
 from tiny import make_tiny_model
 
-from kvedge.contract.engine import ENGINE_MANIFEST_FILE
+from kvedge.contract import VERIFY_ROWS
+from kvedge.contract.engine import DECODE_PROFILE, ENGINE_MANIFEST_FILE, PREFILL_PROFILE
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import build_engine
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory
-from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.generate import decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
 from kvedge.runtime.trt_backend import TrtBackend
 
@@ -159,3 +167,33 @@ def test_decode_time_with_the_pool_mapped_and_in_device_memory(exported_long, re
     finally:
         trt.close()  # the engine stops before the device pool goes
         memory.close()
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_speculative_verify_and_greedy_replies(precision, exported, exported_half, record):
+    folder = exported if precision == "float32" else exported_half
+    build_engine(folder, folder, MAX_PREFILL, 256 << 20, max_batch=2)
+    with Model(folder, slots=2, device="tensorrt") as model:
+        trt, names = model.backend, model.manifest.names
+        profiles = {
+            p: [tuple(d) for d in trt.engine.get_tensor_profile_shape(names.last_index, p)]
+            for p in (PREFILL_PROFILE, DECODE_PROFILE)
+        }
+        assert profiles == {
+            PREFILL_PROFILE: [(1, 1), (1, 1), (2, VERIFY_ROWS)],
+            DECODE_PROFILE: [(1, 1), (2, 1), (2, 1)],
+        }
+        cpu = Model(folder)
+        prompt, tokens = _prompt(20, 4), _prompt(VERIFY_ROWS, 5)
+        reference = prefill(cpu.backend, cpu.cache, 0, [prompt])
+        prefill(trt, model.cache, 0, [prompt], chunk=MAX_PREFILL)
+        want, _ = verify(cpu.backend, cpu.cache, 0, tokens)
+        got, _ = verify(trt, model.cache, 0, tokens)
+        assert got.logits.shape == (1, VERIFY_ROWS, model.manifest.vocab_size)
+        atol = 1e-3 if precision == "float32" else 0.02 * float(reference.max() - reference.min())
+        record(
+            f"tensorrt.{precision}.verify_max_abs_logit_diff", float(np.abs(got.logits - want.logits).max())
+        )
+        np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=0)
+        model.cache.reset(0)
+        check_speculation(model, record, f"tensorrt.{precision}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import inspect
 import json
@@ -27,14 +28,14 @@ from conftest import random_ids
 from cuda_standin import CudaRuntime
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract import ONNX_FILE, VERIFY_ROWS, Manifest
 from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.generate import decode_one_token, prefill
-from kvedge.runtime.interface import Backend
+from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill, verify
+from kvedge.runtime.interface import Backend, graph_last_index, step_logits
 
 
 def portable(exported) -> Manifest:
@@ -85,7 +86,9 @@ def test_engine_profiles(tiny_llama):
     prefill_profile, decode_profile = profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=4))
     assert prefill_profile[names.input_ids] == ((1, 1), (1, 64), (4, 64))
     assert decode_profile[names.input_ids] == ((1, 1), (4, 1), (4, 1))
-    assert prefill_profile[names.last_index] == ((1, 1), (1, 1), (4, 1))  # rows: one per sequence
+    # logits rows: up to VERIFY_ROWS per sequence on prefill (a speculative verify), one on decode
+    assert prefill_profile[names.last_index] == ((1, 1), (1, 1), (4, VERIFY_ROWS))
+    assert decode_profile[names.last_index] == ((1, 1), (4, 1), (4, 1))
     assert decode_profile[names.past_lengths] == ((1,), (4,), (4,))
     one, four = (1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(4)
     last_layer = names.layer(names.past_value, g.num_layers - 1)
@@ -95,6 +98,11 @@ def test_engine_profiles(tiny_llama):
     assert len(prefill_profile) == 4 + 2 * g.num_layers
     with pytest.raises(KvedgeError, match=r"--max-prefill 500 is not allowed; allowed: 1..128"):
         EngineOptions(max_prefill=500).check(manifest)
+    # a "last" graph's last_index [batch] has no rows axis
+    last = dataclasses.replace(manifest, logits="last")
+    prefill_last, decode_last = profile_shapes(last, EngineOptions(max_prefill=64, max_batch=4))
+    assert prefill_last[names.last_index] == ((1,), (1,), (4,))
+    assert decode_last[names.last_index] == ((1,), (4,), (4,))
 
 
 def engine_manifest(manifest: Manifest, **changes) -> EngineManifest:
@@ -150,6 +158,57 @@ def test_engine_manifest_of_the_wrong_type_or_format_is_refused(tmp_path, tiny_l
             EngineManifest.load(tmp_path)
 
 
+def test_engine_rows_speculation_and_which_calls_fit(tmp_path, tiny_llama):
+    """An engine manifest written before `max_rows` existed (the same format version) loads as
+    one logits row per sequence, as those engines were built: it still decodes, and refuses
+    speculation saying why and what to do. `call_refusal` bounds every call by the profiles."""
+    manifest = Manifest.load(tiny_llama.out)
+    data = json.loads(engine_manifest(manifest).to_json())
+    del data["max_rows"]
+    (tmp_path / ENGINE_MANIFEST_FILE).write_text(json.dumps(data))
+    old = EngineManifest.load(tmp_path)
+    old.check_model(manifest)
+    assert old.max_rows == 1 and old.call_refusal(2, 64, 1) is None
+    refusal = old.verify_refusal()
+    assert (
+        f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_ROWS}" in refusal
+    )
+    assert "it decodes one token per step" in refusal and "rebuild the engine with `kvedge export" in refusal
+    assert "(1 rows)" in old.call_refusal(1, 5, 2)
+    built = engine_manifest(manifest, max_rows=VERIFY_ROWS)  # max_batch 2, max_prefill 64
+    assert built.verify_refusal() is None
+    assert built.call_refusal(2, 64, VERIFY_ROWS) is None and built.call_refusal(2, 1, 1) is None
+    refusals = {
+        (3, 1, 1): "a call of 3 rows x 1 tokens exceeds the engine's profiles (2 rows x 64 tokens)",
+        (1, 65, 1): "a call of 1 rows x 65 tokens exceeds",
+        (1, 12, VERIFY_ROWS + 1): f"asking for {VERIFY_ROWS + 1} logits rows per sequence exceeds the "
+        f"engine's profile for it ({VERIFY_ROWS} rows)",
+        (1, 1, 2): "a call of 1 tokens asking for 2 logits rows per sequence exceeds the engine's "
+        "profile for it (1 rows)",  # the decode profile
+    }
+    for call, message in refusals.items():
+        assert message in built.call_refusal(*call), call
+
+
+def test_step_logits_and_last_index_forms(tiny_llama):
+    """The rule both backends return logits by (`interface.step_logits`): a row per sequence
+    [batch, vocab] for last_index [batch], every row asked for [batch, rows, vocab] for
+    last_index [batch, rows], a copy either way; and last_index in the form the graph takes."""
+    logits = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)  # [batch, rows, vocab]
+    one = step_logits(logits[:, :1], np.array([4, 7]))
+    np.testing.assert_array_equal(one, logits[:, 0])
+    rows = step_logits(logits, np.array([[0, 1, 2], [3, 4, 5]]))
+    np.testing.assert_array_equal(rows, logits)
+    column = step_logits(logits[:, :1], np.array([[4], [7]]))
+    assert column.shape == (2, 1, 5)
+    assert not any(np.shares_memory(out, logits) for out in (one, rows, column))
+    manifest = Manifest.load(tiny_llama.out)
+    assert manifest.logits == "rows"
+    assert graph_last_index(manifest, np.array([4, 7])).shape == (2, 1)
+    assert graph_last_index(manifest, np.array([[0, 1, 2], [3, 4, 5]])).shape == (2, 3)
+    assert graph_last_index(dataclasses.replace(manifest, logits="last"), np.array([4, 7])).shape == (2,)
+
+
 # --- TrtBackend against fakes ------------------------------------------------------------------
 
 
@@ -179,8 +238,12 @@ class FakeContext:
 
     def set_input_shape(self, name, shape):
         assert self.profile is not None, "set a profile first"
-        if name == self.engine.manifest.names.input_ids and self.profile == 1 and shape[1] > 1:
+        names = self.engine.manifest.names
+        if name == names.input_ids and self.profile == 1 and shape[1] > 1:
             return False  # the decode profile's seq axis is 1..1
+        if name == names.last_index and len(shape) == 2:
+            if shape[1] > (1 if self.profile == 1 else self.engine.max_rows):
+                return False  # the "rows" axis: 1..max_rows on prefill, 1..1 on decode
         self.shapes[name] = tuple(shape)
         return True
 
@@ -227,6 +290,7 @@ class FakeEngine:
         self.profiles_in_use: dict[int, int] = {}  # profile -> id() of the context holding it
         self.runs: list[int] = []  # the profile of each execute_async_v3
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
+        self.max_rows = EngineManifest.load(folder).max_rows  # built together with its manifest
         names = manifest.names
         args = self.session.get_inputs() + self.session.get_outputs()
         self.dtypes = {arg.name: ONNX_TYPES[arg.type] for arg in args}
@@ -257,6 +321,7 @@ class FakeBuilder:
         self.flags: set[str] = set()
         self.limits: dict = {}
         self.timing_seeds: list[bytes] = []
+        self.added: list = []  # the profiles added to the config, in order
 
     @staticmethod
     def module_attributes() -> dict:
@@ -286,7 +351,8 @@ class FakeBuilder:
         return types.SimpleNamespace(
             set_memory_pool_limit=lambda pool, size: builder.limits.update({pool: size}),
             set_flag=builder.flags.add,
-            add_optimization_profile=lambda profile: None,
+            # TensorRT answers the new profile's index (-1 for an invalid one)
+            add_optimization_profile=lambda profile: builder.added.append(profile) or len(builder.added) - 1,
             create_timing_cache=lambda seed: builder.timing_seeds.append(seed) or cache,
             set_timing_cache=lambda cache, ignore_mismatch: None,
             get_timing_cache=lambda: cache,
@@ -320,10 +386,11 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
 
 
 @contextlib.contextmanager
-def fake_engine(folder, manifest: Manifest, monkeypatch) -> Iterator[CudaRuntime]:
-    """A fake `model.engine` and its manifest in `folder`, TensorRT and the CUDA runtime faked in
-    sys.modules, for the block's TrtBackend; the files are removed afterwards."""
-    (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest).to_json())
+def fake_engine(folder, manifest: Manifest, monkeypatch, **changes) -> Iterator[CudaRuntime]:
+    """A fake `model.engine` and its manifest (`engine_manifest(manifest, **changes)`) in
+    `folder`, TensorRT and the CUDA runtime faked in sys.modules, for the block's TrtBackend;
+    the files are removed afterwards."""
+    (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest, **changes).to_json())
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
         cudart = CudaRuntime()
@@ -412,7 +479,7 @@ def test_both_backends_implement_the_backend_protocol():
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
     methods = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and name[0] != "_"]
-    assert sorted(methods) == ["close", "reserve", "run"]
+    assert sorted(methods) == ["close", "reserve", "run", "verify_refusal"]
     for cls in (OrtBackend, TrtBackend):
         for name in methods:
             assert parameters(getattr(cls, name)) == parameters(getattr(Backend, name)), (cls, name)
@@ -432,7 +499,8 @@ def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_
     assert builder.limits == {"workspace": 256 << 20} and builder.flags == set()
     assert engine.strongly_typed and engine.precision == "float32"
     assert (tmp_path / ENGINE_FILE).read_bytes() == b"plan"
-    assert EngineManifest.load(tmp_path) == engine == engine_manifest(manifest, workspace_bytes=256 << 20)
+    recorded = engine_manifest(manifest, workspace_bytes=256 << 20, max_rows=VERIFY_ROWS)
+    assert EngineManifest.load(tmp_path) == engine == recorded
     build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
     assert FakeBuilder.last.timing_seeds == [b"timing"]  # the second build starts from the first's cache
 
@@ -489,3 +557,77 @@ def test_a_weakly_typed_version_1_engine_manifest_is_refused_naming_both_version
         ArtifactMismatch, match=r"format version 1 does not match this kvedge \(2\); rebuild the engine"
     ):
         EngineManifest.load(tmp_path)
+
+
+def test_trt_backend_verifies_rows_as_onnxruntime_does(tiny_llama, monkeypatch):
+    """A speculative verify through TrtBackend (fake engine, module docstring): last_index
+    [1, n] bound on the prefill profile into buffers sized for `max_rows`, logits [1, n, vocab]
+    and the new K/V equal to OrtBackend's; one row returned in the same form as OrtBackend's
+    for last_index [1] and [1, 1]; a call past the profile refused naming the rows."""
+    from kvedge.runtime.backend import OrtBackend
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    with fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_ROWS):
+        cpu, trt = OrtBackend(folder, manifest), TrtBackend(folder, manifest)
+        caches = [KVCache(manifest.geometry, 1), KVCache(manifest.geometry, 1)]
+        for backend, cache in zip((cpu, trt), caches, strict=True):
+            prefill(backend, cache, 0, [random_ids(20, seed=4)])
+        tokens = random_ids(VERIFY_ROWS, seed=5)
+        (want, _), (got, _) = (verify(b, c, 0, tokens) for b, c in zip((cpu, trt), caches, strict=True))
+        assert got.logits.shape == want.logits.shape == (1, VERIFY_ROWS, manifest.vocab_size)
+        assert trt.engine.runs[-1] == 0  # the prefill profile
+        np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
+        for layer_want, layer_got in zip(want.present, got.present, strict=True):
+            for a, b in zip(layer_want, layer_got, strict=True):
+                np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+        length = caches[0].lengths[[0]].copy()  # [1]: verify made nothing valid
+        shapes = []
+        for last in (np.zeros(1, np.int64), np.zeros((1, 1), np.int64)):
+            step = [np.array([[tokens[0]]]), length[:, None].copy(), length, last]
+            a = cpu.run(*step, caches[0].layer_views(0, 1)).logits
+            b = trt.run(*step, caches[1].layer_views(0, 1)).logits
+            np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+            shapes.append((a.shape, b.shape))
+        vocab = manifest.vocab_size
+        assert shapes == [((1, vocab), (1, vocab)), ((1, 1, vocab), (1, 1, vocab))]
+        with pytest.raises(KvedgeError, match=f"asking for {VERIFY_ROWS + 1} logits rows per sequence"):
+            verify(trt, caches[1], 0, random_ids(VERIFY_ROWS + 1))
+        trt.close()
+        cpu.close()
+
+
+def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkeypatch, caplog):
+    """`Model(device="tensorrt")` (fake engine): greedy lookup replies equal plain CPU decoding
+    token for token when the engine takes `VERIFY_ROWS` rows; an engine of one row decodes the
+    same reply one token per step, says why once, and refuses a verify."""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    prompt = random_ids(12, seed=3) * 3  # repeats: lookup proposes from the first step
+
+    def reply(model: Model, speculate: str) -> tuple[list[int], list]:
+        turn = model.begin(0, prompt, SamplingConfig(max_new_tokens=30, speculate=speculate))
+        tokens, verifies = [], []
+        while not turn.done:
+            result = model.step([turn])
+            tokens += [event.token for event in result.emitted(turn)]
+            verifies += result.verify_calls
+        return tokens, verifies
+
+    with Model(folder) as cpu:
+        plain, _ = reply(cpu, "off")
+    with (
+        fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_ROWS),
+        Model(folder, device="tensorrt") as trt,
+    ):
+        assert trt.speculation_refusal() is None
+        fast, verifies = reply(trt, "lookup")
+    assert fast == plain and verifies
+    with fake_engine(folder, manifest, monkeypatch), Model(folder, device="tensorrt") as trt:
+        assert "it decodes one token per step" in trt.speculation_refusal()
+        slow, none = reply(trt, "lookup")
+        with pytest.raises(KvedgeError, match="speculative decoding is off for this TensorRT engine"):
+            verify(trt.backend, trt.cache, 0, prompt[:3])
+    assert slow == plain and not none
+    assert "speculative decoding is off for this TensorRT engine" in caplog.text

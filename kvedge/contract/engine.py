@@ -6,15 +6,22 @@ Files added to the artifact folder::
     engine_manifest.json  `EngineManifest`: format + version, what it was built from and with,
                           and for which GPU
 
-One engine, two optimization profiles (B = max_batch, P = max_prefill, L = the export's max_len),
-over the graph inputs `Manifest.graph_inputs()` lists::
+One engine, two optimization profiles (B = max_batch, P = max_prefill, L = the export's max_len,
+R = max_rows), over the graph inputs `Manifest.graph_inputs()` lists::
 
-    PREFILL_PROFILE  "batch" axes 1..B, "seq" axes 1..P
-    DECODE_PROFILE   "batch" axes 1..B, "seq" axes 1
+    PREFILL_PROFILE  "batch" axes 1..B, "seq" axes 1..P, "rows" axes 1..R
+    DECODE_PROFILE   "batch" axes 1..B, "seq" axes 1, "rows" axes 1
     both             past K/V [1..B, kv_heads, L, head_dim]: only the batch axis varies
 
-The runtime sizes its input/output buffers for (B, P) from the same graph specs and picks the
-profile by the call's sequence length. An engine runs only on the TensorRT version and the GPU
+"rows" is the second axis of a "rows"-logits graph's last_index [batch, rows] and logits [batch,
+rows, vocab]: R = `VERIFY_ROWS` there (`logits_rows`), so a speculative verify of n <= R tokens
+runs on the prefill profile and gets n logits rows per sequence; a prompt chunk asks for one.
+Engines built before kvedge recorded `max_rows` took one row in both profiles, and their
+manifests load with max_rows 1: they decode one token per step (`EngineManifest.verify_refusal`).
+
+The runtime sizes its input/output buffers for (B, P, R) from the same graph specs and picks the
+profile by the call's sequence length (`profile_for`; `EngineManifest.call_refusal` says which
+calls fit). An engine runs only on the TensorRT version and the GPU
 it was built for: `EngineManifest.check_runtime` refuses any other, naming both sides.
 
 Two TensorRT flavours build engines (`TENSORRT_FLAVOURS`): Jetson's (and x86 CUDA's) `tensorrt`,
@@ -33,7 +40,7 @@ from pathlib import Path
 
 from kvedge import __version__
 from kvedge.contract.header import Header, check_header, decode_json, read_artifact
-from kvedge.contract.manifest import Manifest
+from kvedge.contract.manifest import VERIFY_ROWS, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 ENGINE_FILE = "model.engine"
@@ -56,6 +63,12 @@ OLDEST_TENSORRT = "10.3"
 def profile_for(seq: int) -> int:
     """The optimization profile a call of `seq` tokens per row runs on."""
     return DECODE_PROFILE if seq == 1 else PREFILL_PROFILE
+
+
+def logits_rows(manifest: Manifest) -> int:
+    """Logits rows per sequence the prefill profile of an engine over `manifest`'s graph takes:
+    a "rows" graph's verify asks for up to `VERIFY_ROWS`; a "last" graph returns one."""
+    return VERIFY_ROWS if manifest.logits == "rows" else 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,10 @@ class EngineManifest:
     strongly_typed: bool  # what the built network said of itself (`build_engine` builds no other)
     workspace_bytes: int
     tensorrt_flavour: str = "tensorrt"  # a `TENSORRT_FLAVOURS` key; absent in files from before it existed
+    # logits rows per sequence the prefill profile takes (`logits_rows`); absent in files from
+    # before it existed, whose engines took one in both profiles (same format version: the
+    # default says what those engines are, and an older kvedge runs a newer engine as before)
+    max_rows: int = 1
     format: str = ENGINE_FORMAT
     format_version: int = ENGINE_VERSION
     kvedge_version: str = __version__
@@ -120,6 +137,35 @@ class EngineManifest:
         return (
             f"{TENSORRT_FLAVOURS.get(self.tensorrt_flavour, self.tensorrt_flavour)} {self.tensorrt_version}"
         )
+
+    def verify_refusal(self) -> str | None:
+        """Why this engine cannot verify a speculative step (up to `VERIFY_ROWS` logits rows per
+        sequence in one call), or None; the graph's own answer is `Manifest.verify_refusal`."""
+        if self.max_rows >= VERIFY_ROWS:
+            return None
+        return (
+            f"speculative decoding is off for this TensorRT engine: its prefill profile takes "
+            f"{self.max_rows} logits row per sequence, a verify needs up to {VERIFY_ROWS} (engines "
+            "built before kvedge recorded max_rows take one); it decodes one token per step. "
+            f"To speculate, {REBUILD}"
+        )
+
+    def call_refusal(self, batch: int, seq: int, rows: int) -> str | None:
+        """Why a call of `batch` sequences x `seq` tokens asking for `rows` logits rows of each
+        does not fit this engine's profiles, or None."""
+        if batch > self.max_batch or seq > self.max_prefill:
+            return (
+                f"a call of {batch} rows x {seq} tokens exceeds the engine's profiles "
+                f"({self.max_batch} rows x {self.max_prefill} tokens); rebuild it with a larger "
+                "--max-batch or --max-prefill"
+            )
+        most = 1 if profile_for(seq) == DECODE_PROFILE else self.max_rows
+        if rows > most:
+            return (
+                f"a call of {seq} tokens asking for {rows} logits rows per sequence exceeds the "
+                f"engine's profile for it ({most} rows)"
+            )
+        return None
 
     def check_runtime(self, tensorrt_version: str, device: DeviceInfo, flavour: str = "tensorrt") -> None:
         """Refuse an engine built by another TensorRT flavour or version or for another GPU,

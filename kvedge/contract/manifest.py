@@ -110,6 +110,10 @@ PREFILL_CHUNK = 256
 # prompt, every proposed position when verifying a speculative step, kvedge.runtime.speculate);
 # "all": every position. The default is "rows": the LM head runs on the rows asked for only.
 LOGITS_MODES = ("rows", "last", "all")
+# Most logits rows per sequence a speculative verify asks of a "rows" graph: the pending token
+# and up to VERIFY_ROWS - 1 proposed ones (`kvedge.runtime.speculate.MAX_DRAFT`). A TensorRT
+# engine's prefill profile takes last_index [batch, 1..VERIFY_ROWS] (`kvedge.contract.engine`).
+VERIFY_ROWS = 9
 # Ring slots a sliding-window layer keeps beyond its window (`CacheGeometry.ring_margin`): a
 # slot can then rewind up to this many tokens and keep its cache, which covers the few tokens a
 # chat template re-renders at the end of a turn; a longer rewind re-prefills from the start.

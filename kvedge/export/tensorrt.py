@@ -19,10 +19,11 @@ gives it, so the engine computes in the export's precision (`kvedge export --pre
 islands included, and the engine CI builds with TensorRT for RTX is the one a Jetson builds. No
 FP16 builder flag, no per-layer precision: weak typing was deprecated in TensorRT 10.12 and
 removed in 11. The engine manifest records the graph's precision and the network's flag. The
-two optimization profiles (prefill,
-decode) are made from the manifest's graph inputs by `profile_shapes`; the cache inputs keep the
-exported static length L so the runtime binds its preallocated pool in place, as it does with
-onnxruntime. What the parser rejects is refused with the parser's own reason
+two optimization profiles (prefill, decode) are made from the manifest's graph inputs by
+`profile_shapes`; the prefill profile takes up to `VERIFY_ROWS` logits rows per sequence (a
+speculative verify), and the engine manifest records that as `max_rows`; the cache inputs keep
+the exported static length L so the runtime binds its preallocated pool in place, as it does
+with onnxruntime. What the parser rejects is refused with the parser's own reason
 (`TensorRT cannot parse ...`), never from a list written beforehand.
 """
 
@@ -44,6 +45,7 @@ from kvedge.contract.engine import (
     TENSORRT_FLAVOURS,
     DeviceInfo,
     EngineManifest,
+    logits_rows,
 )
 from kvedge.errors import KvedgeError
 from kvedge.files import new_file
@@ -107,14 +109,16 @@ Shape = tuple[int, ...]
 
 def profile_shapes(manifest: Manifest, options: EngineOptions) -> list[dict[str, tuple[Shape, Shape, Shape]]]:
     """(min, opt, max) shape of every graph input, for the prefill profile and the decode profile
-    (`kvedge.contract.engine`): "batch" axes 1..max_batch, "seq" axes 1..max_prefill or 1."""
-    b, p = options.max_batch, options.max_prefill
+    (`kvedge.contract.engine`): "batch" axes 1..max_batch, "seq" axes 1..max_prefill or 1,
+    "rows" axes 1..`logits_rows` or 1."""
+    b, p, r = options.max_batch, options.max_prefill, logits_rows(manifest)
     profiles: list[dict[str, tuple[Shape, Shape, Shape]]] = [{}, {}]
-    # opt: one sequence prefilling, every row decoding. The builder requires one value per named
-    # axis at opt, so the cache inputs' "batch" follows the step inputs'.
-    for profile, seq, opt_batch in ((PREFILL_PROFILE, p, 1), (DECODE_PROFILE, 1, b)):
+    # opt: one sequence prefilling a chunk (one logits row), every row decoding. The builder
+    # requires one value per named axis at opt, so the cache inputs' "batch" follows the step inputs'.
+    for profile, seq, rows, opt_batch in ((PREFILL_PROFILE, p, r, 1), (DECODE_PROFILE, 1, 1, b)):
         for spec in manifest.graph_inputs():
-            profiles[profile][spec.name] = (spec.shape(1, 1), spec.shape(opt_batch, seq), spec.shape(b, seq))
+            low, opt, high = spec.shape(1, 1), spec.shape(opt_batch, seq), spec.shape(b, seq, rows)
+            profiles[profile][spec.name] = (low, opt, high)
     return profiles
 
 
@@ -192,6 +196,21 @@ def parse_errors(artifact_dir: str | Path) -> list[str]:
     return _parse(Path(artifact_dir)).errors
 
 
+def add_profiles(builder: Any, config: Any, manifest: Manifest, options: EngineOptions) -> list[Any]:
+    """Give TensorRT's builder `config` the two optimization profiles (`profile_shapes`), in
+    their index order; returns TensorRT's profile objects. TensorRT refuses a shape that
+    contradicts another by raising, an invalid profile by answering -1."""
+    profiles = []
+    for index, shapes in enumerate(profile_shapes(manifest, options)):
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in shapes.items():
+            profile.set_shape(name, low, opt, high)
+        if config.add_optimization_profile(profile) != index:
+            raise KvedgeError(f"TensorRT refused optimization profile {index} ({shapes}); see its log above")
+        profiles.append(profile)
+    return profiles
+
+
 def build_engine(
     artifact_dir: str | Path,
     out: str | Path | None = None,
@@ -219,11 +238,7 @@ def build_engine(
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
-    for shapes in profile_shapes(manifest, options):
-        profile = builder.create_optimization_profile()
-        for name, (low, opt, high) in shapes.items():
-            profile.set_shape(name, low, opt, high)
-        config.add_optimization_profile(profile)
+    add_profiles(builder, config, manifest, options)
     cache_path = out / TIMING_CACHE_FILE
     if flavour.has_timing_cache():
         timing = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
@@ -252,6 +267,7 @@ def build_engine(
         strongly_typed=parsed.strongly_typed,
         workspace_bytes=options.workspace_bytes,
         tensorrt_flavour=flavour.name,
+        max_rows=logits_rows(manifest),
     )
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / ENGINE_FILE, memoryview(plan))

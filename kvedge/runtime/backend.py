@@ -64,7 +64,7 @@ from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
-from kvedge.runtime.interface import StepOutput
+from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
 from kvedge.runtime.memory import check_alignment, data_address
 
 log = logging.getLogger(__name__)
@@ -333,10 +333,7 @@ class OrtBackend:
             names.input_ids: input_ids,
             names.position_ids: position_ids,
             names.past_lengths: past_lengths,
-            # a "rows" graph takes [batch, rows]: one row per sequence unless a verify asks for more
-            names.last_index: last_index.reshape(len(past_lengths), -1)
-            if self.manifest.logits == "rows"
-            else last_index,
+            names.last_index: graph_last_index(self.manifest, last_index),
         }
         return [(name, values[name]) for name in self._step_names]
 
@@ -354,7 +351,7 @@ class OrtBackend:
         if self.session is None:
             raise KvedgeError("this onnxruntime backend was closed")
         batch, seq = input_ids.shape
-        if last_index.ndim == 2 and (refusal := self.manifest.verify_refusal()):
+        if last_index.ndim == 2 and (refusal := self.verify_refusal()):
             raise KvedgeError(refusal)
         counts = last_index.reshape(batch, -1)[:, -1] + 1 if counts is None else np.asarray(counts, np.int64)
         if seq == 1 and last_index.ndim == 1 and bool((counts == 1).all()):
@@ -374,6 +371,10 @@ class OrtBackend:
                     [tuple(a[r : r + 1] for a in views) for views in past],
                 )[0]
         return StepOutput(logits, None)
+
+    def verify_refusal(self) -> str | None:
+        """Why this graph cannot verify a speculative step, or None (`Manifest.verify_refusal`)."""
+        return self.manifest.verify_refusal()
 
     def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
         """Throwaway decode steps of every row at long pasts (`past`: pool views of all slots),
@@ -514,7 +515,7 @@ class OrtBackend:
         rows = last_index.reshape(logits.shape[0], -1)  # [batch, rows]
         if self.manifest.logits == "all":
             logits = logits[np.arange(logits.shape[0])[:, None], rows]
-        return logits.copy() if last_index.ndim == 2 else logits[:, 0].copy()
+        return step_logits(logits, last_index)
 
     def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
         rows = last_index.size // len(last_index)

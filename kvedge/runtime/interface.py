@@ -15,11 +15,26 @@ from kvedge.contract import Manifest
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray  # [batch, vocab] float32: next-token logits for each row
+    # [batch, vocab] float32: next-token logits for each row; [batch, rows, vocab] where the call's
+    # last_index was [batch, rows] (a speculative verify, `step_logits`)
+    logits: np.ndarray
     # Per layer, the new tokens' cache tensors in `IONames.present` order ((K, V) [batch, kvh,
     # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
     # wrote them into the cache in place.
     present: list[tuple[np.ndarray, ...]] | None
+
+
+def graph_last_index(manifest: Manifest, last_index: np.ndarray) -> np.ndarray:
+    """last_index [batch] or [batch, rows] as the graph takes it: [batch, rows] in a "rows"
+    graph (one row per sequence unless a verify asks for more), [batch] otherwise."""
+    return last_index.reshape(len(last_index), -1) if manifest.logits == "rows" else last_index
+
+
+def step_logits(logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
+    """A step's `StepOutput.logits` from the graph's logits [batch, rows, vocab] at last_index:
+    [batch, vocab] (each row's one) for last_index [batch], [batch, rows, vocab] for last_index
+    [batch, rows], even when rows is 1; a copy, so the buffer it came from can be reused."""
+    return logits.copy() if last_index.ndim == 2 else logits[:, 0].copy()
 
 
 @runtime_checkable
@@ -35,11 +50,17 @@ class Backend(Protocol):
         input_ids: np.ndarray,  # [batch, seq] int64, row r right-padded beyond counts[r]
         position_ids: np.ndarray,  # [batch, seq] int64
         past_lengths: np.ndarray,  # [batch] int64
-        last_index: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer views of the pool, `KVCache.layer_views`
         counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
     ) -> StepOutput:
-        """One step over `past`: next-token logits per row, and the new K/V unless written in place."""
+        """One step over `past`: next-token logits per row (`StepOutput.logits`), and the new K/V
+        unless written in place."""
+        ...
+
+    def verify_refusal(self) -> str | None:
+        """Why this backend cannot return several logits rows per sequence in one call (verify a
+        speculative step), or None."""
         ...
 
     def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:

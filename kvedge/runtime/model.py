@@ -294,13 +294,9 @@ class Model:
         return turn
 
     def speculation_refusal(self) -> str | None:
-        """Why this model cannot decode speculatively (`SamplingConfig.speculate`), or None."""
-        if self.device == "tensorrt":
-            return (
-                "speculative decoding is not available on --device tensorrt yet: the engine's "
-                "profiles take one logits row per sequence; it decodes one token per step"
-            )
-        return self.manifest.verify_refusal()
+        """Why this model cannot decode speculatively (`SamplingConfig.speculate`), or None: the
+        backend's answer (the graph's, and a TensorRT engine's profiles')."""
+        return self.backend.verify_refusal()
 
     def _speculator(self, config: SamplingConfig) -> Lookup | None:
         """A turn's proposals: prompt lookup if `config` asks for it and this model can verify."""

@@ -13,17 +13,20 @@ Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
                  groups] float16) are bound by device pointer, so the GPU reads the cache in
                  place and nothing cache-sized is copied
     inputs       input_ids, position_ids [B, P]; past_lengths, last_index [B]   engine int dtype
-                 (last_index [B, 1] in a "rows" engine: one logits row per sequence)
-    outputs      logits [B, 1, vocab] float32; per layer the new tokens only (`KVCache.append`
+                 (last_index [B, R] in a "rows" engine: up to R = max_rows logits rows per
+                 sequence on the prefill profile, for a speculative verify; one on decode's)
+    outputs      logits [B, R, vocab] float32; per layer the new tokens only (`KVCache.append`
                  writes them into the pool): present K/V [B, kv_heads, P, head_dim] in the cache
                  dtype, then for int8 caches their scales [B, kv_heads, P, groups] float16
 
 Inputs and outputs are mapped pinned host buffers (cudaHostAlloc Mapped), allocated once for
-the engine's largest profile (B = max_batch, P = max_prefill): the GPU reads and writes them
-directly and the hot path allocates nothing. Every bound address is checked for TensorRT's
-256-byte alignment, and every setter's answer is checked. On a discrete GPU the same code is correct but
-every cache read crosses PCIe; it is meant for Jetson. Not done yet: CUDA graph capture of the
-decode step.
+the engine's largest profile (B = max_batch, P = max_prefill, R = max_rows): the GPU reads and
+writes them directly and the hot path allocates nothing. Every bound address is checked for
+TensorRT's 256-byte alignment, and every setter's answer is checked. A step returns logits as
+`OrtBackend` does (`interface.step_logits`): [batch, vocab] for last_index [batch], [batch, n,
+vocab] for last_index [batch, n]; which calls fit the profiles is `EngineManifest.call_refusal`'s.
+On a discrete GPU the same code is correct but every cache read crosses PCIe; it is meant for
+Jetson. Not done yet: CUDA graph capture of the decode step.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from kvedge.contract import Manifest, TensorSpec
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
 from kvedge.runtime.cuda import MappedHost
-from kvedge.runtime.interface import StepOutput
+from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
 from kvedge.runtime.memory import check_alignment
 
 
@@ -79,15 +82,15 @@ class TrtBackend:
                 f"set_optimization_profile_async({profile})",
             )
 
-        b, p = self.engine_manifest.max_batch, self.engine_manifest.max_prefill
-        self.max_batch, self.max_prefill = b, p
+        built = self.engine_manifest
+        b, p, r = built.max_batch, built.max_prefill, built.max_rows
         self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
         # per-call inputs and every output get a buffer for the largest call; past K/V are the pool
         self.step_inputs = [spec for spec in manifest.graph_inputs() if spec.layer is None]
         self.outputs = manifest.graph_outputs()  # logits, then each layer's present K, V
         for spec in self.step_inputs + list(self.outputs):
             dtype = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(spec.name)))
-            flat = self.host.empty((int(np.prod(spec.shape(b, p))),), dtype)
+            flat = self.host.empty((int(np.prod(spec.shape(b, p, r))),), dtype)
             self.buffers[spec.name] = flat, self.host.device_address(flat)
             check_alignment(spec.name, self.buffers[spec.name][1])
 
@@ -103,32 +106,36 @@ class TrtBackend:
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 check_alignment(names.layer(template, i), self.host.device_address(view), view)
 
+    def verify_refusal(self) -> str | None:
+        """Why this engine cannot verify a speculative step: the graph's reason
+        (`Manifest.verify_refusal`), else its profiles' (`EngineManifest.verify_refusal`), or None."""
+        return self.manifest.verify_refusal() or self.engine_manifest.verify_refusal()
+
     def run(
         self,
         input_ids: np.ndarray,  # [batch, seq] int64
         position_ids: np.ndarray,  # [batch, seq] int64
         past_lengths: np.ndarray,  # [batch] int64
-        last_index: np.ndarray,  # [batch] int64
+        last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer [batch, kvh, max_len, d] pool views
         counts: np.ndarray | None = None,  # [batch] real tokens per row; portable graphs ignore it
     ) -> StepOutput:
+        """One step; logits [batch, vocab], or [batch, rows, vocab] for last_index [batch, rows]."""
         if self.stream is None:
             raise KvedgeError("this TensorRT backend was closed")
         names, g = self.manifest.names, self.manifest.geometry
         batch, seq = input_ids.shape
-        if batch > self.max_batch or seq > self.max_prefill:
-            raise KvedgeError(
-                f"a call of {batch} rows x {seq} tokens exceeds the engine's profiles "
-                f"({self.max_batch} rows x {self.max_prefill} tokens); rebuild it with a larger "
-                "--max-batch or --max-prefill"
-            )
+        rows = last_index.size // batch  # logits rows asked of each sequence
+        if last_index.ndim == 2 and (refusal := self.verify_refusal()):
+            raise KvedgeError(refusal)
+        if refusal := self.engine_manifest.call_refusal(batch, seq, rows):
+            raise KvedgeError(refusal)
         context = self.contexts[profile_for(seq)]
         values = {
             names.input_ids: input_ids,
             names.position_ids: position_ids,
             names.past_lengths: past_lengths,
-            # a "rows"-logits engine's profiles take one row per sequence: last_index [batch, 1]
-            names.last_index: last_index.reshape(batch, -1),
+            names.last_index: graph_last_index(self.manifest, last_index),
         }
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
@@ -145,10 +152,10 @@ class TrtBackend:
             raise KvedgeError("TensorRT execute_async_v3 failed; see its log above")
         self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
-        logits, *layers = [self._output(spec, batch, seq) for spec in self.outputs]
+        logits, *layers = [self._output(spec, batch, seq, rows) for spec in self.outputs]
         per_layer = len(layers) // g.num_layers
         present = [tuple(layers[i * per_layer : (i + 1) * per_layer]) for i in range(g.num_layers)]
-        return StepOutput(logits=logits[:, 0].copy(), present=present)  # one logits row per sequence
+        return StepOutput(logits=step_logits(logits, last_index), present=present)
 
     @staticmethod
     def _bind(context: Any, name: str, address: int, shape: tuple[int, ...] | None = None) -> None:
@@ -159,9 +166,9 @@ class TrtBackend:
             _check(context.set_input_shape(name, tuple(shape)), f"set_input_shape({name!r}, {list(shape)})")
         _check(context.set_tensor_address(name, address), f"set_tensor_address({name!r}, {address:#x})")
 
-    def _output(self, spec: TensorSpec, batch: int, seq: int) -> np.ndarray:
+    def _output(self, spec: TensorSpec, batch: int, seq: int, rows: int) -> np.ndarray:
         """The output `spec` of the last call, a view of its pinned buffer."""
-        shape = spec.shape(batch, seq)
+        shape = spec.shape(batch, seq, rows)
         return self.buffers[spec.name][0][: int(np.prod(shape))].reshape(shape)
 
     def close(self) -> None:
