@@ -34,10 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvedge.contract import VERIFY_TOKENS
 from kvedge.errors import KvedgeError
 
 SPECULATE_MODES = ("off", "lookup")
-MAX_DRAFT = 8  # most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core
+# most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core; ort graphs
+# compute verifies of up to VERIFY_TOKENS exactly as decode steps (kvedge.contract)
+MAX_DRAFT = VERIFY_TOKENS - 1
 FIRST_DRAFT = 4
 # suffix lengths looked up, longest first: 2 matched common pairs of open chat ("of the") and
 # proposed wrongly a third of its steps on SmolLM2-135M; after an edit, 3 resyncs one token later
