@@ -13,8 +13,8 @@ Never run on hardware yet (see docs/JETSON.md). What each test establishes:
                      the same logits, and decode per step at context 64 and 1536 with each
                      ("tensorrt.pool_<mapped|device>_decode_ms_context_<n>")
     speculation      float32 and float16 engines: the engine's own profiles take last_index
-                     [1..2, 1..VERIFY_ROWS] on prefill and [1..2, 1] on decode; a verify of
-                     VERIFY_ROWS tokens returns that many logits rows, equal to the CPU's within
+                     [1..2, 1..VERIFY_TOKENS] on prefill and [1..2, 1] on decode; a verify of
+                     VERIFY_TOKENS tokens returns that many logits rows, equal to the CPU's within
                      the engine's tolerance; greedy replies with `speculate="lookup"` equal plain
                      decoding token for token (device_tests/speculation.py), decode tokens/s of
                      both ("tensorrt.<precision>.speculate_tokens_per_s", "...plain_tokens_per_s")
@@ -30,7 +30,7 @@ import pytest
 from speculation import check_speculation
 from tiny import make_tiny_model
 
-from kvedge.contract import VERIFY_ROWS
+from kvedge.contract import VERIFY_TOKENS
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_MANIFEST_FILE, PREFILL_PROFILE
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import ExportOptions, export_model
@@ -180,16 +180,16 @@ def test_speculative_verify_and_greedy_replies(precision, exported, exported_hal
             for p in (PREFILL_PROFILE, DECODE_PROFILE)
         }
         assert profiles == {
-            PREFILL_PROFILE: [(1, 1), (1, 1), (2, VERIFY_ROWS)],
+            PREFILL_PROFILE: [(1, 1), (1, 1), (2, VERIFY_TOKENS)],
             DECODE_PROFILE: [(1, 1), (2, 1), (2, 1)],
         }
         cpu = Model(folder)
-        prompt, tokens = _prompt(20, 4), _prompt(VERIFY_ROWS, 5)
+        prompt, tokens = _prompt(20, 4), _prompt(VERIFY_TOKENS, 5)
         reference = prefill(cpu.backend, cpu.cache, 0, [prompt])
         prefill(trt, model.cache, 0, [prompt], chunk=MAX_PREFILL)
         want, _ = verify(cpu.backend, cpu.cache, 0, tokens)
         got, _ = verify(trt, model.cache, 0, tokens)
-        assert got.logits.shape == (1, VERIFY_ROWS, model.manifest.vocab_size)
+        assert got.logits.shape == (1, VERIFY_TOKENS, model.manifest.vocab_size)
         atol = 1e-3 if precision == "float32" else 0.02 * float(reference.max() - reference.min())
         record(
             f"tensorrt.{precision}.verify_max_abs_logit_diff", float(np.abs(got.logits - want.logits).max())

@@ -28,7 +28,7 @@ from conftest import random_ids
 from cuda_standin import CudaRuntime
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, VERIFY_ROWS, Manifest
+from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
 from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
@@ -86,8 +86,8 @@ def test_engine_profiles(tiny_llama):
     prefill_profile, decode_profile = profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=4))
     assert prefill_profile[names.input_ids] == ((1, 1), (1, 64), (4, 64))
     assert decode_profile[names.input_ids] == ((1, 1), (4, 1), (4, 1))
-    # logits rows: up to VERIFY_ROWS per sequence on prefill (a speculative verify), one on decode
-    assert prefill_profile[names.last_index] == ((1, 1), (1, 1), (4, VERIFY_ROWS))
+    # logits rows: up to VERIFY_TOKENS per sequence on prefill (a speculative verify), one on decode
+    assert prefill_profile[names.last_index] == ((1, 1), (1, 1), (4, VERIFY_TOKENS))
     assert decode_profile[names.last_index] == ((1, 1), (4, 1), (4, 1))
     assert decode_profile[names.past_lengths] == ((1,), (4,), (4,))
     one, four = (1, g.num_kv_heads, g.max_len, g.head_dim), g.layer_shape(4)
@@ -171,18 +171,18 @@ def test_engine_rows_speculation_and_which_calls_fit(tmp_path, tiny_llama):
     assert old.max_rows == 1 and old.call_refusal(2, 64, 1) is None
     refusal = old.verify_refusal()
     assert (
-        f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_ROWS}" in refusal
+        f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_TOKENS}" in refusal
     )
     assert "it decodes one token per step" in refusal and "rebuild the engine with `kvedge export" in refusal
     assert "(1 rows)" in old.call_refusal(1, 5, 2)
-    built = engine_manifest(manifest, max_rows=VERIFY_ROWS)  # max_batch 2, max_prefill 64
+    built = engine_manifest(manifest, max_rows=VERIFY_TOKENS)  # max_batch 2, max_prefill 64
     assert built.verify_refusal() is None
-    assert built.call_refusal(2, 64, VERIFY_ROWS) is None and built.call_refusal(2, 1, 1) is None
+    assert built.call_refusal(2, 64, VERIFY_TOKENS) is None and built.call_refusal(2, 1, 1) is None
     refusals = {
         (3, 1, 1): "a call of 3 rows x 1 tokens exceeds the engine's profiles (2 rows x 64 tokens)",
         (1, 65, 1): "a call of 1 rows x 65 tokens exceeds",
-        (1, 12, VERIFY_ROWS + 1): f"asking for {VERIFY_ROWS + 1} logits rows per sequence exceeds the "
-        f"engine's profile for it ({VERIFY_ROWS} rows)",
+        (1, 12, VERIFY_TOKENS + 1): f"asking for {VERIFY_TOKENS + 1} logits rows per sequence exceeds the "
+        f"engine's profile for it ({VERIFY_TOKENS} rows)",
         (1, 1, 2): "a call of 1 tokens asking for 2 logits rows per sequence exceeds the engine's "
         "profile for it (1 rows)",  # the decode profile
     }
@@ -499,7 +499,7 @@ def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_
     assert builder.limits == {"workspace": 256 << 20} and builder.flags == set()
     assert engine.strongly_typed and engine.precision == "float32"
     assert (tmp_path / ENGINE_FILE).read_bytes() == b"plan"
-    recorded = engine_manifest(manifest, workspace_bytes=256 << 20, max_rows=VERIFY_ROWS)
+    recorded = engine_manifest(manifest, workspace_bytes=256 << 20, max_rows=VERIFY_TOKENS)
     assert EngineManifest.load(tmp_path) == engine == recorded
     build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
     assert FakeBuilder.last.timing_seeds == [b"timing"]  # the second build starts from the first's cache
@@ -568,14 +568,14 @@ def test_trt_backend_verifies_rows_as_onnxruntime_does(tiny_llama, monkeypatch):
     from kvedge.runtime.trt_backend import TrtBackend
 
     folder, manifest = tiny_llama.out, portable(tiny_llama)
-    with fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_ROWS):
+    with fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_TOKENS):
         cpu, trt = OrtBackend(folder, manifest), TrtBackend(folder, manifest)
         caches = [KVCache(manifest.geometry, 1), KVCache(manifest.geometry, 1)]
         for backend, cache in zip((cpu, trt), caches, strict=True):
             prefill(backend, cache, 0, [random_ids(20, seed=4)])
-        tokens = random_ids(VERIFY_ROWS, seed=5)
+        tokens = random_ids(VERIFY_TOKENS, seed=5)
         (want, _), (got, _) = (verify(b, c, 0, tokens) for b, c in zip((cpu, trt), caches, strict=True))
-        assert got.logits.shape == want.logits.shape == (1, VERIFY_ROWS, manifest.vocab_size)
+        assert got.logits.shape == want.logits.shape == (1, VERIFY_TOKENS, manifest.vocab_size)
         assert trt.engine.runs[-1] == 0  # the prefill profile
         np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
         for layer_want, layer_got in zip(want.present, got.present, strict=True):
@@ -591,15 +591,15 @@ def test_trt_backend_verifies_rows_as_onnxruntime_does(tiny_llama, monkeypatch):
             shapes.append((a.shape, b.shape))
         vocab = manifest.vocab_size
         assert shapes == [((1, vocab), (1, vocab)), ((1, 1, vocab), (1, 1, vocab))]
-        with pytest.raises(KvedgeError, match=f"asking for {VERIFY_ROWS + 1} logits rows per sequence"):
-            verify(trt, caches[1], 0, random_ids(VERIFY_ROWS + 1))
+        with pytest.raises(KvedgeError, match=f"asking for {VERIFY_TOKENS + 1} logits rows per sequence"):
+            verify(trt, caches[1], 0, random_ids(VERIFY_TOKENS + 1))
         trt.close()
         cpu.close()
 
 
 def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkeypatch, caplog):
     """`Model(device="tensorrt")` (fake engine): greedy lookup replies equal plain CPU decoding
-    token for token when the engine takes `VERIFY_ROWS` rows; an engine of one row decodes the
+    token for token when the engine takes `VERIFY_TOKENS` rows; an engine of one row decodes the
     same reply one token per step, says why once, and refuses a verify."""
     from kvedge.runtime.model import Model
 
@@ -618,7 +618,7 @@ def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkey
     with Model(folder) as cpu:
         plain, _ = reply(cpu, "off")
     with (
-        fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_ROWS),
+        fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_TOKENS),
         Model(folder, device="tensorrt") as trt,
     ):
         assert trt.speculation_refusal() is None

@@ -28,7 +28,7 @@ from onnx import numpy_helper
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, VERIFY_ROWS, Manifest
+from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
@@ -91,7 +91,7 @@ def test_tensorrt_parses_and_builds(case, source, tmp_path):
 @pytest.mark.parametrize("precision", ["float32", "float16"])
 def test_the_prefill_profile_takes_a_verify_of_verify_rows(precision, source, tmp_path):
     """Speculative verification on TensorRT: TensorRT's builder takes the profiles `build_engine`
-    gives it (the same `add_profiles`) with last_index [1..B, 1..VERIFY_ROWS] on prefill and
+    gives it (the same `add_profiles`) with last_index [1..B, 1..VERIFY_TOKENS] on prefill and
     [1..B, 1] on decode, the parsed network's logits [batch, rows, vocab] leave "rows" dynamic,
     the engine builds, and its manifest records max_rows. Where a GPU lets TensorRT load the
     engine, the engine's own profile shapes and a verify-shaped call's logits shape are read
@@ -104,14 +104,14 @@ def test_the_prefill_profile_takes_a_verify_of_verify_rows(precision, source, tm
     options = EngineOptions(MAX_PREFILL, MAX_BATCH)
     profiles = add_profiles(parsed.builder, config, manifest, options)
     taken = [[tuple(d) for d in profile.get_shape(names.last_index)] for profile in profiles]
-    assert taken[PREFILL_PROFILE] == [(1, 1), (1, 1), (MAX_BATCH, VERIFY_ROWS)]
+    assert taken[PREFILL_PROFILE] == [(1, 1), (1, 1), (MAX_BATCH, VERIFY_TOKENS)]
     assert taken[DECODE_PROFILE] == [(1, 1), (MAX_BATCH, 1), (MAX_BATCH, 1)]
     assert config.num_optimization_profiles == 2
     network = parsed.network
     outputs = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
     assert tuple(outputs[names.logits].shape) == (-1, -1, manifest.vocab_size)
     engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
-    assert engine.max_rows == VERIFY_ROWS and EngineManifest.load(out).verify_refusal() is None
+    assert engine.max_rows == VERIFY_TOKENS and EngineManifest.load(out).verify_refusal() is None
     built = trt.Runtime(trt.Logger(trt.Logger.ERROR)).deserialize_cuda_engine(
         (out / ENGINE_FILE).read_bytes()
     )
@@ -120,9 +120,9 @@ def test_the_prefill_profile_takes_a_verify_of_verify_rows(precision, source, tm
     assert [tuple(d) for d in built.get_tensor_profile_shape(names.last_index, PREFILL_PROFILE)] == taken[0]
     assert [tuple(d) for d in built.get_tensor_profile_shape(names.last_index, DECODE_PROFILE)] == taken[1]
     context = built.create_execution_context()
-    for spec in manifest.graph_inputs():  # a verify of VERIFY_ROWS tokens on the prefill profile
-        assert context.set_input_shape(spec.name, spec.shape(1, VERIFY_ROWS, VERIFY_ROWS))
-    assert tuple(context.get_tensor_shape(names.logits)) == (1, VERIFY_ROWS, manifest.vocab_size)
+    for spec in manifest.graph_inputs():  # a verify of VERIFY_TOKENS tokens on the prefill profile
+        assert context.set_input_shape(spec.name, spec.shape(1, VERIFY_TOKENS, VERIFY_TOKENS))
+    assert tuple(context.get_tensor_shape(names.logits)) == (1, VERIFY_TOKENS, manifest.vocab_size)
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
     assert recorded["tensorrt_flavour"] == "tensorrt_rtx" and recorded["tensorrt_version"] == trt.__version__
     assert recorded["max_prefill"] == 32 and recorded["strongly_typed"] is True
     assert recorded["precision"] == "float32" and recorded["format_version"] == 2
-    assert recorded["max_rows"] == VERIFY_ROWS
+    assert recorded["max_rows"] == VERIFY_TOKENS
     manifest = Manifest.load(out)
     engine = EngineManifest.load(out)
     engine.check_model(manifest)

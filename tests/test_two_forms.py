@@ -1,7 +1,8 @@
 """Two forms of one graph (`kvedge.export.graph.forms.two_forms`, docs/ARCHITECTURE.md): "ort"
 exports with int8/int4 weights hold the decoder twice, as the branches of one If on the step's
-length; a decode step runs the form whose quantized matmuls are kvedge.QuantMatMul, a longer step
-the MatMulNBits form.
+length; a step of up to VERIFY_TOKENS tokens per row (a decode step, a speculative verify: its
+rows to the bit those of decode steps, tests/test_speculate.py) runs the form whose quantized
+matmuls are kvedge.QuantMatMul, a longer step the MatMulNBits form.
 
 What is compared, and how closely:
 - the graph's shape: each form's matmuls, each weight stored once per form, shared tensors once;

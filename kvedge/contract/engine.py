@@ -14,7 +14,7 @@ R = max_rows), over the graph inputs `Manifest.graph_inputs()` lists::
     both             past K/V [1..B, kv_heads, L, head_dim]: only the batch axis varies
 
 "rows" is the second axis of a "rows"-logits graph's last_index [batch, rows] and logits [batch,
-rows, vocab]: R = `VERIFY_ROWS` there (`logits_rows`), so a speculative verify of n <= R tokens
+rows, vocab]: R = `VERIFY_TOKENS` there (`logits_rows`), so a speculative verify of n <= R tokens
 runs on the prefill profile and gets n logits rows per sequence; a prompt chunk asks for one.
 Engines built before kvedge recorded `max_rows` took one row in both profiles, and their
 manifests load with max_rows 1: they decode one token per step (`EngineManifest.verify_refusal`).
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvedge import __version__
 from kvedge.contract.header import Header, check_header, decode_json, read_artifact
-from kvedge.contract.manifest import VERIFY_ROWS, Manifest
+from kvedge.contract.manifest import VERIFY_TOKENS, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 ENGINE_FILE = "model.engine"
@@ -67,8 +67,8 @@ def profile_for(seq: int) -> int:
 
 def logits_rows(manifest: Manifest) -> int:
     """Logits rows per sequence the prefill profile of an engine over `manifest`'s graph takes:
-    a "rows" graph's verify asks for up to `VERIFY_ROWS`; a "last" graph returns one."""
-    return VERIFY_ROWS if manifest.logits == "rows" else 1
+    a "rows" graph's verify asks for up to `VERIFY_TOKENS`; a "last" graph returns one."""
+    return VERIFY_TOKENS if manifest.logits == "rows" else 1
 
 
 @dataclass(frozen=True)
@@ -139,13 +139,13 @@ class EngineManifest:
         )
 
     def verify_refusal(self) -> str | None:
-        """Why this engine cannot verify a speculative step (up to `VERIFY_ROWS` logits rows per
+        """Why this engine cannot verify a speculative step (up to `VERIFY_TOKENS` logits rows per
         sequence in one call), or None; the graph's own answer is `Manifest.verify_refusal`."""
-        if self.max_rows >= VERIFY_ROWS:
+        if self.max_rows >= VERIFY_TOKENS:
             return None
         return (
             f"speculative decoding is off for this TensorRT engine: its prefill profile takes "
-            f"{self.max_rows} logits row per sequence, a verify needs up to {VERIFY_ROWS} (engines "
+            f"{self.max_rows} logits row per sequence, a verify needs up to {VERIFY_TOKENS} (engines "
             "built before kvedge recorded max_rows take one); it decodes one token per step. "
             f"To speculate, {REBUILD}"
         )

@@ -110,10 +110,14 @@ PREFILL_CHUNK = 256
 # prompt, every proposed position when verifying a speculative step, kvedge.runtime.speculate);
 # "all": every position. The default is "rows": the LM head runs on the rows asked for only.
 LOGITS_MODES = ("rows", "last", "all")
-# Most logits rows per sequence a speculative verify asks of a "rows" graph: the pending token
-# and up to VERIFY_ROWS - 1 proposed ones (`kvedge.runtime.speculate.MAX_DRAFT`). A TensorRT
-# engine's prefill profile takes last_index [batch, 1..VERIFY_ROWS] (`kvedge.contract.engine`).
-VERIFY_ROWS = 9
+# The most tokens one speculative verify runs (the pending token and up to VERIFY_TOKENS - 1
+# proposals, kvedge.runtime.speculate), so the most logits rows per sequence it asks of a "rows"
+# graph; a TensorRT engine's prefill profile takes last_index [batch, 1..VERIFY_TOKENS]
+# (`kvedge.contract.engine`). In "ort" graphs a step of up to this many tokens per row computes
+# each of them exactly as a one-token decode step would: the two-form graphs' decode form runs it
+# (kvedge.QuantMatMul, its rows one at a time in the arithmetic of one), and the INT8-cache
+# attention attends its tokens one at a time (its decode_steps attribute).
+VERIFY_TOKENS = 9
 # Ring slots a sliding-window layer keeps beyond its window (`CacheGeometry.ring_margin`): a
 # slot can then rewind up to this many tokens and keep its cache, which covers the few tokens a
 # chat template re-renders at the end of a turn; a longer rewind re-prefills from the start.
@@ -456,6 +460,10 @@ class Manifest:
     # --decode-matmuls (DECODE_MATMULS) of an ort int8/int4 graph over a CPU cache; "" where it
     # does not apply; None: exported before kvedge recorded it (one form: "onnxruntime")
     weight_decode_matmuls: str | None = None
+    # the longest step (tokens per row) the decode form of a two-form graph runs (its If: steps
+    # of up to this many tokens), VERIFY_TOKENS; 0 where there is no decode form; None: exported
+    # before kvedge recorded it, when the decode form took one-token steps only
+    decode_form_tokens: int | None = None
     variant: str = "portable"  # graph variant, see VARIANTS
     # the dtype the graph computes in (PRECISIONS); manifests written before the field existed
     # load as "float32" (same format version: the graph's interface says all a reader binds)
@@ -477,21 +485,40 @@ class Manifest:
 
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step (logits at several positions of a
-        row in one call), or None."""
-        if self.variant == "ort" and self.weights_dtype in ("int8", "int4"):
-            # Measured on SmolLM2-135M (2026-12-01): with kvedge's decode kernel, and with
-            # onnxruntime's MatMulNBits alone, a verify over several rows rounds differently
-            # from a one-row decode step, and greedy replies parted at near ties (token 12 of 96)
+        row in one call) giving the greedy replies of one-token decode steps, or None."""
+        if self.logits not in ("rows", "all"):
             return (
-                f"speculative decoding is off for this export: its --weights {self.weights_dtype} "
-                "matmuls round differently over one row (a decode step) and several (a verify), so a "
-                "greedy reply could differ at a near tie; the portable variant or float weights speculate"
+                "speculative decoding needs logits at every proposed position, which this export's "
+                f"--logits {self.logits!r} graph does not return; re-export it (default --logits rows)"
             )
-        if self.logits in ("rows", "all"):
+        if self.variant == "ort" and self.weights_dtype in ("int8", "int4"):
+            return self._quantized_verify_refusal()
+        return None
+
+    def _quantized_verify_refusal(self) -> str | None:
+        """An ort graph with blocked integer weights quantizes each matmul's activations to int8,
+        where a sum rounded another way can move an output by a whole int8 level and a greedy
+        reply part at a near tie (measured on SmolLM2-135M, 2026-12-01: token 12 of 96). Its
+        verify is exact only where every op computes a verify's rows as decode steps compute
+        them, to the bit: the decode form's kvedge.QuantMatMul (`decode_form_tokens`) and the
+        INT8 cache's attention; onnxruntime's MatMulNBits and GroupQueryAttention add up one row
+        and several differently."""
+        if self.weight_decode_matmuls != "kvedge":
+            why = "its decode steps run onnxruntime's MatMulNBits, which rounds one row and several apart"
+        elif (self.decode_form_tokens or 1) < VERIFY_TOKENS:
+            why = "it was exported before its decode form took verify steps (re-export it)"
+        elif not self.geometry.quantized:
+            why = (
+                f"onnxruntime's GroupQueryAttention over its {self.geometry.dtype} cache adds up one "
+                "new token and several differently (export with --kv-dtype int8: kvedge's attention)"
+            )
+        else:
             return None
         return (
-            "speculative decoding needs logits at every proposed position, which this export's "
-            f"--logits {self.logits!r} graph does not return; re-export it (default --logits rows)"
+            f"speculative decoding is off for this --variant ort --weights {self.weights_dtype} export: "
+            f"{why}, so a greedy reply could differ from one decoded token by token at a near tie; "
+            "the portable variant, float weights, and --variant ort --weights int8|int4 --kv-dtype int8 "
+            "(--decode-matmuls kvedge) speculate"
         )
 
     def graph_inputs(self) -> tuple[TensorSpec, ...]:

@@ -24,6 +24,7 @@ from kvedge.contract import (
     QUANTIZED_KV_DTYPES,
     RING_MARGIN,
     TOKENIZER_FILE,
+    VERIFY_TOKENS,
     WEIGHT_FORMATS,
     CacheGeometry,
     IONames,
@@ -125,6 +126,8 @@ class ExportOptions:
             "weight_outlier_channels": graph.kept_channels,
             "weight_head_bits": graph.head_bits if graph.quantized else 0,
             "weight_decode_matmuls": self.decode_matmuls_recorded(graph),
+            # a decode form exactly where kvedge.QuantMatMul is (`build_decoder_graph`)
+            "decode_form_tokens": VERIFY_TOKENS if self.decode_matmuls_recorded(graph) == "kvedge" else 0,
         }
 
     def decode_matmuls_recorded(self, graph: GraphOptions) -> str:

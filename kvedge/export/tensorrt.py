@@ -20,7 +20,7 @@ islands included, and the engine CI builds with TensorRT for RTX is the one a Je
 FP16 builder flag, no per-layer precision: weak typing was deprecated in TensorRT 10.12 and
 removed in 11. The engine manifest records the graph's precision and the network's flag. The
 two optimization profiles (prefill, decode) are made from the manifest's graph inputs by
-`profile_shapes`; the prefill profile takes up to `VERIFY_ROWS` logits rows per sequence (a
+`profile_shapes`; the prefill profile takes up to `VERIFY_TOKENS` logits rows per sequence (a
 speculative verify), and the engine manifest records that as `max_rows`; the cache inputs keep
 the exported static length L so the runtime binds its preallocated pool in place, as it does
 with onnxruntime. What the parser rejects is refused with the parser's own reason

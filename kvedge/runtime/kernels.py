@@ -20,7 +20,7 @@ from kvedge.errors import KvedgeError
 
 # Bumped with every change to the kernel's inputs, outputs or arithmetic; the library reports its
 # own (kvedge_ops_version) and a stale build is refused rather than run.
-OPS_VERSION = 7
+OPS_VERSION = 8
 LIBRARY_STEM = "_kvedge_ops"
 
 

@@ -34,13 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvedge.contract import VERIFY_ROWS
+from kvedge.contract import VERIFY_TOKENS
 from kvedge.errors import KvedgeError
 
 SPECULATE_MODES = ("off", "lookup")
-# most tokens proposed per step: a verify of 9 (`VERIFY_ROWS`, which TensorRT engines are built
-# for) costs ~2 decode steps on one core
-MAX_DRAFT = VERIFY_ROWS - 1
+# most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core for float
+# weights, 4.6 for int4 (`kvedge.QuantMatMul` one row at a time without AVX-512); TensorRT engines
+# are built for verifies of VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
+MAX_DRAFT = VERIFY_TOKENS - 1
 FIRST_DRAFT = 4
 # suffix lengths looked up, longest first: 2 matched common pairs of open chat ("of the") and
 # proposed wrongly a third of its steps on SmolLM2-135M; after an edit, 3 resyncs one token later

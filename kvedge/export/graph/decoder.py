@@ -57,7 +57,8 @@ def build_decoder_graph(
         )
     prepared = prepare_weights(spec, geometry, weights)
     # Graphs with kvedge.QuantMatMul hold two forms of the decoder (`onnx_model`): prefill's
-    # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's are the op.
+    # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's and a
+    # verify's (up to VERIFY_TOKENS tokens per row, `forms.two_forms`) are the op.
     forms = (
         (False, True)
         if QUANT_MATMUL_OP in kvedge_ops(options.variant, geometry.dtype, options.weights, options.decode)

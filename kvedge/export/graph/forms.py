@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kvedge.contract import KVEDGE_OPS_DOMAIN, GraphInterface, TensorSpec, kvedge_ops
+from kvedge.contract import KVEDGE_OPS_DOMAIN, VERIFY_TOKENS, GraphInterface, TensorSpec, kvedge_ops
 from kvedge.export.graph.builder import Builder
 from kvedge.export.graph.options import MS_DOMAIN, GraphOptions
 
@@ -44,8 +44,11 @@ def two_forms(
     inputs: list[onnx.ValueInfoProto],
     outputs: list[onnx.ValueInfoProto],
 ) -> onnx.GraphProto:
-    """One graph running `decode`'s nodes for a step of one token per row and `prefill`'s for
-    longer steps: If(input_ids.shape[1] == 1). Initializers both forms hold alike live in the
+    """One graph running `decode`'s nodes for a step of up to VERIFY_TOKENS tokens per row (a
+    decode step, a speculative verify, whose rows the decode form computes as decode steps
+    would) and `prefill`'s for longer steps: If(input_ids.shape[1] <= VERIFY_TOKENS). A prompt
+    chunk that short runs the decode form too, whose matmuls cost about MatMulNBits' at a few
+    rows (both read the weights once). Initializers both forms hold alike live in the
     outer graph, each form's own in its branch (onnxruntime fuses DequantizeLinear -> MatMul into
     MatMulNBits only over a branch's own initializers). A branch's values are renamed with the
     form's name, so no name is defined twice; the graph inputs they read are the outer graph's."""
@@ -73,7 +76,9 @@ def two_forms(
     ids = interface.names.input_ids
     steps = [
         helper.make_node("Shape", [ids], ["form.step_length"], name="form/Shape", start=1, end=2),  # [1]
-        helper.make_node("Equal", ["form.step_length", "form.one"], ["form.is_decode1"], name="form/Equal"),
+        helper.make_node(
+            "LessOrEqual", ["form.step_length", "form.decode_tokens"], ["form.is_decode1"], name="form/AtMost"
+        ),
         helper.make_node("Squeeze", ["form.is_decode1"], ["form.is_decode"], name="form/Squeeze"),
         helper.make_node(
             "If",
@@ -85,7 +90,7 @@ def two_forms(
         ),
     ]
     initializers = [t for t in prefill.initializers if t.name in shared]
-    initializers.append(numpy_helper.from_array(np.array([1], np.int64), "form.one"))
+    initializers.append(numpy_helper.from_array(np.array([VERIFY_TOKENS], np.int64), "form.decode_tokens"))
     return helper.make_graph(steps, "kvedge_decoder", inputs, outputs, initializers)
 
 

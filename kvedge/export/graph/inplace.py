@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN
+from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN, VERIFY_TOKENS
 from kvedge.export.graph.options import MS_DOMAIN
 
 
@@ -124,6 +124,7 @@ class Int8CacheAttention(InPlaceAttention):
             num_heads=self.heads,
             kv_num_heads=self.kv_heads,
             local_window_size=self.window if local else -1,
+            decode_steps=VERIFY_TOKENS,  # a verify's rows attended as decode steps, to the bit
         )[0]
 
     def tables(self, rotate: bool) -> list[str]:

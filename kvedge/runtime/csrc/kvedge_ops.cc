@@ -30,7 +30,11 @@
 //                    copied first.
 // Attributes: num_heads, kv_num_heads (int); local_window_size (int, optional, default -1: none):
 // a sliding window as GroupQueryAttention's, where the query at position q attends to the keys at
-// q - local_window_size + 1 .. q only (Gemma 3's local layers; the cache stays full length).
+// q - local_window_size + 1 .. q only (Gemma 3's local layers; the cache stays full length);
+// decode_steps (int, optional, default 1): a call of s <= decode_steps new tokens per row attends
+// each of them exactly as a one-token call at its position would (one after the other: the same
+// cache blocks, the same sums in the same order, so to the bit), where a longer call goes through
+// the prefill tiles. A speculative verify of s tokens then gives the logits of s decode steps.
 //
 // kvedge.SideInputs feeds a quantized matmul of an "ort" graph (kvedge/export/quantize.py): with
 // blocked weights w_hat = q * scale + offset and kept float32 input channels,
@@ -165,6 +169,7 @@ struct Kernel {
   int64_t heads = 0;
   int64_t kv_heads = 0;
   int64_t window = -1;  // local_window_size: keys per query, itself included; -1: all before it
+  int64_t decode_steps = 1;  // calls of up to this many new tokens attend them one at a time
 
   OrtStatus* Compute(OrtKernelContext* context);
 };
@@ -642,6 +647,8 @@ struct Work {
   const int8_t *k_codes, *v_codes;
   const half_t *k_scales, *v_scales;
   int64_t batch, seq, heads, kv_heads, d, groups, slots, width;
+  int64_t row_tokens = 0;      // tokens of a row in x and y (0: seq); more when a call is attended
+                               // a token at a time (Kernel::decode_steps), x and y from that token
   int64_t window = -1;         // Kernel::window
   bool tiled = false;          // prefill tiles (AttendPrefill) rather than decode blocks (Attend)
   int64_t rows_per_item = 0;   // query rows of one (row, KV head) per query block
@@ -694,10 +701,12 @@ struct Work {
     partial = partials->data();
   }
 
+  int64_t RowTokens() const { return row_tokens > 0 ? row_tokens : seq; }
+
   // Where query row q (token q / group, head q % group of KV head h) of row r's output goes.
   float* Out(int64_t r, int64_t h, int64_t q) const {
     const int64_t group = heads / kv_heads;
-    return y + ((r * seq + q / group) * heads + h * group + q % group) * d;
+    return y + ((r * RowTokens() + q / group) * heads + h * group + q % group) * d;
   }
 
   void Run(size_t item) const {
@@ -713,7 +722,7 @@ struct Work {
     float* own = splits > 1 ? partial + item * rows_per_item * (d + 2) : nullptr;
     for (int64_t i = 0; i < block.n_rows; ++i) {
       const int64_t t = (first + i) / group, head = h * group + (first + i) % group, pos = past[r] + t;
-      Rotate(x + (r * seq + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
+      Rotate(x + (r * RowTokens() + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
       block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : slots - start);
       block.first[i] = std::min(std::max<int64_t>(First(pos) - start, 0), block.limit[i]);
       block.out[i] = own != nullptr ? own + i * d : Out(r, h, first + i);
@@ -763,6 +772,22 @@ struct Work {
   }
 };
 
+// The attention of `work`'s query rows, split into work items (Work::Split) run on onnxruntime's
+// threads, then their partial results combined.
+OrtStatus* Attention(OrtKernelContext* ctx, Work* work) {
+  thread_local std::vector<float> partials;
+  work->Split(&partials);
+  const size_t items = work->Items();
+  if (items == 1) {
+    work->Run(0);
+    return nullptr;
+  }
+  KV_RETURN_IF_ERROR(g_api->KernelContext_ParallelFor(
+      ctx, [](void* data, size_t item) { static_cast<const Work*>(data)->Run(item); }, items, 0, work));
+  work->Combine();
+  return nullptr;
+}
+
 OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   // per thread and kept across calls, as the scratch below: describing them allocates on the first call only
   thread_local Tensor in[8];
@@ -811,7 +836,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   // at most kPrefetchKeys attended positions per KV head, the hardware prefetcher keeping a longer
   // stream coming. Written out here rather than in a function of its own, which GCC would find
   // free of side effects and drop.
-  if (heads / kv_heads * seq <= kQueryBlock) {
+  if (heads / kv_heads * seq <= kQueryBlock || seq <= decode_steps) {
     const int64_t scale_bytes = groups * static_cast<int64_t>(sizeof(half_t));
     const int64_t bytes[4] = {d, d, scale_bytes, scale_bytes};  // per position: K, V codes; K, V scales
     for (int pass = 0; pass < 3; ++pass) {
@@ -898,16 +923,20 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   work.slots = slots;
   work.width = width;
   work.window = window;
-  thread_local std::vector<float> partials;
-  work.Split(&partials);
-  const size_t items = work.Items();
-  if (items == 1) {
-    work.Run(0);
-    return nullptr;
+  if (seq == 1 || seq > decode_steps) return Attention(ctx, &work);
+  // token t as a one-token call at position past + t: all the new tokens are in the cache
+  // already, and each query's limit keeps the later ones out, as they were absent in a decode step
+  thread_local std::vector<int64_t> shifted;
+  shifted.resize(batch);
+  work.row_tokens = seq;
+  work.seq = 1;
+  work.past = shifted.data();
+  for (int64_t t = 0; t < seq; ++t) {
+    for (int64_t r = 0; r < batch; ++r) shifted[r] = past[r] + t;
+    work.x = x + t * width;
+    work.y = y + t * heads * d;
+    KV_RETURN_IF_ERROR(Attention(ctx, &work));
   }
-  KV_RETURN_IF_ERROR(g_api->KernelContext_ParallelFor(
-      ctx, [](void* data, size_t item) { static_cast<const Work*>(data)->Run(item); }, items, 0, &work));
-  work.Combine();
   return nullptr;
 }
 
@@ -1542,6 +1571,15 @@ OrtStatusPtr ORT_API_CALL CreateKernelV2(const OrtCustomOp*, const OrtApi* api, 
     if (k->window == 0 || k->window < -1)
       status = Fail("local_window_size " + std::to_string(k->window) + " must be -1 (no window) or positive");
   }
+  if (status == nullptr) {  // optional: absent means one-token calls only
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "decode_steps", &k->decode_steps);
+    if (absent != nullptr) {
+      api->ReleaseStatus(absent);
+      k->decode_steps = 1;
+    }
+    if (k->decode_steps < 1)
+      status = Fail("decode_steps " + std::to_string(k->decode_steps) + " must be 1 or more");
+  }
   if (status != nullptr) {
     delete k;
     return status;
@@ -1700,6 +1738,6 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 }
 
 // The library's format version: the Python side refuses a library built from other sources.
-__attribute__((visibility("default"))) int kvedge_ops_version() { return 7; }
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 8; }
 
 }  // extern "C"
