@@ -170,9 +170,8 @@ def test_engine_rows_speculation_and_which_calls_fit(tmp_path, tiny_llama):
     old.check_model(manifest)
     assert old.max_rows == 1 and old.call_refusal(2, 64, 1) is None
     refusal = old.verify_refusal()
-    assert (
-        f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_TOKENS}" in refusal
-    )
+    needs = f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_TOKENS}"
+    assert needs in refusal
     assert "it decodes one token per step" in refusal and "rebuild the engine with `kvedge export" in refusal
     assert "(1 rows)" in old.call_refusal(1, 5, 2)
     built = engine_manifest(manifest, max_rows=VERIFY_TOKENS)  # max_batch 2, max_prefill 64
