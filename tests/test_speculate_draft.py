@@ -199,6 +199,23 @@ def test_ring_draft_identical_or_off(folders, target, caplog):
     assert taken or "draft proposals off" in caplog.text
 
 
+def test_ring_draft_starts_over_when_a_new_turn_rewinds_past_its_rings(folders):
+    """A second turn keeping fewer tokens than the draft's rings can rewind to (they hold the last
+    window + margin positions of ~110) starts the draft slot over: every proposal still right."""
+    with Model(folders["gemma3"], slots=2) as model:
+        model.load_draft(folders["gemma3"])
+        first = random_ids(60, seed=12)
+        second = first[:20] + random_ids(6, seed=13)
+        for ids in (first, second):
+            if ids is second:  # the rewind the second turn needs is refused: it starts over
+                assert model.draft.model.cache.rewind_limit(1, 20) == 0
+            plain, _, _ = run_turn(model, 0, ids, greedy(50))
+            fast, _, verifies = run_turn(model, 1, ids, greedy(50, "draft"))
+            assert fast == plain
+            assert verifies and all(k == p + 1 for p, k in verifies[:-1]), verifies
+            assert_draft_in_step(model, 1)
+
+
 def test_cli_generate_with_a_draft(folders):
     from kvedge.cli import main
 
