@@ -13,9 +13,10 @@ conversation and the reply so far with the pending token last (`Draft.sync`)::
     prefill   the context's tokens past what was kept, in one call (a chunk at a time)
     decode    k - 1 greedy steps: d1 = argmax after the context, d2 after d1, ..
 
-and after the verify, rewound to the context plus the proposals taken (`DraftProposer.update`),
-so it holds only tokens of the reply. A greedy draft is a point-mass proposal, so
-`speculate.accept`'s rejection rule keeps sampled replies in distribution, as for lookup.
+and after the verify, rewound to the context plus the proposals the target kept
+(`DraftProposer.kept`), so it holds only tokens the target's slot holds. A greedy draft is a
+point-mass proposal, so `speculate.accept`'s rejection rule keeps sampled replies in
+distribution, as for lookup.
 
 Gemma 3's ring layers keep the last `window + ring_margin` positions: a rewind further back than
 the margin allows (`KVCache.rewind_limit`) turns the draft off for the rest of the turn; at the
@@ -138,10 +139,9 @@ class DraftProposer(Adaptive):
         self.context = len(history)
         return tokens
 
-    def update(self, proposed: int, accepted: int) -> None:
-        super().update(proposed, accepted)
+    def kept(self, proposals: int) -> None:
         assert self.draft is not None
-        if not self.draft.rewind(self.slot, self.context + accepted):
+        if not self.draft.rewind(self.slot, self.context + proposals):
             self._turn_off("its ring layers cannot rewind past the rejected proposals")
 
     def _turn_off(self, why: str) -> None:

@@ -373,6 +373,7 @@ class Turn:
                 break
         assert self.speculator is not None
         self.speculator.update(len(draft), sum(e.token == d for e, d in zip(events, draft, strict=False)))
+        self.speculator.kept(len(events) - 1)  # the pending token and these proposals stay
         return events, len(events)
 
     def sample(self, logits: np.ndarray, proposal: int | None = None) -> Event:

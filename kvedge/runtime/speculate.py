@@ -125,6 +125,10 @@ class Adaptive:
         """At most `k` tokens to follow `history`."""
         raise NotImplementedError
 
+    def kept(self, proposals: int) -> None:
+        """The target's slot kept the first `proposals` proposals of the last verify (those taken,
+        but a reply's last token, which is never written). Nothing to do for prompt lookup."""
+
     def update(self, proposed: int, accepted: int) -> None:
         """A verify of `proposed` tokens took `accepted` of them."""
         self.verifies += 1
