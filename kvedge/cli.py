@@ -30,7 +30,7 @@ from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
-from kvedge.runtime.speculate import SPECULATE_MODES
+from kvedge.runtime.speculate import SPECULATE_MODES, is_mode
 
 if TYPE_CHECKING:
     from kvedge.runtime.generate import Event
@@ -164,6 +164,12 @@ kv_memory_option = click.option(
 )
 
 
+def _speculate_mode(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not is_mode(value):
+        raise click.BadParameter(f"{value!r} is not allowed; allowed: {', '.join(SPECULATE_MODES)}")
+    return value
+
+
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
     """Options shared by the commands that load a model and generate."""
     if func is None:
@@ -185,12 +191,15 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option(
             "--speculate",
-            type=click.Choice(SPECULATE_MODES),
             default="off",
             show_default=True,
+            callback=_speculate_mode,
+            metavar="|".join(SPECULATE_MODES),
             help="lookup: propose the tokens that followed the reply's last words earlier in the "
             "conversation and verify them in one step (the same reply, faster where it repeats its "
-            "input: quoting, rewriting; off where proposals keep failing); needs a --logits rows export.",
+            "input: quoting, rewriting; off where proposals keep failing); draft:DIR: the export in "
+            "DIR (the same tokenizer, e.g. --weights int4 of the same model) proposes; needs a "
+            "--logits rows export.",
         ),
         click.option(
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."

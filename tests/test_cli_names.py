@@ -103,7 +103,7 @@ CONCEPTS = {
     "prefix_cache_bytes": ("bytes of conversation prefixes kept in memory", "prefix_cache_bytes"),
     "kv_memory": ("GPU devices: where the KV cache pool lives (mapped host or device memory)", "kv_memory"),
     "ui": ("serve the chat page at GET /", "ui"),
-    "speculate": ("speculative decoding: off or prompt lookup", "speculate"),
+    "speculate": ("speculative decoding: off, prompt lookup or a draft model (draft:DIR)", "speculate"),
 }
 
 RUNTIME = {

@@ -260,8 +260,11 @@ def test_quantized_ort_weights_without_exact_verify_decode_without_speculation(t
 
 
 def test_bad_mode_names_allowed():
-    with pytest.raises(KvedgeError, match=r"speculate='draft' is not allowed; allowed: \['off', 'lookup'\]"):
-        SamplingConfig(speculate="draft")
+    allowed = r"allowed: \['off', 'lookup', 'draft:DIR'\] or 'draft'"
+    for bad in ("draft:", "draft: ", "Lookup", "on"):
+        with pytest.raises(KvedgeError, match=rf"speculate={bad!r} is not allowed; {allowed}"):
+            SamplingConfig(speculate=bad)
+    assert SamplingConfig(speculate="draft:some/dir").speculate == "draft:some/dir"
 
 
 def test_lookup_takes_longest_latest_match():
@@ -373,8 +376,9 @@ def test_service_request_field_overrides_config():
     assert sampling_config(plain, 8, None, None, "lookup").speculate == "lookup"  # the service's default
     assert sampling_config(plain, 8, None, None).speculate == "off"
     assert parse_completion_request({"prompt": "x", "speculate": "off"}).speculate == "off"
-    with pytest.raises(ApiError, match=r"speculate=.*draft.* is not allowed; allowed: one of"):
-        parse_chat_request({"messages": messages, "speculate": "draft"})
+    with pytest.raises(ApiError, match=r"speculate=.*draft:.* is not allowed; allowed: one of"):
+        parse_chat_request({"messages": messages, "speculate": "draft:"})
+    assert parse_chat_request({"messages": messages, "speculate": "draft"}).speculate == "draft"
 
 
 def test_s8_to_u8_rewrite_disabled_only_where_it_breaks_loading(exports):

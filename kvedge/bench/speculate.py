@@ -1,5 +1,6 @@
-"""What prompt-lookup speculative decoding buys, per workload, in one run: decode tokens/s with
-`speculate="lookup"` against without, the same model, batch 1, greedy.
+"""What speculative decoding buys, per workload, in one run: decode tokens/s with
+`speculate="lookup"` (or a draft model, `draft=`: `speculate="draft:DIR"`) against without, the
+same target model, batch 1, greedy.
 
 Workloads (`WORKLOADS`, written down in bench/speculate.py): (a) answer from a given passage,
 quoting it; (b) rewrite a given paragraph with a few words changed; (c) open chat. Each round
@@ -7,8 +8,9 @@ runs every workload plain and speculative, the order alternating from round to r
 emptied before each reply (no prefix reuse between the two), and measures decode only: tokens
 after the first / seconds after the first token. The ratio is the median over rounds of the
 per-round ratio (the machine is shared and noisy). Also reported: tokens per model call during
-decode (1.0 without speculation), the share of proposed tokens the model took, and whether the
-speculative reply was token for token the plain one (greedy: it must be).
+decode (1.0 without speculation; the target's calls: a draft's own are in the time, not counted),
+the share of proposed tokens the model took, and whether the speculative reply was token for
+token the plain one (greedy: it must be).
 """
 
 from __future__ import annotations
@@ -91,21 +93,25 @@ def measure_speculation(
     rounds: int = 3,
     max_new_tokens: int = 128,
     echo: Callable[[str], None] = print,
+    draft: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per workload: plain and speculative decode tokens/s (medians), their ratio (median of the
-    rounds' ratios), tokens per call, share of proposals taken, and greedy equality."""
+    rounds' ratios), tokens per call, share of proposals taken, and greedy equality. Speculative
+    is prompt lookup, or with `draft` the draft model in that folder proposing."""
     figures: dict[str, dict[str, Any]] = {}
+    mode = "lookup" if draft is None else f"draft:{draft}"
+    kind = "lookup" if draft is None else "draft"  # the figures' key: lookup_tokens_per_s, ..
     with Model(model_dir, slots=1, threads=threads) as model:
         plain_config = SamplingConfig(max_new_tokens=max_new_tokens)
-        fast_config = SamplingConfig(max_new_tokens=max_new_tokens, speculate="lookup")
+        fast_config = SamplingConfig(max_new_tokens=max_new_tokens, speculate=mode)
         timed_reply(model, WORKLOADS["c-chat"], fast_config)  # warm-up: both graph paths' buffers
         for name, text in WORKLOADS.items():
-            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "lookup": []}
+            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "fast": []}
             for r in range(rounds):
-                order = [("plain", plain_config), ("lookup", fast_config)]
-                for kind, config in order if r % 2 == 0 else order[::-1]:
-                    runs[kind].append(timed_reply(model, text, config))
-            plain, fast = runs["plain"], runs["lookup"]
+                order = [("plain", plain_config), ("fast", fast_config)]
+                for which, config in order if r % 2 == 0 else order[::-1]:
+                    runs[which].append(timed_reply(model, text, config))
+            plain, fast = runs["plain"], runs["fast"]
             ratios = [  # a reply of one token decodes nothing: no ratio
                 f["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else float("nan")
                 for p, f in zip(plain, fast, strict=True)
@@ -113,7 +119,7 @@ def measure_speculation(
             proposed = sum(f["proposed"] for f in fast)
             figures[name] = {
                 "plain_tokens_per_s": float(np.median([p["tokens_per_s"] for p in plain])),
-                "lookup_tokens_per_s": float(np.median([f["tokens_per_s"] for f in fast])),
+                f"{kind}_tokens_per_s": float(np.median([f["tokens_per_s"] for f in fast])),
                 "speedup": float(np.median(ratios)),
                 "tokens_per_call": float(np.median([f["tokens_per_call"] for f in fast])),
                 "taken_share": sum(f["taken"] for f in fast) / proposed if proposed else 0.0,
@@ -122,7 +128,7 @@ def measure_speculation(
             }
             f = figures[name]
             echo(
-                f"  {name}: {f['plain_tokens_per_s']:.1f} -> {f['lookup_tokens_per_s']:.1f} tokens/s "
+                f"  {name}: {f['plain_tokens_per_s']:.1f} -> {f[kind + '_tokens_per_s']:.1f} tokens/s "
                 f"({f['speedup']:.2f}x), {f['tokens_per_call']:.2f} tokens/call, "
                 f"{100 * f['taken_share']:.0f}% of proposals taken, greedy equal: {f['greedy_equal']}"
             )
@@ -138,12 +144,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, help="results folder (default: a new dated one)")
+    parser.add_argument("--draft", type=Path, help="a draft model's folder: it proposes, not lookup")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {}
     for folder in args.model:
-        print(folder)
-        out[folder.name] = measure_speculation(folder, args.threads, args.rounds, args.max_new_tokens)
-    results = args.out or results_folder("speculate-cpu", [args.threads])
+        print(folder if args.draft is None else f"{folder}, draft {args.draft}")
+        out[folder.name] = measure_speculation(
+            folder, args.threads, args.rounds, args.max_new_tokens, draft=args.draft
+        )
+    kind = "speculate-cpu" if args.draft is None else "speculate-draft-cpu"
+    results = args.out or results_folder(kind, [args.threads])
     results.mkdir(parents=True, exist_ok=True)
     machine = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -37,7 +37,7 @@ from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.interface import Backend, StepOutput
-from kvedge.runtime.speculate import Lookup, accept, check_mode
+from kvedge.runtime.speculate import Adaptive, accept, check_mode
 from kvedge.runtime.tokenizer import TextStream
 
 
@@ -53,7 +53,8 @@ class SamplingConfig:
     constraint: Constraint | None = None  # output must match it (kvedge.runtime.constrain)
     logprobs: int | None = None  # None: off; k: each token's log probability and the k most likely
     # "lookup": speculative decoding with prompt-lookup proposals (kvedge.runtime.speculate), where
-    # the export can verify them; "off". Replies are the same either way (sampled: in distribution)
+    # the export can verify them; "draft:DIR" or "draft" (the model's loaded draft): a draft
+    # model's (kvedge.runtime.draft); "off". Replies are the same either way (sampled: in distribution)
     speculate: str = "off"
     max_top_logprobs: ClassVar[int] = 20
 
@@ -313,7 +314,7 @@ class Turn:
     rng: np.random.Generator
     eos_ids: tuple[int, ...]
     matcher: Matcher | None = None  # the constraint's grammar state, if the turn has one
-    speculator: Lookup | None = None  # speculative decoding's proposals (kvedge.runtime.speculate)
+    speculator: Adaptive | None = None  # speculative decoding's proposals (kvedge.runtime.speculate)
     started: float = field(default_factory=time.perf_counter)
     written: list[int] = field(default_factory=list)  # tokens this turn appended to the slot
     pending: int | None = None
@@ -372,6 +373,7 @@ class Turn:
                 break
         assert self.speculator is not None
         self.speculator.update(len(draft), sum(e.token == d for e, d in zip(events, draft, strict=False)))
+        self.speculator.kept(len(events) - 1)  # the pending token and these proposals stay
         return events, len(events)
 
     def sample(self, logits: np.ndarray, proposal: int | None = None) -> Event:
@@ -463,7 +465,12 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     for turn in by_slot.values():
         turn.will_sample()
     for slot, turn in list(by_slot.items()):
-        draft = turn.propose(cache)
+        try:
+            draft = turn.propose(cache)  # a draft model runs here
+        except Exception as exc:
+            del by_slot[slot]
+            result.events[turn] = turn.finish("error", error=exc)
+            continue
         if draft:
             del by_slot[slot]
             speculate_turn(backend, cache, turn, draft, result)

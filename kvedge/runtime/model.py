@@ -30,13 +30,14 @@ from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
 from kvedge.runtime.cuda import DeviceMemory
+from kvedge.runtime.draft import Draft, DraftProposer, check_same_tokenizer
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.memory import check_kv_memory
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
-from kvedge.runtime.speculate import Lookup
+from kvedge.runtime.speculate import DRAFT, Adaptive, Lookup, draft_folder
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
 
@@ -96,6 +97,8 @@ class Model:
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.device = device
+        self.threads = threads
+        self.draft: Draft | None = None  # `load_draft`: proposals for speculate="draft"
         self.backend: Backend = open_backend(
             self.folder,
             self.manifest,
@@ -173,6 +176,8 @@ class Model:
         buffers), then the cache's device memory (`kv_memory="device"`); host arrays go with
         this object. Safe to call twice."""
         try:
+            if self.draft is not None:
+                self.draft.close()
             self.backend.close()
         finally:
             if self.cache is not None:
@@ -288,7 +293,7 @@ class Model:
             rng=np.random.default_rng(config.seed),
             eos_ids=tuple(self.manifest.eos_token_ids),
             matcher=matcher,
-            speculator=self._speculator(config),
+            speculator=self._speculator(config, slot),
         )
         self._turns[slot] = turn
         return turn
@@ -298,8 +303,27 @@ class Model:
         backend's answer (the graph's, and a TensorRT engine's profiles')."""
         return self.backend.verify_refusal()
 
-    def _speculator(self, config: SamplingConfig) -> Lookup | None:
-        """A turn's proposals: prompt lookup if `config` asks for it and this model can verify."""
+    def load_draft(self, folder: str | Path) -> Draft:
+        """Load the export in `folder` as this model's draft (speculate="draft"): the same device
+        and threads, one slot per slot of this model, its tokenizer checked against this one's.
+        A draft loaded before is closed first."""
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
+        draft_model = Model(folder, slots=self.slots, threads=self.threads, device=self.device)
+        try:
+            check_same_tokenizer(self, draft_model)
+        except BaseException:
+            draft_model.close()
+            raise
+        self.draft = Draft(draft_model)
+        log.info("draft %s loaded for %s: %d slots", folder, self.folder, self.slots)
+        return self.draft
+
+    def _speculator(self, config: SamplingConfig, slot: int) -> Adaptive | None:
+        """A turn's proposals, if `config` asks for them and this model can verify: prompt lookup,
+        or the draft ("draft": the one loaded; "draft:DIR": that one, loaded now if another or
+        none is)."""
         if config.speculate == "off":
             return None
         refusal = self.speculation_refusal()
@@ -308,7 +332,16 @@ class Model:
                 self._warned.add(refusal)
                 log.warning("%s", refusal)
             return None
-        return Lookup()
+        if config.speculate == "lookup":
+            return Lookup()
+        folder = draft_folder(config.speculate)
+        if folder is not None and (self.draft is None or Path(folder).resolve() != self.draft.folder):
+            self.load_draft(folder)
+        if self.draft is None:
+            raise KvedgeError(
+                f"speculate={DRAFT!r} needs a loaded draft model (Model.load_draft, or speculate='draft:DIR')"
+            )
+        return DraftProposer(draft=self.draft, slot=slot)
 
     def step(self, turns: Sequence[Turn], batch: bool = True) -> StepResult:
         """Advance each turn by one step (`step_turns`; `batch`: decode contiguous slots in one

@@ -21,10 +21,14 @@ proposals d1..dk (`propose`)::
                rejected reaches a ring either. The slot's token ids, the prefix store and warm
                prefixes only ever see valid tokens.
 
-Adaptive k (`Lookup`): k grows (to `MAX_DRAFT`) while every proposal is taken and falls to one
-more than was taken otherwise; after a verify that took nothing (`MISSES`), lookup pauses
-for a number of steps that doubles each time (up to `MAX_PAUSE`), so a conversation that does
-not repeat itself decodes as without speculation, but for the lookup itself (microseconds).
+Adaptive k (`Adaptive`, every proposer's policy): k grows (to `MAX_DRAFT`) while every proposal
+is taken and falls to one more than was taken otherwise; after a verify that took nothing
+(`MISSES`), proposing pauses for a number of steps that doubles each time (up to `MAX_PAUSE`), so
+a conversation that does not repeat itself decodes as without speculation, but for the lookup
+itself (microseconds; a draft catches up on the tokens it missed in one call when it resumes).
+
+Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
+model with the same tokenizer decoding greedily: a point mass too, so `accept` stays exact).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import numpy as np
 from kvedge.contract import VERIFY_TOKENS
 from kvedge.errors import KvedgeError
 
-SPECULATE_MODES = ("off", "lookup")
+SPECULATE_MODES = ("off", "lookup", "draft:DIR")
+DRAFT = "draft"  # "draft": the draft the model (or service) loaded; "draft:DIR": that export
 # most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core for float
 # weights, 4.6 for int4 (`kvedge.QuantMatMul` one row at a time without AVX-512); TensorRT engines
 # are built for verifies of VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
@@ -50,10 +55,25 @@ MISSES = 1  # verifies in a row that took nothing before lookup pauses
 MAX_PAUSE = 64  # steps
 
 
+def is_mode(mode: object) -> bool:
+    """Whether `mode` is "off", "lookup", "draft" or "draft:DIR" (DIR not empty)."""
+    if not isinstance(mode, str):
+        return False
+    return mode in ("off", "lookup", DRAFT) or (mode.startswith(DRAFT + ":") and bool(draft_folder(mode)))
+
+
 def check_mode(mode: str) -> str:
-    if mode not in SPECULATE_MODES:
-        raise KvedgeError(f"speculate={mode!r} is not allowed; allowed: {list(SPECULATE_MODES)}")
+    if not is_mode(mode):
+        raise KvedgeError(f"speculate={mode!r} is not allowed; allowed: {list(SPECULATE_MODES)} or 'draft'")
     return mode
+
+
+def draft_folder(mode: str) -> str | None:
+    """DIR of "draft:DIR"; None for every other mode ("draft" alone names no folder)."""
+    prefix = DRAFT + ":"
+    if not mode.startswith(prefix):
+        return None
+    return mode[len(prefix) :].strip() or None
 
 
 def lookup(history: np.ndarray, k: int, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -83,8 +103,9 @@ def accept(probs: np.ndarray, proposal: int, rng: np.random.Generator) -> int:
 
 
 @dataclass
-class Lookup:
-    """One turn's prompt-lookup state: how many to propose next, and counts for reports."""
+class Adaptive:
+    """One turn's proposer state: how many to propose next, and counts for reports. Subclasses
+    say what to propose (`proposals`)."""
 
     k: int = FIRST_DRAFT
     misses: int = 0  # verifies in a row that took nothing
@@ -102,7 +123,15 @@ class Lookup:
             return []
         if min(self.k, room) < 1:
             return []
-        return lookup(np.asarray(history, np.int64), min(self.k, room))
+        return self.proposals(history, min(self.k, room))
+
+    def proposals(self, history: Sequence[int], k: int) -> list[int]:
+        """At most `k` tokens to follow `history`."""
+        raise NotImplementedError
+
+    def kept(self, proposals: int) -> None:
+        """The target's slot kept the first `proposals` proposals of the last verify (those taken,
+        but a reply's last token, which is never written). Nothing to do for prompt lookup."""
 
     def update(self, proposed: int, accepted: int) -> None:
         """A verify of `proposed` tokens took `accepted` of them."""
@@ -119,3 +148,11 @@ class Lookup:
         self.misses += 1
         if self.misses >= MISSES:
             self.pause, self.backoff, self.misses = self.backoff, min(MAX_PAUSE, 2 * self.backoff), 0
+
+
+@dataclass
+class Lookup(Adaptive):
+    """Prompt lookup: what followed the latest earlier occurrence of the conversation's end."""
+
+    def proposals(self, history: Sequence[int], k: int) -> list[int]:
+        return lookup(np.asarray(history, np.int64), k)

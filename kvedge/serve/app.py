@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,6 +39,7 @@ from starlette.routing import Route
 from kvedge.configs import load_warmup_config
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
+from kvedge.runtime.speculate import DRAFT, draft_folder
 from kvedge.serve import protocol, tools, ui
 from kvedge.serve.config import ServiceConfig
 from kvedge.serve.engine import Engine, Job, NotReady, QueueFull, ShuttingDown
@@ -443,7 +445,27 @@ def sampling_config(
         stop=request.stop,
         constraint=constraint,
         logprobs=logprobs,
-        speculate=request.speculate or speculate,
+        speculate=speculate_mode(request.speculate, speculate),
+    )
+
+
+def speculate_mode(requested: str | None, service: str) -> str:
+    """The speculate mode a request runs with: its own, else the service's (`ServiceConfig`). A
+    draft model is the one the service loaded at start ("draft", or "draft:DIR" naming it);
+    asking for another, or for one when none was loaded, is refused (400)."""
+    if requested is None or requested in ("off", "lookup"):
+        return requested or service
+    loaded = draft_folder(service)
+    asked = draft_folder(requested)
+    if loaded is not None and (asked is None or Path(asked).resolve() == Path(loaded).resolve()):
+        return service
+    allowed = ["off", "lookup"] + ([DRAFT, service] if loaded else [])
+    why = f"this service loaded the draft {loaded}" if loaded else "this service loaded no draft model"
+    raise ApiError(
+        400,
+        f"speculate={requested!r} is not allowed: {why}; allowed: {allowed}",
+        param="speculate",
+        code="invalid_value",
     )
 
 

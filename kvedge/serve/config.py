@@ -27,7 +27,9 @@ File format (every key optional except `model`, which may come from `--model` in
                                     # (mapped) or in GPU memory (device); docs/JETSON.md
     batch_decode: true              # decode all active slots in one call per round (false: one by one)
     speculate: "off"                # lookup: speculative decoding by prompt lookup, where the export
-                                    # verifies (--logits rows); a request's "speculate" overrides it
+                                    # verifies (--logits rows); draft:DIR: the export in DIR (same
+                                    # tokenizer) proposes, loaded at start; a request's "speculate"
+                                    # overrides it ("draft": only the loaded one)
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # warm-up: greedy decode steps run before /health reports ready;
                                     # 0 = none
@@ -119,9 +121,10 @@ class ServiceConfig:
     # where a GPU device's KV cache pool lives (kvedge.runtime.memory.KV_MEMORY; docs/JETSON.md)
     kv_memory: Annotated[Literal[KV_MEMORY], Meta(description=f"one of {list(KV_MEMORY)}")] = "mapped"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
-    speculate: Annotated[Literal[SPECULATE_MODES], Meta(description=f"one of {list(SPECULATE_MODES)}")] = (
-        "off"
-    )
+    # "draft:DIR": the draft in DIR is loaded at start; requests may then ask for "draft"
+    speculate: Annotated[
+        str, Meta(pattern=r"^(off|lookup|draft:.*\S.*)$", description=f"one of {list(SPECULATE_MODES)}")
+    ] = "off"
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )

@@ -7,8 +7,8 @@ Request fields of `POST /v1/chat/completions`:
                stream, stream_options.include_usage, response_format (text, json_object,
                json_schema), tools, tool_choice, parallel_tool_calls, logprobs, top_logprobs (0..20),
                chat_template_kwargs.enable_thinking;
-               kvedge extensions: top_k, repetition_penalty, speculate ("lookup" | "off"; default:
-               the service's `speculate`)
+               kvedge extensions: top_k, repetition_penalty, speculate ("lookup" | "off" | "draft",
+               the draft the service loaded; default: the service's `speculate`)
     ignored    user, metadata, store, service_tier
     accepted only at their neutral value (else 400)
                n (1), presence_penalty / frequency_penalty (0), logit_bias ({}),
@@ -38,7 +38,7 @@ from typing import Any
 
 from kvedge.contract import ROLES
 from kvedge.runtime.model import Constraint
-from kvedge.runtime.speculate import SPECULATE_MODES
+from kvedge.runtime.speculate import SPECULATE_MODES, is_mode
 from kvedge.serve import tools as toolkit
 from kvedge.serve.tools import Tool, ToolError
 
@@ -281,7 +281,7 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         "stream": stream,
         "include_usage": bool(include_usage),
         "speculate": _optional(
-            body, "speculate", lambda v: v in SPECULATE_MODES, f"one of {list(SPECULATE_MODES)}", None
+            body, "speculate", is_mode, f"one of {list(SPECULATE_MODES)} or 'draft'", None
         ),
     }
 

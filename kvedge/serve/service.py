@@ -19,6 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
 from kvedge.runtime.model import Model
+from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
 from kvedge.serve.engine import Engine, decode_warmup
@@ -93,7 +94,7 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
     from kvedge.runtime.sessions import HistoryPolicy
 
     prefixes = load_warmup_config(config.warm_prefixes) if config.warm_prefixes else None
-    return Model(
+    model = Model(
         config.model,
         slots=slots,
         threads=config.threads,
@@ -104,6 +105,14 @@ def load_model(config: ServiceConfig, slots: int) -> Model:
         warm_dir=config.warm_dir,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
+    draft = draft_folder(config.speculate)
+    if draft is not None:  # loaded once, for every request that asks for "draft"
+        try:
+            model.load_draft(draft)
+        except BaseException:
+            model.close()
+            raise
+    return model
 
 
 class HeadDeadlineProtocol(H11Protocol):
