@@ -29,20 +29,31 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from kvedge.contract import TOKENIZER_FILE, Manifest, sha256_files
 from kvedge.errors import KvedgeError
+from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.interface import Backend
 from kvedge.runtime.sessions import common_prefix
 from kvedge.runtime.speculate import Adaptive
 
-if TYPE_CHECKING:
-    from kvedge.runtime.model import Model
-
 log = logging.getLogger(__name__)
+
+
+class Model(Protocol):
+    """What a draft (and the tokenizer check) uses of a `kvedge.runtime.model.Model`, which
+    imports this module."""
+
+    folder: Path
+    manifest: Manifest
+    cache: KVCache
+    backend: Backend
+
+    def close(self) -> None: ...
 
 
 def tokenizer_fingerprint(folder: Path, manifest: Manifest) -> str:
