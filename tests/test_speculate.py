@@ -24,7 +24,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import SamplingConfig, _distribution, decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
-from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, Lookup, accept, lookup
+from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, Costs, Lookup, accept, lookup
 
 # (name, ExportOptions fields, family): every cache kind on both variants where it exists
 CASES = [
@@ -134,6 +134,7 @@ def test_greedy_identical_every_cache_kind(exports, name):
             atol = {"float32": 2e-3, "float16": 3e-2, "int8": 3e-2}[model.manifest.geometry.dtype]
             np.testing.assert_allclose(b.kv.astype(np.float32), a.kv.astype(np.float32), atol=atol)
     assert 0 < kept < proposed, (name, kept, proposed)  # took some, refused some
+    assert model.speculation_costs.decode_s > 0  # measured on the lookup turns' decode calls
 
 
 def test_batched_rows_equal_solo(exports):
@@ -294,6 +295,24 @@ def test_lookup_adapts_and_pauses():
     assert spec.backoff == MAX_PAUSE  # doubling, capped
     spec.update(1, 1)
     assert spec.backoff == 1 and spec.misses == 0
+
+
+def test_steps_that_cost_more_than_they_make_pause():
+    """A verify that took proposals but cost more than decoding its tokens would (int4 weights on
+    this CPU: ~0.45 of a decode step per row verified) pauses proposing as a miss does; one that
+    pays keeps it going; unmeasured, only misses pause."""
+    costs = Costs()
+    costs.decoded(0.010)
+    spec = Lookup(costs=costs)
+    spec.update(4, 3, seconds=0.020)  # 4 tokens in 2 decode calls' time
+    assert spec.pause == 0 and spec.worth == pytest.approx(1.3)
+    spec.update(4, 1, seconds=0.040)  # 2 tokens in 4 calls' time: the average is still above 1
+    assert spec.pause == 0
+    spec.update(4, 1, seconds=0.040)
+    assert spec.worth < 1 and spec.pause == 1 and spec.backoff == 2
+    unmeasured = Lookup()
+    unmeasured.update(4, 1, seconds=0.040)
+    assert unmeasured.pause == 0 and unmeasured.worth == 1.0
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:

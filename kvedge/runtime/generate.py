@@ -315,6 +315,7 @@ class Turn:
     eos_ids: tuple[int, ...]
     matcher: Matcher | None = None  # the constraint's grammar state, if the turn has one
     speculator: Adaptive | None = None  # speculative decoding's proposals (kvedge.runtime.speculate)
+    propose_s: float = 0.0  # seconds the last proposals took (a draft model's steps)
     started: float = field(default_factory=time.perf_counter)
     written: list[int] = field(default_factory=list)  # tokens this turn appended to the slot
     pending: int | None = None
@@ -356,15 +357,18 @@ class Turn:
         if self.speculator is None or self.pending is None:
             return []
         room = min(cache.room(self.slot) - 2, self.config.max_new_tokens - self.produced - 1)
+        started = time.perf_counter()
         draft = self.speculator.propose([*self.seen, self.pending], room)
+        self.propose_s = time.perf_counter() - started
         if draft and self.matcher is not None:
             draft = draft[: self.matcher.allowed_prefix(draft)]
         return draft
 
-    def take_verified(self, rows: np.ndarray, draft: list[int]) -> tuple[list[Event], int]:
+    def take_verified(self, rows: np.ndarray, draft: list[int], seconds: float) -> tuple[list[Event], int]:
         """Sample from `rows` [len(draft) + 1, vocab], the logits after the pending token and after
-        each proposal, one row at a time as decode steps would, while the token sampled is the
-        next proposal. Returns the events and how many of pending + draft the slot keeps."""
+        each proposal (a verify call of `seconds`), one row at a time as decode steps would, while
+        the token sampled is the next proposal. Returns the events and how many of pending +
+        draft the slot keeps."""
         events: list[Event] = []
         for i, row in enumerate(rows):
             self.wrote_pending()  # the verify call wrote it; the caller makes it valid
@@ -372,7 +376,8 @@ class Turn:
             if self.done or i == len(draft) or events[-1].token != draft[i]:
                 break
         assert self.speculator is not None
-        self.speculator.update(len(draft), sum(e.token == d for e, d in zip(events, draft, strict=False)))
+        taken = sum(e.token == d for e, d in zip(events, draft, strict=False))
+        self.speculator.update(len(draft), taken, self.propose_s + seconds)
         self.speculator.kept(len(events) - 1)  # the pending token and these proposals stay
         return events, len(events)
 
@@ -481,13 +486,18 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     for first, count in ranges:
         rows = [by_slot.get(slot) for slot in range(first, first + count)]
         try:
+            started = time.perf_counter()
             logits = decode_one_token(backend, cache, first, [None if t is None else t.pending for t in rows])
+            spent = time.perf_counter() - started
         except Exception as exc:
             for turn in rows:
                 if turn is not None:
                     result.events[turn] = turn.finish("error", error=exc)
             continue
         result.decode_calls.append((count - rows.count(None), rows.count(None)))
+        measured = {id(t.speculator.costs): t.speculator.costs for t in rows if t and t.speculator}
+        for costs in measured.values():  # what the rows' speculative steps are weighed against
+            costs.decoded(spent)
         for turn, row in zip(rows, logits, strict=True):  # [vocab] each
             if turn is not None:
                 turn.wrote_pending()
@@ -503,8 +513,9 @@ def speculate_turn(
     rejected ones' K/V are never made valid (kvedge.runtime.speculate, "roll back")."""
     tokens = [turn.pending, *draft]
     try:
+        started = time.perf_counter()
         out, input_ids = verify(backend, cache, turn.slot, tokens)
-        events, keep = turn.take_verified(out.logits[0], draft)
+        events, keep = turn.take_verified(out.logits[0], draft, time.perf_counter() - started)
         _keep(cache, out, [turn.slot], input_ids, [keep])
     except Exception as exc:
         result.events[turn] = turn.finish("error", error=exc)

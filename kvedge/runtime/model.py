@@ -37,7 +37,7 @@ from kvedge.runtime.memory import check_kv_memory
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
-from kvedge.runtime.speculate import DRAFT, Adaptive, Lookup, draft_folder
+from kvedge.runtime.speculate import DRAFT, Adaptive, Costs, Lookup, draft_folder
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
 
@@ -99,6 +99,8 @@ class Model:
         self.device = device
         self.threads = threads
         self.draft: Draft | None = None  # `load_draft`: proposals for speculate="draft"
+        # decode calls' seconds, what its turns' speculative steps are weighed against
+        self.speculation_costs = Costs()
         self.backend: Backend = open_backend(
             self.folder,
             self.manifest,
@@ -333,7 +335,7 @@ class Model:
                 log.warning("%s", refusal)
             return None
         if config.speculate == "lookup":
-            return Lookup()
+            return Lookup(costs=self.speculation_costs)
         folder = draft_folder(config.speculate)
         if folder is not None and (self.draft is None or Path(folder).resolve() != self.draft.folder):
             self.load_draft(folder)
@@ -341,7 +343,7 @@ class Model:
             raise KvedgeError(
                 f"speculate={DRAFT!r} needs a loaded draft model (Model.load_draft, or speculate='draft:DIR')"
             )
-        return DraftProposer(draft=self.draft, slot=slot)
+        return DraftProposer(draft=self.draft, slot=slot, costs=self.speculation_costs)
 
     def step(self, turns: Sequence[Turn], batch: bool = True) -> StepResult:
         """Advance each turn by one step (`step_turns`; `batch`: decode contiguous slots in one

@@ -26,6 +26,12 @@ is taken and falls to one more than was taken otherwise; after a verify that too
 (`MISSES`), proposing pauses for a number of steps that doubles each time (up to `MAX_PAUSE`), so
 a conversation that does not repeat itself decodes as without speculation, but for the lookup
 itself (microseconds; a draft catches up on the tokens it missed in one call when it resumes).
+A verify that took something but cost more than it made pauses too: each speculative step's
+worth is the tokens it made times a decode call's seconds (`Costs`, measured on the model's own
+decode calls) over its seconds (proposing and verifying); while the running average (`worth`)
+is below 1, speculating is slower than decoding and it pauses as after a miss. Where a verify
+costs nearly a decode step per row (int4 weights on a CPU without AVX-512), partial takes do not
+pay; where it costs little more than one step (float weights, a GPU), they do.
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
 model with the same tokenizer decoding greedily: a point mass too, so `accept` stays exact).
@@ -34,7 +40,7 @@ model with the same tokenizer decoding greedily: a point mass too, so `accept` s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,6 +59,8 @@ FIRST_DRAFT = 4
 MIN_NGRAM, MAX_NGRAM = 3, 5
 MISSES = 1  # verifies in a row that took nothing before lookup pauses
 MAX_PAUSE = 64  # steps
+WORTH_WEIGHT = 0.3  # of the latest speculative step in the running average of steps' worth
+DECODE_WEIGHT = 0.2  # of the latest decode call in the running average of its seconds
 
 
 def is_mode(mode: object) -> bool:
@@ -103,6 +111,19 @@ def accept(probs: np.ndarray, proposal: int, rng: np.random.Generator) -> int:
 
 
 @dataclass
+class Costs:
+    """A model's decode call seconds (a running average), measured on its own decode calls and
+    shared by its turns' proposers: what a speculative step is weighed against."""
+
+    decode_s: float | None = None
+
+    def decoded(self, seconds: float) -> None:
+        """A decode call took `seconds`."""
+        last = self.decode_s
+        self.decode_s = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
+
+
+@dataclass
 class Adaptive:
     """One turn's proposer state: how many to propose next, and counts for reports. Subclasses
     say what to propose (`proposals`)."""
@@ -114,6 +135,8 @@ class Adaptive:
     verifies: int = 0
     proposed: int = 0
     accepted: int = 0
+    costs: Costs = field(default_factory=Costs)
+    worth: float = 1.0  # running average of speculative steps' tokens made per decode call's time
 
     def propose(self, history: Sequence[int], room: int) -> list[int]:
         """Proposals to follow `history` (the conversation and the reply, the pending token
@@ -133,8 +156,9 @@ class Adaptive:
         """The target's slot kept the first `proposals` proposals of the last verify (those taken,
         but a reply's last token, which is never written). Nothing to do for prompt lookup."""
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """A verify of `proposed` tokens took `accepted` of them."""
+    def update(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """A verify of `proposed` tokens took `accepted` of them; the step (proposing and
+        verifying) took `seconds`, if measured."""
         self.verifies += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -142,7 +166,9 @@ class Adaptive:
             self.k = min(MAX_DRAFT, self.k + 2)
         else:
             self.k = max(1, accepted + 1)
-        if accepted:
+        if seconds and self.costs.decode_s:  # the pending token and those taken, in decode calls' time
+            self.worth += WORTH_WEIGHT * ((accepted + 1) * self.costs.decode_s / seconds - self.worth)
+        if accepted and self.worth >= 1.0:
             self.misses, self.backoff = 0, 1
             return
         self.misses += 1
