@@ -829,3 +829,19 @@ def test_memory_check_counts_the_prefix_store(artifact):
         None, {"model": artifact, "slots": 2, "memory_budget": need + store, "prefix_cache_bytes": store}
     )
     assert check_memory(roomy) == need + store
+
+
+def test_memory_check_counts_the_draft_model(artifact):
+    """A draft model (`speculate: draft:DIR`) is loaded at start-up with a slot per service slot:
+    its weights and pool count against the budget beside the model's. The export as its own
+    draft needs exactly as much again."""
+    alone = load_service_config(None, {"model": artifact, "slots": 2, "memory_budget": 1 << 40})
+    need = check_memory(alone)
+    drafted = {"model": artifact, "slots": 2, "speculate": f"draft:{artifact}"}
+    assert check_memory(load_service_config(None, {**drafted, "memory_budget": 1 << 40})) == 2 * need
+    assert check_memory(load_service_config(None, {**drafted, "memory_budget": 2 * need})) == 2 * need
+    over = r"need .* \(the budget left beside the draft model .* with its 2 slots"
+    with pytest.raises(KvedgeError, match=over):
+        check_memory(load_service_config(None, {**drafted, "memory_budget": 2 * need - 1}))
+    with pytest.raises(KvedgeError, match="the draft model .* leave nothing of the memory budget"):
+        check_memory(load_service_config(None, {**drafted, "memory_budget": need}))

@@ -18,6 +18,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
+from kvedge.files import human
 from kvedge.runtime.model import Model
 from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
@@ -74,18 +75,33 @@ def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
 
 
 def check_memory(config: ServiceConfig) -> int:
-    """Refuse at start-up a config whose slots do not fit the memory budget (the planner's figure)."""
-    from kvedge.planner import check_fits, live_budget
+    """Refuse at start-up a config whose slots do not fit the memory budget (the planner's figure):
+    the model's weights and slots, the run-time prefix store (allocated in full at start-up) and
+    a draft model's weights and slots (`speculate: draft:DIR`, loaded at start-up too)."""
+    from kvedge.planner import check_fits, estimate, footprint, live_budget
 
     budget = config.memory_budget or live_budget().usable
-    if config.prefix_cache_bytes >= budget:
+    draft = draft_folder(config.speculate)
+    beside, besides = config.prefix_cache_bytes, []
+    if config.prefix_cache_bytes:
+        besides.append(f"prefix_cache_bytes {config.prefix_cache_bytes}")
+    if draft is not None:
+        fp = footprint(Path(draft))
+        draft_bytes = estimate(fp, config.slots, fp.geometry.max_len, device=config.device).total
+        beside += draft_bytes
+        besides.append(f"the draft model {draft} ({human(draft_bytes)} with its {config.slots} slots)")
+    if beside >= budget:
         raise KvedgeError(
-            f"prefix_cache_bytes {config.prefix_cache_bytes} leaves nothing of the memory budget "
-            f"({budget} bytes) for the model and its slots"
+            f"{' and '.join(besides)} leave nothing of the memory budget ({budget} bytes) for the model "
+            "and its slots"
         )
-    # the run-time prefix store is allocated in full at start-up, beside the slots
-    fits = check_fits(config.model, config.slots, budget - config.prefix_cache_bytes, device=config.device)
-    return fits.total + config.prefix_cache_bytes
+    try:
+        fits = check_fits(config.model, config.slots, budget - beside, device=config.device)
+    except KvedgeError as exc:
+        if not besides:
+            raise
+        raise KvedgeError(f"{exc} (the budget left beside {' and '.join(besides)})") from None
+    return fits.total + beside
 
 
 def load_model(config: ServiceConfig, slots: int) -> Model:
