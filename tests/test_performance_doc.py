@@ -65,6 +65,7 @@ SERVE_COLUMNS: dict[str, Callable[[dict, str], float]] = {
 SPECULATE_COLUMNS = {
     "plain tok/s": lambda f: f["plain_tokens_per_s"],
     "lookup tok/s": lambda f: f["lookup_tokens_per_s"],
+    "draft tok/s": lambda f: f["draft_tokens_per_s"],
     "ratio": lambda f: f["speedup"],
     "tokens / call": lambda f: f["tokens_per_call"],
     "proposals taken": lambda f: 100 * f["taken_share"],
