@@ -354,33 +354,36 @@ def lookup_bait(model: Model, base: list[int]) -> list[int]:
     return ids
 
 
-def test_sampled_distribution_preserved(exports):
-    """The first three sampled tokens of a reply (top-k 3: 27 outcomes), with speculation, follow
-    the model's exact distribution, computed from its teacher-forced logits: chi-square at
-    p = 0.001 over 1500 replies, in which proposals are both taken and refused."""
-    config = SamplingConfig(max_new_tokens=3, temperature=1.5, top_k=3, speculate="lookup")
-    with Model(exports("portable-f32"), slots=1) as model:
-        ids = lookup_bait(model, random_ids(20, seed=4))
-        exact: dict[tuple[int, ...], float] = {(): 1.0}
-        for _ in range(3):
-            grown = {}
-            for prefix, p in exact.items():
-                logits = model.prepare(0, ids + list(prefix))
-                dist = _distribution(logits.astype(np.float64), config)
-                for t in np.flatnonzero(dist):
-                    grown[(*prefix, int(t))] = p * dist[t]
-            exact = grown
-        counts = dict.fromkeys(exact, 0)
-        taken = refused = 0
-        for seed in range(1500):
-            tokens, _, verifies = run_turn(model, 0, ids, SamplingConfig(**{**config.__dict__, "seed": seed}))
-            counts[tuple(tokens)] += 1
-            taken += sum(k - 1 for _, k in verifies)
-            refused += sum(p - (k - 1) for p, k in verifies)
+def assert_sampled_distribution(model: Model, ids: list[int], config: SamplingConfig, replies: int = 1500):
+    """The first three sampled tokens of `replies` replies to `ids` (`config`: 3 tokens, top-k 3:
+    27 outcomes), with speculation, follow the model's exact distribution, computed from its
+    teacher-forced logits: chi-square at p = 0.001; proposals were both taken and refused."""
+    exact: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(3):
+        grown = {}
+        for prefix, p in exact.items():
+            dist = _distribution(model.prepare(0, ids + list(prefix)).astype(np.float64), config)
+            for t in np.flatnonzero(dist):
+                grown[(*prefix, int(t))] = p * dist[t]
+        exact = grown
+    counts = dict.fromkeys(exact, 0)
+    taken = refused = 0
+    for seed in range(replies):
+        tokens, _, verifies = run_turn(model, 0, ids, SamplingConfig(**{**config.__dict__, "seed": seed}))
+        counts[tuple(tokens)] += 1
+        taken += sum(k - 1 for _, k in verifies)
+        refused += sum(p - (k - 1) for p, k in verifies)
     assert taken > 50 and refused > 50, (taken, refused)
-    expected = np.array([exact[k] for k in counts]) * 1500
+    expected = np.array([exact[k] for k in counts]) * replies
     observed = np.array(list(counts.values()))
     assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(len(counts) - 1)
+
+
+def test_sampled_distribution_preserved(exports):
+    """Lookup's proposals keep sampled replies in distribution (`assert_sampled_distribution`)."""
+    config = SamplingConfig(max_new_tokens=3, temperature=1.5, top_k=3, speculate="lookup")
+    with Model(exports("portable-f32"), slots=1) as model:
+        assert_sampled_distribution(model, lookup_bait(model, random_ids(20, seed=4)), config)
 
 
 def test_service_request_field_overrides_config():
