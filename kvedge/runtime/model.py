@@ -98,6 +98,7 @@ class Model:
         ranges = min(64, max(8, slots * (slots + 1) // 2))
         self.device = device
         self.threads = threads
+        self.kv_memory = kv_memory
         self.draft: Draft | None = None  # `load_draft`: proposals for speculate="draft"
         # decode calls' seconds, what its turns' speculative steps are weighed against
         self.speculation_costs = Costs()
@@ -306,13 +307,15 @@ class Model:
         return self.backend.verify_refusal()
 
     def load_draft(self, folder: str | Path) -> Draft:
-        """Load the export in `folder` as this model's draft (speculate="draft"): the same device
-        and threads, one slot per slot of this model, its tokenizer checked against this one's.
-        A draft loaded before is closed first."""
+        """Load the export in `folder` as this model's draft (speculate="draft"): the same device,
+        threads and cache memory, one slot per slot of this model, its tokenizer checked against
+        this one's. A draft loaded before is closed first."""
         if self.draft is not None:
             self.draft.close()
             self.draft = None
-        draft_model = Model(folder, slots=self.slots, threads=self.threads, device=self.device)
+        draft_model = Model(
+            folder, slots=self.slots, threads=self.threads, device=self.device, kv_memory=self.kv_memory
+        )
         try:
             check_same_tokenizer(self, draft_model)
         except BaseException:
