@@ -282,9 +282,12 @@ def test_lookup_takes_longest_latest_match():
 
 def test_lookup_adapts_and_pauses():
     spec = Lookup()
-    spec.update(4, 4)
-    assert spec.k == 6
-    spec.update(6, 2)
+    assert spec.propose([1, 2, 3, 1, 2, 3, 1, 2], 8) == [3]  # a reply's first probe: one token
+    spec.update(1, 1)
+    assert spec.k == 3
+    spec.update(3, 3)
+    assert spec.k == 5
+    spec.update(5, 2)
     assert spec.k == 3
     for _ in range(MISSES):
         spec.update(3, 0)

@@ -127,6 +127,22 @@ def test_draft_equal_to_target_is_always_right_across_chat_turns(folders):
             assert_draft_in_step(model, 1)
 
 
+def test_draft_prefill_of_the_prompt_is_not_weighed_as_a_step(folders):
+    """The draft's first proposal of a turn prefills the turn's prompt in its slot: that is the
+    prompt's cost, left out of the step's time the cost gate weighs (`unweighed_s`); the turn's
+    later proposals are all the step's."""
+    with Model(folders["target"], slots=1) as model:
+        model.load_draft(folders["target"])
+        turn = model.begin(0, PROMPTS[1], greedy(16, "draft"))
+        unweighed = []
+        while not turn.done:
+            result = model.step([turn])
+            if result.verify_calls:
+                unweighed.append(turn.speculator.unweighed_s)
+                assert turn.propose_s >= 0
+        assert len(unweighed) > 1 and unweighed[0] > 0 and not any(unweighed[1:]), unweighed
+
+
 def test_batched_rows_equal_solo(folders):
     prompts = [PROMPTS[0], random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
     with Model(folders["target"], slots=3) as model:

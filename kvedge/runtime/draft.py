@@ -26,6 +26,7 @@ start of a turn the draft slot starts over instead (a prefill, as the target's o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from kvedge.runtime.speculate import Adaptive
 log = logging.getLogger(__name__)
 
 
-class Model(Protocol):
+class LoadedModel(Protocol):
     """What a draft (and the tokenizer check) uses of a `kvedge.runtime.model.Model`, which
     imports this module."""
 
@@ -62,7 +63,7 @@ def tokenizer_fingerprint(folder: Path, manifest: Manifest) -> str:
     return f"{sha256_files([folder / TOKENIZER_FILE])[:16]}/vocab {manifest.vocab_size}"
 
 
-def check_same_tokenizer(target: Model, draft: Model) -> None:
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft whose token ids mean something else than the target's."""
     mine = tokenizer_fingerprint(target.folder, target.manifest)
     theirs = tokenizer_fingerprint(draft.folder, draft.manifest)
@@ -75,12 +76,13 @@ def check_same_tokenizer(target: Model, draft: Model) -> None:
 
 
 class Draft:
-    """A loaded draft model (a `Model` with one slot per target slot) and how to keep its slots in
-    step with the target's."""
+    """A loaded draft model (a `kvedge.runtime.model.Model` with one slot per target slot) and
+    how to keep its slots in step with the target's."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: LoadedModel) -> None:
         self.model = model
         self.folder = model.folder.resolve()
+        self.sync_s = 0.0  # seconds the last `sync` took
 
     @property
     def max_len(self) -> int:
@@ -100,7 +102,10 @@ class Draft:
                 return None
             keep = 0
         cache.truncate(slot, keep)
-        return prefill(backend, cache, slot, [list(context[keep:])])[0]
+        started = time.perf_counter()
+        logits = prefill(backend, cache, slot, [list(context[keep:])])[0]
+        self.sync_s = time.perf_counter() - started
+        return logits
 
     def propose(self, slot: int, context: Sequence[int], k: int, restart: bool) -> list[int] | None:
         """k greedy tokens after `context` (the slot then holds context + the first k - 1 of
@@ -143,6 +148,8 @@ class DraftProposer(Adaptive):
         if self.off or len(history) > self.draft.max_len:
             return []
         tokens = self.draft.propose(self.slot, history, k, restart=not self.started)
+        if not self.started:  # the draft prefilled the turn's prompt: the prompt's cost
+            self.unweighed_s = self.draft.sync_s
         self.started = True
         if tokens is None:
             self._turn_off("its ring layers cannot rewind that far")

@@ -359,7 +359,7 @@ class Turn:
         room = min(cache.room(self.slot) - 2, self.config.max_new_tokens - self.produced - 1)
         started = time.perf_counter()
         draft = self.speculator.propose([*self.seen, self.pending], room)
-        self.propose_s = time.perf_counter() - started
+        self.propose_s = time.perf_counter() - started - self.speculator.unweighed_s
         if draft and self.matcher is not None:
             draft = draft[: self.matcher.allowed_prefix(draft)]
         return draft
