@@ -22,7 +22,7 @@ import kvedge
 from kvedge.bench import BenchConfig, cpu_flags, run_benchmark, thread_groups
 from kvedge.bench.measure import copy_bandwidth, kl_and_top1, onnx_weight_bytes_per_token
 from kvedge.bench.prepare import KvedgeBuild, Workdir, export_code_file, export_code_fingerprint
-from kvedge.bench.report import evaluate_targets, speedup, warm_targets
+from kvedge.bench.report import evaluate_targets, speculation_targets, speedup, warm_targets
 from kvedge.bench.systems import SystemSpec
 from kvedge.bench.warm import TURNS, sized_text
 from kvedge.contract import Manifest
@@ -173,6 +173,22 @@ def test_warm_targets_are_judged_at_their_bounds():
     assert rows[3]["note"] == "full re-prefill 9.0x; conversation 40->320 tokens, new 33, 33"
 
 
+def test_speculation_targets_are_judged_at_their_bounds_and_on_equal_greedy_replies():
+    def figures(speedup: float, equal: bool = True) -> dict:
+        return {"speedup": speedup, "tokens_per_call": 2.5, "taken_share": 0.75, "greedy_equal": equal}
+
+    rows = speculation_targets(
+        {
+            "a": {"a-quote": figures(1.6), "b-rewrite": figures(1.59), "c-chat": figures(0.97)},
+            "a + draft b": {"a-quote": figures(2.0, equal=False), "c-chat": figures(0.969)},
+        }
+    )
+    assert [row["met"] for row in rows] == [True, False, True, False, False]
+    assert [row["goal"] for row in rows] == [">= 1.6", ">= 1.6", ">= 0.97", ">= 1.6", ">= 0.97"]
+    assert rows[3]["target"] == "speculation: a + draft b, a-quote, with / without"
+    assert rows[0]["note"] == "2.50 tokens/call, 75% of proposals taken, greedy equal: True"
+
+
 def test_sized_text_is_the_shortest_run_of_words_reaching_the_count(tiny_llama):
     tokenizer = ChatTokenizer(tiny_llama.out, Manifest.load(tiny_llama.out))
     text = sized_text(tokenizer, "Jetson Orin boards share memory between the CPU and the GPU.", 50)
@@ -197,6 +213,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
         peers=("transformers",),
         decode_contexts=(8, 32),
         allocation_steps=30,
+        speculation_draft=("portable:float32", "ort:int4"),
     )
     lines: list[str] = []
     results = run_benchmark(config, echo=lines.append)
@@ -216,6 +233,10 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     speculation = data["speculation"]["kvedge portable float32"]  # SPECULATION_SYSTEMS measured
     assert set(speculation) == {"a-quote", "b-rewrite", "c-chat"}
     assert all(w["greedy_equal"] for w in speculation.values())
+    drafted = data["speculation"]["kvedge portable float32 + draft kvedge ort int4"]
+    assert set(drafted) == {"a-quote", "b-rewrite", "c-chat"}
+    assert all(w["greedy_equal"] and w["draft_tokens_per_s"] > 0 for w in drafted.values())
+    assert sum(t["target"].startswith("speculation:") for t in results.targets) == 6
     assert data["allocation"]["kvedge ort int4"]["steps"] == 27
     assert any("transformers eager" in line for line in lines)
 

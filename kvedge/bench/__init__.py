@@ -90,6 +90,8 @@ DEFAULT_KVEDGE = (
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
 # the kvedge systems speculative decoding is measured on (issue 26's two)
 SPECULATION_SYSTEMS = ("ort:int4:int8", "portable:float32")
+# (target, draft): a draft model proposing for the target, both systems of the run
+SPECULATION_DRAFT = ("portable:float32", "ort:int4:int8")
 WARM = ("all", "first", "none")  # which kvedge systems get the warm-prefix section
 QUALITY_PROMPTS = (
     "The history of the Roman Empire spans more than a thousand years, from the founding of the city",
@@ -136,6 +138,8 @@ class BenchConfig:
     warm: str = "all"  # warm prefixes and multi-turn reuse for kvedge systems: one of WARM
     # speculative decoding against plain, on these kvedge systems where measured (`kvedge.bench.speculate`)
     speculation: tuple[str, ...] = SPECULATION_SYSTEMS
+    # a draft model against plain: (target system, draft system) where both are measured; None: off
+    speculation_draft: tuple[str, str] | None = SPECULATION_DRAFT
     debug_crashing_peer: bool = False  # tests only: add a peer whose process segfaults in decode
     seed: int = 0
     command: str = ""  # recorded in the JSON
@@ -195,7 +199,7 @@ class Results:
     memory: dict[str, float] = field(default_factory=dict)
     allocation: dict[str, dict[str, float]] = field(default_factory=dict)
     warm: dict[str, dict[str, Any]] = field(default_factory=dict)  # system -> `measure_warm` figures
-    # system -> workload -> `measure_speculation` figures
+    # system (or "<target> + draft <draft>") -> workload -> `measure_speculation` figures
     speculation: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     crashed: dict[str, str] = field(default_factory=dict)  # system -> the case and how its process died
@@ -391,6 +395,13 @@ def _measure_fresh(
         if spec.extra.get("system") in config.speculation:
             echo(f"speculative decoding (prompt lookup) against plain: {spec.name}")
             results.speculation[spec.name] = measure_speculation(spec.path, threads, config.rounds, echo=echo)
+    by_system = {spec.extra.get("system"): spec for spec in warm}
+    target, draft = (by_system.get(s) for s in config.speculation_draft or (None, None))
+    if target and draft:
+        echo(f"speculative decoding (draft model {draft.name}) against plain: {target.name}")
+        results.speculation[f"{target.name} + draft {draft.name}"] = measure_speculation(
+            target.path, threads, config.rounds, echo=echo, draft=draft.path
+        )
     if config.memory:
         echo("peak RSS: one fresh process per system")
         for spec in first:

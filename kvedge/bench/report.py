@@ -23,6 +23,13 @@ Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measur
                       + 20-token user message                                            >= 10
     long TTFT         the same for a 2048-token prompt                                   report
 
+Speculative decoding (issue 26; method in `kvedge.bench.speculate`), per kvedge system measured
+with prompt lookup and with a draft model: tokens/s with speculation / without, greedy replies
+equal to plain decoding's (met only when they are)
+
+    a quote / b rewrite   a reply quoting or rewriting its prompt                      >= 1.6
+    c chat                open chat: never slower than without                         >= 0.97
+
 Other thread counts: each system at the count vs at the first, prefill at the longest prompt
 and decode at the longest context                                                        report
     warm start-up     recomputing 4 warm prefixes / loading + verifying their files      >= 20
@@ -68,6 +75,7 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
         *_int8_cache_rows(results, kvedge, contexts),
         *_llama_prefill_rows(results, specs, kvedge, lengths),
         *warm_targets(results.warm),
+        *speculation_targets(results.speculation),
         *_thread_rows(results, again, contexts, lengths),
     ]
 
@@ -298,6 +306,30 @@ def warm_targets(warm: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 f"new {first['new_tokens']}, {last['new_tokens']}",
             )
         )
+    return rows
+
+
+SPECULATION_GOALS = {"a-quote": 1.6, "b-rewrite": 1.6, "c-chat": 0.97}  # tokens/s ratio
+
+
+def speculation_targets(speculation: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Target rows of the speculation section, from `kvedge.bench.speculate.measure_speculation`
+    figures per system (or target + draft) and workload."""
+    rows: list[dict[str, Any]] = []
+    for name, workloads in speculation.items():
+        for workload, f in workloads.items():
+            goal = SPECULATION_GOALS.get(workload)
+            met = None if goal is None else f["speedup"] >= goal and f["greedy_equal"]
+            rows.append(
+                _target(
+                    f"speculation: {name}, {workload}, with / without",
+                    f["speedup"],
+                    "report" if goal is None else f">= {goal}",
+                    met,
+                    f"{f['tokens_per_call']:.2f} tokens/call, {100 * f['taken_share']:.0f}% of "
+                    f"proposals taken, greedy equal: {f['greedy_equal']}",
+                )
+            )
     return rows
 
 
