@@ -416,3 +416,23 @@ def test_s8_to_u8_rewrite_disabled_only_where_it_breaks_loading(exports):
     assert disabled_optimizers(Manifest.load(exports("portable-int4-int8"))) == ["QDQS8ToU8Transformer"]
     for name in ("portable-f32", "portable-int8", "ort-int8"):
         assert disabled_optimizers(Manifest.load(exports(name))) == []
+
+
+def test_device_check_runs_on_the_cpu(exports):
+    """device_tests/speculation.py's check (run there on TensorRT and onnxruntime CUDA), run here
+    on the CPU backend: what it calls exists and works as it expects, so a first run on a GPU
+    can fail only on what the GPU computes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "device_tests" / "speculation.py"
+    spec = importlib.util.spec_from_file_location("device_speculation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    figures: dict[str, object] = {}
+    with Model(exports("portable-f32"), slots=2) as model:
+        module.check_speculation(model, figures.__setitem__, "cpu", n=24)
+    assert figures["cpu.speculate_first_difference"] is None
+    verifies, proposed, kept = figures["cpu.speculate_verifies_proposed_kept"]
+    assert verifies > 0 and 0 < kept <= proposed
+    assert figures["cpu.plain_tokens_per_s"] > 0 and figures["cpu.speculate_ratio"] > 0
