@@ -75,6 +75,7 @@ INSTALL_ONNXRUNTIME_GPU = (
     "NVIDIA's Jetson build, docs/JETSON.md)"
 )
 MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
+MAX_PLANS = 64  # binding plans kept by call shape (phase, batch, seq, rows); beyond, start over
 # the cache dtype of the one in-place export onnxruntime's CUDA provider runs (`cuda_refusal`)
 CUDA_IN_PLACE_KV_DTYPE = "float16"
 # the oldest onnxruntime the cuda backend opens with (`onnxruntime_cuda_refusal`)
@@ -301,6 +302,7 @@ class OrtBackend:
         self._outputs = manifest.graph_outputs()
         self._decode_bindings: dict[tuple, _DecodeBinding] = {}
         self.max_decode_bindings = max_decode_bindings
+        self._plans: dict[tuple, tuple[Bound, ...]] = {}  # `_plan`'s, by call shape
 
     def _check_io(self) -> None:
         """Refuse a graph whose inputs or outputs differ from the manifest's `graph_inputs()` /
@@ -325,6 +327,17 @@ class OrtBackend:
                         f"graph {kind} {spec.name}: the manifest says {spec.describe()}, the graph has "
                         f"{graph}; re-export the model"
                     )
+
+    def _plan(self, phase: str, batch: int, seq: int = 1, rows: int = 1) -> tuple[Bound, ...]:
+        """`binding_plan` of this backend's graph and provider, made once per call shape: a
+        verify's or a prefill's binding otherwise spent milliseconds of Python on it per call."""
+        key = (phase, batch, seq, rows)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = binding_plan(self.manifest, self.provider, phase, batch, seq, rows)
+        return plan
 
     def _step_inputs(self, input_ids, position_ids, past_lengths, last_index) -> list[tuple[str, np.ndarray]]:
         """(name, value) of the graph's per-call inputs; which exist is `Manifest.graph_inputs`'s call."""
@@ -417,7 +430,7 @@ class OrtBackend:
     def _make_decode_binding(self, past: list[tuple[np.ndarray, ...]]) -> _DecodeBinding:
         names, g = self.manifest.names, self.manifest.geometry
         batch = past[0][0].shape[0]
-        plan = binding_plan(self.manifest, self.provider, "decode", batch)
+        plan = self._plan("decode", batch)
         arrays = self._pool_arrays(past)
         owned = {bound.name: self._step_buffer(bound) for bound in plan if bound.buffer == STEP}
         arrays.update(owned)
@@ -483,7 +496,7 @@ class OrtBackend:
                 f"{array.flags.c_contiguous}) cannot be bound in place as {list(bound.shape)} {bound.dtype}"
             )
         if bound.device == "cpu":
-            address = array.ctypes.data
+            address = data_address(array)  # not array.ctypes.data: a ctypes object per call
         else:
             address = self.host.device_address(array)
             check_alignment(bound.name, address, array if bound.buffer == POOL else None)
@@ -519,7 +532,7 @@ class OrtBackend:
 
     def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
         rows = last_index.size // len(last_index)
-        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape, rows)
+        plan = self._plan("prefill", *input_ids.shape, rows)
         arrays = dict(self._step_inputs(input_ids, position_ids, past_lengths, last_index))
         arrays.update(self._pool_arrays(past))
         binding = self.session.io_binding()
@@ -534,7 +547,7 @@ class OrtBackend:
         """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
         names = self.manifest.names
         rows = last_index.size // len(last_index)
-        plan = binding_plan(self.manifest, self.provider, "prefill", *input_ids.shape, rows)
+        plan = self._plan("prefill", *input_ids.shape, rows)
         arrays = dict(self._step_inputs(input_ids, None, past_lengths, last_index))
         arrays.update(self._pool_arrays(past))
         logits = arrays[names.logits] = np.empty(self._outputs[0].shape(*input_ids.shape, rows), np.float32)
