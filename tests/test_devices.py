@@ -31,7 +31,7 @@ from kvedge.runtime.backend import (
     cuda_refusal,
     onnxruntime_cuda_refusal,
 )
-from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.generate import decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
 
 
@@ -159,6 +159,26 @@ def test_bench_and_plan_take_the_device(tiny_llama):
     assert gpu.runtime == OVERHEADS["tensorrt"].runtime_bytes
 
 
+def test_short_calls_keep_their_binding_and_rewrite_its_values(tiny_llama):
+    """In-place graphs keep the binding of a call of up to VERIFY_TOKENS tokens (a verify, a
+    draft's catch-up) per shape and slot, as decode's: later calls of that shape, with other
+    tokens at another past length, give the logits decode steps give for those tokens (to
+    1e-4: a float cache's attention adds up one row and several differently, ~1e-6)."""
+    model = tiny_llama.model(slots=2)
+    backend, cache = model.backend, model.cache
+    ids = random_ids(24, seed=5)
+    prefill(backend, cache, 1, [ids[:12]])
+    for past in (12, 14, 13):  # the same shape each time: 5 tokens, logits at each
+        cache.truncate(1, 12)
+        if past > 12:
+            prefill(backend, cache, 1, [ids[12:past]])
+        rows = verify(backend, cache, 1, ids[past : past + 5])[0].logits[0]
+        if model.manifest.in_place:  # one binding for the 5-token calls (and one per prefill shape)
+            assert [key[:3] for key in backend._short_bindings].count((1, 5, 5)) == 1
+        steps = [decode_one_token(backend, cache, 1, [token])[0] for token in ids[past : past + 5]]
+        np.testing.assert_allclose(rows, np.stack(steps), atol=1e-4, rtol=0)
+
+
 def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_llama):
     """For provider "cuda" (no GPU needed: the plan is pure): decode binds every past/present
     tensor to the pool on the device and everything else to step buffers on the device, so
@@ -206,10 +226,16 @@ def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_ll
     longer = [b for b in binding_plan(manifest, "cuda", "prefill", 1, seq=16) if b.buffer == CALL]
     for short, long in zip(calls, longer, strict=True):  # per call: follows the prompt, never the context
         assert long.nbytes in (short.nbytes, 2 * short.nbytes) and short.nbytes < slot_bytes, short
+    # a verify's (kept, as decode's): every buffer on the device, the per-call ones verify-sized
+    verify = binding_plan(manifest, "cuda", "verify", 1, seq=5, rows=5)
+    assert {b.device for b in verify} == {"cuda"} and CALL not in {b.buffer for b in verify}
+    assert [b for b in verify if b.buffer == POOL] == [b for b in prefill if b.buffer == POOL]
+    assert {b.name: b.shape for b in verify}[names.input_ids] == (1, 5)
+    assert {b.name: b.shape for b in verify}[names.logits][:2] == (1, 5)
     with pytest.raises(
-        KvedgeError, match=r"binding phase 'verify' is unknown; allowed: \['decode', 'prefill'\]"
+        KvedgeError, match=r"binding phase 'chunk' is unknown; allowed: \['decode', 'prefill', 'verify'\]"
     ):
-        binding_plan(manifest, "cuda", "verify", 1)
+        binding_plan(manifest, "cuda", "chunk", 1)
 
 
 def test_cuda_graph_refusals(tiny_llama):
