@@ -75,6 +75,7 @@ def fake_results(rounds: dict) -> SimpleNamespace:
         prefill={name: {128: {}} for name in rounds},
         allocation={},
         warm={},
+        speculation={},
     )
 
 
