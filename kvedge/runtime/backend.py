@@ -305,10 +305,10 @@ class OrtBackend:
         self._check_io()
         self._step_names = [spec.name for spec in manifest.graph_inputs() if spec.layer is None]
         self._outputs = manifest.graph_outputs()
-        self._decode_bindings: dict[tuple, _DecodeBinding] = {}
+        self._decode_bindings: dict[tuple, _KeptBinding] = {}
         self.max_decode_bindings = max_decode_bindings
         self._plans: dict[tuple, tuple[Bound, ...]] = {}  # `_plan`'s, by call shape
-        self._short_bindings: dict[tuple, _DecodeBinding] = {}  # `_short_call`'s
+        self._short_bindings: dict[tuple, _KeptBinding] = {}  # `_short_call`'s
 
     def _check_io(self) -> None:
         """Refuse a graph whose inputs or outputs differ from the manifest's `graph_inputs()` /
@@ -423,8 +423,8 @@ class OrtBackend:
         step = self._decode_bindings.get(key)
         if step is None:
             if len(self._decode_bindings) >= self.max_decode_bindings:
-                self._drop_decode_bindings()
-            step = self._decode_bindings[key] = self._make_decode_binding(past)
+                self._drop_bindings(self._decode_bindings)
+            step = self._decode_bindings[key] = self._make_binding(past)
         step.input_ids[...] = input_ids
         step.past_lengths[...] = past_lengths
         step.position_ids[...] = position_ids  # bound only where the graph takes positions
@@ -433,9 +433,7 @@ class OrtBackend:
         self.session.run_with_iobinding(step.binding, step.run_options)
         return StepOutput(step.logits[:, 0].copy(), step.present)
 
-    def _make_decode_binding(
-        self, past: list[tuple[np.ndarray, ...]], seq: int = 0, rows: int = 1
-    ) -> _DecodeBinding:
+    def _make_binding(self, past: list[tuple[np.ndarray, ...]], seq: int = 0, rows: int = 1) -> _KeptBinding:
         """A binding kept for decode steps of the rows of `past`, or with `seq` > 0 for in-place
         calls of `seq` tokens with logits at `rows` positions (`_short_call`)."""
         names, g = self.manifest.names, self.manifest.geometry
@@ -458,7 +456,7 @@ class OrtBackend:
             self._graph_ids += 1
             run_options = _run_options(self._graph_ids)
         unbound = np.zeros((batch, max(seq, 1)), np.int64)  # a step input this graph does not take
-        return _DecodeBinding(
+        return _KeptBinding(
             binding=binding,
             input_ids=arrays[names.input_ids],
             position_ids=arrays.get(names.position_ids, unbound),
@@ -479,9 +477,8 @@ class OrtBackend:
             return self.host.empty(bound.shape, bound.dtype)
         return np.zeros(bound.shape, bound.dtype)
 
-    def _drop_decode_bindings(self, kept: dict[tuple, _DecodeBinding] | None = None) -> None:
-        """Forget the kept bindings (decode's, or `kept`), giving back their step buffers."""
-        kept = self._decode_bindings if kept is None else kept
+    def _drop_bindings(self, kept: dict[tuple, _KeptBinding]) -> None:
+        """Forget the bindings in `kept`, giving back their step buffers."""
         for step in kept.values():
             if self.host is not None:
                 for array in step.owned:
@@ -579,8 +576,8 @@ class OrtBackend:
         step = self._short_bindings.get(key)
         if step is None:
             if len(self._short_bindings) >= MAX_SHORT_BINDINGS:
-                self._drop_decode_bindings(self._short_bindings)
-            step = self._short_bindings[key] = self._make_decode_binding(past, input_ids.shape[1], rows)
+                self._drop_bindings(self._short_bindings)
+            step = self._short_bindings[key] = self._make_binding(past, input_ids.shape[1], rows)
         step.input_ids[...] = input_ids
         step.past_lengths[...] = past_lengths
         step.last_index[...] = graph_last_index(self.manifest, last_index).reshape(step.last_index.shape)
@@ -601,12 +598,13 @@ class OrtBackend:
 
 
 @dataclass
-class _DecodeBinding:
-    """A decode step's I/O binding: every buffer bound by pointer once, values rewritten per step."""
+class _KeptBinding:
+    """A kept I/O binding (a decode step's, or a short in-place call's: `_short_call`): every
+    buffer bound by pointer once, values rewritten per call."""
 
     binding: ort.IOBinding
-    input_ids: np.ndarray  # [batch, 1] int64
-    position_ids: np.ndarray  # [batch, 1] int64 (bound where the graph takes positions)
+    input_ids: np.ndarray  # [batch, 1 or seq] int64
+    position_ids: np.ndarray  # [batch, 1 or seq] int64 (bound where the graph takes positions)
     past_lengths: np.ndarray  # [batch] int64
     last_index: np.ndarray  # [batch] or [batch, rows] int64 (zeros for decode: its one position)
     logits: np.ndarray  # [batch, 1 or rows, vocab] float32
