@@ -8,6 +8,8 @@ import functools
 import getpass
 import json
 import logging
+import os
+import select
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -585,14 +587,13 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
         answer, max_len = _local_answer(model, config), model.manifest.geometry.max_len
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
+    read_line = _terminal_line if sys.stdin.isatty() else _PipeLines(sys.stdin).read
     while True:
         try:
-            line = click.prompt("you", prompt_suffix="> ")
-        except (EOFError, click.Abort):
+            line = read_line()
+        except (EOFError, KeyboardInterrupt, click.Abort):
             click.echo()
             return
-        if not sys.stdin.isatty():  # a terminal echoes the typed line and its newline; a pipe does not
-            click.echo()
         if line.strip() == "/exit":
             return
         if line.strip() == "/reset":
@@ -606,6 +607,48 @@ def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: 
             click.echo()
             return
         messages.append({"role": "assistant", "content": reply})
+
+
+def _terminal_line() -> str:
+    """The user's next line from a terminal: click.prompt (and input()'s line editing)."""
+    return click.prompt("you", prompt_suffix="> ")
+
+
+class _PipeLines:
+    """The user's lines from a pipe (a program driving `kvedge chat`), each after a "you> "
+    prompt; blank lines are skipped, as click.prompt does on a terminal.
+
+    input() would write the prompt and then block in read(2); a SIGINT that lands between the two
+    (a driver that sends it as soon as it sees the prompt, on a loaded machine) only sets Python's
+    flag, and its KeyboardInterrupt would wait for the next line. Here the wait is a loop of short
+    select() calls, between which Python runs the handler: Ctrl-C at the prompt always quits."""
+
+    POLL_S = 0.1
+
+    def __init__(self, stream: Any) -> None:
+        self._fd = stream.fileno()
+        self._encoding = stream.encoding or "utf-8"
+        self._pending = b""
+        self._closed = False
+
+    def read(self) -> str:
+        while True:
+            click.echo("you> ", nl=False)
+            line = self._next_line()
+            click.echo()  # a terminal echoes the typed line and its newline; a pipe does not
+            if line.strip():
+                return line
+
+    def _next_line(self) -> str:
+        while b"\n" not in self._pending and not self._closed:
+            if select.select([self._fd], [], [], self.POLL_S)[0]:
+                chunk = os.read(self._fd, 65536)
+                self._pending += chunk
+                self._closed = not chunk
+        if not self._pending:
+            raise EOFError
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode(self._encoding, errors="replace").removesuffix("\r")
 
 
 def _local_answer(model: Any, config: Any) -> Answer:

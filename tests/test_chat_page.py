@@ -319,8 +319,10 @@ def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     stopped = page.finished(1)
     assert stopped["state"] == "stopped" and "stopped" in stopped["stats"]
     clicked = time.monotonic()
-    after = server.wait_idle(timeout_s=2)
-    assert time.monotonic() - clicked < 1.0
+    after = server.wait_idle(timeout_s=10)
+    # freed at the next step: well under the seconds ENDLESS streams for. The bound is loose for
+    # a loaded CI machine (1.7 s seen beside the aarch64 job); the token count below is load-free
+    assert time.monotonic() - clicked < 3.0
     assert after["kvedge_requests_cancelled_total"] == before["kvedge_requests_cancelled_total"] + 1
     assert after["kvedge_completion_tokens_total"] - before["kvedge_completion_tokens_total"] < ENDLESS / 2
     assert page.js("return document.getElementById('send').hidden") is False  # ready for the next

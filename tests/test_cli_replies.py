@@ -7,6 +7,7 @@ complete exits non-zero. Real subprocesses on a tiny exported model; Ctrl-C is a
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import pytest
 from test_serve import KEY, Server
 from tiny import make_tiny_model
 
+from kvedge.cli import _PipeLines
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.model import Model
 from kvedge.serve.client import API_KEY_ENV
@@ -183,6 +185,30 @@ def test_ctrl_c_at_the_prompt_or_twice_quits(artifact):
     twice.interrupt()
     assert twice.exit_code() == 0 and "Traceback" not in twice.stderr
     assert twice.stdout.count("you> ") <= 2  # it quit, not answered again
+
+
+def test_ctrl_c_that_lands_before_the_piped_prompt_reads_still_quits():
+    """A SIGINT that arrives after the prompt was written but before read(2) began only sets
+    Python's flag (CI saw `kvedge chat` wait 30 s so); _thread.interrupt_main sets that flag
+    without a signal, the race's state, while the reader waits for a line."""
+    read, write = os.pipe()
+    with open(read, encoding="utf-8") as stream:
+        lines = _PipeLines(stream)
+        os.write(write, "first\n\n  \nsecond ünï\r\n".encode())
+        assert [lines.read(), lines.read()] == ["first", "second ünï"]  # blank lines skipped
+        pressed = threading.Timer(0.3, _thread.interrupt_main)
+        rescue = threading.Timer(5.0, os.write, (write, b"rescue\n"))  # a reader that blocks fails, not hangs
+        pressed.start(), rescue.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            lines.read()
+        rescue.cancel()
+        assert time.monotonic() - started < 0.3 + 5 * _PipeLines.POLL_S
+        os.write(write, b"last, unended")
+        os.close(write)
+        assert lines.read() == "last, unended"
+        with pytest.raises(EOFError):
+            lines.read()
 
 
 def test_a_reply_cut_by_max_new_tokens_says_so(artifact):
