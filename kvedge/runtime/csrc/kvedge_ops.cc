@@ -1160,7 +1160,7 @@ inline const half_t* QmmKeptRow(const QmmWork& a, int64_t t, int64_t j) {
 }
 
 // The vector paths: QmmTile<BITS, BS, MIN, R> computes one tile (64 columns) of rows r .. r + R - 1
-// (R > 1 on AVX-512 only), reading its records and then its kept rows in order with a software
+// (R of 1, 2 or 4), reading its records and then its kept rows in order with a software
 // prefetch kQmmPrefetch bytes ahead (the tiles of a matrix are one sequential stream; without it
 // SmolLM2's 121 matmuls took 5.4 ms a token instead of 4.4). A tile (K / block_size records and
 // the kept rows, ~27 KiB for K = 576 at 4 bits) stays in L1/L2 for the call's other rows. Each
@@ -1251,147 +1251,203 @@ constexpr const char* kQmmPath = "avx2-vnni";
 constexpr const char* kQmmPath = "avx2";
 #endif
 
-// codes (u8) x activations (s8), 4 products per int32 lane, added to d. Without AVX-VNNI:
-// vpmaddubsw adds pairs into int16, which 4-bit codes cannot overflow (2 x 15 x 127) but 8-bit
-// ones can (2 x 255 x 127), so those go as their two nibbles (u = low + 16 high).
-template <int BITS>
-inline __m256i QmmDot(__m256i d, __m256i codes, __m256i x) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(d, codes, x);
-#else
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (BITS == 4) return _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones));
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(codes, low), x);
-  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(codes, 4), low), x);
-  const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
-  return _mm256_add_epi32(d, sum);
-#endif
-}
+constexpr int kQmmRowTile = 4;  // rows sharing each code vector loaded and unpacked
 
-constexpr int kQmmRowTile = 1;  // the 64 columns' accumulators take 8 of the 16 registers
-
-// 8 columns per register: the 64-byte vectors go as two halves (h).
+// 8 columns per register: the 64-byte vectors go as two halves (h). Rows r .. r + R - 1 go
+// together: each code vector is loaded and unpacked once for all of them (the accumulators live
+// in L1, as one row's already did: 16 registers hold the codes, the row sums and constants).
+//
+// Without AVX-VNNI, vpmaddubsw makes pairs of u8 x s8 products into int16, at most 2 x 15 x 127
+// = 3810 with 4-bit codes (8-bit ones go as their two nibbles, u = low + 16 high). Up to 8 of
+// them add up in int16 (30480 < 32767) before one vpmaddwd widens the sum: a multiply per 32
+// products, not two (vpmaddubsw and vpmaddwd share one port on AMD's Zen 2, two on Intel's).
 template <int BITS, int BS, bool MIN, int R>
 void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
-  static_assert(R == 1, "one row at a time");
   constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
+#if defined(__AVXVNNI__)
+  constexpr int64_t per_widening = vectors;  // vpdpbusd adds in int32
+#else
+  constexpr int64_t per_widening = BITS == 4 ? 4 : 8;  // vectors: 8 pair sums in each int16 lane
+#endif
+  // the code vectors a step of 2 vectors unpacks, and the activations (a dword at x + offset) each
+  // is multiplied by: 4-bit codes as low and high nibbles; 8-bit ones whole (AVX-VNNI) or as
+  // nibbles, each with the same activations (their low and high sums widened apart)
+  constexpr int parts = BITS == 4 ? 4 : 2;
   const int64_t record = a.RecordBytes();
   const uint8_t* p = a.Tile(t);
   const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[8];
-  for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
+  __m256 acc[R][8];
+  for (int m = 0; m < R; ++m)
+    for (int h = 0; h < 8; ++h) acc[m][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b, p += record) {
     for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
-    const int8_t* x = a.xq + r * a.k + b * BS;
-    const int64_t rb = r * a.blocks + b;
-    const __m256 xs = _mm256_set1_ps(a.xs[rb]);
-    const __m256i centre = _mm256_set1_epi32(static_cast<int32_t>(-zc * a.xqsum[rb]));
+    const int8_t* x[R];
+    for (int m = 0; m < R; ++m) x[m] = a.xq + (r + m) * a.k + b * BS;
     const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
     for (int h = 0; h < 8; ++h) {  // columns 8h .. 8h + 7: group h / 2, half h % 2
       const uint8_t* c = p + (h / 2) * group_bytes + 32 * (h % 2);
-      __m256i d0 = centre, d1 = _mm256_setzero_si256();  // two chains: vpdpbusd's latency
-      for (int64_t v = 0; v < vectors; v += 2) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v + 64));
-        if (BITS == 4) {
-          d0 = QmmDot<4>(d0, _mm256_and_si256(w0, low), _mm256_set1_epi32(QmmDword(x + 8 * v)));
-          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w0, 4), low),
-                         _mm256_set1_epi32(QmmDword(x + 8 * v + 4)));
-          d0 = QmmDot<4>(d0, _mm256_and_si256(w1, low), _mm256_set1_epi32(QmmDword(x + 8 * v + 8)));
-          d1 = QmmDot<4>(d1, _mm256_and_si256(_mm256_srli_epi16(w1, 4), low),
-                         _mm256_set1_epi32(QmmDword(x + 8 * v + 12)));
-        } else {
-          d0 = QmmDot<8>(d0, w0, _mm256_set1_epi32(QmmDword(x + 4 * v)));
-          d1 = QmmDot<8>(d1, w1, _mm256_set1_epi32(QmmDword(x + 4 * v + 4)));
+      __m256i d[R][2];  // two chains: vpdpbusd's latency
+      for (int m = 0; m < R; ++m) {
+        d[m][0] = _mm256_set1_epi32(static_cast<int32_t>(-zc * a.xqsum[(r + m) * a.blocks + b]));
+        d[m][1] = _mm256_setzero_si256();
+      }
+      for (int64_t first = 0; first < vectors; first += per_widening) {
+        __m256i s[R][2];
+        for (int m = 0; m < R; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
+        for (int64_t v = first; v < std::min(vectors, first + per_widening); v += 2) {
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v + 64));
+          __m256i q[parts];
+          int64_t at[parts];
+          if constexpr (BITS == 4) {
+            q[0] = _mm256_and_si256(w0, low), q[1] = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+            q[2] = _mm256_and_si256(w1, low), q[3] = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+            at[0] = 8 * v, at[1] = 8 * v + 4, at[2] = 8 * v + 8, at[3] = 8 * v + 12;
+          } else {
+            q[0] = w0, q[1] = w1;
+            at[0] = 4 * v, at[1] = 4 * v + 4;
+          }
+          for (int m = 0; m < R; ++m) {
+            for (int i = 0; i < parts; ++i) {
+              const __m256i xv = _mm256_set1_epi32(QmmDword(x[m] + at[i]));
+#if defined(__AVXVNNI__)
+              d[m][i % 2] = _mm256_dpbusd_avx_epi32(d[m][i % 2], q[i], xv);
+#else
+              if constexpr (BITS == 4) {  // s[m][0] and s[m][1] take 4 sums each between widenings
+                s[m][i % 2] = _mm256_add_epi16(s[m][i % 2], _mm256_maddubs_epi16(q[i], xv));
+              } else {  // 8 low nibbles' sums and 8 high nibbles' between widenings
+                const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q[i], low), xv);
+                const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q[i], 4), low), xv);
+                s[m][0] = _mm256_add_epi16(s[m][0], lo), s[m][1] = _mm256_add_epi16(s[m][1], hi);
+              }
+#endif
+            }
+          }
         }
+#if !defined(__AVXVNNI__)
+        for (int m = 0; m < R; ++m) {
+          if constexpr (BITS == 4) {
+            d[m][0] = _mm256_add_epi32(d[m][0], _mm256_madd_epi16(_mm256_add_epi16(s[m][0], s[m][1]),
+                                                                  _mm256_set1_epi16(1)));
+          } else {
+            d[m][0] = _mm256_add_epi32(d[m][0], _mm256_madd_epi16(s[m][0], _mm256_set1_epi16(1)));
+            d[m][1] = _mm256_add_epi32(d[m][1], _mm256_madd_epi16(s[m][1], _mm256_set1_epi16(16)));
+          }
+        }
+#endif
       }
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * h)));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1));
-      acc[h] = _mm256_fmadd_ps(scale, _mm256_mul_ps(xs, dot), acc[h]);
+      __m256 offset = _mm256_setzero_ps();
       if (MIN) {
         const __m256 minimum =
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kQmmTile + 8 * h)));
-        const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(zc), scale, minimum);
-        acc[h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.bsum[rb]), acc[h]);
+        offset = _mm256_fmadd_ps(_mm256_set1_ps(zc), scale, minimum);
+      }
+      for (int m = 0; m < R; ++m) {
+        const int64_t rb = (r + m) * a.blocks + b;
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(d[m][0], d[m][1]));
+        acc[m][h] = _mm256_fmadd_ps(scale, _mm256_mul_ps(_mm256_set1_ps(a.xs[rb]), dot), acc[m][h]);
+        if (MIN) acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.bsum[rb]), acc[m][h]);
       }
     }
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
-    const __m256 x = _mm256_set1_ps(a.kept_x[r * a.n_kept + j]);
     const half_t* row = QmmKeptRow(a, t, j);
-    for (int h = 0; h < 8; ++h)
-      acc[h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * h))), x,
-                               acc[h]);
+    for (int h = 0; h < 8; ++h) {
+      const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * h)));
+      for (int m = 0; m < R; ++m)
+        acc[m][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(a.kept_x[(r + m) * a.n_kept + j]), acc[m][h]);
+    }
   }
-  float* y = a.y + r * a.tiles * kQmmTile + t * kQmmTile;
-  for (int h = 0; h < 8; ++h) _mm256_storeu_ps(y + 8 * h, acc[h]);
+  for (int m = 0; m < R; ++m) {
+    float* y = a.y + (r + m) * a.tiles * kQmmTile + t * kQmmTile;
+    for (int h = 0; h < 8; ++h) _mm256_storeu_ps(y + 8 * h, acc[m][h]);
+  }
 }
 
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define KV_QMM_VECTOR 1
 constexpr const char* kQmmPath = "neon-dotprod";
 
-constexpr int kQmmRowTile = 1;  // the 64 columns' accumulators take 16 of the 32 registers
+constexpr int kQmmRowTile = 4;  // rows sharing each code vector loaded and unpacked
 
 // sdot is s8 x s8 with 4 products per int32 lane, the 4 activations by lane of a 16-byte register.
 // 8-bit codes go centred (u xor 0x80 = q); 4-bit ones (0..15) as they are, less zc sum(xq) after.
-// 4 columns per register: the 64-byte vectors go as quarters (q).
+// 4 columns per register: the 64-byte vectors go as quarters (q). Rows r .. r + R - 1 go together:
+// each quarter is loaded and unpacked once for all of them (one row's 64 columns take 16 of the 32
+// registers; with more rows the accumulators live in L1, the int32 sums in registers).
 template <int BITS, int BS, bool MIN, int R>
 void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
-  static_assert(R == 1, "one row at a time");
   constexpr int64_t group_bytes = 2 * BS * BITS, vectors = group_bytes / 64, zc = 1 << (BITS - 1);
   const int64_t record = a.RecordBytes();
   const uint8_t* p = a.Tile(t);
-  float32x4_t acc[16];
-  for (int q = 0; q < 16; ++q) acc[q] = vdupq_n_f32(0.0f);
+  float32x4_t acc[R][16];
+  for (int m = 0; m < R; ++m)
+    for (int q = 0; q < 16; ++q) acc[m][q] = vdupq_n_f32(0.0f);
   for (int64_t b = 0; b < a.blocks; ++b, p += record) {
     for (int64_t line = 0; line < record; line += 64) __builtin_prefetch(p + kQmmPrefetch + line);
-    const int8_t* x = a.xq + r * a.k + b * BS;
-    const int64_t rb = r * a.blocks + b;
-    const int32x4_t centre = vdupq_n_s32(BITS == 4 ? static_cast<int32_t>(-zc * a.xqsum[rb]) : 0);
+    const int8_t* x[R];
+    int32x4_t centre[R];
+    for (int m = 0; m < R; ++m) {
+      x[m] = a.xq + (r + m) * a.k + b * BS;
+      const int64_t rb = (r + m) * a.blocks + b;
+      centre[m] = vdupq_n_s32(BITS == 4 ? static_cast<int32_t>(-zc * a.xqsum[rb]) : 0);
+    }
     const half_t* params = reinterpret_cast<const half_t*>(p + 4 * group_bytes);
     for (int g = 0; g < 4; ++g) {
       const uint8_t* c = p + g * group_bytes;
-      int32x4_t d[4] = {centre, centre, centre, centre};
+      int32x4_t d[R][4];
+      for (int m = 0; m < R; ++m)
+        for (int q = 0; q < 4; ++q) d[m][q] = centre[m];
       // 16 activation bytes serve two vectors at 4 bits, four at 8
       for (int64_t v = 0; v < vectors; v += (BITS == 4 ? 2 : 4)) {
-        const int8x16_t xv = vld1q_s8(x + v * (BITS == 4 ? 8 : 4));
+        int8x16_t xv[R];
+        for (int m = 0; m < R; ++m) xv[m] = vld1q_s8(x[m] + v * (BITS == 4 ? 8 : 4));
         for (int q = 0; q < 4; ++q) {
+          int8x16_t u[4];  // the codes each lane of xv multiplies
           if (BITS == 4) {
             const uint8x16_t w0 = vld1q_u8(c + 64 * v + 16 * q), w1 = vld1q_u8(c + 64 * v + 64 + 16 * q);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vandq_u8(w0, vdupq_n_u8(0x0F))), xv, 0);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vshrq_n_u8(w0, 4)), xv, 1);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vandq_u8(w1, vdupq_n_u8(0x0F))), xv, 2);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(vshrq_n_u8(w1, 4)), xv, 3);
+            u[0] = vreinterpretq_s8_u8(vandq_u8(w0, vdupq_n_u8(0x0F)));
+            u[1] = vreinterpretq_s8_u8(vshrq_n_u8(w0, 4));
+            u[2] = vreinterpretq_s8_u8(vandq_u8(w1, vdupq_n_u8(0x0F)));
+            u[3] = vreinterpretq_s8_u8(vshrq_n_u8(w1, 4));
           } else {
             const uint8_t* cq = c + 64 * v + 16 * q;
             const uint8x16_t flip = vdupq_n_u8(0x80);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq), flip)), xv, 0);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 64), flip)), xv, 1);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 128), flip)), xv, 2);
-            d[q] = vdotq_laneq_s32(d[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 192), flip)), xv, 3);
+            for (int i = 0; i < 4; ++i) u[i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cq + 64 * i), flip));
+          }
+          for (int m = 0; m < R; ++m) {
+            d[m][q] = vdotq_laneq_s32(d[m][q], u[0], xv[m], 0);
+            d[m][q] = vdotq_laneq_s32(d[m][q], u[1], xv[m], 1);
+            d[m][q] = vdotq_laneq_s32(d[m][q], u[2], xv[m], 2);
+            d[m][q] = vdotq_laneq_s32(d[m][q], u[3], xv[m], 3);
           }
         }
       }
       for (int q = 0; q < 4; ++q) {
         const int col = 16 * g + 4 * q;
         const float32x4_t scale = vcvt_f32_f16(vld1_f16(params + col));
-        acc[4 * g + q] = vfmaq_f32(acc[4 * g + q], scale, vmulq_n_f32(vcvtq_f32_s32(d[q]), a.xs[rb]));
-        if (MIN) {
-          const float32x4_t offset = vfmaq_n_f32(vcvt_f32_f16(vld1_f16(params + kQmmTile + col)), scale, zc);
-          acc[4 * g + q] = vfmaq_n_f32(acc[4 * g + q], offset, a.bsum[rb]);
+        float32x4_t offset = vdupq_n_f32(0.0f);
+        if (MIN) offset = vfmaq_n_f32(vcvt_f32_f16(vld1_f16(params + kQmmTile + col)), scale, zc);
+        for (int m = 0; m < R; ++m) {
+          const int64_t rb = (r + m) * a.blocks + b;
+          acc[m][4 * g + q] = vfmaq_f32(acc[m][4 * g + q], scale, vmulq_n_f32(vcvtq_f32_s32(d[m][q]), a.xs[rb]));
+          if (MIN) acc[m][4 * g + q] = vfmaq_n_f32(acc[m][4 * g + q], offset, a.bsum[rb]);
         }
       }
     }
   }
   for (int64_t j = 0; j < a.n_kept; ++j) {
-    const float x = a.kept_x[r * a.n_kept + j];
     const half_t* row = QmmKeptRow(a, t, j);
-    for (int q = 0; q < 16; ++q) acc[q] = vfmaq_n_f32(acc[q], vcvt_f32_f16(vld1_f16(row + 4 * q)), x);
+    for (int q = 0; q < 16; ++q) {
+      const float32x4_t w = vcvt_f32_f16(vld1_f16(row + 4 * q));
+      for (int m = 0; m < R; ++m) acc[m][q] = vfmaq_n_f32(acc[m][q], w, a.kept_x[(r + m) * a.n_kept + j]);
+    }
   }
-  float* y = a.y + r * a.tiles * kQmmTile + t * kQmmTile;
-  for (int q = 0; q < 16; ++q) vst1q_f32(y + 4 * q, acc[q]);
+  for (int m = 0; m < R; ++m) {
+    float* y = a.y + (r + m) * a.tiles * kQmmTile + t * kQmmTile;
+    for (int q = 0; q < 16; ++q) vst1q_f32(y + 4 * q, acc[m][q]);
+  }
 }
 
 #else
