@@ -34,10 +34,10 @@ def check_selftest(out: str, path: str) -> None:
 
 @NEEDS_GXX
 def test_quant_matmul_selftest_native(tmp_path):
-    """This machine's vector path (AVX-512 VNNI here) and the scalar path against the formula in
-    double precision: bits 4 and 8, blocks of 16 to 256, 1, 2, 3, 5 and 8 rows, 0, 1, 2, 3, 5, 7
-    and 32 kept channels, with and without minimums, N of 1 to 32 tiles, items of the op's size
-    and of 1, 3 and 5 tiles on 2 and 3 threads."""
+    """This machine's vector path (AVX2 on CI's CPU) and the scalar path against the formula in
+    double precision: bits 4 and 8, blocks of 16 to 256, 1, 2, 3, 5, 6 and 8 rows (tiles of 1 to
+    4 rows), 0, 1, 2, 3, 5, 7 and 32 kept channels, with and without minimums, N of 1 to 32
+    tiles, items of the op's size and of 1, 3 and 5 tiles on 2 and 3 threads."""
     out = run_selftest(tmp_path, "qmm")
     assert out.count("ok  ") == QMM_CASES and "FAIL" not in out
 

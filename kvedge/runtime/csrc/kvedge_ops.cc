@@ -1160,7 +1160,7 @@ inline const half_t* QmmKeptRow(const QmmWork& a, int64_t t, int64_t j) {
 }
 
 // The vector paths: QmmTile<BITS, BS, MIN, R> computes one tile (64 columns) of rows r .. r + R - 1
-// (R of 1, 2 or 4), reading its records and then its kept rows in order with a software
+// (R of 1 to 4), reading its records and then its kept rows in order with a software
 // prefetch kQmmPrefetch bytes ahead (the tiles of a matrix are one sequential stream; without it
 // SmolLM2's 121 matmuls took 5.4 ms a token instead of 4.4). A tile (K / block_size records and
 // the kept rows, ~27 KiB for K = 576 at 4 bits) stays in L1/L2 for the call's other rows. Each
@@ -1463,6 +1463,8 @@ void QmmTiles(const QmmWork& a, int64_t first, int64_t last) {
     int64_t r = 0;
     if constexpr (kQmmRowTile >= 4)
       for (; r + 4 <= a.rows; r += 4) QmmTile<BITS, BS, MIN, 4>(a, t, r);
+    if constexpr (kQmmRowTile >= 4)  // 3 rows in one pass, not 2 + 1: the tile's codes unpacked once
+      if (a.rows - r == 3) QmmTile<BITS, BS, MIN, 3>(a, t, r), r += 3;
     if constexpr (kQmmRowTile >= 2)
       for (; r + 2 <= a.rows; r += 2) QmmTile<BITS, BS, MIN, 2>(a, t, r);
     for (; r < a.rows; ++r) QmmTile<BITS, BS, MIN, 1>(a, t, r);
