@@ -1269,10 +1269,15 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
 #else
   constexpr int64_t per_widening = BITS == 4 ? 4 : 8;  // vectors: 8 pair sums in each int16 lane
 #endif
-  // the code vectors a step of 2 vectors unpacks, and the activations (a dword at x + offset) each
-  // is multiplied by: 4-bit codes as low and high nibbles; 8-bit ones whole (AVX-VNNI) or as
-  // nibbles, each with the same activations (their low and high sums widened apart)
+  // the code vectors a step of 2 vectors unpacks, once for all R rows, and the activations (a
+  // dword at x + offset) each is multiplied by: 4-bit codes as low and high nibbles; 8-bit ones
+  // whole (AVX-VNNI) or as nibbles, low and high with the same activations (chains 0 and 1,
+  // widened apart: u = low + 16 high)
+#if defined(__AVXVNNI__)
   constexpr int parts = BITS == 4 ? 4 : 2;
+#else
+  constexpr int parts = 4;
+#endif
   const int64_t record = a.RecordBytes();
   const uint8_t* p = a.Tile(t);
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -1299,12 +1304,17 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
           const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v + 64));
           __m256i q[parts];
           int64_t at[parts];
-          if constexpr (BITS == 4) {
+          if constexpr (BITS == 4 || parts == 4) {
             q[0] = _mm256_and_si256(w0, low), q[1] = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
             q[2] = _mm256_and_si256(w1, low), q[3] = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
-            at[0] = 8 * v, at[1] = 8 * v + 4, at[2] = 8 * v + 8, at[3] = 8 * v + 12;
           } else {
             q[0] = w0, q[1] = w1;
+          }
+          if constexpr (BITS == 4) {
+            at[0] = 8 * v, at[1] = 8 * v + 4, at[2] = 8 * v + 8, at[3] = 8 * v + 12;
+          } else if constexpr (parts == 4) {
+            at[0] = at[1] = 4 * v, at[2] = at[3] = 4 * v + 4;
+          } else {
             at[0] = 4 * v, at[1] = 4 * v + 4;
           }
           for (int m = 0; m < R; ++m) {
@@ -1312,14 +1322,8 @@ void QmmTile(const QmmWork& a, int64_t t, int64_t r) {
               const __m256i xv = _mm256_set1_epi32(QmmDword(x[m] + at[i]));
 #if defined(__AVXVNNI__)
               d[m][i % 2] = _mm256_dpbusd_avx_epi32(d[m][i % 2], q[i], xv);
-#else
-              if constexpr (BITS == 4) {  // s[m][0] and s[m][1] take 4 sums each between widenings
-                s[m][i % 2] = _mm256_add_epi16(s[m][i % 2], _mm256_maddubs_epi16(q[i], xv));
-              } else {  // 8 low nibbles' sums and 8 high nibbles' between widenings
-                const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q[i], low), xv);
-                const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q[i], 4), low), xv);
-                s[m][0] = _mm256_add_epi16(s[m][0], lo), s[m][1] = _mm256_add_epi16(s[m][1], hi);
-              }
+#else  // between widenings, 4 sums in each chain at 4 bits (added before widening), 8 at 8 bits
+              s[m][i % 2] = _mm256_add_epi16(s[m][i % 2], _mm256_maddubs_epi16(q[i], xv));
 #endif
             }
           }
