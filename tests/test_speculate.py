@@ -24,7 +24,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import SamplingConfig, _distribution, decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
-from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, Costs, Lookup, accept, lookup
+from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, WORTH_WEIGHT, Costs, Lookup, accept, lookup
 
 # (name, ExportOptions fields, family): every cache kind on both variants where it exists
 CASES = [
@@ -134,7 +134,7 @@ def test_greedy_identical_every_cache_kind(exports, name):
             atol = {"float32": 2e-3, "float16": 3e-2, "int8": 3e-2}[model.manifest.geometry.dtype]
             np.testing.assert_allclose(b.kv.astype(np.float32), a.kv.astype(np.float32), atol=atol)
     assert 0 < kept < proposed, (name, kept, proposed)  # took some, refused some
-    assert model.speculation_costs.decode_s > 0  # measured on the lookup turns' decode calls
+    assert model.speculation_costs.token_s() > 0  # measured on the lookup turns' decode calls
 
 
 def test_batched_rows_equal_solo(exports):
@@ -151,6 +151,7 @@ def test_batched_rows_equal_solo(exports):
                 got[turn.slot] += [e.token for e in result.emitted(turn)]
     assert [got[s] for s in range(3)] == solo
     assert decoded_together  # a verify and a batched decode in the same step
+    assert max(model.speculation_costs.calls) > 1  # calls of several rows, measured by their rows
 
 
 def test_stop_inside_accepted_run_keeps_slot_as_plain(exports):
@@ -305,7 +306,7 @@ def test_steps_that_cost_more_than_they_make_pause():
     this CPU: ~0.45 of a decode step per row verified) pauses proposing as a miss does; one that
     pays keeps it going; unmeasured, only misses pause."""
     costs = Costs()
-    costs.decoded(0.010)
+    costs.decoded(0.010, rows=1)
     spec = Lookup(costs=costs)
     spec.update(4, 3, seconds=0.020)  # 4 tokens in 2 decode calls' time
     assert spec.pause == 0 and spec.worth == pytest.approx(1.3)
@@ -316,6 +317,36 @@ def test_steps_that_cost_more_than_they_make_pause():
     unmeasured = Lookup()
     unmeasured.update(4, 1, seconds=0.040)
     assert unmeasured.pause == 0 and unmeasured.worth == 1.0
+
+
+def test_a_token_costs_a_decode_call_of_the_steps_rows_over_its_rows():
+    """`Costs.token_s(B)`: a decode call of B rows over B; a row count not measured borrows the
+    call of the most rows measured below it (rows free: the cheapest a token can be), else of the
+    fewest above."""
+    costs = Costs()
+    assert costs.token_s(1) is None
+    costs.decoded(0.016, rows=4)
+    assert costs.token_s(1) == pytest.approx(0.016)  # only 4 rows measured: the fewest above
+    costs.decoded(0.010, rows=1)
+    costs.decoded(0.020, rows=1)  # a running average: 0.010 + 0.2 * 0.010
+    assert costs.token_s(1) == pytest.approx(0.012)
+    assert costs.token_s(4) == pytest.approx(0.004)
+    assert costs.token_s(3) == pytest.approx(0.012 / 3)  # borrows 1 row's call
+    assert costs.token_s(8) == pytest.approx(0.016 / 8)  # borrows 4 rows' call
+
+
+def test_a_verify_beside_other_turns_must_beat_the_batchs_rate():
+    """In a step of 4 turns whose decode call of 4 rows costs 1.6 one-row calls, a verify that
+    makes 4 tokens in 2 one-row calls' time pays alone (worth 1.3) but not beside the batch (4
+    tokens in the time the batch makes 5): it pauses."""
+    costs = Costs()
+    costs.decoded(0.010, rows=1)
+    costs.decoded(0.016, rows=4)
+    alone, beside = Lookup(costs=costs), Lookup(costs=costs)
+    alone.update(4, 3, seconds=0.020, batch=1)
+    beside.update(4, 3, seconds=0.020, batch=4)
+    assert alone.pause == 0 and alone.worth == pytest.approx(1.3)
+    assert beside.worth == pytest.approx(1 + WORTH_WEIGHT * (4 * 0.004 / 0.020 - 1)) and beside.pause == 1
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:

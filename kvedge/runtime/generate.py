@@ -364,11 +364,13 @@ class Turn:
             draft = draft[: self.matcher.allowed_prefix(draft)]
         return draft
 
-    def take_verified(self, rows: np.ndarray, draft: list[int], seconds: float) -> tuple[list[Event], int]:
+    def take_verified(
+        self, rows: np.ndarray, draft: list[int], seconds: float, batch: int = 1
+    ) -> tuple[list[Event], int]:
         """Sample from `rows` [len(draft) + 1, vocab], the logits after the pending token and after
-        each proposal (a verify call of `seconds`), one row at a time as decode steps would, while
-        the token sampled is the next proposal. Returns the events and how many of pending +
-        draft the slot keeps."""
+        each proposal (a verify call of `seconds`, in a step of `batch` turns past their prompts),
+        one row at a time as decode steps would, while the token sampled is the next proposal.
+        Returns the events and how many of pending + draft the slot keeps."""
         events: list[Event] = []
         for i, row in enumerate(rows):
             self.wrote_pending()  # the verify call wrote it; the caller makes it valid
@@ -377,7 +379,7 @@ class Turn:
                 break
         assert self.speculator is not None
         taken = sum(e.token == d for e, d in zip(events, draft, strict=False))
-        self.speculator.update(len(draft), taken, self.propose_s + seconds)
+        self.speculator.update(len(draft), taken, self.propose_s + seconds, batch)
         self.speculator.kept(len(events) - 1)  # the pending token and these proposals stay
         return events, len(events)
 
@@ -469,6 +471,8 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     by_slot = {t.slot: t for t in turns if not t.done and t.pending is not None and t not in result.events}
     for turn in by_slot.values():
         turn.will_sample()
+    # turns past their prompts, decoding or verifying this step: their decode call's rows
+    stepping = len(by_slot) if batch else 1
     for slot, turn in list(by_slot.items()):
         try:
             draft = turn.propose(cache)  # a draft model runs here
@@ -478,7 +482,7 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
             continue
         if draft:
             del by_slot[slot]
-            speculate_turn(backend, cache, turn, draft, result)
+            speculate_turn(backend, cache, turn, draft, result, stepping)
     if batch:
         ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
     else:
@@ -497,7 +501,7 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
         result.decode_calls.append((count - rows.count(None), rows.count(None)))
         measured = {id(t.speculator.costs): t.speculator.costs for t in rows if t and t.speculator}
         for costs in measured.values():  # what the rows' speculative steps are weighed against
-            costs.decoded(spent)
+            costs.decoded(spent, count)
         for turn, row in zip(rows, logits, strict=True):  # [vocab] each
             if turn is not None:
                 turn.wrote_pending()
@@ -506,16 +510,17 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
 
 
 def speculate_turn(
-    backend: Backend, cache: KVCache, turn: Turn, draft: list[int], result: StepResult
+    backend: Backend, cache: KVCache, turn: Turn, draft: list[int], result: StepResult, batch: int = 1
 ) -> None:
     """Verify `turn`'s pending token and `draft` in one call (`verify`), take what the model
-    agrees with (`Turn.take_verified`), and make exactly those tokens valid in its slot: the
-    rejected ones' K/V are never made valid (kvedge.runtime.speculate, "roll back")."""
+    agrees with (`Turn.take_verified`; the step has `batch` turns past their prompts), and make
+    exactly those tokens valid in its slot: the rejected ones' K/V are never made valid
+    (kvedge.runtime.speculate, "roll back")."""
     tokens = [turn.pending, *draft]
     try:
         started = time.perf_counter()
         out, input_ids = verify(backend, cache, turn.slot, tokens)
-        events, keep = turn.take_verified(out.logits[0], draft, time.perf_counter() - started)
+        events, keep = turn.take_verified(out.logits[0], draft, time.perf_counter() - started, batch)
         _keep(cache, out, [turn.slot], input_ids, [keep])
     except Exception as exc:
         result.events[turn] = turn.finish("error", error=exc)

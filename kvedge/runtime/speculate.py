@@ -28,12 +28,15 @@ proposing pauses for a number of steps that doubles each time (up to `MAX_PAUSE`
 conversation that does not repeat itself decodes as without speculation, but for the lookup
 itself (microseconds; a draft catches up on the tokens it missed in one call when it resumes).
 A verify that took something but cost more than it made pauses too: each speculative step's
-worth is the tokens it made times a decode call's seconds (`Costs`, measured on the model's own
-decode calls) over its seconds (proposing and verifying; not a draft's prefill of the turn's
-prompt, which is the prompt's cost, not the step's: `unweighed_s`); while the running average
-(`worth`) is below 1, speculating is slower than decoding and it pauses as after a miss. Where a
-verify costs nearly a decode step per row (int4 weights on a CPU without AVX-512), partial takes
-do not pay; where it costs little more than one step (float weights, a GPU), they do.
+worth is the tokens it made times what a token costs decoded (`Costs.token_s`: measured on the
+model's own decode calls; in a step of B turns, a decode call of B rows over B, since the turn's
+verify call makes the other B - 1 wait while their one decode call would have carried its token
+too) over its seconds (proposing and verifying; not a draft's prefill of the turn's prompt, which
+is the prompt's cost, not the step's: `unweighed_s`); while the running average (`worth`) is
+below 1, speculating is slower than decoding and it pauses as after a miss. Where a verify costs
+nearly a decode step per row (int4 weights on a CPU without AVX-512), partial takes do not pay;
+where it costs little more than one step (float weights, a GPU), they do. With several turns
+decoding together, a verify call of its own must make more than the batch's tokens per second.
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
 model with the same tokenizer decoding greedily: a point mass too, so `accept` stays exact).
@@ -127,15 +130,28 @@ def accept(probs: np.ndarray, proposal: int, rng: np.random.Generator) -> int:
 
 @dataclass
 class Costs:
-    """A model's decode call seconds (a running average), measured on its own decode calls and
-    shared by its turns' proposers: what a speculative step is weighed against."""
+    """A model's decode call seconds by rows in the call (running averages), measured on its own
+    decode calls and shared by its turns' proposers: what a speculative step is weighed against.
+    A step of B turns decodes their B tokens in one call of B rows, so a token costs D(B) / B
+    there; a turn that verifies instead makes the other turns wait for its call."""
 
-    decode_s: float | None = None
+    calls: dict[int, float] = field(default_factory=dict)  # rows -> a call's seconds
 
-    def decoded(self, seconds: float) -> None:
-        """A decode call took `seconds`."""
-        last = self.decode_s
-        self.decode_s = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
+    def decoded(self, seconds: float, rows: int = 1) -> None:
+        """A decode call of `rows` rows (busy and idle) took `seconds`."""
+        last = self.calls.get(rows)
+        self.calls[rows] = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
+
+    def token_s(self, batch: int = 1) -> float | None:
+        """Seconds a token costs decoded without speculation in a step of `batch` turns: a call
+        of `batch` rows over `batch`. A row count not measured yet borrows the call of the most
+        rows measured below it (rows taken as free: the least a token can cost, so a verify is
+        not judged kinder than it is), else of the fewest above; None before any decode call."""
+        if not self.calls:
+            return None
+        below = [rows for rows in self.calls if rows <= batch]
+        rows = max(below) if below else min(self.calls)
+        return self.calls[rows] / batch
 
 
 @dataclass
@@ -152,7 +168,7 @@ class Adaptive:
     proposed: int = 0
     accepted: int = 0
     costs: Costs = field(default_factory=Costs)
-    worth: float = 1.0  # running average of speculative steps' tokens made per decode call's time
+    worth: float = 1.0  # running average of speculative steps' tokens made per decoded token's time
 
     def propose(self, history: Sequence[int], room: int) -> list[int]:
         """Proposals to follow `history` (the conversation and the reply, the pending token
@@ -173,9 +189,9 @@ class Adaptive:
         """The target's slot kept the first `proposals` proposals of the last verify (those taken,
         but a reply's last token, which is never written). Nothing to do for prompt lookup."""
 
-    def update(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+    def update(self, proposed: int, accepted: int, seconds: float | None = None, batch: int = 1) -> None:
         """A verify of `proposed` tokens took `accepted` of them; the step (proposing and
-        verifying) took `seconds`, if measured."""
+        verifying) took `seconds`, if measured, in a step of `batch` turns past their prompts."""
         self.verifies += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -183,8 +199,9 @@ class Adaptive:
             self.k = min(MAX_DRAFT, self.k + 2)
         else:
             self.k = max(1, accepted + 1)
-        if seconds and self.costs.decode_s:  # the pending token and those taken, in decode calls' time
-            self.worth += WORTH_WEIGHT * ((accepted + 1) * self.costs.decode_s / seconds - self.worth)
+        token_s = self.costs.token_s(batch)
+        if seconds and token_s:  # the pending token and those taken, in decoded tokens' time
+            self.worth += WORTH_WEIGHT * ((accepted + 1) * token_s / seconds - self.worth)
         if accepted and self.worth >= 1.0:
             self.misses, self.backoff = 0, 1
             return
