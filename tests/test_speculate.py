@@ -14,6 +14,7 @@ Sampled replies: the rejection rule keeps the distribution (`test_sampled_distri
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import SamplingConfig, _distribution, decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
-from kvedge.runtime.speculate import MAX_PAUSE, MIN_NGRAM, MISSES, WORTH_WEIGHT, Costs, Lookup, accept, lookup
+from kvedge.runtime.speculate import LOSS_BUDGET, MAX_PAUSE, MIN_NGRAM, MISSES, Costs, Lookup, accept, lookup
 
 # (name, ExportOptions fields, family): every cache kind on both variants where it exists
 CASES = [
@@ -64,6 +65,7 @@ def exports(tmp_path_factory):
             built[name] = out
         return built[name]
 
+    get.source = sources.__getitem__  # the tiny HF folder of a family
     return get
 
 
@@ -152,6 +154,22 @@ def test_batched_rows_equal_solo(exports):
     assert [got[s] for s in range(3)] == solo
     assert decoded_together  # a verify and a batched decode in the same step
     assert max(model.speculation_costs.calls) > 1  # calls of several rows, measured by their rows
+
+
+def test_the_bench_steps_batches_side_by_side_and_checks_every_reply(tmp_path, exports):
+    """bench/speculate.py at batch 2: each round a plain and a lookup batch of 2 replies step in
+    turn in 4 slots; every reply of both equals the first plain one, and each round gives a
+    ratio."""
+    from kvedge.bench.speculate import WORKLOADS, measure_speculation
+
+    out = tmp_path / "bench"  # room for the workloads' prompts (~600 tokens here)
+    export_model(exports.source("llama"), out, ExportOptions(max_len=1024, variant="ort", kv_dtype="int8"))
+    lines: list[str] = []
+    figures = measure_speculation(out, rounds=2, max_new_tokens=12, echo=lines.append, batch=2)
+    assert set(figures) == set(WORKLOADS) and len(lines) == len(WORKLOADS)
+    for workload in figures.values():
+        assert workload["greedy_equal"] and 1 < workload["reply_tokens"] <= 12
+        assert len(workload["round_ratios"]) == 2 and workload["lookup_tokens_per_s"] > 0
 
 
 def test_stop_inside_accepted_run_keeps_slot_as_plain(exports):
@@ -301,52 +319,67 @@ def test_lookup_adapts_and_pauses():
     assert spec.backoff == 1 and spec.misses == 0
 
 
-def test_steps_that_cost_more_than_they_make_pause():
-    """A verify that took proposals but cost more than decoding its tokens would (int4 weights on
-    this CPU: ~0.45 of a decode step per row verified) pauses proposing as a miss does; one that
-    pays keeps it going; unmeasured, only misses pause."""
+def test_steps_that_lose_time_pause_until_decoding_wins_it_back():
+    """A speculative step is weighed against decoding its tokens (a decode call each, alone): what
+    it saves is kept, a loss beyond the savings pauses proposing for as many steps as make the loss
+    LOSS_BUDGET of their time (at most MAX_PAUSE); a miss that costs no more than a decode call
+    (float32's verify of 2 on this CPU) loses nothing and does not pause. Unmeasured, only misses
+    pause."""
     costs = Costs()
     costs.decoded(0.010, rows=1)
     spec = Lookup(costs=costs)
     spec.update(4, 3, seconds=0.020)  # 4 tokens in 2 decode calls' time
-    assert spec.pause == 0 and spec.worth == pytest.approx(1.3)
-    spec.update(4, 1, seconds=0.040)  # 2 tokens in 4 calls' time: the average is still above 1
-    assert spec.pause == 0
-    spec.update(4, 1, seconds=0.040)
-    assert spec.worth < 1 and spec.pause == 1 and spec.backoff == 2
+    assert spec.pause == 0 and spec.saved_s == pytest.approx(0.020)
+    spec.update(4, 0, seconds=0.025)  # 1 token in 2.5 calls' time: the savings cover it
+    assert spec.pause == 0 and spec.saved_s == pytest.approx(0.005)
+    spec.update(4, 0, seconds=0.017)  # 0.002 s lost beyond the savings
+    assert spec.pause == math.ceil(0.002 / (LOSS_BUDGET * 0.010)) and spec.saved_s == 0
+    free_miss = Lookup(costs=costs)
+    free_miss.update(1, 0, seconds=0.010)
+    assert free_miss.pause == 0
+    free_miss.update(8, 0, seconds=1.0)
+    assert free_miss.pause == MAX_PAUSE
     unmeasured = Lookup()
     unmeasured.update(4, 1, seconds=0.040)
-    assert unmeasured.pause == 0 and unmeasured.worth == 1.0
+    assert unmeasured.pause == 0 and unmeasured.saved_s == 0
+    unmeasured.update(4, 0, seconds=0.040)
+    assert unmeasured.pause == 1
 
 
-def test_a_token_costs_a_decode_call_of_the_steps_rows_over_its_rows():
-    """`Costs.token_s(B)`: a decode call of B rows over B; a row count not measured borrows the
-    call of the most rows measured below it (rows free: the cheapest a token can be), else of the
-    fewest above."""
+def test_decode_calls_are_kept_by_rows_and_a_token_costs_what_its_row_adds():
+    """`Costs`: D(rows) measured per row count (a running average); a count not measured lies on
+    the line through the two nearest measured (one measured: flat); a token of v verifying turns
+    in a step of B costs (D(B) - D(B - v)) / v; a turn's share of a step is D(B) / B."""
     costs = Costs()
-    assert costs.token_s(1) is None
+    assert not costs.measured and costs.call_s(1) == 0
     costs.decoded(0.016, rows=4)
-    assert costs.token_s(1) == pytest.approx(0.016)  # only 4 rows measured: the fewest above
+    assert costs.call_s(1) == pytest.approx(0.016) and costs.call_s(0) == 0
     costs.decoded(0.010, rows=1)
     costs.decoded(0.020, rows=1)  # a running average: 0.010 + 0.2 * 0.010
-    assert costs.token_s(1) == pytest.approx(0.012)
-    assert costs.token_s(4) == pytest.approx(0.004)
-    assert costs.token_s(3) == pytest.approx(0.012 / 3)  # borrows 1 row's call
-    assert costs.token_s(8) == pytest.approx(0.016 / 8)  # borrows 4 rows' call
+    assert costs.call_s(1) == pytest.approx(0.012)
+    assert costs.call_s(3) == pytest.approx(0.012 + 0.004 * 2 / 3)  # between 1 and 4 rows
+    assert costs.call_s(8) == pytest.approx(0.012 + 0.004 * 7 / 3)  # beyond: the same line
+    costs.decoded(0.014, rows=3)
+    assert costs.token_s() == pytest.approx(0.012)  # alone: the whole call
+    assert costs.token_s(4, 1) == pytest.approx(0.002)  # beside 3 decoding turns: its row
+    assert costs.token_s(4, 4) == pytest.approx(0.004)  # all 4 verify: no decode call at all
+    assert costs.share_s(4) == pytest.approx(0.004)
 
 
-def test_a_verify_beside_other_turns_must_beat_the_batchs_rate():
-    """In a step of 4 turns whose decode call of 4 rows costs 1.6 one-row calls, a verify that
-    makes 4 tokens in 2 one-row calls' time pays alone (worth 1.3) but not beside the batch (4
-    tokens in the time the batch makes 5): it pauses."""
+def test_a_verify_beside_decoding_turns_pays_only_for_what_its_row_would_cost():
+    """In a step of 4 turns whose decode call costs 1.6 one-row calls, a verify making 4 tokens
+    in 2 one-row calls' time saves time alone but beside 3 decoding turns (its token would have
+    added 0.2 of a call) loses 1.2 calls: it pauses for 1.2 / (LOSS_BUDGET * 0.4) steps."""
     costs = Costs()
-    costs.decoded(0.010, rows=1)
-    costs.decoded(0.016, rows=4)
-    alone, beside = Lookup(costs=costs), Lookup(costs=costs)
+    for rows, seconds in ((1, 0.010), (3, 0.014), (4, 0.016)):
+        costs.decoded(seconds, rows)
+    alone, beside, together = Lookup(costs=costs), Lookup(costs=costs), Lookup(costs=costs)
     alone.update(4, 3, seconds=0.020, batch=1)
-    beside.update(4, 3, seconds=0.020, batch=4)
-    assert alone.pause == 0 and alone.worth == pytest.approx(1.3)
-    assert beside.worth == pytest.approx(1 + WORTH_WEIGHT * (4 * 0.004 / 0.020 - 1)) and beside.pause == 1
+    beside.update(4, 3, seconds=0.020, batch=4, verifying=1)
+    together.update(4, 3, seconds=0.020, batch=4, verifying=4)
+    assert alone.pause == 0 and alone.saved_s == pytest.approx(0.020)
+    assert beside.pause == math.ceil(0.012 / (LOSS_BUDGET * 0.004))
+    assert together.pause == math.ceil(0.004 / (LOSS_BUDGET * 0.004))
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:

@@ -365,12 +365,13 @@ class Turn:
         return draft
 
     def take_verified(
-        self, rows: np.ndarray, draft: list[int], seconds: float, batch: int = 1
+        self, rows: np.ndarray, draft: list[int], seconds: float, batch: int = 1, verifying: int = 1
     ) -> tuple[list[Event], int]:
         """Sample from `rows` [len(draft) + 1, vocab], the logits after the pending token and after
-        each proposal (a verify call of `seconds`, in a step of `batch` turns past their prompts),
-        one row at a time as decode steps would, while the token sampled is the next proposal.
-        Returns the events and how many of pending + draft the slot keeps."""
+        each proposal (a verify call of `seconds`, in a step of `batch` turns past their prompts,
+        `verifying` of which verify), one row at a time as decode steps would, while the token
+        sampled is the next proposal. Returns the events and how many of pending + draft the slot
+        keeps."""
         events: list[Event] = []
         for i, row in enumerate(rows):
             self.wrote_pending()  # the verify call wrote it; the caller makes it valid
@@ -379,7 +380,7 @@ class Turn:
                 break
         assert self.speculator is not None
         taken = sum(e.token == d for e, d in zip(events, draft, strict=False))
-        self.speculator.update(len(draft), taken, self.propose_s + seconds, batch)
+        self.speculator.update(len(draft), taken, self.propose_s + seconds, batch, verifying)
         self.speculator.kept(len(events) - 1)  # the pending token and these proposals stay
         return events, len(events)
 
@@ -473,7 +474,12 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
         turn.will_sample()
     # turns past their prompts, decoding or verifying this step: their decode call's rows
     stepping = len(by_slot) if batch else 1
-    for slot, turn in list(by_slot.items()):
+    # what the turns' speculative steps are weighed against: the step's decode seconds by its
+    # busy rows (batched: all its calls together, idle rows included; else each call, one row)
+    costs = {id(t.speculator.costs): t.speculator.costs for t in by_slot.values() if t.speculator}
+    measuring = any(not c.knows(stepping) for c in costs.values())
+    proposals: dict[Turn, list[int]] = {}
+    for slot, turn in list(by_slot.items()) if not measuring else ():  # all decode: D(stepping)
         try:
             draft = turn.propose(cache)  # a draft model runs here
         except Exception as exc:
@@ -482,11 +488,14 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
             continue
         if draft:
             del by_slot[slot]
-            speculate_turn(backend, cache, turn, draft, result, stepping)
+            proposals[turn] = draft
+    for turn, draft in proposals.items():
+        speculate_turn(backend, cache, turn, draft, result, stepping, min(stepping, len(proposals)))
     if batch:
         ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
     else:
         ranges = [(slot, 1) for slot in by_slot]
+    decode_s, decoded = 0.0, 0
     for first, count in ranges:
         rows = [by_slot.get(slot) for slot in range(first, first + count)]
         try:
@@ -498,29 +507,42 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
                 if turn is not None:
                     result.events[turn] = turn.finish("error", error=exc)
             continue
-        result.decode_calls.append((count - rows.count(None), rows.count(None)))
-        measured = {id(t.speculator.costs): t.speculator.costs for t in rows if t and t.speculator}
-        for costs in measured.values():  # what the rows' speculative steps are weighed against
-            costs.decoded(spent, count)
+        busy = count - rows.count(None)
+        result.decode_calls.append((busy, rows.count(None)))
+        decode_s, decoded = decode_s + spent, decoded + busy
+        if not batch:
+            for measured in costs.values():
+                measured.decoded(spent, busy)
         for turn, row in zip(rows, logits, strict=True):  # [vocab] each
             if turn is not None:
                 turn.wrote_pending()
                 result.events[turn] = turn.sample(row)
+    if batch and decoded:
+        for measured in costs.values():
+            measured.decoded(decode_s, decoded)
     return result
 
 
 def speculate_turn(
-    backend: Backend, cache: KVCache, turn: Turn, draft: list[int], result: StepResult, batch: int = 1
+    backend: Backend,
+    cache: KVCache,
+    turn: Turn,
+    draft: list[int],
+    result: StepResult,
+    batch: int = 1,
+    verifying: int = 1,
 ) -> None:
     """Verify `turn`'s pending token and `draft` in one call (`verify`), take what the model
-    agrees with (`Turn.take_verified`; the step has `batch` turns past their prompts), and make
-    exactly those tokens valid in its slot: the rejected ones' K/V are never made valid
-    (kvedge.runtime.speculate, "roll back")."""
+    agrees with (`Turn.take_verified`; the step has `batch` turns past their prompts, `verifying`
+    of them verifying), and make exactly those tokens valid in its slot: the rejected ones' K/V
+    are never made valid (kvedge.runtime.speculate, "roll back")."""
     tokens = [turn.pending, *draft]
     try:
         started = time.perf_counter()
         out, input_ids = verify(backend, cache, turn.slot, tokens)
-        events, keep = turn.take_verified(out.logits[0], draft, time.perf_counter() - started, batch)
+        events, keep = turn.take_verified(
+            out.logits[0], draft, time.perf_counter() - started, batch, verifying
+        )
         _keep(cache, out, [turn.slot], input_ids, [keep])
     except Exception as exc:
         result.events[turn] = turn.finish("error", error=exc)

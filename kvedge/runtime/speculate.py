@@ -23,20 +23,25 @@ proposals d1..dk (`propose`)::
 
 Adaptive k (`Adaptive`, every proposer's policy): k starts at `FIRST_LOOKUP` for prompt
 lookup and `FIRST_DRAFT` for a draft model, grows (to `MAX_DRAFT`) while every proposal is taken
-and falls to one more than was taken otherwise; after a verify that took nothing (`MISSES`),
-proposing pauses for a number of steps that doubles each time (up to `MAX_PAUSE`), so a
-conversation that does not repeat itself decodes as without speculation, but for the lookup
-itself (microseconds; a draft catches up on the tokens it missed in one call when it resumes).
-A verify that took something but cost more than it made pauses too: each speculative step's
-worth is the tokens it made times what a token costs decoded (`Costs.token_s`: measured on the
-model's own decode calls; in a step of B turns, a decode call of B rows over B, since the turn's
-verify call makes the other B - 1 wait while their one decode call would have carried its token
-too) over its seconds (proposing and verifying; not a draft's prefill of the turn's prompt, which
-is the prompt's cost, not the step's: `unweighed_s`); while the running average (`worth`) is
-below 1, speculating is slower than decoding and it pauses as after a miss. Where a verify costs
-nearly a decode step per row (int4 weights on a CPU without AVX-512), partial takes do not pay;
-where it costs little more than one step (float weights, a GPU), they do. With several turns
-decoding together, a verify call of its own must make more than the batch's tokens per second.
+and falls to one more than was taken otherwise.
+
+Proposing pauses where it does not pay, so a conversation that does not repeat itself decodes as
+without speculation, but for the lookup itself (microseconds; a draft catches up on the tokens
+it missed in one call when it resumes). Each speculative step's seconds (proposing and
+verifying; not a draft's prefill of the turn's prompt, which is the prompt's cost, not the
+step's: `unweighed_s`) are weighed against what its tokens would have cost decoded
+(`Costs.token_s`): the model keeps its decode steps' seconds by the rows decoded together, D(B)
+(a step of B turns whose D(B) was never measured proposes nothing, so all B decode and measure
+it); in a step of B turns of which v verify, a token costs (D(B) - D(B - v)) / v, what their rows
+add to the step's one decode call (alone: a decode call). The turn keeps the seconds it saved
+(`Adaptive.saved_s`); a step that loses more than that pauses proposing for as many steps as
+make the loss `LOSS_BUDGET` of their time (a turn's share of a step, D(B) / B each; at most
+`MAX_PAUSE`), so a turn whose proposals do not pay decodes at least 1 - LOSS_BUDGET as fast as
+without them. Where a verify costs nearly a decode step per row (int4 weights on a CPU without
+AVX-512), partial takes do not pay; where it costs little more than one step (float weights, a
+GPU), they do; beside other turns' batched decode call, a verify call of its own costs a whole
+call against a row's share, so it pays only for long takes. Before any decode is measured, a
+verify that took nothing pauses for 1, 2, 4, .. steps (`MISSES`).
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
 model with the same tokenizer decoding greedily: a point mass too, so `accept` stays exact).
@@ -44,6 +49,7 @@ model with the same tokenizer decoding greedily: a point mass too, so `accept` s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,9 +73,11 @@ FIRST_LOOKUP = 1
 # suffix lengths looked up, longest first: 2 matched common pairs of open chat ("of the") and
 # proposed wrongly a third of its steps on SmolLM2-135M; after an edit, 3 resyncs one token later
 MIN_NGRAM, MAX_NGRAM = 3, 5
-MISSES = 1  # verifies in a row that took nothing before lookup pauses
-MAX_PAUSE = 64  # steps
-WORTH_WEIGHT = 0.3  # of the latest speculative step in the running average of steps' worth
+MISSES = 1  # verifies in a row that took nothing before lookup pauses (unmeasured costs)
+MAX_PAUSE = 128  # steps
+# of a turn's decode time that speculative steps which do not pay may lose: a loss pauses
+# proposing for as many steps as make it this share of their time
+LOSS_BUDGET = 0.03
 DECODE_WEIGHT = 0.2  # of the latest decode call in the running average of its seconds
 
 
@@ -130,28 +138,50 @@ def accept(probs: np.ndarray, proposal: int, rng: np.random.Generator) -> int:
 
 @dataclass
 class Costs:
-    """A model's decode call seconds by rows in the call (running averages), measured on its own
-    decode calls and shared by its turns' proposers: what a speculative step is weighed against.
-    A step of B turns decodes their B tokens in one call of B rows, so a token costs D(B) / B
-    there; a turn that verifies instead makes the other turns wait for its call."""
+    """A model's decode seconds by the rows decoded together (running averages), measured on its
+    own decode steps and shared by its turns' proposers: what speculative steps are weighed
+    against."""
 
-    calls: dict[int, float] = field(default_factory=dict)  # rows -> a call's seconds
+    calls: dict[int, float] = field(default_factory=dict)  # busy rows -> a decode step's seconds
 
     def decoded(self, seconds: float, rows: int = 1) -> None:
-        """A decode call of `rows` rows (busy and idle) took `seconds`."""
+        """Decoding `rows` turns' tokens took `seconds` (a step's decode calls together, idle rows
+        riding along included)."""
         last = self.calls.get(rows)
         self.calls[rows] = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
 
-    def token_s(self, batch: int = 1) -> float | None:
-        """Seconds a token costs decoded without speculation in a step of `batch` turns: a call
-        of `batch` rows over `batch`. A row count not measured yet borrows the call of the most
-        rows measured below it (rows taken as free: the least a token can cost, so a verify is
-        not judged kinder than it is), else of the fewest above; None before any decode call."""
-        if not self.calls:
-            return None
-        below = [rows for rows in self.calls if rows <= batch]
-        rows = max(below) if below else min(self.calls)
-        return self.calls[rows] / batch
+    def call_s(self, rows: int) -> float:
+        """D(rows): a decode call's seconds, 0 for no rows. A row count not measured lies on the
+        line through the two measured counts nearest it (one measured: that call's seconds);
+        0 before any call is measured (`measured`)."""
+        if rows <= 0 or not self.calls:
+            return 0.0
+        if rows in self.calls:
+            return self.calls[rows]
+        near = sorted(self.calls, key=lambda n: (abs(n - rows), n))[:2]
+        if len(near) == 1:
+            return self.calls[near[0]]
+        (a, b), (da, db) = near, (self.calls[near[0]], self.calls[near[1]])
+        return max(0.0, da + (db - da) * (rows - a) / (b - a))
+
+    def knows(self, rows: int) -> bool:
+        """Whether a decode call of `rows` rows was measured."""
+        return rows in self.calls
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.calls)
+
+    def token_s(self, batch: int = 1, verifying: int = 1) -> float:
+        """Seconds a token of the `verifying` turns of a step of `batch` turns would have cost
+        decoded: what their rows add to the step's decode call, (D(batch) - D(batch -
+        verifying)) / verifying (alone: a decode call)."""
+        verifying = max(1, min(verifying, batch))
+        return (self.call_s(batch) - self.call_s(batch - verifying)) / verifying
+
+    def share_s(self, batch: int = 1) -> float:
+        """A decode step's seconds per turn in a step of `batch` turns: D(batch) / batch."""
+        return self.call_s(batch) / max(1, batch)
 
 
 @dataclass
@@ -168,7 +198,7 @@ class Adaptive:
     proposed: int = 0
     accepted: int = 0
     costs: Costs = field(default_factory=Costs)
-    worth: float = 1.0  # running average of speculative steps' tokens made per decoded token's time
+    saved_s: float = 0.0  # seconds this turn's speculative steps saved against decoding, net
 
     def propose(self, history: Sequence[int], room: int) -> list[int]:
         """Proposals to follow `history` (the conversation and the reply, the pending token
@@ -189,9 +219,12 @@ class Adaptive:
         """The target's slot kept the first `proposals` proposals of the last verify (those taken,
         but a reply's last token, which is never written). Nothing to do for prompt lookup."""
 
-    def update(self, proposed: int, accepted: int, seconds: float | None = None, batch: int = 1) -> None:
+    def update(
+        self, proposed: int, accepted: int, seconds: float | None = None, batch: int = 1, verifying: int = 1
+    ) -> None:
         """A verify of `proposed` tokens took `accepted` of them; the step (proposing and
-        verifying) took `seconds`, if measured, in a step of `batch` turns past their prompts."""
+        verifying) took `seconds`, if measured, in a step of `batch` turns past their prompts,
+        `verifying` of which verified."""
         self.verifies += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -199,10 +232,14 @@ class Adaptive:
             self.k = min(MAX_DRAFT, self.k + 2)
         else:
             self.k = max(1, accepted + 1)
-        token_s = self.costs.token_s(batch)
-        if seconds and token_s:  # the pending token and those taken, in decoded tokens' time
-            self.worth += WORTH_WEIGHT * ((accepted + 1) * token_s / seconds - self.worth)
-        if accepted and self.worth >= 1.0:
+        if seconds and self.costs.measured:  # the pending token and those taken, decoded
+            self.saved_s += (accepted + 1) * self.costs.token_s(batch, verifying) - seconds
+            if self.saved_s < 0:  # lost more than earlier steps saved: decode it back
+                share = LOSS_BUDGET * self.costs.share_s(batch)
+                self.pause = min(MAX_PAUSE, math.ceil(-self.saved_s / share)) if share > 0 else MAX_PAUSE
+                self.saved_s = 0.0
+            return
+        if accepted:
             self.misses, self.backoff = 0, 1
             return
         self.misses += 1
