@@ -25,7 +25,17 @@ from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.generate import SamplingConfig, _distribution, decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
-from kvedge.runtime.speculate import LOSS_BUDGET, MAX_PAUSE, MIN_NGRAM, MISSES, Costs, Lookup, accept, lookup
+from kvedge.runtime.speculate import (
+    LOSS_BUDGET,
+    MAX_DRAFT,
+    MAX_PAUSE,
+    MIN_NGRAM,
+    MISSES,
+    Costs,
+    Lookup,
+    accept,
+    lookup,
+)
 
 # (name, ExportOptions fields, family): every cache kind on both variants where it exists
 CASES = [
@@ -344,6 +354,22 @@ def test_steps_that_lose_time_pause_until_decoding_wins_it_back():
     assert unmeasured.pause == 0 and unmeasured.saved_s == 0
     unmeasured.update(4, 0, seconds=0.040)
     assert unmeasured.pause == 1
+
+
+def test_full_takes_while_k_ramps_up_carry_their_loss():
+    """A verify that took all it proposed, below MAX_DRAFT, lost time because k was small (1, 3,
+    ..), not because proposals fail: the loss is carried, not paused for; a refusal then pauses
+    for all that is owed, and so does a full take of MAX_DRAFT that loses."""
+    costs = Costs()
+    costs.decoded(0.010, rows=1)
+    spec = Lookup(costs=costs)
+    spec.update(1, 1, seconds=0.025)  # 2 tokens in 2.5 calls' time: 0.005 s lost
+    assert spec.pause == 0 and spec.saved_s == pytest.approx(-0.005) and spec.k == 3
+    spec.update(3, 1, seconds=0.021)  # a refusal: 0.001 s more lost, 0.006 owed
+    assert spec.pause == math.ceil(0.006 / (LOSS_BUDGET * 0.010)) and spec.saved_s == 0
+    full = Lookup(costs=costs, k=MAX_DRAFT)
+    full.update(MAX_DRAFT, MAX_DRAFT, seconds=(MAX_DRAFT + 2) * 0.010)
+    assert full.pause == math.ceil(0.010 / (LOSS_BUDGET * 0.010))
 
 
 def test_decode_calls_are_kept_by_rows_and_a_token_costs_what_its_row_adds():

@@ -234,7 +234,10 @@ class Adaptive:
             self.k = max(1, accepted + 1)
         if seconds and self.costs.measured:  # the pending token and those taken, decoded
             self.saved_s += (accepted + 1) * self.costs.token_s(batch, verifying) - seconds
-            if self.saved_s < 0:  # lost more than earlier steps saved: decode it back
+            # a full take below the most k can grow to is k ramping up (1, 3, 5, ..): its loss
+            # is carried, to be paid by the longer takes it leads to or by the next pause
+            ramping = accepted == proposed < MAX_DRAFT
+            if self.saved_s < 0 and not ramping:  # lost more than earlier steps saved: decode it back
                 share = LOSS_BUDGET * self.costs.share_s(batch)
                 self.pause = min(MAX_PAUSE, math.ceil(-self.saved_s / share)) if share > 0 else MAX_PAUSE
                 self.saved_s = 0.0
