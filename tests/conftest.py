@@ -169,3 +169,13 @@ GEMMA3_INT8_TOLERANCE = ((1, 30), "Gemma 3 INT8-cache tolerances measured with o
 
 def random_ids(n: int, seed: int = 0, vocab: int = 300) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+@pytest.fixture
+def no_loss_pauses(monkeypatch):
+    """Speculative steps that lose time never pause proposing (`speculate.LOSS_BUDGET` infinite):
+    for tests of exactness and bookkeeping, which need proposals taken and refused on tiny models
+    whose verifies cost what they save; misses before any decode is measured still pause."""
+    from kvedge.runtime import speculate
+
+    monkeypatch.setattr(speculate, "LOSS_BUDGET", float("inf"))

@@ -114,6 +114,7 @@ def greedy(n: int, speculate: str, logprobs: int | None = None) -> SamplingConfi
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
+@pytest.mark.usefixtures("no_loss_pauses")
 def test_greedy_identical_every_cache_kind(exports, name):
     proposed = kept = 0
     with Model(exports(name), slots=2) as model:
@@ -146,9 +147,10 @@ def test_greedy_identical_every_cache_kind(exports, name):
             atol = {"float32": 2e-3, "float16": 3e-2, "int8": 3e-2}[model.manifest.geometry.dtype]
             np.testing.assert_allclose(b.kv.astype(np.float32), a.kv.astype(np.float32), atol=atol)
     assert 0 < kept < proposed, (name, kept, proposed)  # took some, refused some
-    assert model.speculation_costs.token_s() > 0  # measured on the lookup turns' decode calls
+    assert model.speculation_costs.share_s() > 0  # measured on the lookup turns' decode calls
 
 
+@pytest.mark.usefixtures("no_loss_pauses")
 def test_batched_rows_equal_solo(exports):
     prompts = [PROMPT, random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
     with Model(exports("ort-int8"), slots=3) as model:
@@ -182,6 +184,7 @@ def test_the_bench_steps_batches_side_by_side_and_checks_every_reply(tmp_path, e
         assert len(workload["round_ratios"]) == 2 and workload["lookup_tokens_per_s"] > 0
 
 
+@pytest.mark.usefixtures("no_loss_pauses")
 def test_stop_inside_accepted_run_keeps_slot_as_plain(exports):
     """A reply that ends (max_new_tokens) in the middle of what the model took leaves the slot
     holding what it would hold without speculation: no token past the reply."""
@@ -372,10 +375,11 @@ def test_full_takes_while_k_ramps_up_carry_their_loss():
     assert full.pause == math.ceil(0.010 / (LOSS_BUDGET * 0.010))
 
 
-def test_decode_calls_are_kept_by_rows_and_a_token_costs_what_its_row_adds():
+def test_decode_calls_are_kept_by_rows_and_a_broken_batch_is_charged_to_its_verifies():
     """`Costs`: D(rows) measured per row count (a running average); a count not measured lies on
-    the line through the two nearest measured (one measured: flat); a token of v verifying turns
-    in a step of B costs (D(B) - D(B - v)) / v; a turn's share of a step is D(B) / B."""
+    the line through the two nearest measured (one measured: flat); a token decoded in a step of
+    B costs D(B) / B; when v of the B verify, the call of the B - v left costs (D(B - v) - (B - v)
+    D(B) / B) more than their share, charged to the v."""
     costs = Costs()
     assert not costs.measured and costs.call_s(1) == 0
     costs.decoded(0.016, rows=4)
@@ -386,16 +390,17 @@ def test_decode_calls_are_kept_by_rows_and_a_token_costs_what_its_row_adds():
     assert costs.call_s(3) == pytest.approx(0.012 + 0.004 * 2 / 3)  # between 1 and 4 rows
     assert costs.call_s(8) == pytest.approx(0.012 + 0.004 * 7 / 3)  # beyond: the same line
     costs.decoded(0.014, rows=3)
-    assert costs.token_s() == pytest.approx(0.012)  # alone: the whole call
-    assert costs.token_s(4, 1) == pytest.approx(0.002)  # beside 3 decoding turns: its row
-    assert costs.token_s(4, 4) == pytest.approx(0.004)  # all 4 verify: no decode call at all
-    assert costs.share_s(4) == pytest.approx(0.004)
+    assert costs.share_s() == pytest.approx(0.012) and costs.share_s(4) == pytest.approx(0.004)
+    assert costs.broken_s() == 0 and costs.broken_s(4, 4) == 0  # nobody left decoding
+    assert costs.broken_s(4, 1) == pytest.approx(0.014 - 3 * 0.004)
+    assert costs.broken_s(4, 3) == pytest.approx((0.012 - 0.004) / 3)
 
 
-def test_a_verify_beside_decoding_turns_pays_only_for_what_its_row_would_cost():
+def test_a_verify_beside_decoding_turns_pays_for_the_batch_it_breaks():
     """In a step of 4 turns whose decode call costs 1.6 one-row calls, a verify making 4 tokens
-    in 2 one-row calls' time saves time alone but beside 3 decoding turns (its token would have
-    added 0.2 of a call) loses 1.2 calls: it pauses for 1.2 / (LOSS_BUDGET * 0.4) steps."""
+    in 2 one-row calls' time saves time alone; in the step of 4 its tokens are worth 0.4 of a
+    call each, and beside 3 decoding turns it also pays what their smaller call loses: it pauses
+    for the loss over LOSS_BUDGET of a turn's share of a step."""
     costs = Costs()
     for rows, seconds in ((1, 0.010), (3, 0.014), (4, 0.016)):
         costs.decoded(seconds, rows)
@@ -404,8 +409,8 @@ def test_a_verify_beside_decoding_turns_pays_only_for_what_its_row_would_cost():
     beside.update(4, 3, seconds=0.020, batch=4, verifying=1)
     together.update(4, 3, seconds=0.020, batch=4, verifying=4)
     assert alone.pause == 0 and alone.saved_s == pytest.approx(0.020)
-    assert beside.pause == math.ceil(0.012 / (LOSS_BUDGET * 0.004))
-    assert together.pause == math.ceil(0.004 / (LOSS_BUDGET * 0.004))
+    assert beside.pause == math.ceil((0.020 - 4 * 0.004 + 0.002) / (LOSS_BUDGET * 0.004))
+    assert together.pause == math.ceil((0.020 - 4 * 0.004) / (LOSS_BUDGET * 0.004))
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
@@ -472,6 +477,7 @@ def assert_sampled_distribution(model: Model, ids: list[int], config: SamplingCo
     assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(len(counts) - 1)
 
 
+@pytest.mark.usefixtures("no_loss_pauses")
 def test_sampled_distribution_preserved(exports):
     """Lookup's proposals keep sampled replies in distribution (`assert_sampled_distribution`)."""
     config = SamplingConfig(max_new_tokens=3, temperature=1.5, top_k=3, speculate="lookup")

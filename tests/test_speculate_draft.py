@@ -20,10 +20,12 @@ from test_speculate import assert_sampled_distribution, run_turn
 
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.runtime import speculate
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
 
+# exactness and bookkeeping need takes and refusals: a tiny target's draft steps cost what
+# they save, so steps that lose time do not pause here (the policy: test_speculate.py)
+pytestmark = pytest.mark.usefixtures("no_loss_pauses")
 PROMPTS = [random_ids(12, seed=3) * 2, random_ids(30, seed=8), random_ids(20, seed=4)]
 
 
@@ -67,14 +69,6 @@ def folders(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def no_loss_pauses(monkeypatch):
-    """Steps that lose time never pause proposing: tests of exactness and bookkeeping need takes
-    and refusals on tiny models, where a draft step costs what it saves; the pause policy is
-    tested apart (test_speculate.py)."""
-    monkeypatch.setattr(speculate, "LOSS_BUDGET", float("inf"))
-
-
 def greedy(n: int, speculate: str = "off") -> SamplingConfig:
     return SamplingConfig(max_new_tokens=n, speculate=speculate)
 
@@ -102,7 +96,7 @@ def run_in_step(model: Model, slot: int, ids: list[int], config: SamplingConfig)
 
 
 @pytest.mark.parametrize("draft", ["int4", "perturbed"])
-def test_greedy_identical_with_a_draft(folders, draft, no_loss_pauses):
+def test_greedy_identical_with_a_draft(folders, draft):
     proposed = kept = 0
     with Model(folders["target"], slots=2) as model:
         for ids in PROMPTS:
@@ -136,7 +130,7 @@ def test_draft_equal_to_target_is_always_right_across_chat_turns(folders):
             assert_draft_in_step(model, 1)
 
 
-def test_draft_prefill_of_the_prompt_is_not_weighed_as_a_step(folders, no_loss_pauses):
+def test_draft_prefill_of_the_prompt_is_not_weighed_as_a_step(folders):
     """The draft's first proposal of a turn prefills the turn's prompt in its slot: that is the
     prompt's cost, left out of the step's time the cost gate weighs (`unweighed_s`); the turn's
     later proposals are all the step's."""

@@ -29,13 +29,16 @@ Proposing pauses where it does not pay, so a conversation that does not repeat i
 without speculation, but for the lookup itself (microseconds; a draft catches up on the tokens
 it missed in one call when it resumes). Each speculative step's seconds (proposing and
 verifying; not a draft's prefill of the turn's prompt, which is the prompt's cost, not the
-step's: `unweighed_s`) are weighed against what its tokens would have cost decoded
-(`Costs.token_s`): the model keeps its decode steps' seconds by the rows decoded together, D(B)
-(a step of B turns whose D(B) was never measured proposes nothing, so all B decode and measure
-it); in a step of B turns of which v verify, a token costs (D(B) - D(B - v)) / v, what their rows
-add to the step's one decode call (alone: a decode call). The turn keeps the seconds it saved
+step's: `unweighed_s`) are weighed against what its tokens would have cost decoded, the step's
+time as a whole: the model keeps its decode steps' seconds by the rows decoded together, D(B) (a
+step of B turns whose D(B) was never measured proposes nothing, so all B decode and measure it);
+in a step of B turns a token decoded costs D(B) / B (`Costs.share_s`), and when v of them verify,
+the B - v left decode in a call dearer per row, the difference shared by the v
+(`Costs.broken_s`; alone: a token costs a decode call, nothing is broken). The turn keeps the
+seconds it saved
 (`Adaptive.saved_s`); a step that loses more than that pauses proposing for as many steps as
-make the loss `LOSS_BUDGET` of their time (a turn's share of a step, D(B) / B each; at most
+make the loss `LOSS_BUDGET` of their time (but a full take below `MAX_DRAFT`, k ramping up, only
+carries its loss to the next step) (a turn's share of a step, D(B) / B each; at most
 `MAX_PAUSE`), so a turn whose proposals do not pay decodes at least 1 - LOSS_BUDGET as fast as
 without them. Where a verify costs nearly a decode step per row (int4 weights on a CPU without
 AVX-512), partial takes do not pay; where it costs little more than one step (float weights, a
@@ -172,16 +175,18 @@ class Costs:
     def measured(self) -> bool:
         return bool(self.calls)
 
-    def token_s(self, batch: int = 1, verifying: int = 1) -> float:
-        """Seconds a token of the `verifying` turns of a step of `batch` turns would have cost
-        decoded: what their rows add to the step's decode call, (D(batch) - D(batch -
-        verifying)) / verifying (alone: a decode call)."""
-        verifying = max(1, min(verifying, batch))
-        return (self.call_s(batch) - self.call_s(batch - verifying)) / verifying
-
     def share_s(self, batch: int = 1) -> float:
-        """A decode step's seconds per turn in a step of `batch` turns: D(batch) / batch."""
+        """A token's seconds decoded in a step of `batch` turns: D(batch) / batch."""
         return self.call_s(batch) / max(1, batch)
+
+    def broken_s(self, batch: int = 1, verifying: int = 1) -> float:
+        """Seconds a turn verifying in a step of `batch` turns, `verifying` of which verify, costs
+        the turns left decoding: their call of batch - verifying rows is dearer per row than one
+        of all (a call's fixed cost over fewer rows), (D(B - v) - (B - v) D(B) / B) / v; 0 when
+        every turn verifies."""
+        verifying = max(1, min(verifying, batch))
+        left = batch - verifying
+        return max(0.0, self.call_s(left) - left * self.share_s(batch)) / verifying
 
 
 @dataclass
@@ -233,7 +238,8 @@ class Adaptive:
         else:
             self.k = max(1, accepted + 1)
         if seconds and self.costs.measured:  # the pending token and those taken, decoded
-            self.saved_s += (accepted + 1) * self.costs.token_s(batch, verifying) - seconds
+            made = (accepted + 1) * self.costs.share_s(batch) - self.costs.broken_s(batch, verifying)
+            self.saved_s += made - seconds
             # a full take below the most k can grow to is k ramping up (1, 3, 5, ..): its loss
             # is carried, to be paid by the longer takes it leads to or by the next pause
             ramping = accepted == proposed < MAX_DRAFT
