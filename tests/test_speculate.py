@@ -332,6 +332,11 @@ def test_lookup_adapts_and_pauses():
     assert spec.backoff == 1 and spec.misses == 0
 
 
+def pause_for(loss: float, share: float) -> int:
+    """The pause `Adaptive.update` sets for `loss` seconds lost at `share` seconds a step."""
+    return math.ceil(loss / (LOSS_BUDGET * share) - 1e-9)
+
+
 def test_steps_that_lose_time_pause_until_decoding_wins_it_back():
     """A speculative step is weighed against decoding its tokens (a decode call each, alone): what
     it saves is kept, a loss beyond the savings pauses proposing for as many steps as make the loss
@@ -346,7 +351,7 @@ def test_steps_that_lose_time_pause_until_decoding_wins_it_back():
     spec.update(4, 0, seconds=0.025)  # 1 token in 2.5 calls' time: the savings cover it
     assert spec.pause == 0 and spec.saved_s == pytest.approx(0.005)
     spec.update(4, 0, seconds=0.017)  # 0.002 s lost beyond the savings
-    assert spec.pause == math.ceil(0.002 / (LOSS_BUDGET * 0.010)) and spec.saved_s == 0
+    assert spec.pause == pause_for(0.002, 0.010) and spec.saved_s == 0
     free_miss = Lookup(costs=costs)
     free_miss.update(1, 0, seconds=0.010)
     assert free_miss.pause == 0
@@ -369,10 +374,10 @@ def test_full_takes_while_k_ramps_up_carry_their_loss():
     spec.update(1, 1, seconds=0.025)  # 2 tokens in 2.5 calls' time: 0.005 s lost
     assert spec.pause == 0 and spec.saved_s == pytest.approx(-0.005) and spec.k == 3
     spec.update(3, 1, seconds=0.021)  # a refusal: 0.001 s more lost, 0.006 owed
-    assert spec.pause == math.ceil(0.006 / (LOSS_BUDGET * 0.010)) and spec.saved_s == 0
+    assert spec.pause == pause_for(0.006, 0.010) and spec.saved_s == 0
     full = Lookup(costs=costs, k=MAX_DRAFT)
     full.update(MAX_DRAFT, MAX_DRAFT, seconds=(MAX_DRAFT + 2) * 0.010)
-    assert full.pause == math.ceil(0.010 / (LOSS_BUDGET * 0.010))
+    assert full.pause == pause_for(0.010, 0.010)
 
 
 def test_decode_calls_are_kept_by_rows_and_a_broken_batch_is_charged_to_its_verifies():
@@ -409,14 +414,29 @@ def test_a_verify_beside_decoding_turns_pays_for_the_batch_it_breaks():
     beside.update(4, 3, seconds=0.020, batch=4, verifying=1)
     together.update(4, 3, seconds=0.020, batch=4, verifying=4)
     assert alone.pause == 0 and alone.saved_s == pytest.approx(0.020)
-    assert beside.pause == math.ceil((0.020 - 4 * 0.004 + 0.002) / (LOSS_BUDGET * 0.004))
-    assert together.pause == math.ceil((0.020 - 4 * 0.004) / (LOSS_BUDGET * 0.004))
+    assert beside.pause == pause_for((0.020 - 4 * 0.004 + 0.002), 0.004)
+    assert together.pause == pause_for((0.020 - 4 * 0.004), 0.004)
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
     """The chi-square distribution's quantile at the standard normal's z (3.09: 0.999) by
     Wilson-Hilferty, within 1% for df >= 3."""
     return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def test_beside_other_turns_proposals_start_at_the_fewest_that_could_pay():
+    """Alone, lookup proposes k (1 at first); in a step of 4 whose decode call costs 1.6 one-row
+    calls, 2 tokens taken would be worth less than the verify's least cost (a one-row call plus
+    the batch it breaks), so it proposes 2 (3 tokens: 0.012 s, what a one-row call and the
+    broken batch cost)."""
+    costs = Costs()
+    for rows, seconds in ((1, 0.010), (3, 0.014), (4, 0.016)):
+        costs.decoded(seconds, rows)
+    history = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert Lookup(costs=costs).propose(history, 8) == [8]
+    assert Lookup(costs=costs).least_k(4) == 2
+    assert Lookup(costs=costs).propose(history, 8, batch=4) == [8, 9]
+    assert Lookup().propose(history, 8, batch=4) == [8]  # unmeasured
 
 
 def test_accept_rule_keeps_the_distribution():

@@ -350,15 +350,16 @@ class Turn:
         if self.matcher is not None:
             self.matcher.start_mask()
 
-    def propose(self, cache: KVCache) -> list[int]:
-        """Tokens to verify after the pending one this step ([]: decode as usual): no more than
-        the slot has room for with the pending token and the one sampled after them, nor than
-        the reply may still take, cut at the first one the constraint refuses."""
+    def propose(self, cache: KVCache, batch: int = 1) -> list[int]:
+        """Tokens to verify after the pending one this step of `batch` turns ([]: decode as
+        usual): no more than the slot has room for with the pending token and the one sampled
+        after them, nor than the reply may still take, cut at the first one the constraint
+        refuses."""
         if self.speculator is None or self.pending is None:
             return []
         room = min(cache.room(self.slot) - 2, self.config.max_new_tokens - self.produced - 1)
         started = time.perf_counter()
-        draft = self.speculator.propose([*self.seen, self.pending], room)
+        draft = self.speculator.propose([*self.seen, self.pending], room, batch)
         self.propose_s = time.perf_counter() - started - self.speculator.unweighed_s
         if draft and self.matcher is not None:
             draft = draft[: self.matcher.allowed_prefix(draft)]
@@ -481,7 +482,7 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     proposals: dict[Turn, list[int]] = {}
     for slot, turn in list(by_slot.items()) if not measuring else ():  # all decode: D(stepping)
         try:
-            draft = turn.propose(cache)  # a draft model runs here
+            draft = turn.propose(cache, stepping)  # a draft model runs here
         except Exception as exc:
             del by_slot[slot]
             result.events[turn] = turn.finish("error", error=exc)

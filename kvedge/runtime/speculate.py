@@ -43,7 +43,8 @@ carries its loss to the next step) (a turn's share of a step, D(B) / B each; at 
 without them. Where a verify costs nearly a decode step per row (int4 weights on a CPU without
 AVX-512), partial takes do not pay; where it costs little more than one step (float weights, a
 GPU), they do; beside other turns' batched decode call, a verify call of its own costs a whole
-call against a row's share, so it pays only for long takes. Before any decode is measured, a
+call against a row's share, so it pays only for long takes, and proposals there start at the
+fewest that could pay if all were taken (`Adaptive.least_k`). Before any decode is measured, a
 verify that took nothing pauses for 1, 2, 4, .. steps (`MISSES`).
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
@@ -77,10 +78,10 @@ FIRST_LOOKUP = 1
 # proposed wrongly a third of its steps on SmolLM2-135M; after an edit, 3 resyncs one token later
 MIN_NGRAM, MAX_NGRAM = 3, 5
 MISSES = 1  # verifies in a row that took nothing before lookup pauses (unmeasured costs)
-MAX_PAUSE = 128  # steps
+MAX_PAUSE = 256  # steps
 # of a turn's decode time that speculative steps which do not pay may lose: a loss pauses
 # proposing for as many steps as make it this share of their time
-LOSS_BUDGET = 0.03
+LOSS_BUDGET = 0.02
 DECODE_WEIGHT = 0.2  # of the latest decode call in the running average of its seconds
 
 
@@ -205,16 +206,27 @@ class Adaptive:
     costs: Costs = field(default_factory=Costs)
     saved_s: float = 0.0  # seconds this turn's speculative steps saved against decoding, net
 
-    def propose(self, history: Sequence[int], room: int) -> list[int]:
+    def propose(self, history: Sequence[int], room: int, batch: int = 1) -> list[int]:
         """Proposals to follow `history` (the conversation and the reply, the pending token
-        last), at most `room`; [] while paused."""
+        last), at most `room`, in a step of `batch` turns; [] while paused."""
         self.unweighed_s = 0.0
         if self.pause:
             self.pause -= 1
             return []
-        if min(self.k, room) < 1:
+        k = min(max(self.k, self.least_k(batch)), room)
+        if k < 1:
             return []
-        return self.proposals(history, min(self.k, room))
+        return self.proposals(history, k)
+
+    def least_k(self, batch: int = 1) -> int:
+        """The fewest proposals that could pay in a step of `batch` turns if all were taken: a
+        verify costs at least a decode call of one row, and beside other turns the tokens it
+        makes are worth a share of their decode call (`update`). 1 alone or unmeasured."""
+        share = self.costs.share_s(batch)
+        if share <= 0:
+            return 1
+        need = self.costs.call_s(1) + self.costs.broken_s(batch, 1)
+        return max(1, min(MAX_DRAFT, math.ceil(need / share) - 1))
 
     def proposals(self, history: Sequence[int], k: int) -> list[int]:
         """At most `k` tokens to follow `history`."""
@@ -245,7 +257,8 @@ class Adaptive:
             ramping = accepted == proposed < MAX_DRAFT
             if self.saved_s < 0 and not ramping:  # lost more than earlier steps saved: decode it back
                 share = LOSS_BUDGET * self.costs.share_s(batch)
-                self.pause = min(MAX_PAUSE, math.ceil(-self.saved_s / share)) if share > 0 else MAX_PAUSE
+                steps = -self.saved_s / share if share > 0 else MAX_PAUSE
+                self.pause = min(MAX_PAUSE, math.ceil(steps - 1e-9))  # a float's last bits add no step
                 self.saved_s = 0.0
             return
         if accepted:
