@@ -380,6 +380,21 @@ def test_full_takes_while_k_ramps_up_carry_their_loss():
     assert full.pause == pause_for(0.010, 0.010)
 
 
+def test_ramping_stops_where_the_turns_own_steps_say_no_take_could_pay():
+    """k ramps up through losing full takes only while the line through the turn's steps (tokens
+    verified -> seconds) says a full take of MAX_DRAFT would pay: rows at 0.015 s each against
+    decoded tokens at 0.010 s never can, and the carried loss pauses; at 0.008 s they could."""
+    costs = Costs()
+    costs.decoded(0.010, rows=1)
+    dear, cheap = Lookup(costs=costs), Lookup(costs=costs)
+    for spec, seconds in ((dear, 0.055), (cheap, 0.041)):
+        spec.update(1, 1, seconds=0.025)  # 2 tokens, 0.005 s lost: carried
+        assert spec.pause == 0 and spec.saved_s == pytest.approx(-0.005)
+        spec.update(3, 3, seconds=seconds)
+    assert not dear.may_pay() and dear.pause == pause_for(0.020, 0.010) and dear.saved_s == 0
+    assert cheap.may_pay() and cheap.pause == 0 and cheap.saved_s == pytest.approx(-0.006)
+
+
 def test_decode_calls_are_kept_by_rows_and_a_broken_batch_is_charged_to_its_verifies():
     """`Costs`: D(rows) measured per row count (a running average); a count not measured lies on
     the line through the two nearest measured (one measured: flat); a token decoded in a step of

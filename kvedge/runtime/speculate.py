@@ -38,7 +38,8 @@ the B - v left decode in a call dearer per row, the difference shared by the v
 seconds it saved
 (`Adaptive.saved_s`); a step that loses more than that pauses proposing for as many steps as
 make the loss `LOSS_BUDGET` of their time (but a full take below `MAX_DRAFT`, k ramping up, only
-carries its loss to the next step) (a turn's share of a step, D(B) / B each; at most
+carries its loss to the next step, while the turn's own steps say a full take of MAX_DRAFT would
+pay: `Adaptive.may_pay`) (a turn's share of a step, D(B) / B each; at most
 `MAX_PAUSE`), so a turn whose proposals do not pay decodes at least 1 - LOSS_BUDGET as fast as
 without them. Where a verify costs nearly a decode step per row (int4 weights on a CPU without
 AVX-512), partial takes do not pay; where it costs little more than one step (float weights, a
@@ -82,6 +83,7 @@ MAX_PAUSE = 256  # steps
 # of a turn's decode time that speculative steps which do not pay may lose: a loss pauses
 # proposing for as many steps as make it this share of their time
 LOSS_BUDGET = 0.02
+TIMINGS = 8  # a turn's latest speculative steps that say what a verify of n tokens costs
 DECODE_WEIGHT = 0.2  # of the latest decode call in the running average of its seconds
 
 
@@ -205,6 +207,8 @@ class Adaptive:
     accepted: int = 0
     costs: Costs = field(default_factory=Costs)
     saved_s: float = 0.0  # seconds this turn's speculative steps saved against decoding, net
+    # (tokens verified, seconds) of the turn's latest speculative steps: what a verify of n costs
+    timings: list[tuple[int, float]] = field(default_factory=list)
 
     def propose(self, history: Sequence[int], room: int, batch: int = 1) -> list[int]:
         """Proposals to follow `history` (the conversation and the reply, the pending token
@@ -217,6 +221,17 @@ class Adaptive:
         if k < 1:
             return []
         return self.proposals(history, k)
+
+    def may_pay(self, batch: int = 1, verifying: int = 1) -> bool:
+        """Whether a full take of MAX_DRAFT could pay in such a step: its tokens' worth against
+        the seconds the line through this turn's recent steps (tokens verified -> seconds) gives
+        a verify of that many; True while the steps seen are all of one size."""
+        sizes = np.array([n for n, _ in self.timings], np.float64)
+        if sizes.size == 0 or np.ptp(sizes) == 0:
+            return True
+        slope, intercept = np.polyfit(sizes, [t for _, t in self.timings], 1)
+        n = MAX_DRAFT + 1
+        return n * self.costs.share_s(batch) - self.costs.broken_s(batch, verifying) > intercept + slope * n
 
     def least_k(self, batch: int = 1) -> int:
         """The fewest proposals that could pay in a step of `batch` turns if all were taken: a
@@ -254,7 +269,8 @@ class Adaptive:
             self.saved_s += made - seconds
             # a full take below the most k can grow to is k ramping up (1, 3, 5, ..): its loss
             # is carried, to be paid by the longer takes it leads to or by the next pause
-            ramping = accepted == proposed < MAX_DRAFT
+            self.timings = [*self.timings[-(TIMINGS - 1) :], (proposed + 1, seconds)]
+            ramping = accepted == proposed < MAX_DRAFT and self.may_pay(batch, verifying)
             if self.saved_s < 0 and not ramping:  # lost more than earlier steps saved: decode it back
                 share = LOSS_BUDGET * self.costs.share_s(batch)
                 steps = -self.saved_s / share if share > 0 else MAX_PAUSE
