@@ -29,24 +29,28 @@ Proposing pauses where it does not pay, so a conversation that does not repeat i
 without speculation, but for the lookup itself (microseconds; a draft catches up on the tokens
 it missed in one call when it resumes). Each speculative step's seconds (proposing and
 verifying; not a draft's prefill of the turn's prompt, which is the prompt's cost, not the
-step's: `unweighed_s`) are weighed against what its tokens would have cost decoded, the step's
-time as a whole: the model keeps its decode steps' seconds by the rows decoded together, D(B) (a
-step of B turns whose D(B) was never measured proposes nothing, so all B decode and measure it);
-in a step of B turns a token decoded costs D(B) / B (`Costs.share_s`), and when v of them verify,
-the B - v left decode in a call dearer per row, the difference shared by the v
-(`Costs.broken_s`; alone: a token costs a decode call, nothing is broken). The turn keeps the
-seconds it saved
-(`Adaptive.saved_s`); a step that loses more than that pauses proposing for as many steps as
-make the loss `LOSS_BUDGET` of their time (but a full take below `MAX_DRAFT`, k ramping up, only
-carries its loss to the next step, while the turn's own steps say a full take of MAX_DRAFT would
-pay: `Adaptive.may_pay`) (a turn's share of a step, D(B) / B each; at most
-`MAX_PAUSE`), so a turn whose proposals do not pay decodes at least 1 - LOSS_BUDGET as fast as
-without them. Where a verify costs nearly a decode step per row (int4 weights on a CPU without
-AVX-512), partial takes do not pay; where it costs little more than one step (float weights, a
-GPU), they do; beside other turns' batched decode call, a verify call of its own costs a whole
-call against a row's share, so it pays only for long takes, and proposals there start at the
-fewest that could pay if all were taken (`Adaptive.least_k`). Before any decode is measured, a
-verify that took nothing pauses for 1, 2, 4, .. steps (`MISSES`).
+step's: `unweighed_s`) are weighed against what its tokens would have cost decoded:
+
+    costs     the model keeps its decode steps' seconds by the rows decoded together, D(B); a
+              step of B turns whose D(B) was never measured proposes nothing, so all B decode
+              and measure it (`Costs`)
+    worth     in a step of B turns a decoded token costs D(B) / B (`Costs.share_s`; alone, a
+              decode call); when v of them verify, the B - v left decode in a call dearer per
+              row, and the v share the difference (`Costs.broken_s`)
+    pause     the turn keeps the seconds it saved (`Adaptive.saved_s`); a step that loses more
+              pauses proposing for as many steps as make the loss `LOSS_BUDGET` of their time
+              (D(B) / B each; at most `MAX_PAUSE`)
+    ramp      a full take below `MAX_DRAFT` (k ramping up: 1, 3, 5, ..) only carries its loss
+              to the next step, while the turn's own steps say a full take of MAX_DRAFT would
+              pay (`Adaptive.may_pay`); beside other turns, proposals start at the fewest that
+              could pay if all were taken (`Adaptive.least_k`)
+
+Where a verify costs nearly a decode step per row (int4 weights on a CPU without AVX-512),
+partial takes do not pay; where it costs little more than one step (float weights, a GPU), they
+do. Beside other turns' batched decode call, a verify call of its own costs a whole call against
+a row's share, so it pays only for long takes (docs/PERFORMANCE.md: mostly not on a CPU at 4
+replies). Before any decode is measured, a verify that took nothing pauses for 1, 2, 4, .. steps
+(`MISSES`).
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
 model with the same tokenizer decoding greedily: a point mass too, so `accept` stays exact).
