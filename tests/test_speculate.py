@@ -23,7 +23,15 @@ from conftest import MAX_LEN, random_ids
 from kvedge.contract import MANIFEST_FILE
 from kvedge.errors import KvedgeError
 from kvedge.export.export import ExportOptions, export_model
-from kvedge.runtime.generate import SamplingConfig, _distribution, decode_one_token, prefill, verify
+from kvedge.runtime.generate import (
+    SamplingConfig,
+    _distribution,
+    _keep,
+    decode_one_token,
+    prefill,
+    verify,
+    verify_rows,
+)
 from kvedge.runtime.model import Model
 from kvedge.runtime.speculate import (
     LOSS_BUDGET,
@@ -150,10 +158,12 @@ def test_greedy_identical_every_cache_kind(exports, name):
     assert model.speculation_costs.share_s() > 0  # measured on the lookup turns' decode calls
 
 
+# ort graphs write K/V in place and verify a padded group row by row; portable ones in one call
+@pytest.mark.parametrize("name", ["ort-int8", "portable-f32", "gemma3-ring"])
 @pytest.mark.usefixtures("no_loss_pauses")
-def test_batched_rows_equal_solo(exports):
+def test_batched_rows_equal_solo(exports, name):
     prompts = [PROMPT, random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
-    with Model(exports("ort-int8"), slots=3) as model:
+    with Model(exports(name), slots=3) as model:
         solo = [run_turn(model, 0, ids, greedy(30, "off"))[0] for ids in prompts]
         turns = [model.begin(slot, ids, greedy(30, "lookup")) for slot, ids in enumerate(prompts)]
         got: dict[int, list[int]] = {t.slot: [] for t in turns}
@@ -166,6 +176,36 @@ def test_batched_rows_equal_solo(exports):
     assert [got[s] for s in range(3)] == solo
     assert decoded_together  # a verify and a batched decode in the same step
     assert max(model.speculation_costs.calls) > 1  # calls of several rows, measured by their rows
+    assert max(rows for rows, _ in model.speculation_costs.verifies) > 1  # neighbours verified together
+
+
+@pytest.mark.parametrize("name", ["portable-f32", "ort-int8", "portable-int8", "gemma3-ring"])
+def test_neighbours_verified_in_one_call_equal_each_verified_alone(exports, name):
+    """`verify_rows` of three slots with 2, 5 and 1 tokens (right-padded to 5) against `verify`
+    of each slot alone: the same logits at each row's real positions, and the same K/V kept.
+    Tolerance: the padded call's float sums may run in another order (measured < 1e-5 on float32;
+    ort graphs run the padded rows one at a time, to the bit)."""
+    prompts = [random_ids(9, seed=1), random_ids(14, seed=2), random_ids(6, seed=4)]
+    tokens = [random_ids(2, seed=11), random_ids(5, seed=12), random_ids(1, seed=13)]
+    keeps = [2, 3, 1]
+    with Model(exports(name), slots=6) as model:
+        cache = model.cache
+        prefill(model.backend, cache, 0, prompts)
+        prefill(model.backend, cache, 3, prompts)
+        together, input_ids = verify_rows(model.backend, cache, 0, tokens)
+        assert input_ids.shape == (3, 5)
+        _keep(cache, together, [0, 1, 2], input_ids, keeps)
+        for r, row in enumerate(tokens):
+            alone, ids = verify(model.backend, cache, 3 + r, row)
+            np.testing.assert_allclose(together.logits[r, : len(row)], alone.logits[0], atol=1e-4)
+            _keep(cache, alone, [3 + r], ids, [keeps[r]])
+            n = cache.length(r)
+            assert n == len(prompts[r]) + keeps[r] == cache.length(3 + r)
+            assert list(cache.token_ids(r)) == list(cache.token_ids(3 + r))
+            a, b = cache.view(r, 0, n), cache.view(3 + r, 0, n)
+            np.testing.assert_allclose(a.kv.astype(np.float32), b.kv.astype(np.float32), atol=1e-4)
+            if model.manifest.geometry.quantized:
+                np.testing.assert_allclose(a.scales.astype(np.float32), b.scales.astype(np.float32), atol=1e-4)
 
 
 def test_the_bench_steps_batches_side_by_side_and_checks_every_reply(tmp_path, exports):
@@ -431,6 +471,27 @@ def test_a_verify_beside_decoding_turns_pays_for_the_batch_it_breaks():
     assert alone.pause == 0 and alone.saved_s == pytest.approx(0.020)
     assert beside.pause == pause_for((0.020 - 4 * 0.004 + 0.002), 0.004)
     assert together.pause == pause_for((0.020 - 4 * 0.004), 0.004)
+
+
+def test_neighbours_verify_together_where_measured_no_dearer():
+    """Neighbouring turns' verifies run as one padded call first to measure it, then apart to
+    measure those, then as measured: together where that call is no dearer than theirs apart
+    (float weights: read once for all rows), apart where padding costs (int4's multiplies)."""
+    costs = Costs()
+    assert not costs.groups([5])  # one turn: nothing to group
+    assert costs.groups([2, 5])  # (2 rows, 5) never measured: measure it
+    costs.verified(0.060, 2, 5)
+    assert not costs.groups([2, 5])  # the rows apart not measured yet
+    costs.verified(0.040, 1, 5)
+    assert not costs.groups([2, 5])  # still not (1, 2)
+    costs.verified(0.025, 1, 2)
+    assert costs.groups([2, 5])  # 0.060 against 0.065 apart
+    costs.verified(0.080, 2, 5)  # a running average: 0.060 + 0.2 * 0.020 = 0.064
+    assert costs.verifies[2, 5] == pytest.approx(0.064)
+    assert costs.groups([2, 5])
+    costs.verified(0.090, 2, 5)  # 0.064 + 0.2 * 0.026 = 0.0692 > 0.065
+    assert not costs.groups([2, 5])
+    assert costs.groups([5, 5])  # another shape: measured first
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:

@@ -453,10 +453,11 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     """Advance the unfinished turns by one step: of the turns still prefilling, the one that has
     prefilled the fewest tokens runs its next prompt chunk (one chunk per step, so a new short
     prompt waits for at most the chunk running when it came, not for every long prompt's next
-    chunk too); every turn past its prompt with proposals (`Turn.propose`) verifies them in a call
-    of its own (`speculate_turn`); every other writes its pending token, decoded together in as
-    few calls over contiguous slot ranges as `decode_ranges` allows (with `batch` off, one call
-    per turn), and samples the next. A failure ends the turns it touched with an "error" event."""
+    chunk too); every turn past its prompt with proposals (`Turn.propose`) verifies them, alone
+    or with its neighbours' (`verify_groups`, `speculate_turns`); every other writes its pending
+    token, decoded together in as few calls over contiguous slot ranges as `decode_ranges` allows
+    (with `batch` off, one call per turn), and samples the next. A failure ends the turns it
+    touched with an "error" event."""
     result = StepResult()
     prefilling = [turn for turn in turns if turn.prefilling]
     if prefilling:
@@ -490,8 +491,9 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
         if draft:
             del by_slot[slot]
             proposals[turn] = draft
-    for turn, draft in proposals.items():
-        speculate_turn(backend, cache, turn, draft, result, stepping, min(stepping, len(proposals)))
+    verifying = min(stepping, len(proposals))
+    for group in verify_groups(proposals, batch):
+        speculate_turns(backend, cache, group, [proposals[t] for t in group], result, stepping, verifying)
     if batch:
         ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
     else:
@@ -524,49 +526,103 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     return result
 
 
-def speculate_turn(
+def verify_groups(proposals: dict[Turn, list[int]], batch: bool = True) -> list[list[Turn]]:
+    """The verify calls of a step's proposing turns: turns in neighbouring slots verify in one
+    call where their model's measured costs say so (`Costs.groups`; with `batch` off, never),
+    every other turn in a call of its own."""
+    runs: list[list[Turn]] = []
+    for turn in sorted(proposals, key=lambda t: t.slot):
+        if batch and runs and runs[-1][-1].slot == turn.slot - 1:
+            runs[-1].append(turn)
+        else:
+            runs.append([turn])
+    groups: list[list[Turn]] = []
+    for run in runs:
+        speculator = run[0].speculator
+        if speculator is not None and speculator.costs.groups([len(proposals[t]) + 1 for t in run]):
+            groups.append(run)
+        else:
+            groups.extend([turn] for turn in run)
+    return groups
+
+
+def speculate_turns(
     backend: Backend,
     cache: KVCache,
-    turn: Turn,
-    draft: list[int],
+    turns: list[Turn],
+    drafts: list[list[int]],
     result: StepResult,
     batch: int = 1,
     verifying: int = 1,
 ) -> None:
-    """Verify `turn`'s pending token and `draft` in one call (`verify`), take what the model
-    agrees with (`Turn.take_verified`; the step has `batch` turns past their prompts, `verifying`
-    of them verifying), and make exactly those tokens valid in its slot: the rejected ones' K/V
-    are never made valid (kvedge.runtime.speculate, "roll back")."""
-    tokens = [turn.pending, *draft]
+    """Verify each turn's pending token and draft (the turns in neighbouring slots) in one call
+    (`verify_rows`), take what the model agrees with (`Turn.take_verified`, each turn charged the
+    call's seconds in proportion to its tokens; the step has `batch` turns past their prompts,
+    `verifying` of them verifying), and make exactly those tokens valid in each slot: the
+    rejected ones' K/V are never made valid (kvedge.runtime.speculate, "roll back")."""
+    tokens = [[turn.pending, *draft] for turn, draft in zip(turns, drafts, strict=True)]
     try:
         started = time.perf_counter()
-        out, input_ids = verify(backend, cache, turn.slot, tokens)
-        events, keep = turn.take_verified(
-            out.logits[0], draft, time.perf_counter() - started, batch, verifying
-        )
-        _keep(cache, out, [turn.slot], input_ids, [keep])
+        out, input_ids = verify_rows(backend, cache, turns[0].slot, tokens)
+        spent = time.perf_counter() - started
     except Exception as exc:
-        result.events[turn] = turn.finish("error", error=exc)
+        for turn in turns:
+            result.events[turn] = turn.finish("error", error=exc)
         return
-    result.verify_calls.append((len(draft), keep))
-    result.events[turn] = events[-1]
-    if len(events) > 1:
-        result.earlier[turn] = events[:-1]
+    if (speculator := turns[0].speculator) is not None:  # the turns' model's costs
+        speculator.costs.verified(spent, len(turns), input_ids.shape[1])
+    total = sum(len(row) for row in tokens)
+    keeps: list[int] = []
+    for r, (turn, draft) in enumerate(zip(turns, drafts, strict=True)):
+        try:
+            events, keep = turn.take_verified(
+                out.logits[r, : len(tokens[r])], draft, spent * len(tokens[r]) / total, batch, verifying
+            )
+        except Exception as exc:
+            result.events[turn] = turn.finish("error", error=exc)
+            keeps.append(0)
+            continue
+        keeps.append(keep)
+        result.verify_calls.append((len(draft), keep))
+        result.events[turn] = events[-1]
+        if len(events) > 1:
+            result.earlier[turn] = events[:-1]
+    try:
+        _keep(cache, out, [turn.slot for turn in turns], input_ids, keeps)
+    except Exception as exc:
+        for turn in turns:
+            result.earlier.pop(turn, None)
+            result.events[turn] = turn.finish("error", error=exc)
 
 
 def verify(
     backend: Backend, cache: KVCache, slot: int, tokens: Sequence[int]
 ) -> tuple[StepOutput, np.ndarray]:
-    """Run `tokens` [n] on `slot` after its valid tokens in one call, with the logits after each
-    of them: (the output, its logits [1, n, vocab]; the input ids [1, n]). Nothing becomes valid: an in-place
-    graph has written all n beyond the valid length, a portable one returned their K/V."""
-    n = len(tokens)
-    cache.check_room(slot, n)  # before the run: in-place graphs write
-    input_ids = np.asarray([tokens], np.int64)  # [1, n]
-    past_lengths = cache.lengths[[slot]].copy()  # [1]
-    positions = past_lengths[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [1, n]
-    rows = np.arange(n, dtype=np.int64)[None, :]  # [1, n]: logits at every position
-    counts = np.array([n], np.int64)
+    """`verify_rows` of one slot: the logits [1, n, vocab] after each of `tokens` [n]."""
+    return verify_rows(backend, cache, slot, [tokens])
+
+
+def verify_rows(
+    backend: Backend, cache: KVCache, first_slot: int, tokens: Sequence[Sequence[int]]
+) -> tuple[StepOutput, np.ndarray]:
+    """Run tokens[r] on slot first_slot + r after its valid tokens, all rows in one call, with the
+    logits after each token: (the output, its logits [rows, n, vocab] with n the longest row's
+    length, row r's beyond len(tokens[r]) meaningless; the input ids [rows, n], right-padded).
+    Nothing becomes valid: an in-place graph has written each row's tokens beyond its valid
+    length, a portable one returned their K/V."""
+    slots = list(range(first_slot, first_slot + len(tokens)))
+    counts = np.array([len(row) for row in tokens], np.int64)  # [rows]
+    for slot, count in zip(slots, counts, strict=True):  # before the run: in-place graphs write
+        cache.check_room(slot, int(count))
+    n = int(counts.max())
+    input_ids = np.zeros((len(tokens), n), np.int64)  # [rows, n]
+    for r, row in enumerate(tokens):
+        input_ids[r, : len(row)] = row
+    past_lengths = cache.lengths[slots].copy()  # [rows]
+    positions = past_lengths[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [rows, n]
+    # Padding gets in-range positions, and its logits rows repeat the row's last real one.
+    np.minimum(positions, cache.geometry.max_len - 1, out=positions)
+    rows = np.minimum(np.arange(n, dtype=np.int64)[None, :], counts[:, None] - 1)  # [rows, n]
     return backend.run(
-        input_ids, positions, past_lengths, rows, cache.layer_views(slot, 1), counts
+        input_ids, positions, past_lengths, rows, cache.layer_views(first_slot, len(slots)), counts
     ), input_ids
