@@ -176,7 +176,9 @@ def test_batched_rows_equal_solo(exports, name):
     assert [got[s] for s in range(3)] == solo
     assert decoded_together  # a verify and a batched decode in the same step
     assert max(model.speculation_costs.calls) > 1  # calls of several rows, measured by their rows
-    assert max(rows for rows, _ in model.speculation_costs.verifies) > 1  # neighbours verified together
+    # neighbours verified together, but on in-place graphs, which would run them row by row
+    together = max(rows for rows, _ in model.speculation_costs.verifies)
+    assert together == 1 if model.manifest.in_place else together > 1
 
 
 @pytest.mark.parametrize("name", ["portable-f32", "ort-int8", "portable-int8", "gemma3-ring"])
@@ -205,7 +207,7 @@ def test_neighbours_verified_in_one_call_equal_each_verified_alone(exports, name
             a, b = cache.view(r, 0, n), cache.view(3 + r, 0, n)
             np.testing.assert_allclose(a.kv.astype(np.float32), b.kv.astype(np.float32), atol=1e-4)
             if model.manifest.geometry.quantized:
-                np.testing.assert_allclose(a.scales.astype(np.float32), b.scales.astype(np.float32), atol=1e-4)
+                np.testing.assert_array_equal(a.scales, b.scales)
 
 
 def test_the_bench_steps_batches_side_by_side_and_checks_every_reply(tmp_path, exports):

@@ -492,7 +492,7 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
             del by_slot[slot]
             proposals[turn] = draft
     verifying = min(stepping, len(proposals))
-    for group in verify_groups(proposals, batch):
+    for group in verify_groups(proposals, batch and not backend.manifest.in_place):
         speculate_turns(backend, cache, group, [proposals[t] for t in group], result, stepping, verifying)
     if batch:
         ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
@@ -526,13 +526,14 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     return result
 
 
-def verify_groups(proposals: dict[Turn, list[int]], batch: bool = True) -> list[list[Turn]]:
+def verify_groups(proposals: dict[Turn, list[int]], together: bool = True) -> list[list[Turn]]:
     """The verify calls of a step's proposing turns: turns in neighbouring slots verify in one
-    call where their model's measured costs say so (`Costs.groups`; with `batch` off, never),
-    every other turn in a call of its own."""
+    call where their model's measured costs say so (`Costs.groups`; never without `together`:
+    unbatched steps, and in-place graphs, which run a padded call row by row), every other turn
+    in a call of its own."""
     runs: list[list[Turn]] = []
     for turn in sorted(proposals, key=lambda t: t.slot):
-        if batch and runs and runs[-1][-1].slot == turn.slot - 1:
+        if together and runs and runs[-1][-1].slot == turn.slot - 1:
             runs[-1].append(turn)
         else:
             runs.append([turn])

@@ -48,9 +48,11 @@ step's: `unweighed_s`) are weighed against what its tokens would have cost decod
 Where a verify costs nearly a decode step per row (int4 weights on a CPU without AVX-512),
 partial takes do not pay; where it costs little more than one step (float weights, a GPU), they
 do. Beside other turns' batched decode call, a verify call of its own costs a whole call against
-a row's share, so it pays only for long takes (docs/PERFORMANCE.md: mostly not on a CPU at 4
-replies). Before any decode is measured, a verify that took nothing pauses for 1, 2, 4, .. steps
-(`MISSES`).
+a row's share, so it pays only for long takes. Turns in neighbouring slots that verify in the
+same step share one call, their rows right-padded to the longest, where the model measured that
+call no dearer than theirs apart (`Costs.groups`): the weights are read once for all rows, so
+four replies quoting on float32 went from 1.40x to 2.13x (docs/PERFORMANCE.md). Before any
+decode is measured, a verify that took nothing pauses for 1, 2, 4, .. steps (`MISSES`).
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
 model with the same tokenizer decoding greedily: a point mass too, so `accept` stays exact).
@@ -172,9 +174,9 @@ class Costs:
         """Whether verifies of `widths` tokens in neighbouring slots run as one call (rows padded
         to the longest) rather than a call each: when that call was never measured (to measure
         it), or was measured no dearer than the separate calls, once each of those was measured.
-        Float weights are read once for all rows (SmolLM2-135M float32, one core: 4 rows of 5
-        took 2.98 decode steps, one row 1.27); int4's multiplies cost per token, so padding is
-        waste there (4 of 5: 9.18, one: 2.18; one of 2 beside one of 9: 7.47 against 4.76)."""
+        One call reads the weights once for all rows (SmolLM2-135M float32, one core: 4 rows of
+        5 took 2.98 decode steps, one row 1.27), but computes every row's padding too. (In-place
+        graphs run a padded call row by row, `OrtBackend.run`: their turns verify apart.)"""
         if len(widths) < 2:
             return False
         together = self.verifies.get((len(widths), max(widths)))
