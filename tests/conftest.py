@@ -179,3 +179,11 @@ def no_loss_pauses(monkeypatch):
     from kvedge.runtime import speculate
 
     monkeypatch.setattr(speculate, "LOSS_BUDGET", float("inf"))
+
+
+@pytest.fixture(scope="session")
+def selftests(tmp_path_factory) -> Path:
+    """A folder for `csrc/selftest.cc` builds that lives the whole session: each build is kept
+    for the tests after it (`test_kv_int8.build_and_run_selftest`), and pytest removes a passing
+    test's own tmp_path when it ends (pyproject.toml: tmp_path_retention_policy)."""
+    return tmp_path_factory.mktemp("selftests")

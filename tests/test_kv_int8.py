@@ -408,11 +408,13 @@ BUILT_SELFTESTS: dict[tuple[str, ...], Path] = {}
 
 
 def build_and_run_selftest(
-    compiler: list[str], runner: list[str], out: Path, args: tuple[str, ...] = ()
+    compiler: list[str], runner: list[str], folder: Path, args: tuple[str, ...] = ()
 ) -> str:
-    """`csrc/selftest.cc`'s output for `args`, built with `compiler` at `out` unless this session
-    built it already (pytest keeps a session's tmp_path folders), run through `runner`."""
+    """`csrc/selftest.cc`'s output for `args`, built with `compiler` into `folder` (the session's
+    `selftests` folder: a test's own tmp_path is removed when it passes) unless this session
+    built it already, run through `runner`."""
     if tuple(compiler) not in BUILT_SELFTESTS:
+        out = folder / f"selftest-{len(BUILT_SELFTESTS)}"
         include = f"-I{CSRC / 'third_party' / 'onnxruntime'}"
         subprocess.run(
             [*compiler, "-O2", "-std=c++17", include, str(CSRC / "selftest.cc"), "-o", str(out)],
@@ -433,20 +435,20 @@ NEEDS_AARCH64 = pytest.mark.skipif(
 )
 
 
-def run_selftest(tmp_path: Path, *args: str, orin: bool = False) -> str:
+def run_selftest(folder: Path, *args: str, orin: bool = False) -> str:
     """`csrc/selftest.cc`'s output for `args`, built for this machine's CPU or (`orin`) for an Orin's."""
     if orin:
         compiler = ["aarch64-linux-gnu-g++", "-mcpu=cortex-a78ae", "-static"]
-        return build_and_run_selftest(compiler, ["qemu-aarch64"], tmp_path / "selftest-aarch64", args)
-    return build_and_run_selftest(["g++", "-march=native"], [], tmp_path / "selftest", args)
+        return build_and_run_selftest(compiler, ["qemu-aarch64"], folder, args)
+    return build_and_run_selftest(["g++", "-march=native"], [], folder, args)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-def test_kernel_vector_paths_match_its_scalar_path(tmp_path):
+def test_kernel_vector_paths_match_its_scalar_path(selftests):
     """Every vectorized (head_dim, group size) instantiation of the kernel against its
     channel-at-a-time path (`csrc/selftest.cc`; 1e-5 relative: float summation order only), built
     for this machine's CPU."""
-    out = run_selftest(tmp_path)
+    out = run_selftest(selftests)
     assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
@@ -459,27 +461,27 @@ TILED_CASES = 15 * 3 * 9 + 11 + 10 + 15
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-def test_kernel_tiled_prefill_matches_exact_attention(tmp_path):
+def test_kernel_tiled_prefill_matches_exact_attention(selftests):
     """The prefill path (tiles of query rows against blocks of dequantized cache rows, online
     softmax) against attention computed in double precision (1e-5 relative), at cache blocks of
     16, 36 and the kernel's own, and whole calls cut into work items: ragged last tiles, past
     lengths that are no multiple of a tile or block, KV groups of 3, 2 and 1, the generic head_dim;
     and decode steps whose cache is split into blocks run on 1 to 5 threads, then combined (the
     op's own split, blocks of 8 to 100 positions, lengths that are no multiple of a block)."""
-    out = run_selftest(tmp_path, "tiled")
+    out = run_selftest(selftests, "tiled")
     assert out.count("ok  ") == TILED_CASES and "FAIL" not in out
 
 
 @NEEDS_AARCH64
-def test_kernel_neon_path_matches_its_scalar_path(tmp_path):
+def test_kernel_neon_path_matches_its_scalar_path(selftests):
     """The same self-test built for a Jetson Orin's CPU (Cortex-A78AE: the NEON code path) and run
     under qemu."""
-    out = run_selftest(tmp_path, orin=True)
+    out = run_selftest(selftests, orin=True)
     assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
 @NEEDS_AARCH64
-def test_kernel_neon_tiled_prefill_matches_exact_attention(tmp_path):
+def test_kernel_neon_tiled_prefill_matches_exact_attention(selftests):
     """The tiled prefill self-test built for a Jetson Orin's CPU and run under qemu."""
-    out = run_selftest(tmp_path, "tiled", orin=True)
+    out = run_selftest(selftests, "tiled", orin=True)
     assert out.count("ok  ") == TILED_CASES and "FAIL" not in out

@@ -33,12 +33,12 @@ def check_selftest(out: str, path: str) -> None:
 
 
 @NEEDS_GXX
-def test_quant_matmul_selftest_native(tmp_path):
+def test_quant_matmul_selftest_native(selftests):
     """This machine's vector path (AVX2 on CI's CPU) and the scalar path against the formula in
     double precision: bits 4 and 8, blocks of 16 to 256, 1, 2, 3, 5, 6 and 8 rows (tiles of 1 to
     4 rows), 0, 1, 2, 3, 5, 7 and 32 kept channels, with and without minimums, N of 1 to 32
     tiles, items of the op's size and of 1, 3 and 5 tiles on 2 and 3 threads."""
-    out = run_selftest(tmp_path, "qmm")
+    out = run_selftest(selftests, "qmm")
     assert out.count("ok  ") == QMM_CASES and "FAIL" not in out
 
 
@@ -68,19 +68,19 @@ def cpu_flags() -> set[str]:
         (["-march=x86-64"], "sse2", "scalar"),
     ],
 )
-def test_quant_matmul_selftest_other_x86_paths(tmp_path, flags, needs, path):
+def test_quant_matmul_selftest_other_x86_paths(selftests, flags, needs, path):
     """The AVX2 paths and the scalar-only build, where this CPU runs them."""
     if needs not in cpu_flags() or "avx2" not in cpu_flags():
         pytest.skip(f"this CPU lacks {needs} (or is no x86-64 with AVX2)")
-    out = build_and_run_selftest(["g++", *flags], [], tmp_path / "selftest", ("qmm",))
+    out = build_and_run_selftest(["g++", *flags], [], selftests, ("qmm",))
     check_selftest(out, path)
 
 
 @NEEDS_AARCH64
-def test_quant_matmul_selftest_neon(tmp_path):
+def test_quant_matmul_selftest_neon(selftests):
     """sdot (s8 x s8): 8-bit codes centred by xor 0x80, 4-bit ones less zc times the block's sum of
     xq; built for a Jetson Orin's CPU and run under qemu."""
-    check_selftest(run_selftest(tmp_path, "qmm", orin=True), "neon-dotprod")
+    check_selftest(run_selftest(selftests, "qmm", orin=True), "neon-dotprod")
 
 
 def make_weight(k: int, n: int, bits: int, block: int, minimums: bool, n_kept: int, seed: int = 0):
