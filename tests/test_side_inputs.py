@@ -43,17 +43,17 @@ SIDE_CASES = 14  # csrc/selftest.cc's `side` cases
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-def test_side_rows_match_exact_sums(tmp_path):
+def test_side_rows_match_exact_sums(selftests):
     """SideRows against in-order float32 block sums, kept channels and masked x, all exactly: every
     export block size, a block that is no multiple of 8, no blocks, no kept channels, no masked
     output, rows cut into ragged items."""
-    out = run_selftest(tmp_path, "side")
+    out = run_selftest(selftests, "side")
     assert out.count("ok  ") == SIDE_CASES and "FAIL" not in out
 
 
 @NEEDS_AARCH64
-def test_side_rows_neon_match_exact_sums(tmp_path):
-    out = run_selftest(tmp_path, "side", orin=True)
+def test_side_rows_neon_match_exact_sums(selftests):
+    out = run_selftest(selftests, "side", orin=True)
     assert out.count("ok  ") == SIDE_CASES and "FAIL" not in out
 
 
