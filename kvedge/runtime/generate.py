@@ -211,23 +211,33 @@ def can_idle(backend: Backend, cache: KVCache, slot: int) -> bool:
 def _run(
     backend: Backend, cache: KVCache, slots: list[int], rows: list[list[int]], counts: list[int]
 ) -> np.ndarray:
-    width = max(1, max(counts))
-    input_ids = np.zeros((len(rows), width), np.int64)  # [batch, seq]
-    for r, row in enumerate(rows):
-        input_ids[r, : len(row)] = row
-    past_lengths = cache.lengths[slots].copy()  # [batch]
-    position_ids = past_lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]  # [batch, seq]
-    # Padding rows and columns get in-range positions; their outputs are discarded.
-    np.minimum(position_ids, cache.geometry.max_len - 1, out=position_ids)
+    input_ids, position_ids, past_lengths = _padded(cache, slots, rows)
     count_arr = np.asarray(counts, np.int64)  # [batch]
     last_index = np.maximum(count_arr - 1, 0)  # [batch]
-    for slot, count in zip(slots, counts, strict=True):  # before the run: in-place graphs write
-        cache.check_room(slot, count)
     out = backend.run(
         input_ids, position_ids, past_lengths, last_index, cache.layer_views(slots[0], len(slots)), count_arr
     )
     _keep(cache, out, slots, input_ids, counts)
     return out.logits
+
+
+def _padded(
+    cache: KVCache, slots: list[int], rows: Sequence[Sequence[int]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A call's inputs for rows[r] after slot slots[r]'s valid tokens: (input ids [batch, width]
+    right-padded, position ids [batch, width], past lengths [batch]). Padding gets in-range
+    positions; its outputs are discarded. Refuses a row that does not fit its slot, before the
+    call: in-place graphs write."""
+    for slot, row in zip(slots, rows, strict=True):
+        cache.check_room(slot, len(row))
+    width = max(1, max(len(row) for row in rows))
+    input_ids = np.zeros((len(rows), width), np.int64)  # [batch, width]
+    for r, row in enumerate(rows):
+        input_ids[r, : len(row)] = row
+    past_lengths = cache.lengths[slots].copy()  # [batch]
+    position_ids = past_lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]  # [batch, width]
+    np.minimum(position_ids, cache.geometry.max_len - 1, out=position_ids)
+    return input_ids, position_ids, past_lengths
 
 
 def _keep(
@@ -612,18 +622,10 @@ def verify_rows(
     Nothing becomes valid: an in-place graph has written each row's tokens beyond its valid
     length, a portable one returned their K/V."""
     slots = list(range(first_slot, first_slot + len(tokens)))
+    input_ids, positions, past_lengths = _padded(cache, slots, tokens)  # [rows, n] each, [rows]
     counts = np.array([len(row) for row in tokens], np.int64)  # [rows]
-    for slot, count in zip(slots, counts, strict=True):  # before the run: in-place graphs write
-        cache.check_room(slot, int(count))
-    n = int(counts.max())
-    input_ids = np.zeros((len(tokens), n), np.int64)  # [rows, n]
-    for r, row in enumerate(tokens):
-        input_ids[r, : len(row)] = row
-    past_lengths = cache.lengths[slots].copy()  # [rows]
-    positions = past_lengths[:, None] + np.arange(n, dtype=np.int64)[None, :]  # [rows, n]
-    # Padding gets in-range positions, and its logits rows repeat the row's last real one.
-    np.minimum(positions, cache.geometry.max_len - 1, out=positions)
-    rows = np.minimum(np.arange(n, dtype=np.int64)[None, :], counts[:, None] - 1)  # [rows, n]
+    # logits at every real position; padding's repeat the row's last real one
+    rows = np.minimum(np.arange(input_ids.shape[1], dtype=np.int64)[None, :], counts[:, None] - 1)
     return backend.run(
         input_ids, positions, past_lengths, rows, cache.layer_views(first_slot, len(slots)), counts
     ), input_ids
