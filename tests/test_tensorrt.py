@@ -34,7 +34,7 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill, verify
+from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill, verify, verify_rows
 from kvedge.runtime.interface import Backend, graph_last_index, step_logits
 
 
@@ -592,6 +592,39 @@ def test_trt_backend_verifies_rows_as_onnxruntime_does(tiny_llama, monkeypatch):
         assert shapes == [((1, vocab), (1, vocab)), ((1, 1, vocab), (1, 1, vocab))]
         with pytest.raises(KvedgeError, match=f"asking for {VERIFY_TOKENS + 1} logits rows per sequence"):
             verify(trt, caches[1], 0, random_ids(VERIFY_TOKENS + 1))
+        trt.close()
+        cpu.close()
+
+
+def test_trt_backend_verifies_neighbours_in_one_call_as_onnxruntime_does(tiny_llama, monkeypatch):
+    """Three slots' verifies of 2, 9 and 5 tokens in one call (`verify_rows`: right-padded to 9,
+    last_index [3, 9]) through TrtBackend (fake engine) on the prefill profile: logits at each
+    row's real positions and each row's new K/V equal OrtBackend's; more rows than the engine's
+    max_batch refused naming both."""
+    from kvedge.runtime.backend import OrtBackend
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    with fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_TOKENS, max_batch=3):
+        cpu, trt = OrtBackend(folder, manifest), TrtBackend(folder, manifest)
+        caches = [KVCache(manifest.geometry, 4), KVCache(manifest.geometry, 4)]
+        prompts = [random_ids(20, seed=4), random_ids(7, seed=6), random_ids(13, seed=8)]
+        for backend, cache in zip((cpu, trt), caches, strict=True):
+            prefill(backend, cache, 0, prompts)
+        tokens = [random_ids(2, seed=5), random_ids(VERIFY_TOKENS, seed=7), random_ids(5, seed=9)]
+        want, ids = verify_rows(cpu, caches[0], 0, tokens)
+        got, _ = verify_rows(trt, caches[1], 0, tokens)
+        assert ids.shape == (3, VERIFY_TOKENS)
+        assert got.logits.shape == want.logits.shape == (3, VERIFY_TOKENS, manifest.vocab_size)
+        assert trt.engine.runs[-1] == 0  # the prefill profile
+        for r, row in enumerate(tokens):
+            n = len(row)
+            np.testing.assert_allclose(got.logits[r, :n], want.logits[r, :n], atol=1e-5, rtol=0)
+            for layer_want, layer_got in zip(want.present, got.present, strict=True):
+                for a, b in zip(layer_want, layer_got, strict=True):  # [rows, kv_heads, n, ...]
+                    np.testing.assert_allclose(b[r, :, :n], a[r, :, :n], atol=1e-5, rtol=0)
+        with pytest.raises(KvedgeError, match=r"a call of 4 rows x 2 tokens exceeds .*\(3 rows"):
+            verify_rows(trt, caches[1], 0, [random_ids(2, seed=s) for s in range(4)])
         trt.close()
         cpu.close()
 
