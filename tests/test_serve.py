@@ -684,6 +684,10 @@ def test_decode_ranges_span_idle_slots_that_can_idle():
     assert decode_ranges([0, 2, 5], lambda s: s != 4) == [(0, 3), (5, 1)]
     assert decode_ranges([0, 9], anyone, max_idle=8) == [(0, 10)]
     assert decode_ranges([0, 10, 11], anyone, max_idle=8) == [(0, 1), (10, 2)]
+    # a backend that takes at most 2 sequences a call (a TensorRT engine's max_batch)
+    assert decode_ranges([0, 1, 2, 3, 4], anyone, max_rows=2) == [(0, 2), (2, 2), (4, 1)]
+    assert decode_ranges([0, 2, 3], anyone, max_rows=2) == [(0, 1), (2, 2)]  # idle rows count
+    assert decode_ranges([0, 1, 2], anyone, max_rows=1) == [(0, 1), (1, 1), (2, 1)]
 
 
 def test_pick_slot_prefers_the_longest_shared_prefix_then_least_recently_used():

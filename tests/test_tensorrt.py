@@ -629,6 +629,49 @@ def test_trt_backend_verifies_neighbours_in_one_call_as_onnxruntime_does(tiny_ll
         cpu.close()
 
 
+@pytest.mark.usefixtures("no_loss_pauses")
+def test_more_slots_than_the_engine_takes_a_call_decode_in_calls_it_takes(tiny_llama, monkeypatch):
+    """`Model(device="tensorrt")` with 3 slots over an engine of max_batch 2 (fake engine; the
+    default build is 1): three replies stepping together decode and verify in calls of at most 2
+    rows, and each equals its reply decoded alone on the CPU. (Before, the step asked the engine
+    for one call of 3 rows and every reply ended in its refusal.)"""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    prompts = [random_ids(12, seed=3) * 3, random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
+
+    def replies(model: Model, speculate: str) -> list[list[int]]:
+        turns = [
+            model.begin(slot, ids, SamplingConfig(max_new_tokens=20, speculate=speculate))
+            for slot, ids in enumerate(prompts)
+        ]
+        got: dict[int, list[int]] = {turn.slot: [] for turn in turns}
+        while not all(turn.done for turn in turns):
+            result = model.step(turns)
+            for turn in turns:
+                events = result.emitted(turn)
+                assert all(event.finish_reason != "error" for event in events), events[-1].error
+                got[turn.slot] += [event.token for event in events]
+            assert all(busy + idle <= 2 for busy, idle in result.decode_calls)
+        return [got[slot] for slot in range(len(prompts))]
+
+    with Model(folder, slots=1) as cpu:
+        alone = []
+        for ids in prompts:  # each alone, without speculation
+            turn = cpu.begin(0, ids, SamplingConfig(max_new_tokens=20))
+            alone.append([])
+            while not turn.done:
+                alone[-1] += [event.token for event in cpu.step([turn]).emitted(turn)]
+    with (
+        fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_TOKENS, max_batch=2),
+        Model(folder, device="tensorrt", slots=3) as trt,
+    ):
+        assert trt.backend.max_batch == 2
+        assert replies(trt, "off") == alone
+        assert replies(trt, "lookup") == alone
+        assert max(rows for rows, _ in trt.speculation_costs.verifies) == 2  # neighbours, two a call
+
+
 def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkeypatch, caplog):
     """`Model(device="tensorrt")` (fake engine): greedy lookup replies equal plain CPU decoding
     token for token when the engine takes `VERIFY_TOKENS` rows; an engine of one row decodes the

@@ -248,6 +248,8 @@ def disabled_optimizers(manifest: Manifest) -> list[str]:
 class OrtBackend:
     """One onnxruntime session over an exported artifact folder."""
 
+    max_batch: int | None = None  # onnxruntime takes any batch
+
     def __init__(
         self,
         folder: Path,

@@ -266,17 +266,22 @@ MAX_IDLE_ROWS = 8
 
 
 def decode_ranges(
-    busy: Sequence[int], can_idle: Callable[[int], bool], max_idle: int = MAX_IDLE_ROWS
+    busy: Sequence[int],
+    can_idle: Callable[[int], bool],
+    max_idle: int = MAX_IDLE_ROWS,
+    max_rows: int | None = None,
 ) -> list[tuple[int, int]]:
     """(first slot, count) ranges, one per decode call, covering the `busy` slots in as few calls
-    as possible: the slots between two busy ones ride along idle when each `can_idle` and there
-    are at most `max_idle` of them; otherwise a new range starts."""
+    as possible: the slots between two busy ones ride along idle when each `can_idle`, there are
+    at most `max_idle` of them and the call stays within `max_rows` rows (the backend's
+    `max_batch`; None: any); otherwise a new range starts."""
     ranges: list[tuple[int, int]] = []
     for slot in sorted(busy):
         if ranges:
             first, count = ranges[-1]
             gap = range(first + count, slot)
-            if len(gap) <= max_idle and all(can_idle(s) for s in gap):
+            fits = max_rows is None or slot - first + 1 <= max_rows
+            if fits and len(gap) <= max_idle and all(can_idle(s) for s in gap):
                 ranges[-1] = (first, slot - first + 1)
                 continue
         ranges.append((slot, 1))
@@ -502,10 +507,13 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
             del by_slot[slot]
             proposals[turn] = draft
     verifying = min(stepping, len(proposals))
-    for group in verify_groups(proposals, batch and not backend.manifest.in_place):
+    together = backend.max_batch if batch and not backend.manifest.in_place else 1
+    for group in verify_groups(proposals, together):
         speculate_turns(backend, cache, group, [proposals[t] for t in group], result, stepping, verifying)
     if batch:
-        ranges = decode_ranges(list(by_slot), lambda s: can_idle(backend, cache, s))
+        ranges = decode_ranges(
+            list(by_slot), lambda s: can_idle(backend, cache, s), max_rows=backend.max_batch
+        )
     else:
         ranges = [(slot, 1) for slot in by_slot]
     decode_s, decoded = 0.0, 0
@@ -536,14 +544,14 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
     return result
 
 
-def verify_groups(proposals: dict[Turn, list[int]], together: bool = True) -> list[list[Turn]]:
-    """The verify calls of a step's proposing turns: turns in neighbouring slots verify in one
-    call where their model's measured costs say so (`Costs.groups`; never without `together`:
-    unbatched steps, and in-place graphs, which run a padded call row by row), every other turn
-    in a call of its own."""
+def verify_groups(proposals: dict[Turn, list[int]], together: int | None = None) -> list[list[Turn]]:
+    """The verify calls of a step's proposing turns: turns in neighbouring slots, at most
+    `together` (None: any; 1 for unbatched steps, and for in-place graphs, which run a padded
+    call row by row), verify in one call where their model's measured costs say so
+    (`Costs.groups`), every other turn in a call of its own."""
     runs: list[list[Turn]] = []
     for turn in sorted(proposals, key=lambda t: t.slot):
-        if together and runs and runs[-1][-1].slot == turn.slot - 1:
+        if runs and runs[-1][-1].slot == turn.slot - 1 and (together is None or len(runs[-1]) < together):
             runs[-1].append(turn)
         else:
             runs.append([turn])

@@ -44,6 +44,8 @@ class Backend(Protocol):
     implement it; `kvedge.runtime.registry.open_backend` picks one."""
 
     manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
+    # most sequences one call may hold (a TensorRT engine's profiles); None: no limit
+    max_batch: int | None
 
     def run(
         self,
