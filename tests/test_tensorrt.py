@@ -240,6 +240,10 @@ class FakeContext:
         names = self.engine.manifest.names
         if name == names.input_ids and self.profile == 1 and shape[1] > 1:
             return False  # the decode profile's seq axis is 1..1
+        if name == names.input_ids:
+            batch, seq = shape
+            if batch > self.engine.max_batch or seq > self.engine.max_prefill:
+                return False  # the batch axis is 1..max_batch, the seq axis 1..max_prefill
         if name == names.last_index and len(shape) == 2:
             if shape[1] > (1 if self.profile == 1 else self.engine.max_rows):
                 return False  # the "rows" axis: 1..max_rows on prefill, 1..1 on decode
@@ -257,6 +261,7 @@ class FakeContext:
         names = self.engine.manifest.names
         assert self.profile == (1 if self.shapes[names.input_ids][1] == 1 else 0), "decode on 1, prefill on 0"
         self.engine.runs.append(self.profile)
+        self.engine.calls.append(self.shapes[names.input_ids])
         feeds = {
             i.name: _array(
                 self.addresses[i.name], self.shapes[i.name], self.engine.get_tensor_dtype(i.name)
@@ -288,8 +293,10 @@ class FakeEngine:
         self.manifest, self.cudart = manifest, cudart
         self.profiles_in_use: dict[int, int] = {}  # profile -> id() of the context holding it
         self.runs: list[int] = []  # the profile of each execute_async_v3
+        self.calls: list[tuple[int, ...]] = []  # and its input_ids shape [batch, seq]
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
-        self.max_rows = EngineManifest.load(folder).max_rows  # built together with its manifest
+        built = EngineManifest.load(folder)  # built together with its manifest
+        self.max_rows, self.max_batch, self.max_prefill = built.max_rows, built.max_batch, built.max_prefill
         names = manifest.names
         args = self.session.get_inputs() + self.session.get_outputs()
         self.dtypes = {arg.name: ONNX_TYPES[arg.type] for arg in args}
@@ -669,7 +676,47 @@ def test_more_slots_than_the_engine_takes_a_call_decode_in_calls_it_takes(tiny_l
         assert trt.backend.max_batch == 2
         assert replies(trt, "off") == alone
         assert replies(trt, "lookup") == alone
+        assert max(batch for batch, _ in trt.backend.engine.calls) == 2  # no call held more
         assert max(rows for rows, _ in trt.speculation_costs.verifies) == 2  # neighbours, two a call
+
+
+def test_prompts_longer_than_the_engines_max_prefill_prefill_in_chunks_it_takes(tiny_llama, monkeypatch):
+    """An engine built with --max-prefill 16 (fake engine; the default is 256, the runtime's
+    chunk): a 40-token prompt prefills in chunks of at most 16, through a turn and through
+    `prefill` (warm-up, a draft), and the reply equals the CPU's. (Before, every prompt longer
+    than 16 tokens ended in the engine's refusal.) Below VERIFY_TOKENS, speculation is off,
+    saying why."""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    prompt = random_ids(40, seed=1)
+
+    def reply(model: Model) -> list[int]:
+        turn = model.begin(0, prompt, SamplingConfig(max_new_tokens=8))
+        events = []
+        while not turn.done:
+            events += model.step([turn]).emitted(turn)
+        assert events[-1].finish_reason != "error", events[-1].error
+        return [event.token for event in events]
+
+    with Model(folder, slots=2) as cpu:
+        want = reply(cpu)
+        cpu_logits = prefill(cpu.backend, cpu.cache, 1, [prompt])
+    with (
+        fake_engine(folder, manifest, monkeypatch, max_prefill=16),
+        Model(folder, device="tensorrt", slots=2) as trt,
+    ):
+        assert trt.backend.max_prefill == 16
+        assert reply(trt) == want
+        np.testing.assert_allclose(prefill(trt.backend, trt.cache, 1, [prompt]), cpu_logits, atol=1e-4)
+        assert max(seq for _, seq in trt.backend.engine.calls) == 16  # no call was longer
+    with (
+        fake_engine(folder, manifest, monkeypatch, max_prefill=VERIFY_TOKENS - 1),
+        Model(folder, device="tensorrt") as trt,
+    ):
+        said = f"takes {VERIFY_TOKENS - 1} tokens per call, a verify up to {VERIFY_TOKENS}"
+        assert said in trt.speculation_refusal()
+        assert f"--max-prefill {VERIFY_TOKENS} or more" in trt.speculation_refusal()
 
 
 def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkeypatch, caplog):

@@ -141,6 +141,12 @@ class EngineManifest:
     def verify_refusal(self) -> str | None:
         """Why this engine cannot verify a speculative step (up to `VERIFY_TOKENS` logits rows per
         sequence in one call), or None; the graph's own answer is `Manifest.verify_refusal`."""
+        if self.max_prefill < VERIFY_TOKENS:
+            return (
+                f"speculative decoding is off for this TensorRT engine: its prefill profile takes "
+                f"{self.max_prefill} tokens per call, a verify up to {VERIFY_TOKENS}; it decodes one "
+                f"token per step. To speculate, rebuild it with --max-prefill {VERIFY_TOKENS} or more"
+            )
         if self.max_rows >= VERIFY_TOKENS:
             return None
         return (

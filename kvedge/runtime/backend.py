@@ -249,6 +249,7 @@ class OrtBackend:
     """One onnxruntime session over an exported artifact folder."""
 
     max_batch: int | None = None  # onnxruntime takes any batch
+    max_prefill: int | None = None  # and any length
 
     def __init__(
         self,

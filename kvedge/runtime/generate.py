@@ -143,13 +143,15 @@ def prefill(
     """Append each prompt to slot first_slot+r and return next-token logits [batch, vocab].
 
     Rows of different lengths are right-padded; causal masking keeps padding invisible to real
-    tokens, and only each row's real tokens are written to its slot. Without `make_room`, a
-    prompt that does not fit is refused before anything is written; with it (a window policy),
-    room is made chunk by chunk.
+    tokens, and only each row's real tokens are written to its slot. Calls take `chunk` tokens
+    of each row, at most the backend's `max_prefill`. Without `make_room`, a prompt that does
+    not fit is refused before anything is written; with it (a window policy), room is made chunk
+    by chunk.
     """
     batch = len(prompts)
     if batch == 0 or any(len(p) == 0 for p in prompts):
         raise KvedgeError("prefill needs at least one prompt and no empty prompt")
+    chunk = min(chunk, backend.max_prefill or chunk)
     slots = list(range(first_slot, first_slot + batch))
     if make_room is None:
         for slot, prompt in zip(slots, prompts, strict=True):

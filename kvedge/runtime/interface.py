@@ -44,8 +44,10 @@ class Backend(Protocol):
     implement it; `kvedge.runtime.registry.open_backend` picks one."""
 
     manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`
-    # most sequences one call may hold (a TensorRT engine's profiles); None: no limit
+    # most sequences one call may hold, and most tokens of each (a TensorRT engine's profiles,
+    # --max-batch and --max-prefill); None: no limit
     max_batch: int | None
+    max_prefill: int | None
 
     def run(
         self,

@@ -280,9 +280,9 @@ class Model:
         session = self.sessions[slot]
         new = self._reuse(slot, ids)
         window = self.policy.mode == "window"
-        chunk = PREFILL_CHUNK
+        chunk = min(PREFILL_CHUNK, self.backend.max_prefill or PREFILL_CHUNK)  # an engine's --max-prefill
         if window:
-            chunk = max(1, min(PREFILL_CHUNK, (self.manifest.geometry.max_len - self.policy.n_sink) // 2))
+            chunk = max(1, min(chunk, (self.manifest.geometry.max_len - self.policy.n_sink) // 2))
         turn = Turn(
             slot=slot,
             prompt_tokens=len(ids),

@@ -56,7 +56,9 @@ class TrtBackend:
         self.engine_manifest = EngineManifest.load(folder)
         self.engine_manifest.check_model(manifest)
         self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart), "tensorrt")
-        self.max_batch: int | None = self.engine_manifest.max_batch  # the profiles' most sequences
+        # the profiles' most sequences per call, and tokens per sequence
+        self.max_batch: int | None = self.engine_manifest.max_batch
+        self.max_prefill: int | None = self.engine_manifest.max_prefill
         self.host = MappedHost(self.cudart)  # the pool, mapped in place, and the step buffers
         self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.contexts: dict[int, Any] = {}  # profile -> the execution context that runs it
