@@ -37,7 +37,7 @@ from kvedge.export.export import ExportOptions, export_model
 from kvedge.export.tensorrt import build_engine
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory
-from kvedge.runtime.generate import decode_one_token, prefill, verify
+from kvedge.runtime.generate import decode_one_token, prefill, verify, verify_rows
 from kvedge.runtime.model import Model
 from kvedge.runtime.trt_backend import TrtBackend
 
@@ -183,7 +183,7 @@ def test_speculative_verify_and_greedy_replies(precision, exported, exported_hal
             PREFILL_PROFILE: [(1, 1), (1, 1), (2, VERIFY_TOKENS)],
             DECODE_PROFILE: [(1, 1), (2, 1), (2, 1)],
         }
-        cpu = Model(folder)
+        cpu = Model(folder, slots=2)
         prompt, tokens = _prompt(20, 4), _prompt(VERIFY_TOKENS, 5)
         reference = prefill(cpu.backend, cpu.cache, 0, [prompt])
         prefill(trt, model.cache, 0, [prompt], chunk=MAX_PREFILL)
@@ -195,5 +195,17 @@ def test_speculative_verify_and_greedy_replies(precision, exported, exported_hal
             f"tensorrt.{precision}.verify_max_abs_logit_diff", float(np.abs(got.logits - want.logits).max())
         )
         np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=0)
+        # two neighbours' verifies in one call (rows of 4 and VERIFY_TOKENS tokens, right-padded)
+        second = _prompt(13, 6)
+        prefill(cpu.backend, cpu.cache, 1, [second])
+        prefill(trt, model.cache, 1, [second], chunk=MAX_PREFILL)
+        rows = [tokens[:4], tokens]
+        want, _ = verify_rows(cpu.backend, cpu.cache, 0, rows)
+        got, _ = verify_rows(trt, model.cache, 0, rows)
+        assert got.logits.shape == (2, VERIFY_TOKENS, model.manifest.vocab_size)
+        for r, row in enumerate(rows):
+            n = len(row)
+            np.testing.assert_allclose(got.logits[r, :n], want.logits[r, :n], atol=atol, rtol=0)
         model.cache.reset(0)
+        model.cache.reset(1)
         check_speculation(model, record, f"tensorrt.{precision}")
