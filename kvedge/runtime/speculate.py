@@ -51,7 +51,7 @@ do. Beside other turns' batched decode call, a verify call of its own costs a wh
 a row's share, so it pays only for long takes. Turns in neighbouring slots that verify in the
 same step share one call, their rows right-padded to the longest, where the model measured that
 call no dearer than theirs apart (`Costs.groups`): the weights are read once for all rows, so
-four replies quoting on float32 went from 1.40x to 2.13x (docs/PERFORMANCE.md). Before any
+four replies quoting on float32 went from 1.40x to 1.95x (docs/PERFORMANCE.md). Before any
 decode is measured, a verify that took nothing pauses for 1, 2, 4, .. steps (`MISSES`).
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
@@ -90,7 +90,7 @@ MAX_PAUSE = 256  # steps
 # proposing for as many steps as make it this share of their time
 LOSS_BUDGET = 0.02
 TIMINGS = 8  # a turn's latest speculative steps that say what a verify of n tokens costs
-DECODE_WEIGHT = 0.2  # of the latest decode call in the running average of its seconds
+DECODE_WEIGHT = 0.2  # of the latest call in the running average of a call shape's seconds
 
 
 def is_mode(mode: object) -> bool:
@@ -148,6 +148,12 @@ def accept(probs: np.ndarray, proposal: int, rng: np.random.Generator) -> int:
     return int(rng.choice(rest.size, p=rest / rest.sum()))
 
 
+def _average_into(table: dict, key: object, seconds: float) -> None:
+    """table[key] moves `DECODE_WEIGHT` of the way to `seconds` (its first value: `seconds`)."""
+    last = table.get(key)
+    table[key] = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
+
+
 @dataclass
 class Costs:
     """A model's decode seconds by the rows decoded together (running averages), measured on its
@@ -162,13 +168,11 @@ class Costs:
     def decoded(self, seconds: float, rows: int = 1) -> None:
         """Decoding `rows` turns' tokens took `seconds` (a step's decode calls together, idle rows
         riding along included)."""
-        last = self.calls.get(rows)
-        self.calls[rows] = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
+        _average_into(self.calls, rows, seconds)
 
     def verified(self, seconds: float, rows: int, width: int) -> None:
         """A verify call of `rows` rows of up to `width` tokens took `seconds`."""
-        last = self.verifies.get((rows, width))
-        self.verifies[rows, width] = seconds if last is None else last + DECODE_WEIGHT * (seconds - last)
+        _average_into(self.verifies, (rows, width), seconds)
 
     def groups(self, widths: Sequence[int]) -> bool:
         """Whether verifies of `widths` tokens in neighbouring slots run as one call (rows padded
@@ -182,10 +186,9 @@ class Costs:
         together = self.verifies.get((len(widths), max(widths)))
         if together is None:
             return True
-        apart = [self.verifies.get((1, width)) for width in widths]
-        if any(seconds is None for seconds in apart):
+        if any((1, width) not in self.verifies for width in widths):
             return False
-        return together <= sum(apart)  # type: ignore[arg-type]
+        return together <= sum(self.verifies[1, width] for width in widths)
 
     def call_s(self, rows: int) -> float:
         """D(rows): a decode call's seconds, 0 for no rows. A row count not measured lies on the
