@@ -289,13 +289,40 @@ def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> list[
     return seen
 
 
+class BarSafeHandler(logging.StreamHandler):
+    """Log lines on stderr that never continue a progress bar's line. On a terminal they go through
+    `tqdm.write`, which clears the open bars, writes the line and redraws them. On a pipe (the
+    journal, which splits records at newlines only) a bar ends each update with \\r, not a newline,
+    and clearing it the same way would leave the bar and the log line in one record: there the
+    bar's line is ended with a newline first, and the bar goes on below at its next update."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm  # here, not at the top: `kvedge --help` need not load it
+
+        try:
+            message = self.format(record)
+            if self.stream.isatty():
+                tqdm.write(message, file=self.stream)
+            else:
+                with tqdm.get_lock():
+                    open_bars = [  # as tqdm.write finds the bars it clears
+                        bar for bar in tqdm._instances if hasattr(bar, "start_t") and bar.fp == self.stream
+                    ]
+                    self.stream.write(("\n" if open_bars else "") + message + "\n")
+            self.flush()
+        except Exception:
+            self.handleError(record)
+
+
 @click.group()
 @click.version_option(__version__)
 @click.option("-v", "--verbose", count=True, help="-v: info logs, -vv: debug logs.")
 def main(verbose: int) -> None:
     """kvedge: an edge LLM runtime with an exact, preallocated KV cache."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", handlers=[BarSafeHandler()]
+    )
 
 
 @main.command()

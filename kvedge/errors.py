@@ -16,3 +16,8 @@ class ContextOverflow(KvedgeError):
     def __init__(self, message: str, cause: str = "prompt") -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class ModelFault(KvedgeError):
+    """The model or what it loaded produced something unusable (non-finite logits, say): not the
+    request's fault. The service ends that request with a 500 and keeps serving the others."""

@@ -131,7 +131,9 @@ def test_page_and_files_carry_the_security_headers_are_small_and_public(artifact
     config = load_service_config(None, {"model": artifact, "api_key_env": "KEY"}, {"KEY": KEY})
     metrics = Metrics()
     app = create_app(config, Engine(lambda: None, 1, metrics), metrics)
-    http = TestClient(app)  # not entered: no lifespan, so no model is loaded for static routes
+    http = TestClient(
+        app, base_url="http://127.0.0.1"
+    )  # not entered: no lifespan, so no model is loaded for static routes
     total = 0
     for path, kind in [("/", "text/html"), *((f"/ui/{name}", ui.FILES[name]) for name in ui.FILES)]:
         response = http.get(path)
@@ -149,7 +151,9 @@ def test_page_and_files_carry_the_security_headers_are_small_and_public(artifact
     assert inline_code(http.get("/").text) == []
 
     off = load_service_config(None, {"model": artifact, "ui": False}, {})
-    plain = TestClient(create_app(off, Engine(lambda: None, 1, metrics), metrics))
+    plain = TestClient(
+        create_app(off, Engine(lambda: None, 1, metrics), metrics), base_url="http://127.0.0.1"
+    )
     assert plain.get("/").status_code == 404 and plain.get("/ui/chat.js").status_code == 404
 
 

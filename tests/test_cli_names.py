@@ -94,6 +94,8 @@ CONCEPTS = {
     "max_prompt_tokens": ("longest conversation a request may send", "max_prompt_tokens"),
     "max_messages": ("most messages in a request", "max_messages"),
     "max_connections": ("open connections at once", "max_connections"),
+    "allowed_hosts": ("Host header names accepted beside loopback names and IP addresses", "allowed_hosts"),
+    "cors_origins": ("origins whose web pages may call the API", "cors_origins"),
     "header_timeout_s": ("seconds for a request head", "header_timeout_s"),
     "body_timeout_s": ("seconds for a request body", "body_timeout_s"),
     "reply_overflow": ("a reply that may not fit the context: reject or clip", "reply_overflow"),

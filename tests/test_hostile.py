@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import KEY, Server, assert_openai_error, chat_body, free_port
+from test_serve import JSON_HEADERS, KEY, Server, assert_openai_error, chat_body, free_port
 from tiny import make_tiny_model
 
 from kvedge.errors import KvedgeError
@@ -241,7 +241,7 @@ def slow_client(port: int, kind: str, stop: threading.Event, closed: list[str]) 
     until the server closes the connection or `stop` is set."""
     body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -345,7 +345,7 @@ MALFORMED = [
 
 def test_malformed_bodies_get_4xx_and_the_server_keeps_serving(server):
     for body in MALFORMED:
-        response = server.http.post("/v1/chat/completions", content=body)
+        response = server.http.post("/v1/chat/completions", content=body, headers=JSON_HEADERS)
         assert 400 <= response.status_code < 500, (body[:40], response.status_code)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 

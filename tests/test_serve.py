@@ -48,6 +48,7 @@ KEY_ENV = "KVEDGE_TEST_KEY"
 KEY = "test-key-123"
 SLOTS, QUEUE = 4, 6
 LONG = 440  # tokens: a reply that runs for seconds, for disconnect, queue and shutdown tests
+JSON_HEADERS = {"Content-Type": "application/json"}  # what json= sets; raw bodies say it themselves
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +343,7 @@ def assert_openai_error(response: httpx.Response, status: int, artifact: Path) -
 def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server, artifact):
     for body, status, where in BAD_REQUESTS:
         if isinstance(body, bytes):
-            response = server.http.post("/v1/chat/completions", content=body)
+            response = server.http.post("/v1/chat/completions", content=body, headers=JSON_HEADERS)
         else:
             response = server.http.post("/v1/chat/completions", json=body)
         error = assert_openai_error(response, status, artifact)
@@ -418,7 +419,7 @@ BODY = st.one_of(
 @settings(max_examples=60, deadline=None, database=None)
 @given(body=BODY)
 def test_fuzzed_bodies_get_2xx_or_4xx_never_5xx(server, body):
-    response = server.http.post("/v1/chat/completions", content=body)
+    response = server.http.post("/v1/chat/completions", content=body, headers=JSON_HEADERS)
     assert 200 <= response.status_code < 500, (body, response.status_code, response.text[:300])
     if response.status_code >= 400:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}

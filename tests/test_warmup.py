@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import logging
+import os
 import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +25,15 @@ from kvedge.export.export import ExportOptions, export_model
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
-from kvedge.runtime.prefix import MAGIC, WARM_VERSION, WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.prefix import (
+    MAGIC,
+    STALE_TEMP_AGE_S,
+    WARM_VERSION,
+    WarmPrefix,
+    read_warm_file,
+    remove_stale_temps,
+    write_warm_file,
+)
 
 ATOL = 1e-4
 SYSTEM = "You are a helpful assistant on a Jetson. " * 2
@@ -222,6 +235,8 @@ def test_process_killed_mid_write_never_leaves_a_loadable_file(tiny_llama, warm)
     assert done.returncode == -signal.SIGKILL
     leftovers = list(folder.glob(".assistant.kvw.*.tmp"))
     assert leftovers and not target.exists()
+    for leftover in leftovers:  # a crash some time ago: its writer's lock went with it
+        age(leftover)
     rebooted = boot(tiny_llama, warm)
     assert rebooted.warmup_report.rebuilt == {"assistant": "missing"}
     assert target.exists() and not any(p.exists() for p in leftovers)
@@ -291,3 +306,136 @@ def test_checksummed_warm_file_whose_header_disagrees_with_itself_is_refused(tmp
     path.write_bytes(body + hashlib.sha256(body).digest())
     with pytest.raises(ArtifactMismatch, match=message):
         read_warm_file(path, geometry, "x", [1, 2, 3])
+
+
+def age(path, seconds: float = STALE_TEMP_AGE_S + 1) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_warm_up_removes_only_the_temp_files_of_dead_writers(tiny_llama, warm):
+    """A writer holds an flock on its temp file until it is renamed into place: the sweep at the
+    end of warm_up leaves a locked one (another `kvedge warm-prefixes` at work) and a fresh one
+    (created, not yet locked) alone, and removes an old unlocked one."""
+    boot(tiny_llama, warm)
+    folder = warm[1]
+    live, fresh, dead = (folder / f".assistant.kvw.{what}.tmp" for what in ("live", "fresh", "dead"))
+    for path in (live, fresh, dead):
+        path.write_bytes(b"half a warm file")
+    age(live)
+    age(dead)
+    with open(live, "rb") as held:  # another open file: flock conflicts as with another process
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        boot(tiny_llama, warm)
+        assert live.exists() and fresh.exists() and not dead.exists()
+    boot(tiny_llama, warm)
+    assert not live.exists() and fresh.exists()
+
+
+def test_writers_of_one_warm_file_and_sweeps_run_side_by_side(tmp_path):
+    """Two writers of the same prefix (two `kvedge warm-prefixes` runs on one folder) while the
+    folder is swept again and again: no writer finds its temp file gone, and the file loads."""
+    geometry = CacheGeometry(num_layers=4, num_kv_heads=4, head_dim=64, max_len=1024)
+    block = KVBlock(np.ones((4, 2, 4, 1000, 64), np.float32))  # 8 MB: a write takes a while
+    prefix = WarmPrefix("p", tuple(range(1000)), block)
+    path = tmp_path / "p.kvw"
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(8):
+                write_warm_file(path, prefix, geometry, "x")
+        except BaseException as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    sweeps = 0
+    while any(writer.is_alive() for writer in writers):
+        remove_stale_temps(tmp_path)
+        sweeps += 1
+    for writer in writers:
+        writer.join()
+    assert not errors and sweeps > 10
+    assert not list(tmp_path.glob("*.tmp"))
+    read_warm_file(path, geometry, "x", prefix.token_ids)
+
+
+def nan_like(prefix: WarmPrefix) -> WarmPrefix:
+    block = KVBlock(*(None if a is None else np.full_like(a, np.nan) for a in prefix.block))
+    return WarmPrefix(prefix.name, prefix.token_ids, block)
+
+
+def test_warm_file_of_non_finite_values_with_a_valid_checksum_is_refused_and_recomputed(
+    tiny_llama, warm, caplog
+):
+    model = boot(tiny_llama, warm)
+    manifest, prefix = model.manifest, model.prefixes.prefixes[0]
+    path = warm[1] / "assistant.kvw"
+    good = path.read_bytes()
+    write_warm_file(
+        path,
+        nan_like(prefix),
+        manifest.geometry,
+        manifest.source_fingerprint,
+        graph_fingerprint=manifest.onnx_fingerprint,
+    )
+    with pytest.raises(ArtifactMismatch, match="assistant.kvw: non-finite values in its K/V 'kv' array"):
+        read_warm_file(
+            path,
+            manifest.geometry,
+            manifest.source_fingerprint,
+            prefix.token_ids,
+            graph_fingerprint=manifest.onnx_fingerprint,
+        )
+    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.warmup"):
+        rebooted = boot(tiny_llama, warm)
+    assert "non-finite values in its K/V" in rebooted.warmup_report.rebuilt["assistant"]
+    assert rebooted.warmup_report.loaded == ["notes"]
+    assert [r.getMessage() for r in caplog.records if r.name == "kvedge.runtime.warmup"] == [
+        f"warm prefix assistant: recomputing ({rebooted.warmup_report.rebuilt['assistant']})"
+    ]
+    assert path.read_bytes() == good
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]
+    ids = rebooted.tokenizer.encode_chat(messages)
+    logits = rebooted.prepare(0, ids)
+    assert rebooted.sessions[0].reused_tokens == len(prefix.token_ids)
+    cold = tiny_llama.model()
+    np.testing.assert_allclose(logits, prefill(cold.backend, cold.cache, 0, [ids])[0], atol=ATOL, rtol=0)
+
+
+def test_int8_warm_file_with_a_non_finite_scale_is_refused_naming_the_scales(tmp_path):
+    geometry = CacheGeometry(
+        num_layers=2, num_kv_heads=2, head_dim=16, max_len=128, dtype="int8", group_size=16
+    )
+    scales = np.ones((2, 2, 2, 3, 1), np.float16)  # [layers, 2, kv_heads, tokens, groups]
+    block = KVBlock(np.ones((2, 2, 2, 3, 16), np.int8), scales)
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", (1, 2, 3), block), geometry, "x")
+    assert read_warm_file(path, geometry, "x", [1, 2, 3]).block.scales.shape == scales.shape
+    scales[1, 0, 1, 2, 0] = np.inf
+    write_warm_file(path, WarmPrefix("p", (1, 2, 3), block), geometry, "x")
+    with pytest.raises(ArtifactMismatch, match="p.kvw: non-finite values in its K/V 'scales' array"):
+        read_warm_file(path, geometry, "x", [1, 2, 3])
+
+
+def test_a_warning_logged_under_a_progress_bar_starts_its_own_line(tiny_llama, warm, tmp_path):
+    """On a pipe tqdm ends a bar's updates with \\r, no newline: a log line written as such would
+    continue the bar's line, and so would one after a \\r that clears it, for the journal, which
+    splits records at newlines only."""
+    boot(tiny_llama, warm)
+    config = tmp_path / "warmup.yaml"  # written by the warm fixture
+    corrupt_bitflip(warm[1] / "assistant.kvw")  # the first of two prefixes: warned while the bar is open
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedge", "warm-prefixes", "--model", str(tiny_llama.out)]
+        + ["--warm-prefixes", str(config), "--warm-dir", str(warm[1])],
+        capture_output=True,  # bytes: text mode would read each \r as a newline
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.decode().split("\n")
+    warned = [line for line in lines if "WARNING" in line]
+    assert warned and all(line.startswith("WARNING kvedge.runtime.warmup: ") for line in warned), lines
+    assert any(line.startswith("\rwarm-up:   0%") for line in lines), lines  # the bar was open
+    assert any("warm-up: 100%" in line for line in lines), lines

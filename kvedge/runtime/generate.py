@@ -14,8 +14,11 @@ The loop (`step_turns`, driven only by `Model.step`), one step of every unfinish
 
 Sampling, applied in this order to one row's logits z (float64):
 
-    repetition penalty  z[t] = z[t] / p if z[t] > 0 else z[t] * p, for every token t already seen
-    greedy              temperature == 0: argmax z
+    finite              logits that are NaN or infinite end the turn with `ModelFault` (a broken
+                        model or cache file, never the request's fault)
+    repetition penalty  z[t] = z[t] / p if z[t] > 0 else z[t] * p, for every token t already seen;
+                        p in `PENALTY_RANGE`, so z stays finite
+    greedy              temperature < `GREEDY_BELOW` (0 included): argmax z
     temperature         z = z / T
     top-k               keep the k largest
     top-p               keep the smallest set of most likely tokens with probability mass >= p
@@ -33,12 +36,19 @@ from typing import ClassVar
 import numpy as np
 
 from kvedge.contract import PREFILL_CHUNK
-from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.interface import Backend, StepOutput
 from kvedge.runtime.speculate import Adaptive, accept, check_mode
 from kvedge.runtime.tokenizer import TextStream
+
+# Temperatures below this sample greedily: at 1e-3 a logit 0.05 below the best is already e^-50
+# as likely, so sampling is argmax but for exact ties, while z / T for a tiny T overflows float64
+# (1e-308 made every probability NaN).
+GREEDY_BELOW = 1e-3
+# The repetition penalty's bounds: dividing a logit by 1e-307 overflows as a tiny temperature does.
+PENALTY_RANGE = (0.01, 10.0)
 
 
 @dataclass(frozen=True)
@@ -72,8 +82,8 @@ class SamplingConfig:
             (
                 "repetition_penalty",
                 self.repetition_penalty,
-                0.0 < self.repetition_penalty <= 10.0,
-                "in (0, 10]",
+                PENALTY_RANGE[0] <= self.repetition_penalty <= PENALTY_RANGE[1],
+                f"in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
             ),
             (
                 "logprobs",
@@ -98,14 +108,20 @@ def sample(
 ) -> int:
     """Pick the next token from one row's logits [vocab]. With a speculative `proposal`, sampled
     decoding keeps it by the rejection rule (`speculate.accept`): the token's distribution is
-    the same; greedy picks the argmax whatever was proposed."""
+    the same; greedy picks the argmax whatever was proposed. Raises `ModelFault` when nothing
+    can be drawn (the distribution is not finite, or no token is left)."""
     z = logits.astype(np.float64)
     if config.repetition_penalty != 1.0 and len(seen):
         ids = np.unique(np.asarray(seen, np.int64))
         z[ids] = np.where(z[ids] > 0, z[ids] / config.repetition_penalty, z[ids] * config.repetition_penalty)
-    if config.temperature == 0.0:
+    if config.temperature < GREEDY_BELOW:
         return int(np.argmax(z))
-    probs = _distribution(z, config)
+    probs = _distribution(z, config) if np.isfinite(z.max()) else z
+    if not (np.isfinite(probs).all() and probs.sum() > 0):
+        raise ModelFault(
+            f"the sampling distribution is not finite (temperature {config.temperature!r}, "
+            f"repetition_penalty {config.repetition_penalty!r}, top_k {config.top_k}, top_p {config.top_p})"
+        )
     if proposal is not None:
         return accept(probs, proposal, rng)
     return int(rng.choice(probs.size, p=probs))
@@ -404,13 +420,19 @@ class Turn:
 
     def sample(self, logits: np.ndarray, proposal: int | None = None) -> Event:
         """Sample the next token from `logits` [vocab] (a speculative `proposal`: see `sample`)
-        and say what it means for the stream."""
+        and say what it means for the stream. Whatever fails here (non-finite logits, the
+        constraint, numpy) ends this turn with an "error" event, never the step's other turns."""
         try:
+            if not np.isfinite(logits).all():
+                raise ModelFault(
+                    f"slot {self.slot}: the model produced non-finite logits "
+                    f"({int(np.isnan(logits).sum())} NaN, {int(np.isinf(logits).sum())} infinite)"
+                )
             allowed = logits if self.matcher is None else self.matcher.apply(logits)
             token = sample(allowed, self.config, self.rng, self.seen, proposal)
             if self.matcher is not None:
                 self.matcher.accept(token)
-        except KvedgeError as exc:
+        except Exception as exc:
             return self.finish("error", error=exc)
         self.produced += 1
         self.first_token_at = self.first_token_at or time.perf_counter() - self.started

@@ -217,8 +217,15 @@ class Model:
         """The conversation's token ids (`tools` and `template_kwargs` go to the chat template);
         under the truncate policy the oldest whole turns are dropped (system messages stay) until
         it fits with `reserve` tokens left for the reply. A conversation of more than `limit`
-        tokens is refused before any truncation, which re-renders it once per dropped turn."""
+        tokens is refused before any truncation, which re-renders it once per dropped turn, and
+        one whose messages' text alone is over `limit` tokens (`ChatTokenizer.fewest_tokens`)
+        before it is rendered or tokenized at all."""
         messages = list(messages)
+        if limit is not None:
+            text = "".join(_text(m.get("content")) for m in messages if isinstance(m, dict))
+            _at_least(
+                self.tokenizer.fewest_tokens(text), len(text.encode(errors="replace")), limit, "messages take"
+            )
 
         def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
             return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
@@ -229,7 +236,12 @@ class Model:
         return ids
 
     def encode_prompt(self, text: str, limit: int | None = None) -> list[int]:
-        """A raw prompt's token ids (no chat template), refused above `limit` tokens."""
+        """A raw prompt's token ids (no chat template), refused above `limit` tokens (a prompt
+        whose bytes alone say so, before tokenizing it)."""
+        if limit is not None:
+            _at_least(
+                self.tokenizer.fewest_tokens(text), len(text.encode(errors="replace")), limit, "prompt takes"
+            )
         return _within(self.tokenizer.encode(text), limit, "the prompt takes")
 
     def _truncate_turns(
@@ -518,6 +530,27 @@ def _within(ids: list[int], limit: int | None, what: str) -> list[int]:
             cause="prompt",
         )
     return ids
+
+
+def _text(content: Any) -> str:
+    """The text a message's content holds (a string, or text parts); templates may trim its ends."""
+    if isinstance(content, str):
+        return content.strip()
+    if isinstance(content, list):
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ).strip()
+    return ""
+
+
+def _at_least(fewest: int, size: int, limit: int, what: str) -> None:
+    """ContextOverflow when a text of `size` bytes, at least `fewest` tokens, is over `limit`."""
+    if fewest > limit:
+        raise ContextOverflow(
+            f"the {what} at least {fewest} tokens ({size} bytes of text); this server accepts at "
+            f"most {limit} prompt tokens per request (max_prompt_tokens)",
+            cause="prompt",
+        )
 
 
 def _not_a_folder(path: Path) -> str:

@@ -22,13 +22,19 @@ the data do not depend on ring_len; 0 without ring layers), token_ids, data_byte
 kvedge_version (`WarmHeader`; each field's type is checked on load). A file is used only if its
 magic, version (an older one is refused as such), size, checksum, fingerprints, geometry (a
 different ring layout is named field by field) and token ids all match what is expected now
-(`kvedge.contract.header.check_header`); otherwise it is recomputed and rewritten.
+(`kvedge.contract.header.check_header`), and its K/V (and scales) are finite: a NaN or inf
+under a valid checksum was computed or written wrong, and would poison every reply; otherwise it is
+recomputed and rewritten.
 The graph is keyed, not the backend that ran it: a TensorRT engine is built from the folder's
 graph (`EngineManifest.check_model` refuses any other) and computes the same function, differing
 from onnxruntime only in arithmetic precision (as onnxruntime on CPU and on CUDA do), so one
 export's warm folder serves all of its devices.
 Files are written to a temporary name in the same folder, flushed, fsync'ed and renamed, so a
-crash mid-write never leaves a file under the final name. Loading memory-maps the data.
+crash mid-write never leaves a file under the final name. The writer holds an exclusive flock on
+its temp file from just after creating it until after the rename, so `remove_stale_temps` (run by
+every warm-up) removes a crash's leftovers but never a temp file another process is writing: it
+takes only temps it can lock at once and older than STALE_TEMP_AGE_S (the instant between a
+writer's create and lock). Loading memory-maps the data.
 
 Run-time prefixes (`PrefixLRU`, off unless given a byte budget): when a slot is about to drop at
 least one block of tokens for another conversation, what it holds is copied into an arena
@@ -58,6 +64,7 @@ prefills from 0 unless its slot or a warm prefix serves it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -65,6 +72,7 @@ import mmap
 import os
 import stat
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,6 +99,7 @@ MAGIC = b"KVEDGEWM"
 # (float32 vs int4 weights, the same cache) would be taken as this one's
 WARM_VERSION = 3
 SUFFIX = ".kvw"
+STALE_TEMP_AGE_S = 60.0  # a temp file younger than this may be a writer's not yet locked
 _PREAMBLE = struct.Struct("<8sII")
 _ALIGN = 64
 _DIGEST = 32
@@ -163,6 +172,7 @@ def write_warm_file(
     fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp")  # readable by the service user
     try:
         with os.fdopen(fd, "wb") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # until renamed: see remove_stale_temps
             chunks = [_PREAMBLE.pack(MAGIC, WARM_VERSION, len(raw)), raw]
             for chunk in chunks + [memoryview(part).cast("B") for part in parts]:
                 digest.update(chunk)
@@ -170,7 +180,7 @@ def write_warm_file(
             handle.write(digest.digest())
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # before close drops the lock
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -237,7 +247,39 @@ def read_warm_file(
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
         )
     arrays = _arrays(mapped, geometry, start, count, held)
+    for name, array in arrays.items():  # layer by layer: the temporary stays small
+        if array.dtype.kind == "f" and not all(np.isfinite(layer).all() for layer in array):
+            raise ArtifactMismatch(
+                f"{path.name}: non-finite values in its K/V {name!r} array (NaN or inf under a valid "
+                "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
+            )
     return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+
+
+def remove_stale_temps(folder: Path, min_age_s: float = STALE_TEMP_AGE_S) -> None:
+    """Remove the temp files in `folder` that writers (`write_warm_file`) left when they died
+    mid-write: those nobody holds locked and last written over `min_age_s` ago."""
+    for stale in folder.glob(f".*{SUFFIX}.*.tmp"):
+        try:
+            fd = os.open(stale, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:  # renamed into place since the glob
+            continue
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", stale, exc.strerror or exc)
+            continue
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or time.time() - status.st_mtime < min_age_s:
+                continue  # not a temp file of ours, or maybe created but not locked yet
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live writer
+                continue
+            stale.unlink(missing_ok=True)  # missing: its writer renamed it and let go
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", stale, exc.strerror or exc)
+        finally:
+            os.close(fd)
 
 
 def _map(path: Path) -> tuple[mmap.mmap, int]:

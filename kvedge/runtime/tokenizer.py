@@ -6,6 +6,7 @@ The chat template is rendered the way transformers renders it (trim_blocks, lstr
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -60,6 +61,20 @@ class ChatTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """At least the UTF-8 bytes of text one token can stand for: the longest vocabulary entry as
+        stored (never shorter than its text: byte-level BPE's "Ġ" is 2 bytes for 1, "▁" 3 for 1,
+        "<0x0A>" 6 for 1), times 3 when a normalizer runs first (NFC and NFKC shrink text by up
+        to 3x: three Hangul jamo of 3 bytes compose into one syllable of 3)."""
+        longest = max(len(token.encode()) for token in self.tokenizer.get_vocab(with_added_tokens=True))
+        return longest * (3 if self.tokenizer.normalizer is not None else 1)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), without encoding: a prompt far over a limit is
+        refused at the cost of counting its bytes (a 1 MB message took 0.8 s to tokenize)."""
+        return -(-len(text.encode(errors="replace")) // self.max_token_bytes)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

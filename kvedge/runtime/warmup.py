@@ -32,7 +32,7 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.interface import Backend
-from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, remove_stale_temps, write_warm_file
 from kvedge.runtime.sessions import common_prefix
 from kvedge.runtime.tokenizer import ChatTokenizer
 
@@ -134,12 +134,7 @@ def warm_up(
                 unwritten[spec.name] = exc.strerror or str(exc)
                 log.warning("warm prefix %s: cannot write %s (%s); kept in memory only", spec.name, path, exc)
         store.prefixes.append(prefix)
-    for stale in folder.glob(f".*{SUFFIX}.*.tmp"):  # left by a crash mid-write
-        if not_a_regular_file(stale) is None:
-            try:
-                stale.unlink()
-            except OSError as exc:
-                log.warning("cannot remove %s: %s", stale, exc)
+    remove_stale_temps(folder)
     report = WarmupReport(loaded, rebuilt, time.perf_counter() - started, unwritten)
     log.info("warm-up: %d loaded, %d recomputed in %.2f s", len(loaded), len(rebuilt), report.seconds)
     return store, report

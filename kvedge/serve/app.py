@@ -10,8 +10,12 @@ Routes::
     GET  /, /ui/<file>          the chat page, when the `ui` setting is on (kvedge/serve/ui/)
 
 With an API key configured every route but /health and the (static) chat page needs
-`Authorization: Bearer <key>`. Usage counts carry `prompt_tokens_details.cached_tokens`: the prompt
-tokens taken from the slot or a stored prefix instead of being prefilled.
+`Authorization: Bearer <key>`. Every route answers only to a Host header naming this service
+(`HostCheck`), JSON bodies must say `Content-Type: application/json`, and no CORS header is sent
+unless `cors_origins` lists origins: so a web page in the device's own browser can neither post
+to the API as a "simple" cross-origin request nor read it through DNS rebinding.
+Usage counts carry `prompt_tokens_details.cached_tokens`: the prompt tokens taken from the slot
+or a stored prefix instead of being prefilled.
 Handlers run on the event loop and never touch onnxruntime: they validate the body, render and
 count the prompt (tokenizer only, in a worker thread), submit a `Job` and relay its events.
 """
@@ -21,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import ipaddress
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -32,12 +38,14 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvedge.configs import load_warmup_config
-from kvedge.errors import ContextOverflow, KvedgeError
+from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
 from kvedge.runtime.speculate import DRAFT, draft_folder
 from kvedge.serve import protocol, tools, ui
@@ -56,7 +64,9 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends: finished, failed or client gone."""
+    """An SSE response that runs `on_close` however it ends: finished, failed or client gone.
+    Its status line says 200 before the reply exists; what it came to is the `Reply`'s `status`,
+    which `on_close` logs and counts."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(
@@ -95,11 +105,76 @@ def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starl
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(ApiError(500, "internal server error", type="server_error"))
 
+    middleware = [Middleware(HostCheck, names=host_names(config))]
+    if config.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
     return Starlette(
         routes=api.routes() + (ui.routes() if config.ui else []),
         lifespan=lifespan,
+        middleware=middleware,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
+
+
+def host_names(config: ServiceConfig) -> frozenset[str]:
+    """Host names (lower case) a request may name beside loopback names and IP addresses: the
+    configured host, `allowed_hosts`, and for a wildcard bind (0.0.0.0, ::) this machine's name."""
+    names = {config.host.lower(), *(name.lower().rstrip(".") for name in config.allowed_hosts)}
+    if config.host in ("0.0.0.0", "::"):
+        hostname = socket.gethostname().lower()
+        names |= {hostname, f"{hostname}.local"}
+    return frozenset(names)
+
+
+def host_allowed(header: str, names: frozenset[str]) -> bool:
+    """Whether a Host header ("name", "name:port", "[v6]:port") names this service: a loopback
+    name, an IP address (DNS rebinding always sends a domain: the attacker's), or one of `names`."""
+    if "*" in names or not header:  # no Host: HTTP/1.0, never a browser
+        return True
+    if header.startswith("["):
+        name = header[1 : header.find("]")] if "]" in header else header
+    else:
+        name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    name = name.lower().rstrip(".")
+    if name == "localhost" or name in names:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostCheck:
+    """ASGI middleware: 400 to a request whose Host header names no address of this service. A
+    page on another site that points its own name at 127.0.0.1 (DNS rebinding) is same-origin to
+    the browser, which would let it read replies, /v1/models and /metrics; its Host header still
+    carries its name."""
+
+    def __init__(self, app: Any, names: frozenset[str]) -> None:
+        self.app, self.names = app, names
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not host_allowed(host, self.names):
+                log.info("refused a request for Host %r (allowed_hosts)", host)
+                error = ApiError(
+                    400,
+                    f"Host {host!r} is not a name of this service; allowed: loopback names, IP "
+                    "addresses and the names in the service's allowed_hosts",
+                    code="invalid_host",
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class Api:
@@ -153,7 +228,8 @@ class Api:
         return checked
 
     def counted(self, handler: Handler) -> Handler:
-        """`handler` with its response status counted in /metrics and refusals logged."""
+        """`handler` with its response status counted in /metrics and refusals logged (a
+        stream's, when it ends: `respond`)."""
 
         async def respond(request: Request) -> Response:
             try:
@@ -161,7 +237,8 @@ class Api:
             except ApiError as error:
                 response = error_response(error)
                 log.info("%s %d %s: %s", request.url.path, error.status, error.code, error.message)
-            self.metrics.response(response.status_code)
+            if not isinstance(response, EventStream):
+                self.metrics.response(response.status_code)
             return response
 
         return respond
@@ -314,7 +391,8 @@ class Api:
 
             def closed() -> None:
                 self.engine.cancel(job)
-                log_request(request, 200, job)
+                self.metrics.response(reply.status)
+                log_request(request, reply.status, job)
 
             return EventStream(reply.stream(events), on_close=closed)
         status = 499
@@ -400,9 +478,18 @@ async def read_body(request: Request, limit: int) -> bytearray:
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
-    """The request body as JSON, refusing more than `limit` bytes before reading them all, and a
-    body that takes more than `timeout_s` to arrive (a slow client holds a connection, nothing
-    more: 408, and the connection is closed)."""
+    """The request body as JSON, refusing another content type (a cross-origin page may post
+    text/plain without asking the browser's CORS preflight: 415), more than `limit` bytes before
+    reading them all, and a body that takes more than `timeout_s` to arrive (a slow client holds
+    a connection, nothing more: 408, and the connection is closed)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(
+            415,
+            f"Content-Type is {media or 'missing'!r}; this endpoint takes application/json "
+            "(curl: -H 'Content-Type: application/json')",
+            code="unsupported_media_type",
+        )
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
@@ -459,8 +546,8 @@ def speculate_mode(requested: str | None, service: str) -> str:
     asked = draft_folder(requested)
     if loaded is not None and (asked is None or Path(asked).resolve() == Path(loaded).resolve()):
         return service
-    allowed = ["off", "lookup"] + ([DRAFT, service] if loaded else [])
-    why = f"this service loaded the draft {loaded}" if loaded else "this service loaded no draft model"
+    allowed = ["off", "lookup"] + ([DRAFT] if loaded else [])  # never the folder: a client needn't know it
+    why = "this service loaded another draft model" if loaded else "this service loaded no draft model"
     raise ApiError(
         400,
         f"speculate={requested!r} is not allowed: {why}; allowed: {allowed}",
@@ -474,6 +561,13 @@ def api_error(exc: Exception, param: str = "messages") -> ApiError:
     field a plain KvedgeError is about."""
     if isinstance(exc, ShuttingDown):
         return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    if isinstance(exc, ModelFault):  # the model's fault, not the request's: the details are logged
+        return ApiError(
+            500,
+            "the model failed while generating this reply (logged); other requests are unaffected",
+            type="server_error",
+            code="generation_failed",
+        )
     if isinstance(exc, ContextOverflow):
         field = "max_tokens" if exc.cause == "reply" else ("prompt" if param == "prompt" else "messages")
         return ApiError(400, str(exc), param=field, code="context_length_exceeded")
@@ -489,6 +583,7 @@ class Reply:
     def __init__(self, id: str, model: str, prompt_tokens: int, include_usage: bool, tokenizer: Any) -> None:
         self.id, self.model, self.prompt_tokens, self.include_usage = id, model, prompt_tokens, include_usage
         self.tokenizer = tokenizer  # set when log probabilities were asked for
+        self.status = 499  # what a stream came to: 200 when whole, an error's status, 499 while unread
 
     def usage(self, final: Event) -> dict[str, Any]:
         return protocol.usage(self.prompt_tokens, final.completion_tokens, final.cached_tokens)
@@ -523,13 +618,16 @@ class Reply:
         while True:
             item = await events.get()
             if item.error is not None:
-                yield sse(api_error(item.error).body())
+                error = api_error(item.error)
+                yield sse(error.body())
+                self.status = error.status
                 break
             for chunk in self.chunks(item):
                 yield sse(chunk)
             if item.finish_reason is not None:
                 if self.include_usage:
                     yield sse(self.usage_chunk(self.usage(item)))
+                self.status = 200
                 break
         yield sse("[DONE]")
 

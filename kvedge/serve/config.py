@@ -9,13 +9,20 @@ File format (every key optional except `model`, which may come from `--model` in
     slots: 4                        # KV slots preallocated at start-up = conversations served at once
     queue_size: 8                   # requests that may wait for a slot; beyond that: 429
     api_key_env: null               # name of the environment variable holding the bearer key
+                                    # (printable ASCII, no spaces)
     max_body_bytes: 1048576         # larger request bodies get 413
     default_max_tokens: 256         # completion length when a request gives no max_tokens
     max_reply_tokens: 4096          # a request's max_tokens above this gets 400, whatever the policy
     max_prompt_tokens: 8192         # a conversation (before truncation) of more tokens gets 400
     max_messages: 512               # a request with more messages gets 400, before it is tokenized
-    max_connections: 256            # open connections at once; the next request gets 503 (the
+    max_connections: 256            # open connections at once; one more closes the oldest that
+                                    # is waiting for a request head, or itself if none is (the
                                     # request queue, queue_size, is separate)
+    allowed_hosts: []               # Host header names accepted beside loopback names, IP
+                                    # addresses and `host`; "*" = any (DNS rebinding: a page's
+                                    # own name is refused)
+    cors_origins: []                # origins whose web pages may call the API (CORS); none = no
+                                    # cross-origin browser calls
     header_timeout_s: 10            # a connection whose request head is not complete by then is closed
     body_timeout_s: 30              # a request body not received in full by then gets 408
     reply_overflow: reject          # a reply that may not fit the context: reject (prompt + max_tokens
@@ -54,6 +61,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +83,10 @@ REPLY_OVERFLOW = ("clip", "reject")
 RENAMED = {"context_policy": "reply_overflow", "warmup_config": "warm_prefixes"}  # old key: new key
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _NOT_BLANK = r"\S"
+# What a bearer key may hold: a client sends it in an HTTP header, which carries ASCII (a key with
+# other characters would match no request), after "Bearer " (so no spaces). RFC 6750's token68 is
+# narrower; keys with other printable characters already in use work with every client we know.
+_BEARER_KEY = re.compile(r"[\x21-\x7e]+")
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,14 @@ class ServiceConfig:
     max_prompt_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer in 1..1000000")] = 8192
     max_messages: Annotated[int, Meta(ge=1, le=100_000, description="an integer in 1..100000")] = 512
     max_connections: Annotated[int, Meta(ge=1, le=65_536, description="an integer in 1..65536")] = 256
+    allowed_hosts: Annotated[
+        tuple[Annotated[str, Meta(pattern=r"^(\*|[A-Za-z0-9._:\[\]-]+)$")], ...],
+        Meta(description='a list of host names (no port), or ["*"] for any'),
+    ] = ()
+    cors_origins: Annotated[
+        tuple[Annotated[str, Meta(pattern=r"^(\*|https?://[^/\s]+)$")], ...],
+        Meta(description='a list of origins such as "http://kiosk.local:8080", or ["*"]'),
+    ] = ()
     header_timeout_s: Annotated[
         float, Meta(gt=0, le=3600, description="a number of seconds in (0, 3600]")
     ] = 10.0
@@ -272,4 +292,12 @@ def _api_key(config: ServiceConfig, origin: Mapping[str, str], environ: Mapping[
             f"{origin['api_key_env']}={config.api_key_env!r}: that environment variable is not set or "
             "empty; export it with the bearer key clients must send"
         )
-    return key.strip()
+    key = key.strip()
+    if not _BEARER_KEY.fullmatch(key):
+        held = "a non-ASCII character" if not key.isascii() else "a space or a control character"
+        raise KvedgeError(
+            f"{origin['api_key_env']}={config.api_key_env!r}: the key that environment variable holds "
+            f"has {held} (the key is not shown), so no client could send it in an HTTP header; allowed: "
+            "printable ASCII characters, no spaces"
+        )
+    return key

@@ -17,6 +17,14 @@ Every onnxruntime call happens on this one thread (the model is not shared), so 
 while the model runs; the lock only guards the queue and the slot lists. A job that is cancelled
 while active is dropped at the start of the next round, at most one prefill chunk or decode step
 later. Errors reach the app as events carrying the exception; the app turns them into HTTP.
+
+Faults stay with the request that met them: whatever one turn's sampling raises ends that turn
+(`Turn.sample`), a failed model call ends the turns in it (`step_turns`), and anything else a
+round raises ends that round's jobs, their slots reset, while the engine goes on. Should the
+thread end anyway, every job still waiting or running gets an error event and `on_failure` stops
+the service, which exits non-zero so its service manager restarts it. `heartbeat` is called every
+round, and at least every `HEARTBEAT_S` (or `heartbeat_s`) while idle: the systemd watchdog's
+ping, so an engine that stops stepping (a hang in a model call) is restarted too.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvedge.errors import KvedgeError
+from kvedge.errors import KvedgeError, ModelFault
 from kvedge.runtime.model import Event, Model, SamplingConfig, Turn
 from kvedge.serve.metrics import Metrics
 
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_MESSAGES = ({"role": "user", "content": "Hello! What can you do?"},)
 STATES = ("loading", "warming", "ready", "draining", "stopped", "failed")
+HEARTBEAT_S = 1.0  # the longest the engine thread waits for work before calling `heartbeat`
 
 
 class QueueFull(Exception):
@@ -53,6 +62,10 @@ class NotReady(Exception):
 
 class ShuttingDown(Exception):
     """The job was cut off because the server is shutting down."""
+
+
+class EngineFailed(Exception):
+    """The job was cut off because the engine thread failed (the service then exits)."""
 
 
 @dataclass(eq=False)
@@ -96,14 +109,18 @@ class Engine:
         on_failure: Callable[[], None] = lambda: None,
         batch_decode: bool = True,
         on_ready: Callable[[], None] = lambda: None,
+        heartbeat: Callable[[], None] = lambda: None,
+        heartbeat_s: float | None = None,  # the longest wait between heartbeats (<= HEARTBEAT_S)
     ) -> None:
         self._load, self._warmup = load, warmup
         self.queue_size = queue_size
         self.batch_decode = batch_decode
         self.metrics = metrics
-        self.on_failure, self.on_ready = on_failure, on_ready
+        self.on_failure, self.on_ready, self.heartbeat = on_failure, on_ready, heartbeat
+        self._idle_wait_s = min(HEARTBEAT_S, heartbeat_s or HEARTBEAT_S)
         self.model: Model | None = None
         self.state = "loading"
+        self.failure: str | None = None  # with state "failed": what failed, for the exit message
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
@@ -156,6 +173,11 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def busy(self) -> bool:
+        """Whether any job waits or runs."""
+        with self._cond:
+            return bool(self._waiting or self._active)
+
     def gauges(self) -> dict[str, float]:
         model = self.model
         with self._cond:
@@ -201,7 +223,7 @@ class Engine:
                 log.error("cannot start the model: %s", exc)
             else:
                 log.exception("cannot start the model")
-            self.state = "failed"
+            self.state, self.failure = "failed", "the model could not be loaded"
             try:
                 if model is not None:
                     model.close()
@@ -212,29 +234,50 @@ class Engine:
         self.on_ready()
         try:
             self._schedule()
+        except BaseException as exc:
+            log.critical("the engine thread failed; the service stops", exc_info=exc)
+            self.state, self.failure = "failed", f"the engine thread failed: {exc!r}"
+            self._abandon(Event(text="", finish_reason="error", error=EngineFailed(str(exc))))
+            self.on_failure()
         finally:
-            model.close()  # on the thread that ran it: nothing else steps it
-            self.state = "stopped"
+            try:
+                model.close()  # on the thread that ran it: nothing else steps it
+            finally:
+                if self.state != "failed":
+                    self.state = "stopped"
 
     def _schedule(self) -> None:
         while True:
+            self.heartbeat()
             with self._cond:
                 self._cancel_past_deadline()
                 admitted = self._admit()
                 if not self._active:
                     if self._stopping:
                         return
-                    self._cond.wait(timeout=None if self._deadline is None else 0.2)
+                    self._cond.wait(timeout=self._idle_wait_s if self._deadline is None else 0.2)
                     continue
                 active = list(self._active)
-            for job in admitted:
-                self._begin(job)
-            for job in active:
-                if job.cancelled and not job.done:
-                    self._finish(job, None)
-            live = [job for job in active if not job.done]
-            for group in [live] if self.batch_decode else [[job] for job in live]:
-                self._step(group)
+            try:
+                self._round(admitted, active)
+            except Exception as exc:  # a fault no turn caught: it ends this round's jobs only
+                log.error("an engine round failed; ending its %d requests", len(active), exc_info=exc)
+                for job in active:
+                    if not job.done:
+                        if job.turn is not None and not job.turn.done:
+                            job.turn.finish("error", error=exc)  # so `Model.end` resets the slot
+                        self._finish(job, Event(text="", finish_reason="error", error=exc))
+
+    def _round(self, admitted: list[Job], active: list[Job]) -> None:
+        """Begin the admitted jobs' turns, drop the cancelled ones, step the rest once."""
+        for job in admitted:
+            self._begin(job)
+        for job in active:
+            if job.cancelled and not job.done:
+                self._finish(job, None)
+        live = [job for job in active if not job.done]
+        for group in [live] if self.batch_decode else [[job] for job in live]:
+            self._step(group)
 
     def _admit(self) -> list[Job]:
         """Give waiting jobs the free slots `Model.pick_slot` chooses (lock held)."""
@@ -269,7 +312,9 @@ class Engine:
         for turn, event in emitted:
             job = turns[turn]
             if event.error is not None:
-                if not isinstance(event.error, KvedgeError):
+                if isinstance(event.error, ModelFault):
+                    log.error("slot %s: generation failed: %s", job.slot, event.error)
+                elif not isinstance(event.error, KvedgeError):
                     log.error("slot %s: generation failed", job.slot, exc_info=event.error)
                 self._finish(job, event)
                 continue
@@ -306,18 +351,27 @@ class Engine:
         """While draining, after the grace period: end every job with ShuttingDown (lock held)."""
         if self._deadline is None or time.monotonic() < self._deadline:
             return
-        shutting_down = Event(
-            text="", finish_reason="error", error=ShuttingDown("the server is shutting down")
+        self._abandon(
+            Event(text="", finish_reason="error", error=ShuttingDown("the server is shutting down"))
         )
-        while self._waiting:
-            job = self._waiting.popleft()
-            job.done = True
-            job.deliver(shutting_down)
-        for job in list(self._active):
-            if job.turn is not None and self.model is not None:
-                self.model.end(job.turn)
-            job.done = True
-            self._active.remove(job)
-            self._free.append(job.slot)
-            job.deliver(shutting_down)
-            self.metrics.add("kvedge_requests_cancelled_total")
+
+    def _abandon(self, outcome: Event) -> None:
+        """End every waiting and running job with `outcome`, an error event; their slots are free
+        again. Nothing here may leave a client waiting, so a slot that cannot be ended cleanly is
+        still given back."""
+        with self._cond:
+            while self._waiting:
+                job = self._waiting.popleft()
+                job.done = True
+                job.deliver(outcome)
+            for job in list(self._active):
+                try:
+                    if job.turn is not None and self.model is not None:
+                        self.model.end(job.turn)
+                except Exception:
+                    log.exception("slot %s: cannot end its turn", job.slot)
+                job.done = True
+                self._active.remove(job)
+                self._free.append(job.slot)
+                job.deliver(outcome)
+                self.metrics.add("kvedge_requests_cancelled_total")

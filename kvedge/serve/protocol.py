@@ -3,8 +3,8 @@
 Request fields of `POST /v1/chat/completions`:
 
     honoured   messages, model (echoed as the served model's id), max_tokens / max_completion_tokens,
-               temperature (0..2, default 1), top_p (0 < p <= 1), stop (string or up to 4), seed,
-               stream, stream_options.include_usage, response_format (text, json_object,
+               temperature (0..2, default 1; below 1e-3 greedy), top_p (0 < p <= 1), stop (string
+               or up to 4), seed, stream, stream_options.include_usage, response_format (text, json_object,
                json_schema), tools, tool_choice, parallel_tool_calls, logprobs, top_logprobs (0..20),
                chat_template_kwargs.enable_thinking;
                kvedge extensions: top_k, repetition_penalty, speculate ("lookup" | "off" | "draft",
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvedge.contract import ROLES
+from kvedge.runtime.generate import PENALTY_RANGE
 from kvedge.runtime.model import Constraint
 from kvedge.runtime.speculate import SPECULATE_MODES, is_mode
 from kvedge.serve import tools as toolkit
@@ -273,7 +274,11 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         ),
         "repetition_penalty": float(
             _optional(
-                body, "repetition_penalty", lambda v: _number(v) and 0 < v <= 10, "a number in (0, 10]", 1.0
+                body,
+                "repetition_penalty",
+                lambda v: _number(v) and PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1],
+                f"a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
+                1.0,
             )
         ),
         "stop": parse_stop(body.get("stop")),

@@ -8,6 +8,7 @@ import getpass
 import logging
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
 from kvedge.serve.engine import Engine, decode_warmup
 from kvedge.serve.metrics import Metrics
-from kvedge.serve.systemd import render_unit
+from kvedge.serve.systemd import Notifier, render_unit
 from kvedge.serve.ui import page_url
 
 log = logging.getLogger(__name__)
@@ -136,16 +137,52 @@ class HeadDeadlineProtocol(H11Protocol):
     headers) is not complete `head_timeout_s` after the connection opened or, on a kept-alive
     connection, after the next request's first byte. uvicorn has no such deadline: a client
     sending its head a byte at a time would hold the connection for ever (slowloris). The
-    body's deadline is the app's (`read_json`), which can still answer 408."""
+    body's deadline is the app's (`read_json`), which can still answer 408.
 
-    def __init__(self, *args: Any, head_timeout_s: float, **kwargs: Any) -> None:
+    It also bounds open connections at `max_connections`, in place of uvicorn's
+    `limit_concurrency`, which counts connections still sending their head and then answers 503
+    to every request, /health included: 300 slow heads kept a probe from seeing the service for
+    25 s. Here a connection beyond the bound closes the oldest one waiting for a request head
+    (slow or idle between requests), or itself when every other has a request in progress, so a
+    client that sends its request at once is served however many others dawdle. Each accepted
+    socket gets TCP_NODELAY: a response's head and body go out in two writes, and Nagle's
+    algorithm held the second until the client's delayed ACK, 40 ms on every kept-alive request."""
+
+    def __init__(self, *args: Any, head_timeout_s: float, max_connections: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s
+        self.max_connections = max_connections
+        self.opened = 0.0
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.opened = self.loop.time()
+        full = len(self.connections) >= self.max_connections and not self._evict_one()
         super().connection_made(transport)
+        if full:
+            log.warning(
+                "closing a new connection: %d are open, all busy (max_connections)", self.max_connections
+            )
+            transport.close()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm_head_timer()
+
+    def waiting_for_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _evict_one(self) -> bool:
+        """Close the oldest open connection that waits for a request head; False if none does."""
+        idle = [c for c in self.connections if isinstance(c, HeadDeadlineProtocol) and c.waiting_for_head()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.opened)
+        log.info("max_connections reached: closing the oldest connection waiting for a request head")
+        self.connections.discard(oldest)
+        oldest.transport.close()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -178,14 +215,20 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, draining the engine before it waits for open responses to finish."""
+    """uvicorn, draining the engine before it stops listening: while running requests finish
+    (at most `grace_s`), the port stays open, so /health answers 503 "draining" and new
+    requests get 503 rather than a refused connection."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float, notifier: Notifier) -> None:
         super().__init__(config)
-        self.engine, self.grace_s = engine, grace_s
+        self.engine, self.grace_s, self.notifier = engine, grace_s, notifier
 
     async def shutdown(self, sockets=None) -> None:
+        self.notifier.stopping()
         self.engine.drain(self.grace_s)
+        deadline = time.monotonic() + self.grace_s + 1.0  # the engine cancels at grace_s
+        while self.engine.busy() and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
         await super().shutdown(sockets)
 
 
@@ -194,7 +237,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     port in use is said in one line at once, not after loading and warm-up (uvicorn binds
     after its start-up, which starts the load)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
     try:
         sock.bind((host, port))
@@ -227,12 +271,15 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
         config.queue_size,
     )
     metrics = Metrics()
+    notifier = Notifier()
     engine = Engine(
         load=lambda: load_model(config, config.slots),
         queue_size=config.queue_size,
         metrics=metrics,
         warmup=warmup if warmup is not None else decode_warmup(config.warmup_tokens),
         batch_decode=config.batch_decode,
+        heartbeat=notifier.watchdog,
+        heartbeat_s=notifier.heartbeat_s,
     )
     server = _Server(
         uvicorn.Config(
@@ -243,17 +290,22 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
-            limit_concurrency=config.max_connections,
-            http=functools.partial(HeadDeadlineProtocol, head_timeout_s=config.header_timeout_s),
+            http=functools.partial(
+                HeadDeadlineProtocol,
+                head_timeout_s=config.header_timeout_s,
+                max_connections=config.max_connections,
+            ),
         ),
         engine,
         config.shutdown_grace_s,
+        notifier,
     )
 
     def failed() -> None:
         server.should_exit = True
 
     def ready() -> None:
+        notifier.ready()
         if config.ui:
             log.info("chat page: %s", page_url(config.host, config.port))
         else:
@@ -263,4 +315,4 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     with listening:
         server.run(sockets=[listening])
     if engine.state == "failed":
-        raise KvedgeError("the model could not be loaded; see the log above")
+        raise KvedgeError(f"{engine.failure}; see the log above")

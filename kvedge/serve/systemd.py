@@ -1,14 +1,26 @@
-"""The systemd unit that starts `kvedge serve` at boot (`configs/kvedge.service` is its default render).
+"""The systemd unit that starts `kvedge serve` at boot (`configs/kvedge.service` is its default
+render), and the notify protocol the service speaks to it (`Notifier`).
 
 `ExecStartPre` runs `kvedge serve --check`: it validates the service config and loads the model
 once, verifying the graph fingerprint, so a broken install fails before the service starts and is
 retried by `Restart=on-failure`. stdout and stderr go to the journal (`journalctl -u kvedge`).
+
+`Type=notify`: kvedge says READY=1 only once it is warm (weights loaded, warm prefixes in, warm-up
+steps run: when /health turns 200), and the engine thread pings WATCHDOG=1 as it loops, so an
+engine that stops stepping for `WatchdogSec` is killed and restarted whatever the cause. A failed
+engine ends the process non-zero, which `Restart=on-failure` restarts too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 UNIT = """\
 # kvedge serve at boot. Install and start:
@@ -25,7 +37,13 @@ Description=kvedge chatbot service (OpenAI-compatible HTTP API)
 After=network.target
 
 [Service]
-Type=exec
+# notify: started means warm (READY=1 once /health is 200). Loading twice (the check, then the
+# service) may take minutes on a small board, hence the start timeout. The engine pings the
+# watchdog every round and every second while idle: no ping for WatchdogSec means it hangs.
+Type=notify
+NotifyAccess=main
+TimeoutStartSec=900
+WatchdogSec=60
 User={user}
 WorkingDirectory={workdir}
 Environment=PYTHONUNBUFFERED=1
@@ -54,3 +72,54 @@ def render_unit(
     return UNIT.format(
         python=python, args=" ".join(args), workdir=workdir, user=user, stop_timeout_s=int(grace_s) + 10
     )
+
+
+class Notifier:
+    """systemd's notify protocol (sd_notify(3)), without libsystemd: datagrams to $NOTIFY_SOCKET
+    (a path, or an abstract socket written with a leading @). Silent when not started by systemd
+    with Type=notify; a message that cannot be sent is logged once, never raised: the service
+    runs without its supervisor rather than not at all."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        environ = os.environ if environ is None else environ
+        address = environ.get("NOTIFY_SOCKET", "")
+        self.address = "\0" + address[1:] if address.startswith("@") else address
+        # the watchdog's timeout, when it is this process's (WATCHDOG_PID, if set, says whose)
+        usec, pid = environ.get("WATCHDOG_USEC", ""), environ.get("WATCHDOG_PID")
+        ours = usec.isdigit() and int(usec) > 0 and pid in (None, str(os.getpid()))
+        # pinged at half the timeout, as sd_watchdog_enabled(3) advises; None: no watchdog
+        self.watchdog_interval_s = int(usec) / 2e6 if ours else None
+        self._last_ping = float("-inf")
+        self._failed = False
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self.address else None
+
+    @property
+    def heartbeat_s(self) -> float | None:
+        """How often the caller of `watchdog` should call it at least: half a ping interval, so
+        pings are never more than 0.75 x the watchdog's timeout apart."""
+        return None if self.watchdog_interval_s is None else self.watchdog_interval_s / 2
+
+    def send(self, message: str) -> None:
+        if self._socket is None:
+            return
+        try:
+            self._socket.sendto(message.encode(), self.address)
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                log.warning("cannot notify systemd at %s: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+
+    def ready(self) -> None:
+        self.send("READY=1\nSTATUS=ready")
+
+    def stopping(self) -> None:
+        self.send("STOPPING=1\nSTATUS=draining")
+
+    def watchdog(self) -> None:
+        """A ping, at most every `watchdog_interval_s` (called as often as the engine loops)."""
+        if self.watchdog_interval_s is None:
+            return
+        now = time.monotonic()
+        if now - self._last_ping >= self.watchdog_interval_s:
+            self._last_ping = now
+            self.send("WATCHDOG=1")
