@@ -41,9 +41,9 @@ import pytest
 from speculation import check_speculation
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract import ONNX_FILE, ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.planner import check_fits
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
@@ -68,7 +68,7 @@ def source(tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(EXPORTS))
 def exported(request, source, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"cuda-{request.param}") / "out"
-    export_model(source, out, ExportOptions(max_len=2048, **EXPORTS[request.param]))
+    export_model(source, out, ExportRecipe(max_len=2048, **EXPORTS[request.param]))
     return out
 
 

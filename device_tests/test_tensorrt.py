@@ -30,10 +30,10 @@ import pytest
 from speculation import check_speculation
 from tiny import make_tiny_model
 
-from kvedge.contract import VERIFY_TOKENS
+from kvedge.contract import VERIFY_TOKENS, ExportRecipe
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_MANIFEST_FILE, PREFILL_PROFILE
 from kvedge.errors import ArtifactMismatch
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.tensorrt import build_engine
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory
@@ -53,19 +53,19 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(source):
-    export_model(source, source.parent / "out", ExportOptions(max_len=128))
+    export_model(source, source.parent / "out", ExportRecipe(max_len=128))
     return source.parent / "out"
 
 
 @pytest.fixture(scope="module")
 def exported_half(source):
-    export_model(source, source.parent / "half", ExportOptions(max_len=128, precision="float16"))
+    export_model(source, source.parent / "half", ExportRecipe(max_len=128, precision="float16"))
     return source.parent / "half"
 
 
 @pytest.fixture(scope="module")
 def exported_long(source):
-    export_model(source, source.parent / "long", ExportOptions(max_len=2048))
+    export_model(source, source.parent / "long", ExportRecipe(max_len=2048))
     return source.parent / "long"
 
 

@@ -443,16 +443,16 @@ def export(
 ) -> None:
     """Export SOURCE (HF folder or GGUF file; default: SmolLM2-135M-Instruct) to ONNX."""
     starting(f"exporting {source or 'the default model (SmolLM2-135M-Instruct)'} to {out_dir}")
-    from kvedge.export.export import ExportOptions, export_model
+    from kvedge.contract import ExportRecipe
+    from kvedge.export.export import export_model
 
     if target == "tensorrt":  # fail before the slow ONNX export, not after it
         from kvedge.export.tensorrt import require_tensorrt
 
         require_tensorrt(variant, logits)
-    options = ExportOptions(
+    recipe = ExportRecipe(
         max_len=max_len,
         logits=logits,
-        force=force,
         variant=variant,
         precision=precision,
         weights=weights,
@@ -463,7 +463,7 @@ def export(
         kv_dtype=kv_dtype,
         kv_group_size=kv_group_size,
     )
-    manifest = export_model(source, out_dir, options)
+    manifest = export_model(source, out_dir, recipe, force=force)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
     click.echo(
         f"wrote {out_dir} ({size / 2**20:.1f} MiB): {manifest.architecture}, "

@@ -51,7 +51,14 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-from kvedge.contract import PREFILL_CHUNK, RING_MARGIN, ROLES, SUPPORTED_MODEL_TYPES, CacheGeometry
+from kvedge.contract import (
+    PREFILL_CHUNK,
+    RING_MARGIN,
+    ROLES,
+    SUPPORTED_MODEL_TYPES,
+    CacheGeometry,
+    ExportRecipe,
+)
 from kvedge.errors import KvedgeError
 
 # configs/ as installed package data (setup.py ships it as kvedge._configs), else the source
@@ -291,6 +298,12 @@ class ModelRecipe(RecipeFile, frozen=True):
 
     path: Path  # the file it was loaded from
 
+    @property
+    def export_recipe(self) -> ExportRecipe:
+        """The `export:` section as the export's choices (its TensorRT profile aside)."""
+        e = self.export
+        return ExportRecipe(max_len=e.max_len, logits=e.logits, weights=e.weights_dtype, kv_dtype=e.kv_dtype)
+
     def geometry(self, max_len: int | None = None, kv_dtype: str | None = None) -> CacheGeometry:
         """The cache `kvedge export` makes for this recipe (ring layers as `geometry_from_config`)."""
         a = self.architecture
@@ -410,6 +423,10 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
         recipe.geometry()
     except KvedgeError as exc:
         raise _refuse(path, "export.kv_dtype", str(exc)) from None
+    try:  # the combination is the export's to allow (`ExportRecipe`)
+        recipe.export_recipe  # noqa: B018
+    except KvedgeError as exc:
+        raise _refuse(path, "export", str(exc)) from None
     return recipe
 
 

@@ -5,7 +5,7 @@ The estimate, per (slots, context, kv dtype)::
     total = weights + load + kv + activations + runtime
 
 weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: what `kvedge export`
-             writes for the weight form (`WeightForm`: --weights, --variant, --block-size,
+             writes for the weight form (`ExportRecipe`: --weights, --variant, --block-size,
              --outlier-channels, --head-bits, --decode-matmuls). float32/float16: param_count x 4/2.
              int8/int4 (`kvedge/export/quantize.py`, `graph.py`): each projection [K, N] (fused
              QKV, O, fused gate/up, down, and the LM head at its head bits) stores its codes
@@ -75,14 +75,12 @@ from typing import Any
 
 from kvedge.configs import Architecture, DeviceProfile, ModelRecipe, load_device, load_recipe
 from kvedge.contract import (
-    DECODE_MATMULS,
     KV_DTYPES,
     MANIFEST_FILE,
     ONNX_FILE,
     PREFILL_CHUNK,
-    VARIANTS,
-    WEIGHT_FORMATS,
     CacheGeometry,
+    ExportRecipe,
     Manifest,
 )
 from kvedge.contract.engine import DEVICES
@@ -110,74 +108,12 @@ _GPU = Overheads(96 * MiB + GiB, 1.0, "CUDA/TensorRT on unified memory, assumed,
 # by `--device` (contract.engine.DEVICES): where the model runs
 _CPU = Overheads(96 * MiB, 0.6, "onnxruntime CPU, measured")
 OVERHEADS = {device: _CPU if device == "cpu" else _GPU for device in DEVICES}
-# `kvedge export`'s defaults for quantized weights (kvedge/export/quantize.py, GraphOptions; that
-# module needs onnx, which the runtime-only install lacks: tests/test_planner.py checks they agree)
-OUTLIER_CHANNELS, HEAD_MIN_BITS, DEFAULT_BLOCK = 32, 8, 32
-BLOCK_SIZES, OUTLIER_CHOICES, HEAD_BITS = (16, 32, 64, 128, 256), (0, 8, 16, 32, 64), (8, 4)
 
 
-@dataclass(frozen=True)
-class WeightForm:
-    """How `kvedge export` stores the weights: its options that set their bytes (same names)."""
-
-    weights: str = "float32"  # WEIGHT_FORMATS
-    variant: str = "portable"  # VARIANTS
-    block_size: int = DEFAULT_BLOCK
-    outlier_channels: int | None = None  # None: OUTLIER_CHANNELS for int8/int4
-    head_bits: int | None = None  # None: the weights' bits, at least 8 in ort graphs
-    decode_matmuls: str | None = None  # DECODE_MATMULS; None: kvedge in ort int8/int4 graphs
-
-    def __post_init__(self) -> None:
-        for flag, value, allowed in (
-            ("--weights", self.weights, list(WEIGHT_FORMATS)),
-            ("--variant", self.variant, list(VARIANTS)),
-            ("--decode-matmuls", self.decode_matmuls, [None, *DECODE_MATMULS]),
-            ("--block-size", self.block_size, list(BLOCK_SIZES)),
-            ("--outlier-channels", self.outlier_channels, [None, *OUTLIER_CHOICES]),
-            ("--head-bits", self.head_bits, [None, *HEAD_BITS]),
-        ):
-            if value not in allowed:
-                shown = ", ".join(str(a) for a in allowed if a is not None)
-                raise KvedgeError(f"{flag} {value!r} is not allowed; allowed: {shown}")
-
-    @property
-    def bits(self) -> int:
-        return WEIGHT_FORMATS[self.weights]
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits < 16
-
-    @property
-    def lm_head_bits(self) -> int:
-        if self.head_bits is not None:
-            return self.head_bits
-        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
-
-    @property
-    def kept(self) -> int:
-        if not self.quantized:
-            return 0
-        return OUTLIER_CHANNELS if self.outlier_channels is None else self.outlier_channels
-
-    @property
-    def two_forms(self) -> bool:
-        """The graph also holds the decode form (kvedge.QuantMatMul): the weights twice."""
-        return self.quantized and self.variant == "ort" and (self.decode_matmuls or "kvedge") == "kvedge"
-
-    def describe(self) -> str:
-        if not self.quantized:
-            return self.weights
-        text = f"{self.weights} {self.variant} (block {self.block_size}, {self.kept} float32 channels"
-        if self.lm_head_bits != self.bits:
-            text += f", int{self.lm_head_bits} head"
-        return text + (", prefill and decode forms)" if self.two_forms else ")")
-
-
-def quantized_matmul_bytes(k: int, n: int, bits: int, form: WeightForm) -> int:
+def quantized_matmul_bytes(k: int, n: int, bits: int, form: ExportRecipe) -> int:
     """Bytes `kvedge export` stores for one quantized w [K, N] (module docstring, `graph.py`'s
     `matmul_weight` and `_quant_matmul`)."""
-    blocks, kept = k // form.block_size, form.kept
+    blocks, kept = k // form.block_size, form.kept_channels
     codes = k * n * bits // 8
     total = codes + FLOAT32 * blocks * n + FLOAT32 * (blocks + kept) * n  # scales, second product
     if form.variant == "portable":  # side inputs from standard ops: [K, K/bs + kept] 0/1, the mask
@@ -189,7 +125,7 @@ def quantized_matmul_bytes(k: int, n: int, bits: int, form: WeightForm) -> int:
     return total
 
 
-def recipe_weight_bytes(a: Architecture, form: WeightForm) -> int:
+def recipe_weight_bytes(a: Architecture, form: ExportRecipe) -> int:
     """The bytes of an export of architecture `a` in weight form `form` (module docstring)."""
     if not form.quantized:
         return a.param_count * form.bits // 8
@@ -218,7 +154,7 @@ class ModelFootprint:
     max_context: int  # longest usable context
     fixed_context: bool  # an export's max_len is baked into its graph
     widened_bytes: int = 0  # float32 copy of float16-stored weights made at load (module docstring)
-    form: WeightForm | None = None  # a recipe's weight form (None: an export's files)
+    form: ExportRecipe | None = None  # a recipe's weight form (None: an export's files)
     architecture: Architecture | None = None  # a recipe's, to plan other weight forms
 
     @classmethod
@@ -250,15 +186,15 @@ class ModelFootprint:
         )
 
     @classmethod
-    def from_recipe(cls, recipe: ModelRecipe, form: WeightForm | None = None) -> ModelFootprint:
+    def from_recipe(cls, recipe: ModelRecipe, form: ExportRecipe | None = None) -> ModelFootprint:
         """`form` overrides the recipe's weights, e.g. int4 (`--weights int4`)."""
         a = recipe.architecture
-        form = form or WeightForm(recipe.export.weights_dtype)
+        form = form or recipe.export_recipe
         return cls(
             name=recipe.name,
             origin=str(recipe.path),
             weights_bytes=recipe_weight_bytes(a, form),
-            weights_note=f"{a.param_count:,} params, {form.describe()}",
+            weights_note=f"{a.param_count:,} params, {form.describe_weights()}",
             form=form,
             architecture=a,
             geometry=recipe.geometry(),
@@ -273,7 +209,7 @@ class ModelFootprint:
 
 
 def footprint(
-    model: ModelFootprint | ModelRecipe | str | Path, form: WeightForm | None = None
+    model: ModelFootprint | ModelRecipe | str | Path, form: ExportRecipe | None = None
 ) -> ModelFootprint:
     """`model` as an export folder (has manifest.json), a recipe, or a recipe name or path.
 
@@ -616,23 +552,28 @@ def _per_token(model: ModelFootprint, kv_dtype: str) -> float:
         return float("inf")
 
 
-def _smaller_forms(model: ModelFootprint) -> list[WeightForm]:
+def _smaller_forms(model: ModelFootprint) -> list[ExportRecipe]:
     """A recipe's weight forms smaller than its own, least quantized first (an export's weights
     are its files: re-exporting them is out of the planner's sight, so none)."""
     if model.architecture is None or model.form is None:
         return []
-    forms = [dataclasses.replace(model.form, weights=w) for w in WEIGHT_STEPS]
+    forms = []
+    for weights in WEIGHT_STEPS:
+        try:  # e.g. --head-bits 8 with portable int4: not a form of int8 weights
+            forms.append(dataclasses.replace(model.form, weights=weights))
+        except KvedgeError:
+            continue
     return [f for f in forms if recipe_weight_bytes(model.architecture, f) < model.weights_bytes]
 
 
-def _changed_plan(plan: Plan, options: dict[str, str], forms: dict[str, WeightForm]) -> Plan:
+def _changed_plan(plan: Plan, options: dict[str, str], forms: dict[str, ExportRecipe]) -> Plan:
     model = plan.model
     if "--weights" in options:
         form = forms[options["--weights"]]
         model = dataclasses.replace(
             model,
             weights_bytes=recipe_weight_bytes(model.architecture, form),
-            weights_note=f"{model.architecture.param_count:,} params, {form.describe()}",
+            weights_note=f"{model.architecture.param_count:,} params, {form.describe_weights()}",
             form=form,
         )
     slots = (int(options["--slots"]),) if "--slots" in options else plan.slots
@@ -676,13 +617,13 @@ def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Bud
     return live_budget(reserve_bytes or 0)
 
 
-def weight_form(options: dict[str, Any]) -> WeightForm | None:
+def weight_form(options: dict[str, Any]) -> ExportRecipe | None:
     """The weight form `kvedge plan`'s export options name (None: the model's own): --weights
     (default float32) and the options of `kvedge export` that go with it."""
     given = {k: v for k, v in options.items() if v is not None}
     if not given:
         return None
-    return WeightForm(**{"weights": "float32", **given})
+    return ExportRecipe(**{"weights": "float32", **given})
 
 
 def plan_report(
@@ -692,7 +633,7 @@ def plan_report(
     reserve: str | None = None,
     device: str | None = None,
     kv_dtypes: Sequence[str] = (),
-    form: WeightForm | None = None,
+    form: ExportRecipe | None = None,
     slots: str | None = None,
     max_lens: str | None = None,
     as_json: bool = False,

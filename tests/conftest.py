@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 import pytest
 
-from kvedge.contract import MANIFEST_FILE, ONNX_FILE, Manifest, sha256_files
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import MANIFEST_FILE, ONNX_FILE, ExportRecipe, Manifest, sha256_files
+from kvedge.export.export import export_model
 from kvedge.export.graph import all_graphs
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -78,7 +78,7 @@ def save_graph(model, out: Path) -> Path:
 
 
 def export_once(source: Path, root: Path, *fields: str, **fixed):
-    """A function (*values) -> artifact folder: `source` exported with ExportOptions(**fixed)
+    """A function (*values) -> artifact folder: `source` exported with ExportRecipe(**fixed)
     and the first len(values) `fields` set to `values`, each distinct call once (for module
     fixtures that export a few option sets on demand)."""
     built: dict[tuple, Path] = {}
@@ -87,7 +87,7 @@ def export_once(source: Path, root: Path, *fields: str, **fixed):
         if values not in built:
             out = root / "-".join(map(str, values))
             chosen = dict(zip(fields[: len(values)], values, strict=True))
-            export_model(source, out, ExportOptions(**fixed, **chosen))
+            export_model(source, out, ExportRecipe(**fixed, **chosen))
             built[values] = out
         return built[values]
 
@@ -133,7 +133,7 @@ def tiny(request, tmp_path_factory) -> Exported:
     family = overrides.pop("family", name)
     root = tmp_path_factory.mktemp(f"{name}-{variant}")
     source = make_tiny_model(root / "hf", family, **overrides)
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN, variant=variant))
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN, variant=variant))
     return Exported(source, root / "out")
 
 
@@ -143,7 +143,7 @@ def tiny_llama(request, tmp_path_factory) -> Exported:
 
     root = tmp_path_factory.mktemp(f"llama_main-{request.param}")
     source = make_tiny_model(root / "hf", "llama")
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN, variant=request.param))
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN, variant=request.param))
     return Exported(source, root / "out")
 
 

@@ -4,24 +4,24 @@ the oldest claimed TensorRT (test_tensorrt_oldest.py, no TensorRT needed) both r
 
 from __future__ import annotations
 
-from kvedge.export.export import ExportOptions
+from kvedge.contract import ExportRecipe
 
 MAX_LEN = 128
 # --variant portable with these precisions, weights and cache dtypes (each --precision's allowed
 # --weights times its allowed --kv-dtype, the int8 cache with int4 weights)
 ACCEPTED = {
-    "float32": ExportOptions(max_len=MAX_LEN),
-    "float16-weights": ExportOptions(max_len=MAX_LEN, weights="float16"),
-    "int8-weights": ExportOptions(max_len=MAX_LEN, weights="int8"),
-    "int4-weights": ExportOptions(max_len=MAX_LEN, weights="int4"),
-    "int8-cache": ExportOptions(max_len=MAX_LEN, kv_dtype="int8"),
-    "int4-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
-    "float16-weights-int8-cache": ExportOptions(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
-    "float16-precision": ExportOptions(max_len=MAX_LEN, precision="float16"),
-    "float16-precision-int8-weights": ExportOptions(max_len=MAX_LEN, precision="float16", weights="int8"),
-    "float16-precision-int4-weights": ExportOptions(max_len=MAX_LEN, precision="float16", weights="int4"),
-    "float16-precision-int8-cache": ExportOptions(max_len=MAX_LEN, precision="float16", kv_dtype="int8"),
-    "float16-precision-int4-weights-int8-cache": ExportOptions(
+    "float32": ExportRecipe(max_len=MAX_LEN),
+    "float16-weights": ExportRecipe(max_len=MAX_LEN, weights="float16"),
+    "int8-weights": ExportRecipe(max_len=MAX_LEN, weights="int8"),
+    "int4-weights": ExportRecipe(max_len=MAX_LEN, weights="int4"),
+    "int8-cache": ExportRecipe(max_len=MAX_LEN, kv_dtype="int8"),
+    "int4-weights-int8-cache": ExportRecipe(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
+    "float16-weights-int8-cache": ExportRecipe(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
+    "float16-precision": ExportRecipe(max_len=MAX_LEN, precision="float16"),
+    "float16-precision-int8-weights": ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int8"),
+    "float16-precision-int4-weights": ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int4"),
+    "float16-precision-int8-cache": ExportRecipe(max_len=MAX_LEN, precision="float16", kv_dtype="int8"),
+    "float16-precision-int4-weights-int8-cache": ExportRecipe(
         max_len=MAX_LEN, precision="float16", weights="int4", kv_dtype="int8"
     ),
 }

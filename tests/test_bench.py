@@ -25,7 +25,7 @@ from kvedge.bench.prepare import KvedgeBuild, Workdir, export_code_file, export_
 from kvedge.bench.report import evaluate_targets, speculation_targets, speedup, warm_targets
 from kvedge.bench.systems import SystemSpec
 from kvedge.bench.warm import TURNS, sized_text
-from kvedge.contract import Manifest
+from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.runtime.tokenizer import ChatTokenizer
@@ -464,7 +464,7 @@ def test_an_export_folder_is_reused_only_when_exporting_now_would_make_it(tmp_pa
     caplog.set_level(logging.INFO, logger="kvedge.bench.prepare")
     source = make_tiny_model(tmp_path / "hf", "llama")
     work = Workdir(tmp_path / "work", source)
-    build = KvedgeBuild("ort", "int8", max_len=64)
+    build = KvedgeBuild(ExportRecipe(variant="ort", weights="int8", max_len=64))
 
     def export(build: KvedgeBuild) -> str:
         """Why `build` was exported ("" when its folder was reused)."""
@@ -479,13 +479,14 @@ def test_an_export_folder_is_reused_only_when_exporting_now_would_make_it(tmp_pa
     assert export(build).endswith("no export there yet")
     assert export_code_file(out).read_text().strip() == export_code_fingerprint()
     assert export(build) == ""
-    assert "weight_block_size is 32, the options give 16" in export(dataclasses.replace(build, block_size=16))
-    assert export(build).endswith("weight_block_size is 16, the options give 32")
+    block16 = KvedgeBuild(dataclasses.replace(build.recipe, block_size=16))
+    assert "weight_block_size is 32, the recipe gives 16" in export(block16)
+    assert export(build).endswith("weight_block_size is 16, the recipe gives 32")
     for flag, message in [
-        (dict(outlier_channels=0), "weight_outlier_channels is 0, the options give 32"),
-        (dict(head_bits=4), "weight_head_bits is 4, the options give 8"),
+        (dict(outlier_channels=0), "weight_outlier_channels is 0, the recipe gives 32"),
+        (dict(head_bits=4), "weight_head_bits is 4, the recipe gives 8"),
     ]:  # an export of the same folder name made with other options (by hand, say)
-        export_model(source, out, dataclasses.replace(build.options, **flag))
+        export_model(source, out, dataclasses.replace(build.recipe, **flag), force=True)
         assert export(build).endswith(message)
     export_code_file(out).write_text("0" * 64)  # made by older export code
     assert export(build).endswith(

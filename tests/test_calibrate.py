@@ -13,8 +13,9 @@ from tiny import make_tiny_model
 
 from kvedge.calibrate.calibrate import CalibrationOptions, builtin_prompts, calibrate, read_prompts
 from kvedge.calibrate.evaluate import evaluate, kv_bytes_ratio
+from kvedge.contract import ExportRecipe
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.quant import (
     SCALES_FILE,
     SCALES_MANIFEST,
@@ -75,7 +76,7 @@ def test_scales_round_trip_and_refusals(tiny_llama, scales_dir, tmp_path):
     assert scales.k_scale.shape == (2, 2, 1) and scales.manifest.group_size == 16
     assert scales.manifest.calibration_prompts == 3 and len(scales.manifest.layer_errors["k_group_rel"]) == 2
     other = export_model(
-        make_tiny_model(tmp_path / "b", "llama", seed=5), tmp_path / "b_out", ExportOptions(max_len=32)
+        make_tiny_model(tmp_path / "b", "llama", seed=5), tmp_path / "b_out", ExportRecipe(max_len=32)
     )
     # one wording for every artifact (kvedge.contract.header): the field, then both values
     expected = f"model is '{manifest.source_fingerprint[:16]}', expected '{other.source_fingerprint[:16]}'"
@@ -137,7 +138,7 @@ def test_nan_statistics_are_refused_and_nothing_written(tmp_path):
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")
     model.save_pretrained(source)
-    export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=64))
     with pytest.raises(KvedgeError, match="NaN or inf"):
         calibrate(Model(tmp_path / "out"), PROMPTS, CalibrationOptions(group_size=16))
     assert not (tmp_path / "scales").exists()

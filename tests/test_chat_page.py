@@ -28,8 +28,9 @@ from test_serve import KEY, Server
 from tiny import make_tiny_model
 
 from kvedge.cli import main
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.serve import ui
 from kvedge.serve.app import create_app
 from kvedge.serve.config import load_service_config
@@ -61,7 +62,7 @@ HOSTILE = f"<script>window.{PWNED}=1</script><img src=x onerror=window.{PWNED}=2
 def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("page")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportOptions(max_len=2048))  # room for a tools prompt
+    export_model(source, root / "out", ExportRecipe(max_len=2048))  # room for a tools prompt
     return root / "out"
 
 

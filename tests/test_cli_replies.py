@@ -23,7 +23,8 @@ from test_serve import KEY, Server
 from tiny import make_tiny_model
 
 from kvedge.cli import _PipeLines
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 from kvedge.runtime.model import Model
 from kvedge.serve.client import API_KEY_ENV
 
@@ -37,7 +38,7 @@ NEXT = "And then?"
 def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("replies")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)  # seed 3: its greedy replies are mostly printable
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
     return root / "out"
 
 

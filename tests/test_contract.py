@@ -9,9 +9,9 @@ import shutil
 import pytest
 from tiny import make_tiny_model
 
-from kvedge.contract import MANIFEST_FILE, ONNX_FILE, CacheGeometry, Manifest
+from kvedge.contract import MANIFEST_FILE, ONNX_FILE, CacheGeometry, ExportRecipe, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.model import Model
 
 
@@ -53,8 +53,8 @@ def test_tampered_graph_or_version_is_refused(tiny_llama, tmp_path):
 def test_fingerprint_follows_the_weights(tmp_path):
     a = make_tiny_model(tmp_path / "a", "llama", seed=0)
     b = make_tiny_model(tmp_path / "b", "llama", seed=1)
-    ma = export_model(a, tmp_path / "out_a", ExportOptions(max_len=32))
-    mb = export_model(b, tmp_path / "out_b", ExportOptions(max_len=32))
+    ma = export_model(a, tmp_path / "out_a", ExportRecipe(max_len=32))
+    mb = export_model(b, tmp_path / "out_b", ExportRecipe(max_len=32))
     assert ma.source_fingerprint != mb.source_fingerprint
     with pytest.raises(ArtifactMismatch):
         ma.check_compatible(mb, "b")
@@ -69,7 +69,7 @@ def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
     with pytest.raises(
         KvedgeError, match="architecture 'gpt2' is not supported; supported: llama .*qwen2 .*mistral"
     ):
-        export_model(tmp_path / "gpt2", tmp_path / "out", ExportOptions(max_len=32))
+        export_model(tmp_path / "gpt2", tmp_path / "out", ExportRecipe(max_len=32))
     assert not (tmp_path / "out").exists()
 
 
@@ -77,10 +77,10 @@ def test_export_refuses_overwrite_and_bad_options(tiny_llama, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     with pytest.raises(KvedgeError, match="holds keep.txt, not a kvedge export"):
-        export_model(tiny_llama.source, tmp_path / "out", ExportOptions(max_len=32, force=True))
+        export_model(tiny_llama.source, tmp_path / "out", ExportRecipe(max_len=32), force=True)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
     with pytest.raises(KvedgeError, match="--max-len 4 is out of range"):
-        ExportOptions(max_len=4)
+        ExportRecipe(max_len=4)
 
 
 @pytest.mark.parametrize("field,value", [("max_len", 64), ("num_kv_heads", 1), ("head_dim", 8)])

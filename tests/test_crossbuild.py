@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvedge.bench.crossbuild import main
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 
 PROMPTS, TOKENS = 2, 8
 
@@ -24,7 +25,7 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("crossbuild")
     heads = {"num_attention_heads": 2, "num_key_value_heads": 1}
     source = make_tiny_model(root / "hf", "llama", hidden_size=128, **heads)
-    options = ExportOptions(max_len=128, variant="ort", weights="int4", kv_dtype="int8")
+    options = ExportRecipe(max_len=128, variant="ort", weights="int4", kv_dtype="int8")
     export_model(source, root / "out", options)
     return root / "out"
 

@@ -20,9 +20,9 @@ from conftest import random_ids
 from cuda_standin import DEVICE_BASE, CudaRuntime
 
 from kvedge.cli import main
-from kvedge.contract import CacheGeometry
+from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory, MappedHost
 from kvedge.runtime.generate import prefill
@@ -266,7 +266,7 @@ def tiny_export(tmp_path_factory):
     from tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("pool")
-    export_model(make_tiny_model(root / "hf", "llama"), root / "out", ExportOptions(max_len=64))
+    export_model(make_tiny_model(root / "hf", "llama"), root / "out", ExportRecipe(max_len=64))
     return root / "out"
 
 

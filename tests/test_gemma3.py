@@ -18,9 +18,9 @@ from onnx import helper
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvedge.contract import RING_MARGIN, CacheGeometry, Manifest
+from kvedge.contract import RING_MARGIN, CacheGeometry, ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.planner import ModelFootprint, kv_bytes
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -37,8 +37,8 @@ def gemma(tmp_path_factory):
     """(source folder, float32 export, INT8 export) of the tiny Gemma 3."""
     root = tmp_path_factory.mktemp("gemma3")
     source = make_tiny_model(root / "hf", "gemma3")
-    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN))
-    export_model(source, root / "int8", ExportOptions(max_len=MAX_LEN, kv_dtype="int8"))
+    export_model(source, root / "fp", ExportRecipe(max_len=MAX_LEN))
+    export_model(source, root / "int8", ExportRecipe(max_len=MAX_LEN, kv_dtype="int8"))
     return source, root / "fp", root / "int8"
 
 
@@ -215,7 +215,7 @@ def test_ort_variant_windows_a_full_length_cache(gemma, hf, tmp_path):
     """GroupQueryAttention has no ring: the ort variant keeps every layer at max_len and gives
     the local layers local_window_size and their own RoPE tables (not the memory saving)."""
     require_onnxruntime(*GQA_WINDOW)
-    export_model(gemma[0], tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
+    export_model(gemma[0], tmp_path / "ort", ExportRecipe(max_len=MAX_LEN, variant="ort"))
     model = Model(tmp_path / "ort")
     g = model.manifest.geometry
     assert g.ring_layers == () and model.cache.nbytes == g.pool_bytes(1)
@@ -233,7 +233,7 @@ def test_ort_int8_kernel_windows_a_full_length_cache(gemma, hf, tmp_path):
     it equals the portable INT8 graph, whose rings hold the same codes, at test_kv_int8's
     tolerance, and tracks transformers as test_kv_int8 bounds the INT8 cache (KL, top-1)."""
     require_onnxruntime(*GEMMA3_INT8_TOLERANCE)
-    export_model(gemma[0], tmp_path / "ort8", ExportOptions(max_len=MAX_LEN, variant="ort", kv_dtype="int8"))
+    export_model(gemma[0], tmp_path / "ort8", ExportRecipe(max_len=MAX_LEN, variant="ort", kv_dtype="int8"))
     model, portable = Model(tmp_path / "ort8", slots=2), Model(gemma[2], slots=2)
     g = model.manifest.geometry
     assert g.ring_layers == () and model.cache.nbytes == g.pool_bytes(2)
@@ -276,7 +276,7 @@ def test_ort_int8_kernel_windows_a_full_length_cache(gemma, hf, tmp_path):
 def test_softcapping_is_refused_by_name(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "gemma3", final_logit_softcapping=30.0)
     with pytest.raises(KvedgeError, match="final_logit_softcapping=30.0 is not supported"):
-        export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+        export_model(source, tmp_path / "out", ExportRecipe(max_len=64))
 
 
 def test_windowed_ort_graphs_are_refused_on_onnxruntime_older_than_their_window(gemma, tmp_path):
@@ -285,7 +285,7 @@ def test_windowed_ort_graphs_are_refused_on_onnxruntime_older_than_their_window(
     both versions; the INT8 cache (kvedge's kernel) and the portable ring do not depend on it."""
     from kvedge.runtime.backend import onnxruntime_window_refusal
 
-    export_model(gemma[0], tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
+    export_model(gemma[0], tmp_path / "ort", ExportRecipe(max_len=MAX_LEN, variant="ort"))
     ort_graph = Manifest.load(tmp_path / "ort")
     refusal = onnxruntime_window_refusal(ort_graph, "1.23.2")
     assert refusal and "onnxruntime 1.23.2" in refusal and "fixed in 1.24" in refusal

@@ -23,8 +23,9 @@ import pytest
 from test_serve import JSON_HEADERS, KEY, Server, assert_openai_error, chat_body, free_port
 from tiny import make_tiny_model
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.generate import PREFILL_CHUNK
 from kvedge.runtime.model import Model
 from kvedge.serve.config import load_service_config
@@ -42,7 +43,7 @@ PREFILL_MAX_LEN = 1024  # the medium model's cache: under window a prefill chunk
 def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hostile")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
     return root / "out"
 
 
@@ -144,7 +145,7 @@ def prefill_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("medium")
     shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8)
     source = make_tiny_model(root / "hf", "qwen2", seed=3, max_position_embeddings=4096, **shape)
-    export_model(source, root / "out", ExportOptions(max_len=PREFILL_MAX_LEN))
+    export_model(source, root / "out", ExportRecipe(max_len=PREFILL_MAX_LEN))
     srv = Server(
         root / "out",
         root,

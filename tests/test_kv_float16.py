@@ -23,9 +23,9 @@ from onnx import TensorProto
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvedge.contract import Manifest
+from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.planner import ModelFootprint, kv_bytes
 from kvedge.runtime.backend import (
     CALL,
@@ -49,8 +49,8 @@ def export_pair(root, family: str) -> tuple:
     """(source, float32-cache portable export, float16-cache ort export) of one tiny model."""
     overrides = dict(FAMILIES[family])
     source = make_tiny_model(root / "hf", overrides.pop("family", family), **overrides)
-    export_model(source, root / "fp32", ExportOptions(max_len=MAX_LEN))
-    export_model(source, root / "fp16", ExportOptions(max_len=MAX_LEN, variant="ort", kv_dtype="float16"))
+    export_model(source, root / "fp32", ExportRecipe(max_len=MAX_LEN))
+    export_model(source, root / "fp16", ExportRecipe(max_len=MAX_LEN, variant="ort", kv_dtype="float16"))
     return source, root / "fp32", root / "fp16"
 
 
@@ -197,10 +197,10 @@ def test_options_are_refused_by_name():
         match=r"--kv-dtype float16 with float32 compute is built for --variant ort only .* "
         r"allowed: \['float32', 'int8'\]",
     ):
-        ExportOptions(kv_dtype="float16")
+        ExportRecipe(kv_dtype="float16")
     with pytest.raises(KvedgeError, match=r"allowed: \['float32', 'float16', 'int8'\]"):
-        ExportOptions(kv_dtype="int4", variant="ort")
-    assert ExportOptions(kv_dtype="float16", variant="ort", weights="float16").kv_dtype == "float16"
+        ExportRecipe(kv_dtype="int4", variant="ort")
+    assert ExportRecipe(kv_dtype="float16", variant="ort", weights="float16").kv_dtype == "float16"
 
 
 def test_cuda_runs_it_in_place_and_may_capture_its_decode(llama, tmp_path):
@@ -241,7 +241,7 @@ def test_cuda_runs_it_in_place_and_may_capture_its_decode(llama, tmp_path):
 
     for options in (dict(variant="ort"), dict(variant="ort", kv_dtype="int8")):
         out = tmp_path / options.get("kv_dtype", "float32")
-        export_model(source, out, ExportOptions(max_len=MAX_LEN, **options))
+        export_model(source, out, ExportRecipe(max_len=MAX_LEN, **options))
         other = Manifest.load(out)
         with pytest.raises(KvedgeError, match=r"cannot run this 'ort'-variant .*--kv-dtype float16"):
             binding_plan(other, "cuda", "decode", 1)
@@ -258,7 +258,7 @@ def test_real_model_float16_cache_matches_transformers(tmp_path):
     same 32 greedy tokens."""
     from test_parity import _real_model_against_transformers
 
-    options = ExportOptions(variant="ort", kv_dtype="float16")
+    options = ExportRecipe(variant="ort", kv_dtype="float16")
     got, ref, greedy, want = _real_model_against_transformers(tmp_path / "kv16", options)
     np.testing.assert_allclose(got, ref, atol=4 * FP16_UNIT * float(ref.max() - ref.min()), rtol=0)
     assert greedy == want

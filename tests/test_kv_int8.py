@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from conftest import GEMMA3_INT8_TOLERANCE, random_ids, require_onnxruntime
 
 from kvedge.cli import main
-from kvedge.contract import CacheGeometry
+from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.quant import dequantize_tokens, quantize_tokens
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -67,8 +67,8 @@ def export_int8(root, case: tuple[str, int, str]):
     # the float32 reference in the INT8 export's cache layout: Gemma 3's portable graph keeps its
     # sliding-window layers in rings, the ort variant full length
     reference = variant if family == "gemma3" else "portable"
-    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN, variant=reference))
-    options = ExportOptions(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=group, variant=variant)
+    export_model(source, root / "fp", ExportRecipe(max_len=MAX_LEN, variant=reference))
+    options = ExportRecipe(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=group, variant=variant)
     export_model(source, root / "int8", options)
     return root / "fp", root / "int8"
 
@@ -214,9 +214,9 @@ def test_warm_file_round_trip_and_dtype_refusal(int8_pair, tmp_path):
 
 def test_bad_int8_options_are_refused_by_name(tmp_path):
     with pytest.raises(KvedgeError, match="allowed: \\['float32', 'int8'\\]"):
-        ExportOptions(kv_dtype="int4")
+        ExportRecipe(kv_dtype="int4")
     with pytest.raises(KvedgeError, match="applies to --kv-dtype int8 only"):
-        ExportOptions(kv_group_size=16)
+        ExportRecipe(kv_group_size=16)
     with pytest.raises(
         KvedgeError, match="group_size=24 is not allowed for head_dim 64; allowed: \\[16, 32, 64\\]"
     ):
@@ -252,7 +252,7 @@ def int8_variants(tmp_path_factory):
     root = tmp_path_factory.mktemp("int8-variants")
     source = make_tiny_model(root / "hf", "llama", **HEAD_DIMS["hd64"])
     for variant in ("portable", "ort"):
-        options = ExportOptions(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=32, variant=variant)
+        options = ExportRecipe(max_len=MAX_LEN, kv_dtype="int8", kv_group_size=32, variant=variant)
         export_model(source, root / variant, options)
     return root / "portable", root / "ort"
 

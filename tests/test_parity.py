@@ -15,8 +15,9 @@ import torch
 from conftest import random_ids
 from tiny import make_tiny_model
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.graph.rope import rope_tables, rotary_frequencies, rotary_order
 from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -91,20 +92,20 @@ def test_longrope_past_its_short_factors_is_refused_by_name(tmp_path):
     """Past original_max_position_embeddings HF switches to the long factors; static tables cannot."""
     source = make_tiny_model(tmp_path / "hf", "phi3")  # original_max_position_embeddings 256
     with pytest.raises(KvedgeError, match=r"--max-len 512 passes .*original_max_position_embeddings \(256\)"):
-        export_model(source, tmp_path / "out", ExportOptions(max_len=512))
+        export_model(source, tmp_path / "out", ExportRecipe(max_len=512))
     assert not (tmp_path / "out").exists()
 
 
 def test_unsupported_family_is_refused_by_name(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "llama", hidden_act="gelu")
     with pytest.raises(KvedgeError, match="hidden_act 'gelu' is not supported"):
-        export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+        export_model(source, tmp_path / "out", ExportRecipe(max_len=64))
 
 
 @pytest.mark.real_model
 def test_real_model_ort_variant_matches_transformers(tmp_path):
     """The in-place GroupQueryAttention graph on SmolLM2-135M: same 1e-3 as the portable graph."""
-    got, ref, greedy, want = _real_model_against_transformers(tmp_path / "ort", ExportOptions(variant="ort"))
+    got, ref, greedy, want = _real_model_against_transformers(tmp_path / "ort", ExportRecipe(variant="ort"))
     np.testing.assert_allclose(got, ref, atol=REAL_ATOL, rtol=0)
     assert greedy == want  # greedy tokens identical
 
@@ -115,13 +116,13 @@ def test_real_model_float16_weights_match_transformers(tmp_path):
     float16 unit roundoff (2**-11) x the logits' range of transformers' float32 (measured 0.91 x:
     0.029 on a range of 65), and the same 32 greedy tokens."""
     got, ref, greedy, want = _real_model_against_transformers(
-        tmp_path / "f16", ExportOptions(weights="float16")
+        tmp_path / "f16", ExportRecipe(weights="float16")
     )
     np.testing.assert_allclose(got, ref, atol=4 * 2.0**-11 * float(ref.max() - ref.min()), rtol=0)
     assert greedy == want
 
 
-def _real_model_against_transformers(out, options: ExportOptions):
+def _real_model_against_transformers(out, options: ExportRecipe):
     """SmolLM2 exported with `options` to `out`, teacher-forced through 32 greedy tokens of
     transformers: (kvedge logits [32, vocab], transformers' logits [32, vocab], kvedge's greedy
     tokens with eos masked as min_new_tokens masks it, transformers' tokens)."""

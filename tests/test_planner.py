@@ -12,14 +12,13 @@ import yaml
 from tiny import make_tiny_model
 
 from kvedge.configs import DEVICES_DIR
-from kvedge.contract import KV_DTYPES, CacheGeometry
+from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.planner import (
     OVERHEADS,
     Budget,
     ModelFootprint,
-    WeightForm,
     check_fits,
     estimate,
     footprint,
@@ -30,6 +29,7 @@ from kvedge.planner import (
     plan_report,
     recipe_weight_bytes,
     render,
+    weight_form,
     what_fits,
 )
 from kvedge.runtime.cache import KVCache
@@ -164,7 +164,7 @@ def test_cli_plan(tmp_path, tiny_llama):
     assert export.returncode == 0, export.stderr
     assert "<- this export" in export.stdout and "nothing above fits" in export.stdout
     with pytest.raises(KvedgeError, match="--weights and its options apply to recipes only"):
-        plan_report(tiny_llama.out, form=WeightForm("float16"))
+        plan_report(tiny_llama.out, form=ExportRecipe(weights="float16"))
 
     bad = yaml.safe_load((DEVICES_DIR / "orin-nano-8gb.yaml").read_text())
     bad["memory_bytes"] = "lots"
@@ -177,8 +177,8 @@ def test_cli_plan(tmp_path, tiny_llama):
 
 def test_float16_weight_export_counts_half_the_file_and_the_widened_copy(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "llama")
-    export_model(source, tmp_path / "f32", ExportOptions(max_len=64))
-    export_model(source, tmp_path / "f16", ExportOptions(max_len=64, weights="float16"))
+    export_model(source, tmp_path / "f32", ExportRecipe(max_len=64))
+    export_model(source, tmp_path / "f16", ExportRecipe(max_len=64, weights="float16"))
     f32, f16 = footprint(tmp_path / "f32"), footprint(tmp_path / "f16")
     assert 0.45 < f16.weights_bytes / f32.weights_bytes < 0.56
     assert f32.widened_bytes == 0 and f16.widened_bytes == 2 * f16.weights_bytes
@@ -192,14 +192,16 @@ def test_float16_weight_export_counts_half_the_file_and_the_widened_copy(tmp_pat
 
 def test_plan_takes_every_weight_form():
     sizes = {
-        w: footprint("smollm2-135m", WeightForm(w)).weights_bytes
+        w: footprint("smollm2-135m", ExportRecipe(weights=w)).weights_bytes
         for w in ("float32", "float16", "int8", "int4")
     }
     assert sizes["float32"] == 2 * sizes["float16"] == 134_515_008 * 4
     assert sizes["float32"] > sizes["int8"] > sizes["int4"]  # the embedding table stays float32
     # the ort graph's two decode forms: kvedge's QuantMatMul holds the codes again; onnxruntime's one copy
-    two = footprint("smollm2-135m", WeightForm("int4", "ort")).weights_bytes
-    one = footprint("smollm2-135m", WeightForm("int4", "ort", decode_matmuls="onnxruntime")).weights_bytes
+    two = footprint("smollm2-135m", ExportRecipe(weights="int4", variant="ort")).weights_bytes
+    one = footprint(
+        "smollm2-135m", ExportRecipe(weights="int4", variant="ort", decode_matmuls="onnxruntime")
+    ).weights_bytes
     assert two > one
     for weights in ("int8", "int4"):
         done = kvedge("plan", "smollm2-135m", "--profile", "orin-nano-8gb", "--weights", weights)
@@ -247,35 +249,22 @@ def test_what_fits_tries_the_smallest_change_first():
     assert what_fits(make_plan(HAND, budget(1 << 30), slots=(1,), contexts=(32,))) is None
 
 
-def test_weight_form_defaults_are_the_exporters():
-    from kvedge.export import quantize
-    from kvedge.export.graph import GraphOptions
-    from kvedge.planner import BLOCK_SIZES, HEAD_BITS, OUTLIER_CHOICES
-
-    assert (BLOCK_SIZES, OUTLIER_CHOICES, HEAD_BITS) == (
-        quantize.BLOCK_SIZES,
-        quantize.OUTLIER_CHOICES,
-        quantize.HEAD_BITS,
-    )
-    with pytest.raises(KvedgeError, match=r"--block-size 7 is not allowed; allowed: 16, 32, 64, 128, 256"):
-        WeightForm("int4", block_size=7)
-
-    for weights in ("int8", "int4"):
-        for variant in ("portable", "ort"):
-            for decode in (None, "kvedge", "onnxruntime") if variant == "ort" else (None,):
-                graph = GraphOptions(weights=weights, variant=variant, decode_matmuls=decode)
-                form = WeightForm(weights, variant, decode_matmuls=decode)
-                assert (form.lm_head_bits, form.kept) == (graph.head_bits, graph.kept_channels)
-                assert form.two_forms == (graph.decode == "kvedge")
-                assert form.block_size == graph.block_size
+def test_plan_and_export_take_one_recipe_type():
+    """`kvedge plan`'s weight options parse into the exporter's own type: one set of rules."""
+    with pytest.raises(
+        KvedgeError, match=r"--block-size 7 is not allowed; allowed: \[16, 32, 64, 128, 256\]"
+    ):
+        weight_form({"weights": "int4", "block_size": 7})
+    assert weight_form({"weights": "int4", "variant": "ort"}) == ExportRecipe(weights="int4", variant="ort")
+    assert weight_form({}) is None
 
 
 SIZE_CHECKS = [
-    WeightForm("int8"),
-    WeightForm("int4"),
-    WeightForm("int4", "ort"),
-    WeightForm("int4", "ort", decode_matmuls="onnxruntime"),
-    WeightForm("int8", "ort", outlier_channels=0, head_bits=8),
+    ExportRecipe(weights="int8"),
+    ExportRecipe(weights="int4"),
+    ExportRecipe(weights="int4", variant="ort"),
+    ExportRecipe(weights="int4", variant="ort", decode_matmuls="onnxruntime"),
+    ExportRecipe(weights="int8", variant="ort", outlier_channels=0, head_bits=8),
 ]
 
 
@@ -308,16 +297,16 @@ def mid_llama(tmp_path_factory):
     return source, arch, root
 
 
-@pytest.mark.parametrize("form", SIZE_CHECKS, ids=WeightForm.describe)
+@pytest.mark.parametrize("form", SIZE_CHECKS, ids=ExportRecipe.describe_weights)
 def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
     """The planner's bytes for a weight form against the files `kvedge export` writes: within 1% +
     64 KiB, what the planner leaves out (the graph's nodes, RoPE tables [max_len, head_dim/2] x 2,
     small constants; and block offsets it assumes present)."""
     source, arch, root = mid_llama
-    out = root / form.describe().replace(" ", "_")
+    out = root / form.describe_weights().replace(" ", "_")
     options = dict(max_len=64, weights=form.weights, variant=form.variant)
     options.update(outlier_channels=form.outlier_channels, head_bits=form.head_bits)
-    export_model(source, out, ExportOptions(**options, decode_matmuls=form.decode_matmuls))
+    export_model(source, out, ExportRecipe(**options, decode_matmuls=form.decode_matmuls))
     on_disk = footprint(out).weights_bytes
     planned = recipe_weight_bytes(arch, form)
     assert abs(planned - on_disk) <= 0.01 * on_disk + 64 * 1024, (planned, on_disk)

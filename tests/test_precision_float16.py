@@ -40,9 +40,9 @@ from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvedge.cli import main
-from kvedge.contract import Manifest
+from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model, recorded
 from kvedge.planner import ModelFootprint
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.model import Model
@@ -62,7 +62,7 @@ class DequantizeLinear(DequantizeLinear_19):
 
 FP16_UNIT = 2.0**-11
 BOUND = 6  # x FP16_UNIT x the logits' range (module docstring)
-HALF = ExportOptions(max_len=MAX_LEN, precision="float16")
+HALF = ExportRecipe(max_len=MAX_LEN, precision="float16")
 
 
 class Family:
@@ -77,9 +77,9 @@ class Family:
         with torch.no_grad():
             self.ref = self.hf(torch.tensor([self.ids]), use_cache=False).logits[0].numpy()  # [52, vocab]
         self.bound = BOUND * FP16_UNIT * float(self.ref.max() - self.ref.min())
-        self.made: dict[ExportOptions, Path] = {}
+        self.made: dict[ExportRecipe, Path] = {}
 
-    def export(self, options: ExportOptions) -> Path:
+    def export(self, options: ExportRecipe) -> Path:
         if options not in self.made:
             self.made[options] = self.root / f"export{len(self.made)}"
             export_model(self.source, self.made[options], options)
@@ -119,13 +119,12 @@ def test_options_are_refused_by_name(tmp_path):
     ]
     for fields, message in cases:
         with pytest.raises(KvedgeError, match=message):
-            ExportOptions(**fields)
+            ExportRecipe(**fields)
     # the defaults follow the precision: all float16, or all float32 as before
     assert (HALF.weights, HALF.kv_dtype) == ("float16", "float16")
-    assert (ExportOptions().weights, ExportOptions().kv_dtype) == ("float32", "float32")
+    assert (ExportRecipe().weights, ExportRecipe().kv_dtype) == ("float32", "float32")
     assert (
-        ExportOptions(precision="float16", weights="int4", kv_dtype="int8").recorded()["precision"]
-        == "float16"
+        recorded(ExportRecipe(precision="float16", weights="int4", kv_dtype="int8"))["precision"] == "float16"
     )
     done = CliRunner().invoke(
         main, ["export", "--out", str(tmp_path / "x"), "--precision", "float16", "--variant", "ort"]
@@ -168,7 +167,7 @@ def test_float16_graph_is_typed_as_documented(llama, tmp_path):
     # two Casts per norm (2 per layer + the final one) and per softmax (1 per layer), one for the logits
     layers = manifest.geometry.num_layers
     assert sum(n.op_type == "Cast" for n in model.graph.node) == 2 * (2 * layers + 1) + 2 * layers + 1
-    f32_bytes = (llama.export(ExportOptions(max_len=MAX_LEN)) / "model.onnx.data").stat().st_size
+    f32_bytes = (llama.export(ExportRecipe(max_len=MAX_LEN)) / "model.onnx.data").stat().st_size
     assert 0.45 < (folder / "model.onnx.data").stat().st_size / f32_bytes < 0.56
     shown = CliRunner().invoke(main, ["info", str(folder)])
     assert shown.exit_code == 0 and "portable, float16 compute" in shown.output
@@ -241,9 +240,9 @@ def test_quantized_weights_and_int8_cache_in_float16_match_their_float32_twins(l
     MatMul into MatMulNBits, whose int8 rounding of activations moves both graphs by ~10 x,
     differently."""
     options = dict(max_len=MAX_LEN, weights=weights, kv_dtype=kv_dtype)
-    half = llama.export(ExportOptions(precision="float16", **options))
+    half = llama.export(ExportRecipe(precision="float16", **options))
     twin = llama.export(
-        ExportOptions(**{**options, "kv_dtype": "float32" if kv_dtype == "float16" else kv_dtype})
+        ExportRecipe(**{**options, "kv_dtype": "float32" if kv_dtype == "float16" else kv_dtype})
     )
     got, want = (_reference_logits(f, llama.ids, 20, 4) for f in (half, twin))
     np.testing.assert_allclose(got, want, atol=llama.bound, rtol=0)
@@ -269,7 +268,7 @@ def test_the_runtime_runs_a_float16_export_end_to_end(llama, tmp_path):
     # float16 weights the graph computes with: no float32 copy made at load, unlike --weights float16
     assert ModelFootprint.from_export(folder).widened_bytes == 0
     assert ModelFootprint.from_export(
-        llama.export(ExportOptions(max_len=MAX_LEN, weights="float16"))
+        llama.export(ExportRecipe(max_len=MAX_LEN, weights="float16"))
     ).widened_bytes
 
 
@@ -293,7 +292,7 @@ def test_real_model_float16_graph_matches_transformers(tmp_path):
     from test_parity import _real_model_against_transformers
 
     got, ref, greedy, want = _real_model_against_transformers(
-        tmp_path / "f16", ExportOptions(precision="float16")
+        tmp_path / "f16", ExportRecipe(precision="float16")
     )
     np.testing.assert_allclose(got, ref, atol=4 * FP16_UNIT * float(ref.max() - ref.min()), rtol=0)
     assert _kl(ref, got).max() < 1e-4

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -26,7 +27,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     out = tmp_path_factory.mktemp("smol") / "artifact"
-    export_model(None, out, ExportOptions(max_len=2048))
+    export_model(None, out, ExportRecipe(max_len=2048))
     hf, tokenizer = load_hf(resolve_source(default_gguf()))
     return out, hf, tokenizer
 
@@ -86,7 +87,7 @@ def test_int8_cache_answers_and_stays_close_to_fp32(smol):
     held-out prompts x 256 tokens: KL 0.0003, top-1 99.4%; here 64 positions, bounds with room)."""
     out, hf, tokenizer = smol
     out8 = out.parent / "int8"
-    export_model(None, out8, ExportOptions(max_len=2048, kv_dtype="int8"), loaded=(hf, tokenizer))
+    export_model(None, out8, ExportRecipe(max_len=2048, kv_dtype="int8"), loaded=(hf, tokenizer))
     fp, q = Model(out), Model(out8)
     assert q.cache.nbytes / fp.cache.nbytes == pytest.approx(0.265625)
     answer = "".join(e.text for e in q.chat(QUESTION, SamplingConfig(max_new_tokens=16)))
@@ -207,7 +208,7 @@ def test_recommended_cpu_export_answers_like_fp32(smol, kv_dtype):
     (docs/PERFORMANCE.md)."""
     out, hf, tokenizer = smol
     fast = out.parent / f"ort-int8-{kv_dtype}"
-    options = ExportOptions(max_len=2048, variant="ort", weights="int8", kv_dtype=kv_dtype)
+    options = ExportRecipe(max_len=2048, variant="ort", weights="int8", kv_dtype=kv_dtype)
     export_model(None, fast, options, loaded=(hf, tokenizer))
     answer = "".join(e.text for e in Model(fast).chat(QUESTION, SamplingConfig(max_new_tokens=16)))
     assert "Paris" in answer, answer

@@ -20,9 +20,9 @@ from tiny import make_tiny_model
 
 from kvedge.calibrate.calibrate import collect_kv
 from kvedge.configs import load_warmup_config
-from kvedge.contract import RING_MARGIN
+from kvedge.contract import RING_MARGIN, ExportRecipe
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -42,8 +42,8 @@ def gemma(tmp_path_factory):
     """{"fp": float32 export, "int8": INT8-cache export} of the tiny Gemma 3."""
     root = tmp_path_factory.mktemp("gemma3-prefix")
     source = make_tiny_model(root / "hf", "gemma3", seed=1)
-    export_model(source, root / "fp", ExportOptions(max_len=MAX_LEN))
-    export_model(source, root / "int8", ExportOptions(max_len=MAX_LEN, kv_dtype="int8"))
+    export_model(source, root / "fp", ExportRecipe(max_len=MAX_LEN))
+    export_model(source, root / "int8", ExportRecipe(max_len=MAX_LEN, kv_dtype="int8"))
     return {"fp": root / "fp", "int8": root / "int8"}
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvedge.contract import MANIFEST_FILE
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import MANIFEST_FILE, ExportRecipe
+from kvedge.export.export import export_model
 
 MAX_LEN = 64
 
@@ -46,7 +46,7 @@ def source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def artifact(source) -> Path:
     out = source.parent / "artifact"
-    export_model(source, out, ExportOptions(max_len=MAX_LEN))
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN))
     return out
 
 

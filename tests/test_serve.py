@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from tiny import make_tiny_model
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, decode_ranges, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.sessions import pick_slot
@@ -55,7 +56,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}  # what json= sets; raw bodi
 def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("serve")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
     return root / "out"
 
 

@@ -30,8 +30,9 @@ from starlette.testclient import TestClient
 from test_serve import JSON_HEADERS, KEY, Server, chat_body, run_alone
 from tiny import make_tiny_model
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import ContextOverflow, ModelFault
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.generate import Event, SamplingConfig, sample
 from kvedge.runtime.model import Model
 from kvedge.serve.app import api_error, create_app, host_allowed
@@ -50,7 +51,7 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 def artifact(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("faults")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportOptions(max_len=MAX_LEN))
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
     return root / "out"
 
 

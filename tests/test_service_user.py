@@ -34,7 +34,8 @@ from conftest import MAX_LEN
 from tiny import make_tiny_model
 
 from kvedge.configs import load_warmup_config
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 from kvedge.files import new_file, new_folder
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
@@ -84,7 +85,7 @@ def test_export_and_warm_files_are_readable_by_others_under_umask_022(tmp_path, 
     umask(0o022)
     source = make_tiny_model(tmp_path / "hf", "qwen2", seed=3)
     out = tmp_path / "out"
-    export_model(source, out, ExportOptions(max_len=MAX_LEN))
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN))
     assert mode(out) == 0o755, oct(mode(out))
     assert {f.name: mode(f) for f in out.iterdir()} == {f.name: 0o644 for f in out.iterdir()}
     (tmp_path / "warm.yaml").write_text(yaml.safe_dump(WARMUP))

@@ -9,9 +9,9 @@ import pytest
 from conftest import random_ids
 from tiny import make_tiny_model
 
-from kvedge.contract import CacheGeometry, Manifest
+from kvedge.contract import CacheGeometry, ExportRecipe, Manifest
 from kvedge.errors import ContextOverflow, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
@@ -38,7 +38,7 @@ QUESTIONS = [
 def long_llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("long")
     source = make_tiny_model(root / "hf", "llama", seed=3)
-    export_model(source, root / "out", ExportOptions(max_len=512))
+    export_model(source, root / "out", ExportRecipe(max_len=512))
     return root / "out"
 
 
@@ -195,7 +195,7 @@ def test_window_logits_exact_on_one_layer_model(tmp_path):
     """With one layer every cache entry is a function of token and position only, so the whole
     output after eviction must equal a fresh run over exactly the kept tokens."""
     source = make_tiny_model(tmp_path / "hf", "llama", num_hidden_layers=1)
-    export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=64))
     model = Model(tmp_path / "out", policy=HistoryPolicy(mode="window", n_sink=2, evict_chunk=16))
     reference = Model(tmp_path / "out")
     events = list(
@@ -317,7 +317,7 @@ def test_returning_conversation_reuses_the_store_exactly(long_llama):
 
 def test_returning_conversation_reuses_the_store_exactly_int8(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "llama", seed=3)
-    export_model(source, tmp_path / "int8", ExportOptions(max_len=256, kv_dtype="int8"))
+    export_model(source, tmp_path / "int8", ExportRecipe(max_len=256, kv_dtype="int8"))
     returning_user(tmp_path / "int8", 2**20, 2e-3)  # tolerance of tests/test_kv_int8.py, same reason
 
 

@@ -34,8 +34,8 @@ from onnx import TensorProto, helper, numpy_helper
 from test_kv_int8 import NEEDS_AARCH64, run_selftest
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, SIDE_INPUTS_OP, Manifest
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ONNX_FILE, SIDE_INPUTS_OP, ExportRecipe, Manifest
+from kvedge.export.export import export_model
 from kvedge.export.graph import all_graphs
 from kvedge.runtime import kernels
 
@@ -190,7 +190,7 @@ def test_float16_cache_keeps_standard_ops(tiny_source, tmp_path):
     kernels are CPU-only."""
     out = tmp_path / "f16"
     export_model(
-        tiny_source, out, ExportOptions(max_len=64, variant="ort", weights="int4", kv_dtype="float16")
+        tiny_source, out, ExportRecipe(max_len=64, variant="ort", weights="int4", kv_dtype="float16")
     )
     graph = onnx.load(str(out / ONNX_FILE)).graph
     assert SIDE_INPUTS_OP not in {node.op_type for node in graph.node}

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from conftest import MAX_LEN, random_ids
 
-from kvedge.contract import MANIFEST_FILE
+from kvedge.contract import MANIFEST_FILE, ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.generate import (
     SamplingConfig,
     _distribution,
@@ -45,7 +45,7 @@ from kvedge.runtime.speculate import (
     lookup,
 )
 
-# (name, ExportOptions fields, family): every cache kind on both variants where it exists
+# (name, ExportRecipe fields, family): every cache kind on both variants where it exists
 CASES = [
     ("portable-f32", {"variant": "portable"}, "llama"),
     ("ort-f32", {"variant": "ort"}, "llama"),
@@ -79,7 +79,7 @@ def exports(tmp_path_factory):
         if name not in built:
             fields, family = next((f, fam) for n, f, fam in CASES if n == name)
             out = root / name
-            export_model(sources[family], out, ExportOptions(max_len=MAX_LEN, **fields))
+            export_model(sources[family], out, ExportRecipe(max_len=MAX_LEN, **fields))
             built[name] = out
         return built[name]
 
@@ -217,7 +217,7 @@ def test_the_bench_steps_batches_side_by_side_and_checks_every_reply(tmp_path, e
     from kvedge.bench.speculate import WORKLOADS, measure_speculation
 
     out = tmp_path / "bench"  # room for the workloads' prompts (~600 tokens here)
-    export_model(exports.source("llama"), out, ExportOptions(max_len=1024, variant="ort", kv_dtype="int8"))
+    export_model(exports.source("llama"), out, ExportRecipe(max_len=1024, variant="ort", kv_dtype="int8"))
     lines: list[str] = []
     figures = measure_speculation(out, rounds=2, max_new_tokens=12, echo=lines.append, batch=2)
     assert set(figures) == set(WORKLOADS) and len(lines) == len(WORKLOADS)
@@ -242,7 +242,7 @@ def test_old_artifact_decodes_without_speculation(tmp_path, exports, caplog):
     from tiny import make_tiny_model
 
     out = tmp_path / "last"
-    export_model(make_tiny_model(tmp_path / "hf"), out, ExportOptions(max_len=MAX_LEN, logits="last"))
+    export_model(make_tiny_model(tmp_path / "hf"), out, ExportRecipe(max_len=MAX_LEN, logits="last"))
     with Model(out) as model:
         assert "--logits 'last'" in model.speculation_refusal()
         tokens, _, verifies = run_turn(model, 0, PROMPT, greedy(20, "lookup"))
@@ -281,7 +281,7 @@ def test_verify_rows_are_decode_steps(tmp_path, weights, max_len, past, n):
     from tiny import make_tiny_model
 
     out = tmp_path / "ort"
-    options = ExportOptions(max_len=max_len, variant="ort", kv_dtype="int8", weights=weights)
+    options = ExportRecipe(max_len=max_len, variant="ort", kv_dtype="int8", weights=weights)
     export_model(make_tiny_model(tmp_path / "hf"), out, options)
     with Model(out, slots=2) as model:
         assert model.speculation_refusal() is None
@@ -322,7 +322,7 @@ def test_quantized_ort_weights_without_exact_verify_decode_without_speculation(t
     export_model(
         make_tiny_model(tmp_path / "hf"),
         out,
-        ExportOptions(max_len=MAX_LEN, variant="ort", weights="int4", **fields),
+        ExportRecipe(max_len=MAX_LEN, variant="ort", weights="int4", **fields),
     )
     if "recorded" in options:
         manifest = json.loads((out / MANIFEST_FILE).read_text())

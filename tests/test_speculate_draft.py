@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from conftest import MAX_LEN, random_ids
 from test_speculate import assert_sampled_distribution, run_turn
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
 
@@ -58,12 +59,12 @@ def folders(tmp_path_factory):
         "perturbed": ("perturbed", perturbed(source, root / "hf-perturbed", 0.6), {"variant": "ort"}),
     }
     for name, (folder, hf, options) in out.items():
-        export_model(hf, root / folder, ExportOptions(max_len=MAX_LEN, **options))
+        export_model(hf, root / folder, ExportRecipe(max_len=MAX_LEN, **options))
         out[name] = root / folder
     gemma = make_tiny_model(root / "hf-gemma3", "gemma3")
-    export_model(gemma, root / "gemma3", ExportOptions(max_len=MAX_LEN, variant="portable"))
+    export_model(gemma, root / "gemma3", ExportRecipe(max_len=MAX_LEN, variant="portable"))
     export_model(
-        gemma, root / "gemma3-int8", ExportOptions(max_len=MAX_LEN, variant="portable", kv_dtype="int8")
+        gemma, root / "gemma3-int8", ExportRecipe(max_len=MAX_LEN, variant="portable", kv_dtype="int8")
     )
     out["gemma3"], out["gemma3-int8"] = root / "gemma3", root / "gemma3-int8"
     return out

@@ -14,7 +14,8 @@ import pytest
 from test_serve import KEY, Server
 from tiny import make_tiny_model
 
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 from kvedge.runtime.model import Model, SamplingConfig
 from kvedge.serve import tools
 from kvedge.serve.app import merge_deltas
@@ -63,7 +64,7 @@ def artifact(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
     # the tiny tokenizer spends a token on every few characters: tool prompts need room
-    export_model(source, root / "out", ExportOptions(max_len=2048))
+    export_model(source, root / "out", ExportRecipe(max_len=2048))
     return root / "out"
 
 

@@ -28,10 +28,10 @@ from conftest import random_ids
 from cuda_standin import CudaRuntime
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
+from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
 from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill, verify, verify_rows
@@ -471,7 +471,7 @@ def test_trt_backend_binds_the_int8_pool_and_its_float16_scales(tmp_path, monkey
     """The INT8 cache through TrtBackend: int8 codes and float16 scales bound from the pool, the
     new tokens' codes and scales read back in their own dtypes; equal to onnxruntime's run."""
     source = make_tiny_model(tmp_path / "hf", "llama")
-    export_model(source, tmp_path / "out", ExportOptions(max_len=128, kv_dtype="int8"))
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=128, kv_dtype="int8"))
     manifest = Manifest.load(tmp_path / "out")
     assert manifest.geometry.quantized
     _trt_matches_onnxruntime(tmp_path / "out", manifest, monkeypatch, atol=1e-5)

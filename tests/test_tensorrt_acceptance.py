@@ -28,10 +28,10 @@ from onnx import numpy_helper
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
+from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.tensorrt import (
     EngineOptions,
     _parse,
@@ -97,7 +97,7 @@ def test_the_prefill_profile_takes_a_verify_of_verify_rows(precision, source, tm
     engine, the engine's own profile shapes and a verify-shaped call's logits shape are read
     back; without one (here) the build is the proof and device_tests/ the rest."""
     out = tmp_path / precision
-    export_model(source, out, ExportOptions(max_len=MAX_LEN, precision=precision))
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN, precision=precision))
     manifest, names = Manifest.load(out), Manifest.load(out).names
     parsed = _parse(out)
     config = parsed.builder.create_builder_config()
@@ -133,7 +133,7 @@ def test_tensorrt_parses_and_builds_gemma3_ring_layers(precision, kv_dtype, tmp_
     GELU-tanh, sandwich norms; float32 and INT8 caches, and the float16 graph."""
     source = make_tiny_model(tmp_path / "hf", "gemma3")
     out = tmp_path / kv_dtype
-    export_model(source, out, ExportOptions(max_len=MAX_LEN, kv_dtype=kv_dtype, precision=precision))
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype, precision=precision))
     assert parse_errors(out) == []
     check_strongly_typed(out)
     engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
@@ -145,7 +145,7 @@ def test_what_the_parser_rejects_is_refused_with_its_reason(source, tmp_path):
     (`quantize_blockwise(positive_scales=True)`): the parser's reason reaches the user."""
     reason = "Scale coefficients must all be positive"
     out = tmp_path / "negative-scale"
-    export_model(source, out, ExportOptions(max_len=MAX_LEN, weights="int8"))
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN, weights="int8"))
     model = onnx.load(str(out / ONNX_FILE))
     scale = next(t for t in model.graph.initializer if t.name.endswith(".weight_scale"))
     values = numpy_helper.to_array(scale).copy()
@@ -160,7 +160,7 @@ def test_what_the_parser_rejects_is_refused_with_its_reason(source, tmp_path):
 
 def test_the_ort_graph_is_refused_by_the_parser_too(source, tmp_path):
     """`require_tensorrt` refuses --variant ort before exporting; the parser agrees."""
-    export_model(source, tmp_path / "ort", ExportOptions(max_len=MAX_LEN, variant="ort"))
+    export_model(source, tmp_path / "ort", ExportRecipe(max_len=MAX_LEN, variant="ort"))
     errors = parse_errors(tmp_path / "ort")
     assert errors and "GroupQueryAttention" in " ".join(errors)
 
@@ -200,7 +200,7 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
 def test_the_default_model_portable_graph_parses(precision, tmp_path):
     """SmolLM2-135M, portable, max_len 2048, in both precisions: zero parser errors, strongly
     typed with the graph's dtypes (the build is measured once in docs/JETSON.md, not in CI)."""
-    export_model(None, tmp_path / "smol", ExportOptions(max_len=2048, precision=precision))
+    export_model(None, tmp_path / "smol", ExportRecipe(max_len=2048, precision=precision))
     assert parse_errors(tmp_path / "smol") == []
     check_strongly_typed(tmp_path / "smol")
     assert np.dtype(Manifest.load(tmp_path / "smol").geometry.dtype) == np.dtype(precision)

@@ -18,9 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE
+from kvedge.contract import ONNX_FILE, ExportRecipe
 from kvedge.contract.engine import OLDEST_TENSORRT
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.trt_compat import TABLE_SOURCE, check_graph, parse_operator_table
 
 TABLE_FILE = Path(__file__).parent / "data" / "onnx_tensorrt_10.1_operators.md"
@@ -89,7 +89,7 @@ def test_every_claimed_graph_is_taken_by_the_oldest_claimed_tensorrt(case, llama
 def test_the_families_whose_graphs_differ_are_taken_too(family, kv_dtype, table, tmp_path):
     """Qwen2: the finding's model (biases); Gemma 3: ring-buffer layers with their own INT8 codec."""
     source = make_tiny_model(tmp_path / "hf", family)
-    export_model(source, tmp_path / "out", ExportOptions(max_len=MAX_LEN, kv_dtype=kv_dtype))
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype))
     assert check_graph(load(tmp_path / "out"), table) == []
 
 

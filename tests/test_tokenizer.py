@@ -6,9 +6,9 @@ import pytest
 from tiny import make_tiny_model
 from transformers import AutoTokenizer
 
-from kvedge.contract import Manifest
+from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 
 CONVERSATION = [
@@ -48,7 +48,7 @@ def test_stream_holds_back_stop_strings(tiny_llama):
 def test_qwen3_thinking_switch_reaches_the_template(tmp_path):
     """`enable_thinking` (the server's chat_template_kwargs) renders as transformers renders it."""
     source = make_tiny_model(tmp_path / "hf", "qwen3")
-    export_model(source, tmp_path / "out", ExportOptions(max_len=64))
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=64))
     ours = ChatTokenizer(tmp_path / "out", Manifest.load(tmp_path / "out"))
     theirs = AutoTokenizer.from_pretrained(source)
     for thinking in (True, False):

@@ -37,8 +37,9 @@ from test_structured import ASK, TIME, WEATHER, arguments_valid, required_call, 
 from tiny import make_tiny_model
 from tokenizers import Tokenizer
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.model import Model
 from kvedge.serve import protocol, tools
 from kvedge.serve.app import merge_deltas
@@ -194,7 +195,7 @@ def artifact(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_formats")
     source = make_tiny_model(root / "hf", "llama", seed=3)
     # the tiny tokenizer spends a token on every few characters: tool prompts need room
-    export_model(source, root / "out", ExportOptions(max_len=2048))
+    export_model(source, root / "out", ExportRecipe(max_len=2048))
     return root / "out"
 
 

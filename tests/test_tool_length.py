@@ -21,7 +21,8 @@ from test_serve import KEY, Server
 from test_structured import streamed_tool_calls
 from tiny import make_tiny_model
 
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 from kvedge.serve import tools
 
 SET_LIGHT = {
@@ -112,7 +113,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_length")
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
     # the tiny tokenizer spends a token on every few characters: tool prompts need room
-    export_model(source, root / "out", ExportOptions(max_len=2048))
+    export_model(source, root / "out", ExportRecipe(max_len=2048))
     srv = Server(root / "out", root, slots=1, queue_size=4, default_max_tokens=64)
     srv.startup()
     yield srv
@@ -172,7 +173,7 @@ def test_calls_cut_by_max_tokens_come_back_as_the_completed_calls(server):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
-    export_model(None, root / "artifact", ExportOptions(max_len=2048))
+    export_model(None, root / "artifact", ExportRecipe(max_len=2048))
     srv = Server(root / "artifact", root, slots=1, queue_size=2, warmup_tokens=0)
     srv.startup(timeout_s=300)
     yield srv

@@ -31,9 +31,9 @@ import pytest
 from conftest import decode_logits, export_once, random_ids, save_graph
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, QUANT_MATMUL_OP, Manifest
+from kvedge.contract import ONNX_FILE, QUANT_MATMUL_OP, ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import ExportOptions
+from kvedge.export.export import recorded
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -145,12 +145,12 @@ def test_decode_matmuls_onnxruntime_is_the_prefill_form_alone(exports, tmp_path)
 )
 def test_decode_matmuls_refuses_what_it_does_not_apply_to(options, said):
     with pytest.raises(KvedgeError, match=said):
-        ExportOptions(max_len=64, **options)
+        ExportRecipe(max_len=64, **options)
 
 
 def test_decode_matmuls_recorded_where_it_applies():
-    recorded = {
-        (variant, weights, kv): ExportOptions(variant=variant, weights=weights, kv_dtype=kv).recorded()[
+    decode = {
+        (variant, weights, kv): recorded(ExportRecipe(variant=variant, weights=weights, kv_dtype=kv))[
             "weight_decode_matmuls"
         ]
         for variant, weights, kv in [
@@ -161,4 +161,4 @@ def test_decode_matmuls_recorded_where_it_applies():
             ("portable", "int4", "float32"),
         ]
     }
-    assert list(recorded.values()) == ["kvedge", "kvedge", "onnxruntime", "", ""]
+    assert list(decode.values()) == ["kvedge", "kvedge", "onnxruntime", "", ""]

@@ -21,9 +21,9 @@ from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvedge.bench.measure import kl_and_top1
-from kvedge.contract import MANIFEST_FILE, Manifest
+from kvedge.contract import MANIFEST_FILE, ExportRecipe, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.graph import all_graphs
 from kvedge.export.quantize import pack_int4, quantize_blockwise, weight_tensor
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -76,12 +76,12 @@ def test_int4_packing_is_the_onnx_layout():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(variant="tensorrt"), r"--variant 'tensorrt' is not supported; allowed: \['ort', 'portable'\]"),
+        (dict(variant="tensorrt"), r"--variant 'tensorrt' is not allowed; allowed: \['ort', 'portable'\]"),
         (
             dict(weights="int3"),
-            r"--weights 'int3' is not supported; allowed: \['float16', 'float32', 'int4', 'int8'\]",
+            r"--weights 'int3' is not allowed; allowed: \['float16', 'float32', 'int4', 'int8'\]",
         ),
-        (dict(weights="int4", block_size=48), r"--block-size 48 is not supported; allowed: \[16, 32"),
+        (dict(weights="int4", block_size=48), r"--block-size 48 is not allowed; allowed: \[16, 32"),
         (
             dict(weights="int4", outlier_channels=5),
             r"--outlier-channels 5 is not allowed; allowed: \[0, 8, 16, 32, 64\]",
@@ -103,14 +103,14 @@ def test_int4_packing_is_the_onnx_layout():
 )
 def test_bad_export_options_are_named(options, message):
     with pytest.raises(KvedgeError, match=message):
-        ExportOptions(**options)
+        ExportRecipe(**options)
 
 
 def test_block_size_must_divide_the_model(tiny_source, tmp_path):
     with pytest.raises(
         KvedgeError, match=r"--block-size 64 does not divide the model's intermediate_size \(96\)"
     ):
-        export_model(tiny_source, tmp_path / "out", ExportOptions(max_len=32, weights="int4", block_size=64))
+        export_model(tiny_source, tmp_path / "out", ExportRecipe(max_len=32, weights="int4", block_size=64))
 
 
 @pytest.mark.parametrize("variant", ["portable", "ort"])
@@ -173,7 +173,7 @@ def test_outlier_channels_and_head_bits_reach_the_graph(tiny_source, tmp_path, c
     """--outlier-channels sets each quantized matmul's kept rows (0: no mask, no kept rows, only
     the block offsets' product); --head-bits 4 stores the ort LM head at 4 bits; both recorded."""
     out = tmp_path / "out"
-    options = ExportOptions(max_len=64, variant="ort", weights="int4", outlier_channels=channels, head_bits=4)
+    options = ExportRecipe(max_len=64, variant="ort", weights="int4", outlier_channels=channels, head_bits=4)
     export_model(tiny_source, out, options)
     masks, rows = kept_rows(out)
     layers = Manifest.load(out).geometry.num_layers
@@ -194,7 +194,7 @@ def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports
     bytes as asking for them; float exports record 0 for both."""
     default = exports("ort", "int4")
     explicit = tmp_path / "explicit"
-    options = ExportOptions(max_len=64, variant="ort", weights="int4", outlier_channels=32, head_bits=8)
+    options = ExportRecipe(max_len=64, variant="ort", weights="int4", outlier_channels=32, head_bits=8)
     export_model(tiny_source, explicit, options)
     for name in ("model.onnx", "model.onnx.data"):
         assert (explicit / name).read_bytes() == (default / name).read_bytes()

@@ -19,9 +19,9 @@ import pytest
 from conftest import MAX_LEN
 
 from kvedge.configs import load_warmup_config
-from kvedge.contract import CacheGeometry
+from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
@@ -146,7 +146,7 @@ def test_warm_file_of_another_export_of_the_same_model_is_refused_and_recomputed
     export_model(
         tiny_llama.source,
         int8_out,
-        ExportOptions(max_len=MAX_LEN, variant=float_model.manifest.variant, weights="int8"),
+        ExportRecipe(max_len=MAX_LEN, variant=float_model.manifest.variant, weights="int8"),
     )
     int8_model = Model(int8_out, slots=2, warmup=warm[0], warm_dir=warm[1])
     mine, theirs = int8_model.manifest, float_model.manifest

@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM
 
 from kvedge.calibrate.calibrate import builtin_prompts
 from kvedge.calibrate.evaluate import evaluate, weights_label
-from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract import ONNX_FILE, ExportRecipe, Manifest
 from kvedge.errors import ArtifactMismatch
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import export_model
 from kvedge.export.quantize import EXPORT_GRIDS, quantize_blockwise
 from kvedge.runtime.model import Model
 
@@ -120,7 +120,7 @@ def unfused_logits(folder, ids: list[int]) -> np.ndarray:
 
 def test_int8_export_reproduces_gguf_grids(gguf_like_source, tmp_path):
     out = tmp_path / "int8"
-    export_model(gguf_like_source, out, ExportOptions(max_len=64, logits="all", weights="int8"))
+    export_model(gguf_like_source, out, ExportRecipe(max_len=64, logits="all", weights="int8"))
     hf = AutoModelForCausalLM.from_pretrained(gguf_like_source, dtype="float32").eval()
     ids = random_ids(24, seed=4)
     with torch.no_grad():
@@ -133,15 +133,15 @@ def test_eval_compares_a_quantized_weight_export_with_the_float32_model(gguf_lik
     different model is refused by name. Bound: the fused kernel's int8 activations on this tiny
     model (measured KL ~1e-4)."""
     fp32, int8 = tmp_path / "fp32", tmp_path / "int8"
-    export_model(gguf_like_source, fp32, ExportOptions(max_len=64, variant="ort"))
-    export_model(gguf_like_source, int8, ExportOptions(max_len=64, variant="ort", weights="int8"))
+    export_model(gguf_like_source, fp32, ExportRecipe(max_len=64, variant="ort"))
+    export_model(gguf_like_source, int8, ExportRecipe(max_len=64, variant="ort", weights="int8"))
     prompts = builtin_prompts("heldout")[:2]
     (result,) = evaluate(Model(fp32), None, prompts, tokens=16, batch=2, weights_models=(Model(int8),))
     details = "block 32, 32 outlier channels, 8-bit head, kvedge decode matmuls"
     assert result.scheme == f"ort int8 weights ({details}), float32 cache"
     assert 0.0 <= result.kl_mean < 2e-3 and result.top1_agreement >= 0.9, result
     other = make_tiny_model(tmp_path / "other", "llama", seed=1)
-    export_model(other, tmp_path / "other-int8", ExportOptions(max_len=64, variant="ort", weights="int8"))
+    export_model(other, tmp_path / "other-int8", ExportRecipe(max_len=64, variant="ort", weights="int8"))
     with pytest.raises(ArtifactMismatch, match="--weights-model was made from model"):
         evaluate(Model(fp32), None, prompts, tokens=4, weights_models=(Model(tmp_path / "other-int8"),))
 
@@ -149,10 +149,10 @@ def test_eval_compares_a_quantized_weight_export_with_the_float32_model(gguf_lik
 def test_weight_exports_differing_in_channels_or_head_bits_are_named_apart(gguf_like_source, tmp_path):
     """`eval-kv --weights-model` rows name the block size, kept channels, head bits and decode
     matmuls the manifest records, so two int4 exports that differ only there are told apart."""
-    export_model(gguf_like_source, tmp_path / "fp32", ExportOptions(max_len=64, variant="ort"))
+    export_model(gguf_like_source, tmp_path / "fp32", ExportRecipe(max_len=64, variant="ort"))
     flags = {"default": {}, "no-outliers": dict(outlier_channels=0), "head4": dict(head_bits=4)}
     for name, options in flags.items():
-        int4 = ExportOptions(max_len=64, variant="ort", weights="int4", **options)
+        int4 = ExportRecipe(max_len=64, variant="ort", weights="int4", **options)
         export_model(gguf_like_source, tmp_path / name, int4)
     models = tuple(Model(tmp_path / name) for name in flags)
     prompts = builtin_prompts("heldout")[:1]

@@ -66,7 +66,7 @@ from kvedge.bench.results import code_revision, results_folder
 from kvedge.bench.speculate import measure_speculation
 from kvedge.bench.systems import ChildSystem, System, SystemCrashed, SystemSpec
 from kvedge.bench.warm import measure_warm
-from kvedge.contract import ONNX_FILE, Manifest
+from kvedge.contract import ONNX_FILE, ExportRecipe, Manifest
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 
@@ -492,12 +492,13 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
     skipped: dict[str, str] = {}
     for item in config.kvedge:
         variant, weights, kv_dtype = kvedge_system(item)
-        build = KvedgeBuild(variant, weights, block_size=config.block_size, kv_dtype=kv_dtype)
+        kw = {"variant": variant, "weights": weights, "kv_dtype": kv_dtype}
+        build = KvedgeBuild(ExportRecipe(block_size=config.block_size, **kw))
         name = build.system_name
         spec = _kvedge_spec(work.kvedge(build), name, device=config.device)
         specs.append(dataclasses.replace(spec, extra={**spec.extra, "system": item}))
         if config.exact_size and weights == "float32" and kv_dtype == "float32":
-            twin = dataclasses.replace(build, max_len=EXACT_SIZE_MAX_LEN)
+            twin = KvedgeBuild(dataclasses.replace(build.recipe, max_len=EXACT_SIZE_MAX_LEN))
             specs.append(
                 _kvedge_spec(
                     work.kvedge(twin),

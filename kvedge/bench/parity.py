@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 from kvedge.export.source import default_gguf, load_hf, resolve_source
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.artifact
     if folder is None:
         folder = Path(tempfile.mkdtemp()) / "smol"
-        export_model(None, folder, ExportOptions(max_len=2048, variant=args.variant, weights=args.weights))
+        export_model(None, folder, ExportRecipe(max_len=2048, variant=args.variant, weights=args.weights))
     hf, _ = load_hf(resolve_source(default_gguf()))
     model = Model(folder)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Explain what a KV cache is."}])

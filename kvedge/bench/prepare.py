@@ -6,7 +6,7 @@
     <work>/ort-genai-<precision>/   onnxruntime-genai model builder output (fp32, int4)
 
 A kvedge export is reused only when it is what exporting now would make: its manifest names the
-same source fingerprint and every field the export options decide (`ExportOptions.differences`:
+same source fingerprint and every field the export recipe decides (`kvedge.export.export.differences`:
 variant, logits, weights, block size, outlier channels, head bits, max_len, cache dtype and group
 size), and the export code that built it is this one. The bench writes, next to each export it
 makes, `<folder>.export-code`: `export_code_fingerprint()`, a sha256 over kvedge's graph-building
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import kvedge
-from kvedge.contract import MANIFEST_FILE, Manifest
+from kvedge.contract import MANIFEST_FILE, ExportRecipe, Manifest
 from kvedge.errors import ArtifactMismatch
-from kvedge.export.export import ExportOptions, export_model
+from kvedge.export.export import differences, export_model
 from kvedge.export.source import Source, load_hf, resolve_source
 from kvedge.runtime.kernels import OPS_VERSION
 
@@ -58,33 +58,22 @@ def export_code_fingerprint(package: Path = Path(kvedge.__file__).parent) -> str
 
 @dataclass(frozen=True)
 class KvedgeBuild:
-    variant: str
-    weights: str
-    max_len: int = 2048
-    block_size: int = 32
-    kv_dtype: str = "float32"
+    """One kvedge system of the benchmark: the export it runs, and the names it goes by."""
+
+    recipe: ExportRecipe
 
     @property
     def folder_name(self) -> str:
-        suffix = "" if self.max_len == 2048 else f"-L{self.max_len}"
-        kv = "" if self.kv_dtype == "float32" else f"-kv{self.kv_dtype}"
-        return f"kvedge-{self.variant}-{self.weights}{kv}{suffix}"
+        r = self.recipe
+        suffix = "" if r.max_len == 2048 else f"-L{r.max_len}"
+        kv = "" if r.kv_dtype == "float32" else f"-kv{r.kv_dtype}"
+        return f"kvedge-{r.variant}-{r.weights}{kv}{suffix}"
 
     @property
     def system_name(self) -> str:
-        kv = "" if self.kv_dtype == "float32" else f" kv {self.kv_dtype}"
-        return f"kvedge {self.variant} {self.weights}{kv}"
-
-    @property
-    def options(self) -> ExportOptions:
-        return ExportOptions(
-            max_len=self.max_len,
-            variant=self.variant,
-            weights=self.weights,
-            block_size=self.block_size,
-            kv_dtype=self.kv_dtype,
-            force=True,
-        )
+        r = self.recipe
+        kv = "" if r.kv_dtype == "float32" else f" kv {r.kv_dtype}"
+        return f"kvedge {r.variant} {r.weights}{kv}"
 
 
 class Workdir:
@@ -103,17 +92,17 @@ class Workdir:
         return self._loaded
 
     def kvedge(self, build: KvedgeBuild) -> Path:
-        out, options = self.root / build.folder_name, build.options
-        why = self.stale(out, options)
+        out, recipe = self.root / build.folder_name, build.recipe
+        why = self.stale(out, recipe)
         if why is None:
             return out
         log.info("exporting %s: %s", out, why)
-        export_model(self.source.description, out, options, loaded=self.loaded())
+        export_model(self.source.description, out, recipe, loaded=self.loaded(), force=True)
         export_code_file(out).write_text(self.export_code + "\n")
         return out
 
-    def stale(self, out: Path, options: ExportOptions) -> str | None:
-        """Why the export in `out` is not what exporting with `options` now would make (module
+    def stale(self, out: Path, recipe: ExportRecipe) -> str | None:
+        """Why the export in `out` is not what exporting `recipe` now would make (module
         docstring), or None when it is."""
         if not (out / MANIFEST_FILE).is_file():
             return "no export there yet"
@@ -126,8 +115,8 @@ class Workdir:
                 f"made from source {manifest.source_fingerprint[:16]}, the source is "
                 f"{self.source.fingerprint()[:16]}"
             )
-        if differences := options.differences(manifest):
-            return "; ".join(differences)
+        if found := differences(recipe, manifest):
+            return "; ".join(found)
         stamp = export_code_file(out)
         if not stamp.is_file():
             return f"no {stamp.name}: made by unknown export code"

@@ -11,7 +11,8 @@ Artifact folder written by `kvedge export`::
     model.engine          with `--target tensorrt`: the engine, and beside it
     engine_manifest.json  `EngineManifest` (`kvedge.contract.engine`)
 
-Modules: `manifest` (cache geometry, graph names and interface, the model manifest), `models`
+Modules: `recipe` (`ExportRecipe`, every choice an export makes), `manifest` (cache geometry,
+graph names and interface, the model manifest), `models`
 (the model families an export may hold, the chat roles), `engine`
 (the TensorRT engine manifest and profiles), `header` (the one header check every artifact kind
 is loaded through: JSON shape, field types, format, version, model, cache geometry).
@@ -54,8 +55,24 @@ from kvedge.contract.manifest import (
     sha256_files,
 )
 from kvedge.contract.models import ROLES, SUPPORTED_MODEL_TYPES
+from kvedge.contract.recipe import (
+    BLOCK_SIZES,
+    HEAD_BITS,
+    HEAD_MIN_BITS,
+    OUTLIER_CHANNELS,
+    OUTLIER_CHOICES,
+    ExportRecipe,
+    check_kv_dtype,
+)
 
 __all__ = [
+    "BLOCK_SIZES",
+    "HEAD_BITS",
+    "HEAD_MIN_BITS",
+    "OUTLIER_CHANNELS",
+    "OUTLIER_CHOICES",
+    "ExportRecipe",
+    "check_kv_dtype",
     "CHAT_TEMPLATE_FILE",
     "DECODE_MATMULS",
     "EXPORTED_KV_DTYPES",

@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,10 @@ from kvedge.contract import (
     VERIFY_TOKENS,
     WEIGHT_FORMATS,
     CacheGeometry,
+    ExportRecipe,
     IONames,
     Manifest,
     RopeSpec,
-    export_kv_dtypes,
-    export_weight_formats,
     kvedge_ops,
     sha256_files,
 )
@@ -39,11 +37,10 @@ from kvedge.errors import KvedgeError
 from kvedge.export.graph import (
     STATIC_ROPE_TYPES,
     DecoderSpec,
-    GraphOptions,
     all_graphs,
     build_decoder_graph,
-    check_kv_dtype,
     check_ring,
+    graph_opset,
     local_layers,
     rope_tables,
     rotary_frequencies,
@@ -55,124 +52,71 @@ from kvedge.files import human, new_folder
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ExportOptions:
-    """What `kvedge export` makes. `weights` and `kv_dtype` left None take the precision's default
-    (`contract.export_weight_formats`, `contract.export_kv_dtypes`): float32 for a float32 graph,
-    float16 for a float16 one; after construction both are always set."""
+def recorded(recipe: ExportRecipe) -> dict[str, Any]:
+    """The manifest fields `recipe` decides, as `export_model` writes them (the cache geometry
+    aside, which also depends on the model: `differences` checks its part)."""
+    decode = decode_matmuls_recorded(recipe)
+    return {
+        "logits": recipe.logits,
+        "variant": recipe.variant,
+        "precision": recipe.precision,
+        "opset": graph_opset(recipe),
+        "weights_dtype": recipe.weights,
+        "weight_block_size": recipe.block_size if recipe.quantized else 0,
+        "weight_outlier_channels": recipe.kept_channels,
+        "weight_head_bits": recipe.lm_head_bits if recipe.quantized else 0,
+        "weight_decode_matmuls": decode,
+        # a decode form exactly where kvedge.QuantMatMul is (`build_decoder_graph`)
+        "decode_form_tokens": VERIFY_TOKENS if decode == "kvedge" else 0,
+    }
 
-    max_len: int = 2048
-    logits: str = "rows"  # contract.LOGITS_MODES: "rows" lets the runtime verify speculative steps
-    force: bool = False
-    variant: str = "portable"  # "portable" (standard ops, TensorRT) or "ort" (onnxruntime fused attention)
-    # "float32", "float16" (stored float16), "int8" or "int4" (weight-only, blocked)
-    weights: str | None = None
-    block_size: int = 32  # quantization block (input features per scale)
-    # "float32", "float16" (--variant ort: the CUDA in-place form; portable: a float16 graph's) or
-    # "int8" (codes + float16 scales)
-    kv_dtype: str | None = None
-    kv_group_size: int = 0  # int8: channels per scale; 0 = CacheGeometry.default_group_size (32)
-    # int8/int4 weights: input channels per matmul kept float32 (0, 8, 16, 32, 64); None: 32
-    outlier_channels: int | None = None
-    head_bits: int | None = None  # int8/int4 weights: the LM head's bits (ort: 8 or 4); None: the rule
-    decode_matmuls: str | None = None  # ort int8/int4 weights: contract.DECODE_MATMULS; None: kvedge
-    # the dtype the graph computes in (contract.PRECISIONS): float16 is the portable graph in
-    # float16 with float32 islands (kvedge.export.graph), for TensorRT's strongly typed builds
-    precision: str = "float32"
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_len, int) or not 16 <= self.max_len <= 131072:
-            raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: 16..131072")
-        # frozen: the defaults are filled in once, here, before anything reads them
-        if self.weights is None:
-            object.__setattr__(self, "weights", export_weight_formats(self.precision)[0])
-        if self.kv_dtype is None:
-            kv_dtypes = export_kv_dtypes(self.variant, self.precision)
-            object.__setattr__(self, "kv_dtype", kv_dtypes[0])
-        # validates logits, variant, precision, weights, block size, channels, head bits
-        self.graph_options()
-        check_kv_dtype(self.kv_dtype, self.variant, self.precision)
-        if self.decode_matmuls == "kvedge" and self.kv_dtype == "float16":
-            raise KvedgeError(
-                "--decode-matmuls kvedge runs on the CPU; the float16 cache is the CUDA form, whose "
-                "decode steps run MatMulNBits (allowed there: onnxruntime)"
-            )
-        if self.kv_dtype != "int8" and self.kv_group_size:
-            raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
+def decode_matmuls_recorded(recipe: ExportRecipe) -> str:
+    """What a decode step's quantized matmuls run in this export, as the graph builder decides it
+    (`kvedge_ops`: kvedge.QuantMatMul or not); "" for graphs without quantized ort matmuls."""
+    if not recipe.decode:
+        return ""
+    ops = kvedge_ops(recipe.variant, recipe.kv_dtype, recipe.weights, recipe.decode)
+    return "kvedge" if QUANT_MATMUL_OP in ops else "onnxruntime"
 
-    def graph_options(self) -> GraphOptions:
-        return GraphOptions(
-            logits=self.logits,
-            variant=self.variant,
-            weights=self.weights,
-            block_size=self.block_size,
-            outlier_channels=self.outlier_channels,
-            lm_head_bits=self.head_bits,
-            decode_matmuls=self.decode_matmuls,
-            precision=self.precision,
-        )
 
-    def recorded(self) -> dict[str, Any]:
-        """The manifest fields these options decide, as `export_model` writes them (the cache
-        geometry aside, which also depends on the model: `differences` checks its part)."""
-        graph = self.graph_options()
-        return {
-            "logits": self.logits,
-            "variant": self.variant,
-            "precision": self.precision,
-            "opset": graph.opset,
-            "weights_dtype": self.weights,
-            "weight_block_size": self.block_size if graph.quantized else 0,
-            "weight_outlier_channels": graph.kept_channels,
-            "weight_head_bits": graph.head_bits if graph.quantized else 0,
-            "weight_decode_matmuls": self.decode_matmuls_recorded(graph),
-            # a decode form exactly where kvedge.QuantMatMul is (`build_decoder_graph`)
-            "decode_form_tokens": VERIFY_TOKENS if self.decode_matmuls_recorded(graph) == "kvedge" else 0,
-        }
-
-    def decode_matmuls_recorded(self, graph: GraphOptions) -> str:
-        """What a decode step's quantized matmuls run in this export, as the graph builder decides
-        it (`kvedge_ops`: kvedge.QuantMatMul or not); "" for graphs without quantized ort matmuls."""
-        if not graph.decode:
-            return ""
-        ops = kvedge_ops(self.variant, self.kv_dtype, self.weights, graph.decode)
-        return "kvedge" if QUANT_MATMUL_OP in ops else "onnxruntime"
-
-    def differences(self, manifest: Manifest) -> list[str]:
-        """How `manifest` differs from what these options export (empty: every field they decide
-        matches), one "field is X, the options give Y" per field."""
-        g = manifest.geometry
-        group = 0
-        if self.kv_dtype in QUANTIZED_KV_DTYPES:
-            group = self.kv_group_size or CacheGeometry.default_group_size(g.head_dim)
-        wanted = {
-            **self.recorded(),
-            "max_len": self.max_len,
-            "kv dtype": self.kv_dtype,
-            "kv group size": group,
-        }
-        found = {name: getattr(manifest, name) for name in self.recorded()}
-        found.update({"max_len": g.max_len, "kv dtype": g.dtype, "kv group size": g.group_size})
-        return [
-            f"{name} is {found[name]!r}, the options give {value!r}"
-            for name, value in wanted.items()
-            if found[name] != value
-        ]
+def differences(recipe: ExportRecipe, manifest: Manifest) -> list[str]:
+    """How `manifest` differs from what `recipe` exports (empty: every field it decides matches),
+    one "field is X, the recipe gives Y" per field."""
+    g = manifest.geometry
+    group = 0
+    if recipe.kv_dtype in QUANTIZED_KV_DTYPES:
+        group = recipe.kv_group_size or CacheGeometry.default_group_size(g.head_dim)
+    wanted = {
+        **recorded(recipe),
+        "max_len": recipe.max_len,
+        "kv dtype": recipe.kv_dtype,
+        "kv group size": group,
+    }
+    found = {name: getattr(manifest, name) for name in recorded(recipe)}
+    found.update({"max_len": g.max_len, "kv dtype": g.dtype, "kv group size": g.group_size})
+    return [
+        f"{name} is {found[name]!r}, the recipe gives {value!r}"
+        for name, value in wanted.items()
+        if found[name] != value
+    ]
 
 
 def export_model(
     source_path: str | Path | None,
     out_dir: str | Path,
-    options: ExportOptions,
+    options: ExportRecipe,
     loaded: tuple[Any, Any] | None = None,
+    force: bool = False,
 ) -> Manifest:
-    """Export `source_path` (HF folder, GGUF file, or None for the default) into `out_dir`.
+    """Export `source_path` (HF folder, GGUF file, or None for the default) into `out_dir`
+    (`force`: replacing what is there).
 
     `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
     variants from one load (the benchmark does); by default the source is loaded here.
     """
     out = Path(out_dir)
-    check_output_folder(out, options.force)
+    check_output_folder(out, force)
     source = resolve_source(source_path)
     model, tokenizer = loaded or load_hf(source)
     check_free_space(out, least_weight_bytes(model, options.weights), "at least")
@@ -216,7 +160,7 @@ def export_model(
                 for key in ("bos_token", "eos_token", "pad_token", "unk_token")
                 if getattr(tokenizer, key, None) is not None
             },
-            **options.recorded(),
+            **recorded(options),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
         if out.exists():
@@ -274,17 +218,16 @@ def _graph(
     geometry: CacheGeometry,
     tables: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
     names: IONames,
-    options: ExportOptions,
+    options: ExportRecipe,
 ) -> onnx.ModelProto:
     """The decoder graph from the model's state dict, with a progress bar over its layers; the
     outlier channels of quantized weights are measured first (its int8 kernel needs them)."""
     cos, sin, local_tables = tables
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    graph_options = options.graph_options()
-    _check_quantizable(spec, geometry, graph_options)
+    _check_quantizable(spec, geometry, options)
     outliers = None
-    if graph_options.kept_channels:  # measured before the graph: its int8 kernel needs them
-        outliers = input_outliers(model, calibration_ids(tokenizer), graph_options.kept_channels)
+    if options.kept_channels:  # measured before the graph: its int8 kernel needs them
+        outliers = input_outliers(model, calibration_ids(tokenizer), options.kept_channels)
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
@@ -294,7 +237,7 @@ def _graph(
             cos,
             sin,
             names,
-            graph_options,
+            options,
             progress=bar.update,
             outliers=outliers,
             local_tables=local_tables,
@@ -372,7 +315,7 @@ def out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, Exception) and f"(os error {errno.ENOSPC})" in str(exc)
 
 
-def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: GraphOptions) -> None:
+def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: ExportRecipe) -> None:
     """Every quantized MatMul has hidden_size or intermediate_size input features."""
     if not options.quantized:
         return

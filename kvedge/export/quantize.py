@@ -61,20 +61,11 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from kvedge.contract import WEIGHT_FORMATS
+from kvedge.contract import OUTLIER_CHANNELS
 from kvedge.errors import KvedgeError
 
-BLOCK_SIZES = (16, 32, 64, 128, 256)
 GRIDS = ("extreme", "absmax", "affine")  # see the module docstring
 EXPORT_GRIDS = GRIDS  # what the export offers each block
-OUTLIER_CHANNELS = 32  # input channels per quantized matmul kept float32 (see the module docstring)
-# --outlier-channels: each kept channel reads 4 bytes x N more per matmul per token
-OUTLIER_CHOICES = (0, 8, 16, 32, 64)
-# By default the ort graph's LM head is never stored below 8 bits: at 4 bits it alone cost the
-# int4 export most of its KL (docs/PERFORMANCE.md "Quantized weights"), for half of one matrix's
-# bytes. --head-bits chooses (ort graphs only: TensorRT takes the projections' bits).
-HEAD_MIN_BITS = 8
-HEAD_BITS = (8, 4)
 
 
 @dataclass(frozen=True)
@@ -94,13 +85,6 @@ class QuantizedWeight:
         if self.offset is not None:
             hat += self.offset[:, None, :]
         return hat.reshape(k, n)
-
-
-def check_format(weights: str, block_size: int) -> None:
-    if weights not in WEIGHT_FORMATS:
-        raise KvedgeError(f"--weights {weights!r} is not supported; allowed: {sorted(WEIGHT_FORMATS)}")
-    if block_size not in BLOCK_SIZES:
-        raise KvedgeError(f"--block-size {block_size!r} is not supported; allowed: {list(BLOCK_SIZES)}")
 
 
 def _grid(blocks: np.ndarray, grid: str, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:

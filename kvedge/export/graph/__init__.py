@@ -72,7 +72,7 @@ stored float16, about half the bytes, each widened by one `Cast` to float32, so 
 float32 and the only error is fp16 rounding of the weights (relative 2**-11). onnxruntime and
 TensorRT fold the Cast when they load the graph; what the memory then holds is theirs to choose.
 
-The float16 graph (`--precision float16`, portable only; `GraphOptions.half`): what TensorRT's
+The float16 graph (`--precision float16`, portable only; `ExportRecipe.half`): what TensorRT's
 strongly typed builder computes in float16, written as such. Weights (float16, or int8/int4
 blocks dequantized to float16: the float32 graph's codes, their scales, offsets and kept channels'
 rows stored float16), the residual stream, the projections, RoPE and
@@ -100,7 +100,7 @@ kernel's attribute of the same name and meaning; all with their own RoPE tables.
 
 The package, one idea per module (each imports only those listed before it):
 
-    options       DecoderSpec, GraphOptions and the checks of what can be built
+    options       DecoderSpec, the graph's opset and the checks of what can be built
     builder       Builder: nodes and initializers, float16 islands (widen / narrow)
     rope          RoPE tables, the partial-rotary channel order, the rotation in ops
     quant_matmul  blocked integer weights: DequantizeLinear -> MatMul, side inputs, QuantMatMul
@@ -123,9 +123,8 @@ from kvedge.export.graph.options import (
     QUANTIZED_OPSET,
     STATIC_ROPE_TYPES,
     DecoderSpec,
-    GraphOptions,
-    check_kv_dtype,
     check_ring,
+    graph_opset,
     local_layers,
 )
 from kvedge.export.graph.rope import rope_tables, rotary_frequencies
@@ -138,12 +137,11 @@ __all__ = [
     "QUANTIZED_OPSET",
     "STATIC_ROPE_TYPES",
     "DecoderSpec",
-    "GraphOptions",
     "all_graphs",
     "build_decoder_graph",
-    "check_kv_dtype",
     "check_ring",
     "decode_step_graphs",
+    "graph_opset",
     "local_layers",
     "rope_tables",
     "rotary_frequencies",

@@ -14,8 +14,10 @@ from kvedge.contract import (
     QUANT_MATMUL_OP,
     SIDE_INPUTS_OP,
     CacheGeometry,
+    ExportRecipe,
     GraphInterface,
     IONames,
+    check_kv_dtype,
     kvedge_ops,
 )
 from kvedge.errors import KvedgeError
@@ -23,7 +25,7 @@ from kvedge.export.graph.builder import Builder
 from kvedge.export.graph.forms import onnx_model
 from kvedge.export.graph.inplace import GroupQueryAttention, Int8CacheAttention
 from kvedge.export.graph.norms import Norms
-from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, GraphOptions, check_kv_dtype, check_ring
+from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
 from kvedge.export.graph.quant_matmul import matmul_weight
 from kvedge.export.graph.weights import prepare_weights
@@ -36,7 +38,7 @@ def build_decoder_graph(
     cos: np.ndarray,
     sin: np.ndarray,
     names: IONames,
-    options: GraphOptions | None = None,
+    options: ExportRecipe,
     progress: Callable[[int], None] | None = None,
     outliers: dict[str, np.ndarray] | None = None,
     local_tables: tuple[np.ndarray, np.ndarray] | None = None,
@@ -45,7 +47,6 @@ def build_decoder_graph(
     `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
     quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
     (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer."""
-    options = options or GraphOptions()
     check_kv_dtype(geometry.dtype, options.variant, options.precision)
     check_ring(geometry, options.variant)
     if spec.local_layers and local_tables is None:
@@ -92,7 +93,7 @@ class Decoder:
         cos: np.ndarray,
         sin: np.ndarray,
         names: IONames,
-        options: GraphOptions,
+        options: ExportRecipe,
         outliers: dict[str, np.ndarray],
         local_tables: tuple[np.ndarray, np.ndarray] | None = None,
         decode_form: bool = False,
@@ -101,7 +102,9 @@ class Decoder:
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
-        self.g = g = Builder(options.opset, SIDE_INPUTS_OP in ops, decode_form, options.half, self.portable)
+        self.g = g = Builder(
+            graph_opset(options), SIDE_INPUTS_OP in ops, decode_form, options.half, self.portable
+        )
         # a float16 graph over the INT8 cache runs attention in float32, as a float32 graph does:
         # its codec's products of a query with int8 codes before scaling can pass 65504
         self.wide_attention = options.half and geometry.quantized
@@ -324,7 +327,7 @@ class Decoder:
                 hidden,
                 np.ascontiguousarray(head.T),
                 "logits.rows_vocab",
-                options.head_bits,
+                options.lm_head_bits,
                 options.block_size,
                 self.outliers.get("lm_head"),
             )

@@ -8,12 +8,19 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kvedge.contract import KVEDGE_OPS_DOMAIN, VERIFY_TOKENS, GraphInterface, TensorSpec, kvedge_ops
+from kvedge.contract import (
+    KVEDGE_OPS_DOMAIN,
+    VERIFY_TOKENS,
+    ExportRecipe,
+    GraphInterface,
+    TensorSpec,
+    kvedge_ops,
+)
 from kvedge.export.graph.builder import Builder
-from kvedge.export.graph.options import MS_DOMAIN, GraphOptions
+from kvedge.export.graph.options import MS_DOMAIN, graph_opset
 
 
-def onnx_model(builders: list[Builder], interface: GraphInterface, options: GraphOptions) -> onnx.ModelProto:
+def onnx_model(builders: list[Builder], interface: GraphInterface, options: ExportRecipe) -> onnx.ModelProto:
     """The model around the builders' nodes, its inputs and outputs declared as `interface` states
     them: one builder's nodes as the graph, or (prefill form, decode form) as the branches of one
     `If` on the step's length (`two_forms`)."""
@@ -24,14 +31,14 @@ def onnx_model(builders: list[Builder], interface: GraphInterface, options: Grap
         graph = helper.make_graph(g.nodes, "kvedge_decoder", inputs, outputs, g.initializers)
     else:
         graph = two_forms(builders[0], builders[1], interface, inputs, outputs)
-    opsets = [helper.make_opsetid("", options.opset)]
+    opsets = [helper.make_opsetid("", graph_opset(options))]
     if options.variant == "ort":
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     if kvedge_ops(options.variant, interface.geometry.dtype, options.weights, options.decode):
         opsets.append(helper.make_opsetid(KVEDGE_OPS_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="kvedge")
     # IR 8 is what onnxruntime and TensorRT 8.6+ both read; opset 21 (int4/int8 types) needs IR 10.
-    model.ir_version = 8 if options.opset < 21 else 10
+    model.ir_version = 8 if graph_opset(options) < 21 else 10
     if g.quant_errors:
         helper.set_model_props(model, {"kvedge.max_quant_error": f"{max(g.quant_errors):.6g}"})
     return model

@@ -1,5 +1,6 @@
 """What to build: the numbers the graph takes from a Hugging Face config (`DecoderSpec`), the
-export's choices (`GraphOptions`) and the checks that refuse combinations no graph is built for.
+opset an export's choices (`kvedge.contract.ExportRecipe`) take, and the checks that refuse
+combinations no graph is built for.
 """
 
 from __future__ import annotations
@@ -10,25 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from kvedge.contract import (
-    DECODE_MATMULS,
-    EXPORTED_KV_DTYPES,
-    LOGITS_MODES,
-    PRECISIONS,
-    VARIANTS,
-    CacheGeometry,
-    export_kv_dtypes,
-    export_weight_formats,
-)
+from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.quantize import (
-    HEAD_BITS,
-    HEAD_MIN_BITS,
-    OUTLIER_CHANNELS,
-    OUTLIER_CHOICES,
-    WEIGHT_FORMATS,
-    check_format,
-)
 
 OPSET = 17  # float32 and float16 weights
 # caches attention reads and writes in float16: GroupQueryAttention's (`ort`), or a float16
@@ -110,139 +94,9 @@ class DecoderSpec:
         return self.query_scale or 1.0 / math.sqrt(self.head_dim)
 
 
-@dataclass(frozen=True)
-class GraphOptions:
-    """How to build the graph; invalid values fail here, naming the allowed ones."""
-
-    logits: str = "rows"  # contract.LOGITS_MODES
-    variant: str = "portable"  # see VARIANTS
-    weights: str = "float32"  # see quantize.WEIGHT_FORMATS
-    block_size: int = 32  # quantization block along the input features
-    outlier_channels: int | None = None  # --outlier-channels; None: see kept_channels
-    lm_head_bits: int | None = None  # --head-bits; None: see head_bits
-    decode_matmuls: str | None = None  # --decode-matmuls (contract.DECODE_MATMULS); None: see decode
-    precision: str = "float32"  # --precision (contract.PRECISIONS): the dtype the graph computes in
-
-    def __post_init__(self) -> None:
-        if self.logits not in LOGITS_MODES:
-            raise KvedgeError(f"--logits {self.logits!r} is not allowed; allowed: {list(LOGITS_MODES)}")
-        if self.variant not in VARIANTS:
-            raise KvedgeError(f"--variant {self.variant!r} is not supported; allowed: {sorted(VARIANTS)}")
-        check_format(self.weights, self.block_size)
-        self._check_precision()
-        for flag, value in (
-            ("--outlier-channels", self.outlier_channels),
-            ("--head-bits", self.lm_head_bits),
-        ):
-            if value is not None and not self.quantized:
-                raise KvedgeError(
-                    f"{flag} {value!r} applies to --weights int8 or int4 only, not --weights {self.weights}"
-                )
-        if self.decode_matmuls is not None and not (self.quantized and self.variant == "ort"):
-            raise KvedgeError(
-                f"--decode-matmuls {self.decode_matmuls!r} applies to --variant ort --weights int8 or "
-                f"int4 only, not --variant {self.variant} --weights {self.weights}"
-            )
-        if self.decode_matmuls is not None and self.decode_matmuls not in DECODE_MATMULS:
-            raise KvedgeError(
-                f"--decode-matmuls {self.decode_matmuls!r} is not allowed; allowed: {list(DECODE_MATMULS)}"
-            )
-        if self.outlier_channels is not None and self.outlier_channels not in OUTLIER_CHOICES:
-            raise KvedgeError(
-                f"--outlier-channels {self.outlier_channels!r} is not allowed; "
-                f"allowed: {list(OUTLIER_CHOICES)}"
-            )
-        if self.lm_head_bits is not None:
-            allowed = list(HEAD_BITS) if self.variant == "ort" else [self.bits]
-            if self.lm_head_bits not in allowed:
-                raise KvedgeError(
-                    f"--head-bits {self.lm_head_bits!r} is not allowed with --variant {self.variant} "
-                    f"--weights {self.weights}; allowed: {allowed}"
-                    + ("" if self.variant == "ort" else " (TensorRT takes the projections' bits)")
-                )
-
-    def _check_precision(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise KvedgeError(f"--precision {self.precision!r} is not allowed; allowed: {list(PRECISIONS)}")
-        if self.half and self.variant != "portable":
-            raise KvedgeError(
-                f"--precision float16 is built for --variant portable only (the graph TensorRT "
-                f"builds strongly typed); --variant {self.variant} computes in float32 (its float16 "
-                "form for onnxruntime's CUDA provider is --kv-dtype float16); allowed with "
-                f"--variant {self.variant}: --precision float32"
-            )
-        allowed = export_weight_formats(self.precision)
-        if self.weights not in allowed:
-            raise KvedgeError(
-                f"--weights {self.weights} is not allowed with --precision {self.precision}: a float16 "
-                f"graph computes with float16 weights, float32 storage would only be cast down; "
-                f"allowed: {list(allowed)}"
-            )
-
-    @property
-    def half(self) -> bool:
-        """The graph computes in float16 (`--precision float16`, `Builder`'s float type)."""
-        return self.precision == "float16"
-
-    @property
-    def opset(self) -> int:
-        return QUANTIZED_OPSET if self.quantized else OPSET
-
-    @property
-    def bits(self) -> int:
-        return WEIGHT_FORMATS[self.weights]
-
-    @property
-    def head_bits(self) -> int:
-        """The LM head's bits: --head-bits, else in ort graphs never below `HEAD_MIN_BITS`
-        (`quantize.py`); portable graphs keep the export's bits (their int8 head was refused by
-        TensorRT until their scales were kept positive; an 8-bit head there is not yet measured)."""
-        if self.lm_head_bits is not None:
-            return self.lm_head_bits
-        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
-
-    @property
-    def decode(self) -> str:
-        """What a decode step's quantized matmuls run (`DECODE_MATMULS`): --decode-matmuls, else
-        kvedge's op in ort int8/int4 graphs; "" for graphs it does not apply to."""
-        if not (self.quantized and self.variant == "ort"):
-            return ""
-        return self.decode_matmuls or "kvedge"
-
-    @property
-    def kept_channels(self) -> int:
-        """Input channels of each quantized matmul kept float32 (`quantize.py`): --outlier-channels,
-        else `OUTLIER_CHANNELS`; 0 for float weights."""
-        if not self.quantized:
-            return 0
-        return OUTLIER_CHANNELS if self.outlier_channels is None else self.outlier_channels
-
-    @property
-    def quantized(self) -> bool:
-        """Blocked integer weights (int8, int4), as opposed to float storage."""
-        return self.bits < 16
-
-
-def check_kv_dtype(kv_dtype: str, variant: str = "portable", precision: str = "float32") -> None:
-    """Refuse a cache dtype the `variant` graph computing in `precision` cannot be built with,
-    naming the allowed ones (`contract.export_kv_dtypes`)."""
-    allowed = list(export_kv_dtypes(variant, precision))
-    if kv_dtype in allowed:
-        return
-    if kv_dtype not in EXPORTED_KV_DTYPES:
-        raise KvedgeError(
-            f"--kv-dtype {kv_dtype!r} is not allowed with --variant {variant}; allowed: {allowed}"
-        )
-    if precision == "float16":
-        raise KvedgeError(
-            f"--kv-dtype {kv_dtype} is not allowed with --precision float16: the cache of a float16 "
-            f"graph holds float16 values (or int8 codes); allowed: {allowed}"
-        )
-    raise KvedgeError(
-        f"--kv-dtype {kv_dtype} with float32 compute is built for --variant ort only (the onnxruntime "
-        f"CUDA in-place form; --precision float16 makes a portable float16 graph over a float16 "
-        f"cache); with --variant {variant}, allowed: {allowed}"
-    )
+def graph_opset(recipe: ExportRecipe) -> int:
+    """The ONNX opset the graph of `recipe` is built at: blocked DequantizeLinear needs 21."""
+    return QUANTIZED_OPSET if recipe.quantized else OPSET
 
 
 def local_layers(config: Any) -> tuple[int, ...]:

@@ -1,0 +1,212 @@
+"""`ExportRecipe`: every choice `kvedge export` makes, in one frozen type.
+
+The CLI's export flags, the planner's forms (`kvedge plan --weights ...`), the `export:` section of
+configs/models and the benchmark's systems all parse into it, and the graph builder reads it, so
+a rule such as "the LM head of an ort graph is never stored below 8 bits" is written once, here,
+as a property. Invalid combinations fail when the recipe is made, naming the flag, the value and
+what is allowed. Fields take the names of `kvedge export`'s flags (`--head-bits` is `head_bits`);
+a property says what a field left None comes to (`lm_head_bits`, `kept_channels`, `decode`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvedge.contract.manifest import (
+    DECODE_MATMULS,
+    EXPORTED_KV_DTYPES,
+    LOGITS_MODES,
+    PRECISIONS,
+    QUANTIZED_KV_DTYPES,
+    VARIANTS,
+    WEIGHT_FORMATS,
+    export_kv_dtypes,
+    export_weight_formats,
+)
+from kvedge.errors import KvedgeError
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # input features per quantization block
+# input channels per quantized matmul kept float32 (kvedge.export.quantize's docstring); each
+# kept channel reads 4 bytes x N more per matmul per token
+OUTLIER_CHANNELS = 32
+OUTLIER_CHOICES = (0, 8, 16, 32, 64)
+# The ort graph's LM head is never stored below 8 bits unless --head-bits says so: at 4 bits it
+# alone cost the int4 export most of its KL (docs/PERFORMANCE.md, "Quantized weights"), for half
+# of one matrix's bytes. Portable graphs keep the projections' bits (TensorRT's form).
+HEAD_MIN_BITS = 8
+HEAD_BITS = (8, 4)
+MAX_LEN_RANGE = (16, 131072)
+
+
+@dataclass(frozen=True)
+class ExportRecipe:
+    """What `kvedge export` makes. `weights` and `kv_dtype` left None take the precision's default
+    (`export_weight_formats`, `export_kv_dtypes`): float32 for a float32 graph, float16 for a
+    float16 one; after construction both are always set."""
+
+    max_len: int = 2048  # cache length per sequence, baked into the graph
+    logits: str = "rows"  # LOGITS_MODES: "rows" lets the runtime verify speculative steps
+    variant: str = "portable"  # VARIANTS: "portable" (standard ops, TensorRT) or "ort" (fused attention)
+    # the dtype the graph computes in (PRECISIONS): float16 is the portable graph in float16 with
+    # float32 islands (kvedge.export.graph), for TensorRT's strongly typed builds
+    precision: str = "float32"
+    weights: str | None = None  # WEIGHT_FORMATS: float32, float16 (stored), int8 or int4 (blocked)
+    block_size: int = 32  # BLOCK_SIZES: input features per quantization scale
+    outlier_channels: int | None = None  # OUTLIER_CHOICES; None: `kept_channels`' rule
+    head_bits: int | None = None  # HEAD_BITS (portable: the weights' bits); None: `lm_head_bits`' rule
+    decode_matmuls: str | None = None  # DECODE_MATMULS (ort int8/int4 weights); None: `decode`'s rule
+    # EXPORTED_KV_DTYPES: float32, float16 (ort: the CUDA in-place form; portable: a float16
+    # graph's) or int8 (codes + float16 scales)
+    kv_dtype: str | None = None
+    kv_group_size: int = 0  # int8 cache: channels per scale; 0 = CacheGeometry.default_group_size
+
+    def __post_init__(self) -> None:
+        low, high = MAX_LEN_RANGE
+        if not isinstance(self.max_len, int) or not low <= self.max_len <= high:
+            raise KvedgeError(f"--max-len {self.max_len!r} is out of range; allowed: {low}..{high}")
+        self._check_choices()
+        # frozen: the defaults are filled in once, here, before anything reads them
+        if self.weights is None:
+            object.__setattr__(self, "weights", export_weight_formats(self.precision)[0])
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", export_kv_dtypes(self.variant, self.precision)[0])
+        if self.weights not in WEIGHT_FORMATS:
+            raise KvedgeError(f"--weights {self.weights!r} is not allowed; allowed: {sorted(WEIGHT_FORMATS)}")
+        self._check_precision()
+        self._check_quantized_flags()
+        check_kv_dtype(self.kv_dtype, self.variant, self.precision)
+        if self.decode_matmuls == "kvedge" and self.kv_dtype == "float16":
+            raise KvedgeError(
+                "--decode-matmuls kvedge runs on the CPU; the float16 cache is the CUDA form, whose "
+                "decode steps run MatMulNBits (allowed there: onnxruntime)"
+            )
+        if self.kv_dtype not in QUANTIZED_KV_DTYPES and self.kv_group_size:
+            raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
+
+    def _check_choices(self) -> None:
+        """Each field against its own list of allowed values."""
+        for flag, value, allowed in (
+            ("--logits", self.logits, list(LOGITS_MODES)),
+            ("--variant", self.variant, sorted(VARIANTS)),
+            ("--precision", self.precision, list(PRECISIONS)),
+            ("--block-size", self.block_size, list(BLOCK_SIZES)),
+            ("--outlier-channels", self.outlier_channels, [None, *OUTLIER_CHOICES]),
+            ("--decode-matmuls", self.decode_matmuls, [None, *DECODE_MATMULS]),
+        ):
+            if value not in allowed:
+                shown = [a for a in allowed if a is not None]
+                raise KvedgeError(f"{flag} {value!r} is not allowed; allowed: {shown}")
+
+    def _check_precision(self) -> None:
+        if self.half and self.variant != "portable":
+            raise KvedgeError(
+                f"--precision float16 is built for --variant portable only (the graph TensorRT "
+                f"builds strongly typed); --variant {self.variant} computes in float32 (its float16 "
+                "form for onnxruntime's CUDA provider is --kv-dtype float16); allowed with "
+                f"--variant {self.variant}: --precision float32"
+            )
+        allowed = export_weight_formats(self.precision)
+        if self.weights not in allowed:
+            raise KvedgeError(
+                f"--weights {self.weights} is not allowed with --precision {self.precision}: a float16 "
+                f"graph computes with float16 weights, float32 storage would only be cast down; "
+                f"allowed: {list(allowed)}"
+            )
+
+    def _check_quantized_flags(self) -> None:
+        """The flags that apply to int8/int4 weights only, and --head-bits' per-variant choices."""
+        for flag, value in (("--outlier-channels", self.outlier_channels), ("--head-bits", self.head_bits)):
+            if value is not None and not self.quantized:
+                raise KvedgeError(
+                    f"{flag} {value!r} applies to --weights int8 or int4 only, not --weights {self.weights}"
+                )
+        if self.decode_matmuls is not None and not (self.quantized and self.variant == "ort"):
+            raise KvedgeError(
+                f"--decode-matmuls {self.decode_matmuls!r} applies to --variant ort --weights int8 or "
+                f"int4 only, not --variant {self.variant} --weights {self.weights}"
+            )
+        if self.head_bits is not None:
+            allowed = list(HEAD_BITS) if self.variant == "ort" else [self.bits]
+            if self.head_bits not in allowed:
+                raise KvedgeError(
+                    f"--head-bits {self.head_bits!r} is not allowed with --variant {self.variant} "
+                    f"--weights {self.weights}; allowed: {allowed}"
+                    + ("" if self.variant == "ort" else " (TensorRT takes the projections' bits)")
+                )
+
+    @property
+    def half(self) -> bool:
+        """The graph computes in float16 (`--precision float16`)."""
+        return self.precision == "float16"
+
+    @property
+    def bits(self) -> int:
+        return WEIGHT_FORMATS[self.weights]
+
+    @property
+    def quantized(self) -> bool:
+        """Blocked integer weights (int8, int4), as opposed to float storage."""
+        return self.bits < 16
+
+    @property
+    def lm_head_bits(self) -> int:
+        """The bits the LM head is stored at: --head-bits, else in ort graphs never below
+        `HEAD_MIN_BITS`; portable graphs keep the projections' bits."""
+        if self.head_bits is not None:
+            return self.head_bits
+        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
+
+    @property
+    def kept_channels(self) -> int:
+        """Input channels of each quantized matmul kept float32: --outlier-channels, else
+        `OUTLIER_CHANNELS`; 0 for float weights."""
+        if not self.quantized:
+            return 0
+        return OUTLIER_CHANNELS if self.outlier_channels is None else self.outlier_channels
+
+    @property
+    def decode(self) -> str:
+        """What a decode step's quantized matmuls run (`DECODE_MATMULS`): --decode-matmuls, else
+        kvedge's op in ort int8/int4 graphs; "" for graphs it does not apply to."""
+        if not (self.quantized and self.variant == "ort"):
+            return ""
+        return self.decode_matmuls or "kvedge"
+
+    @property
+    def two_forms(self) -> bool:
+        """The graph holds its quantized weights twice: a prefill form (MatMulNBits) and a decode
+        form (kvedge.QuantMatMul)."""
+        return self.decode == "kvedge"
+
+    def describe_weights(self) -> str:
+        """The weights' form in a few words, as `kvedge plan` prints it."""
+        if not self.quantized:
+            return self.weights
+        text = (
+            f"{self.weights} {self.variant} (block {self.block_size}, {self.kept_channels} float32 channels"
+        )
+        if self.lm_head_bits != self.bits:
+            text += f", int{self.lm_head_bits} head"
+        return text + (", prefill and decode forms)" if self.two_forms else ")")
+
+
+def check_kv_dtype(kv_dtype: str, variant: str = "portable", precision: str = "float32") -> None:
+    """Refuse a cache dtype the `variant` graph computing in `precision` cannot be built with,
+    naming the allowed ones (`export_kv_dtypes`)."""
+    allowed = list(export_kv_dtypes(variant, precision))
+    if kv_dtype in allowed:
+        return
+    if kv_dtype not in EXPORTED_KV_DTYPES:
+        raise KvedgeError(
+            f"--kv-dtype {kv_dtype!r} is not allowed with --variant {variant}; allowed: {allowed}"
+        )
+    if precision == "float16":
+        raise KvedgeError(
+            f"--kv-dtype {kv_dtype} is not allowed with --precision float16: the cache of a float16 "
+            f"graph holds float16 values (or int8 codes); allowed: {allowed}"
+        )
+    raise KvedgeError(
+        f"--kv-dtype {kv_dtype} with float32 compute is built for --variant ort only (the onnxruntime "
+        f"CUDA in-place form; --precision float16 makes a portable float16 graph over a float16 "
+        f"cache); with --variant {variant}, allowed: {allowed}"
+    )
