@@ -123,7 +123,11 @@ def old_spelling(old: str, new: str, dest: str, **kwargs: Any) -> Any:
             log.warning("%s is deprecated; use %s", old, new)
             ctx.meta[("old spelling", dest)] = value
 
-    return click.option(old, hidden=True, expose_value=False, callback=store, **kwargs)
+    # a name of its own: sharing `dest` with `new`'s option, it was handed `new`'s value and warned
+    # about the very flag given
+    return click.option(
+        old, f"old_spelling_{dest}", hidden=True, expose_value=False, callback=store, **kwargs
+    )
 
 
 def or_old_spelling(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

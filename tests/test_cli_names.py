@@ -306,6 +306,21 @@ def test_old_spellings_warn_and_still_work(where, caplog):
     assert str(given) == value
 
 
+@pytest.mark.parametrize("where", sorted(w for w in DEPRECATED if w[1] != "--backend"), ids="-".join)
+def test_the_new_spelling_gives_no_warning(where, caplog):
+    """The hidden old option once shared its name with the new one, so `--memory-budget 1GiB`
+    warned "--budget is deprecated; use --memory-budget", about the very flag given."""
+    command_name, old = where
+    args, new, value = DEPRECATED[where]
+    command = main.commands[command_name]
+    given = [new if arg == old else arg for arg in args]
+    with caplog.at_level(logging.WARNING, logger="kvedge"):
+        ctx = command.make_context(command_name, given)
+    assert not [r.message for r in caplog.records if "deprecated" in r.message]
+    param = next(p for p in command.params if new in getattr(p, "opts", ()))
+    assert str(ctx.params[param.name]) == value  # (--backend's old values differ: not here)
+
+
 def test_a_device_profile_given_as_plan_device_is_read_as_profile(caplog):
     plan = main.commands["plan"]
     with caplog.at_level(logging.WARNING, logger="kvedge"):
