@@ -260,21 +260,24 @@ def _sampling(kwargs: dict[str, Any]):
 
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
+    """The model the runtime flags (`runtime_options`) and --speculate draft:DIR name."""
     from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
+    from kvedge.runtime.options import RunOptions
     from kvedge.runtime.sessions import HistoryPolicy
+    from kvedge.runtime.speculate import draft_folder
 
-    prefixes = load_warmup_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None
-    policy = HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"])
-    return Model(
-        model_dir,
+    draft = draft_folder(kwargs["speculate"])
+    options = RunOptions(
         threads=kwargs["threads"],
         device=kwargs["device"],
-        policy=policy,
-        warmup=prefixes,
-        warm_dir=kwargs["warm_dir"],
         kv_memory=kwargs["kv_memory"],
+        policy=HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"]),
+        warm_prefixes=load_warmup_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
+        warm_dir=kwargs["warm_dir"],
+        draft=None if draft is None else Path(draft),
     )
+    return Model(model_dir, options)
 
 
 def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> list[Any]:
@@ -764,7 +767,7 @@ def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     from kvedge.configs import load_warmup_config
     from kvedge.runtime.model import Model
 
-    model = Model(model_dir, warmup=load_warmup_config(config_path), warm_dir=warm_dir)
+    model = Model(model_dir, warm_prefixes=load_warmup_config(config_path), warm_dir=warm_dir)
     report = model.warmup_report
     for prefix in model.prefixes.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"

@@ -112,9 +112,9 @@ def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
     path = tmp_path / "warmup.yaml"
     path.write_text(f'prefixes:\n  - name: notes\n    text: "{LONG_TEXT}"\n')
     config, folder = load_warmup_config(path), tmp_path / "warm"
-    first = Model(gemma[kind], slots=2, warmup=config, warm_dir=folder)
+    first = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
     assert first.warmup_report.rebuilt == {"notes": "missing"}
-    model = Model(gemma[kind], slots=2, warmup=config, warm_dir=folder)
+    model = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
     assert model.warmup_report.loaded == ["notes"]
     block = model.prefixes.prefixes[0].block
     ids = list(model.prefixes.prefixes[0].token_ids)

@@ -603,3 +603,20 @@ def test_storm_of_faults_beside_good_requests(server, reference, capsys):
         )
     assert mismatches == [] and leaked == 0 and health_failures == []
     assert server.process.poll() is None
+
+
+def test_a_request_without_sampling_fields_takes_the_services_greedy_defaults(server, reference):
+    """Requests (and the chat page) that give no temperature got 1.0, and the default model
+    answered "What is the capital of France?" with nonsense where the CLI (greedy) said Paris: the
+    service's defaults are config keys now, greedy unless set, and /v1/models shows them."""
+    card = server.http.get("/v1/models").json()["data"][0]
+    assert card["sampling_defaults"] == {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "repetition_penalty": 1.0,
+    }
+    body = chat_body("What is the capital of France?", max_tokens=12)
+    assert reply_text(server.http.post("/v1/chat/completions", json=body)) == greedy_text(
+        reference, "What is the capital of France?"
+    )

@@ -90,7 +90,7 @@ def test_export_and_warm_files_are_readable_by_others_under_umask_022(tmp_path, 
     assert {f.name: mode(f) for f in out.iterdir()} == {f.name: 0o644 for f in out.iterdir()}
     (tmp_path / "warm.yaml").write_text(yaml.safe_dump(WARMUP))
     warm = tmp_path / "warm"
-    Model(out, warmup=load_warmup_config(tmp_path / "warm.yaml"), warm_dir=warm)  # writes both files
+    Model(out, warm_prefixes=load_warmup_config(tmp_path / "warm.yaml"), warm_dir=warm)  # writes both files
     assert {f.name: mode(f) for f in warm.iterdir()} == {"root-made.kvw": 0o644, "service-made.kvw": 0o644}
 
 

@@ -99,7 +99,7 @@ def run_in_step(model: Model, slot: int, ids: list[int], config: SamplingConfig)
 @pytest.mark.parametrize("draft", ["int4", "perturbed"])
 def test_greedy_identical_with_a_draft(folders, draft):
     proposed = kept = 0
-    with Model(folders["target"], slots=2) as model:
+    with Model(folders["target"], slots=2, draft=folders[draft]) as model:
         for ids in PROMPTS:
             plain, _, none = run_turn(model, 0, ids, greedy(40))
             fast, _, verifies = run_in_step(model, 1, ids, greedy(40, f"draft:{folders[draft]}"))
@@ -149,7 +149,7 @@ def test_draft_prefill_of_the_prompt_is_not_weighed_as_a_step(folders):
 
 def test_batched_rows_equal_solo(folders):
     prompts = [PROMPTS[0], random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
-    with Model(folders["target"], slots=3) as model:
+    with Model(folders["target"], slots=3, draft=folders["perturbed"]) as model:
         solo = [run_turn(model, 0, ids, greedy(30))[0] for ids in prompts]
         config = greedy(30, f"draft:{folders['perturbed']}")
         turns = [model.begin(slot, ids, config) for slot, ids in enumerate(prompts)]
@@ -188,10 +188,15 @@ def test_tokenizer_mismatch_refused(folders, tmp_path):
             model.load_draft(other)
         assert str(other) in str(info.value) and str(folders["target"]) in str(info.value)
         assert model.draft is None
-        with pytest.raises(KvedgeError, match="has another tokenizer"):
-            model.begin(0, PROMPTS[0], greedy(5, f"draft:{other}"))
-        with pytest.raises(KvedgeError, match="needs a loaded draft model"):
+        with pytest.raises(KvedgeError, match="needs the draft loaded with the model"):
+            model.begin(0, PROMPTS[0], greedy(5, f"draft:{other}"))  # never loaded mid-request
+        with pytest.raises(KvedgeError, match="needs the draft loaded with the model"):
             model.begin(0, PROMPTS[0], greedy(5, "draft"))
+    with pytest.raises(KvedgeError, match="has another tokenizer than the target"):
+        Model(folders["target"], draft=other)  # at load, as RunOptions.draft
+    with Model(folders["target"], draft=folders["int4"]) as model:
+        with pytest.raises(KvedgeError, match="names another draft than the one loaded"):
+            model.begin(0, PROMPTS[0], greedy(5, f"draft:{folders['perturbed']}"))
         tokens, _, _ = run_turn(model, 0, PROMPTS[0], greedy(5))  # the model still answers
         assert len(tokens) == 5
 

@@ -56,7 +56,7 @@ def warm(tmp_path):
 
 def boot(tiny_llama, warm) -> Model:
     config, folder = warm
-    return Model(tiny_llama.out, slots=2, warmup=config, warm_dir=folder)
+    return Model(tiny_llama.out, slots=2, warm_prefixes=config, warm_dir=folder)
 
 
 def test_first_boot_builds_then_reboot_loads(tiny_llama, warm):
@@ -148,7 +148,7 @@ def test_warm_file_of_another_export_of_the_same_model_is_refused_and_recomputed
         int8_out,
         ExportRecipe(max_len=MAX_LEN, variant=float_model.manifest.variant, weights="int8"),
     )
-    int8_model = Model(int8_out, slots=2, warmup=warm[0], warm_dir=warm[1])
+    int8_model = Model(int8_out, slots=2, warm_prefixes=warm[0], warm_dir=warm[1])
     mine, theirs = int8_model.manifest, float_model.manifest
     assert (mine.source_fingerprint, mine.geometry) == (theirs.source_fingerprint, theirs.geometry)
     why = int8_model.warmup_report.rebuilt["assistant"]

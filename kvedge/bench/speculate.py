@@ -149,7 +149,7 @@ def measure_speculation(
     figures: dict[str, dict[str, Any]] = {}
     mode = "lookup" if draft is None else f"draft:{draft}"
     kind = "lookup" if draft is None else "draft"  # the figures' key: lookup_tokens_per_s, ..
-    with Model(model_dir, slots=2 * batch, threads=threads) as model:
+    with Model(model_dir, slots=2 * batch, threads=threads, draft=draft) as model:
         plain_config = SamplingConfig(max_new_tokens=max_new_tokens)
         fast_config = SamplingConfig(max_new_tokens=max_new_tokens, speculate=mode)
         paired_replies(model, WORKLOADS["c-chat"], [fast_config, fast_config], batch)  # warm-up: buffers

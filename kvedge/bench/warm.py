@@ -153,7 +153,7 @@ def _start_up(model: Model, config: WarmupConfig, tmp: Path, threads: int, round
     for r in range(rounds):
         recompute.append(_seconds(model.warm_up, config, tmp / f"round{r}"))  # an empty folder
         load.append(_seconds(model.warm_up, config, tmp / f"round{r}"))  # the files just written
-    boot = {"folder": model.folder, "slots": 2, "threads": threads, "warmup": config}
+    boot = {"folder": model.folder, "slots": 2, "threads": threads, "warm_prefixes": config}
     boot_load = _seconds(Model, **boot, warm_dir=tmp / "round0")
     boot_recompute = _seconds(Model, **boot, warm_dir=tmp / "boot")
     return {

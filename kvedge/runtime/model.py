@@ -33,11 +33,11 @@ from kvedge.runtime.cuda import DeviceMemory
 from kvedge.runtime.draft import Draft, DraftProposer, check_same_tokenizer
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend
-from kvedge.runtime.memory import check_kv_memory
+from kvedge.runtime.options import RunOptions
 from kvedge.runtime.prefix import PrefixLRU
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
-from kvedge.runtime.speculate import DRAFT, Adaptive, Costs, Lookup, draft_folder
+from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
 
@@ -47,34 +47,24 @@ __all__ = ["Constraint", "Event", "Model", "SamplingConfig", "StepResult", "Turn
 
 
 class Model:
-    """An exported model on `device` (`DEVICES`: onnxruntime CPU or CUDA, or a TensorRT engine)
-    with its tokenizer, a preallocated cache of `slots` sequences, one
-    `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at start-up, and
-    optionally a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`).
-    `cuda_graph`: capture the decode step as a CUDA graph (cuda only, `kvedge.runtime.backend`).
-    `kv_memory` (`KV_MEMORY`; GPU devices only): where the cache pool lives: "mapped", pinned host
-    memory the GPU reads in place (the default, until hardware measures the other), or
-    "device", device memory (cudaMalloc) the CPU side reaches by explicit copies.
+    """An exported model run as its `RunOptions` say (kvedge.runtime.options): on a device
+    (onnxruntime CPU or CUDA, or a TensorRT engine) with its tokenizer, a preallocated cache of
+    `slots` sequences, one `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at
+    start-up, a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`) and a
+    draft model. `kv_memory` (`KV_MEMORY`; GPU devices only): where the cache pool lives:
+    "mapped", pinned host memory the GPU reads in place (the default, until hardware measures the
+    other), or "device", device memory (cudaMalloc) the CPU side reaches by explicit copies.
 
     `close()` (or leaving `with Model(...) as model:`) stops the backend and gives back what it
     took on the GPU (page locks on the cache, mapped buffers); the model is unusable after."""
 
-    def __init__(
-        self,
-        folder: str | Path,
-        slots: int = 1,
-        threads: int | None = None,
-        device: str = "cpu",
-        policy: HistoryPolicy | None = None,
-        warmup: WarmupConfig | None = None,
-        warm_dir: str | Path | None = None,
-        verify: bool = True,
-        prefix_cache_bytes: int = 0,
-        cuda_graph: bool = False,
-        kv_memory: str = "mapped",
-    ) -> None:
+    def __init__(self, folder: str | Path, options: RunOptions | None = None, **fields: Any) -> None:
+        """Load the export in `folder` to run with `options`, or with the `RunOptions` `fields`
+        name (`Model(folder, slots=2)`), not both."""
+        if options is not None and fields:
+            raise KvedgeError(f"give RunOptions or its fields ({sorted(fields)}), not both")
+        self.options = options = options or RunOptions(**fields)
         self.folder = Path(folder)
-        check_kv_memory(kv_memory, device)
         if not self.folder.is_dir():
             raise KvedgeError(_not_a_folder(self.folder))
         self.manifest = Manifest.load(self.folder)
@@ -83,9 +73,9 @@ class Model:
             if not path.is_file() or path.stat().st_size == 0:
                 state = "is empty" if path.is_file() else "is missing"
                 raise KvedgeError(f"{path} {state}: the folder is not a whole export; re-export the model")
-        if verify:
+        if options.verify:
             self._verify_graph()
-        self.policy = policy or HistoryPolicy()
+        self.policy = options.policy
         _check_ring_features(self.manifest.geometry, self.policy)
         if (
             self.policy.mode == "window"
@@ -95,55 +85,48 @@ class Model:
                 "history_policy 'window' needs RoPE frequencies in the manifest; re-export the model"
             )
         # one decode binding per contiguous slot range, so batched decode never rebuilds one
-        ranges = min(64, max(8, slots * (slots + 1) // 2))
-        self.device = device
-        self.threads = threads
-        self.kv_memory = kv_memory
-        self.draft: Draft | None = None  # `load_draft`: proposals for speculate="draft"
+        ranges = min(64, max(8, options.slots * (options.slots + 1) // 2))
+        self.device = options.device
+        self.draft: Draft | None = None  # speculate="draft": proposals of `options.draft`
         # decode calls' seconds, what its turns' speculative steps are weighed against
         self.speculation_costs = Costs()
         self.backend: Backend = open_backend(
             self.folder,
             self.manifest,
-            device,
-            threads=threads,
+            options.device,
+            threads=options.threads,
             max_decode_bindings=ranges,
-            cuda_graph=cuda_graph,
+            cuda_graph=options.cuda_graph,
         )
         self.cache: KVCache | None = None
         try:
-            self._load(slots, warmup, warm_dir, prefix_cache_bytes, kv_memory)
+            self._load(options)
+            if options.draft is not None:
+                self.load_draft(options.draft)
         except BaseException:
             self.close()  # the GPU memory taken is given back even when loading fails
             raise
 
-    def _load(
-        self,
-        slots: int,
-        warmup: WarmupConfig | None,
-        warm_dir: str | Path | None,
-        prefix_cache_bytes: int,
-        kv_memory: str,
-    ) -> None:
+    def _load(self, options: RunOptions) -> None:
         """Everything after the backend opened: tokenizer, cache, sessions, warm prefixes."""
+        slots, warmup, warm_dir = options.slots, options.warm_prefixes, options.warm_dir
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(
             self.folder / TOKENIZER_FILE, self.manifest.vocab_size, self.manifest.eos_token_ids
         )
-        self.cache = KVCache(self.manifest.geometry, slots, DeviceMemory() if kv_memory == "device" else None)
+        device_memory = DeviceMemory() if options.kv_memory == "device" else None
+        self.cache = KVCache(self.manifest.geometry, slots, device_memory)
         self.backend.reserve(self.cache.layer_views(0, slots), self.manifest.geometry.max_len)
         self.sessions = [ChatSession(slot) for slot in range(slots)]
         self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
         self._last_used = [0.0] * slots
         self._warned: set[str] = set()  # reasons logged once
-        self.prefix_lru = PrefixLRU(self.manifest.geometry, prefix_cache_bytes)
+        self.prefix_lru = PrefixLRU(self.manifest.geometry, options.prefix_cache_bytes)
         geometry = self.manifest.geometry
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
         self.prefixes = PrefixStore()
         self.warmup_report: WarmupReport | None = None
         if warmup is not None:
-            if warm_dir is None:
-                raise KvedgeError("warm prefixes need a warm folder (--warm-dir)")
             self.prefixes, self.warmup_report = self.warm_up(warmup, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
@@ -325,8 +308,9 @@ class Model:
         if self.draft is not None:
             self.draft.close()
             self.draft = None
+        o = self.options
         draft_model = Model(
-            folder, slots=self.slots, threads=self.threads, device=self.device, kv_memory=self.kv_memory
+            folder, RunOptions(slots=o.slots, threads=o.threads, device=o.device, kv_memory=o.kv_memory)
         )
         try:
             check_same_tokenizer(self, draft_model)
@@ -339,8 +323,8 @@ class Model:
 
     def _speculator(self, config: SamplingConfig, slot: int) -> Adaptive | None:
         """A turn's proposals, if `config` asks for them and this model can verify: prompt lookup,
-        or the draft ("draft": the one loaded; "draft:DIR": that one, loaded now if another or
-        none is)."""
+        or the draft loaded with the model ("draft", or "draft:DIR" naming it; a draft is never
+        loaded in the middle of a request)."""
         if config.speculate == "off":
             return None
         refusal = self.speculation_refusal()
@@ -352,11 +336,15 @@ class Model:
         if config.speculate == "lookup":
             return Lookup(costs=self.speculation_costs)
         folder = draft_folder(config.speculate)
-        if folder is not None and (self.draft is None or Path(folder).resolve() != self.draft.folder):
-            self.load_draft(folder)
         if self.draft is None:
             raise KvedgeError(
-                f"speculate={DRAFT!r} needs a loaded draft model (Model.load_draft, or speculate='draft:DIR')"
+                f"speculate={config.speculate!r} needs the draft loaded with the model "
+                "(RunOptions.draft; --speculate draft:DIR, or the service's speculate: draft:DIR)"
+            )
+        if folder is not None and Path(folder).resolve() != self.draft.folder:
+            raise KvedgeError(
+                f"speculate={config.speculate!r} names another draft than the one loaded with the model "
+                f"({self.draft.folder}); allowed: 'draft' or 'draft:{self.draft.folder}'"
             )
         return DraftProposer(draft=self.draft, slot=slot, costs=self.speculation_costs)
 

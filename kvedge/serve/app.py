@@ -30,7 +30,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,8 @@ class Api:
             "created": int(time.time()),
             "owned_by": "kvedge",
             "warm_prefixes": warm_prefix_cards(config),
+            # what a request that leaves them out samples with (the chat page shows them)
+            "sampling_defaults": config.sampling_defaults,
         }
 
     def routes(self) -> list[Route]:
@@ -283,7 +285,10 @@ class Api:
         except KvedgeError as exc:
             raise api_error(exc) from None
         job, events = self.submit(
-            ids, sampling_config(chat, max_new, constraint, chat.logprobs, self.config.speculate)
+            ids,
+            sampling_config(
+                chat, max_new, constraint, chat.logprobs, config.speculate, config.sampling_defaults
+            ),
         )
         parser = tools.ReplyParser(chat.tool_choice != "none", tools.THINK_OPEN in template, tool_fmt)
         tokenizer = model.tokenizer if chat.logprobs is not None else None
@@ -348,7 +353,8 @@ class Api:
         except KvedgeError as exc:
             raise api_error(exc, "prompt") from None
         job, events = self.submit(
-            ids, sampling_config(body, max_new, None, body.logprobs, self.config.speculate)
+            ids,
+            sampling_config(body, max_new, None, body.logprobs, config.speculate, config.sampling_defaults),
         )
         tokenizer = model.tokenizer if body.logprobs is not None else None
         reply = TextReply(
@@ -521,13 +527,17 @@ def sampling_config(
     constraint: Constraint | None,
     logprobs: int | None,
     speculate: str = "off",  # the service's default; the request's field wins
+    defaults: Mapping[str, float] | None = None,  # `ServiceConfig.sampling_defaults`, likewise
 ) -> SamplingConfig:
+    """A request's sampling: its own fields, else the service's defaults."""
+    given = {
+        name: getattr(request, name)
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty")
+        if getattr(request, name) is not None
+    }
     return SamplingConfig(
         max_new_tokens=max_new_tokens,
-        temperature=request.temperature,
-        top_k=request.top_k,
-        top_p=request.top_p,
-        repetition_penalty=request.repetition_penalty,
+        **{**(defaults or {}), **given},
         seed=request.seed,
         stop=request.stop,
         constraint=constraint,

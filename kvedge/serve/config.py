@@ -37,10 +37,15 @@ File format (every key optional except `model`, which may come from `--model` in
                                     # verifies (--logits rows); draft:DIR: the export in DIR (same
                                     # tokenizer) proposes, loaded at start; a request's "speculate"
                                     # overrides it ("draft": only the loaded one)
+    temperature: 0                  # what a request that leaves them out samples with: greedy by
+    top_p: 1                        # default, as `kvedge generate` (tests/test_real_model.py: the
+    top_k: 0                        # default model's answers); the chat page shows them
+    repetition_penalty: 1
     shutdown_grace_s: 10            # on SIGTERM, streams get this long to finish, then are cancelled
     warmup_tokens: 8                # warm-up: greedy decode steps run before /health reports ready;
                                     # 0 = none
     history_policy: error           # conversations longer than the cache: error | window | truncate
+    n_sink: 4                       # window: tokens at the start that are never evicted
     warm_prefixes: null             # warm-prefix YAML (configs/warmup/...): fixed prompts whose KV is
                                     # loaded from warm_dir (rebuilt there if missing) before ready
     warm_dir: null                  # folder of the warm prefix files (needed with warm_prefixes)
@@ -74,9 +79,11 @@ from kvedge.configs import find_problem, read_yaml
 from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
+from kvedge.runtime.generate import PENALTY_RANGE
 from kvedge.runtime.memory import KV_MEMORY
-from kvedge.runtime.sessions import POLICIES
-from kvedge.runtime.speculate import SPECULATE_MODES
+from kvedge.runtime.options import RunOptions
+from kvedge.runtime.sessions import POLICIES, HistoryPolicy
+from kvedge.runtime.speculate import SPECULATE_MODES, draft_folder
 
 log = logging.getLogger(__name__)
 REPLY_OVERFLOW = ("clip", "reject")
@@ -145,6 +152,17 @@ class ServiceConfig:
     speculate: Annotated[
         str, Meta(pattern=r"^(off|lookup|draft:.*\S.*)$", description=f"one of {list(SPECULATE_MODES)}")
     ] = "off"
+    temperature: Annotated[float, Meta(ge=0, le=2, description="a number in 0..2 (0: greedy)")] = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")] = 1.0
+    top_k: Annotated[int, Meta(ge=0, description="an integer >= 0 (0: off)")] = 0
+    repetition_penalty: Annotated[
+        float,
+        Meta(
+            ge=PENALTY_RANGE[0],
+            le=PENALTY_RANGE[1],
+            description=f"a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
+        ),
+    ] = 1.0
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )
@@ -152,6 +170,7 @@ class ServiceConfig:
         int, Meta(ge=0, le=1_000_000, description="an integer >= 0 (0 = no warm-up)")
     ] = 8
     history_policy: Annotated[Literal[POLICIES], Meta(description=f"one of {list(POLICIES)}")] = "error"
+    n_sink: Annotated[int, Meta(ge=0, le=1_000_000, description="an integer >= 0")] = HistoryPolicy.n_sink
     warm_prefixes: Annotated[Path | None, Meta(description="a warm-prefix YAML file, or null")] = None
     warm_dir: Annotated[Path | None, Meta(description="a folder for warm prefix files, or null")] = None
     memory_budget: Annotated[
@@ -169,6 +188,33 @@ class ServiceConfig:
     @property
     def loopback(self) -> bool:
         return is_loopback(self.host)
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """What a request samples with where it gives no value of its own."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+    def run_options(self, slots: int | None = None) -> RunOptions:
+        """The model's options this config gives (`slots`: another count, e.g. 1 for --check); the
+        warm-prefix file is read here."""
+        from kvedge.configs import load_warmup_config
+
+        return RunOptions(
+            slots=self.slots if slots is None else slots,
+            threads=self.threads,
+            device=self.device,
+            kv_memory=self.kv_memory,
+            policy=HistoryPolicy(mode=self.history_policy, n_sink=self.n_sink),
+            prefix_cache_bytes=self.prefix_cache_bytes,
+            warm_prefixes=load_warmup_config(self.warm_prefixes) if self.warm_prefixes else None,
+            warm_dir=self.warm_dir,
+            draft=None if (draft := draft_folder(self.speculate)) is None else Path(draft),
+        )
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(ServiceConfig) if f.name != "api_key")  # a file's keys
@@ -208,6 +254,8 @@ def load_service_config(
             values[key] = value
             origin[key] = "--" + key.replace("_", "-")
 
+    if values.get("speculate") is False:  # YAML 1.1 reads an unquoted `off` as false
+        values["speculate"] = "off"
     if "model" not in values:
         where = f"set `model` in {path} or pass --model" if path else "pass --model or --config"
         raise KvedgeError(f"no model folder given: {where}")

@@ -3,7 +3,7 @@
 Request fields of `POST /v1/chat/completions`:
 
     honoured   messages, model (echoed as the served model's id), max_tokens / max_completion_tokens,
-               temperature (0..2, default 1; below 1e-3 greedy), top_p (0 < p <= 1), stop (string
+               temperature (0..2; below 1e-3 greedy), top_p (0 < p <= 1), stop (string
                or up to 4), seed, stream, stream_options.include_usage, response_format (text, json_object,
                json_schema), tools, tool_choice, parallel_tool_calls, logprobs, top_logprobs (0..20),
                chat_template_kwargs.enable_thinking;
@@ -110,10 +110,10 @@ class ApiError(Exception):
 class ChatRequest:
     messages: tuple[dict[str, Any], ...]
     max_tokens: int | None  # None: the service's default, clipped to the room left
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
+    temperature: float | None  # None: the service's default, as top_p, top_k, repetition_penalty
+    top_p: float | None
+    top_k: int | None
+    repetition_penalty: float | None
     stop: tuple[str, ...]
     seed: int | None  # already mapped into 0..2**64-1
     stream: bool
@@ -131,10 +131,10 @@ class ChatRequest:
 class CompletionRequest:
     prompt: str
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
+    temperature: float | None  # None: the service's default, as top_p, top_k, repetition_penalty
+    top_p: float | None
+    top_k: int | None
+    repetition_penalty: float | None
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
@@ -263,22 +263,23 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         raise _bad("stream_options", "stream_options allows only include_usage (a boolean)")
     seed = _optional(body, "seed", lambda v: _int(v) and -INT64 <= v < 2 * INT64, "a 64-bit integer", None)
     return {
-        "temperature": float(
-            _optional(body, "temperature", lambda v: _number(v) and 0 <= v <= 2, "a number in 0..2", 1.0)
+        # None: the service's default (`ServiceConfig.sampling_defaults`)
+        "temperature": _float(
+            _optional(body, "temperature", lambda v: _number(v) and 0 <= v <= 2, "a number in 0..2", None)
         ),
-        "top_p": float(
-            _optional(body, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
+        "top_p": _float(
+            _optional(body, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", None)
         ),
         "top_k": _optional(
-            body, "top_k", lambda v: _int(v) and 0 <= v < INT64, "an integer >= 0 (0 = off)", 0
+            body, "top_k", lambda v: _int(v) and 0 <= v < INT64, "an integer >= 0 (0 = off)", None
         ),
-        "repetition_penalty": float(
+        "repetition_penalty": _float(
             _optional(
                 body,
                 "repetition_penalty",
                 lambda v: _number(v) and PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1],
                 f"a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
-                1.0,
+                None,
             )
         ),
         "stop": parse_stop(body.get("stop")),
@@ -289,6 +290,10 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
             body, "speculate", is_mode, f"one of {list(SPECULATE_MODES)} or 'draft'", None
         ),
     }
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _optional(body: dict[str, Any], key: str, ok, allowed: str, default: Any) -> Any:

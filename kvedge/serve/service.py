@@ -106,30 +106,9 @@ def check_memory(config: ServiceConfig) -> int:
 
 
 def load_model(config: ServiceConfig, slots: int) -> Model:
-    """The service's Model: history policy, and warm prefixes loaded (or rebuilt) before ready."""
-    from kvedge.configs import load_warmup_config
-    from kvedge.runtime.sessions import HistoryPolicy
-
-    prefixes = load_warmup_config(config.warm_prefixes) if config.warm_prefixes else None
-    model = Model(
-        config.model,
-        slots=slots,
-        threads=config.threads,
-        device=config.device,
-        kv_memory=config.kv_memory,
-        policy=HistoryPolicy(mode=config.history_policy),
-        warmup=prefixes,
-        warm_dir=config.warm_dir,
-        prefix_cache_bytes=config.prefix_cache_bytes,
-    )
-    draft = draft_folder(config.speculate)
-    if draft is not None:  # loaded once, for every request that asks for "draft"
-        try:
-            model.load_draft(draft)
-        except BaseException:
-            model.close()
-            raise
-    return model
+    """The service's Model (`ServiceConfig.run_options`): warm prefixes loaded (or rebuilt) and the
+    draft loaded before ready."""
+    return Model(config.model, config.run_options(slots))
 
 
 class HeadDeadlineProtocol(H11Protocol):

@@ -69,6 +69,8 @@ async function loadModels() {
   chat.model = card.id;
   $("model").textContent = card.id;
   chat.personas = (card.warm_prefixes || []).filter((p) => Array.isArray(p.messages));
+  const defaults = card.sampling_defaults;
+  if (defaults) $("temperature").placeholder = `${defaults.temperature} (server default)`;
   fillPersonas();
   return true;
 }
