@@ -147,6 +147,19 @@ def tiny_llama(request, tmp_path_factory) -> Exported:
     return Exported(source, root / "out")
 
 
+@pytest.fixture(scope="session")
+def served_artifact(tmp_path_factory) -> Path:
+    """The tiny random Qwen2 the service tests serve (seed 3: its greedy replies are mostly
+    printable), max_len 512, exported once for tests/test_serve.py, test_hostile.py and
+    test_service_faults.py (each calls it `artifact`); tests copy it before changing anything."""
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("served")
+    source = make_tiny_model(root / "hf", "qwen2", seed=3)
+    export_model(source, root / "out", ExportRecipe(max_len=512))
+    return root / "out"
+
+
 def require_onnxruntime(release: tuple[int, int], why: str) -> None:
     """Skip, naming both versions and why, where this onnxruntime is older than `release`: the
     test's premise is a behaviour of that release (Python 3.10's newest wheel is 1.23.2)."""

@@ -40,11 +40,8 @@ PREFILL_MAX_LEN = 1024  # the medium model's cache: under window a prefill chunk
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hostile")
-    source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
-    return root / "out"
+def artifact(served_artifact) -> Path:
+    return served_artifact  # conftest: max_len 512 (MAX_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,8 @@ from conftest import random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import make_tiny_model
 
-from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
-from kvedge.export.export import export_model
 from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, decode_ranges, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.sessions import pick_slot
@@ -53,11 +50,8 @@ JSON_HEADERS = {"Content-Type": "application/json"}  # what json= sets; raw bodi
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("serve")
-    source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
-    return root / "out"
+def artifact(served_artifact) -> Path:
+    return served_artifact  # conftest: max_len 512 (MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +128,14 @@ class Server:
         self.log.flush()
         self.log.seek(0)
         return self.log.read()[-4000:]
+
+    def __enter__(self) -> Server:
+        """Started and ready (`startup`); stopped on leaving."""
+        self.startup()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -28,11 +28,8 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 from test_serve import JSON_HEADERS, KEY, Server, chat_body, run_alone
-from tiny import make_tiny_model
 
-from kvedge.contract import ExportRecipe
 from kvedge.errors import ContextOverflow, ModelFault
-from kvedge.export.export import export_model
 from kvedge.runtime.generate import Event, SamplingConfig, sample
 from kvedge.runtime.model import Model
 from kvedge.serve.app import api_error, create_app, host_allowed
@@ -42,17 +39,13 @@ from kvedge.serve.metrics import Metrics
 from kvedge.serve.service import listening_socket
 from kvedge.serve.systemd import Notifier, render_unit
 
-MAX_LEN = 512
 MAX_PROMPT = 3000
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("faults")
-    source = make_tiny_model(root / "hf", "qwen2", seed=3)
-    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
-    return root / "out"
+def artifact(served_artifact) -> Path:
+    return served_artifact  # conftest: max_len 512
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +55,11 @@ def reference(artifact) -> Model:
 
 @pytest.fixture(scope="module")
 def server(artifact, tmp_path_factory):
-    srv = Server(
-        artifact,
-        tmp_path_factory.mktemp("server"),
-        slots=2,
-        queue_size=8,
-        warmup_tokens=2,
-        max_prompt_tokens=MAX_PROMPT,
-        max_connections=16,
-        header_timeout_s=3.0,
-        threads=1,
-    )
-    srv.startup()
-    yield srv
-    srv.stop()
+    config = dict(slots=2, queue_size=8, warmup_tokens=2, max_prompt_tokens=MAX_PROMPT, threads=1)
+    with Server(
+        artifact, tmp_path_factory.mktemp("server"), max_connections=16, header_timeout_s=3.0, **config
+    ) as srv:
+        yield srv
 
 
 def greedy_text(reference: Model, text: str, n: int = GREEDY["max_tokens"]) -> str:
