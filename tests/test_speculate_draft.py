@@ -175,6 +175,21 @@ def test_sampled_distribution_preserved(folders):
         assert_sampled_distribution(model, random_ids(20, seed=4), config)
 
 
+def test_a_draft_that_fails_to_close_still_lets_the_model_close(folders):
+    """`Model.close` closed the draft, then the backend, in one try: a draft whose close raised
+    left the target's backend (a GPU session, mapped memory) open."""
+    model = Model(folders["target"], slots=1, draft=folders["int4"])
+
+    def broken() -> None:
+        raise RuntimeError("injected: the draft's device went away")
+
+    model.draft.close = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        model.close()
+    _, events, _ = run_turn(model, 0, PROMPTS[0], greedy(2))  # a step's failure ends its turn
+    assert events[-1].finish_reason == "error" and "backend was closed" in str(events[-1].error)
+
+
 def test_tokenizer_mismatch_refused(folders, tmp_path):
     other = tmp_path / "other-tokenizer"
     shutil.copytree(folders["int4"], other)

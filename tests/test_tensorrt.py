@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -32,7 +33,7 @@ from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
 from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
-from kvedge.export.tensorrt import EngineOptions, profile_shapes, require_tensorrt
+from kvedge.export.tensorrt import TIMING_CACHE_FILE, EngineOptions, profile_shapes, require_tensorrt
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill, verify, verify_rows
 from kvedge.runtime.interface import Backend, graph_last_index, step_logits
@@ -325,7 +326,10 @@ class FakeBuilder:
         self.network_flags: int | None = None
         self.shapes: list[dict] = []
         self.flags: set[str] = set()
+        self.cleared: set[str] = set()
         self.limits: dict = {}
+        self.attached: object | None = None  # the timing cache set on the config
+        self.stale = False  # TensorRT refuses a timing cache made elsewhere (set answers False)
         self.timing_seeds: list[bytes] = []
         self.added: list = []  # the profiles added to the config, in order
 
@@ -338,6 +342,7 @@ class FakeBuilder:
             ),
             MemoryPoolType=types.SimpleNamespace(WORKSPACE="workspace"),
             NetworkDefinitionCreationFlag=types.SimpleNamespace(STRONGLY_TYPED=STRONGLY_TYPED),
+            BuilderFlag=types.SimpleNamespace(TF32="tf32"),
         )
 
     def create_network(self, flags):
@@ -353,15 +358,26 @@ class FakeBuilder:
 
     def create_builder_config(self):
         builder = self
-        cache = types.SimpleNamespace(serialize=lambda: b"timing")
+
+        def create_timing_cache(seed: bytes):
+            builder.timing_seeds.append(seed)
+            return types.SimpleNamespace(seed=seed, serialize=lambda: b"timing")
+
+        def set_timing_cache(cache, ignore_mismatch: bool) -> bool:  # False: made elsewhere
+            if builder.stale and cache.seed:
+                return False
+            builder.attached = cache
+            return True
+
         return types.SimpleNamespace(
             set_memory_pool_limit=lambda pool, size: builder.limits.update({pool: size}),
             set_flag=builder.flags.add,
+            clear_flag=builder.cleared.add,
             # TensorRT answers the new profile's index (-1 for an invalid one)
             add_optimization_profile=lambda profile: builder.added.append(profile) or len(builder.added) - 1,
-            create_timing_cache=lambda seed: builder.timing_seeds.append(seed) or cache,
-            set_timing_cache=lambda cache, ignore_mismatch: None,
-            get_timing_cache=lambda: cache,
+            create_timing_cache=create_timing_cache,
+            set_timing_cache=set_timing_cache,
+            get_timing_cache=lambda: builder.attached,  # None while none is set
         )
 
     def build_serialized_network(self, network, config):
@@ -503,12 +519,38 @@ def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_
     # strongly typed, and no builder flag at all (TensorRT 11 has no FP16 flag to set)
     assert builder.network_flags == 1 << STRONGLY_TYPED
     assert builder.limits == {"workspace": 256 << 20} and builder.flags == set()
+    assert builder.cleared == {"tf32"}  # on by default in TensorRT 10: float32 matmuls stay float32
     assert engine.strongly_typed and engine.precision == "float32"
     assert (tmp_path / ENGINE_FILE).read_bytes() == b"plan"
     recorded = engine_manifest(manifest, workspace_bytes=256 << 20, max_rows=VERIFY_TOKENS)
     assert EngineManifest.load(tmp_path) == engine == recorded
     build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
     assert FakeBuilder.last.timing_seeds == [b"timing"]  # the second build starts from the first's cache
+
+
+def test_a_timing_cache_from_another_gpu_is_replaced_not_fatal(tiny_llama, tmp_path, monkeypatch, caplog):
+    """TensorRT refuses a timing cache made on another GPU or TensorRT (set_timing_cache answers
+    False); the build then had none, and `get_timing_cache().serialize()` raised after model.engine
+    was written but before its manifest. Now a new cache is started and the build completes."""
+    from kvedge.export.tensorrt import build_engine
+
+    manifest = portable(tiny_llama)
+    for name, module in fake_modules(tiny_llama.out, manifest).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    (tmp_path / TIMING_CACHE_FILE).write_bytes(b"from an Orin NX, TensorRT 10.3")
+    original = FakeBuilder.__init__
+
+    def stale(self, logger):
+        original(self, logger)
+        self.stale = True
+
+    monkeypatch.setattr(FakeBuilder, "__init__", stale)
+    with caplog.at_level(logging.WARNING, logger="kvedge.export.tensorrt"):
+        engine = build_engine(tiny_llama.out, tmp_path, max_prefill=64)
+    assert EngineManifest.load(tmp_path) == engine
+    assert FakeBuilder.last.timing_seeds == [b"from an Orin NX, TensorRT 10.3", b""]
+    assert (tmp_path / TIMING_CACHE_FILE).read_bytes() == b"timing"  # the new cache, written
+    assert "made for another GPU or TensorRT; starting a new timing cache" in caplog.text
 
 
 def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, monkeypatch):

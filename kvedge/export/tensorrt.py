@@ -238,11 +238,13 @@ def build_engine(
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
+    # TF32 is on by default (10.3 and 10.16; strong typing does not clear it): float32 matmuls
+    # would round their inputs to 10 mantissa bits, off from what the graph says by ~1e-3
+    config.clear_flag(trt.BuilderFlag.TF32)
     add_profiles(builder, config, manifest, options)
     cache_path = out / TIMING_CACHE_FILE
     if flavour.has_timing_cache():
-        timing = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-        config.set_timing_cache(timing, ignore_mismatch=False)
+        _attach_timing_cache(config, cache_path)
 
     log.info(
         "building a strongly typed %s TensorRT %s engine for %s (minutes on a Jetson)",
@@ -271,10 +273,26 @@ def build_engine(
     )
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / ENGINE_FILE, memoryview(plan))
-    if flavour.has_timing_cache():
-        _write_atomic(cache_path, memoryview(config.get_timing_cache().serialize()))
     _write_atomic(out / ENGINE_MANIFEST_FILE, engine.to_json().encode())
+    timing = config.get_timing_cache() if flavour.has_timing_cache() else None
+    if timing is not None:  # after the manifest: the cache only speeds up the next build
+        try:
+            _write_atomic(cache_path, memoryview(timing.serialize()))
+        except OSError as exc:
+            log.warning("cannot write %s (%s); the next build starts without it", cache_path, exc)
     return engine
+
+
+def _attach_timing_cache(config: Any, path: Path) -> None:
+    """The timing cache in `path` on `config`, or a new one where TensorRT refuses it (made on
+    another GPU or by another TensorRT: a folder copied between Orin modules, a JetPack upgrade;
+    `set_timing_cache` answers False and the build would otherwise run without any)."""
+    blob = path.read_bytes() if path.is_file() else b""
+    timing = config.create_timing_cache(blob)
+    if timing is not None and config.set_timing_cache(timing, ignore_mismatch=False):
+        return
+    log.warning("%s was made for another GPU or TensorRT; starting a new timing cache", path)
+    config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:

@@ -160,14 +160,17 @@ class Model:
     def close(self) -> None:
         """Stop the backend, then release what it holds of the cache (GPU page locks, mapped
         buffers), then the cache's device memory (`kv_memory="device"`); host arrays go with
-        this object. Safe to call twice."""
+        this object. Safe to call twice. The draft goes first; should its close raise, this
+        model's backend and cache are still released (then the error is raised)."""
         try:
             if self.draft is not None:
                 self.draft.close()
-            self.backend.close()
         finally:
-            if self.cache is not None:
-                self.cache.close()
+            try:
+                self.backend.close()
+            finally:
+                if self.cache is not None:
+                    self.cache.close()
 
     def __enter__(self) -> Model:
         return self
