@@ -115,6 +115,28 @@ def test_a_registered_array_lives_until_unregistered():
     assert pool() is None
 
 
+def test_a_mapped_host_dropped_without_close_unregisters_before_its_pages_go():
+    """A Model dropped without `close` dropped its MappedHost and, with it, the only reference to
+    the registered arrays: their pages were freed while CUDA still had them locked, and the next
+    pool at those addresses (Linux reuses them at once) was refused with 712."""
+    cuda = CudaRuntime()
+    host = MappedHost(cuda)
+    cache = KVCache(INT8, slots=1)
+    host.register(cache.pool)
+    buffer = host.empty((4,), np.float32)
+    pool = weakref.ref(owned_mapping(cache.pool)[0])
+    del cache, host, buffer
+    gc.collect()
+    assert cuda.registered == {} and cuda.allocated == {} and pool() is None
+    assert [name for name, _ in cuda.events[-2:]] == ["cudaFreeHost", "cudaHostUnregister"]
+    for _ in range(3):  # new pools, wherever they land, register
+        again = KVCache(INT8, slots=1)
+        MappedHost(cuda).register(again.pool)
+        del again
+        gc.collect()
+    assert cuda.registered == {}
+
+
 def test_step_buffers_are_allocated_zeroed_and_freed_once():
     cuda = CudaRuntime()
     host = MappedHost(cuda)

@@ -9,6 +9,8 @@ Nothing here is imported unless a GPU path is taken.
 from __future__ import annotations
 
 import ctypes
+import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,8 @@ import numpy as np
 from kvedge.accel import cuda_call, import_cudart
 from kvedge.errors import KvedgeError
 from kvedge.runtime.memory import ALL, DeviceArray, owned_mapping
+
+log = logging.getLogger(__name__)
 
 
 class MappedHost:
@@ -50,6 +54,10 @@ class MappedHost:
         if not supported:
             raise KvedgeError("this GPU cannot map host memory (cudaHostRegister); the GPU backends need it")
         self._mappings: list[_Mapping] = []  # in the order made
+        # Released also when this object is dropped without `close` (a Model never closed): its
+        # arrays would otherwise be freed while CUDA still has them registered, and the next
+        # allocation at those addresses refused (712). It holds the list, not this object.
+        self._release = weakref.finalize(self, _release_unclosed, self.cudart, self._mappings)
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
@@ -127,21 +135,35 @@ class MappedHost:
     def close(self) -> None:
         """Unregister the registered arrays and free the allocated buffers, newest first; every
         one is attempted, then the first failure is raised. Safe to call twice."""
-        failures = []
-        while self._mappings:
-            mapping = self._mappings.pop()
-            if mapping.allocated:
-                call, what = self.cudart.cudaFreeHost, "cudaFreeHost"
-            else:
-                call, what = self.cudart.cudaHostUnregister, "cudaHostUnregister"
-            try:
-                self._call(call(mapping.start), f"{what}({mapping.start:#x})")
-            except KvedgeError as exc:
-                failures.append(exc)
-            # the registered array's last reference here goes only now, after the unregister
-            del mapping
+        failures = _release(self.cudart, self._mappings)
         if failures:
             raise failures[0]
+
+
+def _release(cudart: Any, mappings: list[_Mapping]) -> list[KvedgeError]:
+    """Unregister or free `mappings`, newest first, emptying the list; the failures, in order."""
+    failures = []
+    while mappings:
+        mapping = mappings.pop()
+        if mapping.allocated:
+            call, what = cudart.cudaFreeHost, "cudaFreeHost"
+        else:
+            call, what = cudart.cudaHostUnregister, "cudaHostUnregister"
+        try:
+            cuda_call(cudart, call(mapping.start), f"{what}({mapping.start:#x})")
+        except KvedgeError as exc:
+            failures.append(exc)
+        # the registered array's last reference here goes only now, after the unregister
+        del mapping
+    return failures
+
+
+def _release_unclosed(cudart: Any, mappings: list[_Mapping]) -> None:
+    """`_release` for a `MappedHost` dropped without `close`: nobody is left to raise to."""
+    if mappings:
+        log.warning("a MappedHost was dropped without close(); releasing its %d mappings", len(mappings))
+    for failure in _release(cudart, mappings):
+        log.warning("%s", failure)
 
 
 @dataclass
