@@ -187,11 +187,28 @@ def cuda() -> Check:
     return Check("cuda", None, "no nvcc and no libcudart: no CUDA toolkit or runtime installed")
 
 
+def import_failure(exc: ImportError) -> str:
+    """Why an installed onnxruntime does not import, and what to do where the cause is known."""
+    import numpy
+
+    text = f"installed, but `import onnxruntime` fails: {exc}"
+    if "_ARRAY_API" in str(exc) or "numpy" in str(exc).lower():
+        text += (
+            f" (numpy {numpy.__version__}: Jetson AI Lab's jp6 onnxruntime-gpu wheels are built "
+            "against numpy 1.x; `pip install 'numpy<2'`, which the jp6 extra pins)"
+        )
+    return text
+
+
 def onnxruntime() -> Check:
     try:
         import onnxruntime as ort
-    except ImportError:
-        return Check("onnxruntime", None, "not installed: `pip install onnxruntime` (CPU) or onnxruntime-gpu")
+    except ImportError as exc:
+        if getattr(exc, "name", None) == "onnxruntime":
+            return Check(
+                "onnxruntime", None, "not installed: `pip install onnxruntime` (CPU) or onnxruntime-gpu"
+            )
+        return Check("onnxruntime", None, import_failure(exc))
     providers = ort.get_available_providers()
     detail = "providers: " + ", ".join(providers)
     if "CUDAExecutionProvider" not in providers:

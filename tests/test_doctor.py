@@ -216,7 +216,8 @@ def test_the_jetpack_extras_pin_what_doctor_would():
     by_line = {"6.2": "jp6", "7.2": "jp7"}
     assert {line.jetpack for line in JETPACK_LINES} == set(by_line)
     for line in JETPACK_LINES:
-        assert extras["options.extras_require"][by_line[line.jetpack]].split() == [cuda_python_pin(line.cuda)]
+        pins = [p for p in extras["options.extras_require"][by_line[line.jetpack]].split("\n") if p.strip()]
+        assert [p for p in pins if p.startswith("cuda-python")] == [cuda_python_pin(line.cuda)]
 
 
 FAKE_LIBCUDA = """
@@ -284,3 +285,37 @@ def test_doctor_names_the_mismatch_in_one_line(tmp_path):
         _report_line(fine, jetson, "cuda-python")
         == "cuda-python  13.0.1  (cuda-python, runs on this driver (CUDA 13.2))"
     )
+
+
+def test_an_onnxruntime_that_does_not_import_is_said_and_tensorrt_paths_do_without_it(tmp_path):
+    """JetPack 6's onnxruntime-gpu wheels under numpy 2 fail to import ("_ARRAY_API not found").
+    doctor said "not installed", and the runtime imported onnxruntime eagerly, so even
+    `--device tensorrt` died on it. A stand-in package that fails as those wheels do shows both."""
+    package = tmp_path / "onnxruntime"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        'raise ImportError("numpy.core.multiarray failed to import: _ARRAY_API not found")\n'
+    )
+    script = (
+        "import sys\n"
+        "import kvedge.runtime.model, kvedge.runtime.registry, kvedge.serve.app\n"
+        "assert 'onnxruntime' not in sys.modules, 'imported eagerly'\n"
+        "from kvedge.doctor import onnxruntime\n"
+        "check = onnxruntime()\n"
+        "print(check.value, '|', check.detail)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    value, detail = done.stdout.strip().split(" | ", 1)
+    assert value == "None" and "installed, but `import onnxruntime` fails" in detail
+    assert "_ARRAY_API not found" in detail and "pip install 'numpy<2'" in detail
+    assert "not installed" not in detail
+
+
+def test_the_jp6_extra_pins_numpy_1():
+    extras = configparser.ConfigParser()
+    extras.read(REPO / "setup.cfg")
+    assert "numpy>=1.26,<2" in extras["options.extras_require"]["jp6"].split("\n")

@@ -64,7 +64,7 @@ from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
-from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
+from kvedge.runtime.interface import MAX_DECODE_BINDINGS, StepOutput, graph_last_index, step_logits
 from kvedge.runtime.memory import check_alignment, data_address
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ INSTALL_ONNXRUNTIME_GPU = (
     "install onnxruntime-gpu in place of onnxruntime (`pip install 'kvedge[gpu]'`; on a Jetson, "
     "NVIDIA's Jetson build, docs/JETSON.md)"
 )
-MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
 PHASES = ("decode", "prefill", "verify")  # `binding_plan`'s
 # short in-place calls (a verify, a draft's catch-up, a prompt's last chunk: up to VERIFY_TOKENS
 # tokens) keep their bindings too, by shape and slot; beyond this many, start over

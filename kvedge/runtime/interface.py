@@ -12,6 +12,8 @@ import numpy as np
 
 from kvedge.contract import Manifest
 
+MAX_DECODE_BINDINGS = 8  # default: distinct (batch, slot range) decode bindings kept; beyond, start over
+
 
 @dataclass
 class StepOutput:

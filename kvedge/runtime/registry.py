@@ -1,6 +1,8 @@
 """Which backend runs on which `--device`: `open_backend`, the one place that knows both
 backends. `kvedge.runtime.backend` (onnxruntime) and `kvedge.runtime.trt_backend` (TensorRT)
-import neither this module nor each other; TensorRT's is imported only when asked for.
+import neither this module nor each other; each is imported only when asked for, so a broken
+onnxruntime (JetPack 6's wheels under numpy 2: "_ARRAY_API not found") does not stop a
+TensorRT engine from loading.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from pathlib import Path
 from kvedge.contract import Manifest
 from kvedge.contract.engine import DEVICES, ENGINE_FILE
 from kvedge.errors import KvedgeError
-from kvedge.runtime.backend import MAX_DECODE_BINDINGS, OrtBackend
-from kvedge.runtime.interface import Backend
+from kvedge.runtime.interface import MAX_DECODE_BINDINGS, Backend
 
 
 def open_backend(
@@ -27,6 +28,8 @@ def open_backend(
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
     if device != "tensorrt":
+        from kvedge.runtime.backend import OrtBackend
+
         return OrtBackend(
             folder,
             manifest,
