@@ -208,4 +208,7 @@ def test_speculative_verify_and_greedy_replies(precision, exported, exported_hal
             np.testing.assert_allclose(got.logits[r, :n], want.logits[r, :n], atol=atol, rtol=0)
         model.cache.reset(0)
         model.cache.reset(1)
-        check_speculation(model, record, f"tensorrt.{precision}")
+        # float16: a verify and a decode step may round apart; parting is allowed at a near tie only
+        check_speculation(
+            model, record, f"tensorrt.{precision}", near_tie=0.0 if precision == "float32" else atol
+        )

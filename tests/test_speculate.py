@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -630,3 +632,25 @@ def test_device_check_runs_on_the_cpu(exports):
     verifies, proposed, kept = figures["cpu.speculate_verifies_proposed_kept"]
     assert verifies > 0 and 0 < kept <= proposed
     assert figures["cpu.plain_tokens_per_s"] > 0 and figures["cpu.speculate_ratio"] > 0
+
+
+def test_the_device_tests_speculation_check_runs_on_the_cpu(exports):
+    """device_tests/speculation.py's check, on the CPU backend (where verify and decode agree to
+    the bit): it passes, records its figures, and a reply that parts from plain decoding is
+    measured at the tokens' logit gap there, which the near-tie rule compares."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "device_tests"))
+    try:
+        from speculation import PROMPT as DEVICE_PROMPT
+        from speculation import check_speculation, tie_gap
+    finally:
+        sys.path.pop(0)
+    figures: dict[str, object] = {}
+    with Model(exports("portable-f32"), slots=2) as model:
+        check_speculation(model, figures.__setitem__, "cpu", n=24)
+        assert figures["cpu.speculate_first_difference"] is None and figures["cpu.speculate_ratio"] > 0
+        plain = run_turn(model, 0, DEVICE_PROMPT, SamplingConfig(max_new_tokens=6))[0]
+        logits = model.prepare(0, DEVICE_PROMPT + plain[:3])
+        other = int(np.argsort(logits)[-2])  # the runner-up at token 3
+        gap = tie_gap(model, plain, plain[:3] + [other], 3)
+        assert gap == pytest.approx(float(logits[plain[3]] - logits[other]))
+        assert gap > 0
