@@ -177,5 +177,18 @@ def test_every_view_of_these_geometries_is_aligned(geometry):
                     assert view.ctypes.data % ALIGNMENT == 0
 
 
+def test_cache_pages_are_a_private_anonymous_mapping():
+    """What one page-locks: MAP_PRIVATE (rw-p in /proc/self/maps), not the shmem of Python's
+    default MAP_SHARED (rw-s)."""
+    array = page_aligned((3, PAGE), np.uint8)
+    start = array.ctypes.data
+    for line in open("/proc/self/maps"):
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        if low <= start < high:
+            assert line.split()[1] == "rw-p", line
+            return
+    raise AssertionError(f"{start:#x} not in /proc/self/maps")
+
+
 def test_page_size_is_what_mmap_says():
     assert PAGE == mmap.PAGESIZE and PAGE % ALIGNMENT == 0

@@ -41,11 +41,12 @@ ALIGNMENT = 256  # bytes: TensorRT's requirement for a tensor address, and onnxr
 def page_aligned(shape: tuple[int, ...], dtype: np.dtype, fill: float = 0) -> np.ndarray:
     """A new array of `shape` filled with `fill`, alone in its own whole pages. Every page is
     written now, so the memory is resident from the start: a cache that does not fit fails at
-    load, not mid-conversation."""
+    load, not mid-conversation. The mapping is private and anonymous, the memory one page-locks
+    (Python's default for an anonymous mmap is MAP_SHARED: shmem pages, shared with any child)."""
     dtype = np.dtype(dtype)
     count = math.prod(shape)
     size = max(1, -(-count * dtype.itemsize // PAGE)) * PAGE
-    array = np.frombuffer(mmap.mmap(-1, size), dtype, count).reshape(shape)
+    array = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE), dtype, count).reshape(shape)
     array[...] = fill
     return array
 
