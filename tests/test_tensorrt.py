@@ -254,6 +254,9 @@ class FakeContext:
     def set_tensor_address(self, name, address):
         if address % 256:
             return False
+        offset = self.engine.cudart.device_offset
+        if name in HOST_LOCATED and offset:  # TensorRT would read it as host memory: it must be
+            assert address < offset, f"{name} is host-located but was bound at device address {address:#x}"
         self.addresses[name] = address
         return True
 
@@ -263,17 +266,19 @@ class FakeContext:
         assert self.profile == (1 if self.shapes[names.input_ids][1] == 1 else 0), "decode on 1, prefill on 0"
         self.engine.runs.append(self.profile)
         self.engine.calls.append(self.shapes[names.input_ids])
+        where = self.engine.host_address
         feeds = {
             i.name: _array(
-                self.addresses[i.name], self.shapes[i.name], self.engine.get_tensor_dtype(i.name)
+                where(i.name, self.addresses[i.name]),
+                self.shapes[i.name],
+                self.engine.get_tensor_dtype(i.name),
             ).astype(ONNX_TYPES[i.type])
             for i in self.engine.session.get_inputs()
         }
         outputs = self.engine.session.run(None, feeds)
         for meta, value in zip(self.engine.session.get_outputs(), outputs, strict=True):
-            _array(self.addresses[meta.name], value.shape, self.engine.get_tensor_dtype(meta.name))[...] = (
-                value
-            )
+            address = where(meta.name, self.addresses[meta.name])
+            _array(address, value.shape, self.engine.get_tensor_dtype(meta.name))[...] = value
         return True
 
     def __del__(self):
@@ -307,8 +312,23 @@ class FakeEngine:
     def get_tensor_dtype(self, name):
         return self.dtypes[name]
 
+    def get_tensor_location(self, name):
+        return "host" if name in HOST_LOCATED else "device"
+
+    def is_shape_inference_io(self, name):
+        return name in HOST_LOCATED
+
     def create_execution_context(self):
         return FakeContext(self)
+
+    def host_address(self, name, address):
+        """Where a bound tensor is in this process: a host-located one at its (host) address, a
+        device one at its device address less the stand-in's offset."""
+        return address if name in HOST_LOCATED else address - self.cudart.device_offset
+
+
+# tensors the fake engine reads from host memory (TensorRT's shape inputs); a test sets it
+HOST_LOCATED: set[str] = set()
 
 
 # TensorRT 10.3's NvInfer.h: kEXPLICIT_BATCH = 0 (deprecated, ignored), kSTRONGLY_TYPED = 1
@@ -394,6 +414,7 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
     tensorrt = types.SimpleNamespace(
         __version__="10.3.0",
         Logger=logger,
+        TensorLocation=types.SimpleNamespace(DEVICE="device", HOST="host"),
         nptype=lambda dtype: dtype,
         Runtime=lambda logger: types.SimpleNamespace(
             deserialize_cuda_engine=lambda data: FakeEngine(folder, manifest, runtime)
@@ -408,14 +429,16 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
 
 
 @contextlib.contextmanager
-def fake_engine(folder, manifest: Manifest, monkeypatch, **changes) -> Iterator[CudaRuntime]:
+def fake_engine(
+    folder, manifest: Manifest, monkeypatch, device_offset: int = 0, **changes
+) -> Iterator[CudaRuntime]:
     """A fake `model.engine` and its manifest (`engine_manifest(manifest, **changes)`) in
-    `folder`, TensorRT and the CUDA runtime faked in sys.modules, for the block's TrtBackend;
-    the files are removed afterwards."""
+    `folder`, TensorRT and the CUDA runtime faked in sys.modules (device addresses `device_offset`
+    from host ones: 0 as on a Jetson), for the block's TrtBackend; the files are removed afterwards."""
     (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest, **changes).to_json())
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
-        cudart = CudaRuntime()
+        cudart = CudaRuntime(device_offset=device_offset)
         for name, module in fake_modules(folder, manifest, cudart).items():
             monkeypatch.setitem(sys.modules, name, module)
         yield cudart
@@ -477,6 +500,37 @@ def _closes_in_order(trt, cudart: CudaRuntime) -> None:
             np.zeros(1, np.int64),
             [],
         )
+
+
+def test_a_host_located_input_is_bound_at_its_host_address(tiny_llama, monkeypatch):
+    """TensorRT reads an engine's shape inputs from host memory (`get_tensor_location` HOST), and
+    the portable graph's past_lengths feeds shapes; the backend bound every input at its device
+    address, which TensorRT would take for a host pointer. With device addresses apart from host
+    ones (a discrete GPU), the fake engine checks the host binding and runs on what it reads."""
+    from kvedge.runtime.model import Model
+    from kvedge.runtime.trt_backend import TrtBackend
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    names = manifest.names
+    HOST_LOCATED.add(names.past_lengths)
+    try:
+        with fake_engine(folder, manifest, monkeypatch, device_offset=1 << 48):  # above any host address
+            trt = TrtBackend(folder, manifest)
+            assert trt.on_host == {names.past_lengths}
+            cpu, cache = Model(folder, slots=1), KVCache(manifest.geometry, 1)
+            trt.reserve(cache.layer_views(0, 1), manifest.geometry.max_len)
+            prompt = random_ids(20, seed=3)
+            want = prefill(cpu.backend, cpu.cache, 0, [prompt])
+            np.testing.assert_allclose(prefill(trt, cache, 0, [prompt]), want, atol=1e-5, rtol=0)
+            token = [int(np.argmax(want[0]))]
+            want = decode_one_token(cpu.backend, cpu.cache, 0, token)
+            np.testing.assert_allclose(decode_one_token(trt, cache, 0, token), want, atol=1e-5, rtol=0)
+            trt.close()
+            HOST_LOCATED.add(names.layer(names.past_key, 0))
+            with pytest.raises(KvedgeError, match=r"reads 'past_key_values.0.key' from host memory"):
+                TrtBackend(folder, manifest)
+    finally:
+        HOST_LOCATED.clear()
 
 
 def test_trt_backend_plumbing_matches_onnxruntime(tiny_llama, monkeypatch):

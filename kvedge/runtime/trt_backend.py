@@ -31,6 +31,7 @@ Jetson. Not done yet: CUDA graph capture of the decode step.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from kvedge.errors import KvedgeError
 from kvedge.runtime.cuda import MappedHost
 from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
 from kvedge.runtime.memory import check_alignment
+
+log = logging.getLogger(__name__)
 
 
 class TrtBackend:
@@ -85,6 +88,7 @@ class TrtBackend:
                 f"set_optimization_profile_async({profile})",
             )
 
+        self.on_host = self._host_inputs(manifest)
         built = self.engine_manifest
         b, p, r = built.max_batch, built.max_prefill, built.max_rows
         self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
@@ -99,6 +103,26 @@ class TrtBackend:
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
+
+    def _host_inputs(self, manifest: Manifest) -> set[str]:
+        """The step inputs this engine reads from host memory (`get_tensor_location` HOST: shape
+        inputs, whose values TensorRT needs before it runs), bound at their buffers' host
+        addresses; every other tensor must be on the device, where the pool and the outputs are
+        bound: an engine that wants one of those on the host is refused, naming it."""
+        host = self.trt.TensorLocation.HOST
+        on_host = set()
+        for spec in [*manifest.graph_inputs(), *manifest.graph_outputs()]:
+            if self.engine.get_tensor_location(spec.name) != host:
+                continue
+            if spec.layer is not None or spec.name not in {s.name for s in manifest.graph_inputs()}:
+                raise KvedgeError(
+                    f"this engine reads {spec.name!r} from host memory; kvedge binds it in device "
+                    "memory (the cache pool and the outputs); rebuild the engine from this export"
+                )
+            shape_io = self.engine.is_shape_inference_io(spec.name)
+            log.info("%s: host memory (shape input: %s), bound at its host address", spec.name, shape_io)
+            on_host.add(spec.name)
+        return on_host
 
     def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
         """Page-lock the cache pool now rather than at the first step, and refuse now a pool
@@ -143,7 +167,8 @@ class TrtBackend:
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
             np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")
-            self._bind(context, spec.name, device, value.shape)
+            address = host.ctypes.data if spec.name in self.on_host else device  # `_host_inputs`
+            self._bind(context, spec.name, address, value.shape)
         for i, views in enumerate(past):
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 name = names.layer(template, i)
