@@ -225,8 +225,14 @@ class FakeContext:
     context, input shapes within the context's profile, 256-byte aligned addresses (False where
     TensorRT refuses), an integer stream handle; its destruction is logged with CUDA's calls."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, strategy="static"):
         self.engine, self.shapes, self.addresses, self.profile = engine, {}, {}, None
+        self.strategy, self.device_memory = strategy, None
+
+    def set_device_memory(self, memory, size):
+        assert self.strategy == "user_managed", "a context made kSTATIC allocates its own"
+        assert size >= self.engine.device_memory_size_v2 and memory % 256 == 0
+        self.device_memory = (memory, size)
 
     def set_optimization_profile_async(self, index, stream):
         assert isinstance(stream, int), "TensorRT's Python API takes the stream as an int"
@@ -262,6 +268,7 @@ class FakeContext:
 
     def execute_async_v3(self, stream):
         assert isinstance(stream, int), "TensorRT's Python API takes the stream as an int"
+        assert self.strategy == "static" or self.device_memory is not None, "USER_MANAGED: no memory set"
         names = self.engine.manifest.names
         assert self.profile == (1 if self.shapes[names.input_ids][1] == 1 else 0), "decode on 1, prefill on 0"
         self.engine.runs.append(self.profile)
@@ -312,14 +319,16 @@ class FakeEngine:
     def get_tensor_dtype(self, name):
         return self.dtypes[name]
 
+    device_memory_size_v2 = 4096  # activation bytes a context needs for its largest profile
+
     def get_tensor_location(self, name):
         return "host" if name in HOST_LOCATED else "device"
 
     def is_shape_inference_io(self, name):
         return name in HOST_LOCATED
 
-    def create_execution_context(self):
-        return FakeContext(self)
+    def create_execution_context(self, strategy="static"):
+        return FakeContext(self, strategy)
 
     def host_address(self, name, address):
         """Where a bound tensor is in this process: a host-located one at its (host) address, a
@@ -415,6 +424,9 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
         __version__="10.3.0",
         Logger=logger,
         TensorLocation=types.SimpleNamespace(DEVICE="device", HOST="host"),
+        ExecutionContextAllocationStrategy=types.SimpleNamespace(
+            STATIC="static", USER_MANAGED="user_managed"
+        ),
         nptype=lambda dtype: dtype,
         Runtime=lambda logger: types.SimpleNamespace(
             deserialize_cuda_engine=lambda data: FakeEngine(folder, manifest, runtime)
@@ -476,6 +488,9 @@ def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: floa
         engine = trt.engine
         assert sorted(engine.profiles_in_use) == [0, 1] and 0 in engine.runs and 1 in engine.runs
         assert engine.profiles_in_use == {profile: id(c) for profile, c in trt.contexts.items()}
+        # the two contexts share one activation buffer (they never run at once), not one each
+        shared = {c.device_memory for c in trt.contexts.values()}
+        assert shared == {(trt.scratch, engine.device_memory_size_v2)} and trt.scratch in cudart.device
         _closes_in_order(trt, cudart)
 
 
@@ -487,10 +502,13 @@ def _closes_in_order(trt, cudart: CudaRuntime) -> None:
     trt.close()
     gc.collect()
     events = [name for name, _ in cudart.events]
-    released = [i for i, name in enumerate(events) if name in ("cudaHostUnregister", "cudaFreeHost")]
+    released = [
+        i for i, name in enumerate(events) if name in ("cudaHostUnregister", "cudaFreeHost", "cudaFree")
+    ]
     assert events.count("context destroyed") == 2 and released, events
     assert max(i for i, name in enumerate(events) if name == "context destroyed") < min(released), events
     assert events[-1] == "cudaStreamDestroy" and cudart.registered == {} and cudart.allocated == {}
+    assert cudart.device == {}  # the contexts' activation buffer too
     trt.close()  # twice: nothing left
     with pytest.raises(KvedgeError, match="was closed"):
         trt.run(

@@ -65,6 +65,7 @@ class TrtBackend:
         self.host = MappedHost(self.cudart)  # the pool, mapped in place, and the step buffers
         self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.contexts: dict[int, Any] = {}  # profile -> the execution context that runs it
+        self.scratch: int | None = None  # the contexts' one activation buffer (device memory)
         self.engine = self.runtime = None
         try:
             self._load(Path(folder), manifest)
@@ -77,11 +78,18 @@ class TrtBackend:
         self.engine = self.runtime.deserialize_cuda_engine((folder / ENGINE_FILE).read_bytes())
         if self.engine is None:
             raise KvedgeError(f"TensorRT could not load {folder / ENGINE_FILE}; rebuild it")
-        # TensorRT gives a profile to one context at a time: context i runs profile i
+        # TensorRT gives a profile to one context at a time: context i runs profile i. By default
+        # (kSTATIC) each context reserves activation memory for every profile; the two never run
+        # at once (`run` synchronizes), so they share one buffer of the largest size instead
+        size = max(int(self.engine.device_memory_size_v2), 256)
+        self.scratch = int(self._call(self.cudart.cudaMalloc(size), f"cudaMalloc({size} bytes)"))
         for profile in (PREFILL_PROFILE, DECODE_PROFILE):
-            context = self.engine.create_execution_context()
+            context = self.engine.create_execution_context(
+                self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
+            )
             if context is None:
                 raise KvedgeError("TensorRT could not create an execution context (out of GPU memory?)")
+            context.set_device_memory(self.scratch, size)
             self.contexts[profile] = context
             _check(
                 context.set_optimization_profile_async(profile, int(self.stream)),
@@ -202,8 +210,8 @@ class TrtBackend:
     def close(self) -> None:
         """Stop using the GPU and give its memory back, in that order: the contexts and the
         engine that read the pool and the step buffers go first, then the mapped memory is
-        unregistered and freed, then the stream. The backend is unusable afterwards; safe to
-        call twice."""
+        unregistered and freed, and the contexts' activation buffer, then the stream. The backend
+        is unusable afterwards; safe to call twice."""
         if self.stream is None:
             return
         try:
@@ -212,7 +220,12 @@ class TrtBackend:
             self.contexts = {}
             self.engine = self.runtime = None
             try:
-                self.host.close()
+                try:
+                    self.host.close()
+                finally:
+                    if self.scratch is not None:
+                        scratch, self.scratch = self.scratch, None
+                        self._call(self.cudart.cudaFree(scratch), f"cudaFree({scratch:#x})")
             finally:
                 stream, self.stream = self.stream, None
                 self._call(self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
