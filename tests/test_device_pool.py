@@ -294,3 +294,35 @@ def test_a_tiny_models_cache_operations_match(tiny_export):
     assert_same(host, device)
     np.testing.assert_array_equal(device.read(0, 10).kv, model.cache.read(0, 10).kv)
     model.close()
+
+
+@pytest.mark.parametrize("geometry", [FLOAT, INT8, RINGS], ids=["float32", "int8", "rings"])
+def test_a_steps_new_kv_reaches_a_device_pool_with_one_wait(geometry):
+    """A portable graph's step returns its new K/V, which `KVCache.append` copies per layer and
+    kind; each copy waited for the device (cudaDeviceSynchronize), 60 round trips a token on
+    SmolLM2. Now the step's copies wait once, and the pool holds what a host pool holds."""
+    cuda = CudaRuntime()
+    device, host = KVCache(geometry, 2, DeviceMemory(cuda)), KVCache(geometry, 2)
+    rng = np.random.default_rng(0)
+    g, batch, seq = geometry, 2, 3
+    shapes = [(batch, g.num_kv_heads, seq, g.head_dim)] * 2
+    if g.quantized:
+        shapes += [(batch, g.num_kv_heads, seq, g.scale_groups)] * 2
+    dtypes = [g.np_dtype] * 2 + [np.float16] * (len(shapes) - 2)
+    present = [
+        tuple((rng.standard_normal(s) * 20).astype(d) for s, d in zip(shapes, dtypes, strict=True))
+        for _ in range(g.num_layers)
+    ]
+    tokens = np.arange(batch * seq, dtype=np.int64).reshape(batch, seq)
+    before = len(cuda.events)
+    device.append([0, 1], tokens, [3, 2], present)
+    host.append([0, 1], tokens, [3, 2], present)
+    names = [name for name, _ in cuda.events[before:]]
+    assert names.count("cudaDeviceSynchronize") == 1 and names[-1] == "cudaDeviceSynchronize", names
+    assert names.count("cudaMemcpy2D") >= 2 * g.num_layers
+    for slot in (0, 1):
+        n = int(host.lengths[slot])
+        np.testing.assert_array_equal(
+            device.memory.get(device.pool, slot, slice(0, n)), host.pool[:, :, slot, :, :n]
+        )
+    device.close()

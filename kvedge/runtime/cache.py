@@ -196,6 +196,18 @@ class KVCache:
         """Write the first counts[r] new tokens of row r at the end of slot slots[r] (a ring
         layer: the last ring_len of them, each at its position modulo ring_len)."""
         ring_len = self.geometry.ring_len
+        with self.memory.batched():  # a device pool waits once for all the copies
+            self._write(slots, counts, present, ring_len)
+        self.commit(slots, tokens, counts)
+
+    def _write(
+        self,
+        slots: Sequence[int],
+        counts: Sequence[int],
+        present: Sequence[tuple[np.ndarray, ...]],
+        ring_len: int,
+    ) -> None:
+        """`append`'s copies of the new tokens' K/V (and scales) into the pool."""
         for row, (slot, count) in enumerate(zip(slots, counts, strict=True)):
             if count == 0:
                 continue
@@ -212,7 +224,6 @@ class KVCache:
                 targets = [(a, kind) for a in arrays for kind in (0, 1)]
                 for (array, kind), new in zip(targets, outputs, strict=True):
                     self.memory.set(array, slot, to, new[row][:, source], layer=index, kind=kind)
-        self.commit(slots, tokens, counts)
 
     def commit(
         self,

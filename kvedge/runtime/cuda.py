@@ -8,9 +8,11 @@ Nothing here is imported unless a GPU path is taken.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +200,8 @@ class DeviceMemory:
     def __init__(self, cudart: Any | None = None) -> None:
         self.cudart = cudart or import_cudart()
         self._allocations: list[int] = []  # device addresses, in the order made
+        self._batching = 0  # `batched` blocks open: `set` leaves the wait to the outermost
+        self._unsynced = False  # a copy was queued since the last wait
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
@@ -246,7 +250,25 @@ class DeviceMemory:
             np.broadcast_to(np.asarray(value), given).astype(array.dtype).reshape(full)
         )
         self._copy(array, slot, layers, kinds, positions, host, to_device=True)
-        self._synchronize()
+        if self._batching:
+            self._unsynced = True
+        else:
+            self._synchronize()
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """The `set`s inside wait for the device once, at the end, not once each: a portable
+        graph's step writes its new K/V per layer and kind (60 copies a token on SmolLM2), and a
+        device synchronize after each made 60 round trips. A copy from pageable host memory has
+        staged its bytes when it returns, so the host values may go before the wait."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if not self._batching and self._unsynced:
+                self._unsynced = False
+                self._synchronize()
 
     def slots(self, array: DeviceArray, layer: int, kind: int, first: int, end: int) -> DeviceArray:
         """Slots first..end-1 of (`layer`, `kind`): [end - first, heads, L, last] at its address."""

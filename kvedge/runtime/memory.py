@@ -25,6 +25,7 @@ The same cache can live in device memory instead (`--kv-memory device`): `HostMe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -169,6 +170,10 @@ class HostMemory:
     def slots(self, array: np.ndarray, layer: int, kind: int, first: int, end: int) -> np.ndarray:
         """The bindable view of slots first..end-1: [end - first, heads, L, last]."""
         return array[layer, kind, first:end]
+
+    def batched(self) -> contextlib.AbstractContextManager[None]:
+        """Several `set`s as one (`DeviceMemory.batched`); host memory has nothing to wait for."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Nothing to give back: the arrays go with their last reference."""
