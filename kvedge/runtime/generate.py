@@ -14,15 +14,17 @@ The loop (`step_turns`, driven only by `Model.step`), one step of every unfinish
 
 Sampling, applied in this order to one row's logits z (float64):
 
-    finite              logits that are NaN or infinite end the turn with `ModelFault` (a broken
-                        model or cache file, never the request's fault)
     repetition penalty  z[t] = z[t] / p if z[t] > 0 else z[t] * p, for every token t already seen;
                         p in `PENALTY_RANGE`, so z stays finite
-    greedy              temperature < `GREEDY_BELOW` (0 included): argmax z
+    greedy              temperature < `GREEDY_BELOW` (0 included): argmax z, which must be finite
     temperature         z = z / T
     top-k               keep the k largest
     top-p               keep the smallest set of most likely tokens with probability mass >= p
     draw                from softmax(z) with the row's numpy Generator (seeded: reproducible)
+    finite              a NaN or infinite chosen logit, or a distribution that is not finite, ends
+                        the turn with `ModelFault` (a broken model or cache file, never the
+                        request's fault); checked on what sampling computes anyway, not by a scan
+                        of every logit each step
 """
 
 from __future__ import annotations
@@ -115,7 +117,10 @@ def sample(
         ids = np.unique(np.asarray(seen, np.int64))
         z[ids] = np.where(z[ids] > 0, z[ids] / config.repetition_penalty, z[ids] * config.repetition_penalty)
     if config.temperature < GREEDY_BELOW:
-        return int(np.argmax(z))
+        token = int(np.argmax(z))  # a NaN or +inf anywhere is what argmax picks
+        if not np.isfinite(z[token]):
+            raise ModelFault(f"the model produced a non-finite logit ({z[token]} at token {token})")
+        return token
     probs = _distribution(z, config) if np.isfinite(z.max()) else z
     if not (np.isfinite(probs).all() and probs.sum() > 0):
         raise ModelFault(
@@ -423,11 +428,6 @@ class Turn:
         and say what it means for the stream. Whatever fails here (non-finite logits, the
         constraint, numpy) ends this turn with an "error" event, never the step's other turns."""
         try:
-            if not np.isfinite(logits).all():
-                raise ModelFault(
-                    f"slot {self.slot}: the model produced non-finite logits "
-                    f"({int(np.isnan(logits).sum())} NaN, {int(np.isinf(logits).sum())} infinite)"
-                )
             allowed = logits if self.matcher is None else self.matcher.apply(logits)
             token = sample(allowed, self.config, self.rng, self.seen, proposal)
             if self.matcher is not None:

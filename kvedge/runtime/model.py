@@ -209,9 +209,7 @@ class Model:
         messages = list(messages)
         if limit is not None:
             text = "".join(_text(m.get("content")) for m in messages if isinstance(m, dict))
-            _at_least(
-                self.tokenizer.fewest_tokens(text), len(text.encode(errors="replace")), limit, "messages take"
-            )
+            _at_least(self.tokenizer, text, limit, "messages take")
 
         def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
             return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
@@ -225,9 +223,7 @@ class Model:
         """A raw prompt's token ids (no chat template), refused above `limit` tokens (a prompt
         whose bytes alone say so, before tokenizing it)."""
         if limit is not None:
-            _at_least(
-                self.tokenizer.fewest_tokens(text), len(text.encode(errors="replace")), limit, "prompt takes"
-            )
+            _at_least(self.tokenizer, text, limit, "prompt takes")
         return _within(self.tokenizer.encode(text), limit, "the prompt takes")
 
     def _truncate_turns(
@@ -534,9 +530,11 @@ def _text(content: Any) -> str:
     return ""
 
 
-def _at_least(fewest: int, size: int, limit: int, what: str) -> None:
-    """ContextOverflow when a text of `size` bytes, at least `fewest` tokens, is over `limit`."""
+def _at_least(tokenizer: ChatTokenizer, text: str, limit: int, what: str) -> None:
+    """ContextOverflow when `text` is over `limit` tokens by its bytes alone (`fewest_tokens`)."""
+    fewest = tokenizer.fewest_tokens(text)
     if fewest > limit:
+        size = len(text.encode(errors="replace"))  # counted again only for the message
         raise ContextOverflow(
             f"the {what} at least {fewest} tokens ({size} bytes of text); this server accepts at "
             f"most {limit} prompt tokens per request (max_prompt_tokens)",

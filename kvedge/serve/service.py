@@ -123,9 +123,9 @@ class HeadDeadlineProtocol(H11Protocol):
     to every request, /health included: 300 slow heads kept a probe from seeing the service for
     25 s. Here a connection beyond the bound closes the oldest one waiting for a request head
     (slow or idle between requests), or itself when every other has a request in progress, so a
-    client that sends its request at once is served however many others dawdle. Each accepted
-    socket gets TCP_NODELAY: a response's head and body go out in two writes, and Nagle's
-    algorithm held the second until the client's delayed ACK, 40 ms on every kept-alive request."""
+    client that sends its request at once is served however many others dawdle. (TCP_NODELAY
+    on accepted sockets is asyncio's, given a listening socket made with IPPROTO_TCP:
+    `listening_socket`.)"""
 
     def __init__(self, *args: Any, head_timeout_s: float, max_connections: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -144,9 +144,6 @@ class HeadDeadlineProtocol(H11Protocol):
             )
             transport.close()
             return
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm_head_timer()
 
     def waiting_for_head(self) -> bool:
@@ -216,7 +213,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     port in use is said in one line at once, not after loading and warm-up (uvicorn binds
     after its start-up, which starts the load)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP;
+    # without it a response's second write waited for the client's delayed ACK (40 ms a request)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
     try:
