@@ -114,12 +114,11 @@ def quantized_matmul_bytes(k: int, n: int, bits: int, form: ExportRecipe) -> int
     """Bytes `kvedge export` stores for one quantized w [K, N] (module docstring, `graph.py`'s
     `matmul_weight` and `_quant_matmul`)."""
     blocks, kept = k // form.block_size, form.kept_channels
-    codes = k * n * bits // 8
-    total = codes + FLOAT32 * blocks * n + FLOAT32 * (blocks + kept) * n  # scales, second product
-    if form.variant == "portable":  # side inputs from standard ops: [K, K/bs + kept] 0/1, the mask
-        total += FLOAT32 * k * (blocks + kept) + (FLOAT32 * k if kept else 0)
-    else:  # kvedge.SideInputs takes the kept indices
-        total += 8 * kept
+    codes, real = k * n * bits // 8, 2 if form.half else FLOAT32  # a float16 graph's floats are float16
+    total = codes + real * blocks * n + real * (blocks + kept) * n  # scales, second product
+    total += 8 * kept  # the kept channels' indices (kvedge.SideInputs', or a Gather's)
+    if form.variant == "portable" and kept:  # side inputs from standard ops: the 0/1 mask [K]
+        total += real * k
     if form.two_forms and n % 64 == 0:  # decode form: codes, float16 scale + minimum, float16 rows
         total += codes + 2 * 2 * blocks * n + 2 * kept * n
     return total
@@ -132,9 +131,10 @@ def recipe_weight_bytes(a: Architecture, form: ExportRecipe) -> int:
     q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
     layer = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # [K, N]: fused QKV, O, fused gate/up, down
     untied_head = 0 if a.tie_word_embeddings else h * a.vocab_size
-    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - untied_head  # float32
+    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - untied_head  # float
     quantized = a.num_layers * sum(quantized_matmul_bytes(k, n, form.bits, form) for k, n in layer)
-    return FLOAT32 * rest + quantized + quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
+    real = 2 if form.half else FLOAT32
+    return real * rest + quantized + quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,7 @@ def test_plan_and_export_take_one_recipe_type():
 SIZE_CHECKS = [
     ExportRecipe(weights="int8"),
     ExportRecipe(weights="int4"),
+    ExportRecipe(weights="int4", precision="float16"),
     ExportRecipe(weights="int4", variant="ort"),
     ExportRecipe(weights="int4", variant="ort", decode_matmuls="onnxruntime"),
     ExportRecipe(weights="int8", variant="ort", outlier_channels=0, head_bits=8),
@@ -304,7 +305,7 @@ def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
     small constants; and block offsets it assumes present)."""
     source, arch, root = mid_llama
     out = root / form.describe_weights().replace(" ", "_")
-    options = dict(max_len=64, weights=form.weights, variant=form.variant)
+    options = dict(max_len=64, weights=form.weights, variant=form.variant, precision=form.precision)
     options.update(outlier_channels=form.outlier_channels, head_bits=form.head_bits)
     export_model(source, out, ExportRecipe(**options, decode_matmuls=form.decode_matmuls))
     on_disk = footprint(out).weights_bytes

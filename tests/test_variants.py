@@ -143,16 +143,17 @@ def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
 
 def kept_rows(folder) -> tuple[dict[str, int], dict[str, int]]:
     """({quantized matmul: input channels its int8 mask zeroes}, {quantized matmul: float32 weight
-    rows its second product holds for single channels}). Standard ops (portable graphs): a
-    selection column of the second product's input has one 1, a block-sum column `block_size`
-    ones (`quantize.py`); ort graphs: kvedge.SideInputs gathers its `kept` channels and masks
-    them where it has a second output."""
+    rows its second product holds for single channels}). Standard ops (portable graphs): the
+    channels a Gather takes from x (`quant_matmul._side_inputs`); ort graphs: kvedge.SideInputs
+    gathers its `kept` channels and masks them where it has a second output."""
     graphs = all_graphs(onnx.load(str(folder / "model.onnx")).graph)  # a two-form graph's prefill form
     nodes = [node for g in graphs for node in g.node]
     initializers = [t for g in graphs for t in g.initializer]
     masks, rows = {}, {}
     kept = {t.name: t for t in initializers if t.name.endswith(".kept")}
     for node in nodes:
+        if node.op_type == "Gather" and node.input[1].endswith(".kept"):  # standard ops: x[..., kept]
+            rows[node.input[1].removesuffix(".kept")] = numpy_helper.to_array(kept[node.input[1]]).size
         if node.op_type == "SideInputs":
             name, count = node.input[1].removesuffix(".kept"), numpy_helper.to_array(kept[node.input[1]]).size
             rows[name] = count
@@ -161,8 +162,6 @@ def kept_rows(folder) -> tuple[dict[str, int], dict[str, int]]:
     for t in initializers:
         if t.name.endswith(".int8_mask"):
             masks[t.name.removesuffix(".int8_mask")] = int((numpy_helper.to_array(t) == 0).sum())
-        if t.name.endswith(".side_in"):
-            rows[t.name.removesuffix(".side_in")] = int((numpy_helper.to_array(t).sum(axis=0) == 1).sum())
     masked = [n.input[0] for n in nodes if n.op_type == "Mul" and n.input[1].endswith(".int8_mask")]
     assert not masked or len(masked) == len(masks)  # one mask Mul per kept set (standard ops)
     return masks, rows

@@ -183,7 +183,8 @@ class ExportRecipe:
         if not self.quantized:
             return self.weights
         text = (
-            f"{self.weights} {self.variant} (block {self.block_size}, {self.kept_channels} float32 channels"
+            f"{self.weights} {self.variant} (block {self.block_size}, {self.kept_channels} "
+            f"{self.precision} channels"
         )
         if self.lm_head_bits != self.bits:
             text += f", int{self.lm_head_bits} head"

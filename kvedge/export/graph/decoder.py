@@ -330,6 +330,7 @@ class Decoder:
                 options.lm_head_bits,
                 options.block_size,
                 self.outliers.get("lm_head"),
+                rank=2,
             )
         if tied:
             head_name = self.embed_name

@@ -19,12 +19,20 @@ from kvedge.export.quantize import (
 
 
 def matmul_weight(
-    g: Builder, x: str, w: np.ndarray, out: str, bits: int, block_size: int, keep: np.ndarray | None = None
+    g: Builder,
+    x: str,
+    w: np.ndarray,
+    out: str,
+    bits: int,
+    block_size: int,
+    keep: np.ndarray | None = None,
+    rank: int = 3,
 ) -> str:
     """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
     blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
     product (see `quantize.py`), whose input [x's block sums | x[keep]] and the masked x are
-    made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset)."""
+    made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset) on x
+    of `rank` (3: [b, s, K]; 2: [rows, K])."""
     if bits == 32:
         return g.op("MatMul", [x, g.const(f"{out}.weight", w)], out)
     # a float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
@@ -65,7 +73,9 @@ def matmul_weight(
         )
         side, quantized_in = made if keep.size else (made, x)
     else:
-        side, quantized_in = _side_inputs(g, x, w.shape[0], out, block_size, qw.offset is not None, keep)
+        side, quantized_in = _side_inputs(
+            g, x, w.shape[0], out, block_size, qw.offset is not None, keep, rank
+        )
     scaled = g.op("MatMul", [quantized_in, deq], f"{out}.scaled")
     shift = g.op("MatMul", [side, g.fconst(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift")
     return g.op("Add", [scaled, shift], out)
@@ -93,21 +103,22 @@ def _quant_matmul(g: Builder, x: str, w: np.ndarray, qw: QuantizedWeight, out: s
 
 
 def _side_inputs(
-    g: Builder, x: str, k: int, out: str, block_size: int, offsets: bool, keep: np.ndarray
+    g: Builder, x: str, k: int, out: str, block_size: int, offsets: bool, keep: np.ndarray, rank: int
 ) -> tuple[str, str]:
-    """kvedge.SideInputs' outputs (side, masked x) from standard ops: x times a [K, K/block +
-    kept] 0/1 matrix, block-sum columns (when the weight has `offsets`) then one column per
-    kept channel, and x times a 0/1 mask."""
-    gather: list[np.ndarray] = []  # [K, *] columns
+    """kvedge.SideInputs' outputs (side, masked x) from standard ops, none of them a matrix over
+    K: x's block sums (when the weight has `offsets`) from a ReduceSum over x reshaped to
+    [.., K/block, block], then x's kept channels gathered, concatenated; and x times a 0/1 mask.
+    `rank`: x's rank (3 for [b, s, K], 2 for the LM head's [rows, K])."""
+    parts: list[str] = []  # [.., *] the side input's columns
     if offsets:
-        gather.append(np.repeat(np.eye(k // block_size, dtype=np.float32), block_size, axis=0))
+        shape = g.ints(*[0] * (rank - 1), k // block_size, block_size)
+        blocks = g.op("Reshape", [x, shape], f"{out}.blocks")
+        parts.append(g.reduce("ReduceSum", blocks, -1, f"{out}.block_sums", keepdims=0))
     quantized_in = x
     if keep.size:
         mask = np.ones(k, np.float32)
         mask[keep] = 0.0
         quantized_in = g.op("Mul", [x, g.fconst(f"{out}.int8_mask", mask)], f"{out}.masked")
-        select = np.zeros((k, keep.size), np.float32)
-        select[keep, np.arange(keep.size)] = 1.0
-        gather.append(select)
-    side = g.op("MatMul", [x, g.fconst(f"{out}.side_in", np.concatenate(gather, axis=1))], f"{out}.side")
+        parts.append(g.op("Gather", [x, g.const(f"{out}.kept", keep)], f"{out}.kept_x", axis=-1))
+    side = parts[0] if len(parts) == 1 else g.op("Concat", parts, f"{out}.side", axis=-1)
     return side, quantized_in
