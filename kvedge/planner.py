@@ -11,9 +11,9 @@ weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: wha
              QKV, O, fused gate/up, down, and the LM head at its head bits) stores its codes
              (K N bits/8), a float scale per block of `block_size` rows (K/bs x N), the second
              product's rows (block offsets, assumed present, + the kept channels: (K/bs + kept) x
-             N floats) and its side inputs (portable: the [K, K/bs + kept] 0/1 matrix and the
-             mask; ort: the kept indices); with `--variant ort` and kvedge's decode matmuls the
-             graph holds the decode form too: the codes again with float16 scales and minimums
+             N floats) and its side inputs (the kept indices; portable: and the [K] mask);
+             with `--variant ort` and kvedge's decode matmuls the graph holds
+             the decode form too: the codes again with float16 scales and minimums
              and float16 kept rows. Everything else (the embedding table, which stays float32
              even with a tied quantized head, norms, biases) is param_count less the
              projections, 4 bytes each. Checked against real exports: a random 2-layer llama

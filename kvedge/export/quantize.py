@@ -39,14 +39,15 @@ exact float32 weight rows in the small second product, which now reads::
 
     x @ w = (x * mask) @ (q * scale) + x @ [B | S] @ [offset ; w[kept] - offset[kept block]]
 
-with B [K, K/block] the block-sum matrix and S [K, kept] the selection of the kept channels.
-Each kept channel costs 4 bytes x N per matmul per token; `--outlier-channels` chooses how many
-(`OUTLIER_CHOICES`; 0 keeps none: no mask, and the second product holds the offsets only).
-Portable graphs (TensorRT reads them) hold B | S as a float32 initializer and the mask as a Mul;
-"ort" graphs on the CPU make x * mask and x @ [B | S] with kvedge's own op `kvedge.SideInputs`
-(`kvedge/runtime/csrc/kvedge_ops.cc`) in one pass over x, where a decode step otherwise reads
-the K (K/block + kept) float32 0/1 matrix (25 MB a token on SmolLM2-135M) to add up and gather a
-row of K (`kvedge.contract.kvedge_ops` says which graphs).
+with x @ B x's block sums [.., K/block] and x @ S its kept channels [.., kept].
+Each kept channel costs 4 bytes x N per matmul per token (2 in a float16 graph);
+`--outlier-channels` chooses how many (`OUTLIER_CHOICES`; 0 keeps none: no mask, and the second
+product holds the offsets only). Portable graphs (TensorRT reads them) make the block sums with a
+ReduceSum over x reshaped to [.., K/block, block], the kept channels with a Gather and the mask
+with a Mul: no matrix over K is stored. "ort" graphs on the CPU make x * mask and x @ [B | S]
+with kvedge's own op `kvedge.SideInputs` (`kvedge/runtime/csrc/kvedge_ops.cc`) in one pass over
+x, where a MatMul over the [K, K/block + kept] 0/1 matrix [B | S] would read 25 MB a token on
+SmolLM2-135M (`kvedge.contract.kvedge_ops` says which graphs).
 
 int4 tensors are packed two per byte, the first element in the low nibble (the ONNX layout).
 """
