@@ -14,9 +14,10 @@ weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: wha
              N floats) and its side inputs (the kept indices; portable: and the [K] mask);
              with `--variant ort` and kvedge's decode matmuls the graph holds
              the decode form too: the codes again with float16 scales and minimums
-             and float16 kept rows. Everything else (the embedding table, which stays float32
-             even with a tied quantized head, norms, biases) is param_count less the
-             projections, 4 bytes each. Checked against real exports: a random 2-layer llama
+             and float16 kept rows. A tied embedding table is the head's blocks (the runtime
+             looks rows up there); everything else (an untied model's embedding table, norms,
+             biases) is param_count less the projections and the head, 4 bytes each (2 in a
+             float16 graph). Checked against real exports: a random 2-layer llama
              (tests/test_planner.py, five forms) 0.8-2.2% (35-52 KiB) under the files, the
              graph's own bytes and RoPE tables not counted; SmolLM2-135M `--weights int8
              --outlier-channels 0`: planned 294,107,904, files 291,490,818 (+0.9%: its Q8_0 LM
@@ -130,8 +131,10 @@ def recipe_weight_bytes(a: Architecture, form: ExportRecipe) -> int:
         return a.param_count * form.bits // 8
     q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
     layer = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # [K, N]: fused QKV, O, fused gate/up, down
-    untied_head = 0 if a.tie_word_embeddings else h * a.vocab_size
-    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - untied_head  # float
+    # a tied table is the head's blocks (the runtime looks embeddings up there); an untied model
+    # keeps a float embedding table beside its quantized head
+    table = h * a.vocab_size
+    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - table  # float
     quantized = a.num_layers * sum(quantized_matmul_bytes(k, n, form.bits, form) for k, n in layer)
     real = 2 if form.half else FLOAT32
     return real * rest + quantized + quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)

@@ -12,14 +12,16 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import onnx
 import pytest
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, ExportRecipe, Manifest, sha256_files
-from kvedge.export.export import export_model
+from kvedge.export.export import export_model, head_table, save_onnx
 from kvedge.export.graph import all_graphs
 from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -67,14 +69,25 @@ def decode_logits(folder: Path, ids: list[int], start: int) -> np.ndarray:
 
 def save_graph(model, out: Path) -> Path:
     """`model` (an artifact's graph, rewritten by a test) saved into the artifact folder `out` in
-    place of its graph, the manifest's fingerprint made to match it."""
+    place of its graph, the manifest's fingerprint (and where the LM head's blocks lie, for
+    the embeddings the runtime reads) made to match it."""
     data = out / (ONNX_FILE + ".data")
     data.unlink()
-    onnx.save(model, str(out / ONNX_FILE), save_as_external_data=True, location=data.name)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
+    table = manifest.get("embedding")
+    save_onnx(model, out, embeds=table is not None)
+    if table is not None:  # the head's tensors moved in the data file
+        manifest["embedding"] = msgspec.to_builtins(head_table(out, table["bits"], table["block_size"]))
     manifest["onnx_fingerprint"] = sha256_files([out / ONNX_FILE, data])
     (out / MANIFEST_FILE).write_text(json.dumps(manifest))
     return out
+
+
+def embeds_feed(folder: Path, manifest: Manifest, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """{inputs_embeds: the embeddings of `ids` [batch, seq]} for a graph that takes them (the
+    runtime's lookup, `TableEmbeddings`), else {}: for tests that feed a session themselves."""
+    table = TableEmbeddings.of(folder, manifest)
+    return {} if table is None else {manifest.names.inputs_embeds: table(ids)}
 
 
 def export_once(source: Path, root: Path, *fields: str, **fixed):

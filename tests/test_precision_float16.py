@@ -32,7 +32,7 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FAMILIES, MAX_LEN, decode_logits, random_ids
+from conftest import FAMILIES, MAX_LEN, decode_logits, embeds_feed, random_ids
 from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.ops.op_dequantize_linear import DequantizeLinear_19
@@ -202,6 +202,7 @@ def _reference_logits(folder: Path, ids: list[int], start: int, steps: int) -> n
         n = len(chunk)
         feeds = {
             names.input_ids: np.array([chunk], np.int64),
+            **embeds_feed(folder, manifest, np.array([chunk], np.int64)),
             names.position_ids: np.arange(length, length + n, dtype=np.int64)[None],
             names.past_lengths: np.array([length], np.int64),
             # [batch] ("last") or [batch, rows] ("rows", the default since speculation): one row

@@ -66,7 +66,8 @@ def test_each_form_holds_its_own_matmuls_and_shares_the_rest(exports, weights):
     assert prefill_ops[QUANT_MATMUL_OP] == 0 and prefill_ops["DequantizeLinear"] == 4 * layers + 1
     names = [[t.name for t in g.initializer] for g in (outer, decode, prefill_form)]
     assert sum(map(len, names)) == len(set().union(*map(set, names)))  # nothing stored twice
-    assert "model.embed_tokens.weight" in names[0]  # shared: in the outer graph only
+    assert "model.embed_tokens.weight" not in set().union(*map(set, names))  # the head's blocks instead
+    assert "logits.rows_vocab.weight_q" in names[2]  # `EmbeddingTable`: the prefill form's head
     assert all(n.endswith(".qmm_weights") for n in names[1])  # the kept rows inside each tile
     assert not any(n.endswith(".qmm_weights") for n in names[2])
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import random_ids
+from conftest import embeds_feed, random_ids
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -112,6 +112,7 @@ def unfused_logits(folder, ids: list[int]) -> np.ndarray:
         names.input_ids: np.array([ids], np.int64),
         names.position_ids: np.arange(len(ids), dtype=np.int64)[None],
         names.past_lengths: np.zeros(1, np.int64),
+        **embeds_feed(folder, manifest, np.array([ids], np.int64)),
     }
     for i in range(geometry.num_layers):
         feeds.update({names.layer(t, i): past for t in names.past(False)})

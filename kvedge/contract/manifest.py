@@ -26,8 +26,9 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 
 MANIFEST_FORMAT = "kvedge-manifest"
 # 2: rope.unrotated_layers (SmolLM3), which a version-1 reader would re-rotate; 3: ring layers and
-# local-layer RoPE (Gemma 3), which a version-2 reader would size full-length or re-rotate wrongly
-MANIFEST_VERSION = 3
+# local-layer RoPE (Gemma 3), which a version-2 reader would size full-length or re-rotate wrongly;
+# 4: inputs_embeds (`EmbeddingTable`), which a version-3 reader would not feed
+MANIFEST_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -282,6 +283,9 @@ class IONames:
     """Graph input/output names. Per-layer names are templates formatted with the layer index."""
 
     input_ids: str = "input_ids"  # [batch, seq] int64
+    # [batch, seq, hidden] in the graph's float type: the token embeddings, where the runtime
+    # looks them up (`Manifest.embedding`)
+    inputs_embeds: str = "inputs_embeds"
     position_ids: str = "position_ids"  # [batch, seq] int64
     past_lengths: str = "past_lengths"  # [batch] int64: valid cache slots per row
     # [batch] ("last") or [batch, rows] ("rows") int64: the positions whose logits are returned
@@ -337,13 +341,58 @@ class TensorSpec:
         return f"[{', '.join(str(d) for d in self.dims)}] {self.dtype}"
 
 
+# The stored blocks of a quantized tied LM head, which the runtime reads embedding rows from
+# (`EmbeddingTable`): initializers of the graph named HEAD_TABLE + these suffixes.
+HEAD_TABLE = "logits.rows_vocab"
+HEAD_PARTS = {"codes": ".weight_q", "scale": ".weight_scale", "side": ".side_weight", "kept": ".kept"}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one initializer's bytes lie in the export's external data file: `length` bytes at
+    `offset`, elements `dtype` (a numpy name; "uint8" for int4 codes packed two per byte, the
+    first in the low nibble) of the initializer's `shape`. An onnx tool that re-saves the graph
+    moves them: write the manifest's `embedding` again (`kvedge.export.export.head_table`)."""
+
+    offset: int
+    length: int
+    dtype: str
+    shape: tuple[int, ...]
+    # sha256 of its first STORED_CHECK_BYTES bytes, which the runtime checks at load: a data file
+    # rewritten after the export moves the tensors, and the offsets would read other bytes
+    sha256: str = ""
+
+
+STORED_CHECK_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """The token embeddings of a quantized graph with a tied LM head, which the runtime looks up
+    and feeds as `inputs_embeds`: the head's own stored blocks, so the table is stored once (at
+    the head's bits) and no float copy is made. w [hidden, vocab] = codes x scale (blocks of
+    `block_size` along hidden) + the block's offset (the first hidden/block rows of `side`, when
+    `offsets`); the `kept` channels' rows are w exactly: side's last rows plus their block's
+    offset. Row t of the embedding is column t of w."""
+
+    file: str  # the external data file, in the export folder
+    bits: int  # 8 or 4
+    block_size: int
+    offsets: bool
+    codes: StoredTensor  # [hidden, vocab] int8, or packed int4 (uint8)
+    scale: StoredTensor  # [hidden / block, vocab] float32 or float16
+    side: StoredTensor | None = None  # [(hidden / block if offsets) + kept, vocab]
+    kept: StoredTensor | None = None  # [kept] int64
+
+
 @dataclass(frozen=True)
 class GraphInterface:
     """Which inputs and outputs an exported graph has, with their types and shapes: decided here
     once, from the manifest's variant, logits mode and geometry. The exporter declares the graph's
     inputs and outputs from it, the backends check and bind against it.
 
-    Inputs: input_ids [batch, seq]; position_ids [batch, seq] (not in place variants: in-place
+    Inputs: input_ids [batch, seq]; inputs_embeds [batch, seq, hidden] (where the runtime looks
+    the embeddings up: `embeds`); position_ids [batch, seq] (not in place variants: in-place
     graphs take positions from past_lengths); past_lengths [batch]; last_index [batch] (logits
     "last") or [batch, rows] (logits "rows"); per layer, past K, V [batch, kv_heads, L,
     head_dim] in the cache dtype, and for int8 caches K, V scales [batch, kv_heads, L, groups]
@@ -363,6 +412,10 @@ class GraphInterface:
     variant: str
     logits: str
     vocab_size: int
+    hidden_size: int = 0
+    # the inputs_embeds input's dtype ("float32", "float16"), where the runtime looks the
+    # embeddings up (`EmbeddingTable`); "": the graph gathers them from input_ids
+    embeds: str = ""
 
     @property
     def in_place(self) -> bool:
@@ -371,6 +424,9 @@ class GraphInterface:
     def inputs(self) -> tuple[TensorSpec, ...]:
         names, int64 = self.names, np.dtype(np.int64)
         specs = [TensorSpec(names.input_ids, int64, ("batch", "seq"))]
+        if self.embeds:
+            dims = ("batch", "seq", self.hidden_size)
+            specs.append(TensorSpec(names.inputs_embeds, np.dtype(self.embeds), dims))
         if not self.in_place:
             specs.append(TensorSpec(names.position_ids, int64, ("batch", "seq")))
         specs.append(TensorSpec(names.past_lengths, int64, ("batch",)))
@@ -470,6 +526,9 @@ class Manifest:
     precision: str = "float32"
     chat_template: bool = False
     special_tokens: dict[str, str] = field(default_factory=dict)  # chat template variables
+    # the embeddings the runtime looks up (quantized graphs with a tied LM head); None: the
+    # graph gathers them from its own table
+    embedding: EmbeddingTable | None = None
     format: str = MANIFEST_FORMAT
     format_version: int = MANIFEST_VERSION
     kvedge_version: str = __version__
@@ -481,7 +540,10 @@ class Manifest:
 
     @property
     def interface(self) -> GraphInterface:
-        return GraphInterface(self.names, self.geometry, self.variant, self.logits, self.vocab_size)
+        embeds = "" if self.embedding is None else ("float16" if self.precision == "float16" else "float32")
+        return GraphInterface(
+            self.names, self.geometry, self.variant, self.logits, self.vocab_size, self.hidden_size, embeds
+        )
 
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step (logits at several positions of a

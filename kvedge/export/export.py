@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import shutil
@@ -12,24 +13,30 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx.external_data_helper import set_external_data
 from tqdm import tqdm
 
 from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
+    HEAD_PARTS,
+    HEAD_TABLE,
     MANIFEST_FILE,
     MANIFEST_FORMAT,
     ONNX_FILE,
     QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
     RING_MARGIN,
+    STORED_CHECK_BYTES,
     TOKENIZER_FILE,
     VERIFY_TOKENS,
     WEIGHT_FORMATS,
     CacheGeometry,
+    EmbeddingTable,
     ExportRecipe,
     IONames,
     Manifest,
     RopeSpec,
+    StoredTensor,
     kvedge_ops,
     sha256_files,
 )
@@ -134,7 +141,8 @@ def export_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
     try:
-        onnx_files = _save_onnx(graph, staging)
+        embeds = any(i.name == names.inputs_embeds for i in graph.graph.input)
+        onnx_files = save_onnx(graph, staging, embeds)
         tokenizer.backend_tokenizer.save(str(staging / TOKENIZER_FILE))
         template = getattr(tokenizer, "chat_template", None)
         if template:
@@ -160,6 +168,7 @@ def export_model(
                 for key in ("bos_token", "eos_token", "pad_token", "unk_token")
                 if getattr(tokenizer, key, None) is not None
             },
+            embedding=head_table(staging, options.lm_head_bits, options.block_size) if embeds else None,
             **recorded(options),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
@@ -423,14 +432,69 @@ def eos_ids(config: Any, tokenizer: Any, generation_eos: Any) -> tuple[int, ...]
     return tuple(sorted(found))
 
 
-def _save_onnx(model: onnx.ModelProto, folder: Path) -> list[Path]:
+def save_onnx(model: onnx.ModelProto, folder: Path, embeds: bool = False) -> list[Path]:
     """The graph in model.onnx, its weights in model.onnx.data. Always apart: protobuf caps a
     file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice (the parsed
     protobuf and its tensors; measured on SmolLM2-135M int4: 396 MiB after session start with
-    the weights inline, 199 MiB from model.onnx.data, same step time)."""
+    the weights inline, 199 MiB from model.onnx.data, same step time). With `embeds`, the LM
+    head's tensors (HEAD_TABLE + HEAD_PARTS) go to the data file whatever their size: the runtime
+    reads the embeddings there (`head_table`)."""
     graph, data = folder / ONNX_FILE, folder / (ONNX_FILE + ".data")
+    head = {HEAD_TABLE + suffix for suffix in HEAD_PARTS.values()} if embeds else set()
+    for g in all_graphs(model.graph):
+        for tensor in g.initializer:
+            if tensor.name in head:
+                set_external_data(tensor, data.name)
     onnx.save_model(
         model, graph, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name
     )
     data.chmod(graph.stat().st_mode & 0o777)  # onnx creates it owner-only; a service user reads both
     return [graph, data]
+
+
+# ONNX element types of the LM head's stored tensors -> the numpy dtype of their stored bytes
+STORED_DTYPES = {
+    onnx.TensorProto.INT4: "uint8",  # packed two per byte, the first in the low nibble
+    onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.INT64: "int64",
+}
+
+
+def head_table(folder: Path, bits: int, block_size: int) -> EmbeddingTable:
+    """Where the saved graph in `folder` stores its quantized tied LM head of `bits` in blocks of
+    `block_size` (`EmbeddingTable`): each part's offset and length in the data file, read back
+    from the saved graph, and a checksum of its first bytes."""
+    saved = onnx.load(str(folder / ONNX_FILE), load_external_data=False)
+    found = {t.name: t for g in all_graphs(saved.graph) for t in g.initializer}
+    stored: dict[str, StoredTensor | None] = {}
+    for part, suffix in HEAD_PARTS.items():
+        tensor = found.get(HEAD_TABLE + suffix)
+        if tensor is None:
+            stored[part] = None
+            continue
+        where = {entry.key: entry.value for entry in tensor.external_data}
+        file, offset = where["location"], int(where.get("offset", 0))
+        with open(folder / file, "rb") as data:
+            data.seek(offset)
+            first = data.read(min(int(where["length"]), STORED_CHECK_BYTES))
+        stored[part] = StoredTensor(
+            offset=offset,
+            length=int(where["length"]),
+            dtype=STORED_DTYPES[tensor.data_type],
+            shape=tuple(int(d) for d in tensor.dims),
+            sha256=hashlib.sha256(first).hexdigest(),
+        )
+    codes, side, kept = stored["codes"], stored["side"], stored["kept"]
+    kept_count = kept.shape[0] if kept is not None else 0
+    return EmbeddingTable(
+        file=file,
+        bits=bits,
+        block_size=block_size,
+        offsets=side is not None and side.shape[0] > kept_count,
+        codes=codes,
+        scale=stored["scale"],
+        side=side,
+        kept=kept,
+    )

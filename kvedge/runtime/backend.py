@@ -64,6 +64,7 @@ from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.interface import MAX_DECODE_BINDINGS, StepOutput, graph_last_index, step_logits
 from kvedge.runtime.memory import check_alignment, data_address
 
@@ -306,6 +307,7 @@ class OrtBackend:
         self._graph_ids = 0  # the last gpu_graph_id given to a decode binding; never reused
         self._check_io()
         self._step_names = [spec.name for spec in manifest.graph_inputs() if spec.layer is None]
+        self.embeddings = TableEmbeddings.of(folder, manifest)  # None: the graph gathers its own
         self._outputs = manifest.graph_outputs()
         self._decode_bindings: dict[tuple, _KeptBinding] = {}
         self.max_decode_bindings = max_decode_bindings
@@ -356,6 +358,8 @@ class OrtBackend:
             names.past_lengths: past_lengths,
             names.last_index: graph_last_index(self.manifest, last_index),
         }
+        if self.embeddings is not None:
+            values[names.inputs_embeds] = self.embeddings(input_ids)
         return [(name, values[name]) for name in self._step_names]
 
     def run(
@@ -428,6 +432,8 @@ class OrtBackend:
                 self._drop_bindings(self._decode_bindings)
             step = self._decode_bindings[key] = self._make_binding(past)
         step.input_ids[...] = input_ids
+        if self.embeddings is not None:
+            step.inputs_embeds[...] = self.embeddings(input_ids)
         step.past_lengths[...] = past_lengths
         step.position_ids[...] = position_ids  # bound only where the graph takes positions
         for args in step.rebind:  # the same buffers, bound again: what they hold now (`Bound.rebind`)
@@ -461,6 +467,7 @@ class OrtBackend:
         return _KeptBinding(
             binding=binding,
             input_ids=arrays[names.input_ids],
+            inputs_embeds=arrays.get(names.inputs_embeds),
             position_ids=arrays.get(names.position_ids, unbound),
             past_lengths=arrays[names.past_lengths],
             last_index=arrays.get(names.last_index, unbound[:, 0]),
@@ -581,6 +588,8 @@ class OrtBackend:
                 self._drop_bindings(self._short_bindings)
             step = self._short_bindings[key] = self._make_binding(past, input_ids.shape[1], rows)
         step.input_ids[...] = input_ids
+        if self.embeddings is not None:
+            step.inputs_embeds[...] = self.embeddings(input_ids)
         step.past_lengths[...] = past_lengths
         step.last_index[...] = graph_last_index(self.manifest, last_index).reshape(step.last_index.shape)
         for args in step.rebind:  # `Bound.rebind`, as in `_decode`
@@ -606,6 +615,7 @@ class _KeptBinding:
 
     binding: ort.IOBinding
     input_ids: np.ndarray  # [batch, 1 or seq] int64
+    inputs_embeds: np.ndarray | None  # [batch, 1 or seq, hidden] where the runtime looks them up
     position_ids: np.ndarray  # [batch, 1 or seq] int64 (bound where the graph takes positions)
     past_lengths: np.ndarray  # [batch] int64
     last_index: np.ndarray  # [batch] or [batch, rows] int64 (zeros for decode: its one position)

@@ -42,6 +42,7 @@ from kvedge.contract import Manifest, TensorSpec
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
 from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
 from kvedge.runtime.memory import check_alignment
 
@@ -97,6 +98,7 @@ class TrtBackend:
             )
 
         self.on_host = self._host_inputs(manifest)
+        self.embeddings = TableEmbeddings.of(folder, manifest)  # None: the engine gathers its own
         built = self.engine_manifest
         b, p, r = built.max_batch, built.max_prefill, built.max_rows
         self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
@@ -172,6 +174,8 @@ class TrtBackend:
             names.past_lengths: past_lengths,
             names.last_index: graph_last_index(self.manifest, last_index),
         }
+        if self.embeddings is not None:
+            values[names.inputs_embeds] = self.embeddings(input_ids)
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
             np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 
 from kvedge.contract import (
+    HEAD_TABLE,
     QUANT_MATMUL_OP,
     SIDE_INPUTS_OP,
     CacheGeometry,
@@ -77,8 +78,22 @@ def build_decoder_graph(
                 progress(1 / len(forms))
         decoder.logits(hidden, delta)
         builders.append(decoder.g)
-    interface = GraphInterface(names, geometry, options.variant, options.logits, spec.vocab_size)
+    embeds = ("float16" if options.half else "float32") if runtime_embeddings(spec, prepared, options) else ""
+    interface = GraphInterface(
+        names, geometry, options.variant, options.logits, spec.vocab_size, spec.hidden_size, embeds
+    )
     return onnx_model(builders, interface, options)
+
+
+def tied_head(spec: DecoderSpec, weights: dict[str, np.ndarray]) -> bool:
+    """The LM head is the embedding table (tied, or no lm_head weight stored)."""
+    return spec.tie_word_embeddings or "lm_head.weight" not in weights
+
+
+def runtime_embeddings(spec: DecoderSpec, weights: dict[str, np.ndarray], options: ExportRecipe) -> bool:
+    """The graph takes inputs_embeds, which the runtime looks up from the quantized tied LM head's
+    blocks (`kvedge.contract.EmbeddingTable`), instead of gathering rows of a float table."""
+    return options.quantized and tied_head(spec, weights)
 
 
 class Decoder:
@@ -184,12 +199,17 @@ class Decoder:
         return y
 
     def embed(self) -> str:
-        """Token embeddings [b, s, H]; the table is kept for a tied LM head."""
+        """Token embeddings [b, s, H]: rows of the table gathered from input_ids, or the
+        inputs_embeds the runtime looks up from a quantized tied LM head (`runtime_embeddings`).
+        The table is kept for a tied LM head."""
         self.embed_table = self.w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.embed_name = self.g.float_weight(
-            "model.embed_tokens.weight", self.embed_table, stored_half=self.options.weights == "float16"
-        )
-        rows = self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
+        if runtime_embeddings(self.spec, self.weights, self.options):
+            rows = self.names.inputs_embeds
+        else:
+            self.embed_name = self.g.float_weight(
+                "model.embed_tokens.weight", self.embed_table, stored_half=self.options.weights == "float16"
+            )
+            rows = self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
         if self.spec.embed_scale == 1.0:
             return rows
         scale = self.g.fconst("model.embed_scale", np.array(self.spec.embed_scale, np.float32))
@@ -319,14 +339,14 @@ class Decoder:
     def lm_head(self, hidden: str) -> str:
         """hidden [rows, H] @ head^T: the embedding table when tied (stored once, float weights)."""
         g, options = self.g, self.options
-        tied = self.spec.tie_word_embeddings or "lm_head.weight" not in self.weights
+        tied = tied_head(self.spec, self.weights)
         if options.quantized:
             head = self.embed_table if tied else self.w("lm_head.weight")  # [vocab, H]
             return matmul_weight(
                 g,
                 hidden,
                 np.ascontiguousarray(head.T),
-                "logits.rows_vocab",
+                HEAD_TABLE,
                 options.lm_head_bits,
                 options.block_size,
                 self.outliers.get("lm_head"),
