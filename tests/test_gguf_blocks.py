@@ -22,6 +22,7 @@ from kvedge.export.gguf_blocks import (
     read_gguf_weights,
 )
 from kvedge.export.quantize import QuantizedWeight
+from kvedge.export.source import default_gguf
 
 T = GGMLQuantizationType
 QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # gguf.quants can quantize these
@@ -225,3 +226,35 @@ def test_unknown_architectures_and_names_are_refused(tmp_path):
         read_gguf_weights(tmp_path / "a.gguf")
     with pytest.raises(KvedgeError, match=r"'blk.0.ffn_gate_exps.weight' has no Hugging Face name for"):
         hf_name("blk.0.ffn_gate_exps.weight", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return read_gguf_weights(default_gguf())
+
+
+def test_default_model_tensors_equal_ggufs_dequantizer(smol):
+    """SmolLM2's Q4_1 projections, Q8_0 embedding and F32 norms, all bit for bit."""
+    reader = gguf.GGUFReader(default_gguf())
+    heads = {"attn_q": 9, "attn_k": 3}  # llama.attention.head_count, head_count_kv
+    assert len(smol.tensors) == len(reader.tensors) == 272
+    for tensor in reader.tensors:
+        got = as_hf(smol.tensors[hf_name(tensor.name, "llama")])
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if kind in heads:
+            got = rotary_permute(got, heads[kind])
+        assert_same_bits(got, dequantize(tensor.data, tensor.tensor_type))
+    assert sorted(set(smol.types.values())) == ["F32", "Q4_1", "Q8_0"]
+    assert smol.types["model.embed_tokens.weight"] == "Q8_0"
+
+
+@pytest.mark.real_model
+def test_default_model_tensors_equal_transformers_weights(smol):
+    """Every weight transformers loads from the GGUF (load_hf), bit for bit; lm_head is tied."""
+    from kvedge.export.source import load_hf, resolve_source
+
+    model, _ = load_hf(resolve_source(default_gguf()))
+    state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
+    assert set(state) - set(smol.tensors) == {"lm_head.weight"} and set(smol.tensors) <= set(state)
+    for name, weight in smol.tensors.items():
+        assert_same_bits(as_hf(weight), state[name])
