@@ -1,0 +1,325 @@
+"""A GGUF file's quantized tensors as kvedge's own blocks (`quantize.QuantizedWeight`), kept as
+they are: no dequantize-then-requantize, so the export adds no second rounding to the GGUF's.
+
+GGUF stores a matrix ne = [K, N] row-major: N rows (output features) of K contiguous input
+features, each row cut into blocks along K. That is kvedge's block layout for the transpose of
+the Hugging Face Linear weight [N, K]: a QuantizedWeight q [K, N], scale and offset [K/bs, N],
+value q * scale + offset. Per GGUF block, with d, dmin, m float16 numbers, u the unsigned codes,
+v the signed ones, s and t the K-quants' sub-block scales and minimums (small integers)::
+
+    type   GGUF value per element       kvedge bits, bs  q         scale       offset
+    Q8_0   d v        v int8            8, 32            v         d           -
+    Q4_0   d (u - 8)  u 0..15           4, 32            u - 8     d           -
+    Q4_1   d u + m    u 0..15           4, 32            u - 8     d           m + 8 d
+    Q5_0   d (u - 16) u 0..31           8, 32            u - 16    d           -
+    Q5_1   d u + m    u 0..31           8, 32            u - 16    d           m + 16 d
+    Q2_K   d s u - dmin t, u 0..3       4, 16            u - 2     d s         2 d s - dmin t
+    Q3_K   d (s - 32) v, v -4..3        4, 16            v         d (s - 32)  -
+    Q4_K   d s u - dmin t, u 0..15      4, 32            u - 8     d s         8 d s - dmin t
+    Q5_K   d s u - dmin t, u 0..31      8, 32            u - 16    d s         16 d s - dmin t
+    Q6_K   d s v, s int8, v -32..31     8, 16            v         d s         -
+    Q8_K   d v, d float32, v int8       8, 256           v         d           -
+
+(K-quants: super-blocks of 256, s and t of 4 bits per 16 (Q2_K), 6 bits per 32 (Q4_K, Q5_K).)
+Unsigned codes are centred on their range (u - 2**(b-1)), as kvedge's own grids are, which keeps
+|q| small where onnxruntime's kernel rounds activations; the offset carries the minimum (for
+Q4_1 and Q4_K, offset + qmin * scale is the GGUF minimum itself and q - qmin its code u). Every
+product above is exact in float32 (at most 24 significant bits: an 11-bit float16 times a 6-bit
+scale times a 6-bit code; Q8_K's float32 d times v is rounded once, as in llama.cpp), so a form
+without an offset dequantizes to gguf's own float32 values bit for bit. A form with
+an offset does too where the offset is a float32 number, as it is when its two terms are of like
+magnitude (a quantizer's minimum near -2**(b-1) steps); where it is not (a minimum tiny beside
+the step, or the reverse), the offset is rounded once, and each value differs from gguf's by at
+most 2**-23 (|offset| + |w|). `max_error` is 0: the export adds nothing to the GGUF's own error.
+
+Not mapped, refused naming the tensor: the codebook types (IQ*, whose levels are not evenly
+spaced), MXFP4 / NVFP4 (float4 levels), TQ1_0 / TQ2_0 and Q1_0 (ternary and binary models),
+Q8_1 (llama.cpp's activation type) and the integer types. F32, F16 and BF16 tensors are returned
+as float32 arrays in their Hugging Face shape (norms [H], a float matrix [N, K]).
+
+Names: GGUF tensor names (`blk.3.attn_q.weight`) map to Hugging Face state-dict names
+(`model.layers.3.self_attn.q_proj.weight`) per `general.architecture`, as transformers' GGUF
+loader maps them. llama.cpp's converter permutes the rows of attn_q and attn_k of "llama" models
+(Llama, Mistral, SmolLM2) for its interleaved RoPE; that permutation is undone here on the output
+features N (the columns of q, scale and offset), which leaves every block along K whole. Other
+architectures (Qwen2, Qwen3, Phi-3, Gemma 3) are stored unpermuted. Gemma 3's GGUF stores its
+norms as 1 + w; they are returned as w, as transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import Q4_K, dequantize
+
+from kvedge.errors import KvedgeError
+from kvedge.export.quantize import QuantizedWeight
+
+Blocks = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # q [n, E] int8, scale and offset [n, E/bs]
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>, the Llama layout
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ARCHITECTURE_NAMES = {  # general.architecture -> where its layer names differ from LAYER_NAMES
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's LlamaModel permutes attn_q / attn_k rows
+DERIVED_TABLES = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # from the config in HF
+
+
+@dataclass(frozen=True)
+class GgufWeights:
+    """A GGUF file's tensors under their Hugging Face names."""
+
+    architecture: str  # general.architecture, e.g. "llama"
+    tensors: dict[str, QuantizedWeight | np.ndarray]  # QuantizedWeight [K, N]; float32 in HF shape
+    types: dict[str, str]  # the same names -> GGUF type, e.g. "Q4_1"
+
+
+def read_gguf_weights(path: str | Path) -> GgufWeights:
+    """Every tensor of the GGUF file at `path` under its Hugging Face name: quantized matrices
+    as QuantizedWeight (the transpose of the HF weight), float tensors as float32 arrays, attn_q
+    and attn_k of "llama" models unpermuted. Refuses an architecture, tensor name or type it
+    cannot map, naming it and what is allowed."""
+    reader = GGUFReader(str(path))
+    architecture = str(_field(reader, "general.architecture"))
+    if architecture not in ARCHITECTURE_NAMES:
+        raise KvedgeError(
+            f"{path}: GGUF architecture {architecture!r} has no tensor name map; "
+            f"allowed: {sorted(ARCHITECTURE_NAMES)}"
+        )
+    heads = int(_field(reader, f"{architecture}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{architecture}.attention.head_count_kv", heads))
+    tensors: dict[str, QuantizedWeight | np.ndarray] = {}
+    types: dict[str, str] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, architecture)
+        if name is None:
+            continue
+        weight = tensor_weight(tensor, path)
+        if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rotary(weight, heads)
+        elif architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rotary(weight, kv_heads)
+        elif architecture == "gemma3" and name.endswith("norm.weight") and isinstance(weight, np.ndarray):
+            weight = weight - np.float32(1.0)
+        tensors[name], types[name] = weight, tensor.tensor_type.name
+    return GgufWeights(architecture, tensors, types)
+
+
+def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+    field = reader.fields.get(key)
+    if field is not None:
+        return field.contents()
+    if default is None:
+        raise KvedgeError(f"GGUF file has no {key!r} entry")
+    return default
+
+
+def hf_name(gguf_name: str, architecture: str) -> str | None:
+    """The Hugging Face state-dict name of a GGUF tensor, or None for the tables transformers
+    derives from the config (rope_freqs, ...). Refuses a name it does not know."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in DERIVED_TABLES:
+        return None
+    if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    layer_names = {**LAYER_NAMES, **ARCHITECTURE_NAMES[architecture]}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        if suffix in ("weight", "bias"):
+            return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
+    raise KvedgeError(
+        f"GGUF tensor {gguf_name!r} has no Hugging Face name for architecture {architecture!r}; "
+        f"known: {sorted(GLOBAL_NAMES)} and blk.N.{{{', '.join(sorted(layer_names))}}} (.weight/.bias)"
+    )
+
+
+def tensor_weight(tensor: ReaderTensor, path: str | Path) -> QuantizedWeight | np.ndarray:
+    """One GGUF tensor: a QuantizedWeight [K, N] (K = ne[0], the contiguous input features) for a
+    quantized type, a float32 array in the Hugging Face shape (ne reversed) for F32/F16/BF16."""
+    kind = tensor.tensor_type.name
+    if kind in FLOAT_TYPES:
+        return np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)
+    form = BLOCK_FORMS.get(tensor.tensor_type)
+    if form is None:
+        allowed = [*FLOAT_TYPES, *(t.name for t in BLOCK_FORMS)]
+        raise KvedgeError(
+            f"{path}: tensor {tensor.name!r} is {kind}, which has no kvedge block form "
+            f"(it would have to be requantized); allowed: {allowed}"
+        )
+    k = int(tensor.shape[0])
+    n = int(np.prod(tensor.shape[1:], dtype=np.int64))
+    return block_form(np.asarray(tensor.data), tensor.tensor_type, k, n)
+
+
+def block_form(data: np.ndarray, kind: GGMLQuantizationType, k: int, n: int) -> QuantizedWeight:
+    """A GGUF tensor's raw bytes (N rows of K values, blocks along K; any shape) as kvedge's block
+    form [K, N] (the module docstring's table)."""
+    bits, decode = BLOCK_FORMS[kind]
+    type_bytes = GGML_QUANT_SIZES[kind][1]
+    q, scale, offset = decode(np.ascontiguousarray(data).reshape(-1, type_bytes))
+    block_size = q.shape[1] // scale.shape[1]
+
+    def columns(a: np.ndarray, rows: int) -> np.ndarray:  # GGUF's [N, rows] order -> [rows, N]
+        return np.ascontiguousarray(a.reshape(n, rows).T)
+
+    return QuantizedWeight(
+        columns(q, k),
+        columns(scale, k // block_size),
+        None if offset is None else columns(offset, k // block_size),
+        bits,
+        block_size,
+        0.0,
+    )
+
+
+def unpermute_rotary(weight: QuantizedWeight | np.ndarray, heads: int) -> QuantizedWeight | np.ndarray:
+    """Undo llama.cpp's `permute(w, n_head, n_head_kv)` of attn_q / attn_k: output features (HF
+    rows; QuantizedWeight columns) [heads, 2, d/2] in GGUF order back to HF's [heads, d/2, 2]
+    pairs, as transformers' `_reverse_permute_weights` does."""
+    n = weight.q.shape[1] if isinstance(weight, QuantizedWeight) else weight.shape[0]
+    order = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)  # HF row -> GGUF
+    if isinstance(weight, np.ndarray):
+        return np.ascontiguousarray(weight[order])
+    return QuantizedWeight(
+        np.ascontiguousarray(weight.q[:, order]),
+        np.ascontiguousarray(weight.scale[:, order]),
+        None if weight.offset is None else np.ascontiguousarray(weight.offset[:, order]),
+        weight.bits,
+        weight.block_size,
+        weight.max_error,
+    )
+
+
+# Decoders: raw blocks [n, type bytes] uint8 -> (q [n, E] int8, scale [n, E/bs], offset or None)
+# in GGUF's element order; the unpacking follows gguf.quants' reference dequantizers.
+
+
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block, as float32 [n, 1]."""
+    return np.ascontiguousarray(b[:, at : at + 2]).view(np.float16).astype(np.float32)
+
+
+def _codes(packed: np.ndarray, runs: int, bits: int) -> np.ndarray:
+    """Codes of `bits` bits [n, 8 / bits x len] from bytes [n, len] cut into `runs` runs: within
+    a run, every byte's lowest `bits` bits first, then the next `bits` of every byte, and so on."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8).reshape(1, 1, -1, 1)
+    fields = packed.reshape(len(packed), runs, 1, -1) >> shifts
+    return (fields & np.uint8(2**bits - 1)).reshape(len(packed), -1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: bit j of the little-endian 32-bit qh [n, 4], as [n, 32] 0/1."""
+    return np.unpackbits(qh, axis=1, bitorder="little")
+
+
+def _centred(u: np.ndarray, code_bits: int) -> np.ndarray:
+    return (u.astype(np.int16) - 2 ** (code_bits - 1)).astype(np.int8)
+
+
+def _q8_0(b: np.ndarray) -> Blocks:
+    return np.ascontiguousarray(b[:, 2:34]).view(np.int8), _half(b, 0), None
+
+
+def _q4_0(b: np.ndarray) -> Blocks:
+    return _centred(_codes(b[:, 2:18], 1, 4), 4), _half(b, 0), None
+
+
+def _q4_1(b: np.ndarray) -> Blocks:
+    d, m = _half(b, 0), _half(b, 2)
+    return _centred(_codes(b[:, 4:20], 1, 4), 4), d, m + 8 * d
+
+
+def _q5_0(b: np.ndarray) -> Blocks:
+    u = _codes(b[:, 6:22], 1, 4) | (_high_bits(b[:, 2:6]) << 4)
+    return _centred(u, 5), _half(b, 0), None
+
+
+def _q5_1(b: np.ndarray) -> Blocks:
+    d, m = _half(b, 0), _half(b, 2)
+    u = _codes(b[:, 8:24], 1, 4) | (_high_bits(b[:, 4:8]) << 4)
+    return _centred(u, 5), d, m + 16 * d
+
+
+def _q2_k(b: np.ndarray) -> Blocks:
+    sub = b[:, 0:16]  # per 16 values: scale (low nibble), minimum (high nibble)
+    scale = _half(b, 80) * (sub & 0x0F).astype(np.float32)
+    minimum = _half(b, 82) * (sub >> 4).astype(np.float32)
+    return _centred(_codes(b[:, 16:80], 2, 2), 2), scale, 2 * scale - minimum
+
+
+def _q3_k(b: np.ndarray) -> Blocks:
+    sub = _codes(b[:, 96:104], 1, 4) | (_codes(b[:, 104:108], 1, 2) << 4)  # [n, 16] 6-bit
+    scale = _half(b, 108) * (sub.astype(np.float32) - 32)
+    missing = 1 - _codes(b[:, 0:32], 1, 1).astype(np.int16)  # 4 is subtracted where the bit is 0
+    v = _codes(b[:, 32:96], 2, 2).astype(np.int16) - 4 * missing  # [n, 256] in -4..3
+    return v.astype(np.int8), scale, None
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: (d s, dmin t), each [n, 8] float32, one per 32 values."""
+    s, t = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    return _half(b, 0) * s.astype(np.float32), _half(b, 2) * t.astype(np.float32)
+
+
+def _q4_k(b: np.ndarray) -> Blocks:
+    scale, minimum = _k_scales(b)
+    return _centred(_codes(b[:, 16:144], 4, 4), 4), scale, 8 * scale - minimum
+
+
+def _q5_k(b: np.ndarray) -> Blocks:
+    scale, minimum = _k_scales(b)
+    u = _codes(b[:, 48:176], 4, 4) | (_codes(b[:, 16:48], 1, 1) << 4)
+    return _centred(u, 5), scale, 16 * scale - minimum
+
+
+def _q6_k(b: np.ndarray) -> Blocks:
+    u = _codes(b[:, 0:128], 2, 4) | (_codes(b[:, 128:192], 2, 2) << 4)  # [n, 256] 6-bit
+    s = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # [n, 16]
+    return _centred(u, 6), _half(b, 208) * s, None
+
+
+def _q8_k(b: np.ndarray) -> Blocks:
+    d = np.ascontiguousarray(b[:, 0:4]).view(np.float32)
+    return np.ascontiguousarray(b[:, 4:260]).view(np.int8), d, None
+
+
+BLOCK_FORMS: dict[GGMLQuantizationType, tuple[int, Callable[[np.ndarray], Blocks]]] = {
+    GGMLQuantizationType.Q8_0: (8, _q8_0),
+    GGMLQuantizationType.Q4_0: (4, _q4_0),
+    GGMLQuantizationType.Q4_1: (4, _q4_1),
+    GGMLQuantizationType.Q5_0: (8, _q5_0),
+    GGMLQuantizationType.Q5_1: (8, _q5_1),
+    GGMLQuantizationType.Q2_K: (4, _q2_k),
+    GGMLQuantizationType.Q3_K: (4, _q3_k),
+    GGMLQuantizationType.Q4_K: (4, _q4_k),
+    GGMLQuantizationType.Q5_K: (8, _q5_k),
+    GGMLQuantizationType.Q6_K: (8, _q6_k),
+    GGMLQuantizationType.Q8_K: (8, _q8_k),
+}
