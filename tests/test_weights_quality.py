@@ -83,6 +83,36 @@ def test_each_block_takes_its_closest_grid():
     assert errors["affine"][0, 0] < errors["extreme"][0, 0] / 4
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_positive_scales_hold_the_signed_extreme_grid_one_level_up(bits):
+    """TensorRT's form (`positive_scales`): a block whose extreme is positive (extreme grid scale
+    s < 0, codes q) is stored on scale -s with offset -s and codes -q - 1: the same values."""
+    w = np.random.default_rng(5).standard_normal((128, 9)).astype(np.float32)
+    signed = quantize_blockwise(w, bits, BLOCK)
+    positive = quantize_blockwise(w, bits, BLOCK, positive_scales=True)
+    flipped = signed.scale < 0  # [K/bs, N]
+    assert flipped.any() and (~flipped).any() and (positive.scale > 0).all()
+    np.testing.assert_array_equal(positive.scale, np.abs(signed.scale))
+    np.testing.assert_array_equal(positive.offset, np.where(flipped, -signed.scale, 0))
+    rows = np.repeat(flipped, BLOCK, axis=0)  # [K, N]
+    np.testing.assert_array_equal(positive.q, np.where(rows, -signed.q - 1, signed.q))
+    np.testing.assert_allclose(positive.dequantize(), signed.dequantize(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_positive_scales_cost_no_error(bits):
+    """Every block keeps the error it has on the export's grids without the constraint, also
+    where the extreme grid of negative scale is its best (dropping that grid instead gave
+    SmolLM2's 4-bit LM head 0.67% more squared error)."""
+    w = np.random.default_rng(6).standard_normal((256, 16)).astype(np.float32)
+    signed = quantize_blockwise(w, bits, BLOCK, EXPORT_GRIDS)
+    positive = quantize_blockwise(w, bits, BLOCK, EXPORT_GRIDS, positive_scales=True)
+    assert (signed.scale < 0).any() and (positive.scale > 0).all()
+    errors = [np.square(qw.dequantize() - w).reshape(-1, BLOCK, 16).sum(1) for qw in (signed, positive)]
+    np.testing.assert_allclose(errors[1], errors[0], rtol=1e-5)
+    assert positive.max_error == pytest.approx(signed.max_error, rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def gguf_like_source(tmp_path_factory):
     """A tiny llama whose projections are Q4_1 values and whose (tied) embedding is Q8_0 values."""

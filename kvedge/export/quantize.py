@@ -14,7 +14,13 @@ and output column n, with signed integers qmin = -2**(bits-1), qmax = 2**(bits-1
     w_hat = q * scale + offset
 
 Putting the extreme on qmin (the side with one more level) gives int4 16 usable levels
-instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do. The affine grid
+instead of 15, as llama.cpp Q4_0 and onnxruntime's MatMulNBits quantizer do. Its scale is
+negative where m > 0, which TensorRT refuses (a DequantizeLinear scale must be > 0); graphs it
+reads (`positive_scales`) hold such a grid's same values on a positive scale, one level up::
+
+    q s + o = (-q - 1)(-s) + (o - s)   and   qmin <= q <= qmax  iff  qmin <= -q - 1 <= qmax
+
+(-q alone would need qmax + 1), so that block takes an offset of |s|. The affine grid
 spans the block's own range, so no level is spent on the side the block does not reach; it is
 llama.cpp's Q4_1 / Q8_1 form (a float minimum per block), and on weights that already sit on
 such a grid (a Q4_1 GGUF dequantized, SmolLM2's case) it reproduces them exactly at 8 bits and
@@ -115,9 +121,10 @@ def quantize_blockwise(
     block on whichever of `grids` gives it the smallest squared error (the first on a tie).
     `half_params`: each block's scale and minimum (offset + qmin * scale, the value of qmin) are
     float16 numbers, as kvedge.QuantMatMul stores them (`pack_quant_matmul`), and the codes are
-    chosen on that grid. `positive_scales`: no block takes a scale <= 0 (the extreme grid's
-    m / qmin is negative where m > 0), for TensorRT, whose importer refuses a DequantizeLinear
-    scale <= 0; absmax and affine always offer one."""
+    chosen on that grid. `positive_scales`: every scale > 0, for TensorRT, whose importer
+    refuses a DequantizeLinear scale <= 0; a grid of negative scale (the extreme grid's m / qmin
+    where m > 0) is offered as the same values on its positive scale with one level of offset
+    (`_positive`), so each block keeps the error it has without the constraint."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
@@ -130,12 +137,12 @@ def quantize_blockwise(
     best: tuple[np.ndarray, ...] | None = None  # (q, scale, offset, squared error [K/bs, N])
     for grid in grids:
         scale, offset = _grid(blocks, grid, qmin, qmax)
+        if positive_scales:
+            scale, offset = _positive(scale, offset)
         if half_params:
             scale, offset = _half_grid(scale, offset, qmin)
         q = np.clip(np.rint((blocks - offset[:, None, :]) / scale[:, None, :]), qmin, qmax)
         err = np.square(q * scale[:, None, :] + offset[:, None, :] - blocks).sum(axis=1)
-        if positive_scales:
-            err = np.where(scale > 0, err, np.inf)
         if best is None:
             best = (q, scale, offset, err)
             continue
@@ -152,6 +159,12 @@ def quantize_blockwise(
     )
     max_error = float(np.abs(qw.dequantize() - w).max()) if w.size else 0.0
     return QuantizedWeight(qw.q, scale, qw.offset, bits, block_size, max_error)
+
+
+def _positive(scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset) [K/bs, N] with every scale > 0 and the same levels: where s < 0, code q's
+    value q s + o is code (-q - 1)'s on scale -s with offset o - s (the module docstring)."""
+    return np.abs(scale), np.where(scale < 0, offset - scale, offset).astype(np.float32)
 
 
 def _half_grid(scale: np.ndarray, offset: np.ndarray, qmin: int) -> tuple[np.ndarray, np.ndarray]:
