@@ -383,7 +383,7 @@ def main(verbose: int) -> None:
     type=int,
     default=None,
     help="int8/int4 weights: the LM head's bits (--variant ort: 8 or 4; portable: the weights' "
-    "bits). Default: at least 8 in ort graphs.",
+    "bits or 8). Default: at least 8 in ort graphs, the weights' bits in portable ones.",
 )
 @click.option(
     "--decode-matmuls",

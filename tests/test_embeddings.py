@@ -27,6 +27,7 @@ RECIPES = {
     "portable-int4-float16": ExportRecipe(max_len=64, weights="int4", precision="float16"),
     "ort-int4-head8": ExportRecipe(max_len=64, weights="int4", variant="ort", kv_dtype="int8"),
     "portable-int4-no-kept": ExportRecipe(max_len=64, weights="int4", outlier_channels=0),
+    "portable-int4-head8": ExportRecipe(max_len=64, weights="int4", head_bits=8),
 }
 
 

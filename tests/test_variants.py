@@ -92,8 +92,8 @@ def test_int4_packing_is_the_onnx_layout():
         ),
         (dict(weights="float16", head_bits=8), "--head-bits 8 applies to --weights int8 or int4 only"),
         (
-            dict(weights="int4", head_bits=8),
-            r"--head-bits 8 is not allowed with --variant portable --weights int4; allowed: \[4\]",
+            dict(weights="int8", head_bits=4),
+            r"--head-bits 4 is not allowed with --variant portable --weights int8; allowed: \[8\]",
         ),
         (
             dict(variant="ort", weights="int8", head_bits=2),
