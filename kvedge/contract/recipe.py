@@ -154,7 +154,7 @@ class ExportRecipe:
     @property
     def lm_head_bits(self) -> int:
         """The bits the LM head is stored at: --head-bits, else in ort graphs never below
-        `HEAD_MIN_BITS`; portable graphs keep the projections' bits."""
+        `HEAD_MIN_BITS`; portable graphs keep the projections' bits (--head-bits 8 raises them)."""
         if self.head_bits is not None:
             return self.head_bits
         return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
