@@ -939,10 +939,12 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
     default=None,
     callback=or_old_spelling,
     help="Recipes only: the weight form an export would make (default: the recipe's); "
-    "--variant, --block-size, --outlier-channels, --head-bits and --decode-matmuls as in export.",
+    "--variant, --precision, --block-size, --outlier-channels, --head-bits and --decode-matmuls "
+    "as in export.",
 )
 @old_spelling("--weights-dtype", "--weights", "weights", type=click.Choice(list(WEIGHT_FORMATS)))
 @click.option("--variant", type=click.Choice(sorted(VARIANTS)), default=None, help="As in export.")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default=None, help="As in export.")
 @click.option("--block-size", type=int, default=None, help="As in export.")
 @click.option("--outlier-channels", type=int, default=None, help="As in export.")
 @click.option("--head-bits", type=int, default=None, help="As in export.")
@@ -964,7 +966,15 @@ def plan(model: str, profile: str | None, device: str | None, **kwargs: Any) -> 
     from kvedge.planner import plan_report, weight_form
 
     device = device or click.get_current_context().meta.get(("old spelling", "device"))  # --backend
-    form_keys = ("weights", "variant", "block_size", "outlier_channels", "head_bits", "decode_matmuls")
+    form_keys = (
+        "weights",
+        "variant",
+        "precision",
+        "block_size",
+        "outlier_channels",
+        "head_bits",
+        "decode_matmuls",
+    )
     form = weight_form({k: kwargs.pop(k) for k in form_keys})
     click.echo(plan_report(model, profile=profile, device=device, form=form, **kwargs))
 

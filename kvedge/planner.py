@@ -140,6 +140,13 @@ def recipe_weight_bytes(a: Architecture, form: ExportRecipe) -> int:
     return real * rest + quantized + quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
 
 
+def recipe_note(a: Architecture, form: ExportRecipe) -> str:
+    """What a recipe's weight bytes are: its parameters, the bits each costs on disk (codes,
+    scales, offsets, kept channels and float tensors together) and the form."""
+    bits = 8 * recipe_weight_bytes(a, form) / a.param_count
+    return f"{a.param_count:,} params at {bits:.2f} bits each, {form.describe_weights()}"
+
+
 @dataclass(frozen=True)
 class ModelFootprint:
     """What the planner needs to know about a model, from an export folder or a recipe."""
@@ -197,7 +204,7 @@ class ModelFootprint:
             name=recipe.name,
             origin=str(recipe.path),
             weights_bytes=recipe_weight_bytes(a, form),
-            weights_note=f"{a.param_count:,} params, {form.describe_weights()}",
+            weights_note=recipe_note(a, form),
             form=form,
             architecture=a,
             geometry=recipe.geometry(),
@@ -576,7 +583,7 @@ def _changed_plan(plan: Plan, options: dict[str, str], forms: dict[str, ExportRe
         model = dataclasses.replace(
             model,
             weights_bytes=recipe_weight_bytes(model.architecture, form),
-            weights_note=f"{model.architecture.param_count:,} params, {form.describe_weights()}",
+            weights_note=recipe_note(model.architecture, form),
             form=form,
         )
     slots = (int(options["--slots"]),) if "--slots" in options else plan.slots
@@ -622,11 +629,12 @@ def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Bud
 
 def weight_form(options: dict[str, Any]) -> ExportRecipe | None:
     """The weight form `kvedge plan`'s export options name (None: the model's own): --weights
-    (default float32) and the options of `kvedge export` that go with it."""
+    (default: the --precision's, float32 for a float32 graph) and the options of `kvedge export`
+    that go with it."""
     given = {k: v for k, v in options.items() if v is not None}
     if not given:
         return None
-    return ExportRecipe(**{"weights": "float32", **given})
+    return ExportRecipe(**given)
 
 
 def plan_report(

@@ -88,7 +88,7 @@ def test_weight_quantization_options(tmp_path):
     for args, message in [
         (("--weights", "int4", "--outlier-channels", "5"), "allowed: [0, 8, 16, 32, 64]"),
         (("--head-bits", "8"), "--head-bits 8 applies to --weights int8 or int4 only, not --weights float32"),
-        (("--weights", "int4", "--head-bits", "8"), "--variant portable --weights int4; allowed: [4]"),
+        (("--weights", "int8", "--head-bits", "4"), "--variant portable --weights int8; allowed: [8]"),
         (("--variant", "ort", "--weights", "int4", "--head-bits", "3"), "--head-bits 3 is not allowed"),
     ]:
         done = kvedge("export", str(tmp_path / "hf"), "--out", str(tmp_path / "bad"), *args)

@@ -179,6 +179,7 @@ COMMANDS = {
         "--kv-dtype": "kv_dtype",
         "--weights": "weights",
         "--variant": "variant",
+        "--precision": "precision",
         **{flag: flag[2:].replace("-", "_") for flag in QUANTIZED},
         "--slots": "slots",
         "--max-len": "max_len",

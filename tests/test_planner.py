@@ -206,7 +206,7 @@ def test_plan_takes_every_weight_form():
     for weights in ("int8", "int4"):
         done = kvedge("plan", "smollm2-135m", "--profile", "orin-nano-8gb", "--weights", weights)
         assert done.returncode == 0, done.stderr
-        assert f"params, {weights} portable (block 32, 32 float32 channels)" in done.stdout
+        assert f"bits each, {weights} portable (block 32, 32 float32 channels)" in done.stdout
     old = kvedge("plan", "smollm2-135m", "--device", "orin-nano-8gb", "--weights-dtype", "int8")
     assert old.returncode == 0, old.stderr
     assert "use --profile orin-nano-8gb" in old.stderr and "use --weights" in old.stderr
@@ -311,3 +311,34 @@ def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
     on_disk = footprint(out).weights_bytes
     planned = recipe_weight_bytes(arch, form)
     assert abs(planned - on_disk) <= 0.01 * on_disk + 64 * 1024, (planned, on_disk)
+
+
+def test_plan_prints_bits_per_parameter_and_plans_the_float16_graph():
+    """`kvedge plan --precision float16` plans TensorRT's float16 graph (scales, offsets and kept
+    rows float16), and the weights line says what each parameter costs: Llama-3.2-3B int4 at
+    5.15 bits in a float16 graph, 6.29 in a float32 one (float32 scales and offsets)."""
+    lines = {}
+    for precision in ("float32", "float16"):
+        done = kvedge(
+            "plan",
+            "llama-3.2-3b",
+            "--profile",
+            "orin-nano-8gb",
+            "--weights",
+            "int4",
+            "--precision",
+            precision,
+        )
+        assert done.returncode == 0, done.stderr
+        lines[precision] = next(line for line in done.stdout.splitlines() if line.startswith("weights"))
+    assert (
+        "3,212,749,824 params at 6.29 bits each, int4 portable (block 32, 32 float32 channels)"
+        in lines["float32"]
+    )
+    assert (
+        "3,212,749,824 params at 5.15 bits each, int4 portable (block 32, 32 float16 channels)"
+        in lines["float16"]
+    )
+    done = kvedge("plan", "llama-3.2-3b", "--weights", "float32", "--precision", "float16")
+    assert done.returncode != 0 and "--weights float32 is not allowed with --precision float16" in done.stderr
+    assert "Traceback" not in done.stderr
