@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import export_once
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 from tiny import make_tiny_model
@@ -36,18 +37,15 @@ def source(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("embed") / "hf", "llama")
 
 
+# the ExportRecipe fields the cases above set, in the order `exported` takes them
+FIELDS = ("weights", "variant", "precision", "kv_dtype", "outlier_channels", "head_bits")
+
+
 @pytest.fixture(scope="module")
 def exported(source, tmp_path_factory):
-    root = tmp_path_factory.mktemp("embed_exports")
-    done = {}
-
-    def get(name: str):
-        if name not in done:
-            done[name] = root / name
-            export_model(source, done[name], RECIPES[name])
-        return done[name]
-
-    return get
+    """name -> the artifact folder of RECIPES[name], built once per module (`export_once`)."""
+    get = export_once(source, tmp_path_factory.mktemp("embed_exports"), *FIELDS, max_len=64)
+    return lambda name: get(*(getattr(RECIPES[name], field) for field in FIELDS))
 
 
 def head_weight(folder) -> np.ndarray:
