@@ -22,15 +22,20 @@ weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: wha
              graph's own bytes and RoPE tables not counted; SmolLM2-135M `--weights int8
              --outlier-channels 0`: planned 294,107,904, files 291,490,818 (+0.9%: its Q8_0 LM
              head needs no block offsets, 3.5 MB the planner assumes).
-load         what the backend holds beyond the weight bytes. onnxruntime 1.32 CPU: SmolLM2-135M's
-             514 MiB float32 graph left the process 757-789 MiB larger after session creation
-             (prepacked MatMul weights; two runs), so 0.6 x weights. GPU backends (onnxruntime CUDA,
-             TensorRT): 1.0 x weights, ASSUMED (not measured): on unified memory the host copy
-             read from disk and the device copy coexist while the model loads. A float16-weight
-             export (`--weights float16`) is half the file bytes, but its graph widens each
-             weight with a Cast that onnxruntime folds at load, so it holds float32 weights
-             anyway: + 2 x the file bytes. Measured, onnxruntime 1.32 CPU, SmolLM2-135M: float16
-             files 257 MiB, RSS +903 MiB at load; float32 files 514 MiB, +889 MiB.
+load         what the backend holds beyond the weight bytes. onnxruntime CPU, measured per form
+             (`CPU_HELD`: bytes held once loaded and stepped, as a multiple of the weight files):
+             float32 weights 1.3 (MLAS's prepacked copy replaces the file's pages, plus padding);
+             float16 weights 2.6 in a float32 graph (its Casts are folded to a float32 copy at
+             load, then prepacked) and 2.45 in a float16 graph (no float16 kernels on x86: the
+             same widening); int8 / int4 weights 1.8 / 1.95, 2.0 / 2.4 in a float16 graph (the
+             MatMulNBits kernels' packed blocks beside the graph's). Measured with onnxruntime
+             1.2x on SmolLM2-135M (peak RSS of a fresh process after load and two decode steps,
+             less the tokenizer, which `runtime` counts, and the KV pool; every form within 10%:
+             tests/test_real_model.py); a larger model's fixed parts weigh less, so these
+             over-count it. GPU backends (onnxruntime CUDA, TensorRT): 1.0 x weights,
+             ASSUMED (not measured): on unified memory the host copy read from disk and the
+             device copy coexist while the model loads; plus a float32 graph's float32 copy of
+             float16-stored weights (`widened_bytes`, 2 x the file: onnxruntime folds the Casts).
 kv           `CacheGeometry(max_len=C, dtype=kv).pool_bytes(S)`: exactly what `KVCache` allocates
              (tests/test_planner.py checks it). A quantized cache's scales belong to
              CacheGeometry and appear here with no change to this module. The runtime's token
@@ -49,7 +54,9 @@ runtime      Python + numpy + onnxruntime + tokenizer: 96 MiB (measured 70-75 Mi
              is where it gets measured.
 
 Checked (cpu preset): SmolLM2-135M float32, max_len 2048, 1/2/4/8 slots each prefilled with 600
-tokens then decoding: measured peak RSS 1078/1178/1424/1718 MiB, planned 1202/1292/1472/1832.
+tokens then decoding: measured peak RSS 1078/1178/1424/1718 MiB, planned 1045/1135/1315/1675
+(3-8% under: the load term, 1.3 x weights, is measured after two decode steps, not 600-token
+prefills, whose arena growth the activations term counts at 8 score buffers).
 
 What fits instead: when no cell of a plan fits, `what_fits` tries the smallest change, in this
 order: fewer options changed first; one change in the order cache dtype (float16, then int8),
@@ -96,18 +103,43 @@ DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 MIN_CONTEXT = 16  # the shortest cache an export takes (configs.ExportSettings.max_len)
 
 
+# onnxruntime CPU: bytes a session holds once loaded and stepped, as a multiple of the weight
+# files, by (graph precision, weights) (module docstring, "load")
+CPU_HELD = {
+    ("float32", "float32"): 1.3,
+    ("float32", "float16"): 2.6,
+    ("float32", "int8"): 1.8,
+    ("float32", "int4"): 1.95,
+    ("float16", "float16"): 2.45,
+    ("float16", "int8"): 2.0,
+    ("float16", "int4"): 2.4,
+}
+
+
 @dataclass(frozen=True)
 class Overheads:
     """What a backend costs besides weights, cache and activations."""
 
     runtime_bytes: int
-    load_fraction: float  # extra weight-sized memory, as a fraction of the weight bytes
     note: str
+    cpu: bool  # onnxruntime on the CPU: `CPU_HELD`; else a GPU backend's assumed terms
+
+    def load(self, model: ModelFootprint) -> int:
+        """Bytes held at load beyond the weight files (module docstring, "load")."""
+        if self.cpu:
+            held = CPU_HELD[model.precision, model.weights_dtype] * model.weights_bytes
+            return int(held) - model.weights_bytes
+        return model.weights_bytes + model.widened_bytes
+
+    def load_note(self, model: ModelFootprint) -> str:
+        if self.cpu:
+            return f"onnxruntime holds {CPU_HELD[model.precision, model.weights_dtype]:g} x weights"
+        return "1 x weights" + (" + their float32 copy" if model.widened_bytes else "")
 
 
-_GPU = Overheads(96 * MiB + GiB, 1.0, "CUDA/TensorRT on unified memory, assumed, not measured")
+_GPU = Overheads(96 * MiB + GiB, "CUDA/TensorRT on unified memory, assumed, not measured", cpu=False)
 # by `--device` (contract.engine.DEVICES): where the model runs
-_CPU = Overheads(96 * MiB, 0.6, "onnxruntime CPU, measured")
+_CPU = Overheads(96 * MiB, "onnxruntime CPU, measured", cpu=True)
 OVERHEADS = {device: _CPU if device == "cpu" else _GPU for device in DEVICES}
 
 
@@ -163,6 +195,8 @@ class ModelFootprint:
     logits: str  # "last" or "all"
     max_context: int  # longest usable context
     fixed_context: bool  # an export's max_len is baked into its graph
+    precision: str = "float32"  # the graph's (PRECISIONS)
+    weights_dtype: str = "float32"  # how its weights are stored (WEIGHT_FORMATS)
     widened_bytes: int = 0  # float32 copy of float16-stored weights made at load (module docstring)
     form: ExportRecipe | None = None  # a recipe's weight form (None: an export's files)
     architecture: Architecture | None = None  # a recipe's, to plan other weight forms
@@ -180,9 +214,9 @@ class ModelFootprint:
             weights_bytes=(weights := sum(p.stat().st_size for p in files)),
             weights_note=" + ".join(p.name for p in files) + f" ({manifest.weights_dtype})",
             # a float32 graph widens float16-stored weights; a float16 graph computes with them
-            widened_bytes=2 * weights
-            if (manifest.weights_dtype, manifest.precision) == ("float16", "float32")
-            else 0,
+            precision=manifest.precision,
+            weights_dtype=manifest.weights_dtype,
+            widened_bytes=widened_bytes(weights, manifest.precision, manifest.weights_dtype),
             geometry=manifest.geometry,
             num_heads=manifest.num_heads,
             hidden_size=manifest.hidden_size,
@@ -203,8 +237,11 @@ class ModelFootprint:
         return cls(
             name=recipe.name,
             origin=str(recipe.path),
-            weights_bytes=recipe_weight_bytes(a, form),
+            weights_bytes=(weights := recipe_weight_bytes(a, form)),
             weights_note=recipe_note(a, form),
+            precision=form.precision,
+            weights_dtype=form.weights,
+            widened_bytes=widened_bytes(weights, form.precision, form.weights),
             form=form,
             architecture=a,
             geometry=recipe.geometry(),
@@ -216,6 +253,12 @@ class ModelFootprint:
             max_context=a.max_position_embeddings,
             fixed_context=False,
         )
+
+
+def widened_bytes(weights: int, precision: str, weights_dtype: str) -> int:
+    """The float32 copy a float32 graph makes of float16-stored weights at load (its Casts of
+    constants are folded), 2 x their bytes; a float16 graph computes with them as they are."""
+    return 2 * weights if (precision, weights_dtype) == ("float32", "float16") else 0
 
 
 def footprint(
@@ -299,7 +342,7 @@ def estimate(
         context=context,
         kv_dtype=kv_dtype or model.geometry.dtype,
         weights=model.weights_bytes,
-        load=int(overheads.load_fraction * model.weights_bytes) + model.widened_bytes,
+        load=overheads.load(model),
         kv=kv_bytes(model, slots, context, kv_dtype),
         activations=activation_bytes(model, slots, context),
         runtime=overheads.runtime_bytes,
@@ -417,7 +460,7 @@ def render(plan: Plan) -> str:
         f"model        {m.name} ({m.origin})",
         f"weights      {human(m.weights_bytes)}: {m.weights_note}",
         f"device       {plan.device} ({overheads.note}): runtime {human(first.runtime)}, "
-        f"load {human(first.load)} ({overheads.load_fraction:g} x weights)",
+        f"load {human(first.load)} ({overheads.load_note(m)})",
         f"kv cache     {plan.kv_dtype}: {per_token:,} bytes per token per slot",
         f"budget       {human(b.usable)} = {b.source} {human(b.total_bytes)}"
         f" - reserve {human(b.reserve_bytes)}",

@@ -16,6 +16,7 @@ from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.planner import (
+    CPU_HELD,
     OVERHEADS,
     Budget,
     ModelFootprint,
@@ -80,10 +81,10 @@ HAND = ModelFootprint(
 #   context 16, prefill of one row: 4 * (8*2*16*32 + 3*16*16 + 4*16*8 + 10) + 2*16*64 = 39,976
 #   context 32, prefill of one row: 4 * (8*2*32*64 + 3*32*16 + 4*32*8 + 10) + 2*32*64 = 145,448
 #   (decode of 4 rows is smaller: 4 * (8*4*2*17 + 3*4*16 + 4*4*8 + 4*10) + 2*4*64 = 6,304 at 16)
-#   kv: 64 B x context x slots; load 0.6 x 1000 = 600; weights 1000; + runtime
+#   kv: 64 B x context x slots; load (1.3 - 1) x 1000 = 300 (CPU_HELD, float32); weights 1000; + runtime
 EXPECTED = [
-    [1000 + 600 + 1024 + 39976, 1000 + 600 + 4096 + 39976],
-    [1000 + 600 + 2048 + 145448, 1000 + 600 + 8192 + 145448],
+    [1000 + 300 + 1024 + 39976, 1000 + 300 + 4096 + 39976],
+    [1000 + 300 + 2048 + 145448, 1000 + 300 + 8192 + 145448],
 ]
 
 
@@ -101,12 +102,12 @@ def test_table_matches_hand_computed_totals():
 
 
 def test_check_fits_says_by_how_much():
-    assert check_fits(HAND, 1, RUNTIME + 150_000, context=32).total == RUNTIME + 149_096
+    assert check_fits(HAND, 1, RUNTIME + 150_000, context=32).total == RUNTIME + 148_796
     with pytest.raises(KvedgeError) as error:
         check_fits(HAND, 4, RUNTIME + 150_000, context=32)
     message = str(error.value)
     assert "hand: 4 slots x 32 tokens (float32 cache)" in message
-    assert "5,240 B over" in message and "at most 1 slot fit at this context" in message
+    assert "4,940 B over" in message and "at most 1 slot fit at this context" in message
     with pytest.raises(KvedgeError, match="not even 1 slot fits"):
         check_fits(HAND, 1, 1000)
 
@@ -184,7 +185,9 @@ def test_float16_weight_export_counts_half_the_file_and_the_widened_copy(tmp_pat
     assert f32.widened_bytes == 0 and f16.widened_bytes == 2 * f16.weights_bytes
     cpu = estimate(f16, 1, 64)
     assert cpu.weights == f16.weights_bytes
-    assert cpu.load == int(OVERHEADS["cpu"].load_fraction * f16.weights_bytes) + 2 * f16.weights_bytes
+    assert cpu.load == int(CPU_HELD["float32", "float16"] * f16.weights_bytes) - f16.weights_bytes
+    gpu = estimate(f16, 1, 64, device="tensorrt")
+    assert gpu.load == f16.weights_bytes + 2 * f16.weights_bytes  # the host copy, and the float32 one
 
 
 # --- every weight form export makes, and what fits when nothing does ----------------------------

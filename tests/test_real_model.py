@@ -7,6 +7,8 @@ than transformers (fused QKV, folded scale, split softmax inputs); measured ~1e-
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,6 +21,7 @@ from kvedge.calibrate.evaluate import evaluate
 from kvedge.contract import ExportRecipe
 from kvedge.export.export import export_model
 from kvedge.export.source import default_gguf, load_hf, resolve_source
+from kvedge.planner import estimate, footprint
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill
 from kvedge.runtime.model import Model
 
@@ -249,3 +252,64 @@ def test_portable_quantized_weights_stay_close_to_fp32(smol, monkeypatch, weight
     prompts = builtin_prompts("heldout")[:4]
     rows = evaluate(Model(out), None, prompts, tokens=32, weights_models=(weight_only, Model(folder)))
     assert rows[0].kl_mean < weight_only_kl and rows[1].kl_mean < cpu_kl, rows
+
+
+# --- the planner's load term against what onnxruntime holds -------------------------------------
+
+HELD_CHILD = """
+import sys
+from pathlib import Path
+from kvedge.contract import Manifest
+from kvedge.runtime.generate import SamplingConfig
+from kvedge.runtime.model import Model
+from kvedge.runtime.tokenizer import ChatTokenizer
+
+def status(key):
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(key))
+
+folder, what = Path(sys.argv[1]), sys.argv[2]
+base = status("VmRSS:")
+if what == "tokenizer":
+    ChatTokenizer(folder, Manifest.load(folder))
+    print(status("VmHWM:") - base)
+else:
+    model = Model(folder, threads=1)
+    turn = model.begin(0, [1, 2, 3, 4], SamplingConfig(max_new_tokens=4))
+    model.step([turn])
+    model.step([turn])
+    print(status("VmHWM:") - base - model.kv_bytes_allocated)
+"""
+# outlier channels 0: no calibration pass (their rows are in the files like any weight bytes)
+LOAD_FORMS = {
+    "float16": ExportRecipe(max_len=512, weights="float16"),
+    "int8": ExportRecipe(max_len=512, weights="int8", outlier_channels=0),
+    "int4": ExportRecipe(max_len=512, weights="int4", outlier_channels=0),
+    "ort-int4": ExportRecipe(max_len=512, weights="int4", variant="ort", outlier_channels=0),
+    "float16-graph-int4": ExportRecipe(max_len=512, weights="int4", precision="float16", outlier_channels=0),
+}
+
+
+def peak_growth(folder, what: str) -> int:
+    """Peak RSS growth of a fresh process that loads `what` of the export in `folder` ("tokenizer",
+    or the model stepped twice, less its KV pool)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_CHILD, str(folder), what], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.parametrize("form", ["float32", *LOAD_FORMS])
+def test_planned_weights_and_load_are_what_onnxruntime_holds(smol, form):
+    """`kvedge plan`'s weights + load for an export, against the peak RSS a fresh process gains
+    loading it and running two decode steps, less the tokenizer (the planner's `runtime` term)
+    and the KV pool (its `kv`, exact): within 10% for every weight form (planner.CPU_HELD)."""
+    out, hf, tokenizer = smol
+    folder = out
+    if form != "float32":
+        folder = out.parent / f"load-{form}"
+        export_model(None, folder, LOAD_FORMS[form], loaded=(hf, tokenizer), force=True)
+    planned = estimate(footprint(folder), 1, 512, device="cpu")
+    held = peak_growth(folder, "model") - peak_growth(folder, "tokenizer")
+    assert abs(held / (planned.weights + planned.load) - 1) <= 0.10, (held, planned)
