@@ -375,15 +375,16 @@ def main(verbose: int) -> None:
     "--outlier-channels",
     type=int,
     default=None,
-    help="int8/int4 weights: input channels of each matmul kept float32 (0, 8, 16, 32, 64; default "
-    "32). Fewer read fewer bytes per token, at some quality (docs/PERFORMANCE.md).",
+    help="int8/int4 weights: input channels of each matmul kept float (0, 8, 16, 32, 64; default "
+    "32, 8 with --precision float16). Fewer read fewer bytes per token, at some quality "
+    "(docs/PERFORMANCE.md).",
 )
 @click.option(
     "--head-bits",
     type=int,
     default=None,
     help="int8/int4 weights: the LM head's bits (--variant ort: 8 or 4; portable: the weights' "
-    "bits or 8). Default: at least 8 in ort graphs, the weights' bits in portable ones.",
+    "bits or 8). Default: at least 8 (a 4-bit head costs 20-35x the KL, docs/PERFORMANCE.md).",
 )
 @click.option(
     "--decode-matmuls",

@@ -233,16 +233,11 @@ class ModelFootprint:
     def from_recipe(cls, recipe: ModelRecipe, form: ExportRecipe | None = None) -> ModelFootprint:
         """`form` overrides the recipe's weights, e.g. int4 (`--weights int4`)."""
         a = recipe.architecture
-        form = form or recipe.export_recipe
-        return cls(
+        found = cls(
             name=recipe.name,
             origin=str(recipe.path),
-            weights_bytes=(weights := recipe_weight_bytes(a, form)),
-            weights_note=recipe_note(a, form),
-            precision=form.precision,
-            weights_dtype=form.weights,
-            widened_bytes=widened_bytes(weights, form.precision, form.weights),
-            form=form,
+            weights_bytes=0,
+            weights_note="",
             architecture=a,
             geometry=recipe.geometry(),
             num_heads=a.num_heads,
@@ -252,6 +247,21 @@ class ModelFootprint:
             logits=recipe.export.logits,
             max_context=a.max_position_embeddings,
             fixed_context=False,
+        )
+        return found.with_form(form or recipe.export_recipe)
+
+    def with_form(self, form: ExportRecipe) -> ModelFootprint:
+        """This recipe's model exported in weight form `form`."""
+        assert self.architecture is not None, "an export's weights are its files"
+        weights = recipe_weight_bytes(self.architecture, form)
+        return dataclasses.replace(
+            self,
+            weights_bytes=weights,
+            weights_note=recipe_note(self.architecture, form),
+            precision=form.precision,
+            weights_dtype=form.weights,
+            widened_bytes=widened_bytes(weights, form.precision, form.weights),
+            form=form,
         )
 
 
@@ -622,13 +632,7 @@ def _smaller_forms(model: ModelFootprint) -> list[ExportRecipe]:
 def _changed_plan(plan: Plan, options: dict[str, str], forms: dict[str, ExportRecipe]) -> Plan:
     model = plan.model
     if "--weights" in options:
-        form = forms[options["--weights"]]
-        model = dataclasses.replace(
-            model,
-            weights_bytes=recipe_weight_bytes(model.architecture, form),
-            weights_note=recipe_note(model.architecture, form),
-            form=form,
-        )
+        model = model.with_form(forms[options["--weights"]])
     slots = (int(options["--slots"]),) if "--slots" in options else plan.slots
     contexts = plan.contexts
     if "--max-len" in options:

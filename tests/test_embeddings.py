@@ -28,7 +28,7 @@ RECIPES = {
     "portable-int4-float16": ExportRecipe(max_len=64, weights="int4", precision="float16"),
     "ort-int4-head8": ExportRecipe(max_len=64, weights="int4", variant="ort", kv_dtype="int8"),
     "portable-int4-no-kept": ExportRecipe(max_len=64, weights="int4", outlier_channels=0),
-    "portable-int4-head8": ExportRecipe(max_len=64, weights="int4", head_bits=8),
+    "portable-int4-head4": ExportRecipe(max_len=64, weights="int4", head_bits=4),
 }
 
 
@@ -101,8 +101,10 @@ def test_lookup_is_the_heads_own_table_and_no_float_copy_is_stored(exported, sou
     assert rows.shape == (2, 4, manifest.hidden_size)
     assert rows.dtype == (np.float16 if RECIPES[name].half else np.float32)
     expected = head_weight(folder)[:, ids.reshape(-1)].T.reshape(rows.shape)
-    if RECIPES[name].half:  # the reference rounds codes x scale to float16 before the offset: two roundings
-        np.testing.assert_allclose(rows.astype(np.float32), expected, rtol=2.0**-9, atol=2.0**-24)
+    if RECIPES[name].half:  # the reference rounds codes x scale to float16 before the offset: two
+        # roundings of terms as large as the row's values, which may cancel to a small result
+        atol = 2.0**-10 * float(np.abs(expected).max())
+        np.testing.assert_allclose(rows.astype(np.float32), expected, rtol=2.0**-9, atol=atol)
     else:  # the same stored numbers, the same float32 arithmetic
         np.testing.assert_array_equal(rows, expected)
     hf = AutoModelForCausalLM.from_pretrained(source, dtype="float32")

@@ -209,7 +209,8 @@ def test_plan_takes_every_weight_form():
     for weights in ("int8", "int4"):
         done = kvedge("plan", "smollm2-135m", "--profile", "orin-nano-8gb", "--weights", weights)
         assert done.returncode == 0, done.stderr
-        assert f"bits each, {weights} portable (block 32, 32 float32 channels)" in done.stdout
+        head = "" if weights == "int8" else ", int8 head"  # the head is never below 8 bits by default
+        assert f"bits each, {weights} portable (block 32, 32 float32 channels{head})" in done.stdout
     old = kvedge("plan", "smollm2-135m", "--device", "orin-nano-8gb", "--weights-dtype", "int8")
     assert old.returncode == 0, old.stderr
     assert "use --profile orin-nano-8gb" in old.stderr and "use --weights" in old.stderr
@@ -218,36 +219,40 @@ def test_plan_takes_every_weight_form():
 
 def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():
     # Phi-3.5-mini (3.8B, untied: a float32 embedding table beside its int4 head) on an Orin Nano
-    # 8GB, onnxruntime on its CPU: int4 weights
+    # 8GB, onnxruntime on its CPU, which holds 1.95 x an int4 export's bytes (CPU_HELD): int4
+    # weights and the INT8 cache, 1 slot x 128 tokens
     done = kvedge("plan", "phi-3.5-mini", "--profile", "orin-nano-8gb", "--device", "cpu")
     assert done.returncode == 0, done.stderr
     first, advice = done.stdout.split("nothing above fits; the smallest change that does: ")
     assert all(cell == "-" for line in first.splitlines()[-4:] for cell in line.split()[1:6])
-    assert advice.startswith("--weights int4\n")
-    assert "int4 portable (block 32, 32 float32 channels)" in advice and "kv cache     float32" in advice
-    fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["512"]]
-    assert fitting and fitting[0][1] != "-"  # 1 slot x 512 tokens fits
+    assert advice.startswith("--weights int4 --kv-dtype int8 --max-len 128\n")
+    assert "int4 portable (block 32, 32 float32 channels, int8 head)" in advice
+    assert "kv cache     int8" in advice and "onnxruntime holds 1.95 x weights" in advice
+    fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["128"]]
+    assert fitting and fitting[0][1] != "-"  # 1 slot x 128 tokens fits
     # Llama-3.2-3B (tied): its int4 head's blocks are its embedding table, no float32 copy (1.47
-    # GiB) beside them; with the GPU preset's load term (1 x weights) 1 slot fits up to 1024
+    # GiB) beside them; with the GPU preset's load term (1 x weights) and the INT8 cache 1 slot
+    # fits at 512
     done = kvedge("plan", "llama-3.2-3b", "--profile", "orin-nano-8gb")
     assert done.returncode == 0, done.stderr
     first, advice = done.stdout.split("nothing above fits; the smallest change that does: ")
-    assert advice.startswith("--weights int4\n")
-    fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["1024"]]
+    assert advice.startswith("--weights int4 --kv-dtype int8\n")
+    fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["512"]]
     assert fitting and fitting[0][1] != "-"
+    # float16-stored weights in a float32 graph are widened back to float32 at load: no saving
     plan = make_plan(footprint("llama-3.2-3b"), Budget(16 << 30, 1536 << 20, "orin-nx-16gb"), "cuda")
-    assert what_fits(plan).options == (("--weights", "float16"),)
+    assert what_fits(plan).options == (("--weights", "int8"),)
 
 
 def test_what_fits_tries_the_smallest_change_first():
     budget = lambda extra: Budget(RUNTIME + extra, 0, "test")  # noqa: E731
-    # weights + load 1,600, activations 145,448 at 32 tokens (EXPECTED), KV 64 B a token float32
-    plan = make_plan(HAND, budget(1600 + 145_448 + 3 * 2048), slots=(4,), contexts=(32,))
+    # weights + load 1,300, activations 145,448 at 32 tokens (EXPECTED), KV 64 B a token float32
+    plan = make_plan(HAND, budget(1300 + 145_448 + 3 * 2048), slots=(4,), contexts=(32,))
     assert not plan.anything_fits
     assert what_fits(plan).options == (("--slots", "3"),)
-    plan = make_plan(HAND, budget(1600 + 145_448 + 1024), slots=(1,), contexts=(32,))
+    plan = make_plan(HAND, budget(1300 + 145_448 + 1024), slots=(1,), contexts=(32,))
     assert what_fits(plan).options == (("--kv-dtype", "float16"),)  # 32 x 32 B fits, 32 x 64 B not
-    plan = make_plan(HAND, budget(1600 + 39_976 + 16 * 64), slots=(1,), contexts=(32, 64))
+    plan = make_plan(HAND, budget(1300 + 39_976 + 16 * 64), slots=(1,), contexts=(32, 64))
     assert what_fits(plan).options == (("--max-len", "16"),)  # no weights to shrink: a shorter context
     assert what_fits(make_plan(HAND, budget(1 << 30), slots=(1,), contexts=(32,))) is None
 
@@ -335,11 +340,11 @@ def test_plan_prints_bits_per_parameter_and_plans_the_float16_graph():
         assert done.returncode == 0, done.stderr
         lines[precision] = next(line for line in done.stdout.splitlines() if line.startswith("weights"))
     assert (
-        "3,212,749,824 params at 6.29 bits each, int4 portable (block 32, 32 float32 channels)"
+        "3,212,749,824 params at 6.78 bits each, int4 portable (block 32, 32 float32 channels, int8 head)"
         in lines["float32"]
     )
     assert (
-        "3,212,749,824 params at 5.15 bits each, int4 portable (block 32, 32 float16 channels)"
+        "3,212,749,824 params at 5.53 bits each, int4 portable (block 32, 8 float16 channels, int8 head)"
         in lines["float16"]
     )
     done = kvedge("plan", "llama-3.2-3b", "--weights", "float32", "--precision", "float16")

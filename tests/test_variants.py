@@ -129,8 +129,8 @@ def test_quantized_matmuls_fuse_into_matmulnbits(exports, tmp_path, variant, wei
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
-    """ort int4 exports keep the tied LM head at int8 (its 4-bit copy cost most of their KL);
-    the projections, and portable (TensorRT) graphs' head, keep the export's bits."""
+    """int4 exports, ort and portable (TensorRT's) alike, keep the tied LM head at int8 (its 4-bit
+    copy cost most of their KL); the projections keep the export's bits."""
     graphs = all_graphs(onnx.load(str(exports("ort", weights) / "model.onnx")).graph)
     stored = {t.name: t.data_type for g in graphs for t in g.initializer if t.name.endswith(".weight_q")}
     projection = onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8
@@ -138,7 +138,7 @@ def test_lm_head_is_stored_at_eight_bits_at_least(exports, weights):
     assert stored and set(stored.values()) == {projection}
     portable = onnx.load(str(exports("portable", weights) / "model.onnx")).graph  # TensorRT's
     head = next(t for t in portable.initializer if t.name == "logits.rows_vocab.weight_q")
-    assert head.data_type == projection
+    assert head.data_type == onnx.TensorProto.INT8
 
 
 def kept_rows(folder) -> tuple[dict[str, int], dict[str, int]]:
@@ -189,8 +189,8 @@ def test_outlier_channels_and_head_bits_reach_the_graph(tiny_source, tmp_path, c
 
 
 def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports, tmp_path):
-    """No --outlier-channels / --head-bits: 32 channels and an int8 head in ort graphs, the same
-    bytes as asking for them; float exports record 0 for both."""
+    """No --outlier-channels / --head-bits: 32 channels (8 in a float16 graph) and an int8 head,
+    the same bytes as asking for them; float exports record 0 for both."""
     default = exports("ort", "int4")
     explicit = tmp_path / "explicit"
     options = ExportRecipe(max_len=64, variant="ort", weights="int4", outlier_channels=32, head_bits=8)
@@ -202,7 +202,9 @@ def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports
     int4 = Manifest.load(default)
     assert (int4.weight_outlier_channels, int4.weight_head_bits) == (32, 8)
     portable = Manifest.load(exports("portable", "int4"))
-    assert (portable.weight_outlier_channels, portable.weight_head_bits) == (32, 4)
+    assert (portable.weight_outlier_channels, portable.weight_head_bits) == (32, 8)
+    half = ExportRecipe(max_len=64, weights="int4", precision="float16")
+    assert (half.kept_channels, half.lm_head_bits) == (8, 8)
     fp32 = Manifest.load(exports("ort", "float32"))
     assert (fp32.weight_outlier_channels, fp32.weight_head_bits) == (0, 0)
     data = json.loads((default / MANIFEST_FILE).read_text())

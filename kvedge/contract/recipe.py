@@ -26,15 +26,22 @@ from kvedge.contract.manifest import (
 from kvedge.errors import KvedgeError
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # input features per quantization block
-# input channels per quantized matmul kept float32 (kvedge.export.quantize's docstring); each
-# kept channel reads 4 bytes x N more per matmul per token
+# input channels per quantized matmul kept float (kvedge.export.quantize's docstring); each kept
+# channel stores and reads one float row of N per matmul. A float32 graph keeps 32: onnxruntime's
+# CPU kernel rounds activations to int8 per block, and one large channel coarsens its block
+# (SmolLM2-135M int4, 8-bit head, CPU: KL 0.0029 with none, 0.0012 with 8, 0.00076 with 32). A
+# float16 graph is TensorRT's, whose activations stay float: a kept channel then only spares its
+# weight row the rounding, which matters where activations are large; 8 take most of that gain
+# for a quarter of 32's bytes (weights requantized off their grid, blocks of 64, weight-only: KL
+# 0.258 with none, 0.104 with 8, 0.073 with 32; 0.22 bit a weight at SmolLM2's width for 32's 0.89).
 OUTLIER_CHANNELS = 32
+HALF_OUTLIER_CHANNELS = 8
 OUTLIER_CHOICES = (0, 8, 16, 32, 64)
-# The ort graph's LM head is never stored below 8 bits unless --head-bits says so: at 4 bits it
-# alone cost the int4 export most of its KL (docs/PERFORMANCE.md, "Quantized weights"), for half
-# of one matrix's bytes. Portable graphs keep the projections' bits unless --head-bits 8 says
-# otherwise (TensorRT takes an int8 head beside int4 projections: tests/tensorrt_claims.py);
-# SmolLM2-135M portable int4 on the CPU: KL 0.024 with its 4-bit head, 0.0008 with an 8-bit one.
+# The LM head is never stored below 8 bits unless --head-bits 4 says so: at 4 bits it alone costs
+# most of an int4 export's error, for a fifth of SmolLM2's bytes (its tied table is the head):
+# portable int4 on the CPU KL 0.027 with a 4-bit head, 0.00076 with an 8-bit one; weight-only (as
+# TensorRT computes) 0.046 and 0.0000 (docs/PERFORMANCE.md, "Quantized weights"). TensorRT takes an
+# int8 head beside int4 projections (tests/tensorrt_claims.py).
 HEAD_MIN_BITS = 8
 HEAD_BITS = (8, 4)
 MAX_LEN_RANGE = (16, 131072)
@@ -153,19 +160,18 @@ class ExportRecipe:
 
     @property
     def lm_head_bits(self) -> int:
-        """The bits the LM head is stored at: --head-bits, else in ort graphs never below
-        `HEAD_MIN_BITS`; portable graphs keep the projections' bits (--head-bits 8 raises them)."""
-        if self.head_bits is not None:
-            return self.head_bits
-        return max(self.bits, HEAD_MIN_BITS) if self.variant == "ort" else self.bits
+        """The bits the LM head is stored at: --head-bits, else never below `HEAD_MIN_BITS`."""
+        return max(self.bits, HEAD_MIN_BITS) if self.head_bits is None else self.head_bits
 
     @property
     def kept_channels(self) -> int:
-        """Input channels of each quantized matmul kept float32: --outlier-channels, else
-        `OUTLIER_CHANNELS`; 0 for float weights."""
+        """Input channels of each quantized matmul kept float: --outlier-channels, else
+        `OUTLIER_CHANNELS` (`HALF_OUTLIER_CHANNELS` in a float16 graph); 0 for float weights."""
         if not self.quantized:
             return 0
-        return OUTLIER_CHANNELS if self.outlier_channels is None else self.outlier_channels
+        if self.outlier_channels is not None:
+            return self.outlier_channels
+        return HALF_OUTLIER_CHANNELS if self.half else OUTLIER_CHANNELS
 
     @property
     def decode(self) -> str:
