@@ -28,7 +28,7 @@ from onnx import numpy_helper
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
+from kvedge.contract import HEAD_TABLE, ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, DeviceInfo, EngineManifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
@@ -163,6 +163,27 @@ def test_the_ort_graph_is_refused_by_the_parser_too(source, tmp_path):
     export_model(source, tmp_path / "ort", ExportRecipe(max_len=MAX_LEN, variant="ort"))
     errors = parse_errors(tmp_path / "ort")
     assert errors and "GroupQueryAttention" in " ".join(errors)
+
+
+def test_each_projection_side_weight_is_stored_once_in_the_engine(source, tmp_path):
+    """TensorRT for RTX stores a float constant a MatMul multiplies by once per layout its two
+    profiles' kernels read: [*, N] as the graph gives it, and [N, *] for a decode of one row
+    (max_batch 1, the default). Portable graphs store the projections' side weights [N, *]
+    behind a Transpose (`quant_matmul._side_weight`), which it keeps once: each is in the engine
+    once, in one layout (docs/PERFORMANCE.md, "TensorRT engine bytes"). The LM head's keeps the
+    embedding table's layout, [*, N]."""
+    out = tmp_path / "int4"
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN, weights="int4", precision="float16"))
+    build_engine(out, out, MAX_PREFILL, 256 << 20)
+    plan = (out / ENGINE_FILE).read_bytes()
+
+    def copies(w: np.ndarray) -> int:  # in either layout, found by 32 bytes from its middle
+        return sum(plan.count(probe[len(probe) // 2 :][:32]) for probe in (w.tobytes(), w.T.tobytes()))
+
+    side = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out / ONNX_FILE)).graph.initializer}
+    side = {name: w for name, w in side.items() if name.endswith(".side_weight")}
+    del side[f"{HEAD_TABLE}.side_weight"]
+    assert side and {name: copies(w) for name, w in side.items()} == dict.fromkeys(side, 1)
 
 
 def test_export_target_tensorrt_end_to_end(source, tmp_path):

@@ -21,7 +21,7 @@ class Builder:
         side_inputs: bool = False,
         decode_form: bool = False,
         half: bool = False,
-        positive_scales: bool = False,
+        portable: bool = False,
     ) -> None:
         self.opset = opset
         self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
@@ -31,8 +31,9 @@ class Builder:
         # a float16 graph (--precision float16): weights, their scales and the activations between
         # the float32 islands (`widen` ... `narrow`) are float16
         self.half = half
-        # weight scales > 0 only (`quantize_blockwise`): portable graphs, which TensorRT reads
-        self.positive_scales = positive_scales
+        # a graph TensorRT reads: weight scales > 0 only (`quantize_blockwise`), side weights
+        # stored as TensorRT's builder keeps them once (`quant_matmul._side_weight`)
+        self.portable = portable
         self.float = np.dtype(np.float16 if half else np.float32)
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []

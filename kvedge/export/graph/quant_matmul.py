@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvedge.contract import KVEDGE_OPS_DOMAIN, QUANT_MATMUL_OP, SIDE_INPUTS_OP
+from kvedge.contract import HEAD_TABLE, KVEDGE_OPS_DOMAIN, QUANT_MATMUL_OP, SIDE_INPUTS_OP
 from kvedge.export.graph.builder import Builder
 from kvedge.export.quantize import (
     EXPORT_GRIDS,
@@ -44,7 +44,7 @@ def matmul_weight(
         block_size,
         EXPORT_GRIDS,
         half_params=g.decode_form,
-        positive_scales=g.positive_scales,
+        positive_scales=g.portable,
     )
     g.quant_errors.append(qw.max_error)
     keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
@@ -77,8 +77,21 @@ def matmul_weight(
             g, x, w.shape[0], out, block_size, qw.offset is not None, keep, rank
         )
     scaled = g.op("MatMul", [quantized_in, deq], f"{out}.scaled")
-    shift = g.op("MatMul", [side, g.fconst(f"{out}.side_weight", np.concatenate(rows))], f"{out}.shift")
+    shift = g.op("MatMul", [side, _side_weight(g, np.concatenate(rows), out)], f"{out}.shift")
     return g.op("Add", [scaled, shift], out)
+
+
+def _side_weight(g: Builder, rows: np.ndarray, out: str) -> str:
+    """The second product's weight `rows` [*, N] as the MatMul's input. Portable graphs store it
+    [N, *] behind a Transpose: TensorRT for RTX's builder then keeps one copy for both
+    optimization profiles, where it stores a [*, N] constant twice, in the layouts its prefill and
+    its decode kernels read (docs/PERFORMANCE.md, "TensorRT engine bytes"); the product is the
+    same, and a builder that folds the Transpose has the constant it had. The LM head's stays
+    [*, N]: the runtime reads it as the embedding table (`EmbeddingTable.side`)."""
+    if not g.portable or out == HEAD_TABLE:
+        return g.fconst(f"{out}.side_weight", rows)
+    stored = g.fconst(f"{out}.side_weight", np.ascontiguousarray(rows.T))  # [N, *]
+    return g.op("Transpose", [stored], f"{out}.side_rows", perm=[1, 0])  # [*, N]
 
 
 def _quant_matmul(g: Builder, x: str, w: np.ndarray, qw: QuantizedWeight, out: str, keep: np.ndarray) -> str:
