@@ -184,7 +184,9 @@ class Decoder:
         place layer weights enter the graph (float32 or quantized, `quant_matmul.matmul_weight`)."""
         g, options = self.g, self.options
         mat = np.concatenate([self.w(f"{prefix}.{p}.weight") for p in parts], axis=0)
-        if options.weights == "float16":
+        if g.half and not options.quantized:  # [N, K] behind a Transpose: TensorRT keeps one copy
+            y = g.op("MatMul", [x, g.transposed_weight(f"{out}.weight", mat)], out)
+        elif options.weights == "float16":
             weight = g.float_weight(f"{out}.weight", np.ascontiguousarray(mat.T), stored_half=True)
             y = g.op("MatMul", [x, weight], out)
         else:
