@@ -269,6 +269,8 @@ SIZE_CHECKS = [
     ExportRecipe(weights="int4", variant="ort"),
     ExportRecipe(weights="int4", variant="ort", decode_matmuls="onnxruntime"),
     ExportRecipe(weights="int8", variant="ort", outlier_channels=0, head_bits=8),
+    ExportRecipe(weights="int4", variant="ort", kv_dtype="float16"),  # the CUDA form: one form
+    ExportRecipe(weights="int4", head_bits=8, precision="float16", kv_dtype="int8"),
 ]
 
 
@@ -307,9 +309,9 @@ def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
     64 KiB, what the planner leaves out (the graph's nodes, RoPE tables [max_len, head_dim/2] x 2,
     small constants; and block offsets it assumes present)."""
     source, arch, root = mid_llama
-    out = root / form.describe_weights().replace(" ", "_")
+    out = root / f"{form.describe_weights()} {form.decode} {form.kv_dtype}".replace(" ", "_")
     options = dict(max_len=64, weights=form.weights, variant=form.variant, precision=form.precision)
-    options.update(outlier_channels=form.outlier_channels, head_bits=form.head_bits)
+    options.update(outlier_channels=form.outlier_channels, head_bits=form.head_bits, kv_dtype=form.kv_dtype)
     export_model(source, out, ExportRecipe(**options, decode_matmuls=form.decode_matmuls))
     on_disk = footprint(out).weights_bytes
     planned = recipe_weight_bytes(arch, form)

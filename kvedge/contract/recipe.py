@@ -17,11 +17,13 @@ from kvedge.contract.manifest import (
     EXPORTED_KV_DTYPES,
     LOGITS_MODES,
     PRECISIONS,
+    QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
     VARIANTS,
     WEIGHT_FORMATS,
     export_kv_dtypes,
     export_weight_formats,
+    kvedge_ops,
 )
 from kvedge.errors import KvedgeError
 
@@ -178,8 +180,9 @@ class ExportRecipe:
     @property
     def two_forms(self) -> bool:
         """The graph holds its quantized weights twice: a prefill form (MatMulNBits) and a decode
-        form (kvedge.QuantMatMul)."""
-        return self.decode == "kvedge"
+        form (kvedge.QuantMatMul), where `kvedge_ops` puts the op: not over the float16 cache, the
+        CUDA form, whose decode steps run MatMulNBits."""
+        return QUANT_MATMUL_OP in kvedge_ops(self.variant, self.kv_dtype, self.weights, self.decode)
 
     def describe_weights(self) -> str:
         """The weights' form in a few words, as `kvedge plan` prints it."""
