@@ -3,6 +3,7 @@ hand-computed cases, and what does not fit is refused saying by how much."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,27 +12,34 @@ import pytest
 import yaml
 from tiny import make_tiny_model
 
-from kvedge.configs import DEVICES_DIR
+from kvedge.configs import DEVICES_DIR, load_device, load_recipe
 from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe
+from kvedge.contract.engine import DEVICES, device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.planner import (
     CPU_HELD,
+    MAX_SLOTS,
     OVERHEADS,
+    QUALITY_BAR,
     Budget,
     ModelFootprint,
     check_fits,
+    device_budget,
     estimate,
     footprint,
     kv_bytes,
     live_budget,
     make_plan,
+    measured_kl,
     parse_bytes,
     plan_report,
     recipe_weight_bytes,
+    recommend,
     render,
     weight_form,
     what_fits,
+    with_form,
 )
 from kvedge.runtime.cache import KVCache
 
@@ -140,8 +148,13 @@ def test_parse_bytes():
 
 
 def test_plan_report_for_a_device_and_per_kv_dtype():
-    text = plan_report(
-        "smollm2-135m", profile="orin-nano-8gb", kv_dtypes=["float32", "float16", "int8"], slots="1,4"
+    text = plan_report(  # the ort graph takes all three caches; onnxruntime CPU runs each
+        "smollm2-135m",
+        profile="orin-nano-8gb",
+        device="cpu",
+        form=ExportRecipe(variant="ort"),
+        kv_dtypes=["float32", "float16", "int8"],
+        slots="1,4",
     )
     assert text.count("budget       6.50 GiB = orin-nano-8gb 8.00 GiB - reserve 1.50 GiB") == 3
     assert "float32: 46,080 bytes per token" in text and "float16: 23,040 bytes per token" in text
@@ -154,6 +167,10 @@ def test_plan_report_for_a_device_and_per_kv_dtype():
         plan_report("smollm2-135m", kv_dtypes=["int4"])
     with pytest.raises(KvedgeError, match="--slots '1,x' is not allowed"):
         plan_report("smollm2-135m", slots="1,x")
+    with pytest.raises(  # a cache the recipe's graph is not exported with, refused as export refuses it
+        KvedgeError, match=r"--kv-dtype float16 with float32 compute is built for --variant ort only"
+    ):
+        plan_report("smollm2-135m", kv_dtypes=["float16"])
 
 
 def test_cli_plan(tmp_path, tiny_llama):
@@ -217,26 +234,80 @@ def test_plan_takes_every_weight_form():
 
 
 def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():
-    # Phi-3.5-mini (3.8B, untied: a float32 embedding table beside its int4 head) on an Orin Nano
-    # 8GB, onnxruntime on its CPU: int4 weights
+    # Phi-3.5-mini (3.8B, untied: a float embedding table beside its int4 head) on an Orin Nano
+    # 8GB, onnxruntime on its CPU: no form at 2048 tokens; the smallest change that keeps the
+    # context and a measured KL within the bar, 1 slot x 512
     done = kvedge("plan", "phi-3.5-mini", "--profile", "orin-nano-8gb", "--device", "cpu")
     assert done.returncode == 0, done.stderr
     first, advice = done.stdout.split("nothing above fits; the smallest change that does: ")
     assert all(cell == "-" for line in first.splitlines()[-4:] for cell in line.split()[1:6])
-    assert advice.startswith("--weights int4\n")
-    assert "int4 portable (block 32, 32 float32 channels)" in advice and "kv cache     float32" in advice
+    assert advice.startswith("--precision float16 --weights int4 --head-bits 8 --kv-dtype int8 (KL 0.0011 vs")
+    assert (
+        "int4 portable (block 32, 32 float16 channels, int8 head)" in advice and "kv cache     int8" in advice
+    )
     fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["512"]]
     assert fitting and fitting[0][1] != "-"  # 1 slot x 512 tokens fits
-    # Llama-3.2-3B (tied): its int4 head's blocks are its embedding table, no float32 copy (1.47
-    # GiB) beside them; with the GPU preset's load term (1 x weights) 1 slot fits up to 1024
-    done = kvedge("plan", "llama-3.2-3b", "--profile", "orin-nano-8gb")
-    assert done.returncode == 0, done.stderr
-    first, advice = done.stdout.split("nothing above fits; the smallest change that does: ")
-    assert advice.startswith("--weights int4\n")
-    fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["1024"]]
-    assert fitting and fitting[0][1] != "-"
-    plan = make_plan(footprint("llama-3.2-3b"), Budget(16 << 30, 1536 << 20, "orin-nx-16gb"), "cuda")
-    assert what_fits(plan).options == (("--weights", "float16"),)
+    assert "recommended for orin-nano-8gb on --device cpu: nothing; no form of phi-3.5-mini" in advice
+    # Llama-3.2-3B on an Orin NX 16GB, cuda: --weights float16 in a float32 graph would hold a
+    # float32 copy too (25.4 GiB); the float16 graph halves weights and cache and fits
+    budget = Budget(16 << 30, 1536 << 20, "orin-nx-16gb")
+    plan = make_plan(footprint("llama-3.2-3b"), budget, "cuda")
+    assert what_fits(plan).options == (("--precision", "float16"),)
+    widened = make_plan(footprint("llama-3.2-3b", ExportRecipe(weights="float16")), budget, "cuda")
+    assert not widened.anything_fits and widened.corner.load == 3 * widened.corner.weights
+
+
+def test_what_fits_saves_the_fewest_bytes_and_never_grows_a_part():
+    """Of the changes that fit, the one that saves the fewest bytes at the plan's smallest cell,
+    keeping the context and a KL within the bar where one does; never one that makes the weights
+    (with what loading them holds) or the cache per token bigger, nor a form the device refuses."""
+    for model, profile, device in (
+        ("llama-3.2-3b", "orin-nano-8gb", "cuda"),
+        ("llama-3.2-3b", "orin-nano-8gb", "tensorrt"),
+        ("qwen3-1.7b", "orin-nano-8gb", "cpu"),
+        ("phi-4-mini", "orin-nx-16gb", "tensorrt"),
+    ):
+        fp = footprint(model)
+        contexts = (fp.max_context,)
+        plan = make_plan(fp, device_budget(load_device(profile)), device, slots=(16,), contexts=contexts)
+        change = what_fits(plan)
+        assert change is not None and change.plan.anything_fits and change.plan.refusal is None, model
+        new, old = change.plan.corner, plan.corner
+        assert new.weights + new.load <= old.weights + old.load and new.kv <= old.kv, (model, change.options)
+        assert "--weights float16" not in change.describe() or "--precision float16" in change.describe()
+    plan = make_plan(footprint("llama-3.2-3b"), device_budget(load_device("orin-nano-8gb")), "tensorrt")
+    assert what_fits(plan).options == (("--weights", "int4"), ("--head-bits", "8"), ("--kv-dtype", "int8"))
+
+
+def test_a_form_the_device_refuses_gets_one_line_and_the_variant_switch():
+    """Llama-3.2-1B int4 --variant ort: tensorrt builds portable graphs only and cuda runs no ort
+    graph over a float32 cache, so neither gets a table or a smallest change for it: one line
+    saying why, then the nearest form it runs, --variant portable, with its own table."""
+    for device in ("tensorrt", "cuda"):
+        text = plan_report(
+            "llama-3.2-1b",
+            profile="orin-nano-8gb",
+            device=device,
+            form=ExportRecipe(weights="int4", variant="ort"),
+        )
+        refused, rest = text.split("\n\n", 1)
+        assert len(refused.splitlines()) == 1 and f"--device {device} " in refused
+        assert rest.startswith(f"the nearest form --device {device} runs: --variant portable (KL 0.00076 vs")
+        assert rest.count("total GiB by max_len") == 1 and "int4 portable (block 32" in rest
+        assert "int4 ort" not in rest
+    rows = json.loads(
+        plan_report(
+            "llama-3.2-1b",
+            profile="orin-nano-8gb",
+            device="tensorrt",
+            form=ExportRecipe(variant="ort"),
+            as_json=True,
+        )
+    )
+    assert (
+        rows[0]["refused"].startswith("--device tensorrt runs the portable graph") and rows[0]["rows"] == []
+    )
+    assert rows[0]["fits_with"] is None
 
 
 def test_what_fits_tries_the_smallest_change_first():
@@ -347,3 +418,51 @@ def test_plan_prints_bits_per_parameter_and_plans_the_float16_graph():
     done = kvedge("plan", "llama-3.2-3b", "--weights", "float32", "--precision", "float16")
     assert done.returncode != 0 and "--weights float32 is not allowed with --precision float16" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- one recommendation per board ---------------------------------------------------------------
+
+
+def test_recommend_gives_the_form_holding_the_most_slots_among_measured_ones():
+    """`recommend`: a form the device runs, its KL measured within the bar, the most slots at the
+    recipe's max_len (one more does not fit); on an Orin Nano 8GB with TensorRT, Llama-3.2-3B as
+    the float16 int4 graph with an 8-bit head and the INT8 cache, 6 slots x 2048."""
+    found = recommend("orin-nano-8gb", "llama-3.2-3b", "tensorrt")
+    assert (
+        found.export_flags
+        == "--precision float16 --weights int4 --head-bits 8 --kv-dtype int8 --target tensorrt"
+    )
+    assert (found.cell.slots, found.cell.context) == (6, 2048) and found.kl == pytest.approx(0.0010628)
+    # the same form with the 4-bit head is smaller (2 slots more) but costs KL 0.027: never offered
+    smaller = dataclasses.replace(found.form, head_bits=None)
+    assert recipe_weight_bytes(load_recipe("llama-3.2-3b").architecture, smaller) < found.cell.weights
+    assert measured_kl(smaller) > QUALITY_BAR
+    for profile in ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb"):
+        for model in ("qwen3-0.6b", "llama-3.2-1b", "phi-4-mini"):
+            for device in DEVICES:
+                found = recommend(profile, model, device)
+                if found is None:
+                    continue
+                f = found.form
+                assert device_refusal(device, f.variant, f.kv_dtype, f.logits) is None
+                assert measured_kl(f) == found.kl <= QUALITY_BAR
+                fp = with_form(footprint(model), f)
+                assert found.cell == estimate(fp, found.cell.slots, fp.geometry.max_len, device=device)
+                assert found.cell.total <= found.budget.usable
+                more = estimate(fp, found.cell.slots + 1, fp.geometry.max_len, device=device)
+                assert found.cell.slots == MAX_SLOTS or more.total > found.budget.usable
+
+
+def test_plan_prints_the_recommendation_and_refuses_one_for_an_export(tiny_llama):
+    text = plan_report("llama-3.2-1b", profile="orin-nano-8gb", device="tensorrt")
+    assert text.splitlines()[-1] == recommend("orin-nano-8gb", "llama-3.2-1b", "tensorrt").describe()
+    assert text.splitlines()[-1].startswith(
+        "recommended for orin-nano-8gb on --device tensorrt: kvedge export --precision float16 --weights int4"
+    )
+    rows = json.loads(plan_report("llama-3.2-1b", profile="orin-nano-8gb", device="tensorrt", as_json=True))
+    assert rows[0]["recommended"]["export"].endswith("--kv-dtype int8 --target tensorrt")
+    with pytest.raises(
+        KvedgeError, match="is an export, whose form is its files; a recommendation is for a recipe"
+    ):
+        recommend("orin-nano-8gb", tiny_llama.out)
+    assert "recommended" not in plan_report(tiny_llama.out, budget="1GiB")

@@ -10,7 +10,7 @@ a property says what a field left None comes to (`lm_head_bits`, `kept_channels`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvedge.contract.manifest import (
     DECODE_MATMULS,
@@ -183,6 +183,19 @@ class ExportRecipe:
         form (kvedge.QuantMatMul), where `kvedge_ops` puts the op: not over the float16 cache, the
         CUDA form, whose decode steps run MatMulNBits."""
         return QUANT_MATMUL_OP in kvedge_ops(self.variant, self.kv_dtype, self.weights, self.decode)
+
+    def flags(self) -> str:
+        """The `kvedge export` flags that make this recipe, each default left out, in field order:
+        `--weights` and `--kv-dtype` are compared with the defaults of its --precision."""
+        plain = ExportRecipe()
+        same_graph = ExportRecipe(variant=self.variant, precision=self.precision)
+        parts = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            default = getattr(plain if field.name in ("variant", "precision") else same_graph, field.name)
+            if value != default:
+                parts.append(f"--{field.name.replace('_', '-')} {value}")
+        return " ".join(parts)
 
     def describe_weights(self) -> str:
         """The weights' form in a few words, as `kvedge plan` prints it."""
