@@ -28,4 +28,8 @@ ACCEPTED = {
     "float16-precision-int4-weights-int8-cache": ExportRecipe(
         max_len=MAX_LEN, precision="float16", weights="int4", kv_dtype="int8"
     ),
+    # what `kvedge plan` recommends on every Orin board (kvedge.planner.recommend)
+    "float16-precision-int4-weights-int8-head-int8-cache": ExportRecipe(
+        max_len=MAX_LEN, precision="float16", weights="int4", head_bits=8, kv_dtype="int8"
+    ),
 }
