@@ -69,13 +69,13 @@ bar (`quality_tier`), then the fewest bytes saved, then the fewest options. A fo
 refuses (`kvedge.contract.engine.device_refusal`, the runtime's rule) gets no table and no smallest
 change: one line saying why, and the nearest form it runs (`nearest_runnable`).
 
-What to run: `recommend` gives one form per budget (a device profile) and device, the form
-`kvedge plan` prints last and the README and docs/JETSON.md state per board: of the forms the
-device runs whose KL against the float32 model was measured (`WEIGHTS_KL`, `PRECISION_KL`,
-`CACHE_KL`, summed over a form's choices) within `QUALITY_BAR`, the one holding the most slots
-at the recipe's max_len; ties to the fewer bytes, then the lower KL. That KLs of separate choices
-add is an approximation the bench supports: ort int8 weights 0.0009 + the INT8 cache 0.0003 =
-0.0012, measured together 0.0013.
+What to run: `recommend` gives one form per budget (a device profile) and GPU device (cuda,
+tensorrt; `RECOMMENDED_DEVICES` says why not the CPU), the form `kvedge plan` prints last and
+the README and docs/JETSON.md state per board: of the forms the device runs whose KL against the
+float32 model was measured (`WEIGHTS_KL`, `PRECISION_KL`, `CACHE_KL`, summed over a form's
+choices) within `QUALITY_BAR`, the one holding the most slots at the recipe's max_len; ties to
+the fewer bytes, then the lower KL. That KLs of separate choices add is an approximation the
+bench supports: ort int8 weights 0.0009 + the INT8 cache 0.0003 = 0.0012, measured together 0.0013.
 
 Budgets: a device profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
 (1.5 GiB by default, an estimate for a headless L4T; a desktop session needs about 1 GiB
@@ -895,6 +895,11 @@ CACHE_KL = {"--kv-dtype float32": 0.0, "--kv-dtype float16": 0.0, "--kv-dtype in
 # and top-1 >= 98% on the held-out set, docs/PERFORMANCE.md "Quantized weights")
 QUALITY_BAR = 0.002
 MAX_SLOTS = max(DEFAULT_SLOTS)
+# where `recommend` answers: a board's GPU, whose decode reads every weight byte and the cache each
+# step, so fewer bytes decode faster. On the CPU speed follows kernels, not bytes (kvedge's own run
+# the ort graphs; x86 onnxruntime widens float16 graphs), and the README's export there is chosen by
+# measured speed and greedy answers.
+RECOMMENDED_DEVICES = ("cuda", "tensorrt")
 
 
 def weights_choice(form: ExportRecipe) -> str:
@@ -966,6 +971,11 @@ def recommend(
     slots (up to `MAX_SLOTS`) at the recipe's max_len; ties to the fewer bytes (a decode step
     reads every weight byte and the cache, so on these bandwidth-bound boards fewer bytes also
     decode faster), then to the lower KL. None when not one slot of any fits."""
+    if device not in RECOMMENDED_DEVICES:
+        raise KvedgeError(
+            f"--device {device!r} has no recommendation; allowed: {list(RECOMMENDED_DEVICES)} (the CPU's "
+            "export is README's, 'Choosing an export', chosen by measured speed)"
+        )
     fp = footprint(model)
     if fp.form is None:
         raise KvedgeError(
@@ -1035,8 +1045,8 @@ def plan_report(
     as_json: bool = False,
 ) -> str:
     """`kvedge plan`: the table(s) for `model` on a device profile, a fixed budget or this machine,
-    what would fit when nothing does, and for a recipe the form `recommend` gives. `device`
-    defaults to cuda with a profile (a Jetson's GPU), else cpu."""
+    what would fit when nothing does, and for a recipe on a GPU the form `recommend` gives.
+    `device` defaults to cuda with a profile (a Jetson's GPU), else cpu."""
     fp = footprint(model, form)
     for dtype in kv_dtypes:
         if dtype not in KV_DTYPES:
@@ -1054,10 +1064,11 @@ def plan_report(
         )
         for dtype in (kv_dtypes or (fp.geometry.dtype,))
     ]
-    recommended = recommend(chosen, fp, device) if fp.form is not None else None
+    advises = fp.form is not None and device in RECOMMENDED_DEVICES
+    recommended = recommend(chosen, fp, device) if advises else None
     if as_json:
         return "[" + ",\n".join(to_json(p, recommended) for p in plans) + "]"
     text = "\n\n".join(render_with_advice(p) for p in plans)
-    if fp.form is None:
+    if not advises:
         return text
     return f"{text}\n\n{describe_recommendation(recommended, fp, chosen, device)}"

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
+from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
 from kvedge.configs import DEVICES_DIR, load_device, load_recipe
 from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe
-from kvedge.contract.engine import DEVICES, device_refusal
+from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.planner import (
@@ -22,6 +25,7 @@ from kvedge.planner import (
     MAX_SLOTS,
     OVERHEADS,
     QUALITY_BAR,
+    RECOMMENDED_DEVICES,
     Budget,
     ModelFootprint,
     check_fits,
@@ -247,7 +251,12 @@ def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():
     )
     fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["512"]]
     assert fitting and fitting[0][1] != "-"  # 1 slot x 512 tokens fits
-    assert "recommended for orin-nano-8gb on --device cpu: nothing; no form of phi-3.5-mini" in advice
+    assert "recommended" not in advice  # the CPU's export is README's, by measured speed
+    text = plan_report("phi-4-mini", profile="orin-nano-8gb", device="tensorrt")
+    assert text.splitlines()[-1] == (
+        "recommended for orin-nano-8gb on --device tensorrt: nothing; no form of phi-4-mini whose "
+        "quality was measured within KL 0.002 fits 1 slot of 2048 tokens"
+    )
     # Llama-3.2-3B on an Orin NX 16GB, cuda: --weights float16 in a float32 graph would hold a
     # float32 copy too (25.4 GiB); the float16 graph halves weights and cache and fits
     budget = Budget(16 << 30, 1536 << 20, "orin-nx-16gb")
@@ -439,7 +448,7 @@ def test_recommend_gives_the_form_holding_the_most_slots_among_measured_ones():
     assert measured_kl(smaller) > QUALITY_BAR
     for profile in ("orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb"):
         for model in ("qwen3-0.6b", "llama-3.2-1b", "phi-4-mini"):
-            for device in DEVICES:
+            for device in RECOMMENDED_DEVICES:
                 found = recommend(profile, model, device)
                 if found is None:
                     continue
@@ -466,3 +475,59 @@ def test_plan_prints_the_recommendation_and_refuses_one_for_an_export(tiny_llama
     ):
         recommend("orin-nano-8gb", tiny_llama.out)
     assert "recommended" not in plan_report(tiny_llama.out, budget="1GiB")
+    with pytest.raises(
+        KvedgeError, match=r"--device 'cpu' has no recommendation; allowed: \['cuda', 'tensorrt'\]"
+    ):
+        recommend("orin-nano-8gb", "llama-3.2-1b", "cpu")
+    assert "recommended" not in plan_report("llama-3.2-1b", profile="orin-nano-8gb", device="cpu")
+
+
+# --- the docs state the planner's recommendation ------------------------------------------------
+
+DOCS = [Path(__file__).resolve().parents[1] / name for name in ("README.md", "docs/JETSON.md")]
+BOARD = re.compile(r"^\*\*(?P<title>[^*]+)\*\* \(`(?P<board>[a-z0-9-]+)`\)$")
+TABLE_HEADER = "| model | export | slots x max_len | GiB |"
+
+
+def board_tables(text: str) -> dict[str, list[str]]:
+    """Each board's table, by the profile named two lines above it:
+    **Jetson Orin Nano 8GB** (`orin-nano-8gb`)."""
+    lines, found = text.splitlines(), {}
+    for i, line in enumerate(lines):
+        if (board := BOARD.match(line)) and lines[i + 2] == TABLE_HEADER:
+            rows = found[board["board"]] = []
+            for row in lines[i + 4 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(row)
+    return found
+
+
+def recommendation_row(board: str, model: str) -> str:
+    """A table row as the docs state `recommend`'s answer on --device tensorrt."""
+    found = recommend(board, model, "tensorrt")
+    if found is None:
+        return f"| {model} | nothing measured fits 1 slot | - | - |"
+    c = found.cell
+    command = f"`kvedge export {found.export_flags}`"
+    return f"| {model} | {command} | {c.slots} x {c.context} | {c.total / 2**30:.2f} |"
+
+
+def test_readme_and_jetson_doc_state_the_planners_one_recommendation_per_board():
+    """README and docs/JETSON.md give each board in configs/devices a table of what to export for
+    TensorRT, the same in both, every row `recommend`'s answer; and each form recommended is one
+    TensorRT is proven to take (tests/tensorrt_claims.py)."""
+    stated = [board_tables(doc.read_text()) for doc in DOCS]
+    assert stated[0] == stated[1], "README and docs/JETSON.md state different recommendations"
+    assert sorted(stated[0]) == sorted(p.stem for p in DEVICES_DIR.glob("*.yaml"))
+    wrong = []
+    for board, rows in stated[0].items():
+        for row in rows:
+            want = recommendation_row(board, row.split("|")[1].strip())
+            if row != want:
+                wrong.append(f"{board}: the docs say\n  {row}\nthe planner\n  {want}")
+    assert not wrong, "recommendations the planner no longer gives:\n" + "\n".join(wrong)
+    for board in stated[0]:
+        for row in stated[0][board]:
+            found = recommend(board, row.split("|")[1].strip(), "tensorrt")
+            assert found is None or dataclasses.replace(found.form, max_len=MAX_LEN) in ACCEPTED.values()
