@@ -742,7 +742,9 @@ def _tries(plan: Plan) -> list[_Try]:
     forms = _other_forms(plan)
     tries = []
 
-    def add(options: tuple, model: ModelFootprint, kv: str, slots: tuple, contexts: tuple, context: int):
+    def add(
+        options: tuple, model: ModelFootprint, kv: str, slots: tuple, contexts: tuple, context: int
+    ) -> None:
         corner = estimate(model, min(slots), context, kv, plan.device)
         tries.append(_Try(options, model, kv, slots, contexts, corner))
 
@@ -796,8 +798,10 @@ def _implied(old: ExportRecipe, new: ExportRecipe, attr: str) -> bool:
     """`new`'s weights or cache dtype is its graph's default, as `old`'s was its own."""
     if attr not in ("weights", "kv_dtype"):
         return False
-    default = lambda r: getattr(ExportRecipe(variant=r.variant, precision=r.precision), attr)  # noqa: E731
-    return getattr(old, attr) == default(old) and getattr(new, attr) == default(new)
+    return all(
+        getattr(r, attr) == getattr(ExportRecipe(variant=r.variant, precision=r.precision), attr)
+        for r in (old, new)
+    )
 
 
 def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
@@ -947,16 +951,16 @@ class Recommendation:
     @property
     def export_flags(self) -> str:
         """The `kvedge export` flags that make it (with `--target tensorrt` for that device)."""
-        return " ".join(
-            f for f in (self.form.flags(), "--target tensorrt" * (self.device == "tensorrt")) if f
-        )
+        target = ["--target tensorrt"] if self.device == "tensorrt" else []
+        return " ".join(f for f in (self.form.flags(), *target) if f)
 
     def describe(self) -> str:
         c = self.cell
+        slots = f"{c.slots} {'slot' if c.slots == 1 else 'slots'} x {c.context} tokens"
         return (
             f"recommended for {self.budget.source} on --device {self.device}: kvedge export "
-            f"{self.export_flags or '(the defaults)'}: {c.slots} slot{'s' * (c.slots > 1)} x {c.context} "
-            f"tokens, {human(c.total)} of {human(self.budget.usable)} (KL {self.kl:.2g} vs float32)"
+            f"{self.export_flags or '(the defaults)'}: {slots}, {human(c.total)} of "
+            f"{human(self.budget.usable)} (KL {self.kl:.2g} vs float32)"
         )
 
 
