@@ -963,7 +963,8 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
 @user_errors
 def plan(model: str, profile: str | None, device: str | None, **kwargs: Any) -> None:
     """Which slots x max_len combinations of MODEL (export folder or recipe) fit in memory, and
-    when none does, the smallest change that would."""
+    when none does, the smallest change that would; for a recipe on cuda or tensorrt, the one form
+    to export there. A form the --device cannot run is refused in one line."""
     from kvedge.planner import plan_report, weight_form
 
     device = device or click.get_current_context().meta.get(("old spelling", "device"))  # --backend
