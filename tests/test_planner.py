@@ -437,10 +437,7 @@ def test_recommend_gives_the_form_holding_the_most_slots_among_measured_ones():
     recipe's max_len (one more does not fit); on an Orin Nano 8GB with TensorRT, Llama-3.2-3B as
     the float16 int4 graph with an 8-bit head and the INT8 cache, 6 slots x 2048."""
     found = recommend("orin-nano-8gb", "llama-3.2-3b", "tensorrt")
-    assert (
-        found.export_flags
-        == "--precision float16 --weights int4 --kv-dtype int8 --target tensorrt"
-    )
+    assert found.export_flags == "--precision float16 --weights int4 --kv-dtype int8 --target tensorrt"
     assert (found.cell.slots, found.cell.context) == (6, 2048) and found.kl == pytest.approx(0.0010628)
     # the same form with the 4-bit head is smaller (2 slots more) but costs KL 0.027: never offered
     smaller = dataclasses.replace(found.form, head_bits=4)
