@@ -1,11 +1,15 @@
 """A GGUF source's quantized blocks stored as they are (`kvedge.export.graph.weights.SourceBlocks`):
-a tiny random Llama written as a GGUF file with Q4_0, Q4_1 and Q8_0 tensors (gguf's own
-quantizer), exported. The graph's blocks (DequantizeLinear's codes and scales, the offsets of its
-second product) give gguf's own dequantizer's values bit for bit: every product of a code and a
-float16 d is exact in float32, and Q4_1's offset m + 8 d is a float32 number for such blocks
-(`gguf_blocks`' docstring), so the one rounding left, of code x scale + offset, is the one gguf's
-d x u + m makes. The export's logits are then transformers' on the same file up to float32
-summation order.
+a tiny random Llama written as a GGUF file with Q4_0, Q4_1 and Q8_0 tensors, exported. Their
+codes stop short of the ends of their range (`short_of_the_ends`), as llama.cpp's weighted
+searches leave them, so a requantization of the dequantized floats would not find those blocks
+again (Q4_1: up to 7% of the largest weight off); gguf's own quantizer reaches both ends, where
+kvedge's affine and extreme grids happen to reproduce it exactly.
+
+The graph's blocks (DequantizeLinear's codes and scales, the offsets of its second product) give
+gguf's own dequantizer's values exactly: every product of a code and a float16 d is exact in
+float32, and Q4_1's offset m + 8 d is a float32 number for such blocks (`gguf_blocks`'
+docstring), so the one rounding left, of code x scale + offset, is the one gguf's d x u + m
+makes. The export's logits are then transformers' on the same file up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import onnx
 import pytest
 import torch
 from conftest import decode_logits, random_ids, unfused_logits
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 from onnx import numpy_helper
 from tiny import make_tiny_gguf
@@ -58,9 +62,25 @@ MATMULS = {  # graph matmul -> its GGUF tensors, side by side along N
 }
 
 
+def short_of_the_ends(w: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+    """gguf's blocks of w [N, K] with every code kept off the ends of its range: 4-bit codes in
+    1..14, Q8_0's in -120..120 (the values d x code (+ m) of those codes)."""
+    data = quantize(w, kind)  # [N, row bytes]
+    size = GGML_QUANT_SIZES[kind][1]
+    blocks = data.reshape(-1, size).copy()
+    if kind == GGMLQuantizationType.Q8_0:
+        codes = blocks[:, 2:].view(np.int8)
+        blocks[:, 2:] = np.clip(codes, -120, 120).view(np.uint8)
+    else:  # Q4_0 (d, 16 bytes), Q4_1 (d, m, 16 bytes): two codes a byte
+        packed = blocks[:, size - 16 :]
+        low, high = np.clip(packed & 0xF, 1, 14), np.clip(packed >> 4, 1, 14)
+        blocks[:, size - 16 :] = low | (high << 4)
+    return blocks.reshape(data.shape)
+
+
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
-    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", KINDS)
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", KINDS, quantizer=short_of_the_ends)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ one written as a GGUF file with quantized tensors (`make_tiny_gguf`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -169,11 +170,17 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def make_tiny_gguf(path: Path, kinds: dict[str, str], seed: int = 0) -> Path:
+def make_tiny_gguf(
+    path: Path,
+    kinds: dict[str, str],
+    seed: int = 0,
+    quantizer: Callable[[np.ndarray, GGMLQuantizationType], np.ndarray] = quantize,
+) -> Path:
     """A tiny random Llama (`make_tiny_model`'s, tied embeddings) written as the GGUF file `path`,
     as llama.cpp's converter writes one: its metadata and tokenizer, Q and K rows permuted for
-    interleaved RoPE, each matrix quantized by gguf's own quantizer to `kinds`' type for its GGUF
-    name ("attn_q": "Q4_0", "token_embd": "Q8_0"; float32 for the rest). Returns `path`."""
+    interleaved RoPE, each matrix quantized by `quantizer` (gguf's own by default: w [N, K],
+    type -> raw blocks) to `kinds`' type for its GGUF name ("attn_q": "Q4_0", "token_embd":
+    "Q8_0"; float32 for the rest). Returns `path`."""
     folder = make_tiny_model(path.parent / f"{path.stem}-hf", "llama", seed=seed)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     config, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
@@ -209,7 +216,7 @@ def make_tiny_gguf(path: Path, kinds: dict[str, str], seed: int = 0) -> Path:
             writer.add_tensor(f"{name}.weight", w)
         else:
             raw = GGMLQuantizationType[kind]
-            writer.add_tensor(f"{name}.weight", quantize(w, raw), raw_dtype=raw)
+            writer.add_tensor(f"{name}.weight", quantizer(w, raw), raw_dtype=raw)
 
     add("token_embd", state["model.embed_tokens.weight"])
     add("output_norm", state["model.norm.weight"])
