@@ -857,6 +857,12 @@ def info(model_dir: Path, as_json: bool) -> None:
                 f", decode matmuls: {manifest.weight_decode_matmuls}"
                 if manifest.weight_decode_matmuls
                 else ""
+            )
+            + (
+                ", the source's blocks kept: "
+                + ", ".join(f"{n} {kind}" for kind, n in manifest.weight_source_blocks.items())
+                if manifest.weight_source_blocks
+                else ""
             ),
         ),
         ("names", f"{manifest.names.past_key} -> {manifest.names.present_key}"),
