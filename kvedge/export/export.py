@@ -9,7 +9,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -41,7 +41,6 @@ from kvedge.contract import (
     sha256_files,
 )
 from kvedge.errors import KvedgeError
-from kvedge.export.gguf_blocks import GgufWeights, read_gguf_weights
 from kvedge.export.graph import (
     STATIC_ROPE_TYPES,
     DecoderSpec,
@@ -57,6 +56,9 @@ from kvedge.export.graph.weights import SourceBlocks, source_blocks
 from kvedge.export.quantize import calibration_ids, input_outliers
 from kvedge.export.source import Source, load_hf, resolve_source
 from kvedge.files import human, new_folder
+
+if TYPE_CHECKING:
+    from kvedge.export.gguf_blocks import GgufWeights
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,8 @@ def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | N
     an export with quantized weights; None otherwise."""
     if source.gguf_file is None or not options.quantized:
         return None
+    from kvedge.export.gguf_blocks import read_gguf_weights  # the export extra's gguf package
+
     return read_gguf_weights(source.folder / source.gguf_file, skip_unmapped=True)
 
 
