@@ -857,6 +857,12 @@ def info(model_dir: Path, as_json: bool) -> None:
                 f", decode matmuls: {manifest.weight_decode_matmuls}"
                 if manifest.weight_decode_matmuls
                 else ""
+            )
+            + (
+                ", the source's blocks kept: "
+                + ", ".join(f"{n} {kind}" for kind, n in manifest.weight_source_blocks.items())
+                if manifest.weight_source_blocks
+                else ""
             ),
         ),
         ("names", f"{manifest.names.past_key} -> {manifest.names.present_key}"),
@@ -963,7 +969,8 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
 @user_errors
 def plan(model: str, profile: str | None, device: str | None, **kwargs: Any) -> None:
     """Which slots x max_len combinations of MODEL (export folder or recipe) fit in memory, and
-    when none does, the smallest change that would."""
+    when none does, the smallest change that would; for a recipe on cuda or tensorrt, the one form
+    to export there. A form the --device cannot run is refused in one line."""
     from kvedge.planner import plan_report, weight_form
 
     device = device or click.get_current_context().meta.get(("old spelling", "device"))  # --backend

@@ -14,7 +14,9 @@ or its `Meta(description=...)`). Checks between fields follow the conversion, in
     memory_bandwidth_gbps: 68.0         # GB/s, the published peak
     compute_capability: "8.7"           # major.minor, quoted
     gpu: {cuda_cores: 1024, tensor_cores: 32}
-    recommended: {weights: [float16, int8], kv: [int8, float16]}   # best first
+
+What to run on a device is not written here: `kvedge plan MODEL --profile NAME` computes it from
+the profile's memory (`kvedge.planner.recommend`), the one answer README and docs/JETSON.md state.
 
 `configs/models/NAME.yaml`, a model recipe::
 
@@ -68,7 +70,6 @@ CONFIG_ROOT = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().pa
 DEVICES_DIR = CONFIG_ROOT / "devices"
 MODELS_DIR = CONFIG_ROOT / "models"
 
-PRECISIONS = ("float32", "float16", "int8", "int4")  # what a recommendation may name
 WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
 FAMILIES = tuple(SUPPORTED_MODEL_TYPES)  # what `kvedge export` supports
 LOGITS = ("rows", "last", "all")  # contract.LOGITS_MODES
@@ -77,7 +78,6 @@ PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is it
 T = TypeVar("T")
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Text = Annotated[str, msgspec.Meta(min_length=1)]
-Precisions = Annotated[tuple[Literal[PRECISIONS], ...], msgspec.Meta(min_length=1)]  # best first
 
 
 class Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -224,13 +224,6 @@ class Gpu(Strict):
     tensor_cores: Count
 
 
-class Recommended(Strict):
-    """Our advice for this device, best first."""
-
-    weights: Precisions
-    kv: Precisions
-
-
 class DeviceFile(Strict):
     """`configs/devices/NAME.yaml` as written."""
 
@@ -240,11 +233,10 @@ class DeviceFile(Strict):
     memory_bandwidth_gbps: Annotated[float, msgspec.Meta(gt=0)]
     compute_capability: Annotated[str, msgspec.Meta(pattern=r"^\d+\.\d+$", description="'major.minor'")]
     gpu: Gpu
-    recommended: Recommended
 
 
 class DeviceProfile(DeviceFile, frozen=True):
-    """A Jetson module: published memory, bandwidth and compute capability, and our advice."""
+    """A Jetson module: published memory, bandwidth and compute capability."""
 
     path: Path  # the file it was loaded from
 
@@ -393,6 +385,13 @@ def load_device(name_or_path: str | Path) -> DeviceProfile:
     data = read_yaml(path)
     if isinstance(data, dict) and isinstance(data.get("compute_capability"), float):
         raise _refuse(path, "compute_capability", "write it quoted ('8.7'): YAML reads 8.7 as a number")
+    if isinstance(data, dict) and "recommended" in data:
+        raise _refuse(
+            path,
+            "recommended",
+            "no longer read; remove it: `kvedge plan MODEL --profile NAME` computes what to run on a device "
+            "from its memory (kvedge.planner.recommend)",
+        )
     device = parse(data, DeviceFile, path)
     _check_name(device.name, path)
     return DeviceProfile(**msgspec.structs.asdict(device), path=path)

@@ -58,11 +58,24 @@ tokens then decoding: measured peak RSS 1078/1178/1424/1718 MiB, planned 1045/11
 (3-8% under: the load term, 1.3 x weights, is measured after two decode steps, not 600-token
 prefills, whose arena growth the activations term counts at 8 score buffers).
 
-What fits instead: when no cell of a plan fits, `what_fits` tries the smallest change, in this
-order: fewer options changed first; one change in the order cache dtype (float16, then int8),
-weights (float16, int8, int4: least quantization first; recipes only, an export's weights are its
-files) and a shorter context; then weights with cache dtype; then both with a shorter context.
-The first that fits at 1 slot is shown with its own table.
+What fits instead: when no cell of a plan fits, `what_fits` offers the smallest change that
+makes its smallest cell (fewest slots, shortest context) fit. It weighs fewer slots; every other
+form of a recipe that `kvedge export` makes and the chosen `--device` runs (variant, precision,
+weights, head bits, cache dtype: `device_forms`; an export's other cache dtypes, a re-export);
+a shorter --max-len, alone and with each form. A change must save bytes at that cell and never
+make the weights (with what loading them holds) or the cache's bytes per token bigger. The
+longest context first (a shorter one changes what the model can do most), then a KL within the
+bar (`quality_tier`), then the fewest bytes saved, then the fewest options. A form the device
+refuses (`kvedge.contract.engine.device_refusal`, the runtime's rule) gets no table and no smallest
+change: one line saying why, and the nearest form it runs (`nearest_runnable`).
+
+What to run: `recommend` gives one form per budget (a device profile) and GPU device (cuda,
+tensorrt; `RECOMMENDED_DEVICES` says why not the CPU), the form `kvedge plan` prints last and
+the README and docs/JETSON.md state per board: of the forms the device runs whose KL against the
+float32 model was measured (`WEIGHTS_KL`, `PRECISION_KL`, `CACHE_KL`, summed over a form's
+choices) within `QUALITY_BAR`, the one holding the most slots at the recipe's max_len; ties to
+the fewer bytes, then the lower KL. That KLs of separate choices add is an approximation the
+bench supports: ort int8 weights 0.0009 + the INT8 cache 0.0003 = 0.0012, measured together 0.0013.
 
 Budgets: a device profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
 (1.5 GiB by default, an estimate for a headless L4T; a desktop session needs about 1 GiB
@@ -74,24 +87,32 @@ Allocatable Device Memory on an Integrated GPU Device").
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvedge.configs import Architecture, DeviceProfile, ModelRecipe, load_device, load_recipe
 from kvedge.contract import (
+    EXPORTED_KV_DTYPES,
     KV_DTYPES,
     MANIFEST_FILE,
     ONNX_FILE,
+    PRECISIONS,
     PREFILL_CHUNK,
+    QUANTIZED_KV_DTYPES,
+    VARIANTS,
+    WEIGHT_FORMATS,
     CacheGeometry,
     ExportRecipe,
     Manifest,
+    export_kv_dtypes,
 )
-from kvedge.contract.engine import DEVICES
+from kvedge.contract.engine import DEVICES, device_refusal
+from kvedge.contract.recipe import check_kv_dtype
 from kvedge.errors import KvedgeError
 from kvedge.files import GiB, MiB, human
 
@@ -218,8 +239,9 @@ class ModelFootprint:
     precision: str = "float32"  # the graph's (PRECISIONS)
     weights_dtype: str = "float32"  # how its weights are stored (WEIGHT_FORMATS)
     widened_bytes: int = 0  # float32 copy of float16-stored weights made at load (module docstring)
-    form: ExportRecipe | None = None  # a recipe's weight form (None: an export's files)
+    form: ExportRecipe | None = None  # a recipe's export, its cache dtype the geometry's (None: an export)
     architecture: Architecture | None = None  # a recipe's, to plan other weight forms
+    manifest: Manifest | None = None  # an export's
     forms_note: str = ""  # a two-form export's: its decode form's bytes and speed (`second_form_note`)
 
     @classmethod
@@ -249,17 +271,19 @@ class ModelFootprint:
             logits=manifest.logits,
             max_context=manifest.geometry.max_len,
             fixed_context=True,
+            manifest=manifest,
             forms_note=second_form_note(manifest.weights_dtype) if two_forms else "",
         )
 
     @classmethod
     def from_recipe(cls, recipe: ModelRecipe, form: ExportRecipe | None = None) -> ModelFootprint:
-        """`form` overrides the recipe's weights, e.g. int4 (`--weights int4`)."""
+        """`form` overrides the recipe's weights, e.g. int4 (`--weights int4`); its max_len and
+        logits are the recipe's, and its cache dtype too where the form's graph takes it."""
         a = recipe.architecture
-        found = cls(
+        model = cls(
             name=recipe.name,
             origin=str(recipe.path),
-            weights_bytes=0,
+            weights_bytes=0,  # `with_form`'s
             weights_note="",
             architecture=a,
             geometry=recipe.geometry(),
@@ -271,28 +295,41 @@ class ModelFootprint:
             max_context=a.max_position_embeddings,
             fixed_context=False,
         )
-        return found.with_form(form or recipe.export_recipe)
+        return with_form(model, _recipe_form(recipe, form))
 
-    def with_form(self, form: ExportRecipe) -> ModelFootprint:
-        """This recipe's model exported in weight form `form`."""
-        assert self.architecture is not None, "an export's weights are its files"
-        weights = recipe_weight_bytes(self.architecture, form)
-        forms_note = ""
-        if form.two_forms:  # the decode form's bytes: beyond the same export's with one form
-            one_form = dataclasses.replace(form, decode_matmuls="onnxruntime")
-            forms_note = second_form_note(
-                form.weights, weights - recipe_weight_bytes(self.architecture, one_form)
-            )
-        return dataclasses.replace(
-            self,
-            weights_bytes=weights,
-            weights_note=recipe_note(self.architecture, form),
-            precision=form.precision,
-            weights_dtype=form.weights,
-            widened_bytes=widened_bytes(weights, form.precision, form.weights),
-            form=form,
-            forms_note=forms_note,
-        )
+
+def _recipe_form(recipe: ModelRecipe, form: ExportRecipe | None) -> ExportRecipe:
+    if form is None:
+        return recipe.export_recipe
+    e = recipe.export
+    form = dataclasses.replace(form, max_len=e.max_len, logits=e.logits)
+    try:  # the recipe's cache dtype, where this graph takes it; else the graph's default
+        return dataclasses.replace(form, kv_dtype=e.kv_dtype)
+    except KvedgeError:
+        return form
+
+
+def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
+    """A recipe's footprint exported as `form` (its weights, graph precision and cache dtype)."""
+    a = model.architecture
+    if a is None:
+        raise KvedgeError(f"{model.name} is an export whose weights are its files; other forms need a recipe")
+    weights = recipe_weight_bytes(a, form)
+    forms_note = ""
+    if form.two_forms:  # the decode form's bytes: beyond the same export's with one form
+        one_form = dataclasses.replace(form, decode_matmuls="onnxruntime")
+        forms_note = second_form_note(form.weights, weights - recipe_weight_bytes(a, one_form))
+    return dataclasses.replace(
+        model,
+        weights_bytes=weights,
+        weights_note=recipe_note(a, form),
+        precision=form.precision,
+        weights_dtype=form.weights,
+        widened_bytes=widened_bytes(weights, form.precision, form.weights),
+        geometry=model.geometry.with_dtype(form.kv_dtype, form.kv_group_size or None),
+        form=form,
+        forms_note=forms_note,
+    )
 
 
 def widened_bytes(weights: int, precision: str, weights_dtype: str) -> int:
@@ -471,6 +508,25 @@ class Plan:
     def anything_fits(self) -> bool:
         return any(self.fits(cell) for row in self.cells for cell in row)
 
+    @property
+    def refusal(self) -> str | None:
+        """Why the plan's device cannot run its model over its cache dtype, or None."""
+        return refusal(self.model, self.device, self.kv_dtype)
+
+    @property
+    def corner(self) -> Estimate:
+        """The plan's smallest cell: its fewest slots at its shortest context."""
+        return self.cells[self.contexts.index(min(self.contexts))][self.slots.index(min(self.slots))]
+
+
+def refusal(model: ModelFootprint, device: str, kv_dtype: str) -> str | None:
+    """Why `device` cannot run `model` over a `kv_dtype` cache (`device_refusal`, the runtime's
+    rule), or None; None too for a footprint made by hand, neither an export nor a recipe."""
+    made = model.form or model.manifest
+    if made is None:
+        return None
+    return device_refusal(device, made.variant, kv_dtype, model.logits)
+
 
 def make_plan(
     model: ModelFootprint,
@@ -480,7 +536,14 @@ def make_plan(
     slots: Sequence[int] = DEFAULT_SLOTS,
     contexts: Sequence[int] | None = None,
 ) -> Plan:
+    """`model`'s totals by context and slots. A recipe's `kv_dtype` is its export's (an ort
+    int8/int4 graph's decode form depends on it); an export's must be one its graph is exported
+    with (a re-export)."""
     kv_dtype = kv_dtype or model.geometry.dtype
+    if model.form is not None and kv_dtype != model.form.kv_dtype:
+        model = with_form(model, dataclasses.replace(model.form, kv_dtype=kv_dtype))
+    elif model.manifest is not None:
+        check_kv_dtype(kv_dtype, model.manifest.variant, model.manifest.precision)
     if contexts is None:
         contexts = sorted({c for c in DEFAULT_CONTEXTS if c <= model.max_context} | {model.geometry.max_len})
     too_long = [c for c in contexts if c > model.max_context]
@@ -529,17 +592,23 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def to_json(plan: Plan) -> str:
-    """The plan's cells, and `fits_with`: the options of `what_fits` (null when none)."""
+def to_json(plan: Plan, recommended: Recommendation | None = None) -> str:
+    """The plan's cells; `refused`: why its device cannot run it (then no cells); `fits_with`: the
+    options of `what_fits` (null when none); `recommended`: `recommend`'s answer (recipes)."""
     change = what_fits(plan)
+    refused = plan.refusal
     return json.dumps(
         {
             "fits_with": dict(change.options) if change else None,
+            "refused": refused,
+            "recommended": _recommendation_json(recommended),
             "model": plan.model.name,
             "budget_bytes": plan.budget.usable,
             "device": plan.device,
             "kv_dtype": plan.kv_dtype,
-            "rows": [
+            "rows": []
+            if refused
+            else [
                 {**dataclasses.asdict(c), "total": c.total, "fits": plan.fits(c)}
                 for row in plan.cells
                 for c in row
@@ -547,6 +616,19 @@ def to_json(plan: Plan) -> str:
         },
         indent=2,
     )
+
+
+def _recommendation_json(found: Recommendation | None) -> dict[str, Any] | None:
+    if found is None:
+        return None
+    c = found.cell
+    return {
+        "export": found.export_flags,
+        "slots": c.slots,
+        "max_len": c.context,
+        "total": c.total,
+        "kl": found.kl,
+    }
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
@@ -570,71 +652,213 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-# what `what_fits` tries, least change first (module docstring)
-KV_STEPS = ("float16", "int8")
-WEIGHT_STEPS = ("float16", "int8", "int4")
+# --- what fits instead: `what_fits` ---------------------------------------------------------------
+
+# the flags a form change names, with the ExportRecipe attribute each shows
+FORM_FLAGS = (
+    ("--variant", "variant"),
+    ("--precision", "precision"),
+    ("--weights", "weights"),
+    ("--head-bits", "lm_head_bits"),
+    ("--kv-dtype", "kv_dtype"),
+)
 
 
 @dataclass(frozen=True)
 class Change:
-    """Options that make a plan fit, and that plan."""
+    """Options that make a plan fit (or, for a form its device refuses, run), and that plan."""
 
     options: tuple[tuple[str, str], ...]  # ("--weights", "int4"), ...
     plan: Plan
 
     def describe(self) -> str:
         flags = " ".join(f"{flag} {value}" for flag, value in self.options)
-        return f"re-export with {flags}" if self.plan.model.fixed_context else flags
+        text = f"re-export with {flags}" if self.plan.model.fixed_context else flags
+        form = self.plan.model.form
+        if form is not None and {flag for flag, _ in self.options} & {flag for flag, _ in FORM_FLAGS}:
+            text += f" ({quality_note(form)})"
+        return text
+
+
+@dataclass(frozen=True)
+class _Try:
+    """A change `what_fits` weighs: its options, what it plans, and the cell it is judged by (the
+    plan's smallest, the change applied: fewer slots, another form, or the new --max-len)."""
+
+    options: tuple[tuple[str, str], ...]
+    model: ModelFootprint
+    kv_dtype: str
+    slots: tuple[int, ...]
+    contexts: tuple[int, ...]
+    corner: Estimate
+
+    def change(self, plan: Plan) -> Change:
+        changed = make_plan(self.model, plan.budget, plan.device, self.kv_dtype, self.slots, self.contexts)
+        return Change(self.options, changed)
 
 
 def what_fits(plan: Plan) -> Change | None:
-    """The smallest change of slots, cache dtype, weights or context that makes something of
-    `plan` fit (module docstring for the order), or None when something fits already or nothing
-    tried does."""
-    if plan.anything_fits:
+    """The smallest change of slots, export form or context that makes something of `plan` fit
+    (module docstring, "What fits instead"), or None when something fits already, when nothing
+    tried does, or when the plan's device refuses its form (`nearest_runnable` says what it runs)."""
+    if plan.refusal or plan.anything_fits:
         return None
-    return next((change for change in _changes(plan) if change.plan.anything_fits), None)
+    fitting = (t for t in _shrinking(plan) if plan.fits(t.corner))
+    found = next(fitting, None)
+    return found.change(plan) if found else None
 
 
 def closest(plan: Plan) -> tuple[Change, Estimate] | None:
-    """Of the changes `what_fits` tries, the one whose smallest cell needs the fewest bytes, and
-    that cell (None when there is nothing to change)."""
-    smallest = [(min((c for row in ch.plan.cells for c in row), key=_total), ch) for ch in _changes(plan)]
-    if not smallest:
-        return None
-    cell, change = min(smallest, key=lambda pair: pair[0].total)
-    return change, cell
+    """Of the changes `what_fits` tries, the one whose cell needs the fewest bytes, and that cell
+    (None when there is nothing to change)."""
+    found = min(_shrinking(plan), key=lambda t: t.corner.total, default=None)
+    return (found.change(plan), found.corner) if found else None
 
 
-def _total(cell: Estimate) -> int:
-    return cell.total
-
-
-def _changes(plan: Plan) -> Iterator[Change]:
-    """The changes `what_fits` tries, in its order, each with its plan."""
-    m = plan.model
-    fewer = tuple(s for s in range(min(plan.slots) - 1, 0, -1))
-    kvs = [k for k in KV_STEPS if _per_token(m, k) < _per_token(m, plan.kv_dtype)]
-    forms = _smaller_forms(m)
-    halved = {min(plan.contexts) >> i for i in range(1, 16)}
-    shorter = sorted(
-        {c for c in (*DEFAULT_CONTEXTS, *halved) if MIN_CONTEXT <= c < min(plan.contexts)}, reverse=True
-    )
-    tries: list[tuple[tuple[str, str], ...]] = []
-    tries += [(("--slots", str(s)),) for s in fewer]
-    tries += [(("--kv-dtype", k),) for k in kvs]
-    tries += [(("--weights", f.weights),) for f in forms]
-    tries += [(("--max-len", str(c)),) for c in shorter]
-    tries += [(("--weights", f.weights), ("--kv-dtype", k)) for f in forms for k in kvs]
-    tries += [  # the longest context first: a shorter one changes what the model can do most
-        (("--weights", f.weights), ("--kv-dtype", k), ("--max-len", str(c)))
-        for c in shorter
-        for f in forms
-        for k in kvs
+def nearest_runnable(plan: Plan) -> Change | None:
+    """For a plan whose device refuses its form: the form the device runs of the best
+    `quality_tier` that changes the fewest options (--variant portable; on cuda also --kv-dtype
+    float16), ties to the fewer bytes; None when no form of it runs there (an export's graph is
+    its files)."""
+    least, shortest = min(plan.slots), min(plan.contexts)
+    tries = [
+        _Try(options, model, kv, plan.slots, plan.contexts, estimate(model, least, shortest, kv, plan.device))
+        for options, model, kv in _other_forms(plan)
     ]
-    by_name = {f.weights: f for f in forms}
-    for options in tries:
-        yield Change(options, _changed_plan(plan, dict(options), by_name))
+    found = min(tries, key=lambda t: (quality_tier(t.model), len(t.options), t.corner.total), default=None)
+    return found.change(plan) if found else None
+
+
+def quality_tier(model: ModelFootprint) -> int:
+    """0: a form measured within `QUALITY_BAR`, or an export (its form is its files); 1: measured
+    above it; 2: unmeasured."""
+    if model.form is None:
+        return 0
+    kl = measured_kl(model.form)
+    return 2 if kl is None else int(kl > QUALITY_BAR)
+
+
+def _shrinking(plan: Plan) -> list[_Try]:
+    """The changes `what_fits` tries, in its order: each saves bytes at the plan's smallest cell,
+    and none makes the weights (with what loading them holds) or the cache's bytes per token
+    bigger. The longest context first: those that keep the plan's come first, then each shorter
+    --max-len (a shorter context changes what the model can do most); then those whose quality
+    stays within the bar (`quality_tier`); then the fewest bytes saved, ties to fewer options."""
+    corner, per_token = plan.corner, _per_token(plan.model, plan.kv_dtype)
+    held = corner.weights + corner.load
+    kept = [
+        t
+        for t in _tries(plan)
+        if t.corner.total < corner.total
+        and t.corner.weights + t.corner.load <= held
+        and _per_token(t.model, t.kv_dtype) <= per_token
+    ]
+    return sorted(
+        kept,
+        key=lambda t: (
+            -t.corner.context,
+            quality_tier(t.model),
+            corner.total - t.corner.total,
+            len(t.options),
+        ),
+    )
+
+
+def _tries(plan: Plan) -> list[_Try]:
+    """Every change weighed: fewer slots; each other form the device runs; a shorter --max-len,
+    alone and with each of those forms."""
+    m, least, shortest = plan.model, min(plan.slots), min(plan.contexts)
+    forms = _other_forms(plan)
+    tries = []
+
+    def add(
+        options: tuple, model: ModelFootprint, kv: str, slots: tuple, contexts: tuple, context: int
+    ) -> None:
+        corner = estimate(model, min(slots), context, kv, plan.device)
+        tries.append(_Try(options, model, kv, slots, contexts, corner))
+
+    for s in range(least - 1, 0, -1):
+        add((("--slots", str(s)),), m, plan.kv_dtype, (s,), plan.contexts, shortest)
+    for options, model, kv in forms:
+        add(options, model, kv, plan.slots, plan.contexts, shortest)
+    halved = {shortest >> i for i in range(1, 16)}
+    for c in sorted({c for c in (*DEFAULT_CONTEXTS, *halved) if MIN_CONTEXT <= c < shortest}, reverse=True):
+        contexts = tuple(sorted({d for d in DEFAULT_CONTEXTS if d <= c} | {c}))
+        add((("--max-len", str(c)),), m, plan.kv_dtype, plan.slots, contexts, c)
+        for options, model, kv in forms:
+            add((*options, ("--max-len", str(c))), model, kv, plan.slots, contexts, c)
+    return tries
+
+
+def _other_forms(plan: Plan) -> list[tuple[tuple[tuple[str, str], ...], ModelFootprint, str]]:
+    """(options, model, cache dtype) of each other form of `plan`'s model its device runs: a
+    recipe's every form (`device_forms`); an export's other cache dtypes its graph is exported with
+    (a re-export: its weights are its files)."""
+    m = plan.model
+    if m.form is not None:
+        found = []
+        for form in device_forms(m.form, plan.device):
+            options = _form_options(m.form, form)
+            if options and _per_token(m, form.kv_dtype) < float("inf"):
+                found.append((options, with_form(m, form), form.kv_dtype))
+        return found
+    kvs = [k for k in EXPORTED_KV_DTYPES if k != plan.kv_dtype and _per_token(m, k) < float("inf")]
+    if m.manifest is not None:
+        kvs = [k for k in kvs if k in export_kv_dtypes(m.manifest.variant, m.manifest.precision)]
+    return [((("--kv-dtype", k),), m, k) for k in kvs if refusal(m, plan.device, k) is None]
+
+
+def _form_options(old: ExportRecipe, new: ExportRecipe) -> tuple[tuple[str, str], ...]:
+    """The flags that change `old` into `new`: each choice that changed, but not weights or a cache
+    dtype that only follow the new --precision's defaults; --head-bits where `new` is quantized
+    and its head's bits are not what the change of weights brings anyway."""
+    options = []
+    for flag, attr in FORM_FLAGS:
+        value = getattr(new, attr)
+        if value == getattr(old, attr) or _implied(old, new, attr):
+            continue
+        if flag == "--head-bits" and (not new.quantized or (not old.quantized and new.head_bits is None)):
+            continue
+        options.append((flag, str(value)))
+    return tuple(options)
+
+
+def _implied(old: ExportRecipe, new: ExportRecipe, attr: str) -> bool:
+    """`new`'s weights or cache dtype is its graph's default, as `old`'s was its own."""
+    if attr not in ("weights", "kv_dtype"):
+        return False
+    return all(
+        getattr(r, attr) == getattr(ExportRecipe(variant=r.variant, precision=r.precision), attr)
+        for r in (old, new)
+    )
+
+
+def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
+    """Every form `kvedge export` makes of `base` choosing its variant, precision, weights, head
+    bits (the default or 8) and cache dtype, that `device` runs (`device_refusal`); `base`'s
+    max_len, logits, block size, kept channels and decode matmuls stay where they apply."""
+    found: dict[tuple, ExportRecipe] = {}
+    for variant, precision, weights, head_bits, kv in itertools.product(
+        VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 8), EXPORTED_KV_DTYPES
+    ):
+        quantized = WEIGHT_FORMATS[weights] < 16
+        try:
+            form = dataclasses.replace(
+                base,
+                variant=variant,
+                precision=precision,
+                weights=weights,
+                head_bits=head_bits if quantized else None,
+                outlier_channels=base.outlier_channels if quantized else None,
+                decode_matmuls=base.decode_matmuls if quantized and variant == "ort" else None,
+                kv_dtype=kv,
+                kv_group_size=base.kv_group_size if kv in QUANTIZED_KV_DTYPES else 0,
+            )
+        except KvedgeError:  # a combination export refuses
+            continue
+        if device_refusal(device, variant, kv, form.logits) is None:
+            found.setdefault((variant, precision, weights, form.lm_head_bits, kv), form)
+    return list(found.values())
 
 
 def _per_token(model: ModelFootprint, kv_dtype: str) -> float:
@@ -646,36 +870,11 @@ def _per_token(model: ModelFootprint, kv_dtype: str) -> float:
         return float("inf")
 
 
-def _smaller_forms(model: ModelFootprint) -> list[ExportRecipe]:
-    """A recipe's weight forms smaller than its own, least quantized first (an export's weights
-    are its files: re-exporting them is out of the planner's sight, so none)."""
-    if model.architecture is None or model.form is None:
-        return []
-    forms = []
-    for weights in WEIGHT_STEPS:
-        try:  # e.g. --head-bits 8 with portable int4: not a form of int8 weights
-            forms.append(dataclasses.replace(model.form, weights=weights))
-        except KvedgeError:
-            continue
-    return [f for f in forms if recipe_weight_bytes(model.architecture, f) < model.weights_bytes]
-
-
-def _changed_plan(plan: Plan, options: dict[str, str], forms: dict[str, ExportRecipe]) -> Plan:
-    model = plan.model
-    if "--weights" in options:
-        model = model.with_form(forms[options["--weights"]])
-    slots = (int(options["--slots"]),) if "--slots" in options else plan.slots
-    contexts = plan.contexts
-    if "--max-len" in options:
-        longest = int(options["--max-len"])
-        contexts = tuple(sorted({c for c in DEFAULT_CONTEXTS if c <= longest} | {longest}))
-    return make_plan(
-        model, plan.budget, plan.device, options.get("--kv-dtype", plan.kv_dtype), slots, contexts
-    )
-
-
 def render_with_advice(plan: Plan) -> str:
-    """The plan's table; when nothing in it fits, what would, with its own table."""
+    """The plan's table; when nothing in it fits, what would, with its own table. A form the
+    plan's device refuses gets one line saying why, and the nearest form it runs."""
+    if plan.refusal:
+        return _refused(plan)
     text = render(plan)
     if plan.anything_fits:
         return text
@@ -686,7 +885,7 @@ def render_with_advice(plan: Plan) -> str:
             + render(change.plan)
         )
     near = closest(plan)
-    text += "\n\nnothing above fits, and no smaller slots, cache dtype, weights or context fits either"
+    text += "\n\nnothing above fits, and no fewer slots, smaller form or shorter context fits either"
     if near is not None:
         change, cell = near
         text += (
@@ -694,6 +893,159 @@ def render_with_advice(plan: Plan) -> str:
             f"{cell.context} tokens, {human(cell.total - plan.budget.usable)} over ({cell.breakdown()})"
         )
     return text
+
+
+def _refused(plan: Plan) -> str:
+    m = plan.model
+    line = f"{m.name} ({m.weights_note}, {plan.kv_dtype} cache): {plan.refusal}"
+    near = nearest_runnable(plan)
+    if near is None:
+        return line
+    return (
+        f"{line}\n\nthe nearest form --device {plan.device} runs: {near.describe()}\n\n"
+        + render_with_advice(near.plan)
+    )
+
+
+# --- one recommendation per board: `recommend` ----------------------------------------------------
+
+# KL of the next-token distribution against the float32 model, per export choice, as measured on
+# SmolLM2-135M (docs/PERFORMANCE.md, "Quality of each export choice", whose table a test holds to
+# these). A form's KL is the sum of its weights', its graph precision's and its cache's; a form with
+# a choice not listed here is unmeasured, and never recommended.
+WEIGHTS_KL = {
+    "--variant portable --weights float32": 0.0,
+    "--variant ort --weights float32": 0.0,
+    "--variant portable --weights float16": 0.0000028,
+    "--variant ort --weights int8": 0.0009,
+    "--variant ort --weights int4": 0.0013,
+    "--variant portable --weights int8": 0.00068,
+    "--variant portable --weights int4": 0.00076,
+    "--variant portable --weights int4 --head-bits 4": 0.0267,
+}
+PRECISION_KL = {"--precision float32": 0.0, "--precision float16": 0.0000028}
+CACHE_KL = {"--kv-dtype float32": 0.0, "--kv-dtype float16": 0.0, "--kv-dtype int8": 0.0003}
+# the most KL a recommended form may cost: the bar export's defaults were chosen by (KL <= 0.002
+# and top-1 >= 98% on the held-out set, docs/PERFORMANCE.md "Quantized weights")
+QUALITY_BAR = 0.002
+MAX_SLOTS = max(DEFAULT_SLOTS)
+# where `recommend` answers: a board's GPU, whose decode reads every weight byte and the cache each
+# step, so fewer bytes decode faster. On the CPU speed follows kernels, not bytes (kvedge's own run
+# the ort graphs; x86 onnxruntime widens float16 graphs), and the README's export there is chosen by
+# measured speed and greedy answers.
+RECOMMENDED_DEVICES = ("cuda", "tensorrt")
+
+
+def weights_choice(form: ExportRecipe) -> str:
+    """`form`'s weights as `WEIGHTS_KL` names them: variant, weights, and --head-bits where the
+    head's bits are not that variant's default."""
+    text = f"--variant {form.variant} --weights {form.weights}"
+    if form.lm_head_bits != ExportRecipe(variant=form.variant, weights=form.weights).lm_head_bits:
+        text += f" --head-bits {form.lm_head_bits}"
+    return text
+
+
+def measured_kl(form: ExportRecipe) -> float | None:
+    """`form`'s KL against the float32 model from its choices' measured KLs, or None where one of
+    them was not measured: a choice missing from the tables, a block size or kept channels other
+    than export's defaults, or an ort int8/int4 graph without kvedge's decode form (the float16
+    cache's, whose decode steps run MatMulNBits)."""
+    default = ExportRecipe(variant=form.variant, precision=form.precision, weights=form.weights)
+    if form.quantized and (form.block_size, form.kept_channels) != (32, default.kept_channels):
+        return None
+    if form.decode and not form.two_forms:
+        return None
+    parts = (
+        WEIGHTS_KL.get(weights_choice(form)),
+        PRECISION_KL.get(f"--precision {form.precision}"),
+        CACHE_KL.get(f"--kv-dtype {form.kv_dtype}"),
+    )
+    return None if None in parts else sum(parts)
+
+
+def quality_note(form: ExportRecipe) -> str:
+    kl = measured_kl(form)
+    return "quality unmeasured" if kl is None else f"KL {kl:.2g} vs float32, docs/PERFORMANCE.md"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What to export a model as for one budget and device, and what it holds there."""
+
+    model: str
+    device: str
+    budget: Budget
+    form: ExportRecipe
+    cell: Estimate  # the most slots at the recipe's max_len
+    kl: float  # `measured_kl`
+
+    @property
+    def export_flags(self) -> str:
+        """The `kvedge export` flags that make it (with `--target tensorrt` for that device)."""
+        target = ["--target tensorrt"] if self.device == "tensorrt" else []
+        return " ".join(f for f in (self.form.flags(), *target) if f)
+
+    def describe(self) -> str:
+        c = self.cell
+        slots = f"{c.slots} {'slot' if c.slots == 1 else 'slots'} x {c.context} tokens"
+        return (
+            f"recommended for {self.budget.source} on --device {self.device}: kvedge export "
+            f"{self.export_flags or '(the defaults)'}: {slots}, {human(c.total)} of "
+            f"{human(self.budget.usable)} (KL {self.kl:.2g} vs float32)"
+        )
+
+
+def recommend(
+    budget: Budget | DeviceProfile | str,
+    model: ModelFootprint | ModelRecipe | str | Path,
+    device: str = "tensorrt",
+) -> Recommendation | None:
+    """The one form to export recipe `model` as for `budget` (a Budget, a device profile or its
+    name) on `device`: of the forms the device runs (`device_forms`, export's defaults otherwise)
+    whose quality was measured within `QUALITY_BAR` (`measured_kl`), the one that holds the most
+    slots (up to `MAX_SLOTS`) at the recipe's max_len; ties to the fewer bytes (a decode step
+    reads every weight byte and the cache, so on these bandwidth-bound boards fewer bytes also
+    decode faster), then to the lower KL. None when not one slot of any fits."""
+    if device not in RECOMMENDED_DEVICES:
+        raise KvedgeError(
+            f"--device {device!r} has no recommendation; allowed: {list(RECOMMENDED_DEVICES)} (the CPU's "
+            "export is README's, 'Choosing an export', chosen by measured speed)"
+        )
+    fp = footprint(model)
+    if fp.form is None:
+        raise KvedgeError(
+            f"{fp.name} is an export, whose form is its files; a recommendation is for a recipe"
+        )
+    if not isinstance(budget, Budget):
+        budget = device_budget(budget if isinstance(budget, DeviceProfile) else load_device(budget))
+    found = []
+    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device):
+        kl = measured_kl(form)
+        if kl is None or kl > QUALITY_BAR or _per_token(fp, form.kv_dtype) == float("inf"):
+            continue
+        cell = _most_slots(with_form(fp, form), budget, device)
+        if cell is not None:
+            found.append(Recommendation(fp.name, device, budget, form, cell, kl))
+    return min(found, key=lambda r: (-r.cell.slots, r.cell.total, r.kl), default=None)
+
+
+def _most_slots(model: ModelFootprint, budget: Budget, device: str) -> Estimate | None:
+    for slots in range(MAX_SLOTS, 0, -1):
+        cell = estimate(model, slots, model.geometry.max_len, device=device)
+        if cell.total <= budget.usable:
+            return cell
+    return None
+
+
+def describe_recommendation(
+    found: Recommendation | None, model: ModelFootprint, budget: Budget, device: str
+) -> str:
+    if found is not None:
+        return found.describe()
+    return (
+        f"recommended for {budget.source} on --device {device}: nothing; no form of {model.name} whose "
+        f"quality was measured within KL {QUALITY_BAR} fits 1 slot of {model.geometry.max_len} tokens"
+    )
 
 
 def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Budget:
@@ -728,8 +1080,8 @@ def plan_report(
     as_json: bool = False,
 ) -> str:
     """`kvedge plan`: the table(s) for `model` on a device profile, a fixed budget or this machine,
-    and what would fit when nothing does. `device` defaults to cuda with a profile (a Jetson's
-    GPU), else cpu."""
+    what would fit when nothing does, and for a recipe on a GPU the form `recommend` gives.
+    `device` defaults to cuda with a profile (a Jetson's GPU), else cpu."""
     fp = footprint(model, form)
     for dtype in kv_dtypes:
         if dtype not in KV_DTYPES:
@@ -747,6 +1099,11 @@ def plan_report(
         )
         for dtype in (kv_dtypes or (fp.geometry.dtype,))
     ]
+    advises = fp.form is not None and device in RECOMMENDED_DEVICES
+    recommended = recommend(chosen, fp, device) if advises else None
     if as_json:
-        return "[" + ",\n".join(to_json(p) for p in plans) + "]"
-    return "\n\n".join(render_with_advice(p) for p in plans)
+        return "[" + ",\n".join(to_json(p, recommended) for p in plans) + "]"
+    text = "\n\n".join(render_with_advice(p) for p in plans)
+    if not advises:
+        return text
+    return f"{text}\n\n{describe_recommendation(recommended, fp, chosen, device)}"

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, ExportRecipe, Manifest, sha256_files
@@ -88,6 +89,26 @@ def embeds_feed(folder: Path, manifest: Manifest, ids: np.ndarray) -> dict[str, 
     runtime's lookup, `TableEmbeddings`), else {}: for tests that feed a session themselves."""
     table = TableEmbeddings.of(folder, manifest)
     return {} if table is None else {manifest.names.inputs_embeds: table(ids)}
+
+
+def unfused_logits(folder, ids: list[int]) -> np.ndarray:
+    """Prefill logits [s, vocab] of a portable logits=all export, run with onnxruntime's QDQ
+    fusions off: DequantizeLinear feeds a float MatMul, exactly the exported weights."""
+    manifest = Manifest.load(folder)
+    geometry, names = manifest.geometry, manifest.names
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
+    past = np.zeros((1, geometry.num_kv_heads, geometry.max_len, geometry.head_dim), np.float32)
+    feeds = {
+        names.input_ids: np.array([ids], np.int64),
+        names.position_ids: np.arange(len(ids), dtype=np.int64)[None],
+        names.past_lengths: np.zeros(1, np.int64),
+        **embeds_feed(folder, manifest, np.array([ids], np.int64)),
+    }
+    for i in range(geometry.num_layers):
+        feeds.update({names.layer(t, i): past for t in names.past(False)})
+    return session.run([names.logits], feeds)[0][0]
 
 
 def export_once(source: Path, root: Path, *fields: str, **fixed):

@@ -14,17 +14,18 @@ ACCEPTED = {
     "float16-weights": ExportRecipe(max_len=MAX_LEN, weights="float16"),
     "int8-weights": ExportRecipe(max_len=MAX_LEN, weights="int8"),
     "int4-weights": ExportRecipe(max_len=MAX_LEN, weights="int4"),
-    "int4-weights-int8-head": ExportRecipe(max_len=MAX_LEN, weights="int4", head_bits=8),
+    "int4-weights-int4-head": ExportRecipe(max_len=MAX_LEN, weights="int4", head_bits=4),
     "int8-cache": ExportRecipe(max_len=MAX_LEN, kv_dtype="int8"),
     "int4-weights-int8-cache": ExportRecipe(max_len=MAX_LEN, weights="int4", kv_dtype="int8"),
     "float16-weights-int8-cache": ExportRecipe(max_len=MAX_LEN, weights="float16", kv_dtype="int8"),
     "float16-precision": ExportRecipe(max_len=MAX_LEN, precision="float16"),
     "float16-precision-int8-weights": ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int8"),
     "float16-precision-int4-weights": ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int4"),
-    "float16-precision-int4-weights-int8-head": ExportRecipe(
-        max_len=MAX_LEN, precision="float16", weights="int4", head_bits=8
+    "float16-precision-int4-weights-int4-head": ExportRecipe(
+        max_len=MAX_LEN, precision="float16", weights="int4", head_bits=4
     ),
     "float16-precision-int8-cache": ExportRecipe(max_len=MAX_LEN, precision="float16", kv_dtype="int8"),
+    # what `kvedge plan` recommends on every Orin board (kvedge.planner.recommend)
     "float16-precision-int4-weights-int8-cache": ExportRecipe(
         max_len=MAX_LEN, precision="float16", weights="int4", kv_dtype="int8"
     ),

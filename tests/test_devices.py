@@ -11,6 +11,7 @@ copied per step. That onnxruntime honours it on a GPU is device_tests/'s to chec
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import tracemalloc
@@ -20,6 +21,8 @@ import onnxruntime as ort
 import pytest
 from conftest import random_ids
 
+from kvedge.contract import EXPORTED_KV_DTYPES, LOGITS_MODES, VARIANTS
+from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backend import (
     CALL,
@@ -49,10 +52,20 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
 
 
 def test_device_refusals_name_what_to_install_or_build(tiny_llama):
+    unknown = cli("generate", "--model", str(tiny_llama.out), "--device", "npu", "hi")
+    assert unknown.returncode == 2 and "'npu' is not one of 'cpu', 'cuda', 'tensorrt'" in unknown.stderr
+    with pytest.raises(
+        KvedgeError, match=r"--device 'npu' is not supported; allowed: \['cpu', 'cuda', 'tensorrt'\]"
+    ):
+        Model(tiny_llama.out, device="npu")
     out = str(tiny_llama.out)
     cuda = one_line_error(cli("generate", "--model", out, "--device", "cuda", "hi"))
-    assert "CUDAExecutionProvider is not available here" in cuda and "onnxruntime-gpu" in cuda
     engine = one_line_error(cli("chat", "--model", out, "--device", "tensorrt"))
+    if tiny_llama.model().manifest.in_place:  # refused for what it is, before any package is named
+        assert "--device cuda cannot run this 'ort'-variant export" in cuda
+        assert "--device tensorrt runs the portable graph (standard ONNX ops) only" in engine
+        return
+    assert "CUDAExecutionProvider is not available here" in cuda and "onnxruntime-gpu" in cuda
     assert "--device tensorrt needs" in engine and "kvedge export --target tensorrt" in engine
     (tiny_llama.out / "model.engine").write_bytes(b"an engine")
     try:
@@ -60,12 +73,27 @@ def test_device_refusals_name_what_to_install_or_build(tiny_llama):
         assert "TensorRT is not installed" in trt and "JetPack" in trt
     finally:
         (tiny_llama.out / "model.engine").unlink()
-    unknown = cli("generate", "--model", out, "--device", "npu", "hi")
-    assert unknown.returncode == 2 and "'npu' is not one of 'cpu', 'cuda', 'tensorrt'" in unknown.stderr
-    with pytest.raises(
-        KvedgeError, match=r"--device 'npu' is not supported; allowed: \['cpu', 'cuda', 'tensorrt'\]"
-    ):
-        Model(tiny_llama.out, device="npu")
+
+
+def test_one_rule_says_which_device_runs_which_export():
+    """`device_refusal`, which the runtime and the planner both ask: the CPU runs every export;
+    cuda the portable graph and the float16-cache `ort` graph; tensorrt the portable graph without
+    "all" logits. The exporter's own TensorRT check, which builds no engine for what it refuses,
+    refuses exactly the same."""
+    from kvedge.export.tensorrt import _check_graph
+
+    for variant, kv_dtype, logits in itertools.product(VARIANTS, EXPORTED_KV_DTYPES, LOGITS_MODES):
+        assert device_refusal("cpu", variant, kv_dtype, logits) is None
+        cuda = device_refusal("cuda", variant, kv_dtype, logits)
+        assert (cuda is None) == (variant == "portable" or kv_dtype == "float16"), (variant, kv_dtype)
+        try:
+            _check_graph(variant, logits)
+            built = True
+        except KvedgeError:
+            built = False
+        assert (device_refusal("tensorrt", variant, kv_dtype, logits) is None) == built, (variant, logits)
+    with pytest.raises(KvedgeError, match=r"--device 'npu' is not allowed; allowed: \['cpu', 'cuda'"):
+        device_refusal("npu", "portable", "float32", "rows")
 
 
 def test_serve_config_takes_a_device(tiny_llama, tmp_path):
@@ -150,7 +178,9 @@ def test_bench_and_plan_take_the_device(tiny_llama):
     with pytest.raises(KvedgeError, match=r"--device 'npu' is not supported; allowed: \['cpu', 'cuda'"):
         BenchConfig(device="npu")
     spec = SystemSpec("kvedge portable", "kvedge", tiny_llama.out, "float32", device="cuda")
-    with pytest.raises(KvedgeError, match="CUDAExecutionProvider is not available here"):
+    in_place = tiny_llama.model().manifest.in_place
+    refused = "cannot run this 'ort'" if in_place else "CUDAExecutionProvider is not"
+    with pytest.raises(KvedgeError, match=refused):
         spec.build(1)
     assert SystemSpec("kvedge", "kvedge", tiny_llama.out, "float32").build(1).backend.manifest
     # the planner's overheads by device: cuda and tensorrt are the GPU preset

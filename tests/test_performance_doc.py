@@ -219,3 +219,28 @@ def test_a_wrong_figure_or_a_missing_source_is_caught():
     assert check_table(decode) and "'@64'" in check_table(decode)[0]
     with pytest.raises(AssertionError, match="names no results folder"):
         check_table(Table(1, None, ["system", "@64"], [["kvedge portable float32", "17.2"]]))
+
+
+# rows of the page's "Quality of each export choice" table taken from its quality table's systems
+QUALITY_ROWS = {
+    "--variant ort --weights int8": "kvedge ort int8",
+    "--variant ort --weights int4": "kvedge ort int4 kv int8",
+    "--kv-dtype int8": "kvedge ort float32 kv int8",
+}
+
+
+def test_the_planners_quality_figures_are_the_pages():
+    """`kvedge.planner` recommends from measured KLs per export choice: its tables and the page's
+    "Quality of each export choice" list the same choices and figures, and the figures taken from
+    the quality table (which its results folder holds) are that table's."""
+    from kvedge.planner import CACHE_KL, PRECISION_KL, WEIGHTS_KL
+
+    doc = tables(DOC.read_text())
+    choices = next(t for t in doc if t.header[:2] == ["export choice", "KL vs float32"])
+    stated = {row[0].strip("`"): float(row[1]) for row in choices.rows}
+    assert stated == {**WEIGHTS_KL, **PRECISION_KL, **CACHE_KL}
+    quality = next(t for t in tables(DOC.read_text()) if t.header[:2] == ["system", "KL vs float32"])
+    kl = {row[0]: row[1] for row in quality.rows}
+    assert {choice: float(kl[system]) for choice, system in QUALITY_ROWS.items()} == {
+        choice: stated[choice] for choice in QUALITY_ROWS
+    }

@@ -15,16 +15,15 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
-from conftest import embeds_feed, random_ids
+from conftest import random_ids, unfused_logits
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvedge.calibrate.calibrate import builtin_prompts
 from kvedge.calibrate.evaluate import evaluate, weights_label
-from kvedge.contract import ONNX_FILE, ExportRecipe, Manifest
+from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.export import export_model
 from kvedge.export.quantize import EXPORT_GRIDS, quantize_blockwise
@@ -127,26 +126,6 @@ def gguf_like_source(tmp_path_factory):
                 p.copy_(torch.from_numpy(q8_0_grid(p.numpy())))
     model.save_pretrained(folder)
     return folder
-
-
-def unfused_logits(folder, ids: list[int]) -> np.ndarray:
-    """Prefill logits [s, vocab] of a portable logits=all export, run with onnxruntime's QDQ
-    fusions off: DequantizeLinear feeds a float MatMul, exactly the exported weights."""
-    manifest = Manifest.load(folder)
-    geometry, names = manifest.geometry, manifest.names
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
-    past = np.zeros((1, geometry.num_kv_heads, geometry.max_len, geometry.head_dim), np.float32)
-    feeds = {
-        names.input_ids: np.array([ids], np.int64),
-        names.position_ids: np.arange(len(ids), dtype=np.int64)[None],
-        names.past_lengths: np.zeros(1, np.int64),
-        **embeds_feed(folder, manifest, np.array([ids], np.int64)),
-    }
-    for i in range(geometry.num_layers):
-        feeds.update({names.layer(t, i): past for t in names.past(False)})
-    return session.run([names.logits], feeds)[0][0]
 
 
 def test_int8_export_reproduces_gguf_grids(gguf_like_source, tmp_path):

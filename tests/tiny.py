@@ -1,10 +1,16 @@
-"""Tiny random-weight Hugging Face models with a real tokenizer, built in code (no download)."""
+"""Tiny random-weight Hugging Face models with a real tokenizer, built in code (no download), and
+one written as a GGUF file with quantized tensors (`make_tiny_gguf`)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -148,3 +154,82 @@ def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overri
     model.save_pretrained(folder)
     tiny_tokenizer(TEMPLATES.get(family, CHATML), SPECIAL_TOKENS.get(family, ())).save_pretrained(folder)
     return folder
+
+
+# GGUF's names of the Llama layer tensors tiny models have (llama.cpp's convert_hf_to_gguf.py)
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def make_tiny_gguf(
+    path: Path,
+    kinds: dict[str, str],
+    seed: int = 0,
+    quantizer: Callable[[np.ndarray, GGMLQuantizationType], np.ndarray] = quantize,
+) -> Path:
+    """A tiny random Llama (`make_tiny_model`'s, tied embeddings) written as the GGUF file `path`,
+    as llama.cpp's converter writes one: its metadata and tokenizer, Q and K rows permuted for
+    interleaved RoPE, each matrix quantized by `quantizer` (gguf's own by default: w [N, K],
+    type -> raw blocks) to `kinds`' type for its GGUF name ("attn_q": "Q4_0", "token_embd":
+    "Q8_0"; float32 for the rest). Returns `path`."""
+    folder = make_tiny_model(path.parent / f"{path.stem}-hf", "llama", seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    config, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
+    tokens += [f"<unused{i}>" for i in range(config.vocab_size - len(tokens))]
+    special = {added["content"] for added in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    merges = tokenizer["model"]["merges"]  # ["a", "b"] pairs, or "a b" in older tokenizers
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_chat_template(CHATML)
+
+    def add(name: str, w: np.ndarray) -> None:
+        kind = kinds.get(name.split(".")[-1])
+        if kind is None:
+            writer.add_tensor(f"{name}.weight", w)
+        else:
+            raw = GGMLQuantizationType[kind]
+            writer.add_tensor(f"{name}.weight", quantizer(w, raw), raw_dtype=raw)
+
+    add("token_embd", state["model.embed_tokens.weight"])
+    add("output_norm", state["model.norm.weight"])
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for i in range(config.num_hidden_layers):
+        for hf, name in GGUF_LAYER_NAMES.items():
+            w = state[f"model.layers.{i}.{hf}.weight"]
+            if name in heads:  # llama.cpp's LlamaModel.permute
+                n = heads[name]
+                w = w.reshape(n, 2, w.shape[0] // n // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+            add(f"blk.{i}.{name}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -29,6 +29,10 @@ which `TrtBackend` runs, and TensorRT for RTX's `tensorrt_rtx`, whose builder ru
 without a GPU, so CI proves the graph parses and builds. The engine manifest records which one
 built the engine; an engine of one flavour never loads under the other. Both build strongly typed
 networks: the engine computes in the dtypes of the graph, whose precision the manifest records.
+
+Which `--device` runs which export is `device_refusal`'s to say, from the graph's variant, cache
+dtype and logits mode (an `ExportRecipe` and a `Manifest` both give them): the runtime refuses what
+it refuses, and the planner never plans or recommends it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from kvedge import __version__
 from kvedge.contract.header import Header, check_header, decode_json, read_artifact
-from kvedge.contract.manifest import VERIFY_TOKENS, Manifest
+from kvedge.contract.manifest import QUANTIZED_KV_DTYPES, VERIFY_TOKENS, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 ENGINE_FILE = "model.engine"
@@ -53,11 +57,50 @@ PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
 # `--device`: what runs an artifact: onnxruntime on the CPU or CUDA, or its TensorRT engine
 DEVICES = ("cpu", "cuda", "tensorrt")
+# the cache dtype of the one in-place export onnxruntime's CUDA provider runs (`device_refusal`)
+CUDA_IN_PLACE_KV_DTYPE = "float16"
 # Python module -> product name. Same ONNX importer code; RTX is strongly typed and builds ahead of time.
 TENSORRT_FLAVOURS = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}
 # The oldest TensorRT kvedge claims (JetPack 6.2's). Its ONNX importer is checked statically
 # against every TensorRT-claimed graph (`kvedge.export.trt_compat`); docs name it from here.
 OLDEST_TENSORRT = "10.3"
+
+
+def device_refusal(device: str, variant: str, kv_dtype: str, logits: str) -> str | None:
+    """Why `device` cannot run an export of graph `variant` over a `kv_dtype` cache returning
+    `logits`, or None. The CPU runs every export. cuda: the portable graph, and of the in-place
+    `ort` graphs only the float16-cache one: onnxruntime's CUDA GroupQueryAttention has float16 and
+    bfloat16 kernels only and kvedge's INT8 attention kernel is CPU-only, so the float32- and
+    int8-cache `ort` graphs' attention would run on the CPU with each layer's whole past copied to
+    the host and the present back every step. tensorrt: the portable graph (TensorRT's parser
+    refuses the `ort` graph's onnxruntime ops) with "rows" or "last" logits ("all" is [batch, seq,
+    vocab] for every prompt position, more than a small device holds)."""
+    if device not in DEVICES:
+        raise KvedgeError(f"--device {device!r} is not allowed; allowed: {list(DEVICES)}")
+    if device == "cuda" and variant == "ort" and kv_dtype != CUDA_IN_PLACE_KV_DTYPE:
+        if kv_dtype in QUANTIZED_KV_DTYPES:
+            attention = "kvedge's INT8 attention kernel, CPU only"
+        else:
+            attention = (
+                f"GroupQueryAttention over a {kv_dtype} cache, whose CUDA kernels take float16/bfloat16 only"
+            )
+        return (
+            f"--device cuda cannot run this {variant!r}-variant export: its attention ({attention}) "
+            "would run on the CPU with the whole cache copied every step; for cuda export with --variant "
+            f"ort --kv-dtype {CUDA_IN_PLACE_KV_DTYPE} (the cache written in place on the device) or "
+            "--variant portable"
+        )
+    if device == "tensorrt" and variant != "portable":
+        return (
+            f"--device tensorrt runs the portable graph (standard ONNX ops) only, not --variant {variant!r} "
+            "(TensorRT's parser refuses its onnxruntime ops); export with --variant portable"
+        )
+    if device == "tensorrt" and logits == "all":
+        return (
+            "--device tensorrt needs --logits rows or last, not 'all': [batch, seq, vocab] logits for "
+            "every prompt position would not fit a small device"
+        )
+    return None
 
 
 def profile_for(seq: int) -> int:

@@ -520,6 +520,11 @@ class Manifest:
     # of up to this many tokens), VERIFY_TOKENS; 0 where there is no decode form; None: exported
     # before kvedge recorded it, when the decode form took one-token steps only
     decode_form_tokens: int | None = None
+    # matrices the graph stores as the source's own blocks, not quantized again, by the source's
+    # type: {"Q4_1": 210, "Q8_0": 1} from SmolLM2's GGUF; {} where the export quantized every one
+    # (a float source or float weights) or was made before kvedge kept them (same format version:
+    # a fact about the weights, which a reader needs nothing of to run the graph)
+    weight_source_blocks: dict[str, int] = field(default_factory=dict)
     variant: str = "portable"  # graph variant, see VARIANTS
     # the dtype the graph computes in (PRECISIONS); manifests written before the field existed
     # load as "float32" (same format version: the graph's interface says all a reader binds)

@@ -10,18 +10,20 @@ a property says what a field left None comes to (`lm_head_bits`, `kept_channels`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvedge.contract.manifest import (
     DECODE_MATMULS,
     EXPORTED_KV_DTYPES,
     LOGITS_MODES,
     PRECISIONS,
+    QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
     VARIANTS,
     WEIGHT_FORMATS,
     export_kv_dtypes,
     export_weight_formats,
+    kvedge_ops,
 )
 from kvedge.errors import KvedgeError
 
@@ -184,8 +186,22 @@ class ExportRecipe:
     @property
     def two_forms(self) -> bool:
         """The graph holds its quantized weights twice: a prefill form (MatMulNBits) and a decode
-        form (kvedge.QuantMatMul)."""
-        return self.decode == "kvedge"
+        form (kvedge.QuantMatMul), where `kvedge_ops` puts the op: not over the float16 cache, the
+        CUDA form, whose decode steps run MatMulNBits."""
+        return QUANT_MATMUL_OP in kvedge_ops(self.variant, self.kv_dtype, self.weights, self.decode)
+
+    def flags(self) -> str:
+        """The `kvedge export` flags that make this recipe, each default left out, in field order:
+        `--weights` and `--kv-dtype` are compared with the defaults of its --precision."""
+        plain = ExportRecipe()
+        same_graph = ExportRecipe(variant=self.variant, precision=self.precision)
+        parts = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            default = getattr(plain if field.name in ("variant", "precision") else same_graph, field.name)
+            if value != default:
+                parts.append(f"--{field.name.replace('_', '-')} {value}")
+        return " ".join(parts)
 
     def describe_weights(self) -> str:
         """The weights' form in a few words, as `kvedge plan` prints it."""

@@ -41,6 +41,7 @@ from kvedge.contract import (
     sha256_files,
 )
 from kvedge.errors import KvedgeError
+from kvedge.export.gguf_blocks import GgufWeights, read_gguf_weights
 from kvedge.export.graph import (
     STATIC_ROPE_TYPES,
     DecoderSpec,
@@ -52,8 +53,9 @@ from kvedge.export.graph import (
     rope_tables,
     rotary_frequencies,
 )
+from kvedge.export.graph.weights import SourceBlocks, source_blocks
 from kvedge.export.quantize import calibration_ids, input_outliers
-from kvedge.export.source import load_hf, resolve_source
+from kvedge.export.source import Source, load_hf, resolve_source
 from kvedge.files import human, new_folder
 
 log = logging.getLogger(__name__)
@@ -120,11 +122,13 @@ def export_model(
     (`force`: replacing what is there).
 
     `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
-    variants from one load (the benchmark does); by default the source is loaded here.
+    variants from one load (the benchmark does); by default the source is loaded here. A GGUF
+    source's quantized blocks are stored as they are where they fit (`read_source_blocks`).
     """
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
+    gguf = read_source_blocks(source, options)
     model, tokenizer = loaded or load_hf(source)
     check_free_space(out, least_weight_bytes(model, options.weights), "at least")
     config = model.config
@@ -135,8 +139,8 @@ def export_model(
     check_ring(geometry, options.variant)
     cos, sin, local_tables, rope = _rope(model, spec, geometry, options.max_len)
     names = IONames()
-    graph = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options)
-    del model  # its weights, before the files are written
+    graph, kept = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options, gguf)
+    del model, gguf  # their weights, before the files are written
     needed = check_free_space(out, graph_bytes(graph), "about")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
@@ -169,6 +173,7 @@ def export_model(
                 if getattr(tokenizer, key, None) is not None
             },
             embedding=head_table(staging, options.lm_head_bits, options.block_size) if embeds else None,
+            weight_source_blocks=kept,
             **recorded(options),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
@@ -186,6 +191,15 @@ def export_model(
     size = sum(f.stat().st_size for f in out.iterdir())
     log.info("wrote %s (%.1f MiB)", out, size / 2**20)
     return manifest
+
+
+def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | None:
+    """A GGUF source's tensors as blocks (`read_gguf_weights`; types without a block form skipped,
+    to be quantized here), which the graph keeps where they fit the recipe (`source_blocks`), for
+    an export with quantized weights; None otherwise."""
+    if source.gguf_file is None or not options.quantized:
+        return None
+    return read_gguf_weights(source.folder / source.gguf_file, skip_unmapped=True)
 
 
 def _rope(
@@ -228,12 +242,19 @@ def _graph(
     tables: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
     names: IONames,
     options: ExportRecipe,
-) -> onnx.ModelProto:
-    """The decoder graph from the model's state dict, with a progress bar over its layers; the
-    outlier channels of quantized weights are measured first (its int8 kernel needs them)."""
+    gguf: GgufWeights | None = None,
+) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """The decoder graph from the model's state dict, with a progress bar over its layers, and
+    how many of the GGUF source's matrices it keeps as they are, by type ({} for other
+    sources); the outlier channels of quantized weights are measured first (its int8 kernel
+    needs them)."""
     cos, sin, local_tables = tables
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     _check_quantizable(spec, geometry, options)
+    kept = SourceBlocks({}, {}, {})
+    if gguf is not None:
+        kept = source_blocks(spec, gguf.tensors, gguf.types, weights, options)
+        log.info("GGUF blocks: %s", kept.summary())
     outliers = None
     if options.kept_channels:  # measured before the graph: its int8 kernel needs them
         outliers = input_outliers(model, calibration_ids(tokenizer), options.kept_channels)
@@ -250,13 +271,14 @@ def _graph(
             progress=bar.update,
             outliers=outliers,
             local_tables=local_tables,
+            kept=kept.kept,
         )
     quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
     if quant_error:
         log.info(
             "%s weights, block %d: max |w - w_hat| = %s", options.weights, options.block_size, quant_error
         )
-    return graph
+    return graph, kept.kept_types()
 
 
 def check_output_folder(out: Path, force: bool) -> None:

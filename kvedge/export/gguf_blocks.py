@@ -37,6 +37,15 @@ spaced), MXFP4 / NVFP4 (float4 levels), TQ1_0 / TQ2_0 and Q1_0 (ternary and bina
 Q8_1 (llama.cpp's activation type) and the integer types. F32, F16 and BF16 tensors are returned
 as float32 arrays in their Hugging Face shape (norms [H], a float matrix [N, K]).
 
+The export (`kvedge export` from a GGUF file, int8/int4 weights) stores a matrix's blocks as they
+are where their bits and block size are the graph's (`kvedge.export.graph.weights.source_blocks`):
+Q4_0, Q4_1 and Q4_K in an int4 graph of blocks of 32; Q8_0, Q5_0, Q5_1 and Q5_K in an int8 one
+and as the LM head (8 bits unless --head-bits 4). The rest are requantized from transformers'
+dequantization, as every weight of a Hugging Face folder is: Q2_K, Q3_K and Q6_K (blocks of 16:
+kept only with --block-size 16), Q8_K (blocks of 256), blocks of other bits than the graph's (a
+Q4 matrix in an int8 graph, a Q8_0 one in an int4 graph, a Q6_K LM head) and the types above
+without a block form.
+
 Names: GGUF tensor names (`blk.3.attn_q.weight`) map to Hugging Face state-dict names
 (`model.layers.3.self_attn.q_proj.weight`) per `general.architecture`, as transformers' GGUF
 loader maps them. llama.cpp's converter permutes the rows of attn_q and attn_k of "llama" models
@@ -98,21 +107,17 @@ class GgufWeights:
 
     architecture: str  # general.architecture, e.g. "llama"
     tensors: dict[str, QuantizedWeight | np.ndarray]  # QuantizedWeight [K, N]; float32 in HF shape
-    types: dict[str, str]  # the same names -> GGUF type, e.g. "Q4_1"
+    types: dict[str, str]  # every tensor's name (skipped ones too) -> GGUF type, e.g. "Q4_1"
 
 
-def read_gguf_weights(path: str | Path) -> GgufWeights:
+def read_gguf_weights(path: str | Path, skip_unmapped: bool = False) -> GgufWeights:
     """Every tensor of the GGUF file at `path` under its Hugging Face name: quantized matrices
     as QuantizedWeight (the transpose of the HF weight), float tensors as float32 arrays, attn_q
     and attn_k of "llama" models unpermuted. Refuses an architecture, tensor name or type it
-    cannot map, naming it and what is allowed."""
+    cannot map, naming it and what is allowed; with `skip_unmapped`, a tensor of a type without
+    a block form is left out of `tensors` (its type stays in `types`) instead."""
     reader = GGUFReader(str(path))
-    architecture = str(_field(reader, "general.architecture"))
-    if architecture not in ARCHITECTURE_NAMES:
-        raise KvedgeError(
-            f"{path}: GGUF architecture {architecture!r} has no tensor name map; "
-            f"allowed: {sorted(ARCHITECTURE_NAMES)}"
-        )
+    architecture = _architecture(reader, path)
     heads = int(_field(reader, f"{architecture}.attention.head_count"))
     kv_heads = int(_field(reader, f"{architecture}.attention.head_count_kv", heads))
     tensors: dict[str, QuantizedWeight | np.ndarray] = {}
@@ -121,6 +126,9 @@ def read_gguf_weights(path: str | Path) -> GgufWeights:
         name = hf_name(tensor.name, architecture)
         if name is None:
             continue
+        types[name] = tensor.tensor_type.name
+        if skip_unmapped and block_shape(types[name]) is None and types[name] not in FLOAT_TYPES:
+            continue
         weight = tensor_weight(tensor, path)
         if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rotary(weight, heads)
@@ -128,8 +136,18 @@ def read_gguf_weights(path: str | Path) -> GgufWeights:
             weight = unpermute_rotary(weight, kv_heads)
         elif architecture == "gemma3" and name.endswith("norm.weight") and isinstance(weight, np.ndarray):
             weight = weight - np.float32(1.0)
-        tensors[name], types[name] = weight, tensor.tensor_type.name
+        tensors[name] = weight
     return GgufWeights(architecture, tensors, types)
+
+
+def _architecture(reader: GGUFReader, path: str | Path) -> str:
+    architecture = str(_field(reader, "general.architecture"))
+    if architecture not in ARCHITECTURE_NAMES:
+        raise KvedgeError(
+            f"{path}: GGUF architecture {architecture!r} has no tensor name map; "
+            f"allowed: {sorted(ARCHITECTURE_NAMES)}"
+        )
+    return architecture
 
 
 def _field(reader: GGUFReader, key: str, default: object = None) -> object:
@@ -181,10 +199,9 @@ def tensor_weight(tensor: ReaderTensor, path: str | Path) -> QuantizedWeight | n
 def block_form(data: np.ndarray, kind: GGMLQuantizationType, k: int, n: int) -> QuantizedWeight:
     """A GGUF tensor's raw bytes (N rows of K values, blocks along K; any shape) as kvedge's block
     form [K, N] (the module docstring's table)."""
-    bits, decode = BLOCK_FORMS[kind]
+    bits, block_size, decode = BLOCK_FORMS[kind]
     type_bytes = GGML_QUANT_SIZES[kind][1]
     q, scale, offset = decode(np.ascontiguousarray(data).reshape(-1, type_bytes))
-    block_size = q.shape[1] // scale.shape[1]
 
     def columns(a: np.ndarray, rows: int) -> np.ndarray:  # GGUF's [N, rows] order -> [rows, N]
         return np.ascontiguousarray(a.reshape(n, rows).T)
@@ -207,14 +224,7 @@ def unpermute_rotary(weight: QuantizedWeight | np.ndarray, heads: int) -> Quanti
     order = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)  # HF row -> GGUF
     if isinstance(weight, np.ndarray):
         return np.ascontiguousarray(weight[order])
-    return QuantizedWeight(
-        np.ascontiguousarray(weight.q[:, order]),
-        np.ascontiguousarray(weight.scale[:, order]),
-        None if weight.offset is None else np.ascontiguousarray(weight.offset[:, order]),
-        weight.bits,
-        weight.block_size,
-        weight.max_error,
-    )
+    return weight.columns(order)
 
 
 # Decoders: raw blocks [n, type bytes] uint8 -> (q [n, E] int8, scale [n, E/bs], offset or None)
@@ -310,16 +320,24 @@ def _q8_k(b: np.ndarray) -> Blocks:
     return np.ascontiguousarray(b[:, 4:260]).view(np.int8), d, None
 
 
-BLOCK_FORMS: dict[GGMLQuantizationType, tuple[int, Callable[[np.ndarray], Blocks]]] = {
-    GGMLQuantizationType.Q8_0: (8, _q8_0),
-    GGMLQuantizationType.Q4_0: (4, _q4_0),
-    GGMLQuantizationType.Q4_1: (4, _q4_1),
-    GGMLQuantizationType.Q5_0: (8, _q5_0),
-    GGMLQuantizationType.Q5_1: (8, _q5_1),
-    GGMLQuantizationType.Q2_K: (4, _q2_k),
-    GGMLQuantizationType.Q3_K: (4, _q3_k),
-    GGMLQuantizationType.Q4_K: (4, _q4_k),
-    GGMLQuantizationType.Q5_K: (8, _q5_k),
-    GGMLQuantizationType.Q6_K: (8, _q6_k),
-    GGMLQuantizationType.Q8_K: (8, _q8_k),
+# GGML type -> (kvedge bits, block size, decoder): the module docstring's table
+BLOCK_FORMS: dict[GGMLQuantizationType, tuple[int, int, Callable[[np.ndarray], Blocks]]] = {
+    GGMLQuantizationType.Q8_0: (8, 32, _q8_0),
+    GGMLQuantizationType.Q4_0: (4, 32, _q4_0),
+    GGMLQuantizationType.Q4_1: (4, 32, _q4_1),
+    GGMLQuantizationType.Q5_0: (8, 32, _q5_0),
+    GGMLQuantizationType.Q5_1: (8, 32, _q5_1),
+    GGMLQuantizationType.Q2_K: (4, 16, _q2_k),
+    GGMLQuantizationType.Q3_K: (4, 16, _q3_k),
+    GGMLQuantizationType.Q4_K: (4, 32, _q4_k),
+    GGMLQuantizationType.Q5_K: (8, 32, _q5_k),
+    GGMLQuantizationType.Q6_K: (8, 16, _q6_k),
+    GGMLQuantizationType.Q8_K: (8, 256, _q8_k),
 }
+
+
+def block_shape(kind: str) -> tuple[int, int] | None:
+    """(kvedge bits, block size) of GGML type `kind` (a name, "Q8_0": (8, 32)), or None where it
+    has no block form (a float or codebook type)."""
+    form = BLOCK_FORMS.get(GGMLQuantizationType.__members__.get(kind))
+    return None if form is None else form[:2]

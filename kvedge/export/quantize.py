@@ -26,6 +26,9 @@ llama.cpp's Q4_1 / Q8_1 form (a float minimum per block), and on weights that al
 such a grid (a Q4_1 GGUF dequantized, SmolLM2's case) it reproduces them exactly at 8 bits and
 at 4. `quantize_blockwise` gives each block the grid with the smallest squared error (on
 SmolLM2: affine for the projections, absmax for the Q8_0 LM head, which then needs no offset).
+An export from a GGUF file quantizes none of the matrices whose blocks fit the graph: it stores
+the file's own (`gguf_blocks`; Q4_0's blocks of d < 0 moved onto positive scales by
+`positive_blocks`, the same rule as above), so no second rounding is added to the GGUF's.
 
 Graph form (ONNX opset 21): `DequantizeLinear(q [K, N] int4|int8, scale [K/block, N] float32,
 axis=0, block_size=block)` feeding `MatMul(x, w_hat)`. onnxruntime fuses that pair into its
@@ -92,6 +95,64 @@ class QuantizedWeight:
         if self.offset is not None:
             hat += self.offset[:, None, :]
         return hat.reshape(k, n)
+
+    def columns(self, index: np.ndarray | slice) -> QuantizedWeight:
+        """Output columns `index` of this weight (the Hugging Face weight's rows), each with its
+        blocks: blocks run along K, so choosing, reordering or splitting columns is exact."""
+        offset = None if self.offset is None else np.ascontiguousarray(self.offset[:, index])
+        return QuantizedWeight(
+            np.ascontiguousarray(self.q[:, index]),
+            np.ascontiguousarray(self.scale[:, index]),
+            offset,
+            self.bits,
+            self.block_size,
+            self.max_error,
+        )
+
+    def scaled(self, factor: float) -> QuantizedWeight:
+        """w_hat * factor, on the same codes: scale and offset multiplied, exactly where `factor`
+        is a power of two (and the products stay normal), else each rounded once."""
+        f = np.float32(factor)
+        offset = None if self.offset is None else self.offset * f
+        return QuantizedWeight(
+            self.q, self.scale * f, offset, self.bits, self.block_size, self.max_error * abs(float(f))
+        )
+
+
+def concat_columns(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """`parts` side by side along N ([K, N1 + N2 + ...], a fused projection): each column keeps its
+    blocks; a part without offsets takes zero ones where another has some."""
+    shown = [(p.bits, p.block_size, p.q.shape[0]) for p in parts]
+    first = parts[0]
+    if len(set(shown)) > 1:
+        raise KvedgeError(f"cannot join weights of (bits, block size, K) {shown}: they must all be alike")
+    offsets = None
+    if any(p.offset is not None for p in parts):
+        offsets = np.concatenate([np.zeros_like(p.scale) if p.offset is None else p.offset for p in parts], 1)
+    return QuantizedWeight(
+        np.concatenate([p.q for p in parts], axis=1),
+        np.concatenate([p.scale for p in parts], axis=1),
+        offsets,
+        first.bits,
+        first.block_size,
+        max(p.max_error for p in parts),
+    )
+
+
+def positive_blocks(qw: QuantizedWeight) -> QuantizedWeight:
+    """`qw` with every scale > 0 and the same values, for graphs TensorRT reads (`positive_scales`):
+    a block of scale s < 0 takes codes -q - 1 on scale -s with offset o - s (`_positive`; exact
+    where o is 0, as in a GGUF's Q4_0), a block of scale 0 (all of its values its offset) codes 0
+    on scale 1. Blocks quantized here are made so (`quantize_blockwise`); a GGUF's may not be."""
+    negative, zero = qw.scale < 0, qw.scale == 0  # [K/bs, N]
+    if not (negative.any() or zero.any()):
+        return qw
+    scale, offset = _positive(qw.scale, np.zeros_like(qw.scale) if qw.offset is None else qw.offset)
+    flipped = np.repeat(negative, qw.block_size, axis=0)  # [K, N]
+    q = np.where(flipped, -qw.q.astype(np.int16) - 1, qw.q)
+    q = np.where(np.repeat(zero, qw.block_size, axis=0), 0, q).astype(np.int8)
+    scale = np.where(zero, 1.0, scale).astype(np.float32)
+    return QuantizedWeight(q, scale, offset if offset.any() else None, qw.bits, qw.block_size, qw.max_error)
 
 
 def _grid(blocks: np.ndarray, grid: str, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:

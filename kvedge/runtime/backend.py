@@ -61,6 +61,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
+from kvedge.contract.engine import device_refusal
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.cuda import MappedHost
@@ -80,8 +81,6 @@ PHASES = ("decode", "prefill", "verify")  # `binding_plan`'s
 # tokens) keep their bindings too, by shape and slot; beyond this many, start over
 MAX_SHORT_BINDINGS = VERIFY_TOKENS
 MAX_PLANS = 64  # binding plans kept by call shape (phase, batch, seq, rows); beyond, start over
-# the cache dtype of the one in-place export onnxruntime's CUDA provider runs (`cuda_refusal`)
-CUDA_IN_PLACE_KV_DTYPE = "float16"
 # the oldest onnxruntime the cuda backend opens with (`onnxruntime_cuda_refusal`)
 ONNXRUNTIME_CUDA_FLOOR = (1, 20)
 # the oldest onnxruntime whose GroupQueryAttention local_window_size counts the query's own key,
@@ -120,26 +119,9 @@ class Bound:
 
 def cuda_refusal(manifest: Manifest) -> str | None:
     """Why this export cannot run on onnxruntime's CUDA provider without copying the cache every
-    step, or None. Portable graphs and the float16-cache `ort` graph (`--kv-dtype float16`) run
-    there. onnxruntime's CUDA GroupQueryAttention has float16 and bfloat16 kernels only and
-    kvedge's INT8 attention kernel is CPU-only, so the float32- and int8-cache `ort` graphs'
-    attention would run on the CPU and onnxruntime would copy each layer's whole past to the host
-    and the present back every step."""
-    if not manifest.in_place or manifest.geometry.dtype == CUDA_IN_PLACE_KV_DTYPE:
-        return None
-    if manifest.geometry.quantized:
-        attention = "kvedge's INT8 attention kernel, CPU only"
-    else:
-        attention = (
-            f"GroupQueryAttention over a {manifest.geometry.dtype} cache, whose CUDA kernels take "
-            "float16/bfloat16 only"
-        )
-    return (
-        f"--device cuda cannot run this {manifest.variant!r}-variant export: its attention ({attention}) "
-        "would run on the CPU with the whole cache copied every step; for cuda export with --variant ort "
-        f"--kv-dtype {CUDA_IN_PLACE_KV_DTYPE} (the cache written in place on the device) or "
-        "--variant portable"
-    )
+    step, or None: `kvedge.contract.engine.device_refusal`'s answer for cuda, which the planner
+    asks too. Portable graphs and the float16-cache `ort` graph (`--kv-dtype float16`) run there."""
+    return device_refusal("cuda", manifest.variant, manifest.geometry.dtype, manifest.logits)
 
 
 def cuda_graph_refusal(manifest: Manifest) -> str | None:

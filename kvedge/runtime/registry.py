@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvedge.contract import Manifest
-from kvedge.contract.engine import DEVICES, ENGINE_FILE
+from kvedge.contract.engine import DEVICES, ENGINE_FILE, device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.runtime.interface import MAX_DECODE_BINDINGS, Backend
 
@@ -27,6 +27,8 @@ def open_backend(
     in one line naming what to install or build. `cuda_graph`: capture decode (cuda only)."""
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
+    if refusal := device_refusal(device, manifest.variant, manifest.geometry.dtype, manifest.logits):
+        raise KvedgeError(refusal)
     if device != "tensorrt":
         from kvedge.runtime.backend import OrtBackend
 

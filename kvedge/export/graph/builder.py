@@ -89,6 +89,15 @@ class Builder:
         in a float32 graph)."""
         return self.op("Cast", [x], name, to=TensorProto.FLOAT16) if self.half else x
 
+    def transposed_weight(self, name: str, rows: np.ndarray) -> str:
+        """`rows` [N, K] as a float weight [K, N] for a MatMul: stored [N, K] behind a Transpose.
+        TensorRT for RTX keeps a [K, N] constant twice when the decode profile computes one row
+        (the layouts its prefill and its decode kernels read) and one stored [N, K] once
+        (docs/PERFORMANCE.md, "TensorRT engine bytes"); a builder that folds the Transpose has
+        the constant it had, and onnxruntime folds it at load."""
+        stored = self.fconst(f"{name}.rows", np.ascontiguousarray(rows))
+        return self.op("Transpose", [stored], name, perm=[1, 0])
+
     def float_weight(self, name: str, w: np.ndarray, stored_half: bool = False) -> str:
         """`w` as a float weight under `name`: float16 in a float16 graph; float32 in a float32
         graph, or with `stored_half` (--weights float16) stored float16 under `name`.f16 and

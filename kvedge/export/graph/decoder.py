@@ -28,8 +28,9 @@ from kvedge.export.graph.inplace import GroupQueryAttention, Int8CacheAttention
 from kvedge.export.graph.norms import Norms
 from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
-from kvedge.export.graph.quant_matmul import matmul_weight
-from kvedge.export.graph.weights import prepare_weights
+from kvedge.export.graph.quant_matmul import block_weight, matmul_weight
+from kvedge.export.graph.weights import prepare_weights, tied_head
+from kvedge.export.quantize import QuantizedWeight, concat_columns
 
 
 def build_decoder_graph(
@@ -43,11 +44,13 @@ def build_decoder_graph(
     progress: Callable[[int], None] | None = None,
     outliers: dict[str, np.ndarray] | None = None,
     local_tables: tuple[np.ndarray, np.ndarray] | None = None,
+    kept: dict[str, QuantizedWeight] | None = None,
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts;
     `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
     quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
-    (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer."""
+    (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer; `kept`
+    (HF name: blocks [K, N], `weights.SourceBlocks.kept`) are stored as they are, not quantized."""
     check_kv_dtype(geometry.dtype, options.variant, options.precision)
     check_ring(geometry, options.variant)
     if spec.local_layers and local_tables is None:
@@ -58,6 +61,7 @@ def build_decoder_graph(
             f"{list(spec.local_layers)}"
         )
     prepared = prepare_weights(spec, geometry, weights)
+    kept_blocks = prepare_weights(spec, geometry, kept or {})
     # Graphs with kvedge.QuantMatMul hold two forms of the decoder (`onnx_model`): prefill's
     # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's and a
     # verify's (up to VERIFY_TOKENS tokens per row, `forms.two_forms`) are the op.
@@ -69,7 +73,17 @@ def build_decoder_graph(
     builders = []
     for decode_form in forms:
         decoder = Decoder(
-            spec, geometry, prepared, cos, sin, names, options, outliers or {}, local_tables, decode_form
+            spec,
+            geometry,
+            prepared,
+            cos,
+            sin,
+            names,
+            options,
+            outliers or {},
+            local_tables,
+            decode_form,
+            kept_blocks,
         )
         hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
         for i in range(geometry.num_layers):
@@ -83,11 +97,6 @@ def build_decoder_graph(
         names, geometry, options.variant, options.logits, spec.vocab_size, spec.hidden_size, embeds
     )
     return onnx_model(builders, interface, options)
-
-
-def tied_head(spec: DecoderSpec, weights: dict[str, np.ndarray]) -> bool:
-    """The LM head is the embedding table (tied, or no lm_head weight stored)."""
-    return spec.tie_word_embeddings or "lm_head.weight" not in weights
 
 
 def runtime_embeddings(spec: DecoderSpec, weights: dict[str, np.ndarray], options: ExportRecipe) -> bool:
@@ -112,9 +121,11 @@ class Decoder:
         outliers: dict[str, np.ndarray],
         local_tables: tuple[np.ndarray, np.ndarray] | None = None,
         decode_form: bool = False,
+        kept: dict[str, QuantizedWeight] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
+        self.kept = kept or {}  # {HF name: the source's blocks [K, N], stored as they are}
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
         self.g = g = Builder(
@@ -183,13 +194,19 @@ class Decoder:
         """x @ concat(W_parts)^T + concat(b_parts): fused projections cost one MatMul. The only
         place layer weights enter the graph (float32 or quantized, `quant_matmul.matmul_weight`)."""
         g, options = self.g, self.options
-        mat = np.concatenate([self.w(f"{prefix}.{p}.weight") for p in parts], axis=0)
-        if options.weights == "float16":
+        mats = [self.w(f"{prefix}.{p}.weight") for p in parts]  # [N_part, K] each
+        mat = np.concatenate(mats, axis=0)
+        if g.half and not options.quantized:  # [N, K] behind a Transpose: TensorRT keeps one copy
+            y = g.op("MatMul", [x, g.transposed_weight(f"{out}.weight", mat)], out)
+        elif options.weights == "float16":
             weight = g.float_weight(f"{out}.weight", np.ascontiguousarray(mat.T), stored_half=True)
             y = g.op("MatMul", [x, weight], out)
         else:
             keep = self.outliers.get(f"{prefix}.{parts[0]}")  # fused parts share their input
-            y = matmul_weight(g, x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size, keep)
+            blocks = self.kept_blocks([f"{prefix}.{p}.weight" for p in parts], mats)
+            y = matmul_weight(
+                g, x, np.ascontiguousarray(mat.T), out, options.bits, options.block_size, keep, blocks=blocks
+            )
         biases = [f"{prefix}.{p}.bias" for p in parts]
         if all(b in self.weights for b in biases):
             bias = np.concatenate([self.w(b) for b in biases])
@@ -197,6 +214,24 @@ class Decoder:
         elif any(b in self.weights for b in biases):
             raise KvedgeError(f"{prefix}: some of {parts} have a bias and some do not")
         return y
+
+    def kept_blocks(self, names: list[str], mats: list[np.ndarray]) -> QuantizedWeight | None:
+        """The blocks of fused parts `names` (float weights `mats` [N_part, K]) side by side where
+        any part keeps the source's: those as they are, the others quantized here (blocks run
+        along K, so each part's columns keep their own); None where no part does."""
+        kept = [self.kept.get(name) for name in names]
+        if all(blocks is None for blocks in kept):
+            return None
+        bits, block_size = self.options.bits, self.options.block_size
+
+        def part(m: np.ndarray, blocks: QuantizedWeight | None) -> QuantizedWeight:
+            return (
+                block_weight(self.g, np.ascontiguousarray(m.T), bits, block_size)
+                if blocks is None
+                else blocks
+            )
+
+        return concat_columns([part(m, blocks) for m, blocks in zip(mats, kept, strict=True)])
 
     def embed(self) -> str:
         """Token embeddings [b, s, H]: rows of the table gathered from input_ids, or the
@@ -351,6 +386,7 @@ class Decoder:
                 options.block_size,
                 self.outliers.get("lm_head"),
                 rank=2,
+                blocks=self.kept.get("model.embed_tokens.weight" if tied else "lm_head.weight"),
             )
         if tied:
             head_name = self.embed_name

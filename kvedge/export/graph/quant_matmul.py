@@ -1,6 +1,7 @@
 """Weight matmuls with blocked integer weights (`quantize.py`): DequantizeLinear -> MatMul, the
 blocks' offsets and the kept float32 channels in a small second product (its inputs made by
-kvedge.SideInputs or by standard ops), or one kvedge.QuantMatMul in the decode form.
+kvedge.SideInputs or by standard ops), or one kvedge.QuantMatMul in the decode form. The blocks
+are a source's own where the export keeps them (`weights.SourceBlocks`), else quantized here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from kvedge.export.quantize import (
     EXPORT_GRIDS,
     QuantizedWeight,
     pack_quant_matmul,
+    positive_blocks,
     quantize_blockwise,
     weight_tensor,
 )
@@ -27,25 +29,17 @@ def matmul_weight(
     block_size: int,
     keep: np.ndarray | None = None,
     rank: int = 3,
+    blocks: QuantizedWeight | None = None,
 ) -> str:
-    """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear; the
-    blocks' offsets and the float32 input channels `keep` [kept] ride in one small second
+    """x @ w for w [K, N], stored float32 or as blocked integers behind DequantizeLinear: `blocks`
+    (w's own from the source, `block_weight`) or w quantized here; the blocks' offsets and the
+    float32 input channels `keep` [kept] (their rows taken from w) ride in one small second
     product (see `quantize.py`), whose input [x's block sums | x[keep]] and the masked x are
     made by kvedge.SideInputs in one pass over x, or by standard ops (`side_inputs` unset) on x
     of `rank` (3: [b, s, K]; 2: [rows, K])."""
     if bits == 32:
         return g.op("MatMul", [x, g.const(f"{out}.weight", w)], out)
-    # a float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
-    # when stored (`fconst`), relative 2**-11 like any float16 weight; the decode form chooses
-    # its codes on the float16 grid it stores
-    qw = quantize_blockwise(
-        w,
-        bits,
-        block_size,
-        EXPORT_GRIDS,
-        half_params=g.decode_form,
-        positive_scales=g.portable,
-    )
+    qw = block_weight(g, w, bits, block_size, blocks)
     g.quant_errors.append(qw.max_error)
     keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
     if g.decode_form and w.shape[1] % 64 == 0:
@@ -92,6 +86,29 @@ def _side_weight(g: Builder, rows: np.ndarray, out: str) -> str:
         return g.fconst(f"{out}.side_weight", rows)
     stored = g.fconst(f"{out}.side_weight", np.ascontiguousarray(rows.T))  # [N, *]
     return g.op("Transpose", [stored], f"{out}.side_rows", perm=[1, 0])  # [*, N]
+
+
+def block_weight(
+    g: Builder, w: np.ndarray, bits: int, block_size: int, blocks: QuantizedWeight | None = None
+) -> QuantizedWeight:
+    """The blocks the graph stores for w [K, N]: `blocks` (the source's own, kept as they are) with
+    every scale > 0 where the graph needs it (`positive_blocks`), else w quantized here.
+
+    A float16 graph keeps the float32 graph's codes, its scales and offsets rounded to float16
+    when stored (`fconst`), relative 2**-11 like any float16 weight. The decode form
+    (kvedge.QuantMatMul) stores float16 scales and minimums: it quantizes w onto such a grid, and
+    stores a source's blocks as they are where they have one (a GGUF's Q4_0, Q4_1 and Q8_0: d is
+    a float16), else with their scales and minimums rounded to float16."""
+    if blocks is not None:
+        return positive_blocks(blocks) if g.portable else blocks
+    return quantize_blockwise(
+        w,
+        bits,
+        block_size,
+        EXPORT_GRIDS,
+        half_params=g.decode_form,
+        positive_scales=g.portable,
+    )
 
 
 def _quant_matmul(g: Builder, x: str, w: np.ndarray, qw: QuantizedWeight, out: str, keep: np.ndarray) -> str:

@@ -1,20 +1,27 @@
 """The state dict in the layout the graph is built from: where the families differ before any
 attention variant sees the weights (fused projections, partial rotary, Gemma 3's norms, the
-softmax scale folded into Wq).
+softmax scale folded into Wq), and which of a quantized source's own blocks the graph keeps.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
+
 import numpy as np
 
-from kvedge.contract import CacheGeometry
+from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.export.graph.options import DecoderSpec
 from kvedge.export.graph.rope import rotary_order
+from kvedge.export.quantize import QuantizedWeight
+
+# a float weight in its Hugging Face layout (rows: output features), or blocks [K, N] (`quantize`)
+Weight = np.ndarray | QuantizedWeight
 
 
 def prepare_weights(
-    spec: DecoderSpec, geometry: CacheGeometry, weights: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
+    spec: DecoderSpec, geometry: CacheGeometry, weights: dict[str, Weight]
+) -> dict[str, Weight]:
     """`weights` in the layout the graph is built from, per layer:
 
     - fused projections (Phi-3: `qkv_proj`, `gate_up_proj`) split into the Llama names;
@@ -23,10 +30,14 @@ def prepare_weights(
     - the softmax scale (head_dim**-0.5, Gemma 3: query_pre_attn_scalar**-0.5) folded into Wq (and
       its bias), or into the Q norm's weight when Q is normed per head (Qwen3, Gemma 3), since the
       norm would undo a scale applied before it. RoPE is linear, so attention needs no scale op.
+
+    A source's kept blocks (`SourceBlocks.kept`) take the same steps: splitting and permuting
+    output features leaves every block along K whole, and the softmax scale multiplies each
+    block's scale and offset (exact where it is a power of two, as head_dim 64's 1/8; else each
+    rounded once, as the float weights are).
     """
     weights = dict(weights)
     d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
-    scale = spec.softmax_scale
     if spec.gemma_norms:  # Gemma3RMSNorm: x / rms(x) * (1 + w), in float32 as HF computes it
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = 1.0 + weights[name].astype(np.float32)
@@ -36,20 +47,20 @@ def prepare_weights(
         for kind in ("weight", "bias"):
             fused = weights.pop(f"{p}.self_attn.qkv_proj.{kind}", None)
             if fused is not None:  # rows: q [heads d], k [kv_heads d], v [kv_heads d]
-                parts = np.split(fused, [heads * d, (heads + kv_heads) * d])
+                parts = _split(fused, [heads * d, (heads + kv_heads) * d])
                 for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
                     weights[f"{p}.self_attn.{name}.{kind}"] = part
             fused = weights.pop(f"{p}.mlp.gate_up_proj.{kind}", None)
             if fused is not None:  # rows: gate [intermediate], up [intermediate]
-                gate, up = np.split(fused, 2)
+                gate, up = _split(fused, [_outputs(fused) // 2])
                 weights[f"{p}.mlp.gate_proj.{kind}"], weights[f"{p}.mlp.up_proj.{kind}"] = gate, up
         if order is not None:
             for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
+                per_head = np.arange(n * d).reshape(n, d)[:, order].reshape(-1)  # [n d], permuted per head
                 for part in ("weight", "bias"):
                     name = f"{p}.self_attn.{proj}.{part}"
-                    if name in weights:  # rows (or entries) per head: [n d, ...] -> permuted per head
-                        w = weights[name]
-                        weights[name] = w.reshape(n, d, *w.shape[1:])[:, order].reshape(w.shape)
+                    if name in weights:
+                        weights[name] = _take(weights[name], per_head)
         folded = (
             [f"{p}.self_attn.q_norm.weight"]
             if spec.qk_norm
@@ -57,5 +68,101 @@ def prepare_weights(
         )
         for name in folded:
             if name in weights:
-                weights[name] = weights[name].astype(np.float32) * scale
+                weights[name] = _scaled(weights[name], spec.softmax_scale)
     return weights
+
+
+def _outputs(w: Weight) -> int:
+    return w.q.shape[1] if isinstance(w, QuantizedWeight) else w.shape[0]
+
+
+def _take(w: Weight, index: np.ndarray | slice) -> Weight:
+    """Output features `index` of w: rows of a float weight, columns of blocks."""
+    return w.columns(index) if isinstance(w, QuantizedWeight) else w[index]
+
+
+def _split(w: Weight, at: list[int]) -> list[Weight]:
+    edges = [0, *at, _outputs(w)]
+    return [_take(w, slice(a, b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def _scaled(w: Weight, factor: float) -> Weight:
+    return w.scaled(factor) if isinstance(w, QuantizedWeight) else w.astype(np.float32) * factor
+
+
+def tied_head(spec: DecoderSpec, weights: dict[str, np.ndarray]) -> bool:
+    """The LM head is the embedding table (tied, or no lm_head weight stored)."""
+    return spec.tie_word_embeddings or "lm_head.weight" not in weights
+
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """Which of a quantized source's matrices (a GGUF's blocks, `kvedge.export.gguf_blocks`) the
+    graph stores as they are, and why the others are quantized again by the export."""
+
+    kept: dict[str, QuantizedWeight]  # HF name -> its blocks [K, N] as the source has them
+    types: dict[str, str]  # kept name -> the source's type, e.g. "Q4_1"
+    requantized: dict[str, str]  # HF name -> why its blocks are not kept
+
+    def kept_types(self) -> dict[str, int]:
+        """{source type: matrices kept}, as the manifest records them (`weight_source_blocks`)."""
+        return dict(sorted(Counter(self.types.values()).items()))
+
+    def summary(self) -> str:
+        """One line: how many matrices were kept, by type, and which were requantized and why."""
+        total = len(self.kept) + len(self.requantized)
+        counts = ", ".join(f"{kind} {n}" for kind, n in self.kept_types().items())
+        line = f"kept {len(self.kept)} of {total} quantized matrices as the source's blocks"
+        line += f" ({counts or 'none'})"
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.requantized.items():
+            by_reason.setdefault(why, []).append(name)
+        for why, names in by_reason.items():
+            more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+            line += f"; requantized {len(names)} ({', '.join(names[:2])}{more}): {why}"
+        return line
+
+
+def source_blocks(
+    spec: DecoderSpec,
+    blocks: dict[str, Weight],
+    types: dict[str, str],
+    weights: dict[str, np.ndarray],
+    options: ExportRecipe,
+) -> SourceBlocks:
+    """The source's `blocks` (HF names; `types`: their source types) the graph keeps: each matrix it
+    quantizes (the projections at the recipe's bits, the LM head at `lm_head_bits`) whose blocks
+    have those bits and the recipe's block size and dequantize to the float weight the export
+    reads (`weights`: transformers' dequantization of the same file; a name or layout mapped
+    wrongly would be caught here and requantized, not kept)."""
+    head = "model.embed_tokens.weight" if tied_head(spec, weights) else "lm_head.weight"
+    projections = [n for n in weights if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+    wanted = {**dict.fromkeys(projections, options.bits), head: options.lm_head_bits}
+    kept, requantized = {}, {}
+    for name, bits in wanted.items():
+        kind = types.get(name, "float")
+        why = _why_requantized(blocks.get(name), kind, weights[name], bits, options.block_size)
+        if why:
+            requantized[name] = why
+        else:
+            kept[name] = blocks[name]
+    return SourceBlocks(kept, {name: types[name] for name in kept}, requantized)
+
+
+def _why_requantized(qw: Weight | None, kind: str, w: np.ndarray, bits: int, block_size: int) -> str:
+    """Why blocks `qw` of source type `kind` cannot stand for float weight w [N, K] in a graph
+    that stores it at `bits` in blocks of `block_size`; "" where they can."""
+    if not isinstance(qw, QuantizedWeight):
+        return f"{kind} has no kvedge block form"
+    if (qw.bits, qw.block_size) != (bits, block_size):
+        return (
+            f"{kind} is {qw.bits}-bit blocks of {qw.block_size}, the graph stores {bits}-bit blocks "
+            f"of {block_size}"
+        )
+    if qw.q.shape != w.shape[::-1]:
+        return f"{kind} blocks hold [{qw.q.shape[1]}, {qw.q.shape[0]}], the weight is {list(w.shape)}"
+    # within one rounding of an offset (`gguf_blocks`), with room; a mapping error is of |w|'s order
+    error = float(np.abs(qw.dequantize() - w.T).max())
+    if error > 2.0**-20 * float(np.abs(w).max()):
+        return f"{kind} blocks dequantize {error:.3g} away from the weights transformers reads"
+    return ""
