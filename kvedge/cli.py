@@ -1205,9 +1205,10 @@ def eval_kv(
     "--kvedge",
     "kvedge_systems",
     multiple=True,
-    help="kvedge system as variant:weights[:kv_dtype] (repeatable; default: portable:float32 ort:float32 "
-    "ort:int8 ort:int4 portable:int4 portable:float32:int8 portable:int4:int8 ort:float32:int8 "
-    "ort:int4:int8).",
+    help="kvedge system as variant:weights[:kv_dtype[:decode_matmuls]] (repeatable; default: "
+    "portable:float32 ort:float32 ort:int8 ort:int4 portable:int4 portable:float32:int8 portable:int4:int8 "
+    "ort:float32:int8 ort:int4:int8); e.g. ort:int4:int8:onnxruntime is the one-form export "
+    "(--decode-matmuls onnxruntime).",
 )
 @click.option(
     "--peer",

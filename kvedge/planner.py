@@ -137,6 +137,26 @@ CPU_HELD = {
 }
 
 
+# What a two-form export's decode form buys (`ExportRecipe.two_forms`): decode ms/token with one
+# form (--decode-matmuls onnxruntime) over with two, by weights, at 64 and 2000 tokens of context;
+# SmolLM2-135M, INT8 cache, onnxruntime CPU, 1 thread, on an AVX2 machine (kvedge.QuantMatMul's
+# "avx2" path; other CPUs' paths unmeasured): docs/PERFORMANCE.md, "Two forms of the weights"
+SECOND_FORM_DECODE_GAIN = {"int8": (1.12, 1.06), "int4": (1.23, 1.14)}
+
+
+def second_form_note(weights: str, decode_bytes: int | None = None) -> str:
+    """What the decode form of a two-form export with `weights` costs (`decode_bytes` of its
+    files, when known) and buys (`SECOND_FORM_DECODE_GAIN`)."""
+    short, long = SECOND_FORM_DECODE_GAIN[weights]
+    cost = (
+        f"{human(decode_bytes)} of these are the decode form" if decode_bytes else "prefill and decode forms"
+    )
+    return (
+        f"{cost}: decode {short:.2f}x as fast as one form at 64 tokens of context, {long:.2f}x at 2000 "
+        "(measured: SmolLM2-135M, an AVX2 CPU); --decode-matmuls onnxruntime keeps one form"
+    )
+
+
 @dataclass(frozen=True)
 class Overheads:
     """What a backend costs besides weights, cache and activations."""
@@ -222,6 +242,7 @@ class ModelFootprint:
     form: ExportRecipe | None = None  # a recipe's export, its cache dtype the geometry's (None: an export)
     architecture: Architecture | None = None  # a recipe's, to plan other weight forms
     manifest: Manifest | None = None  # an export's
+    forms_note: str = ""  # a two-form export's: its decode form's bytes and speed (`second_form_note`)
 
     @classmethod
     def from_export(cls, folder: str | Path) -> ModelFootprint:
@@ -230,6 +251,7 @@ class ModelFootprint:
         files = [p for p in (folder / ONNX_FILE, folder / (ONNX_FILE + ".data")) if p.is_file()]
         if not files:
             raise KvedgeError(f"{folder}: no {ONNX_FILE}; is this a `kvedge export` folder?")
+        two_forms = manifest.weight_decode_matmuls == "kvedge"  # the graph holds kvedge.QuantMatMul
         return cls(
             name=folder.name,
             origin=str(folder / MANIFEST_FILE),
@@ -250,6 +272,7 @@ class ModelFootprint:
             max_context=manifest.geometry.max_len,
             fixed_context=True,
             manifest=manifest,
+            forms_note=second_form_note(manifest.weights_dtype) if two_forms else "",
         )
 
     @classmethod
@@ -292,6 +315,10 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
     if a is None:
         raise KvedgeError(f"{model.name} is an export whose weights are its files; other forms need a recipe")
     weights = recipe_weight_bytes(a, form)
+    forms_note = ""
+    if form.two_forms:  # the decode form's bytes: beyond the same export's with one form
+        one_form = dataclasses.replace(form, decode_matmuls="onnxruntime")
+        forms_note = second_form_note(form.weights, weights - recipe_weight_bytes(a, one_form))
     return dataclasses.replace(
         model,
         weights_bytes=weights,
@@ -301,6 +328,7 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
         widened_bytes=widened_bytes(weights, form.precision, form.weights),
         geometry=model.geometry.with_dtype(form.kv_dtype, form.kv_group_size or None),
         form=form,
+        forms_note=forms_note,
     )
 
 
@@ -533,7 +561,8 @@ def render(plan: Plan) -> str:
     overheads = OVERHEADS[plan.device]
     lines = [
         f"model        {m.name} ({m.origin})",
-        f"weights      {human(m.weights_bytes)}: {m.weights_note}",
+        f"weights      {human(m.weights_bytes)}: {m.weights_note}"
+        + (f"\n{'':13}{m.forms_note}" if m.forms_note else ""),
         f"device       {plan.device} ({overheads.note}): runtime {human(first.runtime)}, "
         f"load {human(first.load)} ({overheads.load_note(m)})",
         f"kv cache     {plan.kv_dtype}: {per_token:,} bytes per token per slot",

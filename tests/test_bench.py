@@ -108,8 +108,16 @@ def test_targets_judge_unused_slots_and_flat_growth():
 def test_bad_config_is_named():
     with pytest.raises(KvedgeError, match="peer 'vllm' is unknown"):
         BenchConfig(peers=("vllm",))
-    with pytest.raises(KvedgeError, match=r"'ort' is not 'variant:weights\[:kv_dtype\]'"):
+    with pytest.raises(KvedgeError, match=r"'ort' is not 'variant:weights\[:kv_dtype\[:decode_matmuls\]\]'"):
         BenchConfig(kvedge=("ort",))
+    with pytest.raises(KvedgeError, match=r"'ort:int4:int8:fast': --decode-matmuls 'fast' is not allowed"):
+        BenchConfig(kvedge=("ort:int4:int8:fast",))
+    with pytest.raises(
+        KvedgeError, match=r"'portable:int4:float32:onnxruntime': --decode-matmuls 'onnxruntime' "
+    ):
+        BenchConfig(kvedge=("portable:int4:float32:onnxruntime",))
+    with pytest.raises(KvedgeError, match=r"'ort:int5': --weights 'int5' is not allowed"):
+        BenchConfig(kvedge=("ort:int5",))
     with pytest.raises(KvedgeError, match=r"warm='some' is not allowed; allowed: \['all', 'first', 'none'\]"):
         BenchConfig(warm="some")
     with pytest.raises(KvedgeError, match="decode at context 2030 \\+ 24 steps does not fit max_len 2048"):
@@ -275,6 +283,40 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     assert any("\nwarm prefixes, kvedge portable float32: TTFT cold" in line for line in lines)  # the table
     table = next(line for line in lines if line.startswith("system")).splitlines()
     assert all("-token prompt: cold" in row for row in table if row.startswith("warm prefixes, "))
+
+
+def test_a_one_form_export_is_measured_beside_its_two_form_twin_with_both_files_bytes(tmp_path):
+    """'ort:int4:int8:onnxruntime' is the export without the decode form (--decode-matmuls
+    onnxruntime): a system of its own, whose artifact bytes (model.onnx + model.onnx.data) are
+    the two-form export's less the decode form's, and the report says what that form buys."""
+    config = tiny_bench(
+        tmp_path,
+        kvedge=("ort:int4:int8", "ort:int4:int8:onnxruntime"),
+        peers=(),
+        decode_contexts=(8, 32),
+        allocation_steps=0,
+        quality=False,
+        warm="none",
+    )
+    lines: list[str] = []
+    results = run_benchmark(config, echo=lines.append)
+    data = json.loads((tmp_path / "results" / "bench.json").read_text())
+    two, one = "kvedge ort int4 kv int8", "kvedge ort int4 kv int8 decode onnxruntime"
+    systems = {s["name"]: s for s in data["systems"]}
+    assert list(systems) == [two, one]
+    assert (systems[two]["decode_matmuls"], systems[one]["decode_matmuls"]) == ("kvedge", "onnxruntime")
+    assert Path(systems[one]["path"]).name == "kvedge-ort-int4-kvint8-decode-onnxruntime"
+    for system in systems.values():
+        files = [Path(system["path"]) / name for name in ("model.onnx", "model.onnx.data")]
+        assert system["artifact_bytes"] == sum(f.stat().st_size for f in files)
+    assert systems[one]["artifact_bytes"] < systems[two]["artifact_bytes"]
+    second = [t for t in results.targets if t["target"].startswith("second form")]
+    assert [t["target"] for t in second] == [f"second form decode {c}: {two} vs {one}" for c in (8, 32)]
+    more = (systems[two]["artifact_bytes"] - systems[one]["artifact_bytes"]) / 2**20
+    assert all(t["value"] > 0 and t["note"] == f"+{more:.1f} MiB of files" for t in second)
+    table = next(line for line in lines if line.startswith("system")).splitlines()
+    assert "files MiB" in table[0]
+    assert f"{systems[one]['artifact_bytes'] / 2**20:.1f}" in next(r for r in table if r.startswith(one))
 
 
 def test_quality_without_a_float32_reference_is_skipped_by_name(tmp_path):

@@ -1,13 +1,15 @@
-"""docs/PERFORMANCE.md's figures come from results folders committed in the repository.
+"""docs/PERFORMANCE.md's and README.md's figures come from results folders committed in the repository.
 
-Every `bench/results/<folder>` the page names exists with its JSON and is named
+Every `bench/results/<folder>` the pages name exists with its JSON and is named
 <YYYY-MM-DD>-<commit>-<what> (`kvedge.bench.results`; a "-dirty" run names no commit, so it is
 not citable). A table whose first header is one of KINDS holds figures: its
 source is the last results folder named between the heading above it and the table, and every
 cell is checked against that folder's JSON:
 
     system      `kvedge bench` figures: rows are system names as the JSON spells them, columns
-                one of COLUMNS' headers
+                one of COLUMNS' headers ("ms @C" is "@C")
+    `kvedge export ...`   README's export table: as "system", rows the `kvedge export` options of
+                the export the bench measured (`export_system`)
     kvedge vs   speed-ups, rows "A vs B", recomputed from the JSON's per-round times with
                 `kvedge.bench.report.speedup` (what the bench's targets use)
     mode        bench/serve.py's JSON: rows are its modes ("batched", "one at a time")
@@ -29,14 +31,18 @@ from typing import Any
 
 import pytest
 
+from kvedge.bench.prepare import KvedgeBuild
 from kvedge.bench.report import speedup
+from kvedge.contract import ExportRecipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "PERFORMANCE.md"
+DOCS = (DOC, ROOT / "README.md")
+EXPORTS = "`kvedge export ...`"  # README's export table
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
 CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
-KINDS = ("system", "kvedge vs", "mode", "batch", "workload")
+KINDS = ("system", "kvedge vs", "mode", "batch", "workload", EXPORTS)
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
 
 
@@ -53,7 +59,17 @@ COLUMNS: dict[str, Callable[[dict, str], float]] = {
     "heap growth KiB": lambda d, r: d["allocation"][r]["heap_growth_kib"],
     "KL vs float32": lambda d, r: d["quality"][r]["mean_kl"],
     "top-1": lambda d, r: 100 * d["quality"][r]["top1_agreement"],
+    "files MiB": lambda d, r: _system(d, r)["artifact_bytes"] / 2**20,
 }
+
+
+def export_system(row: str) -> str:
+    """The bench's name for the export a README row's `kvedge export` options make (no options:
+    the default export)."""
+    flags = re.findall(r"--([a-z-]+) ([a-z0-9]+)", row)
+    return KvedgeBuild(ExportRecipe(**{flag.replace("-", "_"): value for flag, value in flags})).system_name
+
+
 SERVE_COLUMNS: dict[str, Callable[[dict, str], float]] = {
     "1 stream alone tok/s": lambda d, r: d[r]["alone_tokens_per_s"],
     "streams together tok/s": lambda d, r: d[r]["together_tokens_per_s"],
@@ -79,7 +95,9 @@ def figure(data: dict, kind: str, header: str, row: str) -> float:
         export, workload = row.split(" ")
         assert header in SPECULATE_COLUMNS, f"'workload' column {header!r}: not in speculate.json"
         return SPECULATE_COLUMNS[header](data["exports"][export][workload])
-    decode, prefill = re.fullmatch(r"@(\d+)", header), re.fullmatch(r"prefill (\d+)", header)
+    if kind == EXPORTS:
+        kind, row = "system", export_system(row)
+    decode, prefill = re.fullmatch(r"(?:ms )?@(\d+)", header), re.fullmatch(r"prefill (\d+)", header)
     if kind == "kvedge vs":
         a, b = row.split(" vs ")
         case = f"decode:{decode[1]}" if decode else f"prefill:{prefill[1]}" if prefill else None
@@ -162,9 +180,10 @@ def check_table(table: Table) -> list[str]:
     return wrong
 
 
-def test_every_cited_results_folder_is_committed_and_named_by_date_and_commit():
-    cited = set(FOLDER.findall(DOC.read_text())) - NOT_CITED
-    assert cited, "docs/PERFORMANCE.md names no results folder"
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_every_cited_results_folder_is_committed_and_named_by_date_and_commit(doc):
+    cited = set(FOLDER.findall(doc.read_text())) - NOT_CITED
+    assert cited, f"{doc.name} names no results folder"
     for folder in sorted(cited):
         name = CITABLE.fullmatch(folder)
         assert name, f"bench/results/{folder}: not <YYYY-MM-DD>-<commit>-<what> (without -dirty)"
@@ -178,6 +197,18 @@ def test_every_table_figure_is_in_its_results_folder():
     assert len(checked) >= 5, "the decode, prefill, memory, quality and threads tables"
     wrong = [f"line {t.line}: {w}" for t in checked for w in check_table(t)]
     assert not wrong, "figures that differ from their results folder:\n" + "\n".join(wrong)
+
+
+def test_every_figure_of_the_readme_export_table_is_in_its_results_folder():
+    readme = (ROOT / "README.md").read_text()
+    table = next(t for t in tables(readme) if t.header[0] == EXPORTS)
+    assert {"files MiB", "ms @64", "KL vs float32"} <= set(table.header)
+    wrong = check_table(table)
+    assert not wrong, "figures that differ from their results folder:\n" + "\n".join(wrong)
+    assert export_system("`--variant ort --weights int4 --kv-dtype int8 --decode-matmuls onnxruntime`") == (
+        "kvedge ort int4 kv int8 decode onnxruntime"
+    )
+    assert export_system("(default: portable, float32 weights and cache)") == "kvedge portable float32"
 
 
 def test_a_wrong_figure_or_a_missing_source_is_caught():

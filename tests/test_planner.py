@@ -20,12 +20,14 @@ from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
+from kvedge.files import human
 from kvedge.planner import (
     CPU_HELD,
     MAX_SLOTS,
     OVERHEADS,
     QUALITY_BAR,
     RECOMMENDED_DEVICES,
+    SECOND_FORM_DECODE_GAIN,
     Budget,
     ModelFootprint,
     check_fits,
@@ -236,6 +238,40 @@ def test_plan_takes_every_weight_form():
     assert old.returncode == 0, old.stderr
     assert "use --profile orin-nano-8gb" in old.stderr and "use --weights" in old.stderr
     assert "budget       6.50 GiB = orin-nano-8gb" in old.stdout and "int8 portable" in old.stdout
+
+
+def test_plan_says_what_the_second_form_of_the_weights_costs_and_buys(tmp_path):
+    """An ort int8/int4 export holds its weights twice, a prefill and a decode form: `kvedge plan`
+    says under its bytes how many are the decode form and the decode speed they were measured to
+    buy against one form (`SECOND_FORM_DECODE_GAIN`); a one-form export or recipe says nothing."""
+    gain = "decode {:.2f}x as fast as one form at 64 tokens of context, {:.2f}x at 2000".format
+
+    def below_weights(*options: str) -> str:
+        done = kvedge("plan", "smollm2-135m", "--memory-budget", "8GiB", *options)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        return lines[1 + next(i for i, line in enumerate(lines) if line.startswith("weights"))]
+
+    for weights in ("int8", "int4"):
+        two = ExportRecipe(weights=weights, variant="ort")
+        one = dataclasses.replace(two, decode_matmuls="onnxruntime")
+        decode = footprint("smollm2-135m", two).weights_bytes - footprint("smollm2-135m", one).weights_bytes
+        line = below_weights("--weights", weights, "--variant", "ort")
+        assert line == (
+            f"{'':13}{human(decode)} of these are the decode form: {gain(*SECOND_FORM_DECODE_GAIN[weights])} "
+            "(measured: SmolLM2-135M, an AVX2 CPU); --decode-matmuls onnxruntime keeps one form"
+        )
+    assert below_weights(
+        "--weights", "int4", "--variant", "ort", "--decode-matmuls", "onnxruntime"
+    ).startswith("device")
+    assert below_weights().startswith("device")  # float32 weights: one form
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    for form in (two, one):
+        export_model(source, tmp_path / form.decode, dataclasses.replace(form, max_len=32))
+    done = kvedge("plan", str(tmp_path / "kvedge"), "--memory-budget", "8GiB")
+    assert done.returncode == 0, done.stderr
+    assert f"\n{'':13}prefill and decode forms: {gain(*SECOND_FORM_DECODE_GAIN['int4'])} " in done.stdout
+    assert "decode form" not in footprint(tmp_path / "onnxruntime").forms_note
 
 
 def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():

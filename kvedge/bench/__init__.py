@@ -34,6 +34,10 @@ thread stepping the systems in turn, at more each system's steps as one block (`
 says why); targets, quality, warm prefixes, memory and
 allocation are judged at the first count, the others are reported against it.
 
+A kvedge system is an export, named 'variant:weights[:kv_dtype[:decode_matmuls]]' (`kvedge_system`):
+'ort:int4:int8' holds its weights in two forms, 'ort:int4:int8:onnxruntime' in one. Every system
+records its artifact bytes, the model files it loads (`measure.artifact_bytes`).
+
 Output: <out>/bench.json, <out>/bench.png (ms/token vs context; prefill tokens/s), a printed
 table; <out> defaults to a new bench/results/<date>-<commit>-<what> (`kvedge.bench.results`);
 see docs/PERFORMANCE.md for the latest figures.
@@ -126,7 +130,7 @@ class BenchConfig:
     device: str = "cpu"  # kvedge systems' backend: one of DEVICES
     rounds: int = 3
     steps: int = 24  # decode steps per case (the first 2 are dropped as warm-up)
-    kvedge: tuple[str, ...] = DEFAULT_KVEDGE  # "variant:weights"
+    kvedge: tuple[str, ...] = DEFAULT_KVEDGE  # "variant:weights[:kv_dtype[:decode_matmuls]]"
     peers: tuple[str, ...] = PEERS
     block_size: int = 32
     prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
@@ -159,7 +163,7 @@ class BenchConfig:
         if self.device not in DEVICES:
             raise KvedgeError(f"--device {self.device!r} is not supported; allowed: {list(DEVICES)}")
         for item in self.kvedge:
-            kvedge_system(item)
+            kvedge_system(item, self.block_size)
         for peer in self.peers:
             if peer not in PEERS:
                 raise KvedgeError(f"peer {peer!r} is unknown; allowed: {list(PEERS)}")
@@ -343,6 +347,7 @@ def _summarize(
                 "threads": spec.threads or threads,
                 "weight_bytes_per_token": spec.weight_bytes_per_token,
                 "kv_bytes_per_token": spec.kv_bytes_per_token,
+                "artifact_bytes": spec.artifact_bytes,
                 "reference_for": spec.reference_for,
                 "crashed": results.crashed.get(spec.name),
                 **spec.extra,
@@ -487,17 +492,15 @@ def _decode_case(
     return {name: float(np.median(t[2:])) for name, t in times.items()}
 
 
-def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[str, str]]:
+def _kvedge_specs(config: BenchConfig, work: Workdir) -> list[SystemSpec]:
+    """The kvedge systems, each exported if needed, with the exact-size twin of a float32 one."""
     specs: list[SystemSpec] = []
-    skipped: dict[str, str] = {}
     for item in config.kvedge:
-        variant, weights, kv_dtype = kvedge_system(item)
-        kw = {"variant": variant, "weights": weights, "kv_dtype": kv_dtype}
-        build = KvedgeBuild(ExportRecipe(block_size=config.block_size, **kw))
+        build = KvedgeBuild(kvedge_system(item, config.block_size))
         name = build.system_name
         spec = _kvedge_spec(work.kvedge(build), name, device=config.device)
         specs.append(dataclasses.replace(spec, extra={**spec.extra, "system": item}))
-        if config.exact_size and weights == "float32" and kv_dtype == "float32":
+        if config.exact_size and (build.recipe.weights, build.recipe.kv_dtype) == ("float32", "float32"):
             twin = KvedgeBuild(dataclasses.replace(build.recipe, max_len=EXACT_SIZE_MAX_LEN))
             specs.append(
                 _kvedge_spec(
@@ -507,6 +510,12 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                     device=config.device,
                 )
             )
+    return specs
+
+
+def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[str, str]]:
+    specs = _kvedge_specs(config, work)
+    skipped: dict[str, str] = {}
     geometry = Manifest.load(specs[0].path).geometry  # the first system's cache may be INT8
     fp32_kv = dataclasses.replace(geometry, dtype="float32", group_size=0).bytes_per_token()
     if "transformers" in config.peers:
@@ -519,6 +528,7 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                 weights="float32",
                 weight_bytes_per_token=_hf_weight_bytes(hf),
                 kv_bytes_per_token=fp32_kv,
+                artifact_bytes=measure.artifact_bytes(hf),
             )
         )
     if "onnxruntime-genai" in config.peers:
@@ -535,6 +545,7 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                         weights="float32" if precision == "fp32" else "int4",
                         weight_bytes_per_token=measure.onnx_weight_bytes_per_token(folder / "model.onnx"),
                         kv_bytes_per_token=fp32_kv,
+                        artifact_bytes=measure.artifact_bytes(folder),
                     )
                 )
     if "llama.cpp" in config.peers:
@@ -554,6 +565,7 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
                     weights=_gguf_type(gguf),
                     weight_bytes_per_token=measure.gguf_weight_bytes(gguf),
                     kv_bytes_per_token=fp32_kv // 2,  # f16 K and V by default
+                    artifact_bytes=measure.artifact_bytes(gguf),
                 )
             )
     for count in config.thread_counts[1:]:
@@ -569,15 +581,27 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
     return specs, skipped
 
 
-def kvedge_system(item: str) -> tuple[str, str, str]:
-    """'variant:weights[:kv_dtype]' -> (variant, weights, kv_dtype); the cache defaults to float32."""
+def kvedge_system(item: str, block_size: int = 32) -> ExportRecipe:
+    """'variant:weights[:kv_dtype[:decode_matmuls]]' -> the export it names: the cache defaults to
+    float32, the decode matmuls to the recipe's rule (`ExportRecipe.decode`); 'onnxruntime' there is
+    the one-form export (`--decode-matmuls onnxruntime`)."""
     parts = item.split(":")
-    if len(parts) not in (2, 3):
+    if not 2 <= len(parts) <= 4:
         raise KvedgeError(
-            f"kvedge system {item!r} is not 'variant:weights[:kv_dtype]' (e.g. 'ort:int4', "
-            "'portable:float32:int8')"
+            f"kvedge system {item!r} is not 'variant:weights[:kv_dtype[:decode_matmuls]]' (e.g. "
+            "'ort:int4', 'portable:float32:int8', 'ort:int4:int8:onnxruntime')"
         )
-    return parts[0], parts[1], parts[2] if len(parts) == 3 else "float32"
+    variant, weights, kv_dtype, decode = (*parts, *[None] * (4 - len(parts)))
+    try:
+        return ExportRecipe(
+            variant=variant,
+            weights=weights,
+            kv_dtype=kv_dtype or "float32",
+            decode_matmuls=decode,
+            block_size=block_size,
+        )
+    except KvedgeError as exc:
+        raise KvedgeError(f"kvedge system {item!r}: {exc}") from None
 
 
 def _kvedge_spec(
@@ -594,7 +618,12 @@ def _kvedge_spec(
         kv_bytes_per_token=manifest.geometry.bytes_per_token(),
         reference_for=reference_for,
         device=device,
-        extra={"variant": manifest.variant, "kv_dtype": manifest.geometry.dtype},
+        artifact_bytes=measure.artifact_bytes(folder),
+        extra={
+            "variant": manifest.variant,
+            "kv_dtype": manifest.geometry.dtype,
+            "decode_matmuls": manifest.weight_decode_matmuls,
+        },
     )
 
 

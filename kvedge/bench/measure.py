@@ -43,6 +43,18 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.nbytes / best
 
 
+MODEL_FILES = ("*.onnx", "*.onnx.data", "*.safetensors")  # in a folder: what holds the graph and weights
+
+
+def artifact_bytes(path: Path) -> int:
+    """The bytes of a system's model files on disk: a file's own (a GGUF), or a folder's
+    `MODEL_FILES` (a kvedge export's model.onnx + model.onnx.data, an onnxruntime-genai build's,
+    an HF folder's safetensors); tokenizers, configs and manifests are not counted."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for pattern in MODEL_FILES for p in path.glob(pattern))
+
+
 def onnx_weight_bytes_per_token(path: Path) -> int:
     """Bytes of initializers a decode step reads in full (gather-only tables excluded)."""
     import onnx

@@ -2,7 +2,8 @@
 
     <work>/hf/                      the source as a Hugging Face folder (GGUF dequantized to fp32,
                                     saved after clearing transformers' GGUF quantizer marker)
-    <work>/kvedge-<variant>-<weights>[-L<max_len>]/   `kvedge export` artifacts
+    <work>/kvedge-<variant>-<weights>[-kv<dtype>][-decode-onnxruntime][-L<max_len>]/
+                                    `kvedge export` artifacts
     <work>/ort-genai-<precision>/   onnxruntime-genai model builder output (fp32, int4)
 
 A kvedge export is reused only when it is what exporting now would make: its manifest names the
@@ -67,13 +68,20 @@ class KvedgeBuild:
         r = self.recipe
         suffix = "" if r.max_len == 2048 else f"-L{r.max_len}"
         kv = "" if r.kv_dtype == "float32" else f"-kv{r.kv_dtype}"
-        return f"kvedge-{r.variant}-{r.weights}{kv}{suffix}"
+        decode = "-decode-onnxruntime" if self.one_form else ""
+        return f"kvedge-{r.variant}-{r.weights}{kv}{decode}{suffix}"
 
     @property
     def system_name(self) -> str:
         r = self.recipe
         kv = "" if r.kv_dtype == "float32" else f" kv {r.kv_dtype}"
-        return f"kvedge {r.variant} {r.weights}{kv}"
+        return f"kvedge {r.variant} {r.weights}{kv}" + (" decode onnxruntime" if self.one_form else "")
+
+    @property
+    def one_form(self) -> bool:
+        """An ort int8/int4 export asked for without its decode form (`--decode-matmuls
+        onnxruntime`); the names say so, the default two-form export's do not."""
+        return self.recipe.decode_matmuls == "onnxruntime"
 
 
 class Workdir:

@@ -16,6 +16,9 @@ above 1 means a is faster. Targets (issue 3):
     fp32 decode       kvedge float32 vs onnxruntime-genai fp32                           >= 1.0
     int8 cache        kvedge with --kv-dtype int8 vs the same graph with the fp32 cache,
                       decode at the longest context (issue 4)                           >= 1.0
+    second form       a two-form ort export vs its one-form twin (--decode-matmuls
+                      onnxruntime), decode at every context: what the decode form's
+                      bytes buy (issue 35)                                               report
 
 Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measured:
 
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvedge.bench.systems import SystemSpec
+from kvedge.files import MiB
 
 FLAT_GROWTH_CONTEXT = 1536  # issue 3's long context for the flat-growth target
 
@@ -73,6 +77,7 @@ def evaluate_targets(results: Any, specs: list[SystemSpec]) -> list[dict[str, An
         *_allocation_rows(results),
         *_peer_rows(results, specs, kvedge, contexts, lengths),
         *_int8_cache_rows(results, kvedge, contexts),
+        *_second_form_rows(results, kvedge, contexts),
         *_llama_prefill_rows(results, specs, kvedge, lengths),
         *warm_targets(results.warm),
         *speculation_targets(results.speculation),
@@ -197,7 +202,7 @@ def _peer_rows(
 
 
 def _int8_cache_rows(results: Any, kvedge: list[SystemSpec], contexts: list[int]) -> list[dict[str, Any]]:
-    """Each INT8-cache system against the same graph and weights with a float32 cache."""
+    """Each INT8-cache system against the same graph, weights and decode matmuls with a float32 cache."""
     rows = []
     for spec in kvedge:
         twin = next(
@@ -205,7 +210,8 @@ def _int8_cache_rows(results: Any, kvedge: list[SystemSpec], contexts: list[int]
                 s
                 for s in kvedge
                 if s.extra.get("kv_dtype") == "float32"
-                and (s.weights, s.extra.get("variant")) == (spec.weights, spec.extra.get("variant"))
+                and (s.weights, s.extra.get("variant"), s.extra.get("decode_matmuls"))
+                == (spec.weights, spec.extra.get("variant"), spec.extra.get("decode_matmuls"))
             ),
             None,
         )
@@ -213,6 +219,33 @@ def _int8_cache_rows(results: Any, kvedge: list[SystemSpec], contexts: list[int]
             case = f"decode:{contexts[-1]}"
             rows.append(
                 _faster(results, f"int8 cache decode {contexts[-1]}", spec.name, twin.name, case, 1.0)
+            )
+    return rows
+
+
+def _second_form_rows(results: Any, kvedge: list[SystemSpec], contexts: list[int]) -> list[dict[str, Any]]:
+    """Each two-form export (decode matmuls "kvedge") against its one-form twin, the same export
+    with "onnxruntime" decode matmuls: the decode speed its second copy of the weights buys, and
+    that copy's bytes."""
+    rows = []
+    for spec in (s for s in kvedge if s.extra.get("decode_matmuls") == "kvedge"):
+        same = (spec.weights, spec.extra.get("variant"), spec.extra.get("kv_dtype"), "onnxruntime")
+        twin = next(
+            (
+                s
+                for s in kvedge
+                if (s.weights, s.extra.get("variant"), s.extra.get("kv_dtype"), s.extra.get("decode_matmuls"))
+                == same
+            ),
+            None,
+        )
+        if twin is None:
+            continue
+        extra = f"+{(spec.artifact_bytes - twin.artifact_bytes) / MiB:.1f} MiB of files"
+        for c in contexts:
+            ratio = speedup(results, spec.name, twin.name, f"decode:{c}")
+            rows.append(
+                _target(f"second form decode {c}: {spec.name} vs {twin.name}", ratio, "report", None, extra)
             )
     return rows
 
@@ -348,7 +381,7 @@ def table(results: Any) -> str:
         + [f"pf{n} tok/s" for n in lengths]
         + [f"TTFT{lengths[0]} ms" if lengths else "TTFT"]
         + [f"dec{c} ms" for c in contexts]
-        + ["bound%", "RSS MiB", "KL", "top1"]
+        + ["bound%", "files MiB", "RSS MiB", "KL", "top1"]
     )
     rows = [head]
     for system in results.systems:
@@ -365,6 +398,7 @@ def table(results: Any) -> str:
             + [f"{dec[c]:.1f}" if c in dec else none for c in contexts]
             + [
                 f"{100 * roof[mid]['fraction_of_bound']:.0f}" if mid in roof else none,
+                f"{system['artifact_bytes'] / MiB:.1f}" if system.get("artifact_bytes") else "-",
                 f"{results.memory[name]:.0f}" if name in results.memory else none,
                 f"{quality['mean_kl']:.4f}" if quality else none,
                 f"{quality['top1_agreement']:.3f}" if quality else none,

@@ -94,6 +94,7 @@ class SystemSpec:
     max_len: int = 2048
     weight_bytes_per_token: int = 0  # weights read per decode token (see roofline in __init__)
     kv_bytes_per_token: int = 0  # cache bytes per valid token read per decode step
+    artifact_bytes: int = 0  # the model files it loads (`measure.artifact_bytes`)
     reference_for: str | None = None  # exact-size twin: name of the max_len-2048 system it checks
     threads: int = 0  # 0: the run's (first) thread count
     threads_of: str | None = None  # this system again at another thread count: the first one's name
