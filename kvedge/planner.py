@@ -28,7 +28,8 @@ load         what the backend holds beyond the weight bytes. onnxruntime CPU, me
              float16 weights 2.6 in a float32 graph (its Casts are folded to a float32 copy at
              load, then prepacked) and 2.45 in a float16 graph (no float16 kernels on x86: the
              same widening); int8 / int4 weights 1.8 / 1.95, 2.0 / 2.4 in a float16 graph (the
-             MatMulNBits kernels' packed blocks beside the graph's). Measured with onnxruntime
+             MatMulNBits kernels' packed blocks beside the graph's; an ort export with one form
+             of its weights or two alike). Measured with onnxruntime
              1.2x on SmolLM2-135M (peak RSS of a fresh process after load and two decode steps,
              less the tokenizer, which `runtime` counts, and the KV pool; every form within 10%:
              tests/test_real_model.py); a larger model's fixed parts weigh less, so these
@@ -835,11 +836,11 @@ def _implied(old: ExportRecipe, new: ExportRecipe, attr: str) -> bool:
 
 def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
     """Every form `kvedge export` makes of `base` choosing its variant, precision, weights, head
-    bits (the default or 8) and cache dtype, that `device` runs (`device_refusal`); `base`'s
+    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`); `base`'s
     max_len, logits, block size, kept channels and decode matmuls stay where they apply."""
     found: dict[tuple, ExportRecipe] = {}
     for variant, precision, weights, head_bits, kv in itertools.product(
-        VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 8), EXPORTED_KV_DTYPES
+        VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 4), EXPORTED_KV_DTYPES
     ):
         quantized = WEIGHT_FORMATS[weights] < 16
         try:

@@ -32,6 +32,7 @@ from kvedge.planner import (
     ModelFootprint,
     check_fits,
     device_budget,
+    device_forms,
     estimate,
     footprint,
     kv_bytes,
@@ -322,6 +323,17 @@ def test_what_fits_saves_the_fewest_bytes_and_never_grows_a_part():
         assert "--weights float16" not in change.describe() or "--precision float16" in change.describe()
     plan = make_plan(footprint("llama-3.2-3b"), device_budget(load_device("orin-nano-8gb")), "tensorrt")
     assert what_fits(plan).options == (("--weights", "int4"), ("--kv-dtype", "int8"))
+
+
+def test_the_forms_weighed_include_the_4_bit_head():
+    """The default head is 8 bits; a 4-bit one saves bytes at a measured cost in KL, so the forms
+    what_fits weighs hold both (before, (None, 8) gave the default twice and never a 4-bit head)."""
+    forms = device_forms(ExportRecipe(weights="int4"), "tensorrt")
+    heads = {(f.precision, f.weights, f.lm_head_bits) for f in forms}
+    for precision in ("float32", "float16"):
+        assert {(precision, "int4", 8), (precision, "int4", 4)} <= heads
+    assert all(device_refusal("tensorrt", f.variant, f.kv_dtype, f.logits) is None for f in forms)
+    assert measured_kl(ExportRecipe(weights="int4", head_bits=4)) > 0.002
 
 
 def test_a_form_the_device_refuses_gets_one_line_and_the_variant_switch():

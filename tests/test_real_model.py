@@ -287,6 +287,9 @@ LOAD_FORMS = {
     "int8": ExportRecipe(max_len=512, weights="int8", outlier_channels=0),
     "int4": ExportRecipe(max_len=512, weights="int4", outlier_channels=0),
     "ort-int4": ExportRecipe(max_len=512, weights="int4", variant="ort", outlier_channels=0),
+    "ort-int4-one-form": ExportRecipe(
+        max_len=512, weights="int4", variant="ort", outlier_channels=0, decode_matmuls="onnxruntime"
+    ),
     "float16-graph-int4": ExportRecipe(max_len=512, weights="int4", precision="float16", outlier_channels=0),
 }
 
