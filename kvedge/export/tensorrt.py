@@ -45,6 +45,7 @@ from kvedge.contract.engine import (
     TENSORRT_FLAVOURS,
     DeviceInfo,
     EngineManifest,
+    device_refusal,
     logits_rows,
 )
 from kvedge.errors import KvedgeError
@@ -71,18 +72,13 @@ def require_tensorrt(variant: str, logits: str) -> str:
 
 
 def _check_graph(variant: str, logits: str) -> None:
-    # the ort variant's com.microsoft ops are refused by the parser itself
-    # (tests/test_tensorrt_acceptance.py); refusing here saves the export
-    if variant != "portable":
-        raise KvedgeError(
-            f"TensorRT builds need the portable graph (standard ONNX ops), not --variant {variant!r}; "
-            "export with --variant portable"
-        )
-    if logits == "all":
-        raise KvedgeError(
-            "TensorRT builds need --logits rows or last, not 'all': [batch, seq, vocab] logits for "
-            "every prompt position would not fit a small device"
-        )
+    """Refuses, before an export, a graph `--device tensorrt` would refuse to run (the runtime's
+    and the planner's rule, `device_refusal`: the ort variant's onnxruntime ops, which the parser
+    refuses too (tests/test_tensorrt_acceptance.py), and "all" logits). The cache dtype does not
+    matter to it."""
+    refusal = device_refusal("tensorrt", variant, "float32", logits)
+    if refusal is not None:
+        raise KvedgeError(refusal)
 
 
 @dataclass(frozen=True)
