@@ -15,6 +15,7 @@ import itertools
 import subprocess
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -33,6 +34,7 @@ from kvedge.runtime.backend import (
     cuda_provider_options,
     cuda_refusal,
     onnxruntime_cuda_refusal,
+    preload_cuda_libraries,
 )
 from kvedge.runtime.generate import decode_one_token, prefill, verify
 from kvedge.runtime.model import Model
@@ -332,6 +334,17 @@ def test_cuda_floor_and_provider_options():
         assert onnxruntime_cuda_refusal(version) is None, version
     assert cuda_provider_options(False) == {"use_tf32": "0"}
     assert cuda_provider_options(True) == {"use_tf32": "0", "enable_cuda_graph": "1"}
+
+
+def test_preloading_cuda_libraries_is_harmless_without_cuda(capfd):
+    """The cuda backend preloads onnxruntime-gpu's CUDA and cuDNN libraries (onnxruntime 1.21+'s
+    preload_dlls, for pip-installed CUDA); on a CPU onnxruntime the same call loads and prints
+    nothing, so a CPU-only install that reaches it is unharmed."""
+    assert hasattr(ort, "preload_dlls")  # the constraints' onnxruntime has it: the call is made
+    before = Path("/proc/self/maps").read_text()
+    preload_cuda_libraries()
+    assert "libcudart" not in Path("/proc/self/maps").read_text().replace(before, "")
+    assert capfd.readouterr() == ("", "")
 
 
 def test_a_closed_model_refuses_to_run_and_closes_twice(tiny_llama):

@@ -221,6 +221,17 @@ def test_the_jetpack_extras_pin_what_doctor_would():
         assert [p for p in pins if p.startswith("cuda-python")] == [cuda_python_pin(line.cuda)]
 
 
+def test_the_x86_gpu_extras_pin_cuda_12():
+    """PyPI's onnxruntime-gpu is a CUDA 12 build: the gpu and trt extras pin cuda-python (and
+    TensorRT's wheel) to CUDA 12, doctor's pin for a 12.0 driver; unpinned, pip took 13.x."""
+    extras = configparser.ConfigParser()
+    extras.read(REPO / "setup.cfg")
+    for extra in ("gpu", "trt"):
+        pins = [p for p in extras["options.extras_require"][extra].split("\n") if p.strip()]
+        assert [p for p in pins if p.startswith("cuda-python")] == [cuda_python_pin("12.0")], extra
+    assert "tensorrt-cu12>=10.0" in extras["options.extras_require"]["trt"]
+
+
 FAKE_LIBCUDA = """
 /* cuDriverGetVersion as the CUDA Driver API documents it: CUDA_ERROR_INVALID_VALUE (1) for a
    NULL pointer, else the version as 1000 * major + 10 * minor and CUDA_SUCCESS (0). */

@@ -117,6 +117,18 @@ class Bound:
         return int(np.prod(self.shape)) * self.dtype.itemsize
 
 
+def preload_cuda_libraries() -> None:
+    """Loads the CUDA and cuDNN libraries onnxruntime-gpu was built for from NVIDIA's pip packages
+    (nvidia-cudnn-cu12 and the like, `onnxruntime-gpu[cuda,cudnn]`) where they are installed, as
+    onnxruntime 1.21+ asks of its users (`onnxruntime.preload_dlls`): without it a pip-only CUDA
+    install falls back to the CPU. It searches the default library paths after them, so JetPack's
+    system CUDA loads as before, and returns at once on a CPU build (no CUDA version) or an
+    onnxruntime older than 1.21 (no preload_dlls)."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        preload(cuda=True, cudnn=True, msvc=False)
+
+
 def cuda_refusal(manifest: Manifest) -> str | None:
     """Why this export cannot run on onnxruntime's CUDA provider without copying the cache every
     step, or None: `kvedge.contract.engine.device_refusal`'s answer for cuda, which the planner
@@ -272,7 +284,10 @@ class OrtBackend:
         self.threads = options.intra_op_num_threads
         if manifest.uses_kvedge_ops:
             options.register_custom_ops_library(str(kernels.library_path()))
-        provider_options = cuda_provider_options(cuda_graph) if provider == "cuda" else {}
+        provider_options = {}
+        if provider == "cuda":
+            provider_options = cuda_provider_options(cuda_graph)
+            preload_cuda_libraries()
         self.session = ort.InferenceSession(
             str(folder / ONNX_FILE),
             options,
