@@ -339,7 +339,8 @@ def test_cuda_floor_and_provider_options():
 def test_preloading_cuda_libraries_is_harmless_without_cuda(capfd):
     """The cuda backend preloads onnxruntime-gpu's CUDA and cuDNN libraries (onnxruntime 1.21+'s
     preload_dlls, for pip-installed CUDA); on a CPU onnxruntime the same call loads and prints
-    nothing, so a CPU-only install that reaches it is unharmed."""
+    nothing (onnxruntime 1.23's preload_dlls warned there), so a CPU-only install that reaches it
+    is unharmed."""
     assert hasattr(ort, "preload_dlls")  # the constraints' onnxruntime has it: the call is made
     before = Path("/proc/self/maps").read_text()
     preload_cuda_libraries()

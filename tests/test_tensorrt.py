@@ -75,9 +75,9 @@ def test_export_tensorrt_without_tensorrt_says_what_to_install(tmp_path):
 
 
 def test_tensorrt_refuses_graphs_it_cannot_take():
-    with pytest.raises(KvedgeError, match="need the portable graph .*not --variant 'ort'"):
+    with pytest.raises(KvedgeError, match="runs the portable graph .*only, not --variant 'ort'"):
         require_tensorrt("ort", "last")
-    with pytest.raises(KvedgeError, match="need --logits rows or last, not 'all'"):
+    with pytest.raises(KvedgeError, match="needs --logits rows or last, not 'all'"):
         require_tensorrt("portable", "all")
 
 

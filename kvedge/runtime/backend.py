@@ -122,10 +122,10 @@ def preload_cuda_libraries() -> None:
     (nvidia-cudnn-cu12 and the like, `onnxruntime-gpu[cuda,cudnn]`) where they are installed, as
     onnxruntime 1.21+ asks of its users (`onnxruntime.preload_dlls`): without it a pip-only CUDA
     install falls back to the CPU. It searches the default library paths after them, so JetPack's
-    system CUDA loads as before, and returns at once on a CPU build (no CUDA version) or an
-    onnxruntime older than 1.21 (no preload_dlls)."""
+    system CUDA loads as before. Nothing happens on an onnxruntime older than 1.21 (no
+    preload_dlls) or one without the CUDA provider (1.23's preload_dlls warns there)."""
     preload = getattr(ort, "preload_dlls", None)
-    if preload is not None:
+    if preload is not None and PROVIDERS["cuda"] in ort.get_available_providers():
         preload(cuda=True, cudnn=True, msvc=False)
 
 
