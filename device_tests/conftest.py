@@ -20,6 +20,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 import pytest
+from artifacts import ENV as ARTIFACTS_ENV
 from artifacts import missing as artifacts_missing
 
 if hasattr(ort, "preload_dlls"):  # CUDA and cuDNN from NVIDIA's pip packages, where installed
@@ -100,6 +101,7 @@ def pytest_sessionfinish(session, exitstatus):
             "machine": platform.machine(),
             "onnxruntime": ort.__version__,
             "providers": ort.get_available_providers(),
+            "artifacts": os.environ.get(ARTIFACTS_ENV),  # None: the tests export their own
             "exit_status": int(exitstatus),
             "tests": OUTCOMES,
             "figures": FIGURES,

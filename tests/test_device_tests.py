@@ -66,7 +66,9 @@ def _device_tests(env: dict[str, str], tmp_path: Path) -> tuple[subprocess.Compl
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for text in ("ModuleNotFoundError", "ImportError"):
         assert text not in done.stdout, done.stdout[-3000:]
-    return done, json.loads(report.read_text())["tests"]
+    written = json.loads(report.read_text())
+    assert written["artifacts"] == env.get(artifacts.ENV)
+    return done, written["tests"]
 
 
 def _test_names() -> set[str]:
