@@ -6,7 +6,7 @@ ARTIFACT ?= artifacts/smollm2-135m
 PROMPT ?= What is a KV cache, in two sentences?
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test test-fast test-python test-aarch64 lint format bench device-test clean
+.PHONY: install demo test test-fast test-python test-aarch64 lint format bench device-artifacts device-test clean
 
 install: $(VENV)/.installed $(VENV)/.kernels
 
@@ -77,7 +77,14 @@ format: install
 bench: install
 	$(BIN)/kvedge bench
 
-# On a GPU machine: install onnxruntime-gpu from wheels/ parts and run device_tests/ (JSON report).
+# On an x86 machine: the tiny exports device_tests/ runs on, in DEVICE_ARTIFACTS with an index
+# (device_tests/artifacts.py); copy the folder to the GPU machine, which needs no torch.
+DEVICE_ARTIFACTS ?= device_artifacts
+device-artifacts: install
+	$(BIN)/python device_tests/artifacts.py --out $(DEVICE_ARTIFACTS)
+
+# On a GPU machine: device_tests/ on the artifacts in KVEDGE_DEVICE_ARTIFACTS (without it, exported
+# here where torch is), onnxruntime-gpu installed from wheels/ parts where present (JSON report).
 device-test: install
 	PYTHON=$(BIN)/python device_tests/run.sh
 

@@ -1,24 +1,28 @@
-"""device_tests/: run only on a machine with an NVIDIA GPU (Jetson or any CUDA machine).
+"""device_tests/: run only on a machine with an NVIDIA GPU (Jetson or any CUDA machine), which
+needs only the runtime installed: the tiny models come exported (device_tests/artifacts.py).
 
-    python -m pytest device_tests -q
+    make device-artifacts                  # on an x86 machine with the export extra; copy the folder
+    KVEDGE_DEVICE_ARTIFACTS=<folder> python -m pytest device_tests -q -rs
 
 Each test says what it needs with a marker; where that is missing it is skipped with the reason:
 
     ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu) and cuda-python (the
                pool is mapped with it, `kvedge.runtime.cuda.MappedHost`)
     tensorrt   TensorRT and cuda-python, and a GPU they can see
+
+and every test needs the artifacts: $KVEDGE_DEVICE_ARTIFACTS, or torch here to export them.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import onnxruntime as ort
 import pytest
+from artifacts import ENV as ARTIFACTS_ENV
+from artifacts import missing as artifacts_missing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 if hasattr(ort, "preload_dlls"):  # CUDA and cuDNN from NVIDIA's pip packages, where installed
     ort.preload_dlls()
 
@@ -57,6 +61,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     reasons: dict[str, str | None] = {}
+    no_artifacts = artifacts_missing()
     for item in items:
         needs = [name for name in MISSING if name in item.keywords]
         if not needs:
@@ -64,8 +69,9 @@ def pytest_collection_modifyitems(config, items):
         for name in needs:
             if name not in reasons:
                 reasons[name] = MISSING[name]()
-            if reasons[name]:
-                item.add_marker(pytest.mark.skip(reason=reasons[name]))
+        why = [reasons[name] for name in needs if reasons[name]] + ([no_artifacts] if no_artifacts else [])
+        if needs and why:
+            item.add_marker(pytest.mark.skip(reason="; ".join(why)))
 
 
 # Figures the tests measure (`record`), written with every test's outcome to $KVEDGE_DEVICE_REPORT
@@ -95,6 +101,7 @@ def pytest_sessionfinish(session, exitstatus):
             "machine": platform.machine(),
             "onnxruntime": ort.__version__,
             "providers": ort.get_available_providers(),
+            "artifacts": os.environ.get(ARTIFACTS_ENV),  # None: the tests export their own
             "exit_status": int(exitstatus),
             "tests": OUTCOMES,
             "figures": FIGURES,

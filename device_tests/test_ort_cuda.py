@@ -35,15 +35,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
+from artifacts import take
+from graph_nodes import graph_nodes
 from speculation import check_speculation
-from tiny import make_tiny_model
 
-from kvedge.contract import ONNX_FILE, ExportRecipe, Manifest
+from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import export_model
 from kvedge.planner import check_fits
 from kvedge.runtime.backend import OrtBackend
 from kvedge.runtime.cache import KVCache
@@ -54,22 +53,12 @@ pytestmark = pytest.mark.ort_cuda
 
 ATOL = 1e-3  # CUDA fp32 matmuls (TF32 off: `cuda_provider_options`) reduce in another order
 FP16_UNIT = 2.0**-11
-EXPORTS = {  # name -> export options
-    "portable": dict(),
-    "ort16": dict(variant="ort", kv_dtype="float16"),
-}
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("cuda") / "hf", "llama")
+EXPORTS = {"portable": "portable-2048", "ort16": "ort16-2048"}  # name -> device_tests/artifacts.py's
 
 
 @pytest.fixture(scope="module", params=sorted(EXPORTS))
-def exported(request, source, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"cuda-{request.param}") / "out"
-    export_model(source, out, ExportRecipe(max_len=2048, **EXPORTS[request.param]))
-    return out
+def exported(request, tmp_path_factory):
+    return take(EXPORTS[request.param], tmp_path_factory.mktemp(f"cuda-{request.param}"))
 
 
 def _name(folder) -> str:
@@ -106,11 +95,11 @@ def test_decode_binds_the_mapped_pool_and_copies_no_cache(exported, tmp_path, re
             backend.host.device_address(view) for layer in views for view in layer
         ]
     # Memcpy nodes onnxruntime inserted between host and device: none may carry the cache
-    graph = onnx.load(str(optimized), load_external_data=False).graph
-    copies = [(node.op_type, list(node.input)) for node in graph.node if node.op_type.startswith("Memcpy")]
+    nodes = graph_nodes(optimized)
+    copies = [(node.op_type, list(node.inputs)) for node in nodes if node.op_type.startswith("Memcpy")]
     record(f"{name}.cuda_memcpy_nodes", copies)
     # nodes onnxruntime left on the CPU (shape arithmetic is allowed there, not a copy)
-    on_cpu = sorted({n.op_type for n in graph.node if n.domain != "kvedge" and "Memcpy" not in n.op_type})
+    on_cpu = sorted({n.op_type for n in nodes if n.domain != "kvedge" and "Memcpy" not in n.op_type})
     record(f"{name}.optimized_op_types", on_cpu)
     layer_names = {
         spec.name for spec in manifest.graph_inputs() + manifest.graph_outputs() if spec.layer is not None

@@ -19,10 +19,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from artifacts import POOL_READER, take
 
 from kvedge.accel import cuda_call, import_cudart
 from kvedge.runtime.cuda import MappedHost
@@ -34,14 +33,9 @@ TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32 cache: bytes per toke
 RUNS = 50
 
 
-def _reader(path) -> ort.InferenceSession:
-    data = helper.make_tensor_value_info("cache", TensorProto.FLOAT, ["n"])
-    total = helper.make_tensor_value_info("total", TensorProto.FLOAT, [1])
-    node = helper.make_node("ReduceSum", ["cache"], ["total"], keepdims=1)
-    model = helper.make_model(
-        helper.make_graph([node], "read", [data], [total]), opset_imports=[helper.make_opsetid("", 17)]
-    )
-    onnx.save(model, str(path))
+def _reader(folder) -> ort.InferenceSession:
+    """The one-node ReduceSum graph (device_tests/artifacts.py): cache [n] float32 -> total [1]."""
+    path = take(POOL_READER, folder)
     return ort.InferenceSession(str(path), providers=[("CUDAExecutionProvider", {"use_tf32": "0"})])
 
 
@@ -61,7 +55,7 @@ def _read_ms(session: ort.InferenceSession, address: int, count: int) -> tuple[f
 @pytest.mark.parametrize("context", [64, 1536])
 def test_pool_placement_read_time(context, tmp_path, record):
     cudart = import_cudart()
-    session = _reader(tmp_path / "read.onnx")
+    session = _reader(tmp_path)
     count = context * TOKEN_BYTES // 4
     values = np.random.default_rng(0).standard_normal(count).astype(np.float32)  # [count]
     host = MappedHost(cudart)

@@ -27,13 +27,12 @@ import time
 
 import numpy as np
 import pytest
+from artifacts import take
 from speculation import check_speculation
-from tiny import make_tiny_model
 
-from kvedge.contract import VERIFY_TOKENS, ExportRecipe
+from kvedge.contract import VERIFY_TOKENS
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_MANIFEST_FILE, PREFILL_PROFILE
 from kvedge.errors import ArtifactMismatch
-from kvedge.export.export import export_model
 from kvedge.export.tensorrt import build_engine
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory
@@ -47,26 +46,24 @@ MAX_PREFILL = 64
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("trt") / "hf", "llama")
+def folder(tmp_path_factory):
+    """Where this module's exports are copied (or made): engines are built into the copies."""
+    return tmp_path_factory.mktemp("trt")
 
 
 @pytest.fixture(scope="module")
-def exported(source):
-    export_model(source, source.parent / "out", ExportRecipe(max_len=128))
-    return source.parent / "out"
+def exported(folder):
+    return take("portable-128", folder)
 
 
 @pytest.fixture(scope="module")
-def exported_half(source):
-    export_model(source, source.parent / "half", ExportRecipe(max_len=128, precision="float16"))
-    return source.parent / "half"
+def exported_half(folder):
+    return take("float16-128", folder)
 
 
 @pytest.fixture(scope="module")
-def exported_long(source):
-    export_model(source, source.parent / "long", ExportRecipe(max_len=2048))
-    return source.parent / "long"
+def exported_long(folder):
+    return take("portable-2048", folder)
 
 
 def _engine(folder) -> TrtBackend:

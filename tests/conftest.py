@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
 
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, ExportRecipe, Manifest, sha256_files
 from kvedge.export.export import export_model, head_table, save_onnx
@@ -234,3 +235,32 @@ def selftests(tmp_path_factory) -> Path:
     for the tests after it (`test_kv_int8.build_and_run_selftest`), and pytest removes a passing
     test's own tmp_path when it ends (pyproject.toml: tmp_path_retention_policy)."""
     return tmp_path_factory.mktemp("selftests")
+
+
+# an export's stored weights, read back (tests of a quantized source's blocks kept as they are)
+
+
+def stored(folder) -> dict[str, np.ndarray]:
+    graph = onnx.load(str(folder / ONNX_FILE))
+    return {t.name: numpy_helper.to_array(t) for g in all_graphs(graph.graph) for t in g.initializer}
+
+
+def graph_weight(tensors: dict[str, np.ndarray], out: str, block: int = 32) -> np.ndarray:
+    """The weight [K, N] matmul `out` computes with: codes x scale (DequantizeLinear) plus each
+    block's offset (the first K / block rows of its second product's weight, where it has them).
+    Kept float channels keep their codes here too (multiplied by a zeroed input)."""
+    q, scale = tensors[f"{out}.weight_q"].astype(np.float32), tensors[f"{out}.weight_scale"]
+    k, n = q.shape
+    side = tensors.get(f"{out}.side_weight")  # [K / block + kept, N], or [N, *] in portable graphs
+    if side is not None and side.shape[0] == n != side.shape[1]:
+        side = side.T
+    kept = len(tensors.get(f"{out}.kept", ()))
+    offsets = np.zeros_like(scale) if side is None or len(side) == kept else side[: len(scale)]
+    return (q.reshape(-1, block, n) * scale[:, None] + offsets[:, None]).reshape(k, n)
+
+
+def assert_same_values(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Equal float32 numbers, element for element (a zero's sign aside: a flipped Q4_0 block's
+    code 0 gives +0 where gguf's d x (u - 8) gives -0; no product tells them apart)."""
+    assert got.shape == want.shape and got.dtype == want.dtype == np.float32, what
+    assert np.array_equal(got, want), (what, float(np.abs(got - want).max()))

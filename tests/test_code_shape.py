@@ -5,11 +5,16 @@ and comments included, as a reader scrolls it. Decorators are not counted: a cli
 option decorators declare its interface, they are not steps of its body.
 
 Export choices are declared once (`kvedge.contract.ExportRecipe`): a second class declaring them
-drifts from the first (the planner's copy once had `head_bits` and `lm_head_bits` swapped)."""
+drifts from the first (the planner's copy once had `head_bits` and `lm_head_bits` swapped).
+
+docs/ARCHITECTURE.md stays a map a newcomer reads in 20 minutes (under 350 lines; the design notes
+live in docs/design/), and every docs/ path kvedge/ and tests/ cite exists, with the section they
+name where they name one: a note moved to another file leaves no citation pointing at nothing."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import kvedge
@@ -95,3 +100,113 @@ def test_a_second_declaration_of_export_choices_is_found(tmp_path):
         "class Other:\n    weights: bytes\n"
     )
     assert classes_declaring(tmp_path / "pkg", EXPORT_CHOICES) == {"pkg/m.py:Form"}
+
+
+ROOT = PACKAGE.parent
+MAX_ARCHITECTURE_LINES = 350
+# a docs/ path, then the section it names where it names one: `docs/X.md, "Section"`
+DOC_CITATION = re.compile(r"""(?<![\w/])(docs/[\w/.-]*\w)(?:,?[ \t]+["']([^"'\n]+)["'])?""")
+# docs/ paths of other projects: onnx-tensorrt's operator table (kvedge/export/trt_compat.py)
+ELSEWHERE = {"docs/operators.md"}
+CITING = ("*.py", "*.cc", "*.h")
+
+
+def headings(doc: Path) -> list[str]:
+    """The text of every Markdown heading in `doc`, outside code blocks."""
+    found, fenced = [], False
+    for line in doc.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and (match := re.match(r"#+ (.+)", line)):
+            found.append(match.group(1))
+    return found
+
+
+def broken_citations(root: Path, folders: tuple[str, ...], skip: Path | None = None) -> list[str]:
+    """`file:line cited` for every docs/ path in the files under `folders` (but `skip`) that `root`
+    lacks, or whose section no heading of the file starts with."""
+    broken = []
+    for folder in folders:
+        for path in sorted(p for pattern in CITING for p in (root / folder).rglob(pattern)):
+            if "third_party" in path.parts or path == skip:
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                for match in DOC_CITATION.finditer(line):
+                    cited, section = match.groups()
+                    doc = root / cited
+                    if cited in ELSEWHERE:
+                        continue
+                    if not doc.exists() or (
+                        section and not any(h.startswith(section) for h in headings(doc))
+                    ):
+                        broken.append(f"{path.relative_to(root).as_posix()}:{number} {match.group(0)}")
+    return broken
+
+
+# a relative Markdown link, then the section it names where it names one: `[X.md](X.md), "Section"`
+DOC_LINK = re.compile(r"""\]\(([^)#\s:]+)(?:#[^)]*)?\)(?:,?\s+"([^"]+)")?""")
+
+
+def broken_links(root: Path) -> list[str]:
+    """`file -> link` for every relative link in README.md and docs/ that leads nowhere, or to a
+    Markdown file no heading of which starts with the section named after it."""
+    broken = []
+    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        for match in DOC_LINK.finditer(doc.read_text()):
+            target, section = doc.parent / match.group(1), match.group(2)
+            if not target.exists() or (
+                section
+                and target.suffix == ".md"
+                and not any(h.startswith(" ".join(section.split())) for h in headings(target))
+            ):
+                named = f', "{" ".join(section.split())}"' if section else ""
+                broken.append(f"{doc.relative_to(root).as_posix()} -> {match.group(1)}{named}")
+    return broken
+
+
+def test_every_link_between_docs_resolves():
+    broken = broken_links(ROOT)
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_architecture_is_a_map_under_350_lines():
+    lines = len((ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines())
+    assert lines < MAX_ARCHITECTURE_LINES, (
+        f"docs/ARCHITECTURE.md has {lines} lines; keep it under {MAX_ARCHITECTURE_LINES}: a topic's "
+        "details go to docs/design/<topic>.md, with a paragraph and a link on the map"
+    )
+
+
+def test_every_cited_doc_and_section_exists():
+    broken = broken_citations(ROOT, ("kvedge", "tests"), skip=Path(__file__))  # its examples are fake
+    assert not broken, "citations of docs that do not exist:\n" + "\n".join(broken)
+
+
+def test_a_citation_of_a_missing_doc_or_section_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "MAP.md").write_text("# Map\n\n## Layers\n\n```\n## not a heading\n```\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        '# docs/MAP.md, "Layers" and docs/MAP.md\n'
+        '# docs/MAP.md "Rings"\n'
+        "# docs/MAP.md, 'not a heading'\n"
+        "# docs/GONE.md\n"
+        "# the other project's docs/operators.md\n"
+    )
+    assert broken_citations(tmp_path, ("pkg",)) == [
+        'pkg/m.py:2 docs/MAP.md "Rings"',
+        "pkg/m.py:3 docs/MAP.md, 'not a heading'",
+        "pkg/m.py:4 docs/GONE.md",
+    ]
+
+
+def test_a_link_to_a_missing_doc_or_section_is_found(tmp_path):
+    (tmp_path / "docs" / "design").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("[map](docs/MAP.md), [gone](docs/GONE.md)\n")
+    (tmp_path / "docs" / "MAP.md").write_text("# Map\n\n## Two forms of one graph\n")
+    (tmp_path / "docs" / "design" / "note.md").write_text(
+        '[the map](../MAP.md), "Two forms\nof one graph"; [the map](../MAP.md), "Rings"\n'
+    )
+    assert broken_links(tmp_path) == [
+        "README.md -> docs/GONE.md",
+        'docs/design/note.md -> ../MAP.md, "Rings"',
+    ]

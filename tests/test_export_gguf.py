@@ -17,20 +17,18 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
 import pytest
 import torch
-from conftest import decode_logits, random_ids, unfused_logits
+from conftest import assert_same_values, decode_logits, graph_weight, random_ids, stored, unfused_logits
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
-from onnx import numpy_helper
 from tiny import make_tiny_gguf
 
-from kvedge.contract import HEAD_TABLE, ONNX_FILE, ExportRecipe, Manifest
+from kvedge.contract import HEAD_TABLE, ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.export.gguf_blocks import block_form, read_gguf_weights
-from kvedge.export.graph import DecoderSpec, all_graphs
+from kvedge.export.graph import DecoderSpec
 from kvedge.export.graph.weights import source_blocks
 from kvedge.export.quantize import QuantizedWeight, concat_columns, positive_blocks
 from kvedge.export.source import load_hf, resolve_source
@@ -102,32 +100,6 @@ def ggufs_values(path) -> dict[str, np.ndarray]:
             w = w.reshape(n, HEAD_DIM // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
         values[tensor.name] = w * np.float32(SOFTMAX_SCALE) if kind == "attn_q" else w
     return values
-
-
-def stored(folder) -> dict[str, np.ndarray]:
-    graph = onnx.load(str(folder / ONNX_FILE))
-    return {t.name: numpy_helper.to_array(t) for g in all_graphs(graph.graph) for t in g.initializer}
-
-
-def graph_weight(tensors: dict[str, np.ndarray], out: str, block: int = 32) -> np.ndarray:
-    """The weight [K, N] matmul `out` computes with: codes x scale (DequantizeLinear) plus each
-    block's offset (the first K / block rows of its second product's weight, where it has them).
-    Kept float channels keep their codes here too (multiplied by a zeroed input)."""
-    q, scale = tensors[f"{out}.weight_q"].astype(np.float32), tensors[f"{out}.weight_scale"]
-    k, n = q.shape
-    side = tensors.get(f"{out}.side_weight")  # [K / block + kept, N], or [N, *] in portable graphs
-    if side is not None and side.shape[0] == n != side.shape[1]:
-        side = side.T
-    kept = len(tensors.get(f"{out}.kept", ()))
-    offsets = np.zeros_like(scale) if side is None or len(side) == kept else side[: len(scale)]
-    return (q.reshape(-1, block, n) * scale[:, None] + offsets[:, None]).reshape(k, n)
-
-
-def assert_same_values(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """Equal float32 numbers, element for element (a zero's sign aside: a flipped Q4_0 block's
-    code 0 gives +0 where gguf's d x (u - 8) gives -0; no product tells them apart)."""
-    assert got.shape == want.shape and got.dtype == want.dtype == np.float32, what
-    assert np.array_equal(got, want), (what, float(np.abs(got - want).max()))
 
 
 def test_the_graphs_blocks_are_ggufs_own(gguf_file, portable_int4):

@@ -132,7 +132,7 @@ CITY = {
     "properties": {
         "city": {"type": "string", "maxLength": 40},
         "country": {"type": "string", "maxLength": 40},
-        # an integer: a small model may write a float's digits on and on (docs/ARCHITECTURE.md)
+        # an integer: a small model may write a float's digits on and on (docs/design/structured-output.md)
         "population_thousands": {"type": "integer", "minimum": 0, "maximum": 100000},
         "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
         "capital": {"type": "boolean"},

@@ -1,4 +1,4 @@
-"""Two forms of one graph (`kvedge.export.graph.forms.two_forms`, docs/ARCHITECTURE.md): "ort"
+"""Two forms of one graph (`kvedge.export.graph.forms.two_forms`, docs/design/graph-variants.md): "ort"
 exports with int8/int4 weights hold the decoder twice, as the branches of one If on the step's
 length; a step of up to VERIFY_TOKENS tokens per row (a decode step, a speculative verify: its
 rows to the bit those of decode steps, tests/test_speculate.py) runs the form whose quantized

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -233,3 +234,119 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# AWQ / GPTQ checkpoints (`make_tiny_packed`): a Llama wide enough for groups of 128 (K 128 and
+# 256), head_dim 16 (the softmax scale 1/4 folded into Wq stays exact on the blocks)
+PACKED_LLAMA = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4)
+PACKED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map (WQLinear_GEMM.from_linear)
+EMBEDDING_STEP = 2.0**-10  # the embedding's codes step: an 8-bit grid the export's head keeps exactly
+
+
+def packed_grid(w: np.ndarray, group: int, sym: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A known 4-bit grid for w [N, K]: (u [N, K], z [N, K/g], s [N, K/g] float16), w ~ s (u - z).
+    sym: z = 8 on absmax / 7 (GPTQ sym); else min / max, with a few zeros forced to 0 and 15 (the
+    ends, where GPTQ v1's stored z - 1 borrows from the next field)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // group, group)
+    if sym:
+        s = (np.abs(blocks).max(axis=2) / 7).astype(np.float16)
+        z = np.full(s.shape, 8, np.int64)
+    else:
+        low, high = blocks.min(axis=2), blocks.max(axis=2)
+        s = ((high - low) / 15).astype(np.float16)
+        z = np.clip(np.rint(-low / s.astype(np.float32)), 0, 15).astype(np.int64)
+        z[:8, 0], z[8:16, 0], z[16, :] = 0, 15, 0
+    u = np.rint(blocks / s.astype(np.float32)[..., None]) + z[..., None]
+    return np.clip(u, 0, 15).astype(np.int64).reshape(n, k), z, s
+
+
+def pack_awq(u: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(qweight [K, N/8], qzeros [K/g, N/8]) int32 from u [N, K] and z [N, K/g], as AutoAWQ's
+    WQLinear_GEMM.from_linear packs them (awq/modules/linear/gemm.py)."""
+    intweight, zeros = u.T.astype(np.uint32), z.T.astype(np.uint32)  # [K, N], [K/g, N]
+    qweight = np.zeros((intweight.shape[0], intweight.shape[1] // 8), np.uint32)
+    for col in range(intweight.shape[1] // 8):
+        for i in range(8):
+            qweight[:, col] |= intweight[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
+    qzeros = np.zeros((zeros.shape[0], zeros.shape[1] // 8), np.uint32)
+    for col in range(zeros.shape[1] // 8):
+        for i in range(8):
+            qzeros[:, col] |= zeros[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
+    return qweight.view(np.int32), qzeros.view(np.int32)
+
+
+def pack_gptq(u: np.ndarray, z: np.ndarray, v1: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(qweight [K/8, N], qzeros [K/g, N/8]) int32 from u [N, K] and z [N, K/g], as AutoGPTQ's
+    QuantLinear.pack packs them (auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py); v1: each
+    qzeros word less 0x11111111, as gptqmodel's convert_gptq_v2_to_v1_format (gptqmodel/utils/model.py)."""
+    intweight, zeros = u.T.astype(np.uint32), z.T.astype(np.uint32)  # [K, N], [K/g, N]
+    qweight = np.zeros((intweight.shape[0] // 8, intweight.shape[1]), np.uint32)
+    i, row = 0, 0
+    while row < qweight.shape[0]:
+        for j in range(i, i + 8):
+            qweight[row] |= intweight[j] << (4 * (j - i))
+        i += 8
+        row += 1
+    qzeros = np.zeros((zeros.shape[0], zeros.shape[1] // 8), np.uint32)
+    i, col = 0, 0
+    while col < qzeros.shape[1]:
+        for j in range(i, i + 8):
+            qzeros[:, col] |= zeros[:, j] << (4 * (j - i))
+        i += 8
+        col += 1
+    if v1:
+        qzeros = qzeros - np.uint32(0x11111111)  # wraps modulo 2**32, borrows carried
+    return qweight.view(np.int32), qzeros.view(np.int32)
+
+
+def make_tiny_packed(
+    folder: Path, quantization: dict, seed: int = 0, sym: bool = False
+) -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny random Llama (`PACKED_LLAMA`, tied embeddings) saved as an AWQ or GPTQ checkpoint
+    (`quantization`: config.json's quantization_config; its quant_method, group_size and, for
+    GPTQ, checkpoint_format decide the packing) in `folder`, every projection on `packed_grid`
+    (GPTQ: `sym`), the other tensors float16 (the embedding on an 8-bit grid of step
+    `EMBEDDING_STEP`); beside it `folder`-float, the same model's float32 weights (the projections
+    dequantized: s (u - z)), which transformers loads as it is. Returns (folder, {HF name: the
+    dequantized projection [N, K] float32})."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **PACKED_LLAMA))
+    group, method = quantization["group_size"], quantization["quant_method"]
+    state = {k: v.numpy().astype(np.float16).astype(np.float32) for k, v in model.state_dict().items()}
+    codes = rng.integers(-127, 128, state["model.embed_tokens.weight"].shape)
+    codes[:, ::32] = -128  # each block of 32 holds the extreme: the export's 8-bit grid is this one
+    state["model.embed_tokens.weight"] = (codes * EMBEDDING_STEP).astype(np.float32)
+    packed, dequantized = {}, {}
+    for i in range(model.config.num_hidden_layers):
+        for linear in PACKED_LINEARS:
+            part = "self_attn" if linear.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            name = f"model.layers.{i}.{part}.{linear}"
+            w = state.pop(f"{name}.weight") * 4.0  # wider than the random init, as make_tiny_model
+            u, z, s = packed_grid(w, group, sym)
+            dequantized[f"{name}.weight"] = (
+                np.repeat(s.astype(np.float32), group, axis=1) * (u - np.repeat(z, group, axis=1))
+            ).astype(np.float32)
+            if method == "awq":
+                qweight, qzeros = pack_awq(u, z)
+            else:
+                qweight, qzeros = pack_gptq(u, z, v1=quantization.get("checkpoint_format", "gptq") == "gptq")
+                packed[f"{name}.g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // group
+            packed[f"{name}.qweight"] = torch.from_numpy(qweight)
+            packed[f"{name}.qzeros"] = torch.from_numpy(qzeros)
+            packed[f"{name}.scales"] = torch.from_numpy(np.ascontiguousarray(s.T))  # [K/g, N] float16
+    state.pop("lm_head.weight", None)  # tied
+    floats = {k: torch.from_numpy(v).to(torch.float16) for k, v in state.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({**floats, **packed}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}, indent=2))
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(folder)
+    reference = folder.parent / f"{folder.name}-float"
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in {**state, **dequantized}.items()}, strict=False)
+    model.save_pretrained(reference)
+    tokenizer.save_pretrained(reference)
+    return folder, dequantized

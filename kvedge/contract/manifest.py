@@ -60,7 +60,7 @@ WEIGHT_FORMATS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 # --decode-matmuls: what a decode step's quantized matmuls run in "ort" int8/int4 graphs. kvedge:
 # kvedge.QuantMatMul in a decode form of its own (faster, the weights held twice); onnxruntime:
-# MatMulNBits for every step, one form (docs/ARCHITECTURE.md "Two forms of one graph").
+# MatMulNBits for every step, one form (docs/design/graph-variants.md "Two forms of one graph").
 DECODE_MATMULS = ("kvedge", "onnxruntime")
 
 
@@ -137,7 +137,7 @@ class CacheGeometry:
     # int8 caches: channels of head_dim sharing one scale per token (see kvedge.quant); 0 for float.
     group_size: int = 0
     # Sliding-window layers (Gemma 3's local layers) hold a ring of `ring_len` slots instead of
-    # max_len: position p sits at slot p % ring_len (docs/ARCHITECTURE.md, "Ring-buffer layers").
+    # max_len: position p sits at slot p % ring_len (docs/design/kv-contract.md, "Ring-buffer layers").
     ring_layers: tuple[int, ...] = ()
     window: int = 0  # keys a ring layer's query sees, itself included (HF's sliding_window)
     ring_margin: int = 0  # ring slots beyond the window: how far back a slot can still rewind

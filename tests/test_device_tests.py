@@ -1,0 +1,160 @@
+"""device_tests/ on a runtime-only install (what a Jetson has: no torch, transformers or onnx):
+the artifacts made here by `make device-artifacts` (device_tests/artifacts.py), then
+`pytest device_tests` in a subprocess with the export extra blocked. Without a GPU every test
+must be collected and skip for a device reason, none stop at an import; without the artifacts
+the skip names the make target. Also: taking an artifact from the folder, and reading a graph's
+nodes without onnx (device_tests/graph_nodes.py) as onnx reads them."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from test_rough_edges import BLOCK, EXPORT_EXTRA
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE_TESTS = ROOT / "device_tests"
+sys.path.insert(0, str(DEVICE_TESTS))
+import artifacts  # noqa: E402  (device_tests/ is no package)
+from graph_nodes import graph_nodes  # noqa: E402
+
+DEVICE_REASONS = ("no CUDAExecutionProvider in onnxruntime", "tensorrt is not importable")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """What `make device-artifacts` makes, made by the command that target runs."""
+    recipe = re.search(r"^device-artifacts:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert recipe and "device_tests/artifacts.py --out $(DEVICE_ARTIFACTS)" in recipe.group(1)
+    out = tmp_path_factory.mktemp("device") / "device_artifacts"
+    done = subprocess.run(
+        [sys.executable, "device_tests/artifacts.py", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _device_tests(env: dict[str, str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`pytest device_tests` with the export extra blocked, and its report (conftest.py's)."""
+    if "CUDAExecutionProvider" in ort.get_available_providers() or importlib.util.find_spec("tensorrt"):
+        pytest.skip("a GPU stack is installed here: device_tests would run, not skip")
+    run = "import pytest\nsys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'device_tests']))\n"
+    report = tmp_path / "report.json"
+    environ = {k: v for k, v in os.environ.items() if k != artifacts.ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCK.format(blocked=EXPORT_EXTRA) + run],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**environ, "PYTHONPATH": str(ROOT), "KVEDGE_DEVICE_REPORT": str(report), **env},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for text in ("ModuleNotFoundError", "ImportError"):
+        assert text not in done.stdout, done.stdout[-3000:]
+    written = json.loads(report.read_text())
+    assert written["artifacts"] == env.get(artifacts.ENV)
+    return done, written["tests"]
+
+
+def _test_names() -> set[str]:
+    """file::function of every test function in device_tests/."""
+    names = set()
+    for path in DEVICE_TESTS.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        names |= {f"{path.name}::{node.name}" for node in tree.body if isinstance(node, ast.FunctionDef)}
+    return {name for name in names if name.split("::")[1].startswith("test_")}
+
+
+def _collected(outcomes: dict[str, str]) -> set[str]:
+    return {nodeid.removeprefix("device_tests/").split("[")[0] for nodeid in outcomes}
+
+
+def test_device_tests_start_with_the_artifacts_and_no_export_extra(folder, tmp_path):
+    _, outcomes = _device_tests({artifacts.ENV: str(folder)}, tmp_path)
+    assert _collected(outcomes) == _test_names()
+    for nodeid, outcome in outcomes.items():
+        assert outcome.startswith("skipped: "), (nodeid, outcome)
+        assert any(reason in outcome for reason in DEVICE_REASONS), (nodeid, outcome)
+        assert artifacts.TARGET not in outcome, (nodeid, outcome)
+
+
+def test_without_the_artifacts_the_skip_names_the_make_target(tmp_path):
+    _, outcomes = _device_tests({}, tmp_path)
+    assert _collected(outcomes) == _test_names()
+    for nodeid, outcome in outcomes.items():
+        assert outcome.startswith("skipped: ") and f"`{artifacts.TARGET}`" in outcome, (nodeid, outcome)
+        assert artifacts.ENV in outcome, (nodeid, outcome)
+
+
+def test_a_folder_without_an_index_is_named(tmp_path):
+    _, outcomes = _device_tests({artifacts.ENV: str(tmp_path)}, tmp_path)
+    for outcome in outcomes.values():
+        assert f"{artifacts.ENV}={tmp_path} has no {artifacts.INDEX_FILE}" in outcome, outcome
+
+
+def test_take_copies_an_export_that_runs_and_refuses_another_recipe(folder, tmp_path, monkeypatch):
+    from kvedge.runtime.generate import prefill
+    from kvedge.runtime.model import Model
+
+    index = json.loads((folder / artifacts.INDEX_FILE).read_text())
+    assert index["format"] == artifacts.FORMAT and index["exports"] == artifacts.EXPORTS
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [*artifacts.EXPORTS, artifacts.POOL_READER, artifacts.INDEX_FILE]
+    )
+    monkeypatch.setenv(artifacts.ENV, str(folder))
+    copy = artifacts.take("portable-128", tmp_path)
+    assert copy.parent == tmp_path  # the test's own copy: engines are built into it
+    with Model(copy) as model:
+        assert prefill(model.backend, model.cache, 0, [[5, 6, 7]]).shape[-1] == model.manifest.vocab_size
+    session = ort.InferenceSession(str(artifacts.take(artifacts.POOL_READER, tmp_path)))
+    assert session.run(None, {"cache": np.ones(10, np.float32)})[0].tolist() == [10.0]
+
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for name, recipe, fmt, wanted in (
+        ("portable-128", {"max_len": 64}, artifacts.FORMAT, "this checkout's recipe is {'max_len': 128}"),
+        ("portable-128", artifacts.EXPORTS["portable-128"], 99, "format 99, this checkout reads format 1"),
+    ):
+        moved = {**index, "format": fmt, "exports": {**index["exports"], name: recipe}}
+        (changed / artifacts.INDEX_FILE).write_text(json.dumps(moved))
+        monkeypatch.setenv(artifacts.ENV, str(changed))
+        with pytest.raises(ValueError, match=re.escape(wanted)):
+            artifacts.take(name, tmp_path / str(fmt))
+
+
+def test_make_replaces_only_an_artifacts_folder(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=f"exists without an {artifacts.INDEX_FILE}: not replacing it"):
+        artifacts.make(tmp_path)
+    assert (tmp_path / "mine.txt").read_text() == "keep"
+
+
+def test_graph_nodes_reads_the_nodes_onnx_reads(folder, tmp_path):
+    """On an export's graph and on the graph onnxruntime optimized from it (what test_ort_cuda.py
+    reads for Memcpy nodes on the device)."""
+    from kvedge.contract import ONNX_FILE, Manifest
+    from kvedge.runtime.backend import OrtBackend
+
+    export = folder / "ort16-2048"
+    optimized = tmp_path / "optimized.onnx"
+    OrtBackend(export, Manifest.load(export), optimized_model_path=optimized).close()
+    for path in (export / ONNX_FILE, optimized):
+        graph = onnx.load(str(path), load_external_data=False).graph
+        want = [(n.op_type, n.domain, tuple(n.input)) for n in graph.node]
+        assert [(n.op_type, n.domain, n.inputs) for n in graph_nodes(path)] == want
+        assert len(want) > 10
