@@ -132,17 +132,27 @@ def test_gptq_v2_zeros_are_read_as_they_are(tmp_path):
         assert_same_values(np.ascontiguousarray(weights.tensors[name].dequantize().T), w, name)
 
 
-def test_a_group_size_other_than_the_block_size_is_requantized(tmp_path, caplog):
-    """--block-size apart from the checkpoint's group size: every projection is quantized again
-    from the dequantized weights (as a GGUF's blocks of another size are), and the log says why."""
+def test_groups_split_into_smaller_blocks_are_kept_larger_ones_requantized(tmp_path, caplog):
+    """At the default --block-size 32 an AWQ checkpoint's groups of 128 are kept, each split
+    into four blocks of its scale and offset (the same values, bit for bit); blocks larger than
+    the checkpoint's groups cannot hold them: every projection is quantized again from the
+    dequantized weights (as a GGUF's are), and the log says why."""
     caplog.set_level(logging.INFO, logger="kvedge.export.export")
-    folder, _ = make_tiny_packed(tmp_path / "awq", AWQ)
+    folder, dequantized = make_tiny_packed(tmp_path / "awq", {**AWQ, "group_size": 64})
     manifest = export_model(folder, tmp_path / "b32", ExportRecipe(max_len=64, weights="int4"))
-    assert manifest.weight_source_blocks == {} and manifest.weight_block_size == 32
+    assert manifest.weight_source_blocks == {"AWQ": MATRICES} and manifest.weight_block_size == 32
+    tensors = stored(tmp_path / "b32")
+    down = graph_weight(tensors, "model.layers.0.mlp.down", 32)
+    want = np.ascontiguousarray(dequantized["model.layers.0.mlp.down_proj.weight"].T)
+    assert_same_values(down, want, "down_proj in blocks of 32")
+    caplog.clear()
+    larger = ExportRecipe(max_len=64, weights="int4", block_size=128)
+    manifest = export_model(folder, tmp_path / "b128", larger)
+    assert manifest.weight_source_blocks == {} and manifest.weight_block_size == 128
     assert (
         "kept 0 of 15 quantized matrices as the source's blocks (none); requantized 14 "
         "(model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight and 12 more): "
-        "AWQ is 4-bit blocks of 128, the graph stores 4-bit blocks of 32"
+        "AWQ is 4-bit blocks of 64, the graph stores 4-bit blocks of 128"
     ) in caplog.text
 
 

@@ -180,10 +180,11 @@ def test_what_cannot_be_kept_is_requantized_and_named(gguf_file, tmp_path, caplo
         in caplog.text
     )
     assert "Q4_0 is 4-bit blocks of 32, the graph stores 8-bit blocks of 32" in caplog.text
+    # blocks of 32 split exactly into blocks of 16 (larger blocks: tests/test_export_awq_gptq.py)
     block16 = export_model(
         gguf_file, tmp_path / "b16", ExportRecipe(max_len=64, weights="int4", block_size=16)
     )
-    assert block16.weight_source_blocks == {} and block16.weight_head_bits == 8
+    assert block16.weight_source_blocks == {"Q4_0": 6, "Q4_1": 8, "Q8_0": 1}
 
 
 def test_positive_blocks_hold_q4_0s_values():

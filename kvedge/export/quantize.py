@@ -109,6 +109,19 @@ class QuantizedWeight:
             self.max_error,
         )
 
+    def split(self, block_size: int) -> QuantizedWeight:
+        """The same values in blocks of `block_size`, which divides this weight's: each block's
+        scale and offset repeated for its parts, the codes unchanged (exact)."""
+        if self.block_size % block_size:
+            raise ValueError(f"blocks of {self.block_size} do not split into blocks of {block_size}")
+        parts = self.block_size // block_size
+        if parts == 1:
+            return self
+        offset = None if self.offset is None else np.repeat(self.offset, parts, axis=0)
+        return QuantizedWeight(
+            self.q, np.repeat(self.scale, parts, axis=0), offset, self.bits, block_size, self.max_error
+        )
+
     def scaled(self, factor: float) -> QuantizedWeight:
         """w_hat * factor, on the same codes: scale and offset multiplied, exactly where `factor`
         is a power of two (and the products stay normal), else each rounded once."""

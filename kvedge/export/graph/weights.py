@@ -133,20 +133,24 @@ def source_blocks(
 ) -> SourceBlocks:
     """The source's `blocks` (HF names; `types`: their source types) the graph keeps: each matrix it
     quantizes (the projections at the recipe's bits, the LM head at `lm_head_bits`) whose blocks
-    have those bits and the recipe's block size and dequantize to the float weight the export
-    reads (`weights`: transformers' dequantization of the same file; a name or layout mapped
-    wrongly would be caught here and requantized, not kept)."""
+    have those bits and the recipe's block size, or a multiple of it (split, exactly: an AWQ
+    checkpoint's groups of 128 are kept at the default --block-size 32), and dequantize to the
+    float weight the export reads (`weights`: transformers' dequantization of the same file; a
+    name or layout mapped wrongly would be caught here and requantized, not kept)."""
     head = "model.embed_tokens.weight" if tied_head(spec, weights) else "lm_head.weight"
     projections = [n for n in weights if n.startswith("model.layers.") and n.endswith("_proj.weight")]
     wanted = {**dict.fromkeys(projections, options.bits), head: options.lm_head_bits}
     kept, requantized = {}, {}
     for name, bits in wanted.items():
         kind = types.get(name, "float")
-        why = _why_requantized(blocks.get(name), kind, weights[name], bits, options.block_size)
+        qw = blocks.get(name)
+        if isinstance(qw, QuantizedWeight) and qw.block_size % options.block_size == 0:
+            qw = qw.split(options.block_size)
+        why = _why_requantized(qw, kind, weights[name], bits, options.block_size)
         if why:
             requantized[name] = why
         else:
-            kept[name] = blocks[name]
+            kept[name] = qw
     return SourceBlocks(kept, {name: types[name] for name in kept}, requantized)
 
 
