@@ -133,8 +133,8 @@ def test_gptq_v2_zeros_are_read_as_they_are(tmp_path):
 
 
 def test_groups_split_into_smaller_blocks_are_kept_larger_ones_requantized(tmp_path, caplog):
-    """At the default --block-size 32 an AWQ checkpoint's groups of 128 are kept, each split
-    into four blocks of its scale and offset (the same values, bit for bit); blocks larger than
+    """At the default --block-size 32 an AWQ checkpoint's groups of 64 are kept, each split into
+    two blocks on its scale and offset (the same values, bit for bit); blocks larger than
     the checkpoint's groups cannot hold them: every projection is quantized again from the
     dequantized weights (as a GGUF's are), and the log says why."""
     caplog.set_level(logging.INFO, logger="kvedge.export.export")
