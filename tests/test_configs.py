@@ -195,12 +195,14 @@ def commands_in_comments(path: Path) -> dict[str, list[str]]:
     return found
 
 
-@pytest.mark.parametrize("board", ["orin-nano-8gb"])
-def test_a_boards_service_config_is_the_planners_recommendation(board, tmp_path):
-    """configs/services/BOARD.yaml loads, runs on TensorRT, and holds what `recommend` says for
-    the board and the recipe its model_name names: its slots, and the two commands its comment
-    gives for the model folder (parsed as the CLI parses them): the export's form and max_len,
-    for the folder `model` names, and the engine built on the board with --max-batch = slots."""
+def test_the_jetson_service_config_is_the_planners_recommendation(tmp_path):
+    """configs/services/orin-nano-8gb.yaml, the one docs/JETSON.md, "From nothing to a first chat"
+    installs, loads, runs on TensorRT, and holds what `recommend` says for the board and
+    the recipe its model_name names: its slots, and the two commands its comment gives for the
+    model folder (parsed as the CLI parses them): the export's form and max_len, into the folder
+    `model` names, and the engine built on the board with --max-batch = slots; the walkthrough
+    gives the same two commands."""
+    board = "orin-nano-8gb"
     path = SERVICES_DIR / f"{board}.yaml"
     (tmp_path / MANIFEST_FILE).write_text("{}")  # the folder the service checks for; the file's is relative
     config = load_service_config(path, {"model": tmp_path}, environ={})
@@ -216,3 +218,5 @@ def test_a_boards_service_config_is_the_planners_recommendation(board, tmp_path)
     engine = main.commands["engine"].make_context("engine", commands["engine"]).params
     folder = Path(yaml.safe_load(path.read_text())["model"])
     assert export["out_dir"] == engine["folder"] == folder and engine["max_batch"] == config.slots
+    walkthrough = (SERVICES_DIR.parents[1] / "docs" / "JETSON.md").read_text()
+    assert all(shlex.join(["kvedge", name, *args]) in walkthrough for name, args in commands.items())
