@@ -170,6 +170,33 @@ kv_memory_option = click.option(
 )
 
 
+def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The TensorRT engine's build options, shared by `export --target tensorrt` and `engine`."""
+    options = [
+        click.option(
+            "--max-prefill",
+            default=PREFILL_CHUNK,
+            show_default=True,
+            type=int,
+            help="TensorRT engine: longest prefill chunk.",
+        ),
+        click.option(
+            "--max-batch",
+            default=1,
+            show_default=True,
+            type=int,
+            help="TensorRT engine: most sequences per call (a service's slots, for their replies to "
+            "share calls).",
+        ),
+        click.option(
+            "--workspace", default="1GiB", show_default=True, help="TensorRT engine: builder workspace limit."
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def _speculate_mode(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if not is_mode(value):
         raise click.BadParameter(f"{value!r} is not allowed; allowed: {', '.join(SPECULATE_MODES)}")
@@ -417,17 +444,7 @@ def main(verbose: int) -> None:
     "tensorrt: also build model.engine from the ONNX graph (TensorRT and a GPU; or, to check it "
     "builds, TensorRT for RTX without a GPU: kvedge[trtcheck]).",
 )
-@click.option(
-    "--max-prefill",
-    default=PREFILL_CHUNK,
-    show_default=True,
-    type=int,
-    help="tensorrt: longest prefill chunk.",
-)
-@click.option(
-    "--max-batch", default=1, show_default=True, type=int, help="tensorrt: most sequences per call."
-)
-@click.option("--workspace", default="1GiB", show_default=True, help="tensorrt: builder workspace limit.")
+@engine_options
 @user_errors
 def export(
     source: Path | None,
@@ -481,11 +498,27 @@ def export(
         f"KV {manifest.geometry.bytes_per_slot() / 2**20:.1f} MiB per sequence"
     )
     if target == "tensorrt":
-        from kvedge.export.tensorrt import build_engine
-        from kvedge.planner import parse_bytes
+        _build_engine(out_dir, max_prefill, max_batch, workspace)
 
-        engine = build_engine(out_dir, out_dir, max_prefill, parse_bytes(workspace), max_batch=max_batch)
-        click.echo(f"built {out_dir}/model.engine: {engine.built_with}, {engine.device.describe()}")
+
+@main.command()
+@click.argument("folder", type=click.Path(path_type=Path))
+@engine_options
+@user_errors
+def engine(folder: Path, max_prefill: int, max_batch: int, workspace: str) -> None:
+    """Build FOLDER's TensorRT engine (model.engine) on this machine from the export in FOLDER:
+    what `export --target tensorrt` builds, for a folder exported elsewhere (an engine is made
+    for one GPU and TensorRT: build it on the device that runs it)."""
+    starting(f"building a TensorRT engine from {folder} (minutes on a Jetson)")
+    _build_engine(folder, max_prefill, max_batch, workspace)
+
+
+def _build_engine(folder: Path, max_prefill: int, max_batch: int, workspace: str) -> None:
+    from kvedge.export.tensorrt import build_engine
+    from kvedge.planner import parse_bytes
+
+    built = build_engine(folder, folder, max_prefill, parse_bytes(workspace), max_batch=max_batch)
+    click.echo(f"built {folder}/model.engine: {built.built_with}, {built.device.describe()}")
 
 
 def _group_size(value: int) -> int:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from tiny import make_tiny_model
+
+from kvedge.accel import INSTALL_TENSORRT_BUILDER
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
 
 
 def kvedge(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -151,3 +156,44 @@ def test_a_truncated_gguf_is_refused_in_one_line(tmp_path):
     assert "not a complete GGUF file" in done.stderr and len(done.stderr.strip().splitlines()) <= 3, (
         done.stderr
     )
+
+
+# `python -m kvedge` where neither TensorRT nor TensorRT for RTX can be imported
+WITHOUT_TENSORRT = (
+    "import sys; sys.modules['tensorrt'] = sys.modules['tensorrt_rtx'] = None; "
+    "from kvedge.cli import main; main(prog_name='kvedge')"
+)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        (None, "no manifest.json; is this a `kvedge export` folder?"),
+        (
+            ExportRecipe(max_len=256, variant="ort"),
+            "--device tensorrt runs the portable graph (standard ONNX ops) only, not --variant 'ort'",
+        ),
+        (ExportRecipe(max_len=256, logits="all"), "--device tensorrt needs --logits rows or last, not 'all'"),
+        (ExportRecipe(max_len=256), INSTALL_TENSORRT_BUILDER),
+    ],
+    ids=["not-an-export", "ort-variant", "all-logits", "no-tensorrt"],
+)
+def test_engine_refuses_in_one_line(recipe, message, tmp_path):
+    """`kvedge engine FOLDER` on a machine without TensorRT: a folder that is not an export and a
+    graph TensorRT cannot run are refused for what they are, before TensorRT is looked for (so
+    installing it would not help); a portable export then for TensorRT missing, naming what to
+    install. One line each, no traceback (the built engine: tests/test_tensorrt_acceptance.py)."""
+    folder = tmp_path / "out"
+    if recipe is None:
+        folder.mkdir()
+    else:
+        export_model(make_tiny_model(tmp_path / "hf", "llama"), folder, recipe)
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TENSORRT, "engine", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].startswith("Error: ") and message in done.stderr.splitlines()[-1]
+    assert not (folder / "model.engine").exists()

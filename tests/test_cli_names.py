@@ -145,6 +145,7 @@ COMMANDS = {
         "--max-batch": "max_batch",
         "--workspace": "workspace",
     },
+    "engine": {"--max-prefill": "max_prefill", "--max-batch": "max_batch", "--workspace": "workspace"},
     "generate": {
         **RUNTIME,
         "--raw": "raw",

@@ -1,13 +1,16 @@
 """configs/devices and configs/models: the shipped files load, and bad files are refused naming
-the file, the key and what is allowed."""
+the file, the key and what is allowed; a board's service config is what the planner says fits it."""
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
+from kvedge.cli import main
 from kvedge.configs import (
     DEVICES_DIR,
     MODELS_DIR,
@@ -16,7 +19,12 @@ from kvedge.configs import (
     load_device,
     load_recipe,
 )
+from kvedge.contract import MANIFEST_FILE, ExportRecipe
 from kvedge.errors import KvedgeError
+from kvedge.planner import recommend
+from kvedge.serve.config import load_service_config
+
+SERVICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "services"
 
 
 def test_shipped_device_profiles_load():
@@ -175,3 +183,40 @@ def test_unreadable_and_unknown_configs_are_refused(tmp_path):
         load_device("orin-nano-4gb")
     with pytest.raises(KvedgeError, match="does not exist"):
         load_recipe(tmp_path / "missing.yaml")
+
+
+def commands_in_comments(path: Path) -> dict[str, list[str]]:
+    """The command lines of a config's comments (`#   kvedge COMMAND ARGS`), by command."""
+    found = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("#   kvedge "):
+            words = shlex.split(line[1:])
+            found[words[1]] = words[2:]
+    return found
+
+
+def test_the_jetson_service_config_is_the_planners_recommendation(tmp_path):
+    """configs/services/orin-nano-8gb.yaml, the one docs/JETSON.md, "From nothing to a first chat"
+    installs, loads, runs on TensorRT, and holds what `recommend` says for the board and
+    the recipe its model_name names: its slots, and the two commands its comment gives for the
+    model folder (parsed as the CLI parses them): the export's form and max_len, into the folder
+    `model` names, and the engine built on the board with --max-batch = slots; the walkthrough
+    gives the same two commands."""
+    board = "orin-nano-8gb"
+    path = SERVICES_DIR / f"{board}.yaml"
+    (tmp_path / MANIFEST_FILE).write_text("{}")  # the folder the service checks for; the file's is relative
+    config = load_service_config(path, {"model": tmp_path}, environ={})
+    assert config.device == "tensorrt" and config.loopback
+    found = recommend(board, config.model_name, config.device)
+    assert config.slots == found.cell.slots
+    commands = commands_in_comments(path)
+    export = main.commands["export"].make_context("export", commands["export"]).params
+    made = ExportRecipe(**{f.name: export[f.name] for f in dataclasses.fields(ExportRecipe)})
+    assert made == found.form and export["max_len"] == found.cell.context
+    assert export["source"] is None and load_recipe(config.model_name).source == "default"
+    assert export["target"] == "onnx"  # the engine is built where it runs
+    engine = main.commands["engine"].make_context("engine", commands["engine"]).params
+    folder = Path(yaml.safe_load(path.read_text())["model"])
+    assert export["out_dir"] == engine["folder"] == folder and engine["max_batch"] == config.slots
+    walkthrough = (SERVICES_DIR.parents[1] / "docs" / "JETSON.md").read_text()
+    assert all(shlex.join(["kvedge", name, *args]) in walkthrough for name, args in commands.items())

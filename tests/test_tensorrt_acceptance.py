@@ -17,6 +17,7 @@ refusal check the message `build_engine` raises carries the parser's reason.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -233,6 +234,30 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
         engine.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 8), "tensorrt")
     shapes = profile_shapes(manifest, EngineOptions(max_prefill=32))
     assert shapes[0][manifest.names.input_ids][2] == (1, 32)
+
+
+def test_kvedge_engine_builds_a_folder_exported_elsewhere(source, tmp_path):
+    """docs/JETSON.md's way: export on one machine (the form `kvedge plan` recommends for the
+    boards), copy the folder, then `kvedge engine FOLDER` builds the engine where the copy is."""
+    exported, copied = tmp_path / "x86", tmp_path / "device"
+    export_model(source, exported, ACCEPTED["float16-precision-int4-weights-int8-cache"])
+    shutil.copytree(exported, copied)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedge", "engine", str(copied)]
+        + ["--max-prefill", "32", "--max-batch", "2", "--workspace", "256MiB"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].startswith(
+        f"built {copied / ENGINE_FILE}: TensorRT for RTX {trt.__version__}"
+    )
+    engine = EngineManifest.load(copied)
+    engine.check_model(Manifest.load(copied))
+    assert (engine.max_prefill, engine.max_batch, engine.workspace_bytes) == (32, 2, 256 << 20)
+    assert engine.tensorrt_flavour == "tensorrt_rtx" and engine.precision == "float16"
+    assert not (exported / ENGINE_FILE).exists()
 
 
 @pytest.mark.real_model

@@ -250,7 +250,7 @@ def build_engine(
     )
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise KvedgeError("TensorRT could not build the engine; run `kvedge -v export ...` for its log")
+        raise KvedgeError("TensorRT could not build the engine; run again with `kvedge -v` for its log")
 
     engine = EngineManifest(
         source_fingerprint=manifest.source_fingerprint,
