@@ -86,7 +86,7 @@ from kvedge import __version__
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.contract.header import Header, check_header, convert, decode_json
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.files import new_file
+from kvedge.files import FILE_MODE, new_file
 from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.sessions import common_prefix
 
@@ -143,9 +143,11 @@ def write_warm_file(
     model_fingerprint: str,
     scales_fingerprint: str = "",
     graph_fingerprint: str = "",
+    mode: int = FILE_MODE,
 ) -> None:
-    """Write `prefix` to `path` atomically (temp file + fsync + rename). `graph_fingerprint` is
-    the graph that computed its K/V (`Manifest.onnx_fingerprint`; "" for K/V made by no export)."""
+    """Write `prefix` to `path` atomically (temp file + fsync + rename), with `mode` less the
+    umask. `graph_fingerprint` is the graph that computed its K/V (`Manifest.onnx_fingerprint`;
+    "" for K/V made by no export)."""
     block = prefix.block
     parts = [
         np.ascontiguousarray(a, dtype=geometry.np_dtype) for a in (block.kv, block.ring) if a is not None
@@ -169,7 +171,7 @@ def write_warm_file(
     raw += b" " * ((-(_PREAMBLE.size + len(raw))) % _ALIGN)
     digest = hashlib.sha256()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp")  # readable by the service user
+    fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp", mode)  # 0666: the service user reads it
     try:
         with os.fdopen(fd, "wb") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # until renamed: see remove_stale_temps
@@ -197,17 +199,8 @@ def read_warm_file(
     """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`);
     raise ArtifactMismatch naming what is wrong."""
     mapped, size = _map(path)
-    magic, version, header_len = _PREAMBLE.unpack_from(mapped, 0)
-    kind = Header(MAGIC.decode(), WARM_VERSION)
-    check_header(path.name, Header(magic.decode("latin-1"), version), kind)
-    start = _PREAMBLE.size + header_len
-    if start > size - _DIGEST:
-        raise ArtifactMismatch(f"{path.name}: truncated header")
-    header = convert(decode_json(bytes(mapped[_PREAMBLE.size : start]), path.name), WarmHeader, path.name)
-    if size != start + header.data_bytes + _DIGEST:
-        raise ArtifactMismatch(
-            f"{path.name}: {size} bytes, header promises {start + header.data_bytes + _DIGEST}"
-        )
+    header, start = _header(path, mapped, size)
+    kind, version = Header(MAGIC.decode(), WARM_VERSION), WARM_VERSION
     if hashlib.sha256(mapped[: size - _DIGEST]).digest() != mapped[size - _DIGEST :]:
         raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
     key = geometry.artifact_key(True)
@@ -254,6 +247,31 @@ def read_warm_file(
                 "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
             )
     return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+
+
+def read_warm_header(path: Path) -> WarmHeader:
+    """A warm file's header, checked as far as the header alone allows (magic, version, field
+    types, file size), without reading its data: `read_warm_file` checks the rest."""
+    mapped, size = _map(path)
+    try:
+        return _header(path, mapped, size)[0]
+    finally:
+        mapped.close()
+
+
+def _header(path: Path, mapped: mmap.mmap, size: int) -> tuple[WarmHeader, int]:
+    """The header of the warm file mapped at `mapped` and where its data start."""
+    magic, version, header_len = _PREAMBLE.unpack_from(mapped, 0)
+    check_header(path.name, Header(magic.decode("latin-1"), version), Header(MAGIC.decode(), WARM_VERSION))
+    start = _PREAMBLE.size + header_len
+    if start > size - _DIGEST:
+        raise ArtifactMismatch(f"{path.name}: truncated header")
+    header = convert(decode_json(bytes(mapped[_PREAMBLE.size : start]), path.name), WarmHeader, path.name)
+    if size != start + header.data_bytes + _DIGEST:
+        raise ArtifactMismatch(
+            f"{path.name}: {size} bytes, header promises {start + header.data_bytes + _DIGEST}"
+        )
+    return header, start
 
 
 def remove_stale_temps(folder: Path, min_age_s: float = STALE_TEMP_AGE_S) -> None:
@@ -337,9 +355,16 @@ class PrefixLRU:
     (layout and policy in the module docstring). A budget of 0 turns it off."""
 
     def __init__(
-        self, geometry: CacheGeometry, budget_bytes: int, block_tokens: int = LRU_BLOCK_TOKENS
+        self,
+        geometry: CacheGeometry,
+        budget_bytes: int,
+        block_tokens: int = LRU_BLOCK_TOKENS,
+        spill: Callable[[np.ndarray, KVBlock], object] | None = None,
     ) -> None:
+        """`spill(token_ids, block)`, if given, is handed each entry evicted to make room (the
+        disk tier, `kvedge.runtime.prefix_disk`)."""
         self.block_tokens = block_tokens
+        self.spill = spill
         self.block_bytes = geometry.bytes_per_token() * block_tokens
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise KvedgeError(f"prefix_cache_bytes={budget_bytes!r} must be an integer >= 0 (0 = off)")
@@ -423,7 +448,10 @@ class PrefixLRU:
                 self._drop(key)
         need = -(-len(ids) // self.block_tokens)
         while len(self.free) < need:
-            self._drop(next(iter(self.entries)))
+            oldest = next(iter(self.entries.values()))
+            if self.spill is not None:
+                self.spill(oldest.token_ids, self.block(oldest))
+            self._drop(oldest.key)
             self.evictions += 1
         blocks = [self.free.pop() for _ in range(need)]
         for i, block in enumerate(blocks):
@@ -467,6 +495,26 @@ class PrefixLRU:
                 ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, block, :, held]
             piece = KVBlock(kv, scales, ring, ring_scales)
             cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], start=i * b + lo)
+
+    def block(self, entry: LRUEntry) -> KVBlock:
+        """A copy of the entry's KV as a slot stores it: the ring layers hold positions
+        ring_from .. n - 1."""
+        b, n = self.block_tokens, len(entry.token_ids)
+
+        def gather(arena: np.ndarray | None, first: int = 0) -> np.ndarray | None:
+            if arena is None:
+                return None
+            runs = [
+                arena[:, :, block, :, max(first - i * b, 0) : min(n - i * b, b)]
+                for i, block in enumerate(entry.blocks)
+                if first < (i + 1) * b
+            ]
+            return np.concatenate(runs or [arena[:, :, 0, :, :0]], axis=3)  # [layers, 2, kvh, tokens, d]
+
+        first = entry.ring_from
+        return KVBlock(
+            gather(self.kv), gather(self.scales), gather(self.ring, first), gather(self.ring_scales, first)
+        )
 
     def _drop(self, key: int) -> None:
         self.free.extend(reversed(self.entries.pop(key).blocks))
