@@ -9,18 +9,24 @@ log line and removed, and the turn prefills cold.
 from __future__ import annotations
 
 import logging
+import signal
 import stat
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 from tiny import make_tiny_model
 
-from kvedge.contract import ExportRecipe
+from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
+from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import SUFFIX
+from kvedge.runtime.prefix_disk import PrefixDisk
 
 ATOL = 1e-4  # fp32 both sides, same graph (tests/test_sessions.py)
 GREEDY = SamplingConfig(max_new_tokens=8)
@@ -191,3 +197,64 @@ def test_a_file_of_another_export_is_refused_at_boot(llama, tmp_path, caplog):
     ids = other.tokenizer.encode_chat(a)
     other.prepare(0, ids)
     assert other.sessions[0].reused_tokens == 0
+
+
+# -- writers that die or run out of space, on a small geometry (no model needed) --
+
+WRITER = """
+import resource, signal, sys
+import numpy as np
+from pathlib import Path
+from kvedge.contract import CacheGeometry
+from kvedge.runtime.cache import KVBlock
+from kvedge.runtime.prefix_disk import PrefixDisk
+geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+if len(sys.argv) > 2:  # a full disk: files may not grow past this many bytes
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+disk = PrefixDisk(Path(sys.argv[1]), 6 * 2**15, geometry, "model", "graph", min_tokens=8)
+for i in range(10**6):
+    ids = list(range(1000 * i, 1000 * i + 40))  # each run is its own: nothing extends another
+    if disk.save(ids, KVBlock(np.full((2, 2, 2, 40, 16), i, np.float32))):
+        print("written", i, flush=True)
+    elif len(sys.argv) > 2:
+        print("refused", i, flush=True)
+        break
+"""
+
+
+def small_disk(folder) -> PrefixDisk:
+    geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    return PrefixDisk(folder, 6 * 2**15, geometry, "model", "graph", min_tokens=8)
+
+
+def test_kill_9_in_a_loop_while_writing_never_leaves_a_wrong_file(tmp_path):
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+        time.sleep(float(rng.uniform(0.6, 1.2)))  # python and numpy start, then writes
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        disk = small_disk(tmp_path)
+        assert not disk.refused and len(disk) and disk.nbytes <= 6 * 2**15
+        for entry in list(disk.entries.values()):
+            prefix = disk.load(entry)
+            assert prefix is not None and (prefix.block.kv == entry.token_ids[0] // 1000).all()
+
+
+def test_a_full_disk_drops_the_prefix_and_leaves_no_file(tmp_path, caplog):
+    done = subprocess.run(
+        [sys.executable, "-c", WRITER, str(tmp_path), "10000"], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-1] == "refused 0", done.stdout + done.stderr
+    assert "not written (File too large); prefix dropped" in done.stderr
+    assert not list(tmp_path.iterdir())  # neither a file nor a temp left
+
+
+def test_a_prefix_larger_than_the_whole_budget_is_not_written(tmp_path):
+    geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    disk = PrefixDisk(tmp_path, 20000, geometry, "model", "graph", min_tokens=8)
+    assert not disk.save(range(40), KVBlock(np.zeros((2, 2, 2, 40, 16), np.float32)))  # 20480 bytes
+    assert disk.save(range(30), KVBlock(np.zeros((2, 2, 2, 30, 16), np.float32)))
+    assert not disk.save(range(7), KVBlock(np.zeros((2, 2, 2, 7, 16), np.float32)))  # under min_tokens
+    assert [len(e.token_ids) for e in disk.entries.values()] == [30] and disk.nbytes <= 20000
