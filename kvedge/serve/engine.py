@@ -93,6 +93,7 @@ def decode_warmup(steps: int) -> Callable[[Model], None]:
         while done < steps:
             config = SamplingConfig(max_new_tokens=steps - done, temperature=0.0)
             done += sum(1 for _ in model.chat(WARMUP_MESSAGES, config, slot=0))
+        model.sessions[0].reset(model.cache)  # no conversation's: never kept as a prefix (prefix_dir)
 
     return warm
 
@@ -184,9 +185,12 @@ class Engine:
             waiting, active = len(self._waiting), len(self._active)
         if model is None:
             slots = held = allocated = 0
+            prefixes = {}  # their gauges stay at 0 until the model is loaded
         else:
             slots, held, allocated = model.slots, model.kv_bytes_in_use(), model.kv_bytes_allocated
+            prefixes = model.prefix_stats()
         return {
+            **{f"kvedge_prefix_{name}": value for name, value in prefixes.items()},
             "kvedge_ready": int(self.state == "ready"),
             "kvedge_queue_depth": waiting,
             "kvedge_slots_in_use": active,

@@ -21,6 +21,7 @@ from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
 from kvedge.files import human
 from kvedge.runtime.model import Model
+from kvedge.runtime.prefix_disk import PrefixDisk
 from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
@@ -42,15 +43,23 @@ def serve_command(
     need = check_memory(config)
     if check:
         with load_model(config, slots=1) as model:  # verifies the graph, loads or rebuilds warm files
-            prefixes = len(model.prefixes)
+            prefixes, disk = len(model.prefixes), model.prefix_disk
+            files = "" if disk is None else f", {prefix_files(disk)}"
         kv = model.manifest.geometry.bytes_per_slot() * config.slots
         return (
             f"ok: {config.model_name} on {config.host}:{config.port}, {config.slots} slots "
             f"({kv / 2**20:.1f} MiB KV, {need / 2**20:.0f} MiB planned), queue {config.queue_size}, "
-            f"{prefixes} warm prefixes\n"
+            f"{prefixes} warm prefixes{files}\n"
         )
     serve(config)
     return None
+
+
+def prefix_files(disk: PrefixDisk) -> str:
+    """What the disk tier's folder holds, and the files it refused (and removed) at load."""
+    text = f"{len(disk)} prefix files ({disk.nbytes / 2**20:.1f} MiB) in {disk.folder}"
+    refused = "; ".join(f"{name} ({why})" for name, why in disk.refused.items())
+    return text + (f", {len(disk.refused)} refused and removed: {refused}" if refused else "")
 
 
 def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:

@@ -1,0 +1,92 @@
+"""The service keeps conversations' KV across a restart (`prefix_dir`), says where prefix bytes
+sit in /metrics, and the shipped config has the disk tier on. A real server subprocess on
+127.0.0.1 (tests/test_serve.py's `Server`) over the tiny exported model."""
+
+from __future__ import annotations
+
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+from test_serve import Server, run_alone
+
+from kvedge.runtime.model import Model
+from kvedge.runtime.prefix import SUFFIX
+from kvedge.serve.config import load_service_config
+from kvedge.serve.service import serve_command
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": 0, "max_tokens": 12}
+SYSTEM = "You are the kiosk assistant. Read the log below and answer questions about it. " * 4
+
+
+@pytest.fixture(scope="module")
+def artifact(served_artifact) -> Path:
+    return served_artifact  # conftest: max_len 512
+
+
+def turn(srv: Server, messages: list[dict[str, str]]) -> str:
+    body = {"model": "tiny", "messages": messages, **GREEDY}
+    response = srv.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def stop(srv: Server) -> None:
+    srv.process.send_signal(signal.SIGTERM)
+    srv.process.wait(30)
+    srv.stop()
+
+
+def test_a_conversation_is_answered_from_disk_after_a_restart(artifact, tmp_path):
+    config = {"slots": 1, "warmup_tokens": 2, "threads": 1, "prefix_dir": str(tmp_path / "prefixes")}
+    config["prefix_disk_min_tokens"] = 32
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
+    with Server(artifact, tmp_path, **config) as srv:
+        a.append({"role": "assistant", "content": turn(srv, a)})
+        stop(srv)  # SIGTERM: the slot's conversation is written on the way out
+    (path,) = (tmp_path / "prefixes").glob(f"*{SUFFIX}")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    a.append({"role": "user", "content": "And then?"})
+    with Server(artifact, tmp_path, **config) as srv:
+        before = srv.metrics()
+        assert (
+            before["kvedge_prefix_disk_files"] == 1
+            and before["kvedge_prefix_disk_bytes"] == path.stat().st_size
+        )
+        assert before["kvedge_prefix_disk_written_bytes"] == 0
+        assert turn(srv, a) == run_alone(Model(artifact, slots=1), a, max_new_tokens=12)[0]
+        after = srv.metrics()
+        reused = (
+            after["kvedge_prefix_cache_hit_tokens_total"] - before["kvedge_prefix_cache_hit_tokens_total"]
+        )
+        assert reused >= 100, (before, after)
+
+
+def test_the_switch_turns_the_disk_tier_off(artifact, tmp_path):
+    on = load_service_config(None, {"model": artifact, "prefix_dir": tmp_path / "p"}).run_options()
+    assert on.prefix_dir == tmp_path / "p" and on.prefix_disk_min_tokens == 64
+    off = load_service_config(None, {"model": artifact}).run_options()
+    assert off.prefix_dir is None and Model(artifact, off).prefix_disk is None
+    assert not (tmp_path / "p").exists()
+
+
+def test_the_shipped_config_keeps_prefixes_on_disk_beside_warm_dir():
+    shipped = yaml.safe_load((ROOT / "configs/services/default.yaml").read_text())
+    assert Path(shipped["prefix_dir"]).parent == Path(shipped["warm_dir"]).parent
+    assert shipped["prefix_dir"] != shipped["warm_dir"]
+
+
+def test_serve_check_reports_the_prefix_files_and_the_refused(artifact, tmp_path):
+    folder = tmp_path / "prefixes"
+    model = Model(artifact, prefix_dir=folder, prefix_disk_min_tokens=32)
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
+    run_alone(model, a, max_new_tokens=4)
+    model.close()
+    (folder / "bad.kvw").write_bytes(b"garbage")
+    report = serve_command(None, {"model": artifact, "prefix_dir": folder}, check=True)
+    size = sum(p.stat().st_size for p in folder.glob(f"*{SUFFIX}")) / 2**20
+    assert f"1 prefix files ({size:.1f} MiB) in {folder}, 1 refused and removed: bad.kvw (" in report
+    assert "truncated (7 bytes)" in report and not (folder / "bad.kvw").exists()
