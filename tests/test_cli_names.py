@@ -159,6 +159,7 @@ COMMANDS = {
     },
     "chat": {**RUNTIME, "--system": "system", "--url": "url", "--speculate": "speculate"},
     "warm-prefixes": {"--model": "model", "--warm-prefixes": "warm_prefixes", "--warm-dir": "warm_dir"},
+    "prefixes": {},  # list and clear take --prefix-dir (prefix_dir)
     "serve": {
         "--config": "service_config",
         "--model": "model",

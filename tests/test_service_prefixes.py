@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,26 @@ def test_serve_check_reports_the_prefix_files_and_the_refused(artifact, tmp_path
     size = sum(p.stat().st_size for p in folder.glob(f"*{SUFFIX}")) / 2**20
     assert f"1 prefix files ({size:.1f} MiB) in {folder}, 1 refused and removed: bad.kvw (" in report
     assert "truncated (7 bytes)" in report and not (folder / "bad.kvw").exists()
+
+
+def test_kvedge_prefixes_lists_and_clears_the_files(artifact, tmp_path):
+    folder = tmp_path / "prefixes"
+    model = Model(artifact, prefix_dir=folder, prefix_disk_min_tokens=32)
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
+    run_alone(model, a, max_new_tokens=4)
+    held = model.cache.length(0)
+    model.close()
+    (folder / "bad.kvw").write_bytes(b"garbage")
+
+    def kvedge(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "kvedge", *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listed = kvedge("prefixes", "list", "--prefix-dir", str(folder))
+    assert f": {held} tokens, " in listed and "bad.kvw: unreadable: bad.kvw: truncated (7 bytes)" in listed
+    assert listed.splitlines()[-1].startswith("2 files, ") and listed.endswith(f"MiB in {folder}\n")
+    assert (
+        kvedge("prefixes", "clear", "--prefix-dir", str(folder)) == f"removed 2 prefix files from {folder}\n"
+    )
+    assert not list(folder.iterdir())

@@ -210,5 +210,38 @@ class PrefixDisk:
         path.unlink(missing_ok=True)
 
 
+@dataclass(frozen=True)
+class PrefixFile:
+    """One file of a prefix folder, as `kvedge prefixes list` shows it."""
+
+    name: str
+    tokens: int
+    nbytes: int
+    problem: str | None  # why its header cannot be read, or None
+
+
+def list_prefix_files(folder: Path) -> list[PrefixFile]:
+    """The prefix files in `folder` (headers only), oldest first; none if it does not exist."""
+    found = []
+    paths = [p for p in Path(folder).glob(f"*{SUFFIX}") if p.is_file()]
+    for path in sorted(paths, key=lambda p: p.stat().st_mtime):
+        try:
+            header, problem = read_warm_header(path), None
+        except (ArtifactMismatch, OSError) as exc:
+            header, problem = None, _why(exc)
+        tokens = 0 if header is None else header.count
+        found.append(PrefixFile(path.name, tokens, path.stat().st_size, problem))
+    return found
+
+
+def clear_prefix_files(folder: Path) -> int:
+    """Remove every prefix file in `folder` (a running service then prefills those
+    conversations); how many there were."""
+    paths = [p for p in Path(folder).glob(f"*{SUFFIX}") if p.is_file()]
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return len(paths)
+
+
 def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ArtifactMismatch) else f"cannot read it: {exc.strerror or exc}"
