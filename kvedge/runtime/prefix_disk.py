@@ -83,6 +83,7 @@ class PrefixDisk:
         self.entries: OrderedDict[str, DiskEntry] = OrderedDict()  # least recently used first
         self.refused: dict[str, str] = {}  # file name -> why
         self.bytes_written = 0
+        self.nbytes = 0  # of the files indexed; kept, not summed: /metrics reads it from another thread
         self.hits = 0
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         remove_stale_temps(self.folder)
@@ -90,10 +91,6 @@ class PrefixDisk:
         for path in sorted(paths, key=lambda p: p.stat().st_mtime):
             self._index(path)
         self._trim(0)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(entry.nbytes for entry in self.entries.values())
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -144,7 +141,7 @@ class PrefixDisk:
             log.warning("prefix file %s not written (%s); prefix dropped", path, exc.strerror or exc)
             return False
         self.bytes_written += size
-        self.entries[path.name] = DiskEntry(path, ids, len(ids) - block.ring_count, size)
+        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, size))
         self._trim(0)
         return True
 
@@ -192,22 +189,28 @@ class PrefixDisk:
         if mismatch or header.count != len(header.token_ids):
             self._refuse(path, "; ".join(mismatch) or "count does not match its token ids")
             return
-        size = path.stat().st_size
-        self.entries[path.name] = DiskEntry(path, header.token_ids, header.count - header.ring_count, size)
+        self._add(DiskEntry(path, header.token_ids, header.count - header.ring_count, path.stat().st_size))
 
     def _trim(self, incoming: int) -> None:
         """Remove the least recently used files until `incoming` more bytes fit the budget."""
         while self.entries and self.nbytes + incoming > self.budget_bytes:
             self._remove(next(iter(self.entries)))
 
+    def _add(self, entry: DiskEntry) -> None:
+        self.entries[entry.path.name] = entry
+        self.nbytes += entry.nbytes
+
     def _remove(self, name: str) -> None:
-        self.entries.pop(name).path.unlink(missing_ok=True)
+        entry = self.entries.pop(name, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+            entry.path.unlink(missing_ok=True)
 
     def _refuse(self, path: Path, why: str) -> None:
         log.warning("prefix file %s refused (%s); removed, the turn prefills instead", path, why)
         self.refused[path.name] = why
-        self.entries.pop(path.name, None)
-        path.unlink(missing_ok=True)
+        self._remove(path.name)
+        path.unlink(missing_ok=True)  # one refused at boot was never indexed
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ RATE_WINDOW_S = 10
 # name: help text
 GAUGES = {
     "kvedge_ready": "1 once the model is loaded and warmed up, else 0.",
+    "kvedge_ready_seconds": "Seconds from start to ready: model, warm prefixes, prefix file index, warm-up.",
     "kvedge_queue_depth": "Requests waiting for a free slot.",
     "kvedge_slots_in_use": "KV slots serving a request right now.",
     "kvedge_slots_total": "KV slots preallocated at start-up.",
