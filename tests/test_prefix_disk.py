@@ -25,8 +25,8 @@ from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
-from kvedge.runtime.prefix import SUFFIX
-from kvedge.runtime.prefix_disk import PrefixDisk
+from kvedge.runtime.prefix import SUFFIX, read_warm_header
+from kvedge.runtime.prefix_disk import PrefixDisk, reader
 
 ATOL = 1e-4  # fp32 both sides, same graph (tests/test_sessions.py)
 GREEDY = SamplingConfig(max_new_tokens=8)
@@ -81,22 +81,30 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
     np.testing.assert_allclose(logits, cold_logits(llama, ids, export), atol=atol, rtol=0)
 
 
-def test_a_taken_slot_is_written_once_and_short_prefixes_never(llama, tmp_path):
+def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
+    """Each turn's end writes what the slot gained (a segment after the last file); another
+    conversation taking the slot, or the close, writes nothing more; a restart restores the
+    chain exactly."""
     model = boot(llama, tmp_path)
     a = talk(model)
+    assert len(files(tmp_path)) == 1
+    a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
+    held = model.cache.length(0)
     model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))  # B takes the slot
-    (path,) = files(tmp_path)
-    first = model.prefix_disk.bytes_written
-    assert first == path.stat().st_size
     assert model.keep_prefixes() == 0  # B is under the threshold, A is on disk already
-    ids = model.tokenizer.encode_chat(a)
-    np.testing.assert_allclose(model.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
-    assert model.prefix_disk.hits == 1
-    assert model.keep_prefixes() == 1 and model.keep_prefixes() == 0  # A's longer run replaces its head
-    (longer,) = files(tmp_path)
-    assert longer != path and model.prefix_disk.bytes_written == first + longer.stat().st_size
+    written = files(tmp_path)
+    root, segment = sorted((read_warm_header(p) for p in written), key=lambda h: h.start)
+    assert root.start == 0 and segment.start == root.count and segment.parent == f"{root.name}{SUFFIX}"
+    assert root.count + segment.count == held
+    assert root.data_bytes + segment.data_bytes == held * model.manifest.geometry.bytes_per_token()
+    assert sum(p.stat().st_size for p in written) == model.prefix_disk.bytes_written
     model.close()
-    assert files(tmp_path) == [longer]
+    assert files(tmp_path) == written
+    a.append({"role": "user", "content": "And why keep it on disk?"})
+    again = boot(llama, tmp_path)
+    ids = again.tokenizer.encode_chat(a)
+    np.testing.assert_allclose(again.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
+    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens == held
 
 
 def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
@@ -207,7 +215,7 @@ import numpy as np
 from pathlib import Path
 from kvedge.contract import CacheGeometry
 from kvedge.runtime.cache import KVBlock
-from kvedge.runtime.prefix_disk import PrefixDisk
+from kvedge.runtime.prefix_disk import PrefixDisk, reader
 geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
 if len(sys.argv) > 2:  # a full disk: files may not grow past this many bytes
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -215,7 +223,7 @@ if len(sys.argv) > 2:  # a full disk: files may not grow past this many bytes
 disk = PrefixDisk(Path(sys.argv[1]), 6 * 2**15, geometry, "model", "graph", min_tokens=8)
 for i in range(10**6):
     ids = list(range(1000 * i, 1000 * i + 40))  # each run is its own: nothing extends another
-    if disk.save(ids, KVBlock(np.full((2, 2, 2, 40, 16), i, np.float32))):
+    if disk.save(ids, reader(KVBlock(np.full((2, 2, 2, 40, 16), i, np.float32)))):
         print("written", i, flush=True)
     elif len(sys.argv) > 2:
         print("refused", i, flush=True)
@@ -238,8 +246,8 @@ def test_kill_9_in_a_loop_while_writing_never_leaves_a_wrong_file(tmp_path):
         disk = small_disk(tmp_path)
         assert not disk.refused and len(disk) and disk.nbytes <= 6 * 2**15
         for entry in list(disk.entries.values()):
-            prefix = disk.load(entry)
-            assert prefix is not None and (prefix.block.kv == entry.token_ids[0] // 1000).all()
+            (prefix,) = disk.load(entry, len(entry.token_ids))
+            assert (prefix.block.kv == entry.token_ids[0] // 1000).all()
 
 
 def test_a_full_disk_drops_the_prefix_and_leaves_no_file(tmp_path, caplog):
@@ -254,7 +262,33 @@ def test_a_full_disk_drops_the_prefix_and_leaves_no_file(tmp_path, caplog):
 def test_a_prefix_larger_than_the_whole_budget_is_not_written(tmp_path):
     geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
     disk = PrefixDisk(tmp_path, 20000, geometry, "model", "graph", min_tokens=8)
-    assert not disk.save(range(40), KVBlock(np.zeros((2, 2, 2, 40, 16), np.float32)))  # 20480 bytes
-    assert disk.save(range(30), KVBlock(np.zeros((2, 2, 2, 30, 16), np.float32)))
-    assert not disk.save(range(7), KVBlock(np.zeros((2, 2, 2, 7, 16), np.float32)))  # under min_tokens
+    assert not disk.save(range(40), reader(KVBlock(np.zeros((2, 2, 2, 40, 16), np.float32))))  # 20480 bytes
+    assert disk.save(range(30), reader(KVBlock(np.zeros((2, 2, 2, 30, 16), np.float32))))
+    assert not disk.save(
+        range(7), reader(KVBlock(np.zeros((2, 2, 2, 7, 16), np.float32)))
+    )  # under min_tokens
     assert [len(e.token_ids) for e in disk.entries.values()] == [30] and disk.nbytes <= 20000
+
+
+@pytest.mark.parametrize(
+    "damage,reason",
+    [(flip_byte, "checksum mismatch"), (lambda p: p.unlink(), "the file before it, {root}, is missing")],
+)
+def test_a_segment_after_a_damaged_or_missing_file_is_refused_with_it(
+    llama, tmp_path, caplog, damage, reason
+):
+    model = boot(llama, tmp_path)
+    a = talk(model)
+    a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
+    model.close()
+    root, segment = sorted(files(tmp_path), key=lambda p: read_warm_header(p).start)
+    damage(root)
+    a.append({"role": "user", "content": "And why keep it on disk?"})
+    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
+        again = boot(llama, tmp_path)
+        ids = again.tokenizer.encode_chat(a)
+        logits = again.prepare(0, ids)
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and reason.format(root=root.name) in refused[0], refused
+    assert again.sessions[0].reused_tokens == 0 and not segment.exists()
+    np.testing.assert_allclose(logits, cold_logits(llama, ids), atol=ATOL, rtol=0)

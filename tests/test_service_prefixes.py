@@ -48,8 +48,8 @@ def test_a_conversation_is_answered_from_disk_after_a_restart(artifact, tmp_path
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
     with Server(artifact, tmp_path, **config) as srv:
         a.append({"role": "assistant", "content": turn(srv, a)})
-        stop(srv)  # SIGTERM: the slot's conversation is written on the way out
-    (path,) = (tmp_path / "prefixes").glob(f"*{SUFFIX}")
+        stop(srv)
+    (path,) = (tmp_path / "prefixes").glob(f"*{SUFFIX}")  # the turn's; the warm-up's is never written
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     a.append({"role": "user", "content": "And then?"})
     with Server(artifact, tmp_path, **config) as srv:
@@ -115,3 +115,26 @@ def test_kvedge_prefixes_lists_and_clears_the_files(artifact, tmp_path):
         kvedge("prefixes", "clear", "--prefix-dir", str(folder)) == f"removed 2 prefix files from {folder}\n"
     )
     assert not list(folder.iterdir())
+
+
+def test_a_conversation_is_answered_from_disk_after_kill_9(artifact, tmp_path):
+    """Each turn's end writes what it added before the reply goes out, so a service killed with
+    SIGKILL right after a reply answers the next turn from its files, as a cold run would."""
+    config = {"slots": 2, "warmup_tokens": 2, "threads": 1, "prefix_dir": str(tmp_path / "prefixes")}
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
+    with Server(artifact, tmp_path, **config) as srv:
+        a.append({"role": "assistant", "content": turn(srv, a)})
+        a.append({"role": "user", "content": "And then?"})
+        a.append({"role": "assistant", "content": turn(srv, a)})
+        srv.process.kill()
+        srv.process.wait(10)
+        srv.stop()
+    a.append({"role": "user", "content": "What should I check next?"})
+    reference = Model(artifact, slots=1)
+    second = len(reference.tokenizer.encode_chat(a[:3]))  # the second turn's prompt
+    with Server(artifact, tmp_path, **config) as srv:
+        before = srv.metrics()
+        assert turn(srv, a) == run_alone(reference, a, max_new_tokens=12)[0]
+        after = srv.metrics()
+    reused = after["kvedge_prefix_cache_hit_tokens_total"] - before["kvedge_prefix_cache_hit_tokens_total"]
+    assert reused >= second, (second, reused)  # and its reply, as far as it reads back the same

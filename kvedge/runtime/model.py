@@ -15,6 +15,7 @@ One turn, as the CLI (a batch of one) and the service (many slots) both drive it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import time
@@ -35,7 +36,7 @@ from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, ste
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.prefix import PrefixLRU
-from kvedge.runtime.prefix_disk import PrefixDisk
+from kvedge.runtime.prefix_disk import PrefixDisk, reader
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
@@ -133,7 +134,7 @@ class Model:
                 self.manifest.onnx_fingerprint,
                 options.prefix_disk_min_tokens,
             )
-        spill = None if disk is None else disk.save  # what the LRU evicts goes to disk
+        spill = None if disk is None else lambda ids, block: disk.save(ids, reader(block))  # evicted: to disk
         self.prefix_lru = PrefixLRU(geometry, options.prefix_cache_bytes, spill=spill)
         self.prefix_disk: PrefixDisk | None = disk
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
@@ -203,6 +204,17 @@ class Model:
             "disk_refused": 0 if disk is None else len(disk.refused),
         }
 
+    @contextlib.contextmanager
+    def scratch(self, slot: int) -> Iterator[None]:
+        """Turns run inside (a service's warm-up) are no conversation: nothing of them is written
+        to the disk tier, and `slot` is emptied after."""
+        disk, self.prefix_disk = self.prefix_disk, None
+        try:
+            yield
+        finally:
+            self.prefix_disk = disk
+            self.sessions[slot].reset(self.cache)
+
     def keep_prefixes(self) -> int:
         """Write what the run-time prefix store and the slots hold to the disk tier, least
         recently used first (`PrefixDisk.save` skips short and already written ones); how many
@@ -212,13 +224,20 @@ class Model:
             return 0
         written = 0
         for entry in list(self.prefix_lru.entries.values()):
-            written += disk.save(entry.token_ids, self.prefix_lru.block(entry))
+            written += disk.save(entry.token_ids, reader(self.prefix_lru.block(entry)))
         for slot in sorted(range(cache.slots), key=lambda s: self._last_used[s]):
-            held = cache.length(slot)
-            session = self.sessions[slot]  # a windowed slot's KV is not its tokens' from position 0
-            if held and not session.evicted and session.verify(cache):
-                written += disk.save(cache.token_ids(slot), cache.read(slot, held))
+            written += self._keep_slot(slot)
         return written
+
+    def _keep_slot(self, slot: int) -> bool:
+        """Write what `slot` holds and no prefix file does yet (`PrefixDisk.save`)."""
+        held, session = self.cache.length(slot), self.sessions[slot]
+        # a windowed slot's KV is not its tokens' from position 0
+        if not held or session.evicted or not session.verify(self.cache):
+            return False
+        return self.prefix_disk.save(
+            self.cache.token_ids(slot), lambda start: self.cache.view(slot, start, held)
+        )
 
     def __enter__(self) -> Model:
         return self
@@ -418,6 +437,8 @@ class Model:
         if not turn.done:
             turn.finish("cancelled")
         session.record(self.cache, turn.written)
+        if self.prefix_disk is not None and self.prefix_disk.segments:
+            self._keep_slot(turn.slot)  # what the turn added: a kill -9 loses at most the next one
 
     # -- one conversation at a time --------------------------------------------------------
 
@@ -510,7 +531,7 @@ class Model:
             if self.prefix_lru:
                 self.prefix_lru.save(self.cache, slot)
             elif self.prefix_disk is not None:
-                self.prefix_disk.save(held, self.cache.read(slot, len(held)))
+                self._keep_slot(slot)
         keep = self._copy_prefix(slot, ids, keep)
         keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
         keep = self.cache.rewind_limit(slot, keep)  # a ring layer may have overwritten what it needs
@@ -532,9 +553,13 @@ class Model:
         if self.prefix_disk is not None:
             stored, disk_shared = self.prefix_disk.best_match(ids, usable)
             if stored is not None and disk_shared > max(keep, warm_shared, lru_shared):
-                prefix = self.prefix_disk.load(stored)  # None: refused and logged, prefill instead
-                if prefix is not None:
-                    self.cache.write(slot, prefix.block.head(disk_shared), ids[:disk_shared])
+                chain = self.prefix_disk.load(stored, disk_shared)  # None: refused and logged
+                if chain is not None:
+                    for part in chain:
+                        n = min(disk_shared - part.start, len(part.token_ids))
+                        self.cache.write(
+                            slot, part.block.head(n), ids[part.start : part.start + n], part.start
+                        )
                     return disk_shared
         if entry is not None and lru_shared > max(keep, warm_shared):
             self.prefix_lru.load(self.cache, slot, entry, lru_shared, start=keep)

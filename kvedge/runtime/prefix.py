@@ -19,7 +19,8 @@ with other weights, another variant or other export code never takes it), scales
 group size for int8, and for ring geometries ring_layers, window and ring_margin), count,
 ring_count (the ring layers hold the prefix's last ring_count positions, in position order, so
 the data do not depend on ring_len; 0 without ring layers), token_ids, data_bytes,
-kvedge_version (`WarmHeader`; each field's type is checked on load). A file is used only if its
+kvedge_version, and for a run-time prefix's segment (`kvedge.runtime.prefix_disk`) parent and
+start (`WarmHeader`; each field's type is checked on load). A file is used only if its
 magic, version (an older one is refused as such), size, checksum, fingerprints, geometry (a
 different ring layout is named field by field) and token ids all match what is expected now
 (`kvedge.contract.header.check_header`), and its K/V (and scales) are finite: a NaN or inf
@@ -114,6 +115,8 @@ class WarmPrefix:
     name: str
     token_ids: tuple[int, ...]
     block: KVBlock
+    parent: str = ""  # a segment's: the file holding the tokens before its first (kvedge.runtime.prefix_disk)
+    start: int = 0  # the position of its first token (the parent chain's length)
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +137,10 @@ class WarmHeader:
     token_ids: tuple[int, ...]
     data_bytes: Annotated[int, msgspec.Meta(ge=0)]
     kvedge_version: str
+    # Segments of a run-time prefix (kvedge.runtime.prefix_disk) only; absent from a warm prefix's
+    # file, so no version change: only PrefixDisk reads a prefix_dir, and it reads both.
+    parent: str = ""
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 def write_warm_file(
@@ -167,6 +174,8 @@ def write_warm_file(
         "data_bytes": sum(part.nbytes for part in parts),
         "kvedge_version": __version__,
     }
+    if prefix.parent or prefix.start:
+        header.update(parent=prefix.parent, start=prefix.start)
     raw = json.dumps(header, sort_keys=True).encode()
     raw += b" " * ((-(_PREAMBLE.size + len(raw))) % _ALIGN)
     digest = hashlib.sha256()
@@ -195,11 +204,14 @@ def read_warm_file(
     token_ids: Sequence[int],
     scales_fingerprint: str = "",
     graph_fingerprint: str = "",
+    parent: str = "",
+    start: int = 0,
 ) -> WarmPrefix:
-    """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`);
-    raise ArtifactMismatch naming what is wrong."""
+    """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`;
+    a segment: of `token_ids` from position `start` on, after the file `parent`); raise
+    ArtifactMismatch naming what is wrong."""
     mapped, size = _map(path)
-    header, start = _header(path, mapped, size)
+    header, offset = _header(path, mapped, size)
     kind, version = Header(MAGIC.decode(), WARM_VERSION), WARM_VERSION
     if hashlib.sha256(mapped[: size - _DIGEST]).digest() != mapped[size - _DIGEST :]:
         raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
@@ -211,8 +223,9 @@ def read_warm_file(
                 f"{key.get(field)!r} (made for another model layout)"
             )
     made_from = {"scales": header.scales_fingerprint, "token ids": header.token_ids}
+    made_from.update(parent=header.parent, start=header.start)
     found = Header(kind.format, version, header.model_fingerprint, header.geometry, made_from)
-    wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids)}
+    wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids), "parent": parent, "start": start}
     expected = Header(kind.format, WARM_VERSION, model_fingerprint, key, wanted)
     check_header(path.name, found, expected)
     if header.graph_fingerprint != graph_fingerprint:  # same source and cache: another export's K/V
@@ -226,8 +239,10 @@ def read_warm_file(
         raise ArtifactMismatch(
             f"{path.name}: count {count} does not match its {len(header.token_ids)} token ids"
         )
-    if count > geometry.max_len:
-        raise ArtifactMismatch(f"{path.name}: {count} tokens exceed max_len {geometry.max_len}")
+    if header.start + count > geometry.max_len:
+        raise ArtifactMismatch(
+            f"{path.name}: {count} tokens from position {header.start} exceed max_len {geometry.max_len}"
+        )
     if held > (count if geometry.ring_layers else 0):
         raise ArtifactMismatch(
             f"{path.name}: ring_count {held} must be 0 without ring layers, at most count {count} with them"
@@ -239,14 +254,14 @@ def read_warm_file(
             f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}"
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
         )
-    arrays = _arrays(mapped, geometry, start, count, held)
+    arrays = _arrays(mapped, geometry, offset, count, held)
     for name, array in arrays.items():  # layer by layer: the temporary stays small
         if array.dtype.kind == "f" and not all(np.isfinite(layer).all() for layer in array):
             raise ArtifactMismatch(
                 f"{path.name}: non-finite values in its K/V {name!r} array (NaN or inf under a valid "
                 "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
             )
-    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start)
 
 
 def read_warm_header(path: Path) -> WarmHeader:

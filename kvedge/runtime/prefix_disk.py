@@ -1,24 +1,31 @@
-"""Run-time prefixes on disk: the KV of conversations that left memory, kept across restarts.
+"""Run-time prefixes on disk: the KV of conversations, kept across restarts (kill -9 included).
 
-When a run-time prefix leaves memory (its slot is taken and no `PrefixLRU` keeps it, the LRU
-evicts it, or the model closes), `PrefixDisk.save` writes it under `prefix_dir` as a warm file
-(`kvedge.runtime.prefix`: same format, fingerprints, checksum, atomic write), named by its
-tokens: `<sha256 of the token ids, 24 hex>.kvw`. Files are created mode 0600 (less the umask):
-a conversation's KV is as private as its text, and only the service user (configs/kvedge.service,
-`User=kvedge`, which owns the folder) reads them back.
+Files are warm files (`kvedge.runtime.prefix`: same format, fingerprints, checksum, atomic
+write) under `prefix_dir`, named by their tokens: `<sha256 of the token ids, 24 hex>.kvw`, mode
+0600 (less the umask): a conversation's KV is as private as its text, and only the service user
+(configs/kvedge.service, `User=kvedge`, which owns the folder) reads them back.
 
-Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds
-(the same tokens, or a longer run starting with them); a file is written once and never updated.
-`bytes_written` counts every byte written.
+Segments (caches without ring layers): a conversation is a chain of files, each holding the KV of
+the tokens after its `parent`'s (header fields `parent`, `start`; its `token_ids` are its own).
+When a turn ends, only the tokens its slot gained since the chain's last file are written, so each
+token's KV is written once, and a process killed at any moment loses at most the turn in flight.
+An edited or regenerated conversation branches from the longest chain it extends. A prefix that
+leaves memory (the LRU evicts it, the model closes) is written the same way, if not yet held.
+Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
+layer's part of a segment would need positions before its start.
 
-Budget: the files' bytes stay within `budget_bytes`; the least recently used file (used: written
-or loaded; at boot, by modification time) is removed first, and a prefix larger than the whole
-budget is not written.
+Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
+files are never rewritten. `bytes_written` counts every byte written.
+
+Budget: the files' bytes stay within `budget_bytes`; the least recently used file goes first
+with every segment after it (using a file uses its chain's files, the root last, so a chain's
+tail goes before its head). A segment larger than the whole budget is not written.
 
 Boot reads the folder's index: each file's header only (magic, version, fingerprints, geometry,
-token ids, size), and removes leftovers of writers that died mid-write. A file whose header does
-not fit this model is refused, named in one log line and removed. A match is memory-mapped and
-checked in full (`read_warm_file`: checksum, fingerprints, token ids, finite values) when a
+token ids, parent, size), and removes leftovers of writers that died mid-write. A file whose
+header does not fit this model, or whose parent is missing, is refused, named in one log line and
+removed (with the segments after it). A match is memory-mapped and checked in full
+(`read_warm_file`: checksum, fingerprints, token ids, finite values) file by file when a
 conversation needs it; a file that fails is refused the same way and the turn prefills cold.
 """
 
@@ -38,6 +45,7 @@ from kvedge.errors import ArtifactMismatch
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.prefix import (
     SUFFIX,
+    WarmHeader,
     WarmPrefix,
     read_warm_file,
     read_warm_header,
@@ -56,9 +64,11 @@ MIN_TOKENS = 64  # shorter prefixes cost less to prefill again than to write to 
 @dataclass(frozen=True)
 class DiskEntry:
     path: Path
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # every token of the chain up to and including this file's
     ring_from: int  # the ring layers hold positions ring_from .. n - 1 (0 without ring layers)
     nbytes: int
+    parent: str = ""  # the file before this segment ("" for the first)
+    start: int = 0  # position of this file's first token
 
 
 class PrefixDisk:
@@ -80,6 +90,7 @@ class PrefixDisk:
         )  # RunOptions checks
         self.geometry = geometry
         self.model_fingerprint, self.graph_fingerprint = model_fingerprint, graph_fingerprint
+        self.segments = not geometry.ring_layers
         self.entries: OrderedDict[str, DiskEntry] = OrderedDict()  # least recently used first
         self.refused: dict[str, str] = {}  # file name -> why
         self.bytes_written = 0
@@ -87,9 +98,7 @@ class PrefixDisk:
         self.hits = 0
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         remove_stale_temps(self.folder)
-        paths = [p for p in self.folder.glob(f"*{SUFFIX}") if p.is_file()]
-        for path in sorted(paths, key=lambda p: p.stat().st_mtime):
-            self._index(path)
+        self._read_index()
         self._trim(0)
 
     def __len__(self) -> int:
@@ -109,24 +118,40 @@ class PrefixDisk:
                 best, count = entry, shared
         return best, count
 
-    def save(self, token_ids: Sequence[int], block: KVBlock) -> bool:
-        """Write `block`, the KV of `token_ids` as a slot holds it, unless it is short, already
-        held, or larger than the budget; whether a file was written. A failed write (a full disk)
-        is logged and the prefix dropped."""
+    def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock]) -> bool:
+        """Write the KV of `token_ids` that no file holds yet: `read(start)` gives it from
+        position `start` on, as a slot holds it. Nothing is written for a short or already held
+        prefix, or a segment larger than the budget; whether a file was written. A failed write (a
+        full disk) is logged and the prefix dropped."""
         ids = tuple(int(t) for t in token_ids)
-        if len(ids) < self.min_tokens or block.nbytes > self.budget_bytes:
+        if len(ids) < self.min_tokens:
             return False
-        for name, entry in list(self.entries.items()):
+        whole = None if self.segments else read(0)
+        ring_from = len(ids) - (0 if whole is None else whole.ring_count)
+        parent = None
+        for entry in list(self.entries.values()):
             shared = common_prefix(entry.token_ids, ids)
-            if shared == len(ids) and entry.ring_from <= len(ids) - block.ring_count:  # held already
-                self.entries.move_to_end(name)
+            if shared == len(ids) and (self.segments or entry.ring_from <= ring_from):  # held already
+                self._use(entry)
                 return False
-            if shared == len(entry.token_ids):  # the new one extends it
-                self._remove(name)
+            if shared == len(entry.token_ids) < len(ids):  # the new one extends it
+                if not self.segments:
+                    self._remove(entry.path.name)
+                elif parent is None or len(entry.token_ids) > len(parent.token_ids):
+                    parent = entry
+        start = 0 if parent is None else len(parent.token_ids)
+        block = read(start) if whole is None else whole
+        if block.nbytes > self.budget_bytes:
+            return False
+        if parent is not None:
+            self._use(parent)
         self._trim(block.nbytes)
+        if parent is not None and parent.path.name not in self.entries:  # trimmed to make room
+            return False
         digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}{SUFFIX}"
-        prefix = WarmPrefix(name=path.stem, token_ids=ids, block=block)
+        name = "" if parent is None else parent.path.name
+        prefix = WarmPrefix(path.stem, ids[start:], block, name, start)
         try:
             write_warm_file(
                 path,
@@ -141,27 +166,35 @@ class PrefixDisk:
             log.warning("prefix file %s not written (%s); prefix dropped", path, exc.strerror or exc)
             return False
         self.bytes_written += size
-        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, size))
+        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, size, name, start))
         self._trim(0)
         return True
 
-    def load(self, entry: DiskEntry) -> WarmPrefix | None:
-        """The file's prefix, memory-mapped and checked in full; None (the file refused, logged
-        and removed) if it fails."""
-        try:
-            prefix = read_warm_file(
-                entry.path,
-                self.geometry,
-                self.model_fingerprint,
-                entry.token_ids,
-                graph_fingerprint=self.graph_fingerprint,
-            )
-        except (ArtifactMismatch, OSError) as exc:
-            self._refuse(entry.path, _why(exc))
-            return None
-        self.entries.move_to_end(entry.path.name)
+    def load(self, entry: DiskEntry, count: int) -> list[WarmPrefix] | None:
+        """The files holding the entry's first `count` tokens, first to last, each memory-mapped
+        and checked in full; None (the failing file refused, logged and removed) if one fails."""
+        chain = self._chain(entry)
+        loaded = []
+        for link in chain:
+            if link.start >= count:
+                break
+            try:
+                prefix = read_warm_file(
+                    link.path,
+                    self.geometry,
+                    self.model_fingerprint,
+                    link.token_ids[link.start :],
+                    graph_fingerprint=self.graph_fingerprint,
+                    parent=link.parent,
+                    start=link.start,
+                )
+            except (ArtifactMismatch, OSError) as exc:
+                self._refuse(link.path, _why(exc))
+                return None
+            loaded.append(prefix)
+        self._use(entry)
         self.hits += 1
-        return prefix
+        return loaded
 
     def clear(self) -> int:
         """Remove every prefix file; how many there were."""
@@ -170,12 +203,39 @@ class PrefixDisk:
             self._remove(name)
         return count
 
-    def _index(self, path: Path) -> None:
-        try:
-            header = read_warm_header(path)
-        except (ArtifactMismatch, OSError) as exc:
-            self._refuse(path, _why(exc))
-            return
+    def _chain(self, entry: DiskEntry) -> list[DiskEntry]:
+        """The entry and the files before it, first to last."""
+        chain = [entry]
+        while chain[0].parent:
+            chain.insert(0, self.entries[chain[0].parent])
+        return chain
+
+    def _use(self, entry: DiskEntry) -> None:
+        for link in reversed(self._chain(entry)):  # the root last: it goes after its segments
+            self.entries.move_to_end(link.path.name)
+
+    def _read_index(self) -> None:
+        """Index the folder's files by their headers: parents before their segments, then in the
+        order they were last written."""
+        headers = {}
+        for path in sorted(p for p in self.folder.glob(f"*{SUFFIX}") if p.is_file()):
+            try:
+                headers[path] = self._check(path, read_warm_header(path))
+            except (ArtifactMismatch, OSError) as exc:
+                self._refuse(path, _why(exc))
+        for path, header in sorted(headers.items(), key=lambda item: item[1].start):
+            parent = self.entries.get(header.parent)
+            if header.parent and parent is None:
+                self._refuse(path, f"the file before it, {header.parent}, is missing or refused")
+                continue
+            ids = (parent.token_ids if parent else ()) + header.token_ids
+            ring_from = len(ids) - header.ring_count
+            self._add(DiskEntry(path, ids, ring_from, path.stat().st_size, header.parent, header.start))
+        for name in sorted(self.entries, key=lambda n: self.entries[n].path.stat().st_mtime):
+            self.entries.move_to_end(name)
+
+    def _check(self, path: Path, header: WarmHeader) -> WarmHeader:
+        """`header`, if a file of this model's graph and geometry, else ArtifactMismatch."""
         key = self.geometry.artifact_key(holds_cache=True)
         mismatch = [
             f"{what} {found!r}, this model's is {wanted!r}"
@@ -186,10 +246,11 @@ class PrefixDisk:
             )
             if found != wanted
         ]
-        if mismatch or header.count != len(header.token_ids):
-            self._refuse(path, "; ".join(mismatch) or "count does not match its token ids")
-            return
-        self._add(DiskEntry(path, header.token_ids, header.count - header.ring_count, path.stat().st_size))
+        if header.count != len(header.token_ids):
+            mismatch.append(f"count {header.count} does not match its {len(header.token_ids)} token ids")
+        if mismatch:
+            raise ArtifactMismatch("; ".join(mismatch))
+        return header
 
     def _trim(self, incoming: int) -> None:
         """Remove the least recently used files until `incoming` more bytes fit the budget."""
@@ -201,10 +262,14 @@ class PrefixDisk:
         self.nbytes += entry.nbytes
 
     def _remove(self, name: str) -> None:
+        """Remove the file `name` and the segments after it."""
         entry = self.entries.pop(name, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
-            entry.path.unlink(missing_ok=True)
+        if entry is None:
+            return
+        self.nbytes -= entry.nbytes
+        entry.path.unlink(missing_ok=True)
+        for after in [e.path.name for e in self.entries.values() if e.parent == name]:
+            self._remove(after)
 
     def _refuse(self, path: Path, why: str) -> None:
         log.warning("prefix file %s refused (%s); removed, the turn prefills instead", path, why)
@@ -244,6 +309,17 @@ def clear_prefix_files(folder: Path) -> int:
     for path in paths:
         path.unlink(missing_ok=True)
     return len(paths)
+
+
+def reader(block: KVBlock) -> Callable[[int], KVBlock]:
+    """`PrefixDisk.save`'s `read` over a block of positions 0..n-1 (from 0 only, with rings)."""
+
+    def read(start: int) -> KVBlock:
+        if start and block.ring is not None:
+            raise ValueError("a block with ring layers is written whole")
+        return KVBlock(*(None if a is None else a[:, :, :, start:] for a in block))
+
+    return read
 
 
 def _why(exc: Exception) -> str:

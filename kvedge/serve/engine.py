@@ -90,10 +90,10 @@ def decode_warmup(steps: int) -> Callable[[Model], None]:
 
     def warm(model: Model) -> None:
         done = 0
-        while done < steps:
-            config = SamplingConfig(max_new_tokens=steps - done, temperature=0.0)
-            done += sum(1 for _ in model.chat(WARMUP_MESSAGES, config, slot=0))
-        model.sessions[0].reset(model.cache)  # no conversation's: never kept as a prefix (prefix_dir)
+        with model.scratch(0):  # no conversation's: never kept as a prefix
+            while done < steps:
+                config = SamplingConfig(max_new_tokens=steps - done, temperature=0.0)
+                done += sum(1 for _ in model.chat(WARMUP_MESSAGES, config, slot=0))
 
     return warm
 
