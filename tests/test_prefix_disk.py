@@ -292,3 +292,12 @@ def test_a_segment_after_a_damaged_or_missing_file_is_refused_with_it(
     assert len(refused) == 1 and reason.format(root=root.name) in refused[0], refused
     assert again.sessions[0].reused_tokens == 0 and not segment.exists()
     np.testing.assert_allclose(logits, cold_logits(llama, ids), atol=ATOL, rtol=0)
+
+
+def test_a_prefix_dir_that_cannot_be_made_leaves_the_model_serving_from_memory(llama, tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.model"):
+        model = boot(llama, tmp_path / "file" / "prefixes")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"prefix_dir {tmp_path / 'file' / 'prefixes'}: ") and "memory only" in line
+    assert model.prefix_disk is None and talk(model)

@@ -124,16 +124,7 @@ class Model:
         self._last_used = [0.0] * slots
         self._warned: set[str] = set()  # reasons logged once
         geometry = self.manifest.geometry
-        disk = None
-        if options.prefix_dir is not None:
-            disk = PrefixDisk(
-                options.prefix_dir,
-                options.prefix_disk_bytes,
-                geometry,
-                self.manifest.source_fingerprint,
-                self.manifest.onnx_fingerprint,
-                options.prefix_disk_min_tokens,
-            )
+        disk = None if options.prefix_dir is None else self._open_prefix_disk(options)
         spill = None if disk is None else lambda ids, block: disk.save(ids, reader(block))  # evicted: to disk
         self.prefix_lru = PrefixLRU(geometry, options.prefix_cache_bytes, spill=spill)
         self.prefix_disk: PrefixDisk | None = disk
@@ -156,6 +147,27 @@ class Model:
             0 if disk is None else len(disk),
             0 if disk is None else disk.nbytes / 2**20,
         )
+
+    def _open_prefix_disk(self, options: RunOptions) -> PrefixDisk | None:
+        """The disk tier in `options.prefix_dir`; None, with a warning, where this user cannot
+        make or write that folder (on by default: a read-only install still serves)."""
+        try:
+            return PrefixDisk(
+                options.prefix_dir,
+                options.prefix_disk_bytes,
+                self.manifest.geometry,
+                self.manifest.source_fingerprint,
+                self.manifest.onnx_fingerprint,
+                options.prefix_disk_min_tokens,
+            )
+        except OSError as exc:
+            log.warning(
+                "prefix_dir %s: %s; conversations are kept in memory only (give the service user that "
+                "folder, or set prefix_dir: null)",
+                options.prefix_dir,
+                exc.strerror or exc,
+            )
+            return None
 
     def _verify_graph(self) -> None:
         onnx_files = [self.folder / ONNX_FILE]
