@@ -62,7 +62,8 @@ def cold_logits(llama, ids: list[int], export: str = "out") -> np.ndarray:
 
 
 def files(folder) -> list:
-    return sorted(folder.glob(f"*{SUFFIX}"))
+    """The folder's prefix files, first segment first."""
+    return sorted(folder.glob(f"*{SUFFIX}"), key=lambda p: (read_warm_header(p).start, p.name))
 
 
 @pytest.mark.parametrize("export,atol", [("out", ATOL), ("int8", 2e-3)])  # int8: tests/test_kv_int8.py's
@@ -71,10 +72,10 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
     a = talk(model)
     held = model.cache.length(0)
     model.close()
-    (path,) = files(tmp_path / "prefixes")
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    written = files(tmp_path / "prefixes")  # the prompt when the turn ended, the reply at close
+    assert len(written) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in written)
     again = boot(llama, tmp_path / "prefixes", export)
-    assert len(again.prefix_disk) == 1
+    assert len(again.prefix_disk) == 2
     ids = again.tokenizer.encode_chat(a)
     logits = again.prepare(0, ids)
     assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens == held
@@ -82,21 +83,22 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
 
 
 def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
-    """Each turn's end writes what the slot gained (a segment after the last file); another
-    conversation taking the slot, or the close, writes nothing more; a restart restores the
-    chain exactly."""
+    """Each turn's end writes its prompt past the last file (a segment after it); another
+    conversation taking the slot writes the reply; a restart restores the chain exactly."""
     model = boot(llama, tmp_path)
     a = talk(model)
-    assert len(files(tmp_path)) == 1
+    assert len(files(tmp_path)) == 1  # turn 1's prompt
     a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
+    assert len(files(tmp_path)) == 2  # turn 2's prompt after it: turn 1's reply, as rendered, and question
     held = model.cache.length(0)
     model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))  # B takes the slot
-    assert model.keep_prefixes() == 0  # B is under the threshold, A is on disk already
+    assert model.keep_prefixes() == 0  # B is under the threshold, A's reply went as B took the slot
     written = files(tmp_path)
-    root, segment = sorted((read_warm_header(p) for p in written), key=lambda h: h.start)
-    assert root.start == 0 and segment.start == root.count and segment.parent == f"{root.name}{SUFFIX}"
-    assert root.count + segment.count == held
-    assert root.data_bytes + segment.data_bytes == held * model.manifest.geometry.bytes_per_token()
+    headers = [read_warm_header(p) for p in written]
+    assert [h.start for h in headers] == [0, headers[0].count, headers[0].count + headers[1].count]
+    assert [h.parent for h in headers] == ["", written[0].name, written[1].name]
+    assert sum(h.count for h in headers) == held
+    assert sum(h.data_bytes for h in headers) == held * model.manifest.geometry.bytes_per_token()
     assert sum(p.stat().st_size for p in written) == model.prefix_disk.bytes_written
     model.close()
     assert files(tmp_path) == written
@@ -104,7 +106,9 @@ def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
     again = boot(llama, tmp_path)
     ids = again.tokenizer.encode_chat(a)
     np.testing.assert_allclose(again.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
-    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens == held
+    assert (
+        again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens >= headers[0].count + headers[1].count
+    )
 
 
 def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
@@ -148,7 +152,7 @@ def test_clear_removes_every_file(llama, tmp_path):
     talk(model)
     model.close()
     again = boot(llama, tmp_path)
-    assert again.prefix_disk.clear() == 1 and not files(tmp_path)
+    assert again.prefix_disk.clear() == 2 and not files(tmp_path)
 
 
 # -- crash safety: each damage refused, named in one line, removed, and the turn prefilled cold --
@@ -180,7 +184,7 @@ def test_a_damaged_file_is_refused_and_the_turn_prefilled_cold(llama, tmp_path, 
     model = boot(llama, tmp_path)
     a = talk(model)
     model.close()
-    (path,) = files(tmp_path)
+    path = files(tmp_path)[0]  # the first segment: the second goes with it
     damage(path)
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
         again = boot(llama, tmp_path)
@@ -196,12 +200,12 @@ def test_a_file_of_another_export_is_refused_at_boot(llama, tmp_path, caplog):
     model = boot(llama, tmp_path)
     a = talk(model)
     model.close()
-    (path,) = files(tmp_path)
+    path = files(tmp_path)[0]
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
         other = boot(llama, tmp_path, "int8")
     (line,) = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]
     assert "graph" in line and "this model's is" in line
-    assert len(other.prefix_disk) == 0 and not path.exists()
+    assert len(other.prefix_disk) == 0 and not files(tmp_path)
     ids = other.tokenizer.encode_chat(a)
     other.prepare(0, ids)
     assert other.sessions[0].reused_tokens == 0
@@ -281,7 +285,7 @@ def test_a_segment_after_a_damaged_or_missing_file_is_refused_with_it(
     a = talk(model)
     a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
     model.close()
-    root, segment = sorted(files(tmp_path), key=lambda p: read_warm_header(p).start)
+    root, *after = files(tmp_path)
     damage(root)
     a.append({"role": "user", "content": "And why keep it on disk?"})
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
@@ -290,7 +294,7 @@ def test_a_segment_after_a_damaged_or_missing_file_is_refused_with_it(
         logits = again.prepare(0, ids)
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 1 and reason.format(root=root.name) in refused[0], refused
-    assert again.sessions[0].reused_tokens == 0 and not segment.exists()
+    assert again.sessions[0].reused_tokens == 0 and not any(p.exists() for p in after)
     np.testing.assert_allclose(logits, cold_logits(llama, ids), atol=ATOL, rtol=0)
 
 

@@ -241,15 +241,16 @@ class Model:
             written += self._keep_slot(slot)
         return written
 
-    def _keep_slot(self, slot: int) -> bool:
-        """Write what `slot` holds and no prefix file does yet (`PrefixDisk.save`)."""
+    def _keep_slot(self, slot: int, upto: int | None = None) -> bool:
+        """Write what `slot` holds (its first `upto` tokens) and no prefix file does yet
+        (`PrefixDisk.save`)."""
         held, session = self.cache.length(slot), self.sessions[slot]
+        held = held if upto is None else min(held, upto)
         # a windowed slot's KV is not its tokens' from position 0
         if not held or session.evicted or not session.verify(self.cache):
             return False
-        return self.prefix_disk.save(
-            self.cache.token_ids(slot), lambda start: self.cache.view(slot, start, held)
-        )
+        ids = self.cache.token_ids(slot)[:held]
+        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held))
 
     def __enter__(self) -> Model:
         return self
@@ -450,7 +451,9 @@ class Model:
             turn.finish("cancelled")
         session.record(self.cache, turn.written)
         if self.prefix_disk is not None and self.prefix_disk.segments:
-            self._keep_slot(turn.slot)  # what the turn added: a kill -9 loses at most the next one
+            # The prompt only: the next turn resends the reply as the template renders it, which
+            # may tokenize otherwise and would leave a file written after it unused.
+            self._keep_slot(turn.slot, turn.prompt_tokens)
 
     # -- one conversation at a time --------------------------------------------------------
 

@@ -7,10 +7,12 @@ write) under `prefix_dir`, named by their tokens: `<sha256 of the token ids, 24 
 
 Segments (caches without ring layers): a conversation is a chain of files, each holding the KV of
 the tokens after its `parent`'s (header fields `parent`, `start`; its `token_ids` are its own).
-When a turn ends, only the tokens its slot gained since the chain's last file are written, so each
-token's KV is written once, and a process killed at any moment loses at most the turn in flight.
-An edited or regenerated conversation branches from the longest chain it extends. A prefix that
-leaves memory (the LRU evicts it, the model closes) is written the same way, if not yet held.
+When a turn ends, its prompt past the chain's last file is written: the previous reply as the
+template renders it and the new question (the reply as generated may tokenize otherwise, and a
+file after it would go unused). So each token's KV is written once, and a process killed at any
+moment loses at most the last reply and the turn in flight. An edited or regenerated conversation
+branches from the longest chain it extends. A prefix that leaves memory (its slot is taken, the
+LRU evicts it, the model closes) is written the same way, reply included, if not yet held.
 Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
 layer's part of a segment would need positions before its start.
 
@@ -229,8 +231,12 @@ class PrefixDisk:
                 self._refuse(path, _why(exc))
         for path, header in sorted(headers.items(), key=lambda item: item[1].start):
             parent = self.entries.get(header.parent)
+            if header.parent in self.refused:  # named already, with the segments after it
+                self.refused[path.name] = f"after the refused {header.parent}"
+                path.unlink(missing_ok=True)
+                continue
             if header.parent and parent is None:
-                self._refuse(path, f"the file before it, {header.parent}, is missing or refused")
+                self._refuse(path, f"the file before it, {header.parent}, is missing")
                 continue
             ids = (parent.token_ids if parent else ()) + header.token_ids
             ring_from = len(ids) - header.ring_count
