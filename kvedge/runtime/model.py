@@ -150,7 +150,7 @@ class Model:
 
     def _open_prefix_disk(self, options: RunOptions) -> PrefixDisk | None:
         """The disk tier in `options.prefix_dir`; None, with a warning, where this user cannot
-        make or write that folder (on by default: a read-only install still serves)."""
+        make or read that folder (on by default: a read-only install still serves)."""
         try:
             return PrefixDisk(
                 options.prefix_dir,

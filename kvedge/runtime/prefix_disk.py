@@ -33,10 +33,8 @@ conversation needs it; a file that fails is refused the same way and the turn pr
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,8 +99,6 @@ class PrefixDisk:
         self.nbytes = 0  # of the files indexed; kept, not summed: /metrics reads it from another thread
         self.hits = 0
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-        if not os.access(self.folder, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "not writable by this user", str(self.folder))
         remove_stale_temps(self.folder)
         self._read_index()
         self._trim(0)
