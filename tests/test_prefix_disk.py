@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import random_ids
 from tiny import make_tiny_model
 
 from kvedge.contract import CacheGeometry, ExportRecipe
@@ -27,6 +28,7 @@ from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import SUFFIX, read_warm_header
 from kvedge.runtime.prefix_disk import PrefixDisk, reader
+from kvedge.runtime.sessions import HistoryPolicy
 
 ATOL = 1e-4  # fp32 both sides, same graph (tests/test_sessions.py)
 GREEDY = SamplingConfig(max_new_tokens=8)
@@ -220,6 +222,7 @@ from pathlib import Path
 from kvedge.contract import CacheGeometry
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.prefix_disk import PrefixDisk, reader
+from kvedge.runtime.sessions import HistoryPolicy
 geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
 if len(sys.argv) > 2:  # a full disk: files may not grow past this many bytes
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -305,3 +308,15 @@ def test_a_prefix_dir_that_cannot_be_made_leaves_the_model_serving_from_memory(l
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"prefix_dir {tmp_path / 'file' / 'prefixes'}: ") and "memory only" in line
     assert model.prefix_disk is None and talk(model)
+
+
+def test_a_windowed_or_tampered_slot_is_never_written(llama, tmp_path):
+    """A slot whose window dropped tokens holds KV that is not its tokens' from position 0, and
+    one whose record no longer matches its session is suspect: neither goes to disk."""
+    model = boot(llama, tmp_path, policy=HistoryPolicy(mode="window"), slots=2)
+    model.prepare(0, random_ids(600, seed=1))  # max_len 512: the window evicts as it prefills
+    assert model.sessions[0].evicted and not files(tmp_path)
+    a = talk(model, slot=1)
+    model.prefix_disk.clear()
+    model.cache.tokens[1, 3] += 1  # the record no longer matches what the session left
+    assert model.keep_prefixes() == 0 and not files(tmp_path) and a
