@@ -320,3 +320,12 @@ def test_a_windowed_or_tampered_slot_is_never_written(llama, tmp_path):
     model.prefix_disk.clear()
     model.cache.tokens[1, 3] += 1  # the record no longer matches what the session left
     assert model.keep_prefixes() == 0 and not files(tmp_path) and a
+
+
+def test_a_segment_whose_first_files_the_budget_cannot_keep_beside_it_is_not_written(tmp_path):
+    geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
+    disk = PrefixDisk(tmp_path, 20000, geometry, "model", "graph", min_tokens=8)
+    block = KVBlock(np.zeros((2, 2, 2, 40, 16), np.float32))  # 512 bytes a token
+    assert disk.save(range(30), reader(block.head(30)))  # 15,360 bytes of data
+    assert not disk.save(range(40), reader(block))  # its segment (5,120) does not fit beside it
+    assert not files(tmp_path) and len(disk) == 0 and disk.nbytes == 0
