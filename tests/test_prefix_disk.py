@@ -2,13 +2,15 @@
 
 A conversation's KV leaves memory (the model closes, its slot is taken, the LRU evicts it), a new
 `Model` over the same folder reads the index, and the next turn reuses the file and gives the
-logits of a full prefill from an empty slot. Damaged or foreign files are refused, named in one
-log line and removed, and the turn prefills cold.
+logits of a full prefill from an empty slot. Each export keeps its files in its own subfolder of
+the folder, and leaves another export's alone. Damaged files, and another export's moved into this
+one's subfolder, are refused, named in one log line and removed, and the turn prefills cold.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import stat
 import subprocess
@@ -27,7 +29,7 @@ from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import SUFFIX, read_warm_header
-from kvedge.runtime.prefix_disk import PrefixDisk, reader
+from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.sessions import HistoryPolicy
 
 ATOL = 1e-4  # fp32 both sides, same graph (tests/test_sessions.py)
@@ -64,8 +66,8 @@ def cold_logits(llama, ids: list[int], export: str = "out") -> np.ndarray:
 
 
 def files(folder) -> list:
-    """The folder's prefix files, first segment first."""
-    return sorted(folder.glob(f"*{SUFFIX}"), key=lambda p: (read_warm_header(p).start, p.name))
+    """The prefix files in the folder and its export subfolders, first segment first."""
+    return sorted(folder.rglob(f"*{SUFFIX}"), key=lambda p: (read_warm_header(p).start, p.name))
 
 
 @pytest.mark.parametrize("export,atol", [("out", ATOL), ("int8", 2e-3)])  # int8: tests/test_kv_int8.py's
@@ -76,6 +78,8 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
     model.close()
     written = files(tmp_path / "prefixes")  # the prompt when the turn ended, the reply at close
     assert len(written) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in written)
+    subfolder = export_folder(tmp_path / "prefixes", model.manifest.onnx_fingerprint)
+    assert {p.parent for p in written} == {subfolder} and stat.S_IMODE(subfolder.stat().st_mode) == 0o700
     again = boot(llama, tmp_path / "prefixes", export)
     assert len(again.prefix_disk) == 2
     ids = again.tokenizer.encode_chat(a)
@@ -198,18 +202,51 @@ def test_a_damaged_file_is_refused_and_the_turn_prefilled_cold(llama, tmp_path, 
     np.testing.assert_allclose(logits, cold_logits(llama, ids), atol=ATOL, rtol=0)
 
 
-def test_a_file_of_another_export_is_refused_at_boot(llama, tmp_path, caplog):
+def test_another_exports_files_are_left_alone_and_unused(llama, tmp_path, caplog):
+    """Two exports of one model share a prefix_dir: each keeps its files in its own subfolder,
+    boots with only those, and never refuses or removes the other's."""
     model = boot(llama, tmp_path)
     a = talk(model)
     model.close()
-    path = files(tmp_path)[0]
+    mine = files(tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
         other = boot(llama, tmp_path, "int8")
-    (line,) = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]
-    assert "graph" in line and "this model's is" in line
-    assert len(other.prefix_disk) == 0 and not files(tmp_path)
-    ids = other.tokenizer.encode_chat(a)
-    other.prepare(0, ids)
+        b = talk(other)  # conversation A again: the first export's files are not used
+        assert len(other.prefix_disk) == 1 and other.prefix_disk.hits == 0
+        folder = other.prefix_disk.folder
+        other.close()  # its prompt, then its reply, in its own subfolder
+    theirs = [p for p in files(tmp_path) if p not in mine]
+    assert len(theirs) == 2 and {p.parent for p in theirs} == {folder} and mine[0].parent != folder
+    for export, kept, messages in (("out", mine, a), ("int8", theirs, b)):
+        with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
+            again = boot(llama, tmp_path, export)
+            assert {e.path for e in again.prefix_disk.entries.values()} == set(kept)
+            ids = again.tokenizer.encode_chat(messages)
+            logits = again.prepare(0, ids)
+        assert again.prefix_disk.hits == 1 and not again.prefix_disk.refused
+        atol = ATOL if export == "out" else 2e-3
+        np.testing.assert_allclose(logits, cold_logits(llama, ids, export), atol=atol, rtol=0)
+    assert not [r for r in caplog.records if r.name == "kvedge.runtime.prefix_disk"]
+    assert all(p.exists() for p in mine + theirs)
+
+
+def test_a_file_moved_in_from_another_exports_subfolder_is_refused_and_removed(llama, tmp_path, caplog):
+    model = boot(llama, tmp_path)
+    a = talk(model)
+    model.close()
+    root = files(tmp_path)[0]  # the first segment, in this export's subfolder
+    int8 = boot(llama, tmp_path, "int8")
+    theirs = export_folder(tmp_path, int8.manifest.onnx_fingerprint)
+    int8.close()
+    moved = theirs / root.name
+    shutil.move(root, moved)
+    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
+        other = boot(llama, tmp_path, "int8")
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvedge.runtime.prefix_disk"]
+    assert root.name in line and "refused" in line and "graph" in line and "this model's is" in line
+    assert not moved.exists() and not list(theirs.iterdir()) and len(other.prefix_disk) == 0
+    assert len(files(tmp_path)) == 1  # the first export's second segment, left in its subfolder
+    other.prepare(0, other.tokenizer.encode_chat(a))
     assert other.sessions[0].reused_tokens == 0
 
 
@@ -221,7 +258,7 @@ import numpy as np
 from pathlib import Path
 from kvedge.contract import CacheGeometry
 from kvedge.runtime.cache import KVBlock
-from kvedge.runtime.prefix_disk import PrefixDisk, reader
+from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.sessions import HistoryPolicy
 geometry = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=128)
 if len(sys.argv) > 2:  # a full disk: files may not grow past this many bytes

@@ -16,6 +16,7 @@ from test_serve import Server, run_alone
 
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import SUFFIX
+from kvedge.runtime.prefix_disk import export_folder
 from kvedge.serve.config import load_service_config
 from kvedge.serve.service import serve_command
 
@@ -49,7 +50,7 @@ def test_a_conversation_is_answered_from_disk_after_a_restart(artifact, tmp_path
     with Server(artifact, tmp_path, **config) as srv:
         a.append({"role": "assistant", "content": turn(srv, a)})
         stop(srv)
-    written = list((tmp_path / "prefixes").glob(f"*{SUFFIX}"))  # the prompt, the reply; never the warm-up
+    written = list((tmp_path / "prefixes").rglob(f"*{SUFFIX}"))  # the prompt, the reply; never the warm-up
     assert len(written) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in written)
     a.append({"role": "user", "content": "And then?"})
     with Server(artifact, tmp_path, **config) as srv:
@@ -82,37 +83,52 @@ def test_the_shipped_config_keeps_prefixes_on_disk_beside_warm_dir():
 def test_serve_check_reports_the_prefix_files_and_the_refused(artifact, tmp_path):
     folder = tmp_path / "prefixes"
     model = Model(artifact, prefix_dir=folder, prefix_disk_min_tokens=32)
+    mine = export_folder(folder, model.manifest.onnx_fingerprint)
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
     run_alone(model, a, max_new_tokens=4)
     model.close()
-    (folder / "bad.kvw").write_bytes(b"garbage")
+    (mine / "bad.kvw").write_bytes(b"garbage")
+    other = folder / "0123456789abcdef"  # another export's subfolder: reported, left alone
+    other.mkdir()
+    (other / "theirs.kvw").write_bytes(b"x" * 3000)
     report = serve_command(None, {"model": artifact, "prefix_dir": folder}, check=True)
-    size = sum(p.stat().st_size for p in folder.glob(f"*{SUFFIX}")) / 2**20
-    assert f"2 prefix files ({size:.1f} MiB) in {folder}, 1 refused and removed: bad.kvw (" in report
-    assert "truncated (7 bytes)" in report and not (folder / "bad.kvw").exists()
+    size = sum(p.stat().st_size for p in mine.glob(f"*{SUFFIX}")) / 2**20
+    assert f"2 prefix files ({size:.1f} MiB) in {mine}, 1 refused and removed: bad.kvw (" in report
+    assert "truncated (7 bytes)" in report and not (mine / "bad.kvw").exists()
+    line = f"other exports' subfolders of {folder} hold 3000 bytes (0.0 MiB): 1 prefix files in 1 subfolders"
+    assert line in report.splitlines() and (other / "theirs.kvw").exists()
 
 
 def test_kvedge_prefixes_lists_and_clears_the_files(artifact, tmp_path):
     folder = tmp_path / "prefixes"
     model = Model(artifact, prefix_dir=folder, prefix_disk_min_tokens=32)
+    mine = model.prefix_disk.folder
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
     run_alone(model, a, max_new_tokens=4)
     held = model.cache.length(0)
     model.close()
-    (folder / "bad.kvw").write_bytes(b"garbage")
+    (mine / "bad.kvw").write_bytes(b"garbage")
+    other = folder / "0123456789abcdef"  # another export's subfolder
+    other.mkdir()
+    (other / "theirs.kvw").write_bytes(b"x" * 3000)
 
     def kvedge(*args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "kvedge", *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    listed = kvedge("prefixes", "list", "--prefix-dir", str(folder))
-    tokens = [int(line.split(": ")[1].split()[0]) for line in listed.splitlines()[:-1] if "bad" not in line]
-    assert sum(tokens) == held and "bad.kvw: unreadable: bad.kvw: truncated (7 bytes)" in listed
-    assert listed.splitlines()[-1].startswith("3 files, ") and listed.endswith(f"MiB in {folder}\n")
+    listed = kvedge("prefixes", "list", "--prefix-dir", str(folder)).splitlines()
+    good = [line for line in listed if line.startswith(f"{mine.name}/") and "tokens" in line]
+    assert len(good) == 2 and sum(int(line.split(": ")[1].split()[0]) for line in good) == held
+    assert f"{mine.name}/bad.kvw: unreadable: bad.kvw: truncated (7 bytes), 0.00 MiB" in listed
+    assert f"{mine.name}: 3 files, " in "\n".join(listed)
+    assert "0123456789abcdef/theirs.kvw: unreadable: " in "\n".join(listed)
+    assert "0123456789abcdef: 1 files, 0.00 MiB" in listed
+    assert listed[-1].startswith("4 files, ") and listed[-1].endswith(f"MiB in {folder}")
     cleared = kvedge("prefixes", "clear", "--prefix-dir", str(folder))
-    assert cleared == f"removed 3 prefix files from {folder}\n"
-    assert not list(folder.iterdir())
+    assert cleared == f"removed 4 prefix files from {folder}\n"
+    assert sorted(folder.iterdir()) == sorted([mine, other])  # the subfolders stay: a service writes there
+    assert not list(mine.iterdir()) and not list(other.iterdir())
 
 
 def test_a_conversation_is_answered_from_disk_after_kill_9(artifact, tmp_path):

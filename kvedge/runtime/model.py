@@ -36,7 +36,7 @@ from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, ste
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.prefix import PrefixLRU
-from kvedge.runtime.prefix_disk import PrefixDisk, reader
+from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
@@ -149,11 +149,12 @@ class Model:
         )
 
     def _open_prefix_disk(self, options: RunOptions) -> PrefixDisk | None:
-        """The disk tier in `options.prefix_dir`; None, with a warning, where this user cannot
+        """The disk tier in this export's subfolder of `options.prefix_dir` (`export_folder`:
+        other exports' files there are left alone); None, with a warning, where this user cannot
         make or read that folder (on by default: a read-only install still serves)."""
         try:
             return PrefixDisk(
-                options.prefix_dir,
+                export_folder(options.prefix_dir, self.manifest.onnx_fingerprint),
                 options.prefix_disk_bytes,
                 self.manifest.geometry,
                 self.manifest.source_fingerprint,

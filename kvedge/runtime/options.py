@@ -29,9 +29,10 @@ class RunOptions:
     kv_memory: str = "mapped"
     policy: HistoryPolicy = field(default_factory=HistoryPolicy)  # conversations longer than the cache
     prefix_cache_bytes: int = 0  # run-time prefixes kept when their slot is taken (`PrefixLRU`); 0: off
-    # run-time prefixes written to disk when they leave memory (`PrefixDisk`); None: off
+    # run-time prefixes written to disk when they leave memory (`PrefixDisk`), in this export's
+    # subfolder (`export_folder`); None: off
     prefix_dir: Path | None = None
-    prefix_disk_bytes: int = 1 << 30  # the files' budget, least recently used removed first
+    prefix_disk_bytes: int = 1 << 30  # budget of this export's files, least recently used removed first
     prefix_disk_min_tokens: int = 64  # shorter prefixes are never written (flash wear)
     warm_prefixes: WarmupConfig | None = None  # fixed prompts whose KV is loaded from `warm_dir`
     warm_dir: Path | None = None

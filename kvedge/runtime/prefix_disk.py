@@ -1,9 +1,13 @@
 """Run-time prefixes on disk: the KV of conversations, kept across restarts (kill -9 included).
 
 Files are warm files (`kvedge.runtime.prefix`: same format, fingerprints, checksum, atomic
-write) under `prefix_dir`, named by their tokens: `<sha256 of the token ids, 24 hex>.kvw`, mode
-0600 (less the umask): a conversation's KV is as private as its text, and only the service user
-(configs/kvedge.service, `User=kvedge`, which owns the folder) reads them back.
+write) in the export's own subfolder of `prefix_dir` (`export_folder`: the first 16 hex digits of
+its graph fingerprint, `Manifest.onnx_fingerprint`), named by their tokens:
+`prefix_dir/<graph, 16 hex>/<sha256 of the token ids, 24 hex>.kvw`, mode 0600 and the subfolder
+0700 (less the umask): a conversation's KV is as private as its text, and only the service user
+(configs/kvedge.service, `User=kvedge`, which owns the folder) reads them back. Exports sharing a
+prefix_dir (two models, or a model and its re-export) each keep their own subfolder: an export
+never reads, refuses or removes a file outside its own.
 
 Segments (caches without ring layers): a conversation is a chain of files, each holding the KV of
 the tokens after its `parent`'s (header fields `parent`, `start`; its `token_ids` are its own).
@@ -19,14 +23,16 @@ layer's part of a segment would need positions before its start.
 Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
 files are never rewritten. `bytes_written` counts every byte written.
 
-Budget: the files' bytes stay within `budget_bytes`; the least recently used file goes first
-with every segment after it (using a file uses its chain's files, the root last, so a chain's
-tail goes before its head). A segment larger than the whole budget is not written.
+Budget: the bytes of the files in the export's subfolder stay within `budget_bytes` (each export
+sharing a prefix_dir has its own); the least recently used file goes first with every segment
+after it (using a file uses its chain's files, the root last, so a chain's tail goes before its
+head). A segment larger than the whole budget is not written.
 
-Boot reads the folder's index: each file's header only (magic, version, fingerprints, geometry,
-token ids, parent, size), and removes leftovers of writers that died mid-write. A file whose
-header does not fit this model, or whose parent is missing, is refused, named in one log line and
-removed (with the segments after it). A match is memory-mapped and checked in full
+Boot reads the subfolder's index: each file's header only (magic, version, fingerprints,
+geometry, token ids, parent, size), and removes leftovers of writers that died mid-write. A file
+there whose header does not fit this model (one copied in from another export's subfolder), or
+whose parent is missing, is refused, named in one log line and removed (with the segments after
+it). A match is memory-mapped and checked in full
 (`read_warm_file`: checksum, fingerprints, token ids, finite values) file by file when a
 conversation needs it; a file that fails is refused the same way and the turn prefills cold.
 """
@@ -61,6 +67,12 @@ log = logging.getLogger(__name__)
 FILE_MODE = 0o600  # the service user only
 FOLDER_MODE = 0o700
 MIN_TOKENS = 64  # shorter prefixes cost less to prefill again than to write to flash and read back
+
+
+def export_folder(prefix_dir: Path, graph_fingerprint: str) -> Path:
+    """The subfolder of `prefix_dir` holding the files of the export whose graph fingerprint
+    (`Manifest.onnx_fingerprint`) is `graph_fingerprint`: named by its first 16 hex digits."""
+    return Path(prefix_dir) / graph_fingerprint[:16]
 
 
 @dataclass(frozen=True)
@@ -286,35 +298,40 @@ class PrefixDisk:
 
 @dataclass(frozen=True)
 class PrefixFile:
-    """One file of a prefix folder, as `kvedge prefixes list` shows it."""
+    """One file of a prefix_dir, as `kvedge prefixes list` shows it."""
 
+    export: str  # its subfolder: the first 16 hex digits of its export's graph fingerprint
     name: str
     tokens: int
     nbytes: int
     problem: str | None  # why its header cannot be read, or None
 
 
-def list_prefix_files(folder: Path) -> list[PrefixFile]:
-    """The prefix files in `folder` (headers only), oldest first; none if it does not exist."""
+def list_prefix_files(prefix_dir: Path) -> list[PrefixFile]:
+    """The prefix files in `prefix_dir`'s export subfolders (headers only), by subfolder, oldest
+    first in each; none if it does not exist."""
     found = []
-    paths = [p for p in Path(folder).glob(f"*{SUFFIX}") if p.is_file()]
-    for path in sorted(paths, key=lambda p: p.stat().st_mtime):
+    for path in sorted(_prefix_paths(prefix_dir), key=lambda p: (p.parent.name, p.stat().st_mtime)):
         try:
             header, problem = read_warm_header(path), None
         except (ArtifactMismatch, OSError) as exc:
             header, problem = None, _why(exc)
         tokens = 0 if header is None else header.count
-        found.append(PrefixFile(path.name, tokens, path.stat().st_size, problem))
+        found.append(PrefixFile(path.parent.name, path.name, tokens, path.stat().st_size, problem))
     return found
 
 
-def clear_prefix_files(folder: Path) -> int:
-    """Remove every prefix file in `folder` (a running service then prefills those
-    conversations); how many there were."""
-    paths = [p for p in Path(folder).glob(f"*{SUFFIX}") if p.is_file()]
+def clear_prefix_files(prefix_dir: Path) -> int:
+    """Remove every prefix file in `prefix_dir`'s export subfolders (a running service then
+    prefills those conversations; the subfolders stay, it writes there); how many there were."""
+    paths = _prefix_paths(prefix_dir)
     for path in paths:
         path.unlink(missing_ok=True)
     return len(paths)
+
+
+def _prefix_paths(prefix_dir: Path) -> list[Path]:
+    return [p for p in Path(prefix_dir).glob(f"*/*{SUFFIX}") if p.is_file()]
 
 
 def reader(block: KVBlock) -> Callable[[int], KVBlock]:

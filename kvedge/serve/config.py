@@ -53,8 +53,10 @@ File format (every key optional except `model`, which may come from `--model` in
     prefix_cache_bytes: 0           # in-memory store of conversation prefixes seen at run time, kept
                                     # when their slot goes to another conversation (LRU); 0 = off
     prefix_dir: null                # folder where conversations' KV is written as turns end and read
-                                    # back after a restart (kvedge.runtime.prefix_disk); null = off
-    prefix_disk_bytes: 1073741824   # the files' budget; least recently used removed first
+                                    # back after a restart (kvedge.runtime.prefix_disk), one subfolder
+                                    # per export (its graph fingerprint, 16 hex); null = off
+    prefix_disk_bytes: 1073741824   # the budget of each export's subfolder; least recently used
+                                    # removed first
     prefix_disk_min_tokens: 64      # prefixes shorter than this are never written (flash wear)
     ui: null                        # the chat page at GET /: true | false | null = on for a loopback
                                     # host, off otherwise (the page is public: see `ui_default`)
