@@ -812,6 +812,44 @@ def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     click.echo(f"warm prefixes ready in {report.seconds:.2f} s: {warm_dir}")
 
 
+@main.group()
+def prefixes() -> None:
+    """Run-time prefix files: conversations' KV kept on disk (the service's prefix_dir)."""
+
+
+prefix_dir_option = click.option(
+    "--prefix-dir", required=True, type=click.Path(path_type=Path), help="The service's prefix_dir."
+)
+
+
+@prefixes.command("list")
+@prefix_dir_option
+@user_errors
+def prefixes_list(prefix_dir: Path) -> None:
+    """List the prefix files in PREFIX_DIR's export subfolders (headers only), oldest first, and
+    each subfolder's files and bytes."""
+    from kvedge.runtime.prefix_disk import list_prefix_files
+
+    files = list_prefix_files(prefix_dir)
+    for export in sorted({f.export for f in files}):
+        held = [f for f in files if f.export == export]
+        for file in held:
+            state = f"unreadable: {file.problem}" if file.problem else f"{file.tokens} tokens"
+            click.echo(f"{export}/{file.name}: {state}, {file.nbytes / 2**20:.2f} MiB")
+        click.echo(f"{export}: {len(held)} files, {sum(f.nbytes for f in held) / 2**20:.2f} MiB")
+    click.echo(f"{len(files)} files, {sum(f.nbytes for f in files) / 2**20:.2f} MiB in {prefix_dir}")
+
+
+@prefixes.command("clear")
+@prefix_dir_option
+@user_errors
+def prefixes_clear(prefix_dir: Path) -> None:
+    """Remove every prefix file in PREFIX_DIR's export subfolders."""
+    from kvedge.runtime.prefix_disk import clear_prefix_files
+
+    click.echo(f"removed {clear_prefix_files(prefix_dir)} prefix files from {prefix_dir}")
+
+
 main.add_command(  # the former name of warm-prefixes, kept for scripts that still use it
     click.Command(
         "warmup",

@@ -40,13 +40,13 @@ def new_folder(parent: Path, prefix: str) -> Path:
     raise FileExistsError(f"no free name {prefix}* in {parent} after {_ATTEMPTS} tries")
 
 
-def new_file(parent: Path, prefix: str, suffix: str = "") -> tuple[int, Path]:
+def new_file(parent: Path, prefix: str, suffix: str = "", mode: int = FILE_MODE) -> tuple[int, Path]:
     """A new, empty file `parent`/`prefix`<random>`suffix` open for writing (its descriptor and
-    path), mode 0666 less the umask."""
+    path), `mode` (0666: what a plain open gives) less the umask."""
     for _ in range(_ATTEMPTS):
         path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
         except FileExistsError:
             continue
         return fd, path

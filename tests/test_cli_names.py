@@ -103,6 +103,9 @@ CONCEPTS = {
     "shutdown_grace_s": ("seconds streams get on SIGTERM", "shutdown_grace_s"),
     "warmup_tokens": ("greedy decode steps before ready", "warmup_tokens"),
     "prefix_cache_bytes": ("bytes of conversation prefixes kept in memory", "prefix_cache_bytes"),
+    "prefix_dir": ("folder of run-time prefix files kept across restarts", "prefix_dir"),
+    "prefix_disk_bytes": ("bytes of run-time prefix files on disk", "prefix_disk_bytes"),
+    "prefix_disk_min_tokens": ("shortest run-time prefix written to disk", "prefix_disk_min_tokens"),
     "kv_memory": ("GPU devices: where the KV cache pool lives (mapped host or device memory)", "kv_memory"),
     "ui": ("serve the chat page at GET /", "ui"),
     "speculate": ("speculative decoding: off, prompt lookup or a draft model (draft:DIR)", "speculate"),
@@ -157,6 +160,7 @@ COMMANDS = {
     },
     "chat": {**RUNTIME, "--system": "system", "--url": "url", "--speculate": "speculate"},
     "warm-prefixes": {"--model": "model", "--warm-prefixes": "warm_prefixes", "--warm-dir": "warm_dir"},
+    "prefixes": {},  # list and clear take --prefix-dir (prefix_dir)
     "serve": {
         "--config": "service_config",
         "--model": "model",

@@ -106,6 +106,27 @@ def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_ring
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
+def test_disk_tier_serves_an_evicted_entry_after_a_restart(gemma, kind, tmp_path):
+    """A (150 tokens, rings wrapped) goes from slot 0 to the store, is evicted from it to disk
+    (`PrefixLRU.block` gathers its ring positions 78..149), and a new Model serves it from the
+    file: whole, and by a partial match the file's rings serve."""
+    budget = 160 * Model(gemma[kind]).manifest.geometry.bytes_per_token()  # 5 blocks: A, not A and C
+    options = {"prefix_cache_bytes": budget, "prefix_dir": tmp_path, "prefix_disk_min_tokens": 100}
+    model = Model(gemma[kind], **options)
+    a, b, c, tail = random_ids(150, seed=1), random_ids(40, seed=2), random_ids(120, seed=8), random_ids(9)
+    model.prepare(0, a)
+    model.prepare(0, c)  # A to the store
+    model.prepare(0, b)  # C to the store: A is evicted to disk
+    assert model.prefix_lru.evictions == 1 and len(model.prefix_disk) == 1
+    model.close()  # C is written too, B is under the threshold
+    again, reference = Model(gemma[kind], **options), Model(gemma[kind])
+    assert len(again.prefix_disk) == 2
+    check_served(again, reference, a + tail, 150, ATOL[kind])
+    check_served(again, reference, a[:140] + tail, 140, ATOL[kind])
+    assert again.prefix_disk.hits == 2
+
+
+@pytest.mark.parametrize("kind", ["fp", "int8"])
 def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
     """A warm prefix longer than the ring, built at first boot, written, reloaded by a new Model
     and used: whole, by a partial match its rings serve, and by one they do not."""

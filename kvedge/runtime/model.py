@@ -15,6 +15,7 @@ One turn, as the CLI (a batch of one) and the service (many slots) both drive it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import time
@@ -35,6 +36,7 @@ from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, ste
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.prefix import PrefixLRU
+from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
@@ -121,8 +123,11 @@ class Model:
         self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
         self._last_used = [0.0] * slots
         self._warned: set[str] = set()  # reasons logged once
-        self.prefix_lru = PrefixLRU(self.manifest.geometry, options.prefix_cache_bytes)
         geometry = self.manifest.geometry
+        disk = None if options.prefix_dir is None else self._open_prefix_disk(options)
+        spill = None if disk is None else lambda ids, block: disk.save(ids, reader(block))  # evicted: to disk
+        self.prefix_lru = PrefixLRU(geometry, options.prefix_cache_bytes, spill=spill)
+        self.prefix_disk: PrefixDisk | None = disk
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
         self.prefixes = PrefixStore()
         self.warmup_report: WarmupReport | None = None
@@ -131,14 +136,39 @@ class Model:
             for session in self.sessions:
                 session.reset(self.cache)
         log.info(
-            "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %d warm prefixes, prefix LRU %.1f MiB",
+            "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %d warm prefixes, prefix LRU %.1f MiB, "
+            "%d prefix files (%.1f MiB)",
             self.folder,
             slots,
             self.manifest.geometry.max_len,
             self.cache.nbytes / 2**20,
             len(self.prefixes),
             self.prefix_lru.capacity_bytes / 2**20,
+            0 if disk is None else len(disk),
+            0 if disk is None else disk.nbytes / 2**20,
         )
+
+    def _open_prefix_disk(self, options: RunOptions) -> PrefixDisk | None:
+        """The disk tier in this export's subfolder of `options.prefix_dir` (`export_folder`:
+        other exports' files there are left alone); None, with a warning, where this user cannot
+        make or read that folder (on by default: a read-only install still serves)."""
+        try:
+            return PrefixDisk(
+                export_folder(options.prefix_dir, self.manifest.onnx_fingerprint),
+                options.prefix_disk_bytes,
+                self.manifest.geometry,
+                self.manifest.source_fingerprint,
+                self.manifest.onnx_fingerprint,
+                options.prefix_disk_min_tokens,
+            )
+        except OSError as exc:
+            log.warning(
+                "prefix_dir %s: %s; conversations are kept in memory only (give the service user that "
+                "folder, or set prefix_dir: null)",
+                options.prefix_dir,
+                exc.strerror or exc,
+            )
+            return None
 
     def _verify_graph(self) -> None:
         onnx_files = [self.folder / ONNX_FILE]
@@ -161,8 +191,11 @@ class Model:
         """Stop the backend, then release what it holds of the cache (GPU page locks, mapped
         buffers), then the cache's device memory (`kv_memory="device"`); host arrays go with
         this object. Safe to call twice. The draft goes first; should its close raise, this
-        model's backend and cache are still released (then the error is raised)."""
+        model's backend and cache are still released (then the error is raised). Run-time
+        prefixes still in memory are written to disk first (`RunOptions.prefix_dir`)."""
         try:
+            self.keep_prefixes()
+            self.prefix_disk = None  # the cache goes next: nothing is written from it again
             if self.draft is not None:
                 self.draft.close()
         finally:
@@ -171,6 +204,54 @@ class Model:
             finally:
                 if self.cache is not None:
                     self.cache.close()
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Where the run-time prefixes sit: bytes in memory (`PrefixLRU`) and on disk
+        (`PrefixDisk`: bytes, files, bytes written and files refused since start-up)."""
+        disk = self.prefix_disk
+        return {
+            "memory_bytes": self.prefix_lru.nbytes,
+            "disk_bytes": 0 if disk is None else disk.nbytes,
+            "disk_files": 0 if disk is None else len(disk),
+            "disk_written_bytes": 0 if disk is None else disk.bytes_written,
+            "disk_refused": 0 if disk is None else len(disk.refused),
+        }
+
+    @contextlib.contextmanager
+    def scratch(self, slot: int) -> Iterator[None]:
+        """Turns run inside (a service's warm-up) are no conversation: nothing of them is written
+        to the disk tier, and `slot` is emptied after."""
+        disk, self.prefix_disk = self.prefix_disk, None
+        try:
+            yield
+        finally:
+            self.prefix_disk = disk
+            self.sessions[slot].reset(self.cache)
+
+    def keep_prefixes(self) -> int:
+        """Write what the run-time prefix store and the slots hold to the disk tier, least
+        recently used first (`PrefixDisk.save` skips short and already written ones); how many
+        files were written. Safe to call twice, and before loading finished."""
+        disk, cache = getattr(self, "prefix_disk", None), self.cache
+        if disk is None or cache is None:
+            return 0
+        written = 0
+        for entry in list(self.prefix_lru.entries.values()):
+            written += disk.save(entry.token_ids, reader(self.prefix_lru.block(entry)))
+        for slot in sorted(range(cache.slots), key=lambda s: self._last_used[s]):
+            written += self._keep_slot(slot)
+        return written
+
+    def _keep_slot(self, slot: int, upto: int | None = None) -> bool:
+        """Write what `slot` holds (its first `upto` tokens) and no prefix file does yet
+        (`PrefixDisk.save`)."""
+        held, session = self.cache.length(slot), self.sessions[slot]
+        held = held if upto is None else min(held, upto)
+        # a windowed slot's KV is not its tokens' from position 0
+        if not held or session.evicted or not session.verify(self.cache):
+            return False
+        ids = self.cache.token_ids(slot)[:held]
+        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held))
 
     def __enter__(self) -> Model:
         return self
@@ -370,6 +451,10 @@ class Model:
         if not turn.done:
             turn.finish("cancelled")
         session.record(self.cache, turn.written)
+        if self.prefix_disk is not None and self.prefix_disk.segments:
+            # The prompt only: the next turn resends the reply as the template renders it, which
+            # may tokenize otherwise and would leave a file written after it unused.
+            self._keep_slot(turn.slot, turn.prompt_tokens)
 
     # -- one conversation at a time --------------------------------------------------------
 
@@ -458,8 +543,11 @@ class Model:
             session.reset(self.cache)
         held = self.cache.token_ids(slot)
         keep = common_prefix(held, ids)
-        if self.prefix_lru and len(held) - keep >= self.prefix_lru.block_tokens:
-            self.prefix_lru.save(self.cache, slot)  # another conversation is about to replace it
+        if len(held) - keep >= self.prefix_lru.block_tokens:  # another conversation is about to replace it
+            if self.prefix_lru:
+                self.prefix_lru.save(self.cache, slot)
+            elif self.prefix_disk is not None:
+                self._keep_slot(slot)
         keep = self._copy_prefix(slot, ids, keep)
         keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
         keep = self.cache.rewind_limit(slot, keep)  # a ring layer may have overwritten what it needs
@@ -478,6 +566,17 @@ class Model:
 
         warm, warm_shared = self.prefixes.best_match(ids, usable)
         entry, lru_shared = self.prefix_lru.best_match(ids, usable)
+        if self.prefix_disk is not None:
+            stored, disk_shared = self.prefix_disk.best_match(ids, usable)
+            if stored is not None and disk_shared > max(keep, warm_shared, lru_shared):
+                chain = self.prefix_disk.load(stored, disk_shared)  # None: refused and logged
+                if chain is not None:
+                    for part in chain:
+                        n = min(disk_shared - part.start, len(part.token_ids))
+                        self.cache.write(
+                            slot, part.block.head(n), ids[part.start : part.start + n], part.start
+                        )
+                    return disk_shared
         if entry is not None and lru_shared > max(keep, warm_shared):
             self.prefix_lru.load(self.cache, slot, entry, lru_shared, start=keep)
             return lru_shared

@@ -29,6 +29,11 @@ class RunOptions:
     kv_memory: str = "mapped"
     policy: HistoryPolicy = field(default_factory=HistoryPolicy)  # conversations longer than the cache
     prefix_cache_bytes: int = 0  # run-time prefixes kept when their slot is taken (`PrefixLRU`); 0: off
+    # run-time prefixes written to disk when they leave memory (`PrefixDisk`), in this export's
+    # subfolder (`export_folder`); None: off
+    prefix_dir: Path | None = None
+    prefix_disk_bytes: int = 1 << 30  # budget of this export's files, least recently used removed first
+    prefix_disk_min_tokens: int = 64  # shorter prefixes are never written (flash wear)
     warm_prefixes: WarmupConfig | None = None  # fixed prompts whose KV is loaded from `warm_dir`
     warm_dir: Path | None = None
     # an export with the same tokenizer whose proposals turns may verify (speculate="draft"),
@@ -47,5 +52,9 @@ class RunOptions:
             raise KvedgeError(
                 f"prefix_cache_bytes={self.prefix_cache_bytes!r} is not allowed; allowed: an integer >= 0"
             )
+        for name in ("prefix_disk_bytes", "prefix_disk_min_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise KvedgeError(f"{name}={value!r} is not allowed; allowed: an integer >= 1")
         if self.warm_prefixes is not None and self.warm_dir is None:
             raise KvedgeError("warm prefixes need a warm folder (--warm-dir)")

@@ -19,7 +19,8 @@ with other weights, another variant or other export code never takes it), scales
 group size for int8, and for ring geometries ring_layers, window and ring_margin), count,
 ring_count (the ring layers hold the prefix's last ring_count positions, in position order, so
 the data do not depend on ring_len; 0 without ring layers), token_ids, data_bytes,
-kvedge_version (`WarmHeader`; each field's type is checked on load). A file is used only if its
+kvedge_version, and for a run-time prefix's segment (`kvedge.runtime.prefix_disk`) parent and
+start (`WarmHeader`; each field's type is checked on load). A file is used only if its
 magic, version (an older one is refused as such), size, checksum, fingerprints, geometry (a
 different ring layout is named field by field) and token ids all match what is expected now
 (`kvedge.contract.header.check_header`), and its K/V (and scales) are finite: a NaN or inf
@@ -86,7 +87,7 @@ from kvedge import __version__
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.contract.header import Header, check_header, convert, decode_json
 from kvedge.errors import ArtifactMismatch, KvedgeError
-from kvedge.files import new_file
+from kvedge.files import FILE_MODE, new_file
 from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.sessions import common_prefix
 
@@ -114,6 +115,8 @@ class WarmPrefix:
     name: str
     token_ids: tuple[int, ...]
     block: KVBlock
+    parent: str = ""  # a segment's: the file holding the tokens before its first (kvedge.runtime.prefix_disk)
+    start: int = 0  # the position of its first token (the parent chain's length)
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +137,10 @@ class WarmHeader:
     token_ids: tuple[int, ...]
     data_bytes: Annotated[int, msgspec.Meta(ge=0)]
     kvedge_version: str
+    # Segments of a run-time prefix (kvedge.runtime.prefix_disk) only; absent from a warm prefix's
+    # file, so no version change: only PrefixDisk reads a prefix_dir, and it reads both.
+    parent: str = ""
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 def write_warm_file(
@@ -143,9 +150,11 @@ def write_warm_file(
     model_fingerprint: str,
     scales_fingerprint: str = "",
     graph_fingerprint: str = "",
+    mode: int = FILE_MODE,
 ) -> None:
-    """Write `prefix` to `path` atomically (temp file + fsync + rename). `graph_fingerprint` is
-    the graph that computed its K/V (`Manifest.onnx_fingerprint`; "" for K/V made by no export)."""
+    """Write `prefix` to `path` atomically (temp file + fsync + rename), with `mode` less the
+    umask. `graph_fingerprint` is the graph that computed its K/V (`Manifest.onnx_fingerprint`;
+    "" for K/V made by no export)."""
     block = prefix.block
     parts = [
         np.ascontiguousarray(a, dtype=geometry.np_dtype) for a in (block.kv, block.ring) if a is not None
@@ -165,11 +174,13 @@ def write_warm_file(
         "data_bytes": sum(part.nbytes for part in parts),
         "kvedge_version": __version__,
     }
+    if prefix.parent or prefix.start:
+        header.update(parent=prefix.parent, start=prefix.start)
     raw = json.dumps(header, sort_keys=True).encode()
     raw += b" " * ((-(_PREAMBLE.size + len(raw))) % _ALIGN)
     digest = hashlib.sha256()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp")  # readable by the service user
+    fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp", mode)  # 0666: the service user reads it
     try:
         with os.fdopen(fd, "wb") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # until renamed: see remove_stale_temps
@@ -193,21 +204,15 @@ def read_warm_file(
     token_ids: Sequence[int],
     scales_fingerprint: str = "",
     graph_fingerprint: str = "",
+    parent: str = "",
+    start: int = 0,
 ) -> WarmPrefix:
-    """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`);
-    raise ArtifactMismatch naming what is wrong."""
+    """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`;
+    a segment: of `token_ids` from position `start` on, after the file `parent`); raise
+    ArtifactMismatch naming what is wrong."""
     mapped, size = _map(path)
-    magic, version, header_len = _PREAMBLE.unpack_from(mapped, 0)
-    kind = Header(MAGIC.decode(), WARM_VERSION)
-    check_header(path.name, Header(magic.decode("latin-1"), version), kind)
-    start = _PREAMBLE.size + header_len
-    if start > size - _DIGEST:
-        raise ArtifactMismatch(f"{path.name}: truncated header")
-    header = convert(decode_json(bytes(mapped[_PREAMBLE.size : start]), path.name), WarmHeader, path.name)
-    if size != start + header.data_bytes + _DIGEST:
-        raise ArtifactMismatch(
-            f"{path.name}: {size} bytes, header promises {start + header.data_bytes + _DIGEST}"
-        )
+    header, offset = _header(path, mapped, size)
+    kind, version = Header(MAGIC.decode(), WARM_VERSION), WARM_VERSION
     if hashlib.sha256(mapped[: size - _DIGEST]).digest() != mapped[size - _DIGEST :]:
         raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
     key = geometry.artifact_key(True)
@@ -218,8 +223,9 @@ def read_warm_file(
                 f"{key.get(field)!r} (made for another model layout)"
             )
     made_from = {"scales": header.scales_fingerprint, "token ids": header.token_ids}
+    made_from.update(parent=header.parent, start=header.start)
     found = Header(kind.format, version, header.model_fingerprint, header.geometry, made_from)
-    wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids)}
+    wanted = {"scales": scales_fingerprint, "token ids": tuple(token_ids), "parent": parent, "start": start}
     expected = Header(kind.format, WARM_VERSION, model_fingerprint, key, wanted)
     check_header(path.name, found, expected)
     if header.graph_fingerprint != graph_fingerprint:  # same source and cache: another export's K/V
@@ -233,8 +239,10 @@ def read_warm_file(
         raise ArtifactMismatch(
             f"{path.name}: count {count} does not match its {len(header.token_ids)} token ids"
         )
-    if count > geometry.max_len:
-        raise ArtifactMismatch(f"{path.name}: {count} tokens exceed max_len {geometry.max_len}")
+    if header.start + count > geometry.max_len:
+        raise ArtifactMismatch(
+            f"{path.name}: {count} tokens from position {header.start} exceed max_len {geometry.max_len}"
+        )
     if held > (count if geometry.ring_layers else 0):
         raise ArtifactMismatch(
             f"{path.name}: ring_count {held} must be 0 without ring layers, at most count {count} with them"
@@ -246,14 +254,39 @@ def read_warm_file(
             f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}"
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
         )
-    arrays = _arrays(mapped, geometry, start, count, held)
+    arrays = _arrays(mapped, geometry, offset, count, held)
     for name, array in arrays.items():  # layer by layer: the temporary stays small
         if array.dtype.kind == "f" and not all(np.isfinite(layer).all() for layer in array):
             raise ArtifactMismatch(
                 f"{path.name}: non-finite values in its K/V {name!r} array (NaN or inf under a valid "
                 "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
             )
-    return WarmPrefix(name=header.name, token_ids=tuple(token_ids), block=KVBlock(**arrays))
+    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start)
+
+
+def read_warm_header(path: Path) -> WarmHeader:
+    """A warm file's header, checked as far as the header alone allows (magic, version, field
+    types, file size), without reading its data: `read_warm_file` checks the rest."""
+    mapped, size = _map(path)
+    try:
+        return _header(path, mapped, size)[0]
+    finally:
+        mapped.close()
+
+
+def _header(path: Path, mapped: mmap.mmap, size: int) -> tuple[WarmHeader, int]:
+    """The header of the warm file mapped at `mapped` and where its data start."""
+    magic, version, header_len = _PREAMBLE.unpack_from(mapped, 0)
+    check_header(path.name, Header(magic.decode("latin-1"), version), Header(MAGIC.decode(), WARM_VERSION))
+    start = _PREAMBLE.size + header_len
+    if start > size - _DIGEST:
+        raise ArtifactMismatch(f"{path.name}: truncated header")
+    header = convert(decode_json(bytes(mapped[_PREAMBLE.size : start]), path.name), WarmHeader, path.name)
+    if size != start + header.data_bytes + _DIGEST:
+        raise ArtifactMismatch(
+            f"{path.name}: {size} bytes, header promises {start + header.data_bytes + _DIGEST}"
+        )
+    return header, start
 
 
 def remove_stale_temps(folder: Path, min_age_s: float = STALE_TEMP_AGE_S) -> None:
@@ -337,9 +370,16 @@ class PrefixLRU:
     (layout and policy in the module docstring). A budget of 0 turns it off."""
 
     def __init__(
-        self, geometry: CacheGeometry, budget_bytes: int, block_tokens: int = LRU_BLOCK_TOKENS
+        self,
+        geometry: CacheGeometry,
+        budget_bytes: int,
+        block_tokens: int = LRU_BLOCK_TOKENS,
+        spill: Callable[[np.ndarray, KVBlock], object] | None = None,
     ) -> None:
+        """`spill(token_ids, block)`, if given, is handed each entry evicted to make room (the
+        disk tier, `kvedge.runtime.prefix_disk`)."""
         self.block_tokens = block_tokens
+        self.spill = spill
         self.block_bytes = geometry.bytes_per_token() * block_tokens
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise KvedgeError(f"prefix_cache_bytes={budget_bytes!r} must be an integer >= 0 (0 = off)")
@@ -423,7 +463,10 @@ class PrefixLRU:
                 self._drop(key)
         need = -(-len(ids) // self.block_tokens)
         while len(self.free) < need:
-            self._drop(next(iter(self.entries)))
+            oldest = next(iter(self.entries.values()))
+            if self.spill is not None:
+                self.spill(oldest.token_ids, self.block(oldest))
+            self._drop(oldest.key)
             self.evictions += 1
         blocks = [self.free.pop() for _ in range(need)]
         for i, block in enumerate(blocks):
@@ -467,6 +510,26 @@ class PrefixLRU:
                 ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, block, :, held]
             piece = KVBlock(kv, scales, ring, ring_scales)
             cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], start=i * b + lo)
+
+    def block(self, entry: LRUEntry) -> KVBlock:
+        """A copy of the entry's KV as a slot stores it: the ring layers hold positions
+        ring_from .. n - 1."""
+        b, n = self.block_tokens, len(entry.token_ids)
+
+        def gather(arena: np.ndarray | None, first: int = 0) -> np.ndarray | None:
+            if arena is None:
+                return None
+            runs = [
+                arena[:, :, block, :, max(first - i * b, 0) : min(n - i * b, b)]
+                for i, block in enumerate(entry.blocks)
+                if first < (i + 1) * b
+            ]
+            return np.concatenate(runs or [arena[:, :, 0, :, :0]], axis=3)  # [layers, 2, kvh, tokens, d]
+
+        first = entry.ring_from
+        return KVBlock(
+            gather(self.kv), gather(self.scales), gather(self.ring, first), gather(self.ring_scales, first)
+        )
 
     def _drop(self, key: int) -> None:
         self.free.extend(reversed(self.entries.pop(key).blocks))

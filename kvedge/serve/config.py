@@ -52,6 +52,12 @@ File format (every key optional except `model`, which may come from `--model` in
     memory_budget: null             # bytes the service may use; null = MemAvailable at start-up
     prefix_cache_bytes: 0           # in-memory store of conversation prefixes seen at run time, kept
                                     # when their slot goes to another conversation (LRU); 0 = off
+    prefix_dir: null                # folder where conversations' KV is written as turns end and read
+                                    # back after a restart (kvedge.runtime.prefix_disk), one subfolder
+                                    # per export (its graph fingerprint, 16 hex); null = off
+    prefix_disk_bytes: 1073741824   # the budget of each export's subfolder; least recently used
+                                    # removed first
+    prefix_disk_min_tokens: 64      # prefixes shorter than this are never written (flash wear)
     ui: null                        # the chat page at GET /: true | false | null = on for a loopback
                                     # host, off otherwise (the page is public: see `ui_default`)
 
@@ -180,6 +186,15 @@ class ServiceConfig:
     prefix_cache_bytes: Annotated[
         int, Meta(ge=0, le=2**50, description="a number of bytes >= 0 (0 = off)")
     ] = 0
+    prefix_dir: Annotated[
+        Path | None, Meta(description="a folder for run-time prefix files, or null (off)")
+    ] = None
+    prefix_disk_bytes: Annotated[int, Meta(ge=1, le=2**50, description="a number of bytes >= 1")] = (
+        RunOptions.prefix_disk_bytes
+    )
+    prefix_disk_min_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer >= 1")] = (
+        RunOptions.prefix_disk_min_tokens
+    )
     ui: Annotated[  # None only until load_service_config applies `ui_default`
         bool | None, Meta(description="true, false, or null (on for a loopback host, off otherwise)")
     ] = None
@@ -211,6 +226,9 @@ class ServiceConfig:
             kv_memory=self.kv_memory,
             policy=HistoryPolicy(mode=self.history_policy, n_sink=self.n_sink),
             prefix_cache_bytes=self.prefix_cache_bytes,
+            prefix_dir=self.prefix_dir,
+            prefix_disk_bytes=self.prefix_disk_bytes,
+            prefix_disk_min_tokens=self.prefix_disk_min_tokens,
             warm_prefixes=load_warmup_config(self.warm_prefixes) if self.warm_prefixes else None,
             warm_dir=self.warm_dir,
             draft=None if (draft := draft_folder(self.speculate)) is None else Path(draft),

@@ -90,9 +90,10 @@ def decode_warmup(steps: int) -> Callable[[Model], None]:
 
     def warm(model: Model) -> None:
         done = 0
-        while done < steps:
-            config = SamplingConfig(max_new_tokens=steps - done, temperature=0.0)
-            done += sum(1 for _ in model.chat(WARMUP_MESSAGES, config, slot=0))
+        with model.scratch(0):  # no conversation's: never kept as a prefix
+            while done < steps:
+                config = SamplingConfig(max_new_tokens=steps - done, temperature=0.0)
+                done += sum(1 for _ in model.chat(WARMUP_MESSAGES, config, slot=0))
 
     return warm
 
@@ -128,6 +129,7 @@ class Engine:
         self._seconds_per_job = 1.0  # moving average, for Retry-After
         self._deadline: float | None = None  # when draining: cancel what is left at this time
         self._stopping = False
+        self.ready_s = 0.0  # from the engine's start to ready: model, warm prefixes, prefix index, warm-up
         self._thread = threading.Thread(target=self._main, name="kvedge-engine", daemon=True)
 
     # -- called from request handlers -------------------------------------------------------
@@ -184,10 +186,14 @@ class Engine:
             waiting, active = len(self._waiting), len(self._active)
         if model is None:
             slots = held = allocated = 0
+            prefixes = {}  # their gauges stay at 0 until the model is loaded
         else:
             slots, held, allocated = model.slots, model.kv_bytes_in_use(), model.kv_bytes_allocated
+            prefixes = model.prefix_stats()
         return {
+            **{f"kvedge_prefix_{name}": value for name, value in prefixes.items()},
             "kvedge_ready": int(self.state == "ready"),
+            "kvedge_ready_seconds": self.ready_s,
             "kvedge_queue_depth": waiting,
             "kvedge_slots_in_use": active,
             "kvedge_slots_total": slots,
@@ -204,6 +210,7 @@ class Engine:
 
     def _main(self) -> None:
         model = None
+        started = time.monotonic()
         try:
             model = self._load()
             with self._cond:
@@ -212,12 +219,13 @@ class Engine:
                 if self.state == "loading":
                     self.state = "warming"
             if self._warmup is not None:
-                started = time.monotonic()
+                warming = time.monotonic()
                 self._warmup(model)
-                log.info("warm-up done in %.2f s", time.monotonic() - started)
+                log.info("warm-up done in %.2f s", time.monotonic() - warming)
             with self._cond:
                 if self.state == "warming":
                     self.state = "ready"
+                    self.ready_s = time.monotonic() - started
         except Exception as exc:
             if isinstance(exc, KvedgeError):
                 log.error("cannot start the model: %s", exc)
@@ -230,7 +238,7 @@ class Engine:
             finally:
                 self.on_failure()
             return
-        log.info("ready: %d slots", len(self._free))
+        log.info("ready: %d slots, %.2f s after start", len(self._free), self.ready_s)
         self.on_ready()
         try:
             self._schedule()

@@ -25,9 +25,15 @@ RATE_WINDOW_S = 10
 # name: help text
 GAUGES = {
     "kvedge_ready": "1 once the model is loaded and warmed up, else 0.",
+    "kvedge_ready_seconds": "Seconds from start to ready: model, warm prefixes, prefix file index, warm-up.",
     "kvedge_queue_depth": "Requests waiting for a free slot.",
     "kvedge_slots_in_use": "KV slots serving a request right now.",
     "kvedge_slots_total": "KV slots preallocated at start-up.",
+    "kvedge_prefix_memory_bytes": "Bytes of run-time prefixes held in memory (prefix_cache_bytes' arena).",
+    "kvedge_prefix_disk_bytes": "Bytes of run-time prefix files in this export's subfolder of prefix_dir.",
+    "kvedge_prefix_disk_files": "Run-time prefix files in this export's subfolder of prefix_dir.",
+    "kvedge_prefix_disk_written_bytes": "Bytes written to prefix files since start-up (flash wear).",
+    "kvedge_prefix_disk_refused": "Prefix files refused (damaged or of another export) since start-up.",
     "kvedge_kv_bytes_in_use": "KV cache bytes holding valid tokens, idle slots' reusable prefixes included.",
     "kvedge_kv_bytes_allocated": "KV cache bytes preallocated at start-up.",
     "kvedge_tokens_per_second": f"Tokens generated per second over the last {RATE_WINDOW_S} s, all slots.",

@@ -21,6 +21,7 @@ from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
 from kvedge.files import human
 from kvedge.runtime.model import Model
+from kvedge.runtime.prefix_disk import PrefixDisk, list_prefix_files
 from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
@@ -42,15 +43,35 @@ def serve_command(
     need = check_memory(config)
     if check:
         with load_model(config, slots=1) as model:  # verifies the graph, loads or rebuilds warm files
-            prefixes = len(model.prefixes)
+            prefixes, disk = len(model.prefixes), model.prefix_disk
+            files = "" if disk is None else f", {prefix_files(disk)}"
+            others = "" if disk is None else f"{other_exports(disk, config.prefix_dir)}\n"
         kv = model.manifest.geometry.bytes_per_slot() * config.slots
         return (
             f"ok: {config.model_name} on {config.host}:{config.port}, {config.slots} slots "
             f"({kv / 2**20:.1f} MiB KV, {need / 2**20:.0f} MiB planned), queue {config.queue_size}, "
-            f"{prefixes} warm prefixes\n"
+            f"{prefixes} warm prefixes{files}\n{others}"
         )
     serve(config)
     return None
+
+
+def prefix_files(disk: PrefixDisk) -> str:
+    """What the disk tier's folder holds, and the files it refused (and removed) at load."""
+    text = f"{len(disk)} prefix files ({disk.nbytes / 2**20:.1f} MiB) in {disk.folder}"
+    refused = "; ".join(f"{name} ({why})" for name, why in disk.refused.items())
+    return text + (f", {len(disk.refused)} refused and removed: {refused}" if refused else "")
+
+
+def other_exports(disk: PrefixDisk, prefix_dir: Path) -> str:
+    """What the other exports' subfolders of `prefix_dir` hold (left alone, outside this export's
+    budget)."""
+    others = [f for f in list_prefix_files(prefix_dir) if f.export != disk.folder.name]
+    size, exports = sum(f.nbytes for f in others), len({f.export for f in others})
+    return (
+        f"other exports' subfolders of {prefix_dir} hold {size} bytes ({size / 2**20:.1f} MiB): "
+        f"{len(others)} prefix files in {exports} subfolders"
+    )
 
 
 def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:

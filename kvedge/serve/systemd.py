@@ -31,7 +31,8 @@ UNIT = """\
 # as NAME=value, NAME being the config's api_key_env. The service runs as User, never root; create
 # it with `sudo useradd --system --home-dir /nonexistent kvedge`. It reads what export and
 # warm-prefixes wrote under umask 022 (folders 0755, files 0644); to let it write warm prefix files
-# at boot, give it the config's warm_dir: `sudo install -d -o kvedge -m 0755 WARM_DIR`.
+# at boot, give it the config's warm_dir: `sudo install -d -o kvedge -m 0755 WARM_DIR`, and to keep
+# conversations across restarts, its prefix_dir: `sudo install -d -o kvedge -m 0700 PREFIX_DIR`.
 [Unit]
 Description=kvedge chatbot service (OpenAI-compatible HTTP API)
 After=network.target

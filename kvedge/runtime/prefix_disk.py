@@ -1,0 +1,344 @@
+"""Run-time prefixes on disk: the KV of conversations, kept across restarts (kill -9 included).
+
+Files are warm files (`kvedge.runtime.prefix`: same format, fingerprints, checksum, atomic
+write) in the export's own subfolder of `prefix_dir` (`export_folder`: the first 16 hex digits of
+its graph fingerprint, `Manifest.onnx_fingerprint`), named by their tokens:
+`prefix_dir/<graph, 16 hex>/<sha256 of the token ids, 24 hex>.kvw`, mode 0600 and the subfolder
+0700 (less the umask): a conversation's KV is as private as its text, and only the service user
+(configs/kvedge.service, `User=kvedge`, which owns the folder) reads them back. Exports sharing a
+prefix_dir (two models, or a model and its re-export) each keep their own subfolder: an export
+never reads, refuses or removes a file outside its own.
+
+Segments (caches without ring layers): a conversation is a chain of files, each holding the KV of
+the tokens after its `parent`'s (header fields `parent`, `start`; its `token_ids` are its own).
+When a turn ends, its prompt past the chain's last file is written: the previous reply as the
+template renders it and the new question (the reply as generated may tokenize otherwise, and a
+file after it would go unused). So each token's KV is written once, and a process killed at any
+moment loses at most the last reply and the turn in flight. An edited or regenerated conversation
+branches from the longest chain it extends. A prefix that leaves memory (its slot is taken, the
+LRU evicts it, the model closes) is written the same way, reply included, if not yet held.
+Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
+layer's part of a segment would need positions before its start.
+
+Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
+files are never rewritten. `bytes_written` counts every byte written.
+
+Budget: the bytes of the files in the export's subfolder stay within `budget_bytes` (each export
+sharing a prefix_dir has its own); the least recently used file goes first with every segment
+after it (using a file uses its chain's files, the root last, so a chain's tail goes before its
+head). A segment larger than the whole budget is not written.
+
+Boot reads the subfolder's index: each file's header only (magic, version, fingerprints,
+geometry, token ids, parent, size), and removes leftovers of writers that died mid-write. A file
+there whose header does not fit this model (one copied in from another export's subfolder), or
+whose parent is missing, is refused, named in one log line and removed (with the segments after
+it). A match is memory-mapped and checked in full
+(`read_warm_file`: checksum, fingerprints, token ids, finite values) file by file when a
+conversation needs it; a file that fails is refused the same way and the turn prefills cold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvedge.contract import CacheGeometry
+from kvedge.errors import ArtifactMismatch
+from kvedge.runtime.cache import KVBlock
+from kvedge.runtime.prefix import (
+    SUFFIX,
+    WarmHeader,
+    WarmPrefix,
+    read_warm_file,
+    read_warm_header,
+    remove_stale_temps,
+    write_warm_file,
+)
+from kvedge.runtime.sessions import common_prefix
+
+log = logging.getLogger(__name__)
+
+FILE_MODE = 0o600  # the service user only
+FOLDER_MODE = 0o700
+MIN_TOKENS = 64  # shorter prefixes cost less to prefill again than to write to flash and read back
+
+
+def export_folder(prefix_dir: Path, graph_fingerprint: str) -> Path:
+    """The subfolder of `prefix_dir` holding the files of the export whose graph fingerprint
+    (`Manifest.onnx_fingerprint`) is `graph_fingerprint`: named by its first 16 hex digits."""
+    return Path(prefix_dir) / graph_fingerprint[:16]
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    path: Path
+    token_ids: tuple[int, ...]  # every token of the chain up to and including this file's
+    ring_from: int  # the ring layers hold positions ring_from .. n - 1 (0 without ring layers)
+    nbytes: int
+    parent: str = ""  # the file before this segment ("" for the first)
+    start: int = 0  # position of this file's first token
+
+
+class PrefixDisk:
+    """Run-time prefixes as warm files in `folder`, within `budget_bytes` (module docstring)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        budget_bytes: int,
+        geometry: CacheGeometry,
+        model_fingerprint: str,
+        graph_fingerprint: str,
+        min_tokens: int = MIN_TOKENS,
+    ) -> None:
+        self.folder, self.budget_bytes, self.min_tokens = (
+            Path(folder),
+            budget_bytes,
+            min_tokens,
+        )  # RunOptions checks
+        self.geometry = geometry
+        self.model_fingerprint, self.graph_fingerprint = model_fingerprint, graph_fingerprint
+        self.segments = not geometry.ring_layers
+        self.entries: OrderedDict[str, DiskEntry] = OrderedDict()  # least recently used first
+        self.refused: dict[str, str] = {}  # file name -> why
+        self.bytes_written = 0
+        self.nbytes = 0  # of the files indexed; kept, not summed: /metrics reads it from another thread
+        self.hits = 0
+        self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+        remove_stale_temps(self.folder)
+        self._read_index()
+        self._trim(0)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def best_match(
+        self, ids: Sequence[int], usable: Callable[[int, int], int] | None = None
+    ) -> tuple[DiskEntry | None, int]:
+        """The file sharing the most leading tokens with `ids`, and how many it shares; with
+        `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
+        best, count = None, 0
+        for entry in self.entries.values():
+            shared = common_prefix(entry.token_ids, ids)
+            if usable is not None:
+                shared = usable(entry.ring_from, shared)
+            if shared > count:
+                best, count = entry, shared
+        return best, count
+
+    def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock]) -> bool:
+        """Write the KV of `token_ids` that no file holds yet: `read(start)` gives it from
+        position `start` on, as a slot holds it. Nothing is written for a short or already held
+        prefix, or a segment larger than the budget; whether a file was written. A failed write (a
+        full disk) is logged and the prefix dropped."""
+        ids = tuple(int(t) for t in token_ids)
+        if len(ids) < self.min_tokens:
+            return False
+        whole = None if self.segments else read(0)
+        ring_from = len(ids) - (0 if whole is None else whole.ring_count)
+        parent = None
+        for entry in list(self.entries.values()):
+            shared = common_prefix(entry.token_ids, ids)
+            if shared == len(ids) and (self.segments or entry.ring_from <= ring_from):  # held already
+                self._use(entry)
+                return False
+            if shared == len(entry.token_ids) < len(ids):  # the new one extends it
+                if not self.segments:
+                    self._remove(entry.path.name)
+                elif parent is None or len(entry.token_ids) > len(parent.token_ids):
+                    parent = entry
+        start = 0 if parent is None else len(parent.token_ids)
+        block = read(start) if whole is None else whole
+        if block.nbytes > self.budget_bytes:
+            return False
+        if parent is not None:
+            self._use(parent)
+        self._trim(block.nbytes)
+        if parent is not None and parent.path.name not in self.entries:  # trimmed to make room
+            return False
+        digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:24]
+        path = self.folder / f"{digest}{SUFFIX}"
+        name = "" if parent is None else parent.path.name
+        prefix = WarmPrefix(path.stem, ids[start:], block, name, start)
+        try:
+            write_warm_file(
+                path,
+                prefix,
+                self.geometry,
+                self.model_fingerprint,
+                graph_fingerprint=self.graph_fingerprint,
+                mode=FILE_MODE,
+            )
+            size = path.stat().st_size
+        except OSError as exc:
+            log.warning("prefix file %s not written (%s); prefix dropped", path, exc.strerror or exc)
+            return False
+        self.bytes_written += size
+        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, size, name, start))
+        self._trim(0)
+        return True
+
+    def load(self, entry: DiskEntry, count: int) -> list[WarmPrefix] | None:
+        """The files holding the entry's first `count` tokens, first to last, each memory-mapped
+        and checked in full; None (the failing file refused, logged and removed) if one fails."""
+        chain = self._chain(entry)
+        loaded = []
+        for link in chain:
+            if link.start >= count:
+                break
+            try:
+                prefix = read_warm_file(
+                    link.path,
+                    self.geometry,
+                    self.model_fingerprint,
+                    link.token_ids[link.start :],
+                    graph_fingerprint=self.graph_fingerprint,
+                    parent=link.parent,
+                    start=link.start,
+                )
+            except (ArtifactMismatch, OSError) as exc:
+                self._refuse(link.path, _why(exc))
+                return None
+            loaded.append(prefix)
+        self._use(entry)
+        self.hits += 1
+        return loaded
+
+    def clear(self) -> int:
+        """Remove every prefix file; how many there were."""
+        count = len(self.entries)
+        for name in list(self.entries):
+            self._remove(name)
+        return count
+
+    def _chain(self, entry: DiskEntry) -> list[DiskEntry]:
+        """The entry and the files before it, first to last."""
+        chain = [entry]
+        while chain[0].parent:
+            chain.insert(0, self.entries[chain[0].parent])
+        return chain
+
+    def _use(self, entry: DiskEntry) -> None:
+        for link in reversed(self._chain(entry)):  # the root last: it goes after its segments
+            self.entries.move_to_end(link.path.name)
+
+    def _read_index(self) -> None:
+        """Index the folder's files by their headers: parents before their segments, then in the
+        order they were last written."""
+        headers = {}
+        for path in sorted(p for p in self.folder.glob(f"*{SUFFIX}") if p.is_file()):
+            try:
+                headers[path] = self._check(path, read_warm_header(path))
+            except (ArtifactMismatch, OSError) as exc:
+                self._refuse(path, _why(exc))
+        for path, header in sorted(headers.items(), key=lambda item: item[1].start):
+            parent = self.entries.get(header.parent)
+            if header.parent in self.refused:  # named already, with the segments after it
+                self.refused[path.name] = f"after the refused {header.parent}"
+                path.unlink(missing_ok=True)
+                continue
+            if header.parent and parent is None:
+                self._refuse(path, f"the file before it, {header.parent}, is missing")
+                continue
+            ids = (parent.token_ids if parent else ()) + header.token_ids
+            ring_from = len(ids) - header.ring_count
+            self._add(DiskEntry(path, ids, ring_from, path.stat().st_size, header.parent, header.start))
+        for name in sorted(self.entries, key=lambda n: self.entries[n].path.stat().st_mtime):
+            self.entries.move_to_end(name)
+
+    def _check(self, path: Path, header: WarmHeader) -> WarmHeader:
+        """`header`, if a file of this model's graph and geometry, else ArtifactMismatch."""
+        key = self.geometry.artifact_key(holds_cache=True)
+        mismatch = [
+            f"{what} {found!r}, this model's is {wanted!r}"
+            for what, found, wanted in (
+                ("model", header.model_fingerprint[:16], self.model_fingerprint[:16]),
+                ("graph", header.graph_fingerprint[:16], self.graph_fingerprint[:16]),
+                ("geometry", header.geometry, key),
+            )
+            if found != wanted
+        ]
+        if header.count != len(header.token_ids):
+            mismatch.append(f"count {header.count} does not match its {len(header.token_ids)} token ids")
+        if mismatch:
+            raise ArtifactMismatch("; ".join(mismatch))
+        return header
+
+    def _trim(self, incoming: int) -> None:
+        """Remove the least recently used files until `incoming` more bytes fit the budget."""
+        while self.entries and self.nbytes + incoming > self.budget_bytes:
+            self._remove(next(iter(self.entries)))
+
+    def _add(self, entry: DiskEntry) -> None:
+        self.entries[entry.path.name] = entry
+        self.nbytes += entry.nbytes
+
+    def _remove(self, name: str) -> None:
+        """Remove the file `name` and the segments after it."""
+        entry = self.entries.pop(name, None)
+        if entry is None:
+            return
+        self.nbytes -= entry.nbytes
+        entry.path.unlink(missing_ok=True)
+        for after in [e.path.name for e in self.entries.values() if e.parent == name]:
+            self._remove(after)
+
+    def _refuse(self, path: Path, why: str) -> None:
+        log.warning("prefix file %s refused (%s); removed, the turn prefills instead", path, why)
+        self.refused[path.name] = why
+        self._remove(path.name)
+        path.unlink(missing_ok=True)  # one refused at boot was never indexed
+
+
+@dataclass(frozen=True)
+class PrefixFile:
+    """One file of a prefix_dir, as `kvedge prefixes list` shows it."""
+
+    export: str  # its subfolder: the first 16 hex digits of its export's graph fingerprint
+    name: str
+    tokens: int
+    nbytes: int
+    problem: str | None  # why its header cannot be read, or None
+
+
+def list_prefix_files(prefix_dir: Path) -> list[PrefixFile]:
+    """The prefix files in `prefix_dir`'s export subfolders (headers only), by subfolder, oldest
+    first in each; none if it does not exist."""
+    found = []
+    for path in sorted(_prefix_paths(prefix_dir), key=lambda p: (p.parent.name, p.stat().st_mtime)):
+        try:
+            header, problem = read_warm_header(path), None
+        except (ArtifactMismatch, OSError) as exc:
+            header, problem = None, _why(exc)
+        tokens = 0 if header is None else header.count
+        found.append(PrefixFile(path.parent.name, path.name, tokens, path.stat().st_size, problem))
+    return found
+
+
+def clear_prefix_files(prefix_dir: Path) -> int:
+    """Remove every prefix file in `prefix_dir`'s export subfolders (a running service then
+    prefills those conversations; the subfolders stay, it writes there); how many there were."""
+    paths = _prefix_paths(prefix_dir)
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return len(paths)
+
+
+def _prefix_paths(prefix_dir: Path) -> list[Path]:
+    return [p for p in Path(prefix_dir).glob(f"*/*{SUFFIX}") if p.is_file()]
+
+
+def reader(block: KVBlock) -> Callable[[int], KVBlock]:
+    """`PrefixDisk.save`'s `read` over a block of positions 0..n-1 (asked from 0 only when it has
+    ring layers: those are written whole)."""
+    return lambda start: KVBlock(*(None if a is None else a[:, :, :, start:] for a in block))
+
+
+def _why(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, ArtifactMismatch) else f"cannot read it: {exc.strerror or exc}"
