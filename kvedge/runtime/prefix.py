@@ -75,10 +75,10 @@ import stat
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 import numpy as np
@@ -365,6 +365,25 @@ class LRUEntry:
     ring_from: int = 0  # the ring layers hold positions ring_from .. n - 1 (0 without rings)
 
 
+E = TypeVar("E")  # a stored prefix, with token_ids and ring_from: LRUEntry, prefix_disk.DiskEntry
+
+
+def best_entry(
+    entries: Iterable[E], ids: Sequence[int], usable: Callable[[int, int], int] | None = None
+) -> tuple[E | None, int]:
+    """Of stored prefixes `entries`, the one sharing the most leading tokens with `ids` (the
+    first on a tie), and how many it shares; with `usable(ring_from, shared)`, how many of them
+    a turn can use (`Model._usable`)."""
+    best, count = None, 0
+    for entry in entries:
+        shared = common_prefix(entry.token_ids, ids)
+        if usable is not None:
+            shared = usable(entry.ring_from, shared)
+        if shared > count:
+            best, count = entry, shared
+    return best, count
+
+
 class PrefixLRU:
     """Token sequences seen at run time and their KV, in a preallocated arena under a byte budget
     (layout and policy in the module docstring). A budget of 0 turns it off."""
@@ -438,14 +457,7 @@ class PrefixLRU:
     ) -> tuple[LRUEntry | None, int]:
         """The entry sharing the most leading tokens with `ids`, and how many it shares; with
         `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
-        best, count = None, 0
-        for entry in self.entries.values():
-            shared = common_prefix(entry.token_ids, ids)
-            if usable is not None:
-                shared = usable(entry.ring_from, shared)
-            if shared > count:
-                best, count = entry, shared
-        return best, count
+        return best_entry(self.entries.values(), ids, usable)
 
     def save(self, cache: KVCache, slot: int) -> None:
         """Keep the tokens `slot` holds (as many as the whole arena fits) and their KV."""

@@ -55,6 +55,7 @@ from kvedge.runtime.prefix import (
     SUFFIX,
     WarmHeader,
     WarmPrefix,
+    best_entry,
     read_warm_file,
     read_warm_header,
     remove_stale_temps,
@@ -123,14 +124,7 @@ class PrefixDisk:
     ) -> tuple[DiskEntry | None, int]:
         """The file sharing the most leading tokens with `ids`, and how many it shares; with
         `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
-        best, count = None, 0
-        for entry in self.entries.values():
-            shared = common_prefix(entry.token_ids, ids)
-            if usable is not None:
-                shared = usable(entry.ring_from, shared)
-            if shared > count:
-                best, count = entry, shared
-        return best, count
+        return best_entry(self.entries.values(), ids, usable)
 
     def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock]) -> bool:
         """Write the KV of `token_ids` that no file holds yet: `read(start)` gives it from
