@@ -264,3 +264,20 @@ def assert_same_values(got: np.ndarray, want: np.ndarray, what: str) -> None:
     code 0 gives +0 where gguf's d x (u - 8) gives -0; no product tells them apart)."""
     assert got.shape == want.shape and got.dtype == want.dtype == np.float32, what
     assert np.array_equal(got, want), (what, float(np.abs(got - want).max()))
+
+
+# What can happen to a stored file (warm prefixes, run-time prefixes on disk)
+
+
+def truncate(path) -> None:  # a write cut short
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def zero_fill(path) -> None:  # a power cut: the size was written, the data never were
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def flip_byte(path) -> None:  # one bit of the middle byte
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import random_ids
+from conftest import flip_byte, random_ids, truncate, zero_fill
 from tiny import make_tiny_model
 
 from kvedge.contract import CacheGeometry, ExportRecipe
@@ -162,20 +162,6 @@ def test_clear_removes_every_file(llama, tmp_path):
 
 
 # -- crash safety: each damage refused, named in one line, removed, and the turn prefilled cold --
-
-
-def truncate(path):
-    path.write_bytes(path.read_bytes()[:-100])
-
-
-def zero_fill(path):  # a power cut: the size was written, the data never were
-    path.write_bytes(bytes(path.stat().st_size))
-
-
-def flip_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MAX_LEN
+from conftest import MAX_LEN, flip_byte, truncate
 
 from kvedge.configs import load_warmup_config
 from kvedge.contract import CacheGeometry, ExportRecipe
@@ -82,21 +82,11 @@ def test_session_starting_with_warm_prefix_reuses_it_exactly(tiny_llama, warm):
     assert events[-1].finish_reason in ("stop", "length")
 
 
-def corrupt_truncate(path):
-    path.write_bytes(path.read_bytes()[:-100])
-
-
-def corrupt_bitflip(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize(
     "damage,reason",
     [
-        (corrupt_truncate, "bytes, header promises"),
-        (corrupt_bitflip, "checksum mismatch"),
+        (truncate, "bytes, header promises"),
+        (flip_byte, "checksum mismatch"),
         (lambda p: p.write_bytes(b"garbage"), "truncated"),
         (lambda p: p.unlink(), "missing"),
     ],
@@ -426,7 +416,7 @@ def test_a_warning_logged_under_a_progress_bar_starts_its_own_line(tiny_llama, w
     splits records at newlines only."""
     boot(tiny_llama, warm)
     config = tmp_path / "warmup.yaml"  # written by the warm fixture
-    corrupt_bitflip(warm[1] / "assistant.kvw")  # the first of two prefixes: warned while the bar is open
+    flip_byte(warm[1] / "assistant.kvw")  # the first of two prefixes: warned while the bar is open
     done = subprocess.run(
         [sys.executable, "-m", "kvedge", "warm-prefixes", "--model", str(tiny_llama.out)]
         + ["--warm-prefixes", str(config), "--warm-dir", str(warm[1])],
