@@ -15,9 +15,10 @@ weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: wha
              with `--variant ort` and kvedge's decode matmuls the graph holds
              the decode form too: the codes again with float16 scales and minimums
              and float16 kept rows. A tied embedding table is the head's blocks (the runtime
-             looks rows up there); everything else (an untied model's embedding table, norms,
-             biases) is param_count less the projections and the head, 4 bytes each (2 in a
-             float16 graph). Checked against real exports: a random 2-layer llama
+             looks rows up there); an untied one is 8-bit codes with a float scale and offset
+             per block (embeddings.bin); everything else (norms, biases) is param_count less
+             the projections, the head and the table, 4 bytes each (2 in a float16 graph).
+             Checked against real exports: a random 2-layer llama
              (tests/test_planner.py, five forms) 0.8-2.2% (35-52 KiB) under the files, the
              graph's own bytes and RoPE tables not counted; SmolLM2-135M `--weights int8
              --outlier-channels 0`: planned 294,107,904, files 291,490,818 (+0.9%: its Q8_0 LM
@@ -111,6 +112,7 @@ from kvedge.contract import (
     ExportRecipe,
     Manifest,
     export_kv_dtypes,
+    graph_files,
 )
 from kvedge.contract.engine import DEVICES, device_refusal
 from kvedge.contract.recipe import check_kv_dtype
@@ -205,13 +207,17 @@ def recipe_weight_bytes(a: Architecture, form: ExportRecipe) -> int:
         return a.param_count * form.bits // 8
     q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
     layer = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # [K, N]: fused QKV, O, fused gate/up, down
-    # a tied table is the head's blocks (the runtime looks embeddings up there); an untied model
-    # keeps a float embedding table beside its quantized head
+    # a tied table is the head's blocks (the runtime looks embeddings up there); an untied model's
+    # input table is 8-bit codes with a scale and an offset per block, beside its quantized head
+    # (`kvedge.export.export.write_embedding_table`)
     table = h * a.vocab_size
-    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - table  # float
+    tables = 1 if a.tie_word_embeddings else 2
+    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - tables * table  # float
     quantized = a.num_layers * sum(quantized_matmul_bytes(k, n, form.bits, form) for k, n in layer)
     real = 2 if form.half else FLOAT32
-    return real * rest + quantized + quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
+    head = quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
+    embeddings = 0 if a.tie_word_embeddings else table + 2 * real * (h // form.block_size) * a.vocab_size
+    return real * rest + quantized + head + embeddings
 
 
 def recipe_note(a: Architecture, form: ExportRecipe) -> str:
@@ -249,8 +255,8 @@ class ModelFootprint:
     def from_export(cls, folder: str | Path) -> ModelFootprint:
         folder = Path(folder)
         manifest = Manifest.load(folder)
-        files = [p for p in (folder / ONNX_FILE, folder / (ONNX_FILE + ".data")) if p.is_file()]
-        if not files:
+        files = graph_files(folder)
+        if not (folder / ONNX_FILE).is_file():
             raise KvedgeError(f"{folder}: no {ONNX_FILE}; is this a `kvedge export` folder?")
         two_forms = manifest.weight_decode_matmuls == "kvedge"  # the graph holds kvedge.QuantMatMul
         return cls(

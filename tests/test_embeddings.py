@@ -139,3 +139,50 @@ def test_a_data_file_rewritten_after_the_export_is_refused(exported, tmp_path):
         Model(folder)  # the whole files' fingerprint
     with pytest.raises(ArtifactMismatch, match="not those the export wrote.*re-export"):
         TableEmbeddings.of(folder, Manifest.load(folder))  # where the table's first bytes were
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_an_untied_table_is_8_bit_blocks_in_a_file_of_its_own(tmp_path, precision):
+    """An untied model's quantized export keeps no float table in the graph: its input table is
+    8-bit blocks in embeddings.bin, which the lookup reads within one rounding step of each
+    block; the answer is a full prefill's step by step; a byte flipped there is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvedge.contract import EMBEDDINGS_FILE
+    from kvedge.runtime.generate import decode_one_token, prefill
+
+    source = make_tiny_model(tmp_path / "hf", "llama", tie_word_embeddings=False)
+    folder = tmp_path / "out"
+    recipe = ExportRecipe(max_len=64, weights="int4", precision=precision)
+    manifest = export_model(source, folder, recipe)
+    table = manifest.embedding
+    assert table.file == EMBEDDINGS_FILE and table.bits == 8 and (folder / EMBEDDINGS_FILE).is_file()
+    graph = onnx.load(str(folder / ONNX_FILE), load_external_data=False)
+    assert not [t.name for g in all_graphs(graph.graph) for t in g.initializer if "embed_tokens" in t.name]
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+    with torch.no_grad():
+        float_table = hf.model.embed_tokens.weight.numpy()
+        head = hf.lm_head.weight.numpy()
+    assert not np.array_equal(float_table, head)  # untied: the head is another matrix
+    ids = np.array([[0, 5, 17, 319], [3, 3, 200, 1]], np.int64)
+    rows = TableEmbeddings.of(folder, manifest)(ids).astype(np.float32)
+    blocks = float_table.reshape(float_table.shape[0], -1, table.block_size)
+    step = np.abs(blocks).max(axis=2) / 128  # a block's grid step: its extreme at code -128
+    bound = np.repeat(step, table.block_size, axis=1)[ids]  # half a step, or one at the clipped end
+    slack = float(np.abs(float_table).max()) * (2.0**-10 if recipe.half else 1e-6)
+    error = np.abs(rows - float_table[ids])
+    assert (error <= bound + slack).all() and error.max() > 0
+    with Model(folder) as model:  # decode steps read the same table as a prefill
+        prompt = [5, 17, 200, 3, 9, 41]
+        whole = prefill(model.backend, model.cache, 0, [prompt])[0]
+        model.cache.reset(0)
+        prefill(model.backend, model.cache, 0, [prompt[:3]])
+        for token in prompt[3:]:
+            stepped = decode_one_token(model.backend, model.cache, 0, [token])[0]
+        np.testing.assert_allclose(stepped, whole, atol=1e-2 if recipe.half else 1e-4, rtol=0)
+    raw = bytearray((folder / EMBEDDINGS_FILE).read_bytes())
+    raw[table.codes.offset] ^= 0x01
+    (folder / EMBEDDINGS_FILE).write_bytes(bytes(raw))
+    with pytest.raises(ArtifactMismatch, match="graph fingerprint .* re-export"):
+        Model(folder)

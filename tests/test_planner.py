@@ -276,7 +276,7 @@ def test_plan_says_what_the_second_form_of_the_weights_costs_and_buys(tmp_path):
 
 
 def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():
-    # Phi-3.5-mini (3.8B, untied: a float embedding table beside its int4 head) on an Orin Nano
+    # Phi-3.5-mini (3.8B, untied: an 8-bit embedding table beside its int4 head) on an Orin Nano
     # 8GB, onnxruntime on its CPU: no form at 2048 tokens; the smallest change that keeps the
     # context and a measured KL within the bar, 1 slot x 512
     done = kvedge("plan", "phi-3.5-mini", "--profile", "orin-nano-8gb", "--device", "cpu")
@@ -402,14 +402,13 @@ SIZE_CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def mid_llama(tmp_path_factory):
-    """A random llama big enough that its matrices, not the graph's own bytes, make the file."""
+def mid_model(root: Path, tied: bool = True):
+    """(source, its Architecture, root): a random llama big enough that its matrices, not the
+    graph's own bytes, make the file."""
     from kvedge.configs import Architecture
 
-    root = tmp_path_factory.mktemp("mid")
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-    source = make_tiny_model(root / "hf", "llama", **shape)
+    source = make_tiny_model(root / "hf", "llama", tie_word_embeddings=tied, **shape)
     config = json.loads((source / "config.json").read_text())
     import safetensors.numpy
 
@@ -431,6 +430,11 @@ def mid_llama(tmp_path_factory):
     return source, arch, root
 
 
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory):
+    return mid_model(tmp_path_factory.mktemp("mid"))
+
+
 @pytest.mark.parametrize("form", SIZE_CHECKS, ids=ExportRecipe.describe_weights)
 def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
     """The planner's bytes for a weight form against the files `kvedge export` writes: within 1% +
@@ -442,6 +446,22 @@ def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
     options.update(outlier_channels=form.outlier_channels, head_bits=form.head_bits, kv_dtype=form.kv_dtype)
     export_model(source, out, ExportRecipe(**options, decode_matmuls=form.decode_matmuls))
     on_disk = footprint(out).weights_bytes
+    planned = recipe_weight_bytes(arch, form)
+    assert abs(planned - on_disk) <= 0.01 * on_disk + 96 * 1024, (planned, on_disk)
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_an_untied_tables_bytes_are_planned(tmp_path, precision):
+    """An untied model's input table in a quantized export: 8-bit blocks in embeddings.bin (not
+    float32 beside the graph), as the planner counts it, within the same bounds."""
+    source, arch, _ = mid_model(tmp_path, tied=False)
+    assert not arch.tie_word_embeddings
+    form = ExportRecipe(max_len=64, weights="int4", precision=precision)
+    manifest = export_model(source, tmp_path / "out", form)
+    assert manifest.embedding.file == "embeddings.bin" and manifest.embedding.bits == 8
+    on_disk = footprint(tmp_path / "out").weights_bytes
+    table = (tmp_path / "out" / "embeddings.bin").stat().st_size
+    assert table < 0.4 * arch.vocab_size * arch.hidden_size * 4  # not a float32 table
     planned = recipe_weight_bytes(arch, form)
     assert abs(planned - on_disk) <= 0.01 * on_disk + 96 * 1024, (planned, on_disk)
 

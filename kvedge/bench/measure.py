@@ -43,7 +43,12 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.nbytes / best
 
 
-MODEL_FILES = ("*.onnx", "*.onnx.data", "*.safetensors")  # in a folder: what holds the graph and weights
+MODEL_FILES = (
+    "*.onnx",
+    "*.onnx.data",
+    "embeddings.bin",
+    "*.safetensors",
+)  # in a folder: what holds the graph and weights
 
 
 def artifact_bytes(path: Path) -> int:

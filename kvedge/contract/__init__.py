@@ -5,6 +5,7 @@ Both sides import from here; nothing here imports from `kvedge.export` or `kvedg
 Artifact folder written by `kvedge export`::
 
     model.onnx            the graph; its weights in model.onnx.data
+    embeddings.bin        an untied quantized model's input embeddings (`EmbeddingTable`)
     tokenizer.json        Hugging Face `tokenizers` file
     chat_template.jinja   the model's chat template (absent for models without one)
     manifest.json         `Manifest` (`kvedge.contract.manifest`), as JSON
@@ -21,6 +22,7 @@ is loaded through: JSON shape, field types, format, version, model, cache geomet
 from kvedge.contract.manifest import (
     CHAT_TEMPLATE_FILE,
     DECODE_MATMULS,
+    EMBEDDINGS_FILE,
     EXPORTED_KV_DTYPES,
     HEAD_PARTS,
     HEAD_TABLE,
@@ -56,6 +58,7 @@ from kvedge.contract.manifest import (
     TensorSpec,
     export_kv_dtypes,
     export_weight_formats,
+    graph_files,
     kvedge_ops,
     sha256_files,
 )
@@ -82,6 +85,7 @@ __all__ = [
     "DECODE_MATMULS",
     "EXPORTED_KV_DTYPES",
     "HEAD_PARTS",
+    "EMBEDDINGS_FILE",
     "HEAD_TABLE",
     "IN_PLACE_VARIANTS",
     "INT8_ATTENTION_OP",
@@ -117,6 +121,7 @@ __all__ = [
     "TensorSpec",
     "export_kv_dtypes",
     "export_weight_formats",
+    "graph_files",
     "kvedge_ops",
     "sha256_files",
 ]

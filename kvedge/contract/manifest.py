@@ -31,6 +31,8 @@ MANIFEST_FORMAT = "kvedge-manifest"
 MANIFEST_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
+# an untied model's quantized input embeddings (`EmbeddingTable`), beside the graph's files
+EMBEDDINGS_FILE = "embeddings.bin"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -368,14 +370,17 @@ STORED_CHECK_BYTES = 4096
 
 @dataclass(frozen=True)
 class EmbeddingTable:
-    """The token embeddings of a quantized graph with a tied LM head, which the runtime looks up
-    and feeds as `inputs_embeds`: the head's own stored blocks, so the table is stored once (at
-    the head's bits) and no float copy is made. w [hidden, vocab] = codes x scale (blocks of
-    `block_size` along hidden) + the block's offset (the first hidden/block rows of `side`, when
-    `offsets`); the `kept` channels' rows are w exactly: side's last rows plus their block's
-    offset. Row t of the embedding is column t of w."""
+    """The token embeddings of a quantized graph, which the runtime looks up and feeds as
+    `inputs_embeds`. With a tied LM head, the head's own stored blocks in the graph's data file:
+    the table is stored once (at the head's bits) and no float copy is made. An untied model's
+    input table is quantized to 8 bits in blocks of the export's size, in EMBEDDINGS_FILE (its
+    float32 table was the largest tensor left at 32 bits: Phi-3.5-mini's 394 MB).
 
-    file: str  # the external data file, in the export folder
+    w [hidden, vocab] = codes x scale (blocks of `block_size` along hidden) + the block's offset
+    (the first hidden/block rows of `side`, when `offsets`); the `kept` channels' rows are w
+    exactly: side's last rows plus their block's offset. Row t of the embedding is column t of w."""
+
+    file: str  # the file holding it, in the export folder: the graph's data file or EMBEDDINGS_FILE
     bits: int  # 8 or 4
     block_size: int
     offsets: bool
@@ -656,6 +661,13 @@ class Manifest:
                 f"{what} has cache geometry {other.geometry.to_dict()}, "
                 f"this model has {self.geometry.to_dict()}"
             )
+
+
+def graph_files(folder: Path) -> list[Path]:
+    """The files an export's graph fingerprint (`Manifest.onnx_fingerprint`) covers, those
+    present of: model.onnx, model.onnx.data and an untied model's embeddings.bin."""
+    names = (ONNX_FILE, ONNX_FILE + ".data", EMBEDDINGS_FILE)
+    return [Path(folder) / name for name in names if (Path(folder) / name).is_file()]
 
 
 def sha256_files(paths: Iterable[Path], chunk: int = 1 << 22) -> str:

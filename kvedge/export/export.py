@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvedge.contract import (
     CHAT_TEMPLATE_FILE,
+    EMBEDDINGS_FILE,
     HEAD_PARTS,
     HEAD_TABLE,
     MANIFEST_FILE,
@@ -52,8 +53,9 @@ from kvedge.export.graph import (
     rope_tables,
     rotary_frequencies,
 )
-from kvedge.export.graph.weights import SourceBlocks, source_blocks
-from kvedge.export.quantize import calibration_ids, input_outliers
+from kvedge.export.graph.decoder import runtime_embeddings
+from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
+from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
 from kvedge.export.source import Source, load_hf, resolve_source
 from kvedge.files import human, new_folder
 
@@ -143,6 +145,7 @@ def export_model(
     cos, sin, local_tables, rope = _rope(model, spec, geometry, options.max_len)
     names = IONames()
     graph, kept = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options, blocks)
+    untied = untied_embeddings(model, spec, options)
     del model, blocks  # their weights, before the files are written
     needed = check_free_space(out, graph_bytes(graph), "about")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +153,11 @@ def export_model(
     try:
         embeds = any(i.name == names.inputs_embeds for i in graph.graph.input)
         onnx_files = save_onnx(graph, staging, embeds)
+        if embeds:
+            table = head_table(staging, options.lm_head_bits, options.block_size)
+            if untied is not None:
+                table = write_embedding_table(staging, untied, options)
+                onnx_files.append(staging / EMBEDDINGS_FILE)
         tokenizer.backend_tokenizer.save(str(staging / TOKENIZER_FILE))
         template = getattr(tokenizer, "chat_template", None)
         if template:
@@ -175,7 +183,7 @@ def export_model(
                 for key in ("bos_token", "eos_token", "pad_token", "unk_token")
                 if getattr(tokenizer, key, None) is not None
             },
-            embedding=head_table(staging, options.lm_head_bits, options.block_size) if embeds else None,
+            embedding=table if embeds else None,
             weight_source_blocks=kept,
             **recorded(options),
         )
@@ -492,6 +500,63 @@ STORED_DTYPES = {
     onnx.TensorProto.FLOAT16: "float16",
     onnx.TensorProto.INT64: "int64",
 }
+
+
+# an untied model's input embeddings: 8-bit codes (the LM head's default bits), whatever the
+# projections' (`write_embedding_table`)
+EMBEDDING_BITS = 8
+
+
+def untied_embeddings(model: Any, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
+    """An untied model's input embedding table [vocab, hidden] float32, which a quantized graph's
+    lookup reads from a file of its own (`write_embedding_table`); None for a tied model (its
+    table is the head's blocks) or a float graph (which gathers from its own table)."""
+    if not runtime_embeddings(options) or tied_head(spec, {k: None for k in model.state_dict()}):
+        return None
+    return model.get_input_embeddings().weight.detach().float().numpy()
+
+
+def write_embedding_table(folder: Path, table: np.ndarray, options: ExportRecipe) -> EmbeddingTable:
+    """`table` [vocab, hidden] quantized to EMBEDDING_BITS in blocks of the recipe's size along
+    hidden, written to EMBEDDINGS_FILE in `folder` as `EmbeddingTable` reads it: codes [hidden,
+    vocab] int8, scales and block offsets [hidden / block, vocab] in the graph's float type, each
+    part 64-byte aligned, with a checksum of its first bytes."""
+    qw = quantize_blockwise(
+        np.ascontiguousarray(table.T, dtype=np.float32), EMBEDDING_BITS, options.block_size
+    )
+    real = np.float16 if options.half else np.float32
+    parts = {"codes": qw.q, "scale": qw.scale.astype(real)}
+    if qw.offset is not None:
+        parts["side"] = qw.offset.astype(real)
+    stored: dict[str, StoredTensor] = {}
+    with open(folder / EMBEDDINGS_FILE, "wb") as handle:
+        for part, array in parts.items():
+            handle.write(bytes(-handle.tell() % 64))
+            data = np.ascontiguousarray(array).tobytes()
+            stored[part] = StoredTensor(
+                offset=handle.tell(),
+                length=len(data),
+                dtype=str(array.dtype),
+                shape=tuple(array.shape),
+                sha256=hashlib.sha256(data[:STORED_CHECK_BYTES]).hexdigest(),
+            )
+            handle.write(data)
+    log.info(
+        "input embeddings (untied): %d-bit blocks of %d in %s, max |w - w_hat| = %.3g",
+        EMBEDDING_BITS,
+        options.block_size,
+        EMBEDDINGS_FILE,
+        qw.max_error,
+    )
+    return EmbeddingTable(
+        file=EMBEDDINGS_FILE,
+        bits=EMBEDDING_BITS,
+        block_size=options.block_size,
+        offsets="side" in stored,
+        codes=stored["codes"],
+        scale=stored["scale"],
+        side=stored.get("side"),
+    )
 
 
 def head_table(folder: Path, bits: int, block_size: int) -> EmbeddingTable:

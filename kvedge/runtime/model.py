@@ -26,7 +26,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, TOKENIZER_FILE, CacheGeometry, Manifest, sha256_files
+from kvedge.contract import (
+    ONNX_FILE,
+    PREFILL_CHUNK,
+    TOKENIZER_FILE,
+    CacheGeometry,
+    Manifest,
+    graph_files,
+    sha256_files,
+)
 from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
@@ -171,11 +179,7 @@ class Model:
             return None
 
     def _verify_graph(self) -> None:
-        onnx_files = [self.folder / ONNX_FILE]
-        data = self.folder / (ONNX_FILE + ".data")
-        if data.exists():
-            onnx_files.append(data)
-        found = sha256_files(onnx_files)
+        found = sha256_files(graph_files(self.folder))
         if found != self.manifest.onnx_fingerprint:
             raise ArtifactMismatch(
                 f"{self.folder / ONNX_FILE}: graph fingerprint {found[:16]} does not match the "

@@ -92,17 +92,18 @@ def build_decoder_graph(
                 progress(1 / len(forms))
         decoder.logits(hidden, delta)
         builders.append(decoder.g)
-    embeds = ("float16" if options.half else "float32") if runtime_embeddings(spec, prepared, options) else ""
+    embeds = ("float16" if options.half else "float32") if runtime_embeddings(options) else ""
     interface = GraphInterface(
         names, geometry, options.variant, options.logits, spec.vocab_size, spec.hidden_size, embeds
     )
     return onnx_model(builders, interface, options)
 
 
-def runtime_embeddings(spec: DecoderSpec, weights: dict[str, np.ndarray], options: ExportRecipe) -> bool:
-    """The graph takes inputs_embeds, which the runtime looks up from the quantized tied LM head's
-    blocks (`kvedge.contract.EmbeddingTable`), instead of gathering rows of a float table."""
-    return options.quantized and tied_head(spec, weights)
+def runtime_embeddings(options: ExportRecipe) -> bool:
+    """The graph takes inputs_embeds, which the runtime looks up (`kvedge.contract.EmbeddingTable`:
+    the quantized tied LM head's blocks, or an untied model's table quantized to 8 bits beside the
+    graph), instead of gathering rows of a float table: a quantized graph."""
+    return options.quantized
 
 
 class Decoder:
@@ -235,10 +236,10 @@ class Decoder:
 
     def embed(self) -> str:
         """Token embeddings [b, s, H]: rows of the table gathered from input_ids, or the
-        inputs_embeds the runtime looks up from a quantized tied LM head (`runtime_embeddings`).
-        The table is kept for a tied LM head."""
+        inputs_embeds the runtime looks up in a quantized graph (`runtime_embeddings`). The table
+        is kept for a tied LM head."""
         self.embed_table = self.w("model.embed_tokens.weight")  # [vocab, hidden]
-        if runtime_embeddings(self.spec, self.weights, self.options):
+        if runtime_embeddings(self.options):
             rows = self.names.inputs_embeds
         else:
             self.embed_name = self.g.float_weight(
