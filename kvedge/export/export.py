@@ -38,6 +38,7 @@ from kvedge.contract import (
     Manifest,
     RopeSpec,
     StoredTensor,
+    graph_files,
     kvedge_ops,
     sha256_files,
 )
@@ -152,16 +153,9 @@ def export_model(
     staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
     try:
         embeds = any(i.name == names.inputs_embeds for i in graph.graph.input)
-        onnx_files = save_onnx(graph, staging, embeds)
-        if embeds:
-            table = head_table(staging, options.lm_head_bits, options.block_size)
-            if untied is not None:
-                table = write_embedding_table(staging, untied, options)
-                onnx_files.append(staging / EMBEDDINGS_FILE)
-        tokenizer.backend_tokenizer.save(str(staging / TOKENIZER_FILE))
-        template = getattr(tokenizer, "chat_template", None)
-        if template:
-            (staging / CHAT_TEMPLATE_FILE).write_text(template)
+        save_onnx(graph, staging, embeds)
+        table = lookup_table(staging, options, untied) if embeds else None
+        template = save_tokenizer(staging, tokenizer)
         manifest = Manifest(
             architecture=type(config).__name__.replace("Config", ""),
             model_type=config.model_type,
@@ -175,7 +169,7 @@ def export_model(
                 config, tokenizer, getattr(model_generation_config(source), "eos_token_id", None)
             ),
             rope=rope,
-            onnx_fingerprint=sha256_files(onnx_files),
+            onnx_fingerprint=sha256_files(graph_files(staging)),
             names=names,
             chat_template=bool(template),
             special_tokens={
@@ -183,7 +177,7 @@ def export_model(
                 for key in ("bos_token", "eos_token", "pad_token", "unk_token")
                 if getattr(tokenizer, key, None) is not None
             },
-            embedding=table if embeds else None,
+            embedding=table,
             weight_source_blocks=kept,
             **recorded(options),
         )
@@ -505,6 +499,23 @@ STORED_DTYPES = {
 # an untied model's input embeddings: 8-bit codes (the LM head's default bits), whatever the
 # projections' (`write_embedding_table`)
 EMBEDDING_BITS = 8
+
+
+def save_tokenizer(folder: Path, tokenizer: Any) -> str | None:
+    """tokenizer.json and, where the model has one, its chat template in `folder`; the template."""
+    tokenizer.backend_tokenizer.save(str(folder / TOKENIZER_FILE))
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        (folder / CHAT_TEMPLATE_FILE).write_text(template)
+    return template
+
+
+def lookup_table(folder: Path, options: ExportRecipe, untied: np.ndarray | None) -> EmbeddingTable:
+    """Where the runtime looks a quantized graph's embeddings up (`EmbeddingTable`): the tied LM
+    head's blocks in the saved graph's data file, or an untied table written beside it."""
+    if untied is not None:
+        return write_embedding_table(folder, untied, options)
+    return head_table(folder, options.lm_head_bits, options.block_size)
 
 
 def untied_embeddings(model: Any, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
