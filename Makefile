@@ -48,9 +48,10 @@ demo: install
 	$(BIN)/kvedge info $(ARTIFACT) >/dev/null 2>&1 || $(BIN)/kvedge -v export --out $(ARTIFACT) --force
 	$(BIN)/kvedge generate --model $(ARTIFACT) "$(PROMPT)"
 
-# Lint, format check, then every test including the real-model set.
+# Lint, format check, then every test including the real-model set; the 25 slowest are listed
+# (where CI's minutes go).
 test: install $(VENV)/.trtcheck lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: install $(VENV)/.trtcheck
 	$(BIN)/python -m pytest -q -m "not real_model"
