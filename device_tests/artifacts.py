@@ -116,7 +116,8 @@ def _source(into: Path) -> Path:
 
 
 def _write_pool_reader(path: Path) -> None:
-    """One ReduceSum node: cache [n] float32 -> total [1]."""
+    """One ReduceSum node: cache [n] float32 -> total [1]. IR version 8, as kvedge's own opset-17
+    graphs (onnx's default, its newest IR, is refused by onnxruntime 1.23, JetPack 6.2's)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -124,7 +125,9 @@ def _write_pool_reader(path: Path) -> None:
     total = helper.make_tensor_value_info("total", TensorProto.FLOAT, [1])
     node = helper.make_node("ReduceSum", ["cache"], ["total"], keepdims=1)
     model = helper.make_model(
-        helper.make_graph([node], "read", [data], [total]), opset_imports=[helper.make_opsetid("", 17)]
+        helper.make_graph([node], "read", [data], [total]),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
     )
     onnx.save(model, str(path))
 
