@@ -10,6 +10,7 @@ one's subfolder, are refused, named in one log line and removed, and the turn pr
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import stat
@@ -28,7 +29,7 @@ from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
-from kvedge.runtime.prefix import SUFFIX, read_warm_header
+from kvedge.runtime.prefix import SUFFIX, file_identity, read_warm_header
 from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.sessions import HistoryPolicy
 
@@ -76,7 +77,7 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
     a = talk(model)
     held = model.cache.length(0)
     model.close()
-    written = files(tmp_path / "prefixes")  # the prompt when the turn ended, the reply at close
+    written = files(tmp_path / "prefixes")  # the prompt and the reply, as the turn ended
     assert len(written) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in written)
     subfolder = export_folder(tmp_path / "prefixes", model.manifest.onnx_fingerprint)
     assert {p.parent for p in written} == {subfolder} and stat.S_IMODE(subfolder.stat().st_mode) == 0o700
@@ -89,32 +90,40 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
 
 
 def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
-    """Each turn's end writes its prompt past the last file (a segment after it); another
-    conversation taking the slot writes the reply; a restart restores the chain exactly."""
+    """Each turn's end writes its prompt past the chain's last file it extends, then its reply
+    after it; the next turn's prompt follows the reply where the template renders the reply as
+    it was generated, else the prompt; nothing is left to write when another conversation takes
+    the slot; a restart restores the chain exactly."""
     model = boot(llama, tmp_path)
     a = talk(model)
-    assert len(files(tmp_path)) == 1  # turn 1's prompt
+    held = model.cache.length(0)
+    first = {read_warm_header(p).start: p for p in files(tmp_path)}  # turn 1's prompt, its reply
+    assert len(first) == 2 and read_warm_header(first[max(first)]).parent == first[0].name
+    rendered = model.tokenizer.encode_chat(a)
+    follows_reply = list(rendered[:held]) == [int(t) for t in model.cache.token_ids(0)[:held]]
     a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
-    assert len(files(tmp_path)) == 2  # turn 2's prompt after it: turn 1's reply, as rendered, and question
+    written = [p for p in files(tmp_path) if p not in first.values()]  # turn 2's prompt, its reply
+    assert len(written) == 2
+    prompt, reply = sorted(written, key=lambda p: read_warm_header(p).start)
+    assert read_warm_header(prompt).parent == first[max(first) if follows_reply else 0].name
+    assert read_warm_header(reply).parent == prompt.name
     held = model.cache.length(0)
     model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))  # B takes the slot
-    assert model.keep_prefixes() == 0  # B is under the threshold, A's reply went as B took the slot
-    written = files(tmp_path)
-    headers = [read_warm_header(p) for p in written]
-    assert [h.start for h in headers] == [0, headers[0].count, headers[0].count + headers[1].count]
-    assert [h.parent for h in headers] == ["", written[0].name, written[1].name]
-    assert sum(h.count for h in headers) == held
-    assert sum(h.data_bytes for h in headers) == held * model.manifest.geometry.bytes_per_token()
-    assert sum(p.stat().st_size for p in written) == model.prefix_disk.bytes_written
+    assert model.keep_prefixes() == 0  # B is under the threshold; A was written as its turns ended
+    chain, link = [], reply
+    while link is not None:  # the last reply's chain holds the slot, each token once
+        chain.insert(0, read_warm_header(link))
+        link = next((p for p in files(tmp_path) if p.name == chain[0].parent), None)
+    assert [h.start for h in chain] == list(np.cumsum([0] + [h.count for h in chain[:-1]]))
+    assert sum(h.count for h in chain) == held
+    assert sum(h.data_bytes for h in chain) == held * model.manifest.geometry.bytes_per_token()
+    assert sum(p.stat().st_size for p in files(tmp_path)) == model.prefix_disk.bytes_written
     model.close()
-    assert files(tmp_path) == written
     a.append({"role": "user", "content": "And why keep it on disk?"})
     again = boot(llama, tmp_path)
     ids = again.tokenizer.encode_chat(a)
     np.testing.assert_allclose(again.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
-    assert (
-        again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens >= headers[0].count + headers[1].count
-    )
+    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens >= read_warm_header(reply).start
 
 
 def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
@@ -127,6 +136,32 @@ def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
     ids = model.tokenizer.encode_chat(a)
     np.testing.assert_allclose(model.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
     assert model.prefix_disk.hits == 1
+
+
+def test_files_are_checked_ahead_and_a_file_changed_since_is_checked_again(llama, tmp_path, caplog):
+    """At load a background thread checks every file in full (`PrefixDisk.check_ahead`), so the
+    turn that needs one copies it without hashing it; the check is keyed to the file's identity
+    (inode, size, modification time), so a file written to since is checked again and refused."""
+    model = boot(llama, tmp_path)
+    talk(model)
+    model.close()
+    again = boot(llama, tmp_path)
+    again.prefix_disk._ahead.join(timeout=60)
+    paths = files(tmp_path)
+    assert {file_identity(p.stat()) for p in paths} == again.prefix_disk.checked
+    root, reply = (again.prefix_disk.entries[p.name] for p in paths)
+    status = paths[0].stat()
+    flip_byte(paths[0])
+    os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))  # the same identity
+    assert again.prefix_disk.load(root, len(root.token_ids)) is not None  # taken as checked: no hash
+    time.sleep(0.02)  # past the file system's clock tick
+    flip_byte(paths[1])
+    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
+        assert again.prefix_disk.load(reply, len(reply.token_ids)) is None
+    assert "checksum mismatch" in caplog.text and not paths[1].exists()
+    disk = again.prefix_disk
+    again.close()
+    assert not disk._ahead.is_alive()
 
 
 def test_the_byte_budget_removes_the_least_recently_used_files(llama, tmp_path):
@@ -198,9 +233,9 @@ def test_another_exports_files_are_left_alone_and_unused(llama, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
         other = boot(llama, tmp_path, "int8")
         b = talk(other)  # conversation A again: the first export's files are not used
-        assert len(other.prefix_disk) == 1 and other.prefix_disk.hits == 0
+        assert len(other.prefix_disk) == 2 and other.prefix_disk.hits == 0  # its prompt and reply
         folder = other.prefix_disk.folder
-        other.close()  # its prompt, then its reply, in its own subfolder
+        other.close()
     theirs = [p for p in files(tmp_path) if p not in mine]
     assert len(theirs) == 2 and {p.parent for p in theirs} == {folder} and mine[0].parent != folder
     for export, kept, messages in (("out", mine, a), ("int8", theirs, b)):

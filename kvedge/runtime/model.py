@@ -143,6 +143,8 @@ class Model:
             self.prefixes, self.warmup_report = self.warm_up(warmup, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
+        if disk is not None:
+            disk.check_ahead()  # the files a restarted conversation will ask for, before it does
         log.info(
             "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %d warm prefixes, prefix LRU %.1f MiB, "
             "%d prefix files (%.1f MiB)",
@@ -198,6 +200,8 @@ class Model:
         model's backend and cache are still released (then the error is raised). Run-time
         prefixes still in memory are written to disk first (`RunOptions.prefix_dir`)."""
         try:
+            if getattr(self, "prefix_disk", None) is not None:
+                self.prefix_disk.close()
             self.keep_prefixes()
             self.prefix_disk = None  # the cache goes next: nothing is written from it again
             if self.draft is not None:
@@ -456,9 +460,11 @@ class Model:
             turn.finish("cancelled")
         session.record(self.cache, turn.written)
         if self.prefix_disk is not None and self.prefix_disk.segments:
-            # The prompt only: the next turn resends the reply as the template renders it, which
-            # may tokenize otherwise and would leave a file written after it unused.
+            # The prompt, then the reply after it as its own file: the next turn resends the reply
+            # as the template renders it, which may tokenize otherwise; the next turn's file then
+            # follows the prompt's, and the reply's goes unused until the budget drops it.
             self._keep_slot(turn.slot, turn.prompt_tokens)
+            self._keep_slot(turn.slot)
 
     # -- one conversation at a time --------------------------------------------------------
 

@@ -206,15 +206,24 @@ def read_warm_file(
     graph_fingerprint: str = "",
     parent: str = "",
     start: int = 0,
+    checked: set[FileIdentity] | None = None,
 ) -> WarmPrefix:
     """Load and verify a warm file made by the graph `graph_fingerprint` (as `write_warm_file`;
     a segment: of `token_ids` from position `start` on, after the file `parent`); raise
-    ArtifactMismatch naming what is wrong."""
-    mapped, size = _map(path)
+    ArtifactMismatch naming what is wrong. `checked`: the identities of files this process has
+    checked in full (or written) and that are unchanged since (`file_identity`); such a file's
+    header is checked again, its data are not hashed or scanned again. A file checked in full here
+    is added to it."""
+    mapped, status = _map(path)
+    size, identity = status.st_size, file_identity(status)
     header, offset = _header(path, mapped, size)
     kind, version = Header(MAGIC.decode(), WARM_VERSION), WARM_VERSION
-    if hashlib.sha256(mapped[: size - _DIGEST]).digest() != mapped[size - _DIGEST :]:
-        raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
+    known = checked is not None and identity in checked
+    if not known:
+        with memoryview(mapped) as whole:  # hashed where it lies: a slice of the mmap would copy it
+            digest = hashlib.sha256(whole[: size - _DIGEST]).digest()
+        if digest != mapped[size - _DIGEST :]:
+            raise ArtifactMismatch(f"{path.name}: checksum mismatch (corrupt file)")
     key = geometry.artifact_key(True)
     for field in RING_FIELDS:  # named one by one: the whole geometry would be cut short in the message
         if header.geometry.get(field) != key.get(field):
@@ -255,21 +264,23 @@ def read_warm_file(
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
         )
     arrays = _arrays(mapped, geometry, offset, count, held)
-    for name, array in arrays.items():  # layer by layer: the temporary stays small
+    for name, array in () if known else arrays.items():  # layer by layer: the temporary stays small
         if array.dtype.kind == "f" and not all(np.isfinite(layer).all() for layer in array):
             raise ArtifactMismatch(
                 f"{path.name}: non-finite values in its K/V {name!r} array (NaN or inf under a valid "
                 "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
             )
+    if checked is not None:
+        checked.add(identity)
     return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start)
 
 
 def read_warm_header(path: Path) -> WarmHeader:
     """A warm file's header, checked as far as the header alone allows (magic, version, field
     types, file size), without reading its data: `read_warm_file` checks the rest."""
-    mapped, size = _map(path)
+    mapped, status = _map(path)
     try:
-        return _header(path, mapped, size)[0]
+        return _header(path, mapped, status.st_size)[0]
     finally:
         mapped.close()
 
@@ -315,8 +326,16 @@ def remove_stale_temps(folder: Path, min_age_s: float = STALE_TEMP_AGE_S) -> Non
             os.close(fd)
 
 
-def _map(path: Path) -> tuple[mmap.mmap, int]:
-    """`path` mapped read-only, and its size; a file too short for a preamble and digest is refused."""
+FileIdentity = tuple[int, int, int, int]  # device, inode, size, modification time (ns)
+
+
+def file_identity(status: os.stat_result) -> FileIdentity:
+    """What changes when a file is replaced or written to (`read_warm_file`'s `checked`)."""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _map(path: Path) -> tuple[mmap.mmap, os.stat_result]:
+    """`path` mapped read-only, and its status; a file too short for a preamble and digest is refused."""
     # Non-blocking, and checked on the open file itself: a FIFO or device swapped in after the
     # folder scan neither blocks start-up nor is read.
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
@@ -327,7 +346,7 @@ def _map(path: Path) -> tuple[mmap.mmap, int]:
         if size < _PREAMBLE.size + _DIGEST:
             raise ArtifactMismatch(f"{path.name}: truncated ({size} bytes)")
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    return mapped, size
+    return mapped, status
 
 
 def _arrays(

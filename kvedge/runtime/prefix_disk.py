@@ -11,12 +11,15 @@ never reads, refuses or removes a file outside its own.
 
 Segments (caches without ring layers): a conversation is a chain of files, each holding the KV of
 the tokens after its `parent`'s (header fields `parent`, `start`; its `token_ids` are its own).
-When a turn ends, its prompt past the chain's last file is written: the previous reply as the
-template renders it and the new question (the reply as generated may tokenize otherwise, and a
-file after it would go unused). So each token's KV is written once, and a process killed at any
-moment loses at most the last reply and the turn in flight. An edited or regenerated conversation
-branches from the longest chain it extends. A prefix that leaves memory (its slot is taken, the
-LRU evicts it, the model closes) is written the same way, reply included, if not yet held.
+When a turn ends, its prompt past the chain's last file it extends is written (the previous reply
+as the template renders it, and the new question), then its reply as generated, as a file after
+it. Where the template renders the reply as it was generated (the usual case), the next turn's
+prompt follows the reply's file and a restart reuses the whole conversation; where it tokenizes
+otherwise, the next prompt's file follows the prompt's and the reply's is left unused, for the
+budget to drop. So each token's KV is written once (the reply's twice where it re-tokenizes), and
+a process killed at any moment loses at most the turn in flight. An edited or regenerated
+conversation branches from the longest chain it extends. A prefix that leaves memory (its slot is
+taken, the LRU evicts it, the model closes) is written the same way, if not yet held.
 Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
 layer's part of a segment would need positions before its start.
 
@@ -32,15 +35,23 @@ Boot reads the subfolder's index: each file's header only (magic, version, finge
 geometry, token ids, parent, size), and removes leftovers of writers that died mid-write. A file
 there whose header does not fit this model (one copied in from another export's subfolder), or
 whose parent is missing, is refused, named in one log line and removed (with the segments after
-it). A match is memory-mapped and checked in full
-(`read_warm_file`: checksum, fingerprints, token ids, finite values) file by file when a
-conversation needs it; a file that fails is refused the same way and the turn prefills cold.
+it). Then a background thread of the lowest CPU priority (`check_ahead`) checks every file in full
+(`read_warm_file`: checksum, fingerprints, token ids, finite values), most recently used first: a
+conversation resumed after a restart copies its files in without hashing them, and after a
+reboot they are read from flash before it asks. A check holds for the file's identity (device,
+inode, size, modification time): a file written to since, or one not checked yet, is checked in
+full when a conversation needs it; a file that fails is refused the same way and the turn
+prefills cold. Files this process wrote count as checked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,9 +64,11 @@ from kvedge.errors import ArtifactMismatch
 from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.prefix import (
     SUFFIX,
+    FileIdentity,
     WarmHeader,
     WarmPrefix,
     best_entry,
+    file_identity,
     read_warm_file,
     read_warm_header,
     remove_stale_temps,
@@ -111,10 +124,57 @@ class PrefixDisk:
         self.bytes_written = 0
         self.nbytes = 0  # of the files indexed; kept, not summed: /metrics reads it from another thread
         self.hits = 0
+        # files checked in full, or written, by this process and unchanged since: not hashed again
+        self.checked: set[FileIdentity] = set()
+        self._stop = threading.Event()
+        self._ahead: threading.Thread | None = None
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         remove_stale_temps(self.folder)
         self._read_index()
         self._trim(0)
+
+    def check_ahead(self) -> None:
+        """Check the indexed files in full in a background thread of the lowest CPU priority,
+        most recently used first, so the turn that needs one copies it in without hashing it:
+        after a reboot this also reads it from flash before it is asked for. A file that fails is
+        left for that turn, which refuses it (`load`). `close` stops it."""
+        links = [(e.path, e.token_ids[e.start :], e.parent, e.start) for e in reversed(self.entries.values())]
+        self._ahead = threading.Thread(
+            target=self._check_files, args=(links,), name="kvedge-prefix-check", daemon=True
+        )
+        self._ahead.start()
+
+    def close(self) -> None:
+        """Stop `check_ahead` (within the file it is checking)."""
+        self._stop.set()
+        if self._ahead is not None:
+            self._ahead.join()
+
+    def _check_files(self, links: list[tuple[Path, tuple[int, ...], str, int]]) -> None:
+        with contextlib.suppress(OSError):  # not Linux, or not allowed: the default priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        began, done = time.monotonic(), 0
+        for path, token_ids, parent, start in links:
+            if self._stop.is_set():
+                return
+            try:
+                self._read(path, token_ids, parent, start)
+                done += 1
+            except (ArtifactMismatch, OSError):
+                pass
+        log.info("checked %d of %d prefix files in %.2f s", done, len(links), time.monotonic() - began)
+
+    def _read(self, path: Path, token_ids: Sequence[int], parent: str, start: int) -> WarmPrefix:
+        return read_warm_file(
+            path,
+            self.geometry,
+            self.model_fingerprint,
+            token_ids,
+            graph_fingerprint=self.graph_fingerprint,
+            parent=parent,
+            start=start,
+            checked=self.checked,
+        )
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -169,10 +229,12 @@ class PrefixDisk:
                 graph_fingerprint=self.graph_fingerprint,
                 mode=FILE_MODE,
             )
-            size = path.stat().st_size
+            status = path.stat()
         except OSError as exc:
             log.warning("prefix file %s not written (%s); prefix dropped", path, exc.strerror or exc)
             return False
+        size = status.st_size
+        self.checked.add(file_identity(status))  # written from the slot: nothing to check
         self.bytes_written += size
         self._add(DiskEntry(path, ids, len(ids) - block.ring_count, size, name, start))
         self._trim(0)
@@ -187,15 +249,7 @@ class PrefixDisk:
             if link.start >= count:
                 break
             try:
-                prefix = read_warm_file(
-                    link.path,
-                    self.geometry,
-                    self.model_fingerprint,
-                    link.token_ids[link.start :],
-                    graph_fingerprint=self.graph_fingerprint,
-                    parent=link.parent,
-                    start=link.start,
-                )
+                prefix = self._read(link.path, link.token_ids[link.start :], link.parent, link.start)
             except (ArtifactMismatch, OSError) as exc:
                 self._refuse(link.path, _why(exc))
                 return None
