@@ -93,7 +93,8 @@ def test_serve_check_reports_the_prefix_files_and_the_refused(artifact, tmp_path
     (other / "theirs.kvw").write_bytes(b"x" * 3000)
     report = serve_command(None, {"model": artifact, "prefix_dir": folder}, check=True)
     size = sum(p.stat().st_size for p in mine.glob(f"*{SUFFIX}")) / 2**20
-    assert f"2 prefix files ({size:.1f} MiB) in {mine}, 1 refused and removed: bad.kvw (" in report
+    budget = "of prefix_disk_bytes 1024.0 MiB, on disk, not in memory"
+    assert f"2 prefix files ({size:.1f} MiB {budget}) in {mine}, 1 refused and removed: bad.kvw (" in report
     assert "truncated (7 bytes)" in report and not (mine / "bad.kvw").exists()
     line = f"other exports' subfolders of {folder} hold 3000 bytes (0.0 MiB): 1 prefix files in 1 subfolders"
     assert line in report.splitlines() and (other / "theirs.kvw").exists()

@@ -58,7 +58,10 @@ def serve_command(
 
 def prefix_files(disk: PrefixDisk) -> str:
     """What the disk tier's folder holds, and the files it refused (and removed) at load."""
-    text = f"{len(disk)} prefix files ({disk.nbytes / 2**20:.1f} MiB) in {disk.folder}"
+    text = (
+        f"{len(disk)} prefix files ({disk.nbytes / 2**20:.1f} MiB of prefix_disk_bytes "
+        f"{disk.budget_bytes / 2**20:.1f} MiB, on disk, not in memory) in {disk.folder}"
+    )
     refused = "; ".join(f"{name} ({why})" for name, why in disk.refused.items())
     return text + (f", {len(disk.refused)} refused and removed: {refused}" if refused else "")
 
