@@ -24,6 +24,7 @@ import pytest
 
 from kvedge import cudart
 from kvedge.accel import current_device, describe_cudart, import_cudart
+from kvedge.doctor import cuda_runtime
 from kvedge.errors import KvedgeError
 from kvedge.runtime.cuda import DeviceMemory, MappedHost
 
@@ -133,6 +134,12 @@ def test_gpu_paths_fail_naming_the_call_without_a_driver(no_driver, library):
     with pytest.raises(KvedgeError, match=r"^cudaGetDeviceProperties " + driver):
         current_device()
     assert describe_cudart(import_cudart()) == f"ctypes over {library} ($KVEDGE_CUDART)"
+
+
+def test_doctor_says_which_runtime_it_drove_and_why_no_gpu(no_driver, library):
+    check = cuda_runtime()
+    assert check.value == f"{cudart.version_text(no_driver.cudaRuntimeGetVersion()[1])}, driver absent"
+    assert check.detail.startswith(f"ctypes over {library} ($KVEDGE_CUDART); cudaGetDeviceCount failed: ")
 
 
 def test_a_wrong_kvedge_cudart_is_one_line_naming_it(tmp_path, monkeypatch):
