@@ -6,9 +6,11 @@ needs only the runtime installed: the tiny models come exported (device_tests/ar
 
 Each test says what it needs with a marker; where that is missing it is skipped with the reason:
 
-    ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu) and cuda-python (the
-               pool is mapped with it, `kvedge.runtime.cuda.MappedHost`)
-    tensorrt   TensorRT and cuda-python, and a GPU they can see
+    ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu) and a CUDA runtime (the
+               pool is mapped with it, `kvedge.runtime.cuda.MappedHost`): a libcudart kvedge
+               drives through ctypes, or cuda-python (`kvedge.accel.import_cudart`;
+               KVEDGE_CUDA_RUNTIME=ctypes or cuda-python runs the tests on that one)
+    tensorrt   TensorRT and a CUDA runtime, and a GPU they can see
 
 and every test needs the artifacts: $KVEDGE_DEVICE_ARTIFACTS, or torch here to export them.
 """
@@ -27,20 +29,29 @@ if hasattr(ort, "preload_dlls"):  # CUDA and cuDNN from NVIDIA's pip packages, w
     ort.preload_dlls()
 
 
+def _cuda_runtime_missing() -> str | None:
+    from kvedge.accel import import_cudart
+    from kvedge.errors import KvedgeError
+
+    try:
+        import_cudart()
+    except KvedgeError as exc:
+        return f"no CUDA runtime ({exc})"
+    return None
+
+
 def _ort_cuda_missing() -> str | None:
     providers = ort.get_available_providers()
     if "CUDAExecutionProvider" not in providers:
         return f"no CUDAExecutionProvider in onnxruntime ({providers})"
-    if importlib.util.find_spec("cuda") is None:
-        return "cuda-python is not installed (`pip install cuda-python`)"
-    return None
+    return _cuda_runtime_missing()
 
 
 def _tensorrt_missing() -> str | None:
     if importlib.util.find_spec("tensorrt") is None:
         return "tensorrt is not importable (JetPack ships it; `pip install tensorrt` on x86_64 CUDA)"
-    if importlib.util.find_spec("cuda") is None:
-        return "cuda-python is not installed (`pip install cuda-python`)"
+    if _cuda_runtime_missing():
+        return _cuda_runtime_missing()
     from kvedge.accel import current_device
     from kvedge.errors import KvedgeError
 
@@ -56,7 +67,7 @@ MISSING = {"ort_cuda": _ort_cuda_missing, "tensorrt": _tensorrt_missing}
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "ort_cuda: needs onnxruntime's CUDAExecutionProvider")
-    config.addinivalue_line("markers", "tensorrt: needs TensorRT, cuda-python and a GPU")
+    config.addinivalue_line("markers", "tensorrt: needs TensorRT, a CUDA runtime and a GPU")
 
 
 def pytest_collection_modifyitems(config, items):

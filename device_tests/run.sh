@@ -13,8 +13,9 @@
 #   - a Jetson (JetPack 6.2: NVIDIA's Jetson onnxruntime-gpu and TensorRT; JetPack 7.2: TensorRT
 #     only, the ort_cuda tests skip), kvedge installed as docs/JETSON.md says: the tests as they are;
 #   - an x86-64 Linux machine with an NVIDIA GPU, the CUDA 13 driver, cuBLAS and cuDNN 9 for
-#     CUDA 13 (NVIDIA's pip packages of them will do: onnxruntime preloads them), cuda-python of
-#     the driver's CUDA major and no onnxruntime-gpu: where wheels/ holds the parts of
+#     CUDA 13 (NVIDIA's pip packages of them will do: onnxruntime preloads them), a libcudart
+#     (kvedge drives it through ctypes) or cuda-python of the driver's CUDA major (doctor's
+#     `cuda runtime` line says which), and no onnxruntime-gpu: where wheels/ holds the parts of
 #     onnxruntime_gpu-1.31.1-<python tag>-...whl (made by device_tests/split_wheel.sh), they are
 #     joined, checked against device_tests/onnxruntime_gpu.sha256 and installed in place of the
 #     CPU onnxruntime, without dependencies (the machine may have no network); wheels/*.whl of

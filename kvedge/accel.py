@@ -2,8 +2,10 @@
 
 Both the engine builder (`kvedge.export.tensorrt`: an engine is built on the device that will run
 it) and the runtime's GPU backends (`kvedge.runtime.cuda`, `kvedge.runtime.trt_backend`) import
-these helpers, so they live below both. Nothing here imports tensorrt or cuda-python until a
-helper is called; each refuses with a KvedgeError saying what to install.
+these helpers, so they live below both. Nothing here imports tensorrt or cuda-python, or loads
+libcudart, until a helper is called; each refuses with a KvedgeError saying what to install.
+The CUDA runtime is this machine's libcudart through ctypes (`kvedge.cudart`) unless none is
+found or $KVEDGE_CUDA_RUNTIME says cuda-python: both answer the same calls the same way.
 
 Engines run only under Jetson's (or x86 CUDA's) `tensorrt`. They are built with it too, or, where
 it is absent, with TensorRT for RTX (`tensorrt_rtx`, `pip install 'kvedge[trtcheck]'`), whose
@@ -13,8 +15,11 @@ by `TrtBackend` (another flavour), so on a Jetson the build is redone there.
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 from typing import Any
 
+from kvedge import cudart
 from kvedge.contract.engine import DeviceInfo
 from kvedge.errors import KvedgeError
 
@@ -29,9 +34,11 @@ INSTALL_TENSORRT_BUILDER = (
     "`pip install 'kvedge[trtcheck]'` (TensorRT for RTX)."
 )
 INSTALL_CUDA_PYTHON = (
-    "cuda-python is not installed: `pip install cuda-python` (the CUDA runtime bindings the GPU "
-    "backends map the cache pool with; part of `pip install 'kvedge[gpu]'` and `'kvedge[trt]'`)."
+    "cuda-python is not installed: `pip install cuda-python` of the driver's CUDA major (part of "
+    "`pip install 'kvedge[gpu]'` and `'kvedge[trt]'`)"
 )
+RUNTIME_ENV = "KVEDGE_CUDA_RUNTIME"
+RUNTIMES = ("auto", "ctypes", "cuda-python")
 
 
 def import_tensorrt() -> Any:
@@ -61,6 +68,28 @@ def import_tensorrt_builder() -> tuple[Any, str]:
 
 
 def import_cudart() -> Any:
+    """The CUDA runtime, called as cuda-python's `cuda.bindings.runtime` is: by default this
+    machine's libcudart through ctypes (`kvedge.cudart`: JetPack's own on a Jetson), else
+    cuda-python's bindings; $KVEDGE_CUDA_RUNTIME=ctypes or cuda-python takes only that one. A
+    KvedgeError says what to install, or which library failed to load."""
+    choice = os.environ.get(RUNTIME_ENV, "auto")
+    if choice not in RUNTIMES:
+        raise KvedgeError(f"{RUNTIME_ENV}={choice!r} is not one of {', '.join(RUNTIMES)}")
+    if choice == "cuda-python":
+        return _import_cuda_python()
+    try:
+        return cudart.load()
+    except KvedgeError as exc:
+        if choice == "ctypes" or os.environ.get(cudart.PATH_ENV):
+            raise
+        missing = str(exc)
+    try:
+        return _import_cuda_python()
+    except KvedgeError as exc:
+        raise KvedgeError(f"{missing}; or {exc}") from None
+
+
+def _import_cuda_python() -> Any:
     """cuda-python's CUDA runtime bindings (`cuda.bindings.runtime`, or `cuda.cudart` before 12.6)."""
     try:
         from cuda.bindings import runtime
@@ -72,8 +101,21 @@ def import_cudart() -> Any:
     return runtime
 
 
+def describe_cudart(runtime: Any) -> str:
+    """Which CUDA runtime `runtime` (from `import_cudart`) is: the libcudart and how it was found,
+    or cuda-python's distribution and version."""
+    if isinstance(runtime, cudart.CudaRuntime):
+        return f"ctypes over {runtime.path} ({runtime.found_by})"
+    for dist in ("cuda-python", "cuda-bindings"):
+        try:
+            return f"cuda-python ({dist} {importlib.metadata.version(dist)}, {runtime.__name__})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"cuda-python ({getattr(runtime, '__name__', type(runtime).__name__)})"
+
+
 def cuda_call(cudart: Any, result: tuple, what: str) -> Any:
-    """Unpack a cuda-python result `(error, value...)`, raising on any error."""
+    """Unpack a CUDA runtime result `(error, value...)`, raising on any error."""
     error, *values = result
     if error != cudart.cudaError_t.cudaSuccess:
         _, message = cudart.cudaGetErrorString(error)

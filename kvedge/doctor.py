@@ -13,11 +13,15 @@ absent, with what to do about it when that is known.
     cuda        `nvcc --version`, else the libcudart the dynamic loader finds
     cuda driver the CUDA version the driver supports: cuDriverGetVersion from libcuda.so.1, else
                 the JetPack line's CUDA (L4T ships the driver)
+    cuda runtime the CUDA runtime kvedge drives (`kvedge.accel.import_cudart`: a libcudart through
+                ctypes, and which, or cuda-python), its version and the driver's as it reads them
+                (cudaRuntimeGetVersion, cudaDriverGetVersion), and cudaGetDeviceCount's answer
     onnxruntime version and execution providers
     kernels     kvedge's own onnxruntime kernel library (built by pip install, kvedge.runtime.kernels)
     tensorrt    `import tensorrt`
-    cuda-python cuda-python / cuda-bindings installed, and whether the driver can run it: bindings
-                of CUDA major N need a driver for CUDA N or newer (`cuda_python_mismatch`)
+    cuda-python cuda-python / cuda-bindings installed (optional: the CUDA runtime's fallback), and
+                whether the driver can run it: bindings of CUDA major N need a driver for CUDA N
+                or newer (`cuda_python_mismatch`)
     memory      MemTotal and MemAvailable from /proc/meminfo (on Jetson the GPU allocates from it)
 """
 
@@ -34,6 +38,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvedge.cudart import version_text
 
 TOOL_TIMEOUT_S = 10
 
@@ -250,7 +256,7 @@ def libcuda_version(library: str = "libcuda.so.1") -> str | None:
     version = ctypes.c_int(0)
     if driver.cuDriverGetVersion(ctypes.byref(version)) != 0:  # CUDA_SUCCESS
         return None
-    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return version_text(version.value)
 
 
 def driver_cuda(libcuda: str | None, l4t: tuple[int, str] | None) -> tuple[str, str] | None:
@@ -314,10 +320,13 @@ def cuda_python(root: Path) -> Check:
         how = (
             f"`pip install '{cuda_python_pin(driver)}'`"
             if driver
-            else "its major must be the driver's CUDA major; on a Jetson `pip install '.[jp6]'` "
-            "(JetPack 6.2) or `'.[jp7]'` (7.2)"
+            else "its major must be the driver's CUDA major"
         )
-        return Check("cuda-python", None, f"not installed (the GPU backends' CUDA bindings): {how}")
+        return Check(
+            "cuda-python",
+            None,
+            f"not installed (optional: the CUDA runtime where no libcudart is found): {how}",
+        )
     dist, version = installed
     problem = cuda_python_mismatch(version, driver, dist)
     if problem:
@@ -325,6 +334,31 @@ def cuda_python(root: Path) -> Check:
     if driver is None:
         return Check("cuda-python", version, f"{dist}; no CUDA driver found to run it")
     return Check("cuda-python", version, f"{dist}, runs on this driver (CUDA {driver})")
+
+
+def cuda_runtime() -> Check:
+    """The CUDA runtime kvedge drives (`kvedge.accel.import_cudart`), its version and the driver's
+    as that runtime reads them, and whether it reaches a GPU, else CUDA's one-line reason."""
+    from kvedge.accel import cuda_call, describe_cudart, import_cudart
+    from kvedge.errors import KvedgeError
+
+    try:
+        runtime = import_cudart()
+        version = cuda_call(runtime, runtime.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion")
+        driver = cuda_call(runtime, runtime.cudaDriverGetVersion(), "cudaDriverGetVersion")  # 0: none
+    except KvedgeError as exc:
+        return Check("cuda runtime", None, str(exc))
+    value = f"{version_text(version)}, driver {version_text(driver) if driver else 'absent'}"
+    try:
+        found = f"{cuda_call(runtime, runtime.cudaGetDeviceCount(), 'cudaGetDeviceCount')} GPU(s)"
+    except KvedgeError as exc:
+        found = str(exc)
+    if driver and version // 1000 > driver // 1000:
+        found += (
+            f"; MISMATCH: a CUDA {version // 1000} runtime needs a CUDA {version // 1000} driver: set "
+            f"KVEDGE_CUDART to a libcudart of CUDA {driver // 1000}"
+        )
+    return Check("cuda runtime", value, f"{describe_cudart(runtime)}; {found}")
 
 
 def memory(root: Path) -> Check:
@@ -347,6 +381,7 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         lambda: gpu(root),
         cuda,
         lambda: cuda_driver(root),
+        cuda_runtime,
         onnxruntime,
         kernels,
         tensorrt,

@@ -79,7 +79,7 @@ class Stream:
 class CudaRuntime:
     cudaError_t = cudaError_t
     cudaMemcpyKind = cudaMemcpyKind
-    cudaDeviceAttr = types.SimpleNamespace(cudaDevAttrHostRegisterSupported=100)
+    cudaDeviceAttr = types.SimpleNamespace(cudaDevAttrHostRegisterSupported=99)  # driver_types.h
     cudaHostAllocMapped = 2
     cudaHostRegisterMapped = 2
 

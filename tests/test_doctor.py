@@ -17,6 +17,7 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
+from kvedge import cudart
 from kvedge.contract import Manifest
 from kvedge.doctor import (
     JETPACK_LINES,
@@ -210,15 +211,16 @@ def test_the_cuda_python_driver_decision(cuda_python, libcuda, l4t, problem):
         assert driver[1].startswith("L4T R")  # says where the version came from
 
 
-def test_the_jetpack_extras_pin_what_doctor_would():
-    """setup.cfg's jp6 / jp7 extras are doctor's pin for each supported line's CUDA."""
+def test_the_jetpack_extras_install_no_cuda_python():
+    """On a Jetson kvedge drives JetPack's own libcudart through ctypes (`kvedge.cudart`): the jp6
+    and jp7 extras bring no PyPI cuda-python, whose aarch64 runtime is built for SBSA servers."""
     extras = configparser.ConfigParser()
     extras.read(REPO / "setup.cfg")
     by_line = {"6.2": "jp6", "7.2": "jp7"}
     assert {line.jetpack for line in JETPACK_LINES} == set(by_line)
-    for line in JETPACK_LINES:
-        pins = [p for p in extras["options.extras_require"][by_line[line.jetpack]].split("\n") if p.strip()]
-        assert [p for p in pins if p.startswith("cuda-python")] == [cuda_python_pin(line.cuda)]
+    for extra in by_line.values():
+        pins = [p for p in extras["options.extras_require"][extra].split("\n") if p.strip()]
+        assert not [p for p in pins if p.startswith(("cuda-python", "cuda-bindings"))], extra
 
 
 def test_the_x86_gpu_extras_pin_cuda_12():
@@ -297,6 +299,31 @@ def test_doctor_names_the_mismatch_in_one_line(tmp_path):
         _report_line(fine, jetson, "cuda-python")
         == "cuda-python  13.0.1  (cuda-python, runs on this driver (CUDA 13.2))"
     )
+
+
+def _real_libcudart() -> str | None:
+    given = os.environ.get("KVEDGE_CUDART")
+    found = [given] if given else [path for path, _ in cudart._candidates() if os.path.isabs(path)]
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(HAVE_LIBCUDA, reason="a real libcuda here; the stand-in is for machines without one")
+@pytest.mark.skipif(_real_libcudart() is None, reason="no libcudart: pip install nvidia-cuda-runtime-cu12")
+@pytest.mark.parametrize("driver", [12060, 11080])
+def test_doctor_names_the_cuda_runtime_it_drives_and_the_drivers_version(tmp_path, driver):
+    """A real libcudart through ctypes over the stand-in libcuda.so.1: the runtime's version, the
+    driver's as the runtime reads it, the library and where it was found, CUDA's answer to
+    cudaGetDeviceCount (the stand-in is no driver), and a runtime newer than the driver named."""
+    library = _real_libcudart()
+    env = {**_stand_ins(tmp_path, driver=driver, cuda_python="12.9.10"), "KVEDGE_CUDART": library}
+    env.pop("KVEDGE_CUDA_RUNTIME", None)
+    line = _report_line(env, tmp_path, "cuda runtime")
+    version = int(line.split()[2].rstrip(",").split(".")[0])
+    has = driver // 1000
+    assert line.startswith(f"cuda runtime  {version}.") and f", driver {has}.{driver % 1000 // 10}  " in line
+    assert f"(ctypes over {library} ($KVEDGE_CUDART); cudaGetDeviceCount failed: " in line
+    mismatch = f"MISMATCH: a CUDA {version} runtime needs a CUDA {version} driver: set KVEDGE_CUDART"
+    assert (mismatch in line) == (version > has)
 
 
 def test_an_onnxruntime_that_does_not_import_is_said_and_tensorrt_paths_do_without_it(tmp_path):

@@ -21,7 +21,7 @@ import kvedge
 # Lowest first. "kvedge" is the package's own __init__ (its version string).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvedge", "errors", "files"),
-    ("contract",),
+    ("contract", "cudart"),
     ("quant", "accel", "configs"),
     ("runtime", "export"),
     ("calibrate", "planner", "doctor"),

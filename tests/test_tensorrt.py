@@ -440,6 +440,14 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
     return {"tensorrt": tensorrt, "cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.runtime": runtime}
 
 
+def install_fakes(monkeypatch, modules: dict[str, types.ModuleType]) -> None:
+    """`modules` in sys.modules, and kvedge told to drive cuda-python's runtime (the stand-in)
+    rather than a libcudart this machine may have (`kvedge.accel.import_cudart`)."""
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("KVEDGE_CUDA_RUNTIME", "cuda-python")
+
+
 @contextlib.contextmanager
 def fake_engine(
     folder, manifest: Manifest, monkeypatch, device_offset: int = 0, **changes
@@ -451,8 +459,7 @@ def fake_engine(
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
         cudart = CudaRuntime(device_offset=device_offset)
-        for name, module in fake_modules(folder, manifest, cudart).items():
-            monkeypatch.setitem(sys.modules, name, module)
+        install_fakes(monkeypatch, fake_modules(folder, manifest, cudart))
         yield cudart
     finally:
         (folder / ENGINE_MANIFEST_FILE).unlink()
@@ -583,8 +590,7 @@ def test_build_engine_asks_tensorrt_for_the_documented_profiles(tiny_llama, tmp_
     from kvedge.export.tensorrt import build_engine
 
     manifest = portable(tiny_llama)
-    for name, module in fake_modules(tiny_llama.out, manifest).items():
-        monkeypatch.setitem(sys.modules, name, module)
+    install_fakes(monkeypatch, fake_modules(tiny_llama.out, manifest))
     engine = build_engine(tiny_llama.out, tmp_path, max_prefill=64, workspace_bytes=256 << 20, max_batch=2)
     builder = FakeBuilder.last
     assert builder.shapes == profile_shapes(manifest, EngineOptions(max_prefill=64, max_batch=2))
@@ -607,8 +613,7 @@ def test_a_timing_cache_from_another_gpu_is_replaced_not_fatal(tiny_llama, tmp_p
     from kvedge.export.tensorrt import build_engine
 
     manifest = portable(tiny_llama)
-    for name, module in fake_modules(tiny_llama.out, manifest).items():
-        monkeypatch.setitem(sys.modules, name, module)
+    install_fakes(monkeypatch, fake_modules(tiny_llama.out, manifest))
     (tmp_path / TIMING_CACHE_FILE).write_bytes(b"from an Orin NX, TensorRT 10.3")
     original = FakeBuilder.__init__
 
@@ -657,8 +662,7 @@ def test_tensorrt_older_than_10_is_refused_naming_both_versions(tiny_llama, tmp_
     manifest = portable(tiny_llama)
     modules = fake_modules(tiny_llama.out, manifest)
     modules["tensorrt"].__version__ = "8.6.2"
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
+    install_fakes(monkeypatch, modules)
     with pytest.raises(
         KvedgeError, match=r"TensorRT 8\.6\.2 cannot build .*strongly typed .*TensorRT 10 or newer"
     ):

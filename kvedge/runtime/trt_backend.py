@@ -1,8 +1,9 @@
 """TensorRT backend: `Backend` (`run(...) -> StepOutput`, `reserve`) over `model.engine`.
 
-UNVERIFIED ON HARDWARE: written against TensorRT 10's and cuda-python's documented APIs; no GPU,
-TensorRT or cuda-python was available when it was written. device_tests/test_tensorrt.py
-compares it with the onnxruntime CPU reference; run that before trusting it.
+UNVERIFIED ON HARDWARE: written against TensorRT 10's and the CUDA runtime's documented APIs
+(called as cuda-python's, `kvedge.accel.import_cudart`); no GPU or TensorRT was available when it
+was written. device_tests/test_tensorrt.py compares it with the onnxruntime CPU reference; run
+that before trusting it.
 
 Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
 
