@@ -40,6 +40,7 @@ EXPORTS = {  # name -> ExportRecipe options
     "ort16-2048": {"max_len": 2048, "variant": "ort", "kv_dtype": "float16"},
     "portable-128": {"max_len": 128},
     "float16-128": {"max_len": 128, "precision": "float16"},
+    "float16-2048": {"max_len": 2048, "precision": "float16"},
 }
 POOL_READER = "pool_reader.onnx"
 FILES = {"pool_reader": POOL_READER}

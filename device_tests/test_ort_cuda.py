@@ -14,8 +14,8 @@ decode time  per-step decode at context 1536 vs 64, CUDA and CPU, and with a CUD
              kvedge allows one (the float16 in-place graph: its replayed logits must equal the
              uncaptured ones at both contexts; the portable graph's refusal, and what
              onnxruntime itself says of capturing it, are recorded)
-memory       GPU memory used after load + 1536 tokens vs the planner's "cuda" estimate, and the
-             host memory mapped for the GPU (the pool lives there)
+memory       device and host memory at load and at the first decode after 1536 tokens, vs the
+             planner's "cuda" terms, and the host memory mapped for the GPU (the pool lives there)
 close        models opened and closed in turn in one process map their pools anew (no 712 from
              a freed pool's pages still locked) and give every page lock back
 in place     one decode binding, run after the pool and the step inputs changed, reads the new
@@ -39,6 +39,7 @@ import onnxruntime as ort
 import pytest
 from artifacts import take
 from graph_nodes import graph_nodes
+from memory import MemoryLog
 from speculation import check_speculation
 
 from kvedge.contract import ONNX_FILE, Manifest
@@ -239,28 +240,20 @@ def test_decode_time_with_a_cuda_graph(exported, record):
     record(f"{name}.cuda_graph_decode_ms_context_1536", long)
 
 
-def _gpu_used_bytes() -> int:
-    """Device memory in use (cudaMemGetInfo: a Jetson has no nvidia-smi; there it counts the
-    whole DRAM, which CPU and GPU share)."""
-    from kvedge.accel import cuda_call, import_cudart
-
-    cudart = import_cudart()
-    free, total = cuda_call(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
-    return int(total) - int(free)
-
-
-def test_gpu_memory_vs_the_planner(exported, record):
-    before = _gpu_used_bytes()
+def test_memory_at_load_and_first_decode_vs_the_planner(exported, record):
+    """Device and host memory from before load to after it, and to the first decode after a
+    1536-token prefill (device_tests/memory.py), against the planner's "cuda" terms."""
+    log = MemoryLog(record, f"{_name(exported)}.cuda")
     gpu = Model(exported, device="cuda")
-    prefill(gpu.backend, gpu.cache, 0, [_ids(1536, seed=3)])
-    used = _gpu_used_bytes() - before
-    planned = check_fits(exported, 1, 1 << 40, device="cuda").total
-    name = _name(exported)
-    record(f"{name}.cuda_gpu_memory_used_bytes", used)
-    record(f"{name}.cuda_mapped_host_bytes", gpu.backend.host.nbytes)
-    record(f"{name}.cuda_cache_pool_bytes", gpu.cache.nbytes)
-    record(f"{name}.cuda_planned_bytes", planned)
-    assert used <= planned, f"GPU memory {used} exceeds the planner's {planned}"
+    log.mark("load")
+    logits = prefill(gpu.backend, gpu.cache, 0, [_ids(1536, seed=3)])
+    decode_one_token(gpu.backend, gpu.cache, 0, [int(np.argmax(logits[0]))])
+    used = log.mark("first_decode")["device"]
+    planned = log.planned(check_fits(exported, 1, 1 << 40, device="cuda"))["total"]
+    record(f"{_name(exported)}.cuda_mapped_host_bytes", gpu.backend.host.nbytes)
+    record(f"{_name(exported)}.cuda_cache_pool_bytes", gpu.cache.nbytes)
+    gpu.close()
+    assert used <= planned, f"memory {used} exceeds the planner's {planned}"
 
 
 def test_models_open_and_close_in_turn_without_712(exported, record):

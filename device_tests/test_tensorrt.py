@@ -9,6 +9,8 @@ Never run on hardware yet (see docs/JETSON.md). What each test establishes:
     batch of two     the prefill/decode profiles with 2 rows of different lengths
     wrong device     an engine manifest naming another GPU is refused, naming both
     contexts         one execution context per profile, each set once; close releases everything
+    memory           device and host memory at load and at the first decode after 1536 tokens,
+                     float32 and float16 engines, vs the planner's "tensorrt" terms
     pool             the cache pool mapped (default) vs in device memory (`--kv-memory device`):
                      the same logits, and decode per step at context 64 and 1536 with each
                      ("tensorrt.pool_<mapped|device>_decode_ms_context_<n>")
@@ -28,12 +30,14 @@ import time
 import numpy as np
 import pytest
 from artifacts import take
+from memory import MemoryLog
 from speculation import check_speculation
 
 from kvedge.contract import VERIFY_TOKENS
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_MANIFEST_FILE, PREFILL_PROFILE
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.tensorrt import build_engine
+from kvedge.planner import check_fits
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.cuda import DeviceMemory
 from kvedge.runtime.generate import decode_one_token, prefill, verify, verify_rows
@@ -164,6 +168,23 @@ def test_decode_time_with_the_pool_mapped_and_in_device_memory(exported_long, re
     finally:
         trt.close()  # the engine stops before the device pool goes
         memory.close()
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_memory_at_load_and_first_decode_vs_the_planner(precision, exported_long, folder, record):
+    """Device and host memory from before the engine loads to after it, and to the first decode
+    after a 1536-token prefill (device_tests/memory.py), against the planner's "tensorrt" terms,
+    for the float32 engine and the float16 one users run."""
+    model_folder = exported_long if precision == "float32" else take("float16-2048", folder)
+    build_engine(model_folder, model_folder, MAX_PREFILL, 256 << 20, max_batch=1)
+    log = MemoryLog(record, f"tensorrt.{precision}")
+    with Model(model_folder, slots=1, device="tensorrt") as model:
+        log.mark("load")
+        logits = prefill(model.backend, model.cache, 0, [_prompt(1536, 7)], chunk=MAX_PREFILL)
+        decode_one_token(model.backend, model.cache, 0, [int(np.argmax(logits[0]))])
+        used = log.mark("first_decode")["device"]
+    planned = log.planned(check_fits(model_folder, 1, 1 << 40, device="tensorrt"))["total"]
+    assert used <= planned, f"memory {used} exceeds the planner's {planned}"
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])

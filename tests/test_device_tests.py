@@ -158,3 +158,24 @@ def test_graph_nodes_reads_the_nodes_onnx_reads(folder, tmp_path):
         want = [(n.op_type, n.domain, tuple(n.input)) for n in graph.node]
         assert [(n.op_type, n.domain, n.inputs) for n in graph_nodes(path)] == want
         assert len(want) > 10
+
+
+def test_memory_log_reads_host_memory_and_records_the_planners_terms(folder):
+    """device_tests/memory.py's host side and its records, here (the device side needs a GPU:
+    cudaMemGetInfo, named in one line without a driver)."""
+    from memory import MemoryLog, host_bytes, planned_terms
+
+    from kvedge.errors import KvedgeError
+    from kvedge.planner import check_fits
+
+    before = host_bytes()
+    touched = np.ones(64 << 20, np.uint8)  # 64 MiB, every page written
+    after = host_bytes()
+    assert after["VmRSS"] - before["VmRSS"] >= 60 << 20 and after["VmHWM"] >= after["VmRSS"]
+    del touched
+    estimate = check_fits(folder / "portable-2048", 1, 1 << 40)
+    terms = planned_terms(estimate)
+    assert terms["total"] == estimate.total == sum(v for k, v in terms.items() if k != "total")
+    assert terms["kv"] == estimate.kv > 0
+    with pytest.raises(KvedgeError, match="cudaMemGetInfo|libcudart|cuda-python"):
+        MemoryLog({}.__setitem__, "no-driver")
