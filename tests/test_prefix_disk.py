@@ -16,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -66,8 +67,12 @@ def cold_logits(llama, ids: list[int], export: str = "out") -> np.ndarray:
     return prefill(reference.backend, reference.cache, 0, [ids])[0]
 
 
-def files(folder) -> list:
-    """The prefix files in the folder and its export subfolders, first segment first."""
+def files(folder, live=None) -> list:
+    """The prefix files in the folder and its export subfolders, first segment first; with `live`
+    (a Model or a PrefixDisk), once the files it queued are written."""
+    disk = getattr(live, "prefix_disk", live)
+    if disk is not None:
+        disk.flush()
     return sorted(folder.rglob(f"*{SUFFIX}"), key=lambda p: (read_warm_header(p).start, p.name))
 
 
@@ -97,12 +102,12 @@ def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
     model = boot(llama, tmp_path)
     a = talk(model)
     held = model.cache.length(0)
-    first = {read_warm_header(p).start: p for p in files(tmp_path)}  # turn 1's prompt, its reply
+    first = {read_warm_header(p).start: p for p in files(tmp_path, model)}  # turn 1's prompt, its reply
     assert len(first) == 2 and read_warm_header(first[max(first)]).parent == first[0].name
     rendered = model.tokenizer.encode_chat(a)
     follows_reply = list(rendered[:held]) == [int(t) for t in model.cache.token_ids(0)[:held]]
     a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
-    written = [p for p in files(tmp_path) if p not in first.values()]  # turn 2's prompt, its reply
+    written = [p for p in files(tmp_path, model) if p not in first.values()]  # turn 2's prompt, its reply
     assert len(written) == 2
     prompt, reply = sorted(written, key=lambda p: read_warm_header(p).start)
     assert read_warm_header(prompt).parent == first[max(first) if follows_reply else 0].name
@@ -113,11 +118,11 @@ def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
     chain, link = [], reply
     while link is not None:  # the last reply's chain holds the slot, each token once
         chain.insert(0, read_warm_header(link))
-        link = next((p for p in files(tmp_path) if p.name == chain[0].parent), None)
+        link = next((p for p in files(tmp_path, model) if p.name == chain[0].parent), None)
     assert [h.start for h in chain] == list(np.cumsum([0] + [h.count for h in chain[:-1]]))
     assert sum(h.count for h in chain) == held
     assert sum(h.data_bytes for h in chain) == held * model.manifest.geometry.bytes_per_token()
-    assert sum(p.stat().st_size for p in files(tmp_path)) == model.prefix_disk.bytes_written
+    assert sum(p.stat().st_size for p in files(tmp_path, model)) == model.prefix_disk.bytes_written
     model.close()
     a.append({"role": "user", "content": "And why keep it on disk?"})
     again = boot(llama, tmp_path)
@@ -126,12 +131,24 @@ def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
     assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens >= read_warm_header(reply).start
 
 
+def test_a_turns_end_queues_its_files_and_never_waits_on_the_disk(llama, tmp_path, monkeypatch):
+    """The scheduler's thread copies a turn's KV and goes on; the writer thread writes and fsyncs."""
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(threading.current_thread().name), fsync(fd)))
+    model = boot(llama, tmp_path)
+    talk(model)
+    assert len(files(tmp_path, model)) == 2 and synced == ["kvedge-prefix-writer"] * 2
+    model.close()
+
+
 def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
     model = boot(llama, tmp_path, prefix_cache_bytes=2**16)
     a = talk(model)
     for i in range(3):  # other users push A out of the slot, then out of the LRU
         other = [{"role": "system", "content": f"User {i}. " * 40}, {"role": "user", "content": "Hello"}]
         model.prepare(0, model.tokenizer.encode_chat(other))
+    model.prefix_disk.flush()
     assert model.prefix_lru.evictions and model.prefix_disk.bytes_written
     ids = model.tokenizer.encode_chat(a)
     np.testing.assert_allclose(model.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
@@ -168,16 +185,16 @@ def test_the_byte_budget_removes_the_least_recently_used_files(llama, tmp_path):
     model = boot(llama, tmp_path)
     talk(model)
     model.close()
-    size = files(tmp_path)[0].stat().st_size
+    size = files(tmp_path, model)[0].stat().st_size
     model = boot(llama, tmp_path, prefix_disk_bytes=2 * size + size // 2)  # room for two
-    first = files(tmp_path)[0]
+    first = files(tmp_path, model)[0]
     for i in range(3):
         other = [{"role": "system", "content": f"User {i}. " * 20}, {"role": "user", "content": "Hello"}]
         model.prepare(0, model.tokenizer.encode_chat(other))
         model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
         assert model.prefix_disk.nbytes <= 2 * size + size // 2
-        assert sum(p.stat().st_size for p in files(tmp_path)) == model.prefix_disk.nbytes
-    assert not first.exists() and len(files(tmp_path)) == 2
+        assert sum(p.stat().st_size for p in files(tmp_path, model)) == model.prefix_disk.nbytes
+    assert not first.exists() and len(files(tmp_path, model)) == 2
 
 
 def test_the_disk_tier_is_off_without_a_folder_and_its_options_are_checked(llama, tmp_path):
@@ -288,7 +305,9 @@ if len(sys.argv) > 2:  # a full disk: files may not grow past this many bytes
 disk = PrefixDisk(Path(sys.argv[1]), 6 * 2**15, geometry, "model", "graph", min_tokens=8)
 for i in range(10**6):
     ids = list(range(1000 * i, 1000 * i + 40))  # each run is its own: nothing extends another
-    if disk.save(ids, reader(KVBlock(np.full((2, 2, 2, 40, 16), i, np.float32)))):
+    disk.save(ids, reader(KVBlock(np.full((2, 2, 2, 40, 16), i, np.float32))))
+    disk.flush()  # the writer thread's write, or its failure
+    if any(e.token_ids[0] == 1000 * i for e in disk.entries.values()):
         print("written", i, flush=True)
     elif len(sys.argv) > 2:
         print("refused", i, flush=True)
@@ -373,11 +392,11 @@ def test_a_windowed_or_tampered_slot_is_never_written(llama, tmp_path):
     one whose record no longer matches its session is suspect: neither goes to disk."""
     model = boot(llama, tmp_path, policy=HistoryPolicy(mode="window"), slots=2)
     model.prepare(0, random_ids(600, seed=1))  # max_len 512: the window evicts as it prefills
-    assert model.sessions[0].evicted and not files(tmp_path)
+    assert model.sessions[0].evicted and not files(tmp_path, model)
     a = talk(model, slot=1)
     model.prefix_disk.clear()
     model.cache.tokens[1, 3] += 1  # the record no longer matches what the session left
-    assert model.keep_prefixes() == 0 and not files(tmp_path) and a
+    assert model.keep_prefixes() == 0 and not files(tmp_path, model) and a
 
 
 def test_a_segment_whose_first_files_the_budget_cannot_keep_beside_it_is_not_written(tmp_path):
@@ -386,4 +405,4 @@ def test_a_segment_whose_first_files_the_budget_cannot_keep_beside_it_is_not_wri
     block = KVBlock(np.zeros((2, 2, 2, 40, 16), np.float32))  # 512 bytes a token
     assert disk.save(range(30), reader(block.head(30)))  # 15,360 bytes of data
     assert not disk.save(range(40), reader(block))  # its segment (5,120) does not fit beside it
-    assert not files(tmp_path) and len(disk) == 0 and disk.nbytes == 0
+    assert not files(tmp_path, disk) and len(disk) == 0 and disk.nbytes == 0

@@ -121,7 +121,12 @@ class Service:
         raise RuntimeError(f"/metrics has no {name}")
 
     def kill(self) -> None:
-        """kill -9: no chance to write anything more."""
+        """kill -9, once the last turn's files are written (a turn's end queues them for the
+        writer thread: a kill within those milliseconds would lose them): no chance to write
+        anything more."""
+        deadline = time.monotonic() + 60
+        while self.metric("kvedge_prefix_disk_queued_bytes") and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
 

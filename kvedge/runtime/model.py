@@ -200,9 +200,9 @@ class Model:
         model's backend and cache are still released (then the error is raised). Run-time
         prefixes still in memory are written to disk first (`RunOptions.prefix_dir`)."""
         try:
-            if getattr(self, "prefix_disk", None) is not None:
-                self.prefix_disk.close()
             self.keep_prefixes()
+            if getattr(self, "prefix_disk", None) is not None:
+                self.prefix_disk.close()  # once every file queued is written
             self.prefix_disk = None  # the cache goes next: nothing is written from it again
             if self.draft is not None:
                 self.draft.close()
@@ -215,7 +215,8 @@ class Model:
 
     def prefix_stats(self) -> dict[str, int]:
         """Where the run-time prefixes sit: bytes in memory (`PrefixLRU`) and on disk
-        (`PrefixDisk`: bytes, files, bytes written and files refused since start-up)."""
+        (`PrefixDisk`: bytes, files, bytes written and files refused since start-up), and bytes
+        copied from slots waiting for the disk's writer thread."""
         disk = self.prefix_disk
         return {
             "memory_bytes": self.prefix_lru.nbytes,
@@ -223,6 +224,7 @@ class Model:
             "disk_files": 0 if disk is None else len(disk),
             "disk_written_bytes": 0 if disk is None else disk.bytes_written,
             "disk_refused": 0 if disk is None else len(disk.refused),
+            "disk_queued_bytes": 0 if disk is None else disk.queued_bytes,
         }
 
     @contextlib.contextmanager

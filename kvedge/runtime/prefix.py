@@ -143,25 +143,33 @@ class WarmHeader:
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
-def write_warm_file(
-    path: Path,
+@dataclass(frozen=True)
+class WarmFile:
+    """A warm file's bytes before they are written (`warm_file`): its preamble and header, and
+    its data as arrays of its own (copies: the slot they came from may change meanwhile)."""
+
+    head: bytes
+    parts: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + sum(part.nbytes for part in self.parts) + _DIGEST
+
+
+def warm_file(
     prefix: WarmPrefix,
     geometry: CacheGeometry,
     model_fingerprint: str,
     scales_fingerprint: str = "",
     graph_fingerprint: str = "",
-    mode: int = FILE_MODE,
-) -> None:
-    """Write `prefix` to `path` atomically (temp file + fsync + rename), with `mode` less the
-    umask. `graph_fingerprint` is the graph that computed its K/V (`Manifest.onnx_fingerprint`;
-    "" for K/V made by no export)."""
+) -> WarmFile:
+    """`prefix` as the bytes of its warm file (module docstring). `graph_fingerprint` is the graph
+    that computed its K/V (`Manifest.onnx_fingerprint`; "" for K/V made by no export)."""
     block = prefix.block
-    parts = [
-        np.ascontiguousarray(a, dtype=geometry.np_dtype) for a in (block.kv, block.ring) if a is not None
-    ]
+    parts = [np.array(a, geometry.np_dtype, order="C") for a in (block.kv, block.ring) if a is not None]
     if geometry.quantized:
         scales = (block.scales, block.ring_scales)
-        parts += [np.ascontiguousarray(a, dtype=KV_SCALE_DTYPE) for a in scales if a is not None]
+        parts += [np.array(a, KV_SCALE_DTYPE, order="C") for a in scales if a is not None]
     header = {
         "name": prefix.name,
         "model_fingerprint": model_fingerprint,
@@ -178,23 +186,44 @@ def write_warm_file(
         header.update(parent=prefix.parent, start=prefix.start)
     raw = json.dumps(header, sort_keys=True).encode()
     raw += b" " * ((-(_PREAMBLE.size + len(raw))) % _ALIGN)
+    return WarmFile(_PREAMBLE.pack(MAGIC, WARM_VERSION, len(raw)) + raw, tuple(parts))
+
+
+def write_warm_file(
+    path: Path,
+    prefix: WarmPrefix,
+    geometry: CacheGeometry,
+    model_fingerprint: str,
+    scales_fingerprint: str = "",
+    graph_fingerprint: str = "",
+    mode: int = FILE_MODE,
+) -> None:
+    """Write `prefix` to `path` (`warm_file`, `save_warm_file`)."""
+    file = warm_file(prefix, geometry, model_fingerprint, scales_fingerprint, graph_fingerprint)
+    save_warm_file(path, file, mode)
+
+
+def save_warm_file(path: Path, file: WarmFile, mode: int = FILE_MODE) -> os.stat_result:
+    """Write `file` to `path` atomically (temp file + fsync + rename), with `mode` less the umask;
+    the written file's status."""
     digest = hashlib.sha256()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = new_file(path.parent, f".{path.name}.", ".tmp", mode)  # 0666: the service user reads it
     try:
         with os.fdopen(fd, "wb") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # until renamed: see remove_stale_temps
-            chunks = [_PREAMBLE.pack(MAGIC, WARM_VERSION, len(raw)), raw]
-            for chunk in chunks + [memoryview(part).cast("B") for part in parts]:
+            for chunk in [file.head] + [memoryview(part).cast("B") for part in file.parts]:
                 digest.update(chunk)
                 handle.write(chunk)
             handle.write(digest.digest())
             handle.flush()
             os.fsync(handle.fileno())
+            status = os.fstat(handle.fileno())
             os.replace(tmp, path)  # before close drops the lock
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return status
 
 
 def read_warm_file(

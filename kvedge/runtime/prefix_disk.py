@@ -23,6 +23,14 @@ taken, the LRU evicts it, the model closes) is written the same way, if not yet 
 Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
 layer's part of a segment would need positions before its start.
 
+Writing: `save` copies the KV out of the slot and queues the file for one writer thread
+(`FileWriter`: atomic write, fsync, rename), so the scheduler never waits on the disk; measured
+for a 1,176-token first turn of the default model (52 MiB float32): 21-28 ms of copying on the
+caller's thread against 135-186 ms of writing on the writer's. The index counts a queued file at
+once; a conversation that needs one still queued waits for it; a write that fails (a full disk)
+is logged and its prefix dropped, with the segments after it. A process killed with files queued
+loses them: what kill -9 can lose is the turn in flight and those milliseconds of writing.
+
 Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
 files are never rewritten. `bytes_written` counts every byte written.
 
@@ -50,11 +58,12 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +74,7 @@ from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.prefix import (
     SUFFIX,
     FileIdentity,
+    WarmFile,
     WarmHeader,
     WarmPrefix,
     best_entry,
@@ -72,7 +82,8 @@ from kvedge.runtime.prefix import (
     read_warm_file,
     read_warm_header,
     remove_stale_temps,
-    write_warm_file,
+    save_warm_file,
+    warm_file,
 )
 from kvedge.runtime.sessions import common_prefix
 
@@ -128,6 +139,7 @@ class PrefixDisk:
         self.checked: set[FileIdentity] = set()
         self._stop = threading.Event()
         self._ahead: threading.Thread | None = None
+        self._writer = FileWriter(self._written)
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         remove_stale_temps(self.folder)
         self._read_index()
@@ -144,11 +156,20 @@ class PrefixDisk:
         )
         self._ahead.start()
 
+    def flush(self) -> None:
+        """Wait until every file `save` queued is written (or its failure logged and the prefix
+        dropped)."""
+        self._writer.flush()
+        self._reap()
+
     def close(self) -> None:
-        """Stop `check_ahead` (within the file it is checking)."""
+        """Stop `check_ahead` (within the file it is checking), then the writer once every file
+        queued is written."""
         self._stop.set()
         if self._ahead is not None:
             self._ahead.join()
+        self._writer.close()
+        self._reap()
 
     def _check_files(self, links: list[tuple[Path, tuple[int, ...], str, int]]) -> None:
         with contextlib.suppress(OSError):  # not Linux, or not allowed: the default priority
@@ -179,18 +200,26 @@ class PrefixDisk:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the files queued and not yet written (`FileWriter`): held in memory."""
+        return self._writer.queued_bytes
+
     def best_match(
         self, ids: Sequence[int], usable: Callable[[int, int], int] | None = None
     ) -> tuple[DiskEntry | None, int]:
         """The file sharing the most leading tokens with `ids`, and how many it shares; with
         `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
+        self._reap()
         return best_entry(self.entries.values(), ids, usable)
 
     def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock]) -> bool:
-        """Write the KV of `token_ids` that no file holds yet: `read(start)` gives it from
-        position `start` on, as a slot holds it. Nothing is written for a short or already held
-        prefix, or a segment larger than the budget; whether a file was written. A failed write (a
-        full disk) is logged and the prefix dropped."""
+        """Queue for writing the KV of `token_ids` that no file holds yet: `read(start)` gives it
+        from position `start` on, as a slot holds it, and is copied before this returns; the
+        writer thread writes it (`FileWriter`), so the caller never waits on the disk. Nothing is
+        queued for a short or already held prefix, or a segment larger than the budget; whether a
+        file was queued. A failed write (a full disk) is logged and the prefix dropped."""
+        self._reap()
         ids = tuple(int(t) for t in token_ids)
         if len(ids) < self.min_tokens:
             return False
@@ -209,41 +238,46 @@ class PrefixDisk:
                     parent = entry
         start = 0 if parent is None else len(parent.token_ids)
         block = read(start) if whole is None else whole
-        if block.nbytes > self.budget_bytes:
-            return False
-        if parent is not None:
-            self._use(parent)
-        self._trim(block.nbytes)
-        if parent is not None and parent.path.name not in self.entries:  # trimmed to make room
-            return False
         digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}{SUFFIX}"
         name = "" if parent is None else parent.path.name
         prefix = WarmPrefix(path.stem, ids[start:], block, name, start)
-        try:
-            write_warm_file(
-                path,
-                prefix,
-                self.geometry,
-                self.model_fingerprint,
-                graph_fingerprint=self.graph_fingerprint,
-                mode=FILE_MODE,
-            )
-            status = path.stat()
-        except OSError as exc:
-            log.warning("prefix file %s not written (%s); prefix dropped", path, exc.strerror or exc)
+        if block.nbytes > self.budget_bytes:
             return False
-        size = status.st_size
-        self.checked.add(file_identity(status))  # written from the slot: nothing to check
-        self.bytes_written += size
-        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, size, name, start))
+        file = warm_file(
+            prefix, self.geometry, self.model_fingerprint, graph_fingerprint=self.graph_fingerprint
+        )
+        if parent is not None:
+            self._use(parent)
+        self._trim(file.nbytes)
+        if parent is not None and parent.path.name not in self.entries:  # trimmed to make room
+            return False
+        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, file.nbytes, name, start))
+        self._writer.put(path, file)
         self._trim(0)
         return True
 
+    def _written(self, status: os.stat_result) -> None:
+        """The writer wrote a file (its thread): nothing to check in it, and its bytes count."""
+        self.checked.add(file_identity(status))
+        self.bytes_written += status.st_size
+
+    def _reap(self) -> None:
+        """Drop the prefixes whose writes failed (logged by the writer), with the segments after."""
+        while self._writer.failed:
+            self._remove(self._writer.failed.popleft())
+
     def load(self, entry: DiskEntry, count: int) -> list[WarmPrefix] | None:
         """The files holding the entry's first `count` tokens, first to last, each memory-mapped
-        and checked in full; None (the failing file refused, logged and removed) if one fails."""
-        chain = self._chain(entry)
+        and checked in full; None (the failing file refused, logged and removed) if one fails, or
+        if one could not be written."""
+        chain = self._chain(entry) if entry.path.name in self.entries else []
+        for link in chain:
+            if link.start < count:
+                self._writer.wait(link.path.name)  # a file queued and not yet written
+        self._reap()
+        if not chain or any(link.path.name not in self.entries for link in chain):
+            return None
         loaded = []
         for link in chain:
             if link.start >= count:
@@ -333,7 +367,7 @@ class PrefixDisk:
         if entry is None:
             return
         self.nbytes -= entry.nbytes
-        entry.path.unlink(missing_ok=True)
+        self._writer.cancel(entry.path)
         for after in [e.path.name for e in self.entries.values() if e.parent == name]:
             self._remove(after)
 
@@ -390,3 +424,88 @@ def reader(block: KVBlock) -> Callable[[int], KVBlock]:
 
 def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ArtifactMismatch) else f"cannot read it: {exc.strerror or exc}"
+
+
+@dataclass(eq=False)
+class _Job:
+    path: Path
+    file: WarmFile
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+
+
+class FileWriter:
+    """One thread writing warm files in the order queued (`save_warm_file`: atomic, fsync'ed), so
+    the thread that queues them never waits on the disk. `cancel` removes a file, queued or
+    written; a write that fails is logged and its name left in `failed` for the owner to drop.
+    A process killed with files queued loses them (their prefixes prefill again)."""
+
+    def __init__(self, written: Callable[[os.stat_result], None]) -> None:
+        self.failed: deque[str] = deque()
+        self.queued_bytes = 0  # of the files queued and not yet written: copies held in memory
+        self._written = written
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: dict[str, _Job] = {}  # by file name, the last queued
+        self._lock = threading.Lock()  # a cancel against a write's rename
+        self._thread: threading.Thread | None = None
+
+    def put(self, path: Path, file: WarmFile) -> None:
+        job = _Job(path, file)
+        with self._lock:
+            self._pending[path.name] = job
+            self.queued_bytes += file.nbytes
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvedge-prefix-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def wait(self, name: str) -> None:
+        job = self._pending.get(name)
+        if job is not None:
+            job.done.wait()
+
+    def cancel(self, path: Path) -> None:
+        """Remove `path`, and if it is queued or being written, see that it is not kept."""
+        with self._lock:
+            job = self._pending.get(path.name)
+            if job is not None:
+                job.cancelled = True
+            path.unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._write(job)
+            finally:
+                with self._lock:
+                    self.queued_bytes -= job.file.nbytes
+                    job.file = None  # type: ignore[assignment]  # its copy of the KV goes now
+                    if self._pending.get(job.path.name) is job:
+                        del self._pending[job.path.name]
+                job.done.set()
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, job: _Job) -> None:
+        if job.cancelled:
+            return
+        try:
+            status = save_warm_file(job.path, job.file, FILE_MODE)
+        except OSError as exc:
+            log.warning("prefix file %s not written (%s); prefix dropped", job.path, exc.strerror or exc)
+            self.failed.append(job.path.name)
+            return
+        with self._lock:
+            if job.cancelled:  # removed while it was written
+                job.path.unlink(missing_ok=True)
+                return
+        self._written(status)
