@@ -17,6 +17,7 @@ import gc
 import inspect
 import json
 import logging
+import mmap
 import subprocess
 import sys
 import types
@@ -420,6 +421,11 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
         return None
 
     logger.WARNING = 2
+
+    def deserialize(plan):  # the engine file, mapped: its bytes as they are on disk
+        assert isinstance(plan, mmap.mmap) and plan[:] == (folder / ENGINE_FILE).read_bytes()
+        return FakeEngine(folder, manifest, runtime)
+
     tensorrt = types.SimpleNamespace(
         __version__="10.3.0",
         Logger=logger,
@@ -428,9 +434,7 @@ def fake_modules(folder, manifest, cudart: CudaRuntime | None = None) -> dict[st
             STATIC="static", USER_MANAGED="user_managed"
         ),
         nptype=lambda dtype: dtype,
-        Runtime=lambda logger: types.SimpleNamespace(
-            deserialize_cuda_engine=lambda data: FakeEngine(folder, manifest, runtime)
-        ),
+        Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=deserialize),
         **FakeBuilder.module_attributes(),
     )
     bindings = types.ModuleType("cuda.bindings")

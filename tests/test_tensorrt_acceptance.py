@@ -41,6 +41,7 @@ from kvedge.export.tensorrt import (
     parse_errors,
     profile_shapes,
 )
+from kvedge.runtime.trt_backend import deserialize_engine
 
 trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX: pip install 'kvedge[trtcheck]'")
 
@@ -84,7 +85,7 @@ def test_tensorrt_parses_and_builds(case, source, tmp_path):
     assert EngineManifest.load(out) == engine
     # the engine's profiles are the ones the runtime sizes its buffers from
     runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
-    built = runtime.deserialize_cuda_engine((out / ENGINE_FILE).read_bytes())
+    built = deserialize_engine(runtime, out / ENGINE_FILE)  # the binding takes the mapped file
     if built is not None:  # needs a GPU to deserialize; without one the build is the proof
         assert built.num_optimization_profiles == 2
 
@@ -113,9 +114,7 @@ def test_the_prefill_profile_takes_a_verify_of_verify_rows(precision, source, tm
     assert tuple(outputs[names.logits].shape) == (-1, -1, manifest.vocab_size)
     engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
     assert engine.max_rows == VERIFY_TOKENS and EngineManifest.load(out).verify_refusal() is None
-    built = trt.Runtime(trt.Logger(trt.Logger.ERROR)).deserialize_cuda_engine(
-        (out / ENGINE_FILE).read_bytes()
-    )
+    built = deserialize_engine(trt.Runtime(trt.Logger(trt.Logger.ERROR)), out / ENGINE_FILE)
     if built is None:  # needs a GPU to deserialize
         return
     assert [tuple(d) for d in built.get_tensor_profile_shape(names.last_index, PREFILL_PROFILE)] == taken[0]

@@ -33,6 +33,7 @@ Jetson. Not done yet: CUDA graph capture of the decode step.
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ class TrtBackend:
 
     def _load(self, folder: Path, manifest: Manifest) -> None:
         self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
-        self.engine = self.runtime.deserialize_cuda_engine((folder / ENGINE_FILE).read_bytes())
+        self.engine = deserialize_engine(self.runtime, folder / ENGINE_FILE)
         if self.engine is None:
             raise KvedgeError(f"TensorRT could not load {folder / ENGINE_FILE}; rebuild it")
         # TensorRT gives a profile to one context at a time: context i runs profile i. By default
@@ -240,3 +241,12 @@ def _check(ok: bool, what: str) -> None:
     """TensorRT's setters answer False where they refuse (the reason goes to its logger)."""
     if not ok:
         raise KvedgeError(f"TensorRT refused {what}; see its log above")
+
+
+def deserialize_engine(runtime: Any, path: Path) -> Any:
+    """`runtime.deserialize_cuda_engine` over `path` memory-mapped: TensorRT reads the file's pages
+    where they are, so no anonymous copy of the whole engine sits in host memory beside the one it
+    makes on the device (page-cache pages, which the kernel can drop); None where TensorRT could
+    not load it. The buffer overload every TensorRT 10 binding has (a stream reader is 10.7+)."""
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return runtime.deserialize_cuda_engine(mapped)
