@@ -25,8 +25,8 @@ from kvedge.runtime.prefix_disk import PrefixDisk, list_prefix_files
 from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
-from kvedge.serve.engine import Engine, decode_warmup
 from kvedge.serve.metrics import Metrics
+from kvedge.serve.scheduler import Scheduler, decode_warmup
 from kvedge.serve.systemd import Notifier, render_unit
 from kvedge.serve.ui import page_url
 
@@ -212,19 +212,21 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, draining the engine before it stops listening: while running requests finish
+    """uvicorn, draining the scheduler before it stops listening: while running requests finish
     (at most `grace_s`), the port stays open, so /health answers 503 "draining" and new
     requests get 503 rather than a refused connection."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float, notifier: Notifier) -> None:
+    def __init__(
+        self, config: uvicorn.Config, scheduler: Scheduler, grace_s: float, notifier: Notifier
+    ) -> None:
         super().__init__(config)
-        self.engine, self.grace_s, self.notifier = engine, grace_s, notifier
+        self.scheduler, self.grace_s, self.notifier = scheduler, grace_s, notifier
 
     async def shutdown(self, sockets=None) -> None:
         self.notifier.stopping()
-        self.engine.drain(self.grace_s)
-        deadline = time.monotonic() + self.grace_s + 1.0  # the engine cancels at grace_s
-        while self.engine.busy() and time.monotonic() < deadline and not self.force_exit:
+        self.scheduler.drain(self.grace_s)
+        deadline = time.monotonic() + self.grace_s + 1.0  # the scheduler cancels at grace_s
+        while self.scheduler.busy() and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
         await super().shutdown(sockets)
 
@@ -270,7 +272,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     )
     metrics = Metrics()
     notifier = Notifier()
-    engine = Engine(
+    scheduler = Scheduler(
         load=lambda: load_model(config, config.slots),
         queue_size=config.queue_size,
         metrics=metrics,
@@ -281,7 +283,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     )
     server = _Server(
         uvicorn.Config(
-            create_app(config, engine, metrics),
+            create_app(config, scheduler, metrics),
             host=config.host,
             port=config.port,
             log_config=None,
@@ -294,7 +296,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
                 max_connections=config.max_connections,
             ),
         ),
-        engine,
+        scheduler,
         config.shutdown_grace_s,
         notifier,
     )
@@ -309,8 +311,8 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
         else:
             log.info("API: %sv1 (chat page off: ui is false)", page_url(config.host, config.port))
 
-    engine.on_failure, engine.on_ready = failed, ready
+    scheduler.on_failure, scheduler.on_ready = failed, ready
     with listening:
         server.run(sockets=[listening])
-    if engine.state == "failed":
-        raise KvedgeError(f"{engine.failure}; see the log above")
+    if scheduler.state == "failed":
+        raise KvedgeError(f"{scheduler.failure}; see the log above")
