@@ -288,7 +288,7 @@ def _sampling(kwargs: dict[str, Any]):
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
     """The model the runtime flags (`runtime_options`) and --speculate draft:DIR name."""
-    from kvedge.configs import load_warmup_config
+    from kvedge.configs import load_warm_prefix_config
     from kvedge.runtime.model import Model
     from kvedge.runtime.options import RunOptions
     from kvedge.runtime.sessions import HistoryPolicy
@@ -300,7 +300,7 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
         device=kwargs["device"],
         kv_memory=kwargs["kv_memory"],
         policy=HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"]),
-        warm_prefixes=load_warmup_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
+        warm_prefixes=load_warm_prefix_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
         warm_dir=kwargs["warm_dir"],
         draft=None if draft is None else Path(draft),
     )
@@ -798,11 +798,11 @@ def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
 def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
     starting(f"loading {model_dir}, then the warm prefixes of {config_path} in {warm_dir}")
-    from kvedge.configs import load_warmup_config
+    from kvedge.configs import load_warm_prefix_config
     from kvedge.runtime.model import Model
 
-    model = Model(model_dir, warm_prefixes=load_warmup_config(config_path), warm_dir=warm_dir)
-    report = model.warmup_report
+    model = Model(model_dir, warm_prefixes=load_warm_prefix_config(config_path), warm_dir=warm_dir)
+    report = model.warm_prefix_report
     for prefix in model.prefixes.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
         click.echo(f"{prefix.name}: {len(prefix.token_ids)} tokens, {prefix.nbytes / 2**20:.2f} MiB, {state}")

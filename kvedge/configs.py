@@ -29,7 +29,7 @@ the profile's memory (`kvedge.planner.recommend`), the one answer README and doc
     export: {max_len, logits, weights_dtype, kv_dtype, max_prefill, max_batch}
 
 `configs/warmup/NAME.yaml`, warm prefixes: fixed prompts whose KV `kvedge warm-prefixes` (or
-start-up) computes once and keeps on disk (see `kvedge/runtime/warmup.py`)::
+start-up) computes once and keeps on disk (see `kvedge/runtime/warm_prefixes.py`)::
 
     prefixes:
       - name: assistant            # file name: <warm dir>/assistant.kvw
@@ -329,7 +329,7 @@ class PrefixSpec(Strict):
     text: Text | None = None
 
 
-class WarmupConfig(Strict):
+class WarmPrefixConfig(Strict):
     """A warm-prefix file (`configs/warmup/*.yaml`)."""
 
     prefixes: Annotated[
@@ -429,10 +429,10 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
     return recipe
 
 
-def load_warmup_config(path: str | Path) -> WarmupConfig:
+def load_warm_prefix_config(path: str | Path) -> WarmPrefixConfig:
     """Read and validate a warm-prefix file; errors name the file, the key and what is allowed."""
     path = Path(path)
-    config = parse(read_yaml(path), WarmupConfig, path)
+    config = parse(read_yaml(path), WarmPrefixConfig, path)
     for i, spec in enumerate(config.prefixes):
         if (spec.messages is None) == (spec.text is None):
             raise _refuse(path, f"prefixes[{i}]", "give exactly one of 'messages' or 'text'")

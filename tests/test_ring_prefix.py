@@ -19,7 +19,7 @@ from conftest import random_ids
 from tiny import make_tiny_model
 
 from kvedge.calibrate.calibrate import collect_kv
-from kvedge.configs import load_warmup_config
+from kvedge.configs import load_warm_prefix_config
 from kvedge.contract import RING_MARGIN, ExportRecipe
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
@@ -132,11 +132,11 @@ def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
     and used: whole, by a partial match its rings serve, and by one they do not."""
     path = tmp_path / "warmup.yaml"
     path.write_text(f'prefixes:\n  - name: notes\n    text: "{LONG_TEXT}"\n')
-    config, folder = load_warmup_config(path), tmp_path / "warm"
+    config, folder = load_warm_prefix_config(path), tmp_path / "warm"
     first = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
-    assert first.warmup_report.rebuilt == {"notes": "missing"}
+    assert first.warm_prefix_report.rebuilt == {"notes": "missing"}
     model = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
-    assert model.warmup_report.loaded == ["notes"]
+    assert model.warm_prefix_report.loaded == ["notes"]
     block = model.prefixes.prefixes[0].block
     ids = list(model.prefixes.prefixes[0].token_ids)
     assert len(ids) > RING and block.ring_count == RING

@@ -49,7 +49,7 @@ from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
-from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
+from kvedge.runtime.warm_prefixes import PrefixStore, WarmPrefixConfig, WarmPrefixReport, load_warm_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Model:
 
     def _load(self, options: RunOptions) -> None:
         """Everything after the backend opened: tokenizer, cache, sessions, warm prefixes."""
-        slots, warmup, warm_dir = options.slots, options.warm_prefixes, options.warm_dir
+        slots, warm, warm_dir = options.slots, options.warm_prefixes, options.warm_dir
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(
             self.folder / TOKENIZER_FILE, self.manifest.vocab_size, self.manifest.eos_token_ids
@@ -138,9 +138,9 @@ class Model:
         self.prefix_disk: PrefixDisk | None = disk
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
         self.prefixes = PrefixStore()
-        self.warmup_report: WarmupReport | None = None
-        if warmup is not None:
-            self.prefixes, self.warmup_report = self.warm_up(warmup, warm_dir)
+        self.warm_prefix_report: WarmPrefixReport | None = None
+        if warm is not None:
+            self.prefixes, self.warm_prefix_report = self.load_warm_prefixes(warm, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
         log.info(
@@ -186,10 +186,12 @@ class Model:
                 f"manifest's {self.manifest.onnx_fingerprint[:16]}; re-export the model"
             )
 
-    def warm_up(self, config: WarmupConfig, folder: str | Path) -> tuple[PrefixStore, WarmupReport]:
+    def load_warm_prefixes(
+        self, config: WarmPrefixConfig, folder: str | Path
+    ) -> tuple[PrefixStore, WarmPrefixReport]:
         """Load the warm prefixes `config` declares from `folder`, recomputing any that is not
         valid (in the last slot, which is left empty)."""
-        return warm_up(self.tokenizer, self.backend, self.cache, self.manifest, config, folder)
+        return load_warm_prefixes(self.tokenizer, self.backend, self.cache, self.manifest, config, folder)
 
     def close(self) -> None:
         """Stop the backend, then release what it holds of the cache (GPU page locks, mapped

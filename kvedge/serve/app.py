@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvedge.configs import load_warmup_config
+from kvedge.configs import load_warm_prefix_config
 from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
 from kvedge.runtime.speculate import DRAFT, draft_folder
@@ -418,7 +418,7 @@ def warm_prefix_cards(config: ServiceConfig) -> list[dict[str, Any]]:
     if config.warm_prefixes is None:
         return []
     cards = []
-    for spec in load_warmup_config(config.warm_prefixes).prefixes:
+    for spec in load_warm_prefix_config(config.warm_prefixes).prefixes:
         if spec.messages is None:
             cards.append({"name": spec.name, "text": spec.text})
         else:

@@ -106,14 +106,14 @@ class Scheduler:
         load: Callable[[], Model],
         queue_size: int,
         metrics: Metrics,
-        warmup: Callable[[Model], None] | None = None,
+        decode_warmup: Callable[[Model], None] | None = None,
         on_failure: Callable[[], None] = lambda: None,
         batch_decode: bool = True,
         on_ready: Callable[[], None] = lambda: None,
         heartbeat: Callable[[], None] = lambda: None,
         heartbeat_s: float | None = None,  # the longest wait between heartbeats (<= HEARTBEAT_S)
     ) -> None:
-        self._load, self._warmup = load, warmup
+        self._load, self._decode_warmup = load, decode_warmup
         self.queue_size = queue_size
         self.batch_decode = batch_decode
         self.metrics = metrics
@@ -218,9 +218,9 @@ class Scheduler:
                 self._free = list(range(model.slots))
                 if self.state == "loading":
                     self.state = "warming"
-            if self._warmup is not None:
+            if self._decode_warmup is not None:
                 warming = time.monotonic()
-                self._warmup(model)
+                self._decode_warmup(model)
                 log.info("warm-up done in %.2f s", time.monotonic() - warming)
             with self._cond:
                 if self.state == "warming":

@@ -9,7 +9,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -251,9 +251,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT. /health turns ready after the model loads and `warmup` (default:
-    `config.warmup_tokens` greedy decode steps) returns; warm-up files can hook in here."""
+def serve(config: ServiceConfig) -> None:
+    """Serve until SIGTERM/SIGINT. /health turns ready after the model loads (its warm prefixes
+    included) and `config.warmup_tokens` greedy decode steps have run (`decode_warmup`)."""
     manifest = Manifest.load(config.model)  # a broken folder fails here, before the port opens
     listening = listening_socket(config.host, config.port)  # a port in use fails before the load
     if logging.getLogger("kvedge.serve").getEffectiveLevel() > logging.INFO:
@@ -276,7 +276,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
         load=lambda: load_model(config, config.slots),
         queue_size=config.queue_size,
         metrics=metrics,
-        warmup=warmup if warmup is not None else decode_warmup(config.warmup_tokens),
+        decode_warmup=decode_warmup(config.warmup_tokens),
         batch_decode=config.batch_decode,
         heartbeat=notifier.watchdog,
         heartbeat_s=notifier.heartbeat_s,
