@@ -64,7 +64,7 @@ def test_first_boot_builds_then_reboot_loads(tiny_llama, warm):
     assert first.warm_prefix_report.rebuilt == {"assistant": "missing", "notes": "missing"}
     again = boot(tiny_llama, warm)
     assert again.warm_prefix_report.loaded == ["assistant", "notes"] and not again.warm_prefix_report.rebuilt
-    for a, b in zip(first.prefixes.prefixes, again.prefixes.prefixes, strict=True):
+    for a, b in zip(first.warm_store.prefixes, again.warm_store.prefixes, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_array_equal(a.block.kv, b.block.kv)
 
@@ -74,7 +74,7 @@ def test_session_starting_with_warm_prefix_reuses_it_exactly(tiny_llama, warm):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]
     ids = model.tokenizer.encode_chat(messages)
     logits = model.prepare(0, ids)
-    assert model.sessions[0].reused_tokens == len(model.prefixes.prefixes[0].token_ids)
+    assert model.sessions[0].reused_tokens == len(model.warm_store.prefixes[0].token_ids)
     reference = tiny_llama.model()
     expected = prefill(reference.backend, reference.cache, 0, [ids])[0]
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
@@ -104,7 +104,7 @@ def test_damaged_file_is_refused_and_rebuilt(tiny_llama, warm, damage, reason):
 
 def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
     model = boot(tiny_llama, warm)
-    prefix = model.prefixes.prefixes[0]
+    prefix = model.warm_store.prefixes[0]
     geometry = model.manifest.geometry
     path = warm[1] / "assistant.kvw"
     fingerprint = model.manifest.source_fingerprint
@@ -145,12 +145,12 @@ def test_warm_file_of_another_export_of_the_same_model_is_refused_and_recomputed
     graphs = f"graph {theirs.onnx_fingerprint[:16]!r}, this model's graph is {mine.onnx_fingerprint[:16]!r}"
     assert f"made by {graphs}" in why
     assert int8_model.warm_prefix_report.rebuilt.keys() == {"assistant", "notes"}
-    recomputed = int8_model.prefixes.prefixes[0]
+    recomputed = int8_model.warm_store.prefixes[0]
     ids = list(recomputed.token_ids)
     reference = Model(int8_out, slots=1)
     prefill(reference.backend, reference.cache, 0, [ids])
     np.testing.assert_array_equal(recomputed.block.kv, reference.cache.read(0, len(ids)).kv)
-    assert not np.array_equal(recomputed.block.kv, float_model.prefixes.prefixes[0].block.kv)
+    assert not np.array_equal(recomputed.block.kv, float_model.warm_store.prefixes[0].block.kv)
     again = boot(tiny_llama, warm)  # and back: the float32 export recomputes its own
     assert "made by graph" in again.warm_prefix_report.rebuilt["assistant"]
 
@@ -361,7 +361,7 @@ def test_warm_file_of_non_finite_values_with_a_valid_checksum_is_refused_and_rec
     tiny_llama, warm, caplog
 ):
     model = boot(tiny_llama, warm)
-    manifest, prefix = model.manifest, model.prefixes.prefixes[0]
+    manifest, prefix = model.manifest, model.warm_store.prefixes[0]
     path = warm[1] / "assistant.kvw"
     good = path.read_bytes()
     write_warm_file(

@@ -44,7 +44,7 @@ from kvedge.configs import Message, PrefixSpec, WarmPrefixConfig
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
 from kvedge.runtime.tokenizer import ChatTokenizer
-from kvedge.runtime.warm_prefixes import PrefixStore
+from kvedge.runtime.warm_prefixes import WarmPrefixStore
 
 SYSTEM_TOKENS = 300
 USER_TOKENS = 20
@@ -166,13 +166,13 @@ def _start_up(model: Model, config: WarmPrefixConfig, tmp: Path, threads: int, r
     }
 
 
-def _first_token(model: Model, messages: Messages, warm_store: PrefixStore, pairs: int) -> dict[str, Any]:
-    stores = {"cold": PrefixStore(), "warm": warm_store}
+def _first_token(model: Model, messages: Messages, warm_store: WarmPrefixStore, pairs: int) -> dict[str, Any]:
+    stores = {"cold": WarmPrefixStore(), "warm": warm_store}
     times: dict[str, list[float]] = {"cold": [], "warm": []}
     reused: dict[str, int] = {}
 
     def run(kind: str) -> float:
-        model.prefixes = stores[kind]
+        model.warm_store = stores[kind]
         seconds = ttft(model, messages, reset=True)
         reused[kind] = model.sessions[0].reused_tokens
         return seconds
@@ -182,7 +182,7 @@ def _first_token(model: Model, messages: Messages, warm_store: PrefixStore, pair
     for i in range(pairs):
         for kind in ("warm", "cold") if i % 2 else ("cold", "warm"):
             times[kind].append(run(kind))
-    model.prefixes = PrefixStore()
+    model.warm_store = WarmPrefixStore()
     cold, warm = times["cold"], times["warm"]
     return {
         "warm_prefix_tokens": reused["warm"],

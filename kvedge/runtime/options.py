@@ -28,7 +28,9 @@ class RunOptions:
     # GPU devices: the cache pool in mapped pinned host memory ("mapped") or GPU memory ("device")
     kv_memory: str = "mapped"
     policy: HistoryPolicy = field(default_factory=HistoryPolicy)  # conversations longer than the cache
-    prefix_cache_bytes: int = 0  # run-time prefixes kept when their slot is taken (`PrefixLRU`); 0: off
+    prefix_cache_bytes: int = (
+        0  # run-time prefixes kept when their slot is taken (`RunTimePrefixStore`); 0: off
+    )
     # run-time prefixes written to disk when they leave memory (`PrefixDisk`), in this export's
     # subfolder (`export_folder`); None: off
     prefix_dir: Path | None = None

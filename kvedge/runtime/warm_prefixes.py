@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 USER_PROBES = ("Hi", "42", "?", "(")  # user messages starting with different kinds of characters
 
 
-class PrefixStore:
+class WarmPrefixStore:
     """Warm prefixes held in memory (memory-mapped from their files), searched by token prefix."""
 
     def __init__(self, prefixes: list[WarmPrefix] | None = None) -> None:
@@ -97,14 +97,14 @@ def load_warm_prefixes(
     manifest: Manifest,
     config: WarmPrefixConfig,
     folder: str | Path,
-) -> tuple[PrefixStore, WarmPrefixReport]:
+) -> tuple[WarmPrefixStore, WarmPrefixReport]:
     """Load every declared prefix from `folder`, recomputing (in the cache's last slot) and
     rewriting any that is not valid."""
     folder = Path(folder)
     started = time.perf_counter()
     fingerprint, graph = manifest.source_fingerprint, manifest.onnx_fingerprint
     geometry = manifest.geometry
-    store, loaded, rebuilt, unwritten = PrefixStore(), [], {}, {}
+    store, loaded, rebuilt, unwritten = WarmPrefixStore(), [], {}, {}
     for spec in tqdm(config.prefixes, desc="warm prefixes", unit="prefix", disable=len(config.prefixes) < 2):
         ids = prefix_ids(tokenizer, spec)
         if len(ids) >= geometry.max_len:
