@@ -518,7 +518,7 @@ def _build_engine(folder: Path, max_prefill: int, max_batch: int, workspace: str
     from kvedge.planner import parse_bytes
 
     built = build_engine(folder, folder, max_prefill, parse_bytes(workspace), max_batch=max_batch)
-    click.echo(f"built {folder}/model.engine: {built.built_with}, {built.device.describe()}")
+    click.echo(f"built {folder}/model.engine: {built.built_with}, {built.gpu.describe()}")
 
 
 def _group_size(value: int) -> int:
@@ -951,18 +951,18 @@ def info(model_dir: Path, as_json: bool) -> None:
 
 
 def _plan_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--device is where the model runs, as elsewhere; a device profile given as --device (its
+    """--device is where the model runs, as elsewhere; a board profile given as --device (its
     meaning in `plan` before 0.x) still works, with a warning naming --profile."""
     if value is None or value in DEVICES:
         return value
-    from kvedge.configs import DEVICES_DIR, available
+    from kvedge.configs import BOARDS_DIR, available
 
-    if value in available(DEVICES_DIR) or value.endswith((".yaml", ".yml")):
-        log.warning("--device %s (a device profile) is deprecated; use --profile %s", value, value)
+    if value in available(BOARDS_DIR) or value.endswith((".yaml", ".yml")):
+        log.warning("--device %s (a board profile) is deprecated; use --profile %s", value, value)
         ctx.meta[("old spelling", "profile")] = value
         return None
     raise click.BadParameter(
-        f"{value!r} is not allowed; allowed: {', '.join(DEVICES)} (a device profile is --profile NAME)"
+        f"{value!r} is not allowed; allowed: {', '.join(DEVICES)} (a board profile is --profile NAME)"
     )
 
 
@@ -979,7 +979,7 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
     "--profile",
     default=None,
     callback=or_old_spelling,
-    help="Device profile (configs/devices name or YAML path) whose memory is the budget; "
+    help="Board profile (configs/devices name or YAML path) whose memory is the budget; "
     "default: this machine's free memory.",
 )
 @click.option(
