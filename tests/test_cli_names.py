@@ -10,7 +10,7 @@ from collections import defaultdict
 import click
 import pytest
 
-from kvedge.cli import main
+from kvedge.cli import OLD_OPTIONS, main
 from kvedge.serve.config import KEYS, RENAMED
 
 # concept: (what it means, the service config key that holds it or None)
@@ -297,6 +297,14 @@ def test_one_name_per_concept_and_one_concept_per_name():
 def test_every_service_config_key_is_listed():
     assert set(KEYS) == {key for _, key in CONCEPTS.values() if key}
     assert set(RENAMED.values()) <= set(KEYS) and not set(RENAMED) & set(KEYS)
+
+
+def test_old_option_spellings_come_from_one_table():
+    """Every hidden option is a row of `kvedge.cli.OLD_OPTIONS` (plan's --backend, whose values
+    changed too, aside), and every row is checked below."""
+    hidden = {(name, flag(p)) for name, command in commands().items() for p in options(command, hidden=True)}
+    assert hidden == set(OLD_OPTIONS) | {("plan", "--backend")}
+    assert {where: new for where, (_, new, _) in DEPRECATED.items() if where in OLD_OPTIONS} == OLD_OPTIONS
 
 
 @pytest.mark.parametrize("where", sorted(DEPRECATED), ids="-".join)
