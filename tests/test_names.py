@@ -93,11 +93,15 @@ def public_names(module_names) -> dict[str, str]:
     return names
 
 
+ALL_NAMES = public_names(list(MODULES))
+# string constants (ENGINE_FILE, SUFFIX...): the file names and suffixes the code writes
+VALUES = {v for m in MODULES.values() for k, v in vars(m).items() if k.isupper() and isinstance(v, str)}
+
+
 def test_no_public_name_uses_a_retired_spelling():
-    used = ALL_NAMES
-    assert {old: used[old] for old in OLD_NAMES if old in used} == {}, "use the new name (OLD_NAMES)"
+    assert {old: ALL_NAMES[old] for old in OLD_NAMES if old in ALL_NAMES} == {}, "use the new names"
     assert set(OLD_MODULES) & set(MODULES) == set()
-    assert set(OLD_NAMES.values()) <= set(used), "OLD_NAMES names a new spelling that does not exist"
+    assert set(OLD_NAMES.values()) <= set(ALL_NAMES), "OLD_NAMES names a new spelling that does not exist"
     assert set(OLD_MODULES.values()) <= set(MODULES)
 
 
@@ -107,10 +111,6 @@ def glossary() -> list[tuple[str, list[str]]]:
     table = text.split("## Glossary", 1)[1].split("\n## ", 1)[0]
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     return [(cells[0][2:], re.findall(r"`([^`]+)`", cells[0] + cells[1])) for cells in rows[1:]]
-
-
-ALL_NAMES = public_names(list(MODULES))
-VALUES = {v for m in MODULES.values() for k, v in vars(m).items() if k.isupper() and isinstance(v, str)}
 
 
 def options() -> dict[str, click.Option]:
@@ -134,7 +134,7 @@ def resolves(token: str) -> bool:
         return option is not None and all(w in (choices or [w]) for w in words[1:])
     if "/" in token:
         return any(list(root.glob(token.replace("NAME", "*"))) for root in (REPO, REPO / "kvedge"))
-    if token in VALUES:  # a file name or suffix the code writes (ENGINE_FILE, SUFFIX...)
+    if token in VALUES:
         return True
     path = re.sub(r"\[.*\]$", "", token).split(".")
     if len(path) == 1:
