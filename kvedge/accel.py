@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from kvedge import cudart
-from kvedge.contract.engine import DeviceInfo
+from kvedge.contract.engine import GpuInfo
 from kvedge.errors import KvedgeError
 
 INSTALL_TENSORRT = (
@@ -123,8 +123,8 @@ def cuda_call(cudart: Any, result: tuple, what: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def current_device(cudart: Any | None = None, index: int = 0) -> DeviceInfo:
+def current_device(cudart: Any | None = None, index: int = 0) -> GpuInfo:
     cudart = cudart or import_cudart()
     props = cuda_call(cudart, cudart.cudaGetDeviceProperties(index), "cudaGetDeviceProperties")
     name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-    return DeviceInfo(name.rstrip("\x00").strip(), f"{props.major}.{props.minor}", props.multiProcessorCount)
+    return GpuInfo(name.rstrip("\x00").strip(), f"{props.major}.{props.minor}", props.multiProcessorCount)

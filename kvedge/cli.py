@@ -114,7 +114,25 @@ def choice_option(flag: str, choices: Sequence[str], default: str, help: str) ->
     return click.option(flag, type=click.Choice(list(choices)), default=default, show_default=True, help=help)
 
 
-def old_spelling(old: str, new: str, dest: str, **kwargs: Any) -> Any:
+# Former option names, one table for every command: (command, old flag) -> the flag that replaced
+# it. Each still works, warning once and naming the new flag (`add_old_spellings`); the service
+# config's former keys are `kvedge.serve.config.RENAMED`. plan's --backend and a board profile given
+# as plan's --device changed values as well as names: `_plan_backend`, `_plan_device`.
+OLD_OPTIONS = {
+    ("generate", "--context-policy"): "--history-policy",
+    ("generate", "--warmup"): "--warm-prefixes",
+    ("chat", "--context-policy"): "--history-policy",
+    ("chat", "--warmup"): "--warm-prefixes",
+    ("warm-prefixes", "--config"): "--warm-prefixes",
+    ("plan", "--budget"): "--memory-budget",
+    ("plan", "--weights-dtype"): "--weights",
+    ("plan", "--context"): "--max-len",
+    ("calibrate", "--group-size"): "--kv-group-size",
+    ("eval-kv", "--json"): "--out",
+}
+
+
+def old_spelling(old: str, new: str, dest: str, type: Any = None) -> click.Option:
     """A hidden option `old`, the former name of `new`, kept for scripts that still use it: it warns
     naming `new`, and `new`'s option (with `callback=or_old_spelling`) takes its value unless given."""
 
@@ -125,9 +143,20 @@ def old_spelling(old: str, new: str, dest: str, **kwargs: Any) -> Any:
 
     # a name of its own: sharing `dest` with `new`'s option, it was handed `new`'s value and warned
     # about the very flag given
-    return click.option(
-        old, f"old_spelling_{dest}", hidden=True, expose_value=False, callback=store, **kwargs
+    return click.Option(
+        [old, f"old_spelling_{dest}"], type=type, hidden=True, expose_value=False, callback=store
     )
+
+
+def add_old_spellings(group: click.Group, table: dict[tuple[str, str], str]) -> None:
+    """Give each command of `table` a hidden option per old flag, typed as the new flag's option,
+    which then takes the old flag's value unless given itself (`or_old_spelling`)."""
+    for (name, old), new in table.items():
+        command = group.commands[name]
+        option = next(p for p in command.params if isinstance(p, click.Option) and new in p.opts)
+        if option.callback is None:
+            option.callback = or_old_spelling
+        command.params.append(old_spelling(old, new, option.name, type=option.type))
 
 
 def or_old_spelling(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
@@ -244,10 +273,8 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
             type=click.Choice(POLICIES),
             default="error",
             show_default=True,
-            callback=or_old_spelling,
             help="What to do when a conversation outgrows the cache (the service's history_policy).",
         ),
-        old_spelling("--context-policy", "--history-policy", "history_policy", type=click.Choice(POLICIES)),
         click.option(
             "--n-sink", default=4, show_default=True, type=int, help="window: tokens never evicted."
         ),
@@ -255,10 +282,8 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
             "--warm-prefixes",
             default=None,
             type=click.Path(path_type=Path),
-            callback=or_old_spelling,
             help="Warm-prefix YAML (configs/warmup/): fixed prompts whose KV is kept in --warm-dir.",
         ),
-        old_spelling("--warmup", "--warm-prefixes", "warm_prefixes", type=click.Path(path_type=Path)),
         click.option(
             "--warm-dir",
             default=None,
@@ -288,7 +313,7 @@ def _sampling(kwargs: dict[str, Any]):
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
     """The model the runtime flags (`runtime_options`) and --speculate draft:DIR name."""
-    from kvedge.configs import load_warmup_config
+    from kvedge.configs import load_warm_prefix_config
     from kvedge.runtime.model import Model
     from kvedge.runtime.options import RunOptions
     from kvedge.runtime.sessions import HistoryPolicy
@@ -300,7 +325,7 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
         device=kwargs["device"],
         kv_memory=kwargs["kv_memory"],
         policy=HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"]),
-        warm_prefixes=load_warmup_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
+        warm_prefixes=load_warm_prefix_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
         warm_dir=kwargs["warm_dir"],
         draft=None if draft is None else Path(draft),
     )
@@ -518,7 +543,7 @@ def _build_engine(folder: Path, max_prefill: int, max_batch: int, workspace: str
     from kvedge.planner import parse_bytes
 
     built = build_engine(folder, folder, max_prefill, parse_bytes(workspace), max_batch=max_batch)
-    click.echo(f"built {folder}/model.engine: {built.built_with}, {built.device.describe()}")
+    click.echo(f"built {folder}/model.engine: {built.built_with}, {built.gpu.describe()}")
 
 
 def _group_size(value: int) -> int:
@@ -790,7 +815,6 @@ def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
     callback=required_or_old_spelling,
     help="Warm-prefix YAML (configs/warmup/), as in generate and serve.",
 )
-@old_spelling("--config", "--warm-prefixes", "config_path", type=click.Path(path_type=Path))
 @click.option(
     "--warm-dir", required=True, type=click.Path(path_type=Path), help="Folder for the warm prefix files."
 )
@@ -798,12 +822,12 @@ def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
 def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
     starting(f"loading {model_dir}, then the warm prefixes of {config_path} in {warm_dir}")
-    from kvedge.configs import load_warmup_config
+    from kvedge.configs import load_warm_prefix_config
     from kvedge.runtime.model import Model
 
-    model = Model(model_dir, warm_prefixes=load_warmup_config(config_path), warm_dir=warm_dir)
-    report = model.warmup_report
-    for prefix in model.prefixes.prefixes:
+    model = Model(model_dir, warm_prefixes=load_warm_prefix_config(config_path), warm_dir=warm_dir)
+    report = model.warm_prefix_report
+    for prefix in model.warm_store.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
         click.echo(f"{prefix.name}: {len(prefix.token_ids)} tokens, {prefix.nbytes / 2**20:.2f} MiB, {state}")
     if report.unwritten:  # this command's job is the files; the service would serve from memory
@@ -951,18 +975,18 @@ def info(model_dir: Path, as_json: bool) -> None:
 
 
 def _plan_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--device is where the model runs, as elsewhere; a device profile given as --device (its
+    """--device is where the model runs, as elsewhere; a board profile given as --device (its
     meaning in `plan` before 0.x) still works, with a warning naming --profile."""
     if value is None or value in DEVICES:
         return value
-    from kvedge.configs import DEVICES_DIR, available
+    from kvedge.configs import BOARDS_DIR, available
 
-    if value in available(DEVICES_DIR) or value.endswith((".yaml", ".yml")):
-        log.warning("--device %s (a device profile) is deprecated; use --profile %s", value, value)
+    if value in available(BOARDS_DIR) or value.endswith((".yaml", ".yml")):
+        log.warning("--device %s (a board profile) is deprecated; use --profile %s", value, value)
         ctx.meta[("old spelling", "profile")] = value
         return None
     raise click.BadParameter(
-        f"{value!r} is not allowed; allowed: {', '.join(DEVICES)} (a device profile is --profile NAME)"
+        f"{value!r} is not allowed; allowed: {', '.join(DEVICES)} (a board profile is --profile NAME)"
     )
 
 
@@ -979,17 +1003,15 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
     "--profile",
     default=None,
     callback=or_old_spelling,
-    help="Device profile (configs/devices name or YAML path) whose memory is the budget; "
+    help="Board profile (configs/devices name or YAML path) whose memory is the budget; "
     "default: this machine's free memory.",
 )
 @click.option(
     "--memory-budget",
     "budget",
     default=None,
-    callback=or_old_spelling,
     help="Bytes the model may use instead of a profile's, e.g. 6GiB (the service's memory_budget).",
 )
-@old_spelling("--budget", "--memory-budget", "budget")
 @click.option(
     "--reserve", default=None, help="Bytes kept for the OS (default: 1.5GiB with --profile, else 0)."
 )
@@ -1015,12 +1037,10 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
     "--weights",
     type=click.Choice(list(WEIGHT_FORMATS)),
     default=None,
-    callback=or_old_spelling,
     help="Recipes only: the weight form an export would make (default: the recipe's); "
     "--variant, --precision, --block-size, --outlier-channels, --head-bits and --decode-matmuls "
     "as in export.",
 )
-@old_spelling("--weights-dtype", "--weights", "weights", type=click.Choice(list(WEIGHT_FORMATS)))
 @click.option("--variant", type=click.Choice(sorted(VARIANTS)), default=None, help="As in export.")
 @click.option("--precision", type=click.Choice(list(PRECISIONS)), default=None, help="As in export.")
 @click.option("--block-size", type=int, default=None, help="As in export.")
@@ -1032,10 +1052,8 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
     "--max-len",
     "max_lens",
     default=None,
-    callback=or_old_spelling,
     help="Cache lengths (tokens per slot) to plan, e.g. 1024,2048 (export's --max-len).",
 )
-@old_spelling("--context", "--max-len", "max_lens")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @user_errors
 def plan(model: str, profile: str | None, device: str | None, **kwargs: Any) -> None:
@@ -1085,10 +1103,8 @@ def doctor(as_json: bool) -> None:
     default="32",
     show_default=True,
     type=click.Choice(["16", "32", "64", "128"]),
-    callback=or_old_spelling,
     help="Channels per scale, as export's --kv-group-size.",
 )
-@old_spelling("--group-size", "--kv-group-size", "group_size", type=click.Choice(["16", "32", "64", "128"]))
 @click.option("--percentile", default=99.99, show_default=True, type=float)
 @click.option("--force", is_flag=True, help="Overwrite existing scales.")
 @user_errors
@@ -1179,10 +1195,8 @@ def calibrate(
     "json_path",
     default=None,
     type=click.Path(path_type=Path),
-    callback=or_old_spelling,
     help="Also write the results here (JSON).",
 )
-@old_spelling("--json", "--out", "json_path", type=click.Path(path_type=Path))
 @user_errors
 def eval_kv(
     model_dir: Path,
@@ -1336,3 +1350,6 @@ def bench(
         command=" ".join(["kvedge", *sys.argv[1:]]),
     )
     run_benchmark(config, echo=click.echo)
+
+
+add_old_spellings(main, OLD_OPTIONS)

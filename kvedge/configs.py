@@ -29,7 +29,7 @@ the profile's memory (`kvedge.planner.recommend`), the one answer README and doc
     export: {max_len, logits, weights_dtype, kv_dtype, max_prefill, max_batch}
 
 `configs/warmup/NAME.yaml`, warm prefixes: fixed prompts whose KV `kvedge warm-prefixes` (or
-start-up) computes once and keeps on disk (see `kvedge/runtime/warmup.py`)::
+start-up) computes once and keeps on disk (see `kvedge/runtime/warm_prefixes.py`)::
 
     prefixes:
       - name: assistant            # file name: <warm dir>/assistant.kvw
@@ -67,7 +67,7 @@ from kvedge.errors import KvedgeError
 # checkout's (an editable install included); other files are passed as paths
 _INSTALLED = Path(__file__).resolve().parent / "_configs"
 CONFIG_ROOT = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().parents[1] / "configs"
-DEVICES_DIR = CONFIG_ROOT / "devices"
+BOARDS_DIR = CONFIG_ROOT / "devices"
 MODELS_DIR = CONFIG_ROOT / "models"
 
 WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
@@ -216,7 +216,7 @@ def _value_at(data: Any, steps: list[str | int]) -> Any:
     return data
 
 
-# --- device profiles -----------------------------------------------------------------------------
+# --- board profiles ------------------------------------------------------------------------------
 
 
 class Gpu(Strict):
@@ -224,7 +224,7 @@ class Gpu(Strict):
     tensor_cores: Count
 
 
-class DeviceFile(Strict):
+class BoardFile(Strict):
     """`configs/devices/NAME.yaml` as written."""
 
     name: Text
@@ -235,7 +235,7 @@ class DeviceFile(Strict):
     gpu: Gpu
 
 
-class DeviceProfile(DeviceFile, frozen=True):
+class BoardProfile(BoardFile, frozen=True):
     """A Jetson module: published memory, bandwidth and compute capability."""
 
     path: Path  # the file it was loaded from
@@ -329,7 +329,7 @@ class PrefixSpec(Strict):
     text: Text | None = None
 
 
-class WarmupConfig(Strict):
+class WarmPrefixConfig(Strict):
     """A warm-prefix file (`configs/warmup/*.yaml`)."""
 
     prefixes: Annotated[
@@ -379,9 +379,9 @@ def _check_name(name: str, path: Path) -> None:
         raise _refuse(path, "name", f"{name!r} must equal the file name {path.stem!r}")
 
 
-def load_device(name_or_path: str | Path) -> DeviceProfile:
-    """A device profile by name (`configs/devices/NAME.yaml`) or path."""
-    path = _resolve(name_or_path, DEVICES_DIR, "device")
+def load_board(name_or_path: str | Path) -> BoardProfile:
+    """A board profile by name (`configs/devices/NAME.yaml`) or path."""
+    path = _resolve(name_or_path, BOARDS_DIR, "board")
     data = read_yaml(path)
     if isinstance(data, dict) and isinstance(data.get("compute_capability"), float):
         raise _refuse(path, "compute_capability", "write it quoted ('8.7'): YAML reads 8.7 as a number")
@@ -392,9 +392,9 @@ def load_device(name_or_path: str | Path) -> DeviceProfile:
             "no longer read; remove it: `kvedge plan MODEL --profile NAME` computes what to run on a device "
             "from its memory (kvedge.planner.recommend)",
         )
-    device = parse(data, DeviceFile, path)
+    device = parse(data, BoardFile, path)
     _check_name(device.name, path)
-    return DeviceProfile(**msgspec.structs.asdict(device), path=path)
+    return BoardProfile(**msgspec.structs.asdict(device), path=path)
 
 
 def load_recipe(name_or_path: str | Path) -> ModelRecipe:
@@ -429,10 +429,10 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
     return recipe
 
 
-def load_warmup_config(path: str | Path) -> WarmupConfig:
+def load_warm_prefix_config(path: str | Path) -> WarmPrefixConfig:
     """Read and validate a warm-prefix file; errors name the file, the key and what is allowed."""
     path = Path(path)
-    config = parse(read_yaml(path), WarmupConfig, path)
+    config = parse(read_yaml(path), WarmPrefixConfig, path)
     for i, spec in enumerate(config.prefixes):
         if (spec.messages is None) == (spec.text is None):
             raise _refuse(path, f"prefixes[{i}]", "give exactly one of 'messages' or 'text'")

@@ -73,7 +73,7 @@ bar (`quality_tier`), then the fewest bytes saved, then the fewest options. A fo
 refuses (`kvedge.contract.engine.device_refusal`, the runtime's rule) gets no table and no smallest
 change: one line saying why, and the nearest form it runs (`nearest_runnable`).
 
-What to run: `recommend` gives one form per budget (a device profile) and GPU device (cuda,
+What to run: `recommend` gives one form per budget (a board profile) and GPU device (cuda,
 tensorrt; `RECOMMENDED_DEVICES` says why not the CPU), the form `kvedge plan` prints last and
 the README and docs/JETSON.md state per board: of the forms the device runs whose KL against the
 float32 model was measured (`WEIGHTS_KL`, `PRECISION_KL`, `CACHE_KL`, summed over a form's
@@ -81,7 +81,7 @@ choices) within `QUALITY_BAR`, the one holding the most slots at the recipe's ma
 the fewer bytes, then the lower KL. That KLs of separate choices add is an approximation the
 bench supports: ort int8 weights 0.0009 + the INT8 cache 0.0003 = 0.0012, measured together 0.0013.
 
-Budgets: a device profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
+Budgets: a board profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
 (1.5 GiB by default, an estimate for a headless L4T; a desktop session needs about 1 GiB
 more), or the live machine's MemAvailable from /proc/meminfo. On Jetson's unified memory that
 is the right figure, not cudaMemGetInfo (NVIDIA's "CUDA for Tegra" app note, "Estimating Total
@@ -99,7 +99,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvedge.configs import Architecture, DeviceProfile, ModelRecipe, load_device, load_recipe
+from kvedge.configs import Architecture, BoardProfile, ModelRecipe, load_board, load_recipe
 from kvedge.contract import (
     EXPORTED_KV_DTYPES,
     KV_DTYPES,
@@ -123,7 +123,7 @@ from kvedge.files import GiB, MiB, human
 
 FLOAT32 = 4  # the graph computes activations in float32
 SCORE_BUFFERS, MLP_BUFFERS, HIDDEN_BUFFERS, PRESENT_COPIES = 8, 3, 4, 2  # see the module docstring
-DEVICE_RESERVE = 1536 * MiB
+BOARD_RESERVE = 1536 * MiB
 DEFAULT_SLOTS = (1, 2, 4, 8, 16)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 MIN_CONTEXT = 16  # the shortest cache an export takes (configs.ExportSettings.max_len)
@@ -496,7 +496,7 @@ def live_budget(reserve_bytes: int = 0, meminfo: Path = Path("/proc/meminfo")) -
     return Budget(int(found.group(1)) * 1024, reserve_bytes, f"MemAvailable of this machine ({meminfo})")
 
 
-def device_budget(profile: DeviceProfile, reserve_bytes: int = DEVICE_RESERVE) -> Budget:
+def board_budget(profile: BoardProfile, reserve_bytes: int = BOARD_RESERVE) -> Budget:
     return Budget(profile.memory_bytes, reserve_bytes, profile.name)
 
 
@@ -1005,11 +1005,11 @@ class Recommendation:
 
 
 def recommend(
-    budget: Budget | DeviceProfile | str,
+    budget: Budget | BoardProfile | str,
     model: ModelFootprint | ModelRecipe | str | Path,
     device: str = "tensorrt",
 ) -> Recommendation | None:
-    """The one form to export recipe `model` as for `budget` (a Budget, a device profile or its
+    """The one form to export recipe `model` as for `budget` (a Budget, a board profile or its
     name) on `device`: of the forms the device runs (`device_forms`, export's defaults otherwise)
     whose quality was measured within `QUALITY_BAR` (`measured_kl`), the one that holds the most
     slots (up to `MAX_SLOTS`) at the recipe's max_len; ties to the fewer bytes (a decode step
@@ -1026,7 +1026,7 @@ def recommend(
             f"{fp.name} is an export, whose form is its files; a recommendation is for a recipe"
         )
     if not isinstance(budget, Budget):
-        budget = device_budget(budget if isinstance(budget, DeviceProfile) else load_device(budget))
+        budget = board_budget(budget if isinstance(budget, BoardProfile) else load_board(budget))
     found = []
     for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device):
         kl = measured_kl(form)
@@ -1062,7 +1062,7 @@ def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Bud
     if budget:
         return Budget(parse_bytes(budget), reserve_bytes or 0, "--memory-budget")
     if profile:
-        return device_budget(load_device(profile), DEVICE_RESERVE if reserve_bytes is None else reserve_bytes)
+        return board_budget(load_board(profile), BOARD_RESERVE if reserve_bytes is None else reserve_bytes)
     return live_budget(reserve_bytes or 0)
 
 
@@ -1088,7 +1088,7 @@ def plan_report(
     max_lens: str | None = None,
     as_json: bool = False,
 ) -> str:
-    """`kvedge plan`: the table(s) for `model` on a device profile, a fixed budget or this machine,
+    """`kvedge plan`: the table(s) for `model` on a board profile, a fixed budget or this machine,
     what would fit when nothing does, and for a recipe on a GPU the form `recommend` gives.
     `device` defaults to cuda with a profile (a Jetson's GPU), else cpu."""
     fp = footprint(model, form)

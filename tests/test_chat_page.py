@@ -34,8 +34,8 @@ from kvedge.export.export import export_model
 from kvedge.serve import ui
 from kvedge.serve.app import create_app
 from kvedge.serve.config import load_service_config
-from kvedge.serve.engine import Engine
 from kvedge.serve.metrics import Metrics
+from kvedge.serve.scheduler import Scheduler
 from kvedge.serve.service import systemd_unit
 
 PERSONA = "You are the helpful assistant of a kiosk."
@@ -131,7 +131,7 @@ def test_ui_is_on_by_default_on_loopback_only_and_flags_override(artifact, tmp_p
 def test_page_and_files_carry_the_security_headers_are_small_and_public(artifact):
     config = load_service_config(None, {"model": artifact, "api_key_env": "KEY"}, {"KEY": KEY})
     metrics = Metrics()
-    app = create_app(config, Engine(lambda: None, 1, metrics), metrics)
+    app = create_app(config, Scheduler(lambda: None, 1, metrics), metrics)
     http = TestClient(
         app, base_url="http://127.0.0.1"
     )  # not entered: no lifespan, so no model is loaded for static routes
@@ -153,7 +153,7 @@ def test_page_and_files_carry_the_security_headers_are_small_and_public(artifact
 
     off = load_service_config(None, {"model": artifact, "ui": False}, {})
     plain = TestClient(
-        create_app(off, Engine(lambda: None, 1, metrics), metrics), base_url="http://127.0.0.1"
+        create_app(off, Scheduler(lambda: None, 1, metrics), metrics), base_url="http://127.0.0.1"
     )
     assert plain.get("/").status_code == 404 and plain.get("/ui/chat.js").status_code == 404
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 import click
 import pytest
 
-from kvedge.cli import main
+from kvedge.cli import OLD_OPTIONS, main
 from kvedge.serve.config import KEYS, RENAMED
 
 # concept: (what it means, the service config key that holds it or None)
@@ -61,7 +61,7 @@ CONCEPTS = {
     "check": ("validate and load once, then exit", None),
     "print_systemd_unit": ("print a systemd unit and exit", None),
     "json": ("print the output as JSON", None),
-    "profile": ("device profile (configs/devices/): a Jetson module's memory and our advice", None),
+    "profile": ("board profile (configs/devices/): a Jetson module's memory and our advice", None),
     "memory_budget": ("bytes the model may use", "memory_budget"),
     "reserve": ("bytes kept for the OS out of a profile's memory", None),
     "prompts": ("a prompt set file (.jsonl/.txt)", None),
@@ -299,6 +299,14 @@ def test_every_service_config_key_is_listed():
     assert set(RENAMED.values()) <= set(KEYS) and not set(RENAMED) & set(KEYS)
 
 
+def test_old_option_spellings_come_from_one_table():
+    """Every hidden option is a row of `kvedge.cli.OLD_OPTIONS` (plan's --backend, whose values
+    changed too, aside), and every row is checked below."""
+    hidden = {(name, flag(p)) for name, command in commands().items() for p in options(command, hidden=True)}
+    assert hidden == set(OLD_OPTIONS) | {("plan", "--backend")}
+    assert {where: new for where, (_, new, _) in DEPRECATED.items() if where in OLD_OPTIONS} == OLD_OPTIONS
+
+
 @pytest.mark.parametrize("where", sorted(DEPRECATED), ids="-".join)
 def test_old_spellings_warn_and_still_work(where, caplog):
     command_name, old = where
@@ -327,12 +335,12 @@ def test_the_new_spelling_gives_no_warning(where, caplog):
     assert str(ctx.params[param.name]) == value  # (--backend's old values differ: not here)
 
 
-def test_a_device_profile_given_as_plan_device_is_read_as_profile(caplog):
+def test_a_board_profile_given_as_plan_device_is_read_as_profile(caplog):
     plan = main.commands["plan"]
     with caplog.at_level(logging.WARNING, logger="kvedge"):
         ctx = plan.make_context("plan", ["m", "--device", "orin-nano-8gb"])
     assert ctx.params["profile"] == "orin-nano-8gb" and ctx.params["device"] is None
-    assert "--device orin-nano-8gb (a device profile) is deprecated; use --profile" in caplog.text
+    assert "--device orin-nano-8gb (a board profile) is deprecated; use --profile" in caplog.text
     assert plan.make_context("plan", ["m", "--device", "tensorrt"]).params["device"] == "tensorrt"
     with pytest.raises(click.BadParameter, match="'npu' is not allowed; allowed: cpu, cuda, tensorrt"):
         plan.make_context("plan", ["m", "--device", "npu"])

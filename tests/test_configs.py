@@ -12,11 +12,11 @@ import yaml
 
 from kvedge.cli import main
 from kvedge.configs import (
-    DEVICES_DIR,
+    BOARDS_DIR,
     MODELS_DIR,
     Architecture,
     available,
-    load_device,
+    load_board,
     load_recipe,
 )
 from kvedge.contract import MANIFEST_FILE, ExportRecipe
@@ -28,10 +28,10 @@ SERVICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "services"
 
 
 def test_shipped_device_profiles_load():
-    assert available(DEVICES_DIR) == ["agx-orin-32gb", "agx-orin-64gb", "orin-nano-8gb", "orin-nx-16gb"]
-    nano = load_device("orin-nano-8gb")
+    assert available(BOARDS_DIR) == ["agx-orin-32gb", "agx-orin-64gb", "orin-nano-8gb", "orin-nx-16gb"]
+    nano = load_board("orin-nano-8gb")
     assert (nano.memory_bytes, nano.memory_bandwidth_gbps, nano.compute_capability) == (8 << 30, 68.0, "8.7")
-    assert all(load_device(name).compute_capability == "8.7" for name in available(DEVICES_DIR))
+    assert all(load_board(name).compute_capability == "8.7" for name in available(BOARDS_DIR))
 
 
 def llama_family_params(a: Architecture) -> int:
@@ -106,11 +106,11 @@ DEVICE_CASES = [
 
 @pytest.mark.parametrize(("mutate", "message"), DEVICE_CASES)
 def test_bad_device_profile_is_refused_naming_file_and_key(tmp_path, mutate, message):
-    data = yaml.safe_load((DEVICES_DIR / "orin-nano-8gb.yaml").read_text())
+    data = yaml.safe_load((BOARDS_DIR / "orin-nano-8gb.yaml").read_text())
     mutate(data)
     path = _write(tmp_path, data, "orin-nano-8gb")
     with pytest.raises(KvedgeError) as error:
-        load_device(path)
+        load_board(path)
     assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
 
 
@@ -178,9 +178,9 @@ def test_unreadable_and_unknown_configs_are_refused(tmp_path):
         load_recipe(broken)
     listed = _write(tmp_path, "- 1\n- 2\n", "listed")
     with pytest.raises(KvedgeError, match=f"{listed}: expected a mapping of keys, got list"):
-        load_device(listed)
-    with pytest.raises(KvedgeError, match="no device named 'orin-nano-4gb'; allowed: agx-orin-32gb, "):
-        load_device("orin-nano-4gb")
+        load_board(listed)
+    with pytest.raises(KvedgeError, match="no board named 'orin-nano-4gb'; allowed: agx-orin-32gb, "):
+        load_board("orin-nano-4gb")
     with pytest.raises(KvedgeError, match="does not exist"):
         load_recipe(tmp_path / "missing.yaml")
 

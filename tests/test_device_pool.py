@@ -28,7 +28,7 @@ from kvedge.runtime.cuda import DeviceMemory, MappedHost
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.memory import ALIGNMENT, ALL, DeviceArray, check_alignment, check_kv_memory, data_address
 from kvedge.runtime.model import Model
-from kvedge.runtime.prefix import PrefixLRU, WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.prefix import RunTimePrefixStore, WarmPrefix, read_warm_file, write_warm_file
 
 FLOAT = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=64)
 HALF = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=16, max_len=64, dtype="float16")
@@ -123,7 +123,7 @@ def test_device_pool_matches_mapped_pool_on_every_cpu_path(name, tmp_path):
     # the prefix store round trip: out of slot 1, into slot 2 past a kept start
     stored = {}
     for label, cache in (("host", host), ("device", device)):
-        lru = PrefixLRU(geometry, 4 * geometry.bytes_per_token() * 16, block_tokens=16)
+        lru = RunTimePrefixStore(geometry, 4 * geometry.bytes_per_token() * 16, block_tokens=16)
         lru.save(cache, 1)
         entry, shared = lru.best_match(cache.token_ids(1))
         lru.load(cache, 2, entry, shared)
@@ -286,7 +286,7 @@ def test_a_tiny_models_cache_operations_match(tiny_export):
     assert out.present is not None  # the portable graph: the runtime writes the new K/V
     for cache in (host, device):
         cache.append([0], token, [1], out.present)
-        lru = PrefixLRU(g, 2 * g.bytes_per_token() * 16, block_tokens=16)
+        lru = RunTimePrefixStore(g, 2 * g.bytes_per_token() * 16, block_tokens=16)
         lru.save(cache, 0)
         lru.load(cache, 1, *lru.best_match(cache.token_ids(0)))
         cache.evict(1, 4, 6, model.inv_freq)

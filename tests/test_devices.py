@@ -125,7 +125,7 @@ def test_decode_binding_plan_reads_and_writes_the_pool_in_place(tiny_llama):
     assert step.plan == binding_plan(model.manifest, "cpu", "decode", 1)
     planned = [bound for bound in step.plan if bound.output]
     assert [bound.name for bound in planned] == [spec.name for spec in model.manifest.graph_outputs()]
-    assert [(b.device, list(b.shape), b.nbytes) for b in planned] == [
+    assert [(b.memory, list(b.shape), b.nbytes) for b in planned] == [
         (value.device_name(), value.shape(), int(np.prod(value.shape())) * np.dtype(b.dtype).itemsize)
         for b, value in zip(planned, outputs, strict=True)
     ]
@@ -236,7 +236,7 @@ def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_ll
         assert {b.name for b in decode} == {
             s.name for s in manifest.graph_inputs() + manifest.graph_outputs()
         }
-        assert {b.device for b in decode} == {"cuda"} and CALL not in {b.buffer for b in decode}
+        assert {b.memory for b in decode} == {"cuda"} and CALL not in {b.buffer for b in decode}
         pool = [b for b in decode if b.buffer == POOL]
         assert {b.name for b in pool} == {b.name for b in decode if b.name in layer_names and not b.output}
         assert all(b.shape == (batch, g.num_kv_heads, g.max_len, g.head_dim) for b in pool)
@@ -247,20 +247,20 @@ def test_cuda_binding_plan_binds_the_pool_and_copies_nothing_cache_sized(tiny_ll
         # the CPU plan is the same buffers, on the host
         cpu = binding_plan(manifest, "cpu", "decode", batch)
         assert [(b.name, b.buffer, b.shape) for b in cpu] == [(b.name, b.buffer, b.shape) for b in decode]
-        assert {b.device for b in cpu} == {"cpu"}
+        assert {b.memory for b in cpu} == {"cpu"}
 
     prefill = binding_plan(manifest, "cuda", "prefill", 1, seq=8)
     assert [b for b in prefill if b.buffer == POOL] == [
         b for b in binding_plan(manifest, "cuda", "decode", 1) if b.buffer == POOL
     ]
     calls = [b for b in prefill if b.buffer == CALL]
-    assert {b.device for b in calls} == {"cpu"} and STEP not in {b.buffer for b in prefill}
+    assert {b.memory for b in calls} == {"cpu"} and STEP not in {b.buffer for b in prefill}
     longer = [b for b in binding_plan(manifest, "cuda", "prefill", 1, seq=16) if b.buffer == CALL]
     for short, long in zip(calls, longer, strict=True):  # per call: follows the prompt, never the context
         assert long.nbytes in (short.nbytes, 2 * short.nbytes) and short.nbytes < slot_bytes, short
     # a verify's (kept, as decode's): every buffer on the device, the per-call ones verify-sized
     verify = binding_plan(manifest, "cuda", "verify", 1, seq=5, rows=5)
-    assert {b.device for b in verify} == {"cuda"} and CALL not in {b.buffer for b in verify}
+    assert {b.memory for b in verify} == {"cuda"} and CALL not in {b.buffer for b in verify}
     assert [b for b in verify if b.buffer == POOL] == [b for b in prefill if b.buffer == POOL]
     assert {b.name: b.shape for b in verify}[names.input_ids] == (1, 5)
     assert {b.name: b.shape for b in verify}[names.logits][:2] == (1, 5)

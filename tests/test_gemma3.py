@@ -2,7 +2,7 @@
 
 The `tiny` fixture runs the family contract tests (tests/test_parity.py, test_sessions.py) on the
 tiny Gemma 3 as well (window 8, so its mask matters there). Here contexts run past the ring
-(window 8 + RING_MARGIN 64 = 72 slots per local layer, max_len 256), so ring slots are
+(window 8 + RING_MARGIN 64 = 72 positions per local layer, max_len 256), so ring positions are
 overwritten, chunks are longer than the ring and rewinds land before what the ring still holds.
 Tolerances are test_parity's (float32 cache) and test_kv_int8's (INT8 cache).
 """
@@ -60,7 +60,7 @@ def test_ring_geometry_is_exported(gemma):
 
 
 def test_decode_past_the_ring_matches_hf(gemma, hf):
-    """200 positions through 72-slot rings: every ring slot is overwritten about twice."""
+    """200 positions through 72-position rings: every ring index is overwritten about twice."""
     model = Model(gemma[1])
     ids = random_ids(200, seed=1)
     ref = hf_logits(hf, ids)

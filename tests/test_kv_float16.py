@@ -216,7 +216,7 @@ def test_cuda_runs_it_in_place_and_may_capture_its_decode(llama, tmp_path):
     slot_bytes = g.num_kv_heads * g.max_len * g.head_dim * 2  # one layer's K of one row, float16
     for batch in (1, 3):
         decode = binding_plan(manifest, "cuda", "decode", batch)
-        assert {b.device for b in decode} == {"cuda"} and CALL not in {b.buffer for b in decode}
+        assert {b.memory for b in decode} == {"cuda"} and CALL not in {b.buffer for b in decode}
         pool = {(b.name, b.output): b for b in decode if b.buffer == POOL}
         assert len(pool) == 4 * g.num_layers
         for i in range(g.num_layers):
@@ -227,7 +227,7 @@ def test_cuda_runs_it_in_place_and_may_capture_its_decode(llama, tmp_path):
         assert sum(b.nbytes for b in decode if b.buffer == POOL) == 2 * g.pool_bytes(batch)
     prefill_plan = binding_plan(manifest, "cuda", "prefill", 1, seq=8)
     calls = [b for b in prefill_plan if b.buffer == CALL]
-    assert {b.device for b in calls} == {"cpu"} and all(b.nbytes < slot_bytes for b in calls)
+    assert {b.memory for b in calls} == {"cpu"} and all(b.nbytes < slot_bytes for b in calls)
 
     # the CPU binding holds the plan: present outputs are bound at the pool's own addresses
     model = Model(fp16)

@@ -293,7 +293,7 @@ def test_int8_kernel_refuses_a_past_that_does_not_fit(int8_variants):
     model = Model(int8_variants[1])
     views = model.cache.layer_views(0, 1)
     before = model.cache.pool.copy()
-    overflow = f"past length {MAX_LEN} \\+ 1 new tokens does not fit {MAX_LEN} slots"
+    overflow = f"past length {MAX_LEN} \\+ 1 new tokens does not fit {MAX_LEN} positions"
     with pytest.raises(Exception, match=overflow):
         model.backend.run(
             np.zeros((1, 1), np.int64),

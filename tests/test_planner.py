@@ -15,7 +15,7 @@ import yaml
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge.configs import DEVICES_DIR, load_device, load_recipe
+from kvedge.configs import BOARDS_DIR, load_board, load_recipe
 from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
@@ -30,8 +30,8 @@ from kvedge.planner import (
     SECOND_FORM_DECODE_GAIN,
     Budget,
     ModelFootprint,
+    board_budget,
     check_fits,
-    device_budget,
     device_forms,
     estimate,
     footprint,
@@ -191,7 +191,7 @@ def test_cli_plan(tmp_path, tiny_llama):
     with pytest.raises(KvedgeError, match="--weights and its options apply to recipes only"):
         plan_report(tiny_llama.out, form=ExportRecipe(weights="float16"))
 
-    bad = yaml.safe_load((DEVICES_DIR / "orin-nano-8gb.yaml").read_text())
+    bad = yaml.safe_load((BOARDS_DIR / "orin-nano-8gb.yaml").read_text())
     bad["memory_bytes"] = "lots"
     path = tmp_path / "orin-nano-8gb.yaml"
     path.write_text(yaml.safe_dump(bad))
@@ -315,13 +315,13 @@ def test_what_fits_saves_the_fewest_bytes_and_never_grows_a_part():
     ):
         fp = footprint(model)
         contexts = (fp.max_context,)
-        plan = make_plan(fp, device_budget(load_device(profile)), device, slots=(16,), contexts=contexts)
+        plan = make_plan(fp, board_budget(load_board(profile)), device, slots=(16,), contexts=contexts)
         change = what_fits(plan)
         assert change is not None and change.plan.anything_fits and change.plan.refusal is None, model
         new, old = change.plan.corner, plan.corner
         assert new.weights + new.load <= old.weights + old.load and new.kv <= old.kv, (model, change.options)
         assert "--weights float16" not in change.describe() or "--precision float16" in change.describe()
-    plan = make_plan(footprint("llama-3.2-3b"), device_budget(load_device("orin-nano-8gb")), "tensorrt")
+    plan = make_plan(footprint("llama-3.2-3b"), board_budget(load_board("orin-nano-8gb")), "tensorrt")
     assert what_fits(plan).options == (("--weights", "int4"), ("--kv-dtype", "int8"))
 
 
@@ -593,7 +593,7 @@ def test_readme_and_jetson_doc_state_the_planners_one_recommendation_per_board()
     texts = [doc.read_text() for doc in DOCS]
     assert recommendation_section(texts[0]) == recommendation_section(texts[1]), "README and JETSON.md differ"
     stated = [board_tables(text) for text in texts]
-    assert sorted(stated[0]) == sorted(p.stem for p in DEVICES_DIR.glob("*.yaml"))
+    assert sorted(stated[0]) == sorted(p.stem for p in BOARDS_DIR.glob("*.yaml"))
     wrong = []
     for board, rows in stated[0].items():
         for row in rows:

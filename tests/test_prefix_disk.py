@@ -149,7 +149,7 @@ def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
         other = [{"role": "system", "content": f"User {i}. " * 40}, {"role": "user", "content": "Hello"}]
         model.prepare(0, model.tokenizer.encode_chat(other))
     model.prefix_disk.flush()
-    assert model.prefix_lru.evictions and model.prefix_disk.bytes_written
+    assert model.run_time_store.evictions and model.prefix_disk.bytes_written
     ids = model.tokenizer.encode_chat(a)
     np.testing.assert_allclose(model.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
     assert model.prefix_disk.hits == 1

@@ -19,7 +19,7 @@ from conftest import random_ids
 from tiny import make_tiny_model
 
 from kvedge.calibrate.calibrate import collect_kv
-from kvedge.configs import load_warmup_config
+from kvedge.configs import load_warm_prefix_config
 from kvedge.contract import RING_MARGIN, ExportRecipe
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
@@ -77,9 +77,9 @@ def test_store_serves_returning_conversations_past_the_ring(gemma, kind):
     a, b, tail = random_ids(150, seed=1), random_ids(60, seed=2), random_ids(9, seed=3)
     model.prepare(0, a)
     model.prepare(0, b)  # A is saved to the store as B replaces it
-    assert len(model.prefix_lru) == 1 and model.prefix_lru.entries[0].ring_from == 150 - RING
+    assert len(model.run_time_store) == 1 and model.run_time_store.entries[0].ring_from == 150 - RING
     check_served(model, reference, a + tail, 150, ATOL[kind])
-    assert model.prefix_lru.hits == 1
+    assert model.run_time_store.hits == 1
     model.prepare(0, b)
     check_served(model, reference, a[:140] + tail, 140, ATOL[kind])
     model.prepare(0, b)
@@ -97,18 +97,18 @@ def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_ring
     a, other, tail = random_ids(60, seed=4), random_ids(200, seed=5), random_ids(5, seed=6)
     model.prepare(0, a)
     model.prepare(0, random_ids(40, seed=7))
-    assert model.prefix_lru.entries[0].ring_from == 0
+    assert model.run_time_store.entries[0].ring_from == 0
     check_served(model, reference, a[:20] + tail, 20, ATOL["fp"])
     model.prepare(0, a[:55] + other)  # 255 tokens (its first 55 from the store, a hit)
     assert model.cache.ring_start[0] == 255 - RING  # this slot's rings hold 183 .. 254
     check_served(model, reference, a[:58] + tail, 58, ATOL["fp"])  # 58 reused: needs 51 .. 57
-    assert model.prefix_lru.hits == 3
+    assert model.run_time_store.hits == 3
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
 def test_disk_tier_serves_an_evicted_entry_after_a_restart(gemma, kind, tmp_path):
     """A (150 tokens, rings wrapped) goes from slot 0 to the store, is evicted from it to disk
-    (`PrefixLRU.block` gathers its ring positions 78..149), and a new Model serves it from the
+    (`RunTimePrefixStore.block` gathers its ring positions 78..149), and a new Model serves it from the
     file: whole, and by a partial match the file's rings serve."""
     budget = 160 * Model(gemma[kind]).manifest.geometry.bytes_per_token()  # 5 blocks: A, not A and C
     options = {"prefix_cache_bytes": budget, "prefix_dir": tmp_path, "prefix_disk_min_tokens": 100}
@@ -117,7 +117,7 @@ def test_disk_tier_serves_an_evicted_entry_after_a_restart(gemma, kind, tmp_path
     model.prepare(0, a)
     model.prepare(0, c)  # A to the store
     model.prepare(0, b)  # C to the store: A is evicted to disk
-    assert model.prefix_lru.evictions == 1 and len(model.prefix_disk) == 1
+    assert model.run_time_store.evictions == 1 and len(model.prefix_disk) == 1
     model.close()  # C is written too, B is under the threshold
     again, reference = Model(gemma[kind], **options), Model(gemma[kind])
     assert len(again.prefix_disk) == 2
@@ -132,15 +132,15 @@ def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
     and used: whole, by a partial match its rings serve, and by one they do not."""
     path = tmp_path / "warmup.yaml"
     path.write_text(f'prefixes:\n  - name: notes\n    text: "{LONG_TEXT}"\n')
-    config, folder = load_warmup_config(path), tmp_path / "warm"
+    config, folder = load_warm_prefix_config(path), tmp_path / "warm"
     first = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
-    assert first.warmup_report.rebuilt == {"notes": "missing"}
+    assert first.warm_prefix_report.rebuilt == {"notes": "missing"}
     model = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
-    assert model.warmup_report.loaded == ["notes"]
-    block = model.prefixes.prefixes[0].block
-    ids = list(model.prefixes.prefixes[0].token_ids)
+    assert model.warm_prefix_report.loaded == ["notes"]
+    block = model.warm_store.prefixes[0].block
+    ids = list(model.warm_store.prefixes[0].token_ids)
     assert len(ids) > RING and block.ring_count == RING
-    np.testing.assert_array_equal(block.ring, first.prefixes.prefixes[0].block.ring)
+    np.testing.assert_array_equal(block.ring, first.warm_store.prefixes[0].block.ring)
     reference, tail = Model(gemma[kind]), random_ids(7, seed=8)
     check_served(model, reference, ids + tail, len(ids), ATOL[kind])
     check_served(model, reference, ids[:-20] + tail, len(ids) - 20, ATOL[kind])

@@ -34,9 +34,9 @@ from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, dec
 from kvedge.runtime.model import Model
 from kvedge.runtime.sessions import pick_slot
 from kvedge.serve.config import load_service_config
-from kvedge.serve.engine import Engine, Job
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.protocol import ApiError
+from kvedge.serve.scheduler import Job, Scheduler
 from kvedge.serve.service import check_memory, serve_command
 from kvedge.serve.systemd import render_unit
 
@@ -577,16 +577,16 @@ def test_sigterm_ends_open_streams_cleanly_and_exits(artifact, tmp_path):
     assert "Traceback" not in (tmp_path / "server.log").read_text()
 
 
-def engine_run(exported, conversations, samplings, slots: int, batch_decode: bool):
-    """Every conversation through an in-process Engine at once: (each one's deliveries, counters)."""
+def scheduler_run(exported, conversations, samplings, slots: int, batch_decode: bool):
+    """Every conversation through an in-process Scheduler at once: (each one's deliveries, counters)."""
     metrics = Metrics()
-    engine = Engine(
+    scheduler = Scheduler(
         lambda: exported.model(slots=slots), len(conversations), metrics, batch_decode=batch_decode
     )
-    engine.start()
+    scheduler.start()
     deadline = time.monotonic() + 60
-    while engine.state != "ready":
-        assert engine.state in ("loading", "warming") and time.monotonic() < deadline, engine.state
+    while scheduler.state != "ready":
+        assert scheduler.state in ("loading", "warming") and time.monotonic() < deadline, scheduler.state
         time.sleep(0.01)
     delivered: list[list[Event | ApiError]] = [[] for _ in conversations]
     ended = [threading.Event() for _ in conversations]
@@ -601,20 +601,20 @@ def engine_run(exported, conversations, samplings, slots: int, batch_decode: boo
 
     try:
         for i, (messages, sampling) in enumerate(zip(conversations, samplings, strict=True)):
-            ids = engine.model.tokenizer.encode_chat(messages)
-            engine.submit(Job(ids, SamplingConfig(**sampling), deliver_to(i)))
+            ids = scheduler.model.tokenizer.encode_chat(messages)
+            scheduler.submit(Job(ids, SamplingConfig(**sampling), deliver_to(i)))
         assert all(done.wait(60) for done in ended)
     finally:
-        engine.stop()
+        scheduler.stop()
     counters = {
         sample.name: sample.value
-        for family in text_string_to_metric_families(metrics.render(engine.gauges()))
+        for family in text_string_to_metric_families(metrics.render(scheduler.gauges()))
         for sample in family.samples
     }
     return delivered, counters
 
 
-def test_engine_batches_decode_and_each_conversation_equals_running_alone(tiny_llama):
+def test_scheduler_batches_decode_and_each_conversation_equals_running_alone(tiny_llama):
     """Both graph variants: 8 conversations on 4 slots give exactly the events each gives alone,
     batched or not. Lengths are chosen so that slots 1 and 2 fall idle while 0 and 3 still run."""
     reference = tiny_llama.model()
@@ -628,7 +628,7 @@ def test_engine_batches_decode_and_each_conversation_equals_running_alone(tiny_l
     ]
     assert [len(events) for events in alone] == lengths  # no early eos: the slot pattern holds
     for batch_decode in (True, False):
-        delivered, counters = engine_run(tiny_llama, CONVERSATIONS, samplings, 4, batch_decode)
+        delivered, counters = scheduler_run(tiny_llama, CONVERSATIONS, samplings, 4, batch_decode)
         for got, want in zip(delivered, alone, strict=True):
             assert [(e.text, e.token, e.finish_reason, e.completion_tokens) for e in got] == [
                 (e.text, e.token, e.finish_reason, e.completion_tokens) for e in want

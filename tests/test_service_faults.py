@@ -1,11 +1,11 @@
 """One request never stops the service, and the network edges a device meets are closed.
 
 Faults: a request whose sampling numpy cannot take, a backend that raises or returns non-finite
-logits in the middle of a batch, an engine thread that dies anyway, an engine that hangs (the
+logits in the middle of a batch, a scheduler thread that dies anyway, a scheduler that hangs (the
 systemd watchdog). Edges: TCP_NODELAY, the Host and Content-Type checks, connection exhaustion,
 oversized prompts, the drain, streams' logged status. And a storm of all of it at once, checked
 against the model run alone. A real server subprocess on 127.0.0.1 (tests/test_serve.py's
-`Server`) or an in-process `Engine` over a real exported model; the only stand-ins are a
+`Server`) or an in-process `Scheduler` over a real exported model; the only stand-ins are a
 backend wrapper that injects the fault (the real backend underneath) and a notify socket in
 place of systemd's.
 """
@@ -33,8 +33,8 @@ from kvedge.runtime.generate import Event, SamplingConfig, sample
 from kvedge.runtime.model import Model
 from kvedge.serve.app import api_error, create_app, host_allowed
 from kvedge.serve.config import load_service_config
-from kvedge.serve.engine import Engine, Job
 from kvedge.serve.metrics import Metrics
+from kvedge.serve.scheduler import Job, Scheduler
 from kvedge.serve.service import listening_socket
 from kvedge.serve.systemd import Notifier, render_unit
 
@@ -74,7 +74,7 @@ def reply_text(response: httpx.Response) -> str:
 
 
 def test_sampling_numpy_cannot_take_is_greedy_or_refused_and_the_service_keeps_serving(server, reference):
-    """temperature 1e-308 made numpy raise "Probabilities contain NaN" in the engine thread, which
+    """temperature 1e-308 made numpy raise "Probabilities contain NaN" in the scheduler thread, which
     died: every later request got 503 for good. Below GREEDY_BELOW it is greedy now."""
     want = greedy_text(reference, "What is the capital of France?")
     body = chat_body("What is the capital of France?", max_tokens=12, temperature=1e-308)
@@ -119,18 +119,18 @@ class FaultyBackend:
         return out
 
 
-def ready_engine(model: Model, **kwargs) -> Engine:
-    engine = Engine(lambda: model, queue_size=8, metrics=Metrics(), **kwargs)
-    engine.start()
+def ready_scheduler(model: Model, **kwargs) -> Scheduler:
+    scheduler = Scheduler(lambda: model, queue_size=8, metrics=Metrics(), **kwargs)
+    scheduler.start()
     deadline = time.monotonic() + 60
-    while engine.state != "ready":
-        assert engine.state in ("loading", "warming") and time.monotonic() < deadline, engine.state
+    while scheduler.state != "ready":
+        assert scheduler.state in ("loading", "warming") and time.monotonic() < deadline, scheduler.state
         time.sleep(0.01)
-    return engine
+    return scheduler
 
 
-def run_engine(engine: Engine, conversations, max_new: int) -> list[list[Event]]:
-    """Every conversation through the engine at once: each one's events."""
+def run_scheduler(scheduler: Scheduler, conversations, max_new: int) -> list[list[Event]]:
+    """Every conversation through the scheduler at once: each one's events."""
     delivered: list[list[Event]] = [[] for _ in conversations]
     ended = [threading.Event() for _ in conversations]
     for i, text in enumerate(conversations):
@@ -140,8 +140,8 @@ def run_engine(engine: Engine, conversations, max_new: int) -> list[list[Event]]
             if event.finish_reason is not None:
                 ended[i].set()
 
-        ids = engine.model.tokenizer.encode_chat([{"role": "user", "content": text}])
-        engine.submit(Job(ids, SamplingConfig(max_new_tokens=max_new), deliver))
+        ids = scheduler.model.tokenizer.encode_chat([{"role": "user", "content": text}])
+        scheduler.submit(Job(ids, SamplingConfig(max_new_tokens=max_new), deliver))
     assert all(done.wait(60) for done in ended), delivered
     return delivered
 
@@ -152,14 +152,14 @@ CONVERSATIONS = ["Hello!", "What is a KV cache?", "Tell me about the quick brown
 @pytest.mark.parametrize("fault", ["raises", "nan_row"])
 def test_a_backend_fault_mid_batch_ends_only_the_requests_it_touched(artifact, reference, fault):
     """A decode call of several turns that raises ends the turns in it with a 500 (their slots
-    reset); a NaN row ends that row's turn only. Either way the engine stays ready, the turns
+    reset); a NaN row ends that row's turn only. Either way the scheduler stays ready, the turns
     the fault did not touch and every later request equal the model run alone."""
     model = Model(artifact, slots=3)
     model.backend = FaultyBackend(model.backend, nan_row=fault == "nan_row")
     alone = [greedy_text(reference, text, 24) for text in CONVERSATIONS]
-    engine = ready_engine(model)
+    scheduler = ready_scheduler(model)
     try:
-        delivered = run_engine(engine, CONVERSATIONS, 24)
+        delivered = run_scheduler(scheduler, CONVERSATIONS, 24)
         assert model.backend.faulted
         finals = [events[-1] for events in delivered]
         failed = [i for i, final in enumerate(finals) if final.finish_reason == "error"]
@@ -168,11 +168,11 @@ def test_a_backend_fault_mid_batch_ends_only_the_requests_it_touched(artifact, r
             assert len(failed) == 1 and isinstance(finals[failed[0]].error, ModelFault)
         for i in set(range(len(CONVERSATIONS))) - set(failed):
             assert "".join(e.text for e in delivered[i]) == alone[i]
-        assert engine.state == "ready"
-        again = run_engine(engine, CONVERSATIONS, 24)
+        assert scheduler.state == "ready"
+        again = run_scheduler(scheduler, CONVERSATIONS, 24)
         assert ["".join(e.text for e in events) for events in again] == alone
     finally:
-        engine.stop()
+        scheduler.stop()
 
 
 def test_an_engine_thread_that_dies_anyway_ends_every_request_and_stops_the_service(artifact):
@@ -181,21 +181,21 @@ def test_an_engine_thread_that_dies_anyway_ends_every_request_and_stops_the_serv
     event instead of hanging, state is "failed" and `on_failure` stops the service, which then
     exits non-zero (`serve`) for its service manager to restart."""
     stopped = threading.Event()
-    engine = ready_engine(Model(artifact, slots=1), on_failure=stopped.set)
-    ids = engine.model.tokenizer.encode_chat([{"role": "user", "content": "Hello!"}])
+    scheduler = ready_scheduler(Model(artifact, slots=1), on_failure=stopped.set)
+    ids = scheduler.model.tokenizer.encode_chat([{"role": "user", "content": "Hello!"}])
 
     def broken(event: Event) -> None:
         raise RuntimeError("injected: the client callback is broken")
 
     waiting: list[Event] = []
-    engine.submit(Job(ids, SamplingConfig(max_new_tokens=50), broken))
-    engine.submit(Job(ids, SamplingConfig(max_new_tokens=50), waiting.append))  # queued: 1 slot
-    assert stopped.wait(30), engine.state
-    assert engine.state == "failed" and "engine thread failed" in engine.failure
+    scheduler.submit(Job(ids, SamplingConfig(max_new_tokens=50), broken))
+    scheduler.submit(Job(ids, SamplingConfig(max_new_tokens=50), waiting.append))  # queued: 1 slot
+    assert stopped.wait(30), scheduler.state
+    assert scheduler.state == "failed" and "scheduler thread failed" in scheduler.failure
     assert waiting and waiting[-1].finish_reason == "error"
     assert api_error(waiting[-1].error).status == 500
     with pytest.raises(Exception, match="failed"):
-        engine.submit(Job(ids, SamplingConfig(), waiting.append))  # NotReady: the app's 503
+        scheduler.submit(Job(ids, SamplingConfig(), waiting.append))  # NotReady: the app's 503
 
 
 # -- the systemd watchdog ---------------------------------------------------------------------------
@@ -280,23 +280,23 @@ def test_ready_only_once_warm_then_watchdog_pings_then_stopping(artifact, tmp_pa
 
 
 def test_the_watchdog_pings_stop_while_the_engine_hangs(artifact, tmp_path):
-    """Pings come from the engine loop, not a timer: a round that never ends (here: a client
-    callback that blocks, which must not) stops them, so systemd restarts a hung engine."""
+    """Pings come from the scheduler loop, not a timer: a round that never ends (here: a client
+    callback that blocks, which must not) stops them, so systemd restarts a hung scheduler."""
     notify = NotifySocket(tmp_path / "notify")
     notifier = Notifier({"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
-    engine = ready_engine(
+    scheduler = ready_scheduler(
         Model(artifact, slots=1), heartbeat=notifier.watchdog, heartbeat_s=notifier.heartbeat_s
     )
     release, blocked = threading.Event(), threading.Event()
     try:
-        model = engine.model
+        model = scheduler.model
 
         def stuck(event: Event) -> None:
             blocked.set()
             release.wait(10)
 
         ids = model.tokenizer.encode_chat([{"role": "user", "content": "Hello!"}])
-        engine.submit(Job(ids, SamplingConfig(max_new_tokens=30), stuck))
+        scheduler.submit(Job(ids, SamplingConfig(max_new_tokens=30), stuck))
         assert blocked.wait(30)
         hung_at = time.monotonic()
         time.sleep(2.0)
@@ -307,7 +307,7 @@ def test_the_watchdog_pings_stop_while_the_engine_hangs(artifact, tmp_path):
         assert during == [] and after, notify.messages
     finally:
         release.set()
-        engine.stop()
+        scheduler.stop()
         notify.close()
 
 
@@ -374,8 +374,8 @@ def test_cors_only_for_the_configured_origins(artifact, tmp_path):
     path = tmp_path / "svc.yaml"
     path.write_text(f"model: {artifact}\ncors_origins: ['http://kiosk.local:8080']\nallowed_hosts: [kiosk]\n")
     config = load_service_config(path, {})
-    engine = Engine(lambda: Model(artifact), queue_size=1, metrics=Metrics())  # never started
-    client = TestClient(create_app(config, engine, Metrics()), base_url="http://kiosk:8000")
+    scheduler = Scheduler(lambda: Model(artifact), queue_size=1, metrics=Metrics())  # never started
+    client = TestClient(create_app(config, scheduler, Metrics()), base_url="http://kiosk:8000")
     asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
     allowed = client.options("/v1/chat/completions", headers={"Origin": "http://kiosk.local:8080", **asked})
     assert allowed.headers["access-control-allow-origin"] == "http://kiosk.local:8080"

@@ -33,7 +33,7 @@ import yaml
 from conftest import MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge.configs import load_warmup_config
+from kvedge.configs import load_warm_prefix_config
 from kvedge.contract import ExportRecipe
 from kvedge.export.export import export_model
 from kvedge.files import new_file, new_folder
@@ -90,7 +90,9 @@ def test_export_and_warm_files_are_readable_by_others_under_umask_022(tmp_path, 
     assert {f.name: mode(f) for f in out.iterdir()} == {f.name: 0o644 for f in out.iterdir()}
     (tmp_path / "warm.yaml").write_text(yaml.safe_dump(WARMUP))
     warm = tmp_path / "warm"
-    Model(out, warm_prefixes=load_warmup_config(tmp_path / "warm.yaml"), warm_dir=warm)  # writes both files
+    Model(
+        out, warm_prefixes=load_warm_prefix_config(tmp_path / "warm.yaml"), warm_dir=warm
+    )  # writes both files
     assert {f.name: mode(f) for f in warm.iterdir()} == {"root-made.kvw": 0o644, "service-made.kvw": 0o644}
 
 
@@ -282,7 +284,7 @@ def test_the_unit_serves_as_its_user_what_root_exported(system_user, granted, de
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        assert "warm-up: 2 loaded, 0 recomputed" in log.read_text()  # root's file and its own
+        assert "warm prefixes: 2 loaded, 0 recomputed" in log.read_text()  # root's file and its own
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
         body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)

@@ -15,7 +15,7 @@ from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock, KVCache
 from kvedge.runtime.generate import SamplingConfig, prefill
 from kvedge.runtime.model import Model
-from kvedge.runtime.prefix import PrefixLRU
+from kvedge.runtime.prefix import RunTimePrefixStore
 from kvedge.runtime.sessions import HistoryPolicy
 
 ATOL = 1e-4  # fp32 both sides, same graph; measured differences ~1e-6 (see test_parity)
@@ -208,7 +208,7 @@ def test_window_logits_exact_on_one_layer_model(tmp_path):
     np.testing.assert_allclose(logits, fresh_logits(reference, kept), atol=ATOL, rtol=0)
 
 
-# Run-time prefix store (PrefixLRU): pure tests on a small cache, then end to end on tiny models.
+# Run-time prefix store (RunTimePrefixStore): pure tests on a small cache, then end to end on tiny models.
 GEOMETRY = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=32, max_len=128)
 INT8 = GEOMETRY.with_dtype("int8", 16)
 BLOCK = 8  # tokens per arena block in the pure tests
@@ -229,7 +229,7 @@ def filled(geometry: CacheGeometry, ids: list[int], seed: int, slots: int = 2) -
 
 def test_lru_keeps_its_arena_within_the_budget_over_many_saves():
     budget = 5 * BLOCK * GEOMETRY.bytes_per_token() + 123  # room for 5 blocks, not 6
-    lru = PrefixLRU(GEOMETRY, budget, block_tokens=BLOCK)
+    lru = RunTimePrefixStore(GEOMETRY, budget, block_tokens=BLOCK)
     assert lru.capacity_blocks == 5 and lru.kv.nbytes <= budget
     rng = np.random.default_rng(0)
     for i in range(200):
@@ -245,7 +245,9 @@ def test_lru_keeps_its_arena_within_the_budget_over_many_saves():
 
 
 def test_lru_evicts_the_least_recently_used_entry():
-    lru = PrefixLRU(GEOMETRY, 4 * BLOCK * GEOMETRY.bytes_per_token(), block_tokens=BLOCK)  # 2 x 16 tokens
+    lru = RunTimePrefixStore(
+        GEOMETRY, 4 * BLOCK * GEOMETRY.bytes_per_token(), block_tokens=BLOCK
+    )  # 2 x 16 tokens
     a, b, c = (random_ids(16, seed=s) for s in (1, 2, 3))
     lru.save(filled(GEOMETRY, a, seed=1), 0)
     lru.save(filled(GEOMETRY, b, seed=2), 0)
@@ -260,7 +262,7 @@ def test_lru_evicts_the_least_recently_used_entry():
 
 
 def test_lru_longer_sequence_replaces_the_entry_it_extends():
-    lru = PrefixLRU(GEOMETRY, 20 * BLOCK * GEOMETRY.bytes_per_token(), block_tokens=BLOCK)
+    lru = RunTimePrefixStore(GEOMETRY, 20 * BLOCK * GEOMETRY.bytes_per_token(), block_tokens=BLOCK)
     ids = random_ids(40, seed=5)
     lru.save(filled(GEOMETRY, ids[:20], seed=5), 0)
     lru.save(filled(GEOMETRY, ids, seed=5), 0)
@@ -272,7 +274,7 @@ def test_lru_longer_sequence_replaces_the_entry_it_extends():
 def test_lru_load_copies_exactly_what_was_saved(geometry):
     ids = random_ids(45, seed=6)
     source = filled(geometry, ids, seed=6)
-    lru = PrefixLRU(geometry, 10 * BLOCK * geometry.bytes_per_token(), block_tokens=BLOCK)
+    lru = RunTimePrefixStore(geometry, 10 * BLOCK * geometry.bytes_per_token(), block_tokens=BLOCK)
     lru.save(source, 0)
     target = filled(geometry, ids[:11] + random_ids(20, seed=7), seed=7, slots=1)
     entry, shared = lru.best_match(ids[:37] + [1, 2])
@@ -286,8 +288,8 @@ def test_lru_load_copies_exactly_what_was_saved(geometry):
 
 def test_lru_budget_below_one_block_is_named():
     with pytest.raises(KvedgeError, match=r"prefix_cache_bytes=1000 is less than one block of 32 tokens"):
-        PrefixLRU(GEOMETRY, 1000)
-    assert not PrefixLRU(GEOMETRY, 0)  # 0: off
+        RunTimePrefixStore(GEOMETRY, 1000)
+    assert not RunTimePrefixStore(GEOMETRY, 0)  # 0: off
 
 
 def returning_user(folder, budget: int, atol: float) -> None:
@@ -302,13 +304,13 @@ def returning_user(folder, budget: int, atol: float) -> None:
     a.append({"role": "user", "content": QUESTIONS[1]})
     held_a = model.cache.length(0)
     reply(model, [{"role": "user", "content": QUESTIONS[2]}])  # user B takes the slot
-    assert len(model.prefix_lru) == 1 and model.prefix_lru.hits == 0
+    assert len(model.run_time_store) == 1 and model.run_time_store.hits == 0
     ids = model.tokenizer.encode_chat(a)
     logits = model.prepare(0, ids)
-    assert model.prefix_lru.hits == 1 and model.sessions[0].reused_tokens >= held_a - 4
+    assert model.run_time_store.hits == 1 and model.sessions[0].reused_tokens >= held_a - 4
     np.testing.assert_allclose(logits, fresh_logits(reference, ids), atol=atol, rtol=0)
-    assert len(model.prefix_lru) == 2  # B's conversation was kept in turn
-    assert model.prefix_lru.nbytes <= budget
+    assert len(model.run_time_store) == 2  # B's conversation was kept in turn
+    assert model.run_time_store.nbytes <= budget
 
 
 def test_returning_conversation_reuses_the_store_exactly(long_llama):
@@ -332,7 +334,7 @@ def test_service_config_passes_the_store_budget_to_the_model(long_llama):
     assert load_service_config(None, {"model": long_llama}).prefix_cache_bytes == 0
     config = load_service_config(None, {"model": long_llama, "prefix_cache_bytes": 2**20})
     model = load_model(config, slots=1)
-    assert 2**20 - model.prefix_lru.block_bytes < model.prefix_lru.capacity_bytes <= 2**20
+    assert 2**20 - model.run_time_store.block_bytes < model.run_time_store.capacity_bytes <= 2**20
 
 
 def test_long_prefill_is_chunked_between_decode_steps_of_other_turns(long_llama):

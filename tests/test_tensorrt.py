@@ -31,7 +31,7 @@ from cuda_standin import CudaRuntime
 from tiny import make_tiny_model
 
 from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
-from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, DeviceInfo, EngineManifest
+from kvedge.contract.engine import ENGINE_FILE, ENGINE_MANIFEST_FILE, EngineManifest, GpuInfo
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
 from kvedge.export.tensorrt import TIMING_CACHE_FILE, EngineOptions, profile_shapes, require_tensorrt
@@ -130,15 +130,15 @@ def test_engine_manifest_refuses_another_tensorrt_device_or_model(tmp_path, tiny
     loaded = EngineManifest.load(tmp_path)
     assert loaded == engine_manifest(manifest)
     loaded.check_model(manifest)
-    loaded.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 8))
+    loaded.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 8))
     with pytest.raises(
         ArtifactMismatch, match="built with TensorRT 10.3.0, this machine has TensorRT 10.7.0"
     ):
-        loaded.check_runtime("10.7.0", DeviceInfo("Orin", "8.7", 8))
+        loaded.check_runtime("10.7.0", GpuInfo("Orin", "8.7", 8))
     with pytest.raises(
         ArtifactMismatch, match=r"built for Orin \(sm_87, 8 SMs\), this machine has Orin \(sm_87, 16"
     ):
-        loaded.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 16))
+        loaded.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 16))
     with pytest.raises(ArtifactMismatch, match="rebuild the engine"):
         engine_manifest(manifest, onnx_fingerprint="0" * 64).check_model(manifest)
 

@@ -30,7 +30,7 @@ from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
 from kvedge.contract import HEAD_TABLE, ONNX_FILE, VERIFY_TOKENS, ExportRecipe, Manifest
-from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, DeviceInfo, EngineManifest
+from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest, GpuInfo
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
 from kvedge.export.tensorrt import (
@@ -230,7 +230,7 @@ def test_export_target_tensorrt_end_to_end(source, tmp_path):
         ArtifactMismatch,
         match=f"built with TensorRT for RTX {trt.__version__}, this machine has TensorRT 10.3",
     ):
-        engine.check_runtime("10.3.0", DeviceInfo("Orin", "8.7", 8), "tensorrt")
+        engine.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 8), "tensorrt")
     shapes = profile_shapes(manifest, EngineOptions(max_prefill=32))
     assert shapes[0][manifest.names.input_ids][2] == (1, 32)
 

@@ -3,8 +3,8 @@
 Everything runs on one `Model` (2 slots, `threads` threads, no run-time prefix store), already
 warmed up, in this order:
 
-    start-up   4 warm prefixes (the system prompt below and 3 variants), per round: `warm_up`
-               into an empty folder (recompute + write the files) vs `warm_up` again over those
+    start-up   4 warm prefixes (the system prompt below and 3 variants), per round: `load_warm_prefixes`
+               into an empty folder (recompute + write the files) vs `load_warm_prefixes` again over those
                files (load + verify). Target: median over rounds of recompute / load >= 20.
                Whole boots (`Model(...)` with the files vs with an empty folder, graph loading
                included) are measured once and reported, not judged.
@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvedge.configs import Message, PrefixSpec, WarmupConfig
+from kvedge.configs import Message, PrefixSpec, WarmPrefixConfig
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
 from kvedge.runtime.tokenizer import ChatTokenizer
-from kvedge.runtime.warmup import PrefixStore
+from kvedge.runtime.warm_prefixes import WarmPrefixStore
 
 SYSTEM_TOKENS = 300
 USER_TOKENS = 20
@@ -118,7 +118,7 @@ def measure_warm(
     user = sized_text(tokenizer, USER_TEXT, USER_TOKENS)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     variants = [f"Site {i}. {system}" for i in range(1, WARM_PREFIXES)]
-    config = WarmupConfig(
+    config = WarmPrefixConfig(
         prefixes=tuple(
             PrefixSpec(name=f"prefix{i}", messages=(Message(role="system", content=text),))
             for i, text in enumerate([system, *variants])
@@ -135,7 +135,7 @@ def measure_warm(
     with tempfile.TemporaryDirectory(prefix="kvedge-warm-") as tmp:
         figures.update(_start_up(model, config, Path(tmp), threads, rounds))
         echo(f"  start-up: recompute / load {figures['warmup_speedup']:.0f}x")
-        warm_store, _ = model.warm_up(config, Path(tmp) / "round0")
+        warm_store, _ = model.load_warm_prefixes(config, Path(tmp) / "round0")
         figures.update(_first_token(model, messages, warm_store, 2 * rounds + 1))
         echo(f"  TTFT: cold / warm {figures['ttft_speedup']:.1f}x")
         figures.update(_long_first_token(model, messages, Path(tmp) / "long", rounds))
@@ -148,11 +148,11 @@ def measure_warm(
     return figures
 
 
-def _start_up(model: Model, config: WarmupConfig, tmp: Path, threads: int, rounds: int) -> dict[str, Any]:
+def _start_up(model: Model, config: WarmPrefixConfig, tmp: Path, threads: int, rounds: int) -> dict[str, Any]:
     recompute, load = [], []
     for r in range(rounds):
-        recompute.append(_seconds(model.warm_up, config, tmp / f"round{r}"))  # an empty folder
-        load.append(_seconds(model.warm_up, config, tmp / f"round{r}"))  # the files just written
+        recompute.append(_seconds(model.load_warm_prefixes, config, tmp / f"round{r}"))  # an empty folder
+        load.append(_seconds(model.load_warm_prefixes, config, tmp / f"round{r}"))  # the files just written
     boot = {"folder": model.folder, "slots": 2, "threads": threads, "warm_prefixes": config}
     boot_load = _seconds(Model, **boot, warm_dir=tmp / "round0")
     boot_recompute = _seconds(Model, **boot, warm_dir=tmp / "boot")
@@ -166,13 +166,13 @@ def _start_up(model: Model, config: WarmupConfig, tmp: Path, threads: int, round
     }
 
 
-def _first_token(model: Model, messages: Messages, warm_store: PrefixStore, pairs: int) -> dict[str, Any]:
-    stores = {"cold": PrefixStore(), "warm": warm_store}
+def _first_token(model: Model, messages: Messages, warm_store: WarmPrefixStore, pairs: int) -> dict[str, Any]:
+    stores = {"cold": WarmPrefixStore(), "warm": warm_store}
     times: dict[str, list[float]] = {"cold": [], "warm": []}
     reused: dict[str, int] = {}
 
     def run(kind: str) -> float:
-        model.prefixes = stores[kind]
+        model.warm_store = stores[kind]
         seconds = ttft(model, messages, reset=True)
         reused[kind] = model.sessions[0].reused_tokens
         return seconds
@@ -182,7 +182,7 @@ def _first_token(model: Model, messages: Messages, warm_store: PrefixStore, pair
     for i in range(pairs):
         for kind in ("warm", "cold") if i % 2 else ("cold", "warm"):
             times[kind].append(run(kind))
-    model.prefixes = PrefixStore()
+    model.warm_store = WarmPrefixStore()
     cold, warm = times["cold"], times["warm"]
     return {
         "warm_prefix_tokens": reused["warm"],
@@ -209,10 +209,10 @@ def _long_first_token(model: Model, messages: Messages, folder: Path, pairs: int
     while len(tokenizer.encode_chat([{"role": "system", "content": system}, messages[1]])) > target:
         system = system.rsplit(" ", 1)[0]
     long_messages = [{"role": "system", "content": system}, messages[1]]
-    config = WarmupConfig(
+    config = WarmPrefixConfig(
         prefixes=(PrefixSpec(name="long", messages=(Message(role="system", content=system),)),)
     )
-    store, _ = model.warm_up(config, folder)
+    store, _ = model.load_warm_prefixes(config, folder)
     figures = _first_token(model, long_messages, store, pairs)
     return {"long_prompt_tokens": len(tokenizer.encode_chat(long_messages))} | {
         f"long_{key}": value for key, value in figures.items()

@@ -115,7 +115,7 @@ def logits_rows(manifest: Manifest) -> int:
 
 
 @dataclass(frozen=True)
-class DeviceInfo:
+class GpuInfo:
     name: str  # "Orin" on every Jetson Orin module
     compute_capability: str  # "8.7"
     multiprocessors: int  # tells an Orin Nano (8) from an AGX Orin 64GB (16)
@@ -151,8 +151,8 @@ class EngineManifest:
     kvedge_version: str = __version__
 
     @property
-    def device(self) -> DeviceInfo:
-        return DeviceInfo(self.device_name, self.compute_capability, self.multiprocessors)
+    def gpu(self) -> GpuInfo:
+        return GpuInfo(self.device_name, self.compute_capability, self.multiprocessors)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -216,7 +216,7 @@ class EngineManifest:
             )
         return None
 
-    def check_runtime(self, tensorrt_version: str, device: DeviceInfo, flavour: str = "tensorrt") -> None:
+    def check_runtime(self, tensorrt_version: str, gpu: GpuInfo, flavour: str = "tensorrt") -> None:
         """Refuse an engine built by another TensorRT flavour or version or for another GPU,
         naming both sides."""
         if (flavour, tensorrt_version) != (self.tensorrt_flavour, self.tensorrt_version):
@@ -225,8 +225,8 @@ class EngineManifest:
                 f"{TENSORRT_FLAVOURS.get(flavour, flavour)} {tensorrt_version}; rebuild it here with "
                 "`kvedge export --target tensorrt`"
             )
-        if device != self.device:
+        if gpu != self.gpu:
             raise ArtifactMismatch(
-                f"the engine was built for {self.device.describe()}, this machine has "
-                f"{device.describe()}; rebuild it here with `kvedge export --target tensorrt`"
+                f"the engine was built for {self.gpu.describe()}, this machine has "
+                f"{gpu.describe()}; rebuild it here with `kvedge export --target tensorrt`"
             )

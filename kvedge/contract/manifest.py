@@ -121,7 +121,7 @@ LOGITS_MODES = ("rows", "last", "all")
 # (kvedge.QuantMatMul, its rows one at a time in the arithmetic of one), and the INT8-cache
 # attention attends its tokens one at a time (its decode_steps attribute).
 VERIFY_TOKENS = 9
-# Ring slots a sliding-window layer keeps beyond its window (`CacheGeometry.ring_margin`): a
+# Ring positions a sliding-window layer keeps beyond its window (`CacheGeometry.ring_margin`): a
 # slot can then rewind up to this many tokens and keep its cache, which covers the few tokens a
 # chat template re-renders at the end of a turn; a longer rewind re-prefills from the start.
 RING_MARGIN = 64
@@ -138,11 +138,12 @@ class CacheGeometry:
     dtype: str = "float32"
     # int8 caches: channels of head_dim sharing one scale per token (see kvedge.quant); 0 for float.
     group_size: int = 0
-    # Sliding-window layers (Gemma 3's local layers) hold a ring of `ring_len` slots instead of
-    # max_len: position p sits at slot p % ring_len (docs/design/kv-contract.md, "Ring-buffer layers").
+    # Sliding-window layers (Gemma 3's local layers) hold a ring of `ring_len` positions instead of
+    # max_len: position p sits at ring index p % ring_len
+    # (docs/design/kv-contract.md, "Ring-buffer layers").
     ring_layers: tuple[int, ...] = ()
     window: int = 0  # keys a ring layer's query sees, itself included (HF's sliding_window)
-    ring_margin: int = 0  # ring slots beyond the window: how far back a slot can still rewind
+    ring_margin: int = 0  # ring positions beyond the window: how far back a slot can still rewind
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
@@ -202,17 +203,17 @@ class CacheGeometry:
 
     @property
     def ring_len(self) -> int:
-        """Slots of each ring layer: the window plus the margin, never more than max_len; 0 when
+        """Positions of each ring layer: the window plus the margin, never more than max_len; 0 when
         there are no ring layers."""
         return min(self.max_len, self.window + self.ring_margin) if self.ring_layers else 0
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        """Layers holding max_len slots (all of them without ring layers)."""
+        """Layers holding max_len positions (all of them without ring layers)."""
         return tuple(i for i in range(self.num_layers) if i not in self.ring_layers)
 
     def layer_len(self, layer: int) -> int:
-        """Cache slots of `layer`: ring_len for a ring layer, else max_len."""
+        """Cache positions of `layer`: ring_len for a ring layer, else max_len."""
         return self.ring_len if layer in self.ring_layers else self.max_len
 
     def scale_pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
@@ -289,7 +290,7 @@ class IONames:
     # looks them up (`Manifest.embedding`)
     inputs_embeds: str = "inputs_embeds"
     position_ids: str = "position_ids"  # [batch, seq] int64
-    past_lengths: str = "past_lengths"  # [batch] int64: valid cache slots per row
+    past_lengths: str = "past_lengths"  # [batch] int64: valid cache positions per row
     # [batch] ("last") or [batch, rows] ("rows") int64: the positions whose logits are returned
     last_index: str = "last_index"
     past_key: str = "past_key_values.%d.key"  # [batch, kv_heads, max_len, head_dim]

@@ -43,8 +43,8 @@ from kvedge.contract.engine import (
     ENGINE_MANIFEST_FILE,
     PREFILL_PROFILE,
     TENSORRT_FLAVOURS,
-    DeviceInfo,
     EngineManifest,
+    GpuInfo,
     device_refusal,
     logits_rows,
 )
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 TIMING_CACHE_FILE = "timing.cache"
 DEFAULT_WORKSPACE = 1 << 30  # builder scratch; 1 GiB leaves room for weights on an 8 GB Orin Nano
 # What an engine built by TensorRT for RTX without a GPU records as its device
-AHEAD_OF_TIME = DeviceInfo("no GPU (TensorRT for RTX, built ahead of time)", "any", 0)
+AHEAD_OF_TIME = GpuInfo("no GPU (TensorRT for RTX, built ahead of time)", "any", 0)
 # Jetson's TensorRT: strongly typed networks arrived in TensorRT 9; JetPack 6.1/6.2 carry 10.3,
 # JetPack 6.0 (TensorRT 8.6) cannot build kvedge's engines
 MIN_TENSORRT_MAJOR = 10
@@ -148,7 +148,7 @@ class _Flavour:
         every network there is strongly typed); explicit batch is the only kind since 10."""
         return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
 
-    def device(self) -> DeviceInfo:
+    def gpu(self) -> GpuInfo:
         return AHEAD_OF_TIME if self.rtx else current_device()
 
     def has_timing_cache(self) -> bool:
@@ -230,7 +230,7 @@ def build_engine(
         )
     if not parsed.strongly_typed:
         raise KvedgeError(f"{TENSORRT_FLAVOURS[flavour.name]} {trt.__version__} made a weakly typed network")
-    device = flavour.device()
+    gpu = flavour.gpu()
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
@@ -246,7 +246,7 @@ def build_engine(
         "building a strongly typed %s TensorRT %s engine for %s (minutes on a Jetson)",
         manifest.precision,
         trt.__version__,
-        device.describe(),
+        gpu.describe(),
     )
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -256,9 +256,9 @@ def build_engine(
         source_fingerprint=manifest.source_fingerprint,
         onnx_fingerprint=manifest.onnx_fingerprint,
         tensorrt_version=trt.__version__,
-        device_name=device.name,
-        compute_capability=device.compute_capability,
-        multiprocessors=device.multiprocessors,
+        device_name=gpu.name,
+        compute_capability=gpu.compute_capability,
+        multiprocessors=gpu.multiprocessors,
         max_batch=options.max_batch,
         max_prefill=options.max_prefill,
         precision=manifest.precision,

@@ -103,7 +103,7 @@ class Bound:
     name: str
     output: bool
     buffer: str  # POOL, STEP or CALL
-    device: str  # the memory onnxruntime is told it is in: "cpu", or "cuda" (device-addressable)
+    memory: str  # the memory onnxruntime is told it is in: "cpu", or "cuda" (GPU-addressable)
     shape: tuple[int, ...]
     dtype: np.dtype
     # bound again before every step: an input whose values change per step. onnxruntime copies
@@ -479,7 +479,7 @@ class OrtBackend:
 
     def _step_buffer(self, bound: Bound) -> np.ndarray:
         """A zeroed buffer for `bound`, where its device reads it: mapped pinned memory on cuda."""
-        if bound.device == "cuda":
+        if bound.memory == "cuda":
             return self.host.empty(bound.shape, bound.dtype)
         return np.zeros(bound.shape, bound.dtype)
 
@@ -511,12 +511,12 @@ class OrtBackend:
                 f"{bound.name}: buffer {list(array.shape)} {array.dtype} (contiguous: "
                 f"{array.flags.c_contiguous}) cannot be bound in place as {list(bound.shape)} {bound.dtype}"
             )
-        if bound.device == "cpu":
+        if bound.memory == "cpu":
             address = data_address(array)  # not array.ctypes.data: a ctypes object per call
         else:
             address = self.host.device_address(array)
             check_alignment(bound.name, address, array if bound.buffer == POOL else None)
-        args = (bound.name, bound.device, 0, array.dtype, list(array.shape), address)
+        args = (bound.name, bound.memory, 0, array.dtype, list(array.shape), address)
         (binding.bind_output if bound.output else binding.bind_input)(*args)
         return args
 
@@ -534,7 +534,7 @@ class OrtBackend:
             if bound.buffer == CALL and not bound.output:
                 binding.bind_cpu_input(bound.name, np.ascontiguousarray(array, bound.dtype))
             elif array is None:
-                binding.bind_output(bound.name, bound.device)
+                binding.bind_output(bound.name, bound.memory)
             else:
                 self._bind(binding, bound, array)
 

@@ -22,7 +22,7 @@ those layers apart, in a second allocation of ring_len = window + margin positio
     ring          [ring layers, 2, slots, kv_heads, ring_len, head_dim]
     ring_scales   [ring layers, 2, slots, kv_heads, ring_len, groups]     int8 caches only
 
-Position p of a ring layer sits at ring slot p % ring_len; the graph derives each ring slot's
+Position p of a ring layer sits at ring index p % ring_len; the graph derives each ring index's
 position from the valid length (docs/design/kv-contract.md, "Ring-buffer layers"), so the length stays
 the only state. A ring holds the last ring_len positions only: a rewind is possible only where
 the positions the next query needs are still there (`rewind_limit`). A `KVBlock` copied out of a

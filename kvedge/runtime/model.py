@@ -43,13 +43,18 @@ from kvedge.runtime.draft import Draft, DraftProposer, check_same_tokenizer
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.options import RunOptions
-from kvedge.runtime.prefix import PrefixLRU
+from kvedge.runtime.prefix import RunTimePrefixStore
 from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
-from kvedge.runtime.warmup import PrefixStore, WarmupConfig, WarmupReport, warm_up
+from kvedge.runtime.warm_prefixes import (
+    WarmPrefixConfig,
+    WarmPrefixReport,
+    WarmPrefixStore,
+    load_warm_prefixes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ class Model:
     """An exported model run as its `RunOptions` say (kvedge.runtime.options): on a device
     (onnxruntime CPU or CUDA, or a TensorRT engine) with its tokenizer, a preallocated cache of
     `slots` sequences, one `ChatSession` per slot, optionally warm prefixes loaded (or rebuilt) at
-    start-up, a store of `prefix_cache_bytes` for prefixes seen at run time (`PrefixLRU`) and a
+    start-up, a store of `prefix_cache_bytes` for prefixes seen at run time (`RunTimePrefixStore`) and a
     draft model. `kv_memory` (`KV_MEMORY`; GPU devices only): where the cache pool lives:
     "mapped", pinned host memory the GPU reads in place (the default, until hardware measures the
     other), or "device", device memory (cudaMalloc) the CPU side reaches by explicit copies.
@@ -119,7 +124,7 @@ class Model:
 
     def _load(self, options: RunOptions) -> None:
         """Everything after the backend opened: tokenizer, cache, sessions, warm prefixes."""
-        slots, warmup, warm_dir = options.slots, options.warm_prefixes, options.warm_dir
+        slots, warm, warm_dir = options.slots, options.warm_prefixes, options.warm_dir
         self.tokenizer = ChatTokenizer(self.folder, self.manifest)
         self.grammars = Grammars(
             self.folder / TOKENIZER_FILE, self.manifest.vocab_size, self.manifest.eos_token_ids
@@ -134,13 +139,13 @@ class Model:
         geometry = self.manifest.geometry
         disk = None if options.prefix_dir is None else self._open_prefix_disk(options)
         spill = None if disk is None else lambda ids, block: disk.save(ids, reader(block))  # evicted: to disk
-        self.prefix_lru = PrefixLRU(geometry, options.prefix_cache_bytes, spill=spill)
+        self.run_time_store = RunTimePrefixStore(geometry, options.prefix_cache_bytes, spill=spill)
         self.prefix_disk: PrefixDisk | None = disk
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
-        self.prefixes = PrefixStore()
-        self.warmup_report: WarmupReport | None = None
-        if warmup is not None:
-            self.prefixes, self.warmup_report = self.warm_up(warmup, warm_dir)
+        self.warm_store = WarmPrefixStore()
+        self.warm_prefix_report: WarmPrefixReport | None = None
+        if warm is not None:
+            self.warm_store, self.warm_prefix_report = self.load_warm_prefixes(warm, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
         if disk is not None:
@@ -152,8 +157,8 @@ class Model:
             slots,
             self.manifest.geometry.max_len,
             self.cache.nbytes / 2**20,
-            len(self.prefixes),
-            self.prefix_lru.capacity_bytes / 2**20,
+            len(self.warm_store),
+            self.run_time_store.capacity_bytes / 2**20,
             0 if disk is None else len(disk),
             0 if disk is None else disk.nbytes / 2**20,
         )
@@ -188,10 +193,12 @@ class Model:
                 f"manifest's {self.manifest.onnx_fingerprint[:16]}; re-export the model"
             )
 
-    def warm_up(self, config: WarmupConfig, folder: str | Path) -> tuple[PrefixStore, WarmupReport]:
+    def load_warm_prefixes(
+        self, config: WarmPrefixConfig, folder: str | Path
+    ) -> tuple[WarmPrefixStore, WarmPrefixReport]:
         """Load the warm prefixes `config` declares from `folder`, recomputing any that is not
         valid (in the last slot, which is left empty)."""
-        return warm_up(self.tokenizer, self.backend, self.cache, self.manifest, config, folder)
+        return load_warm_prefixes(self.tokenizer, self.backend, self.cache, self.manifest, config, folder)
 
     def close(self) -> None:
         """Stop the backend, then release what it holds of the cache (GPU page locks, mapped
@@ -214,12 +221,12 @@ class Model:
                     self.cache.close()
 
     def prefix_stats(self) -> dict[str, int]:
-        """Where the run-time prefixes sit: bytes in memory (`PrefixLRU`) and on disk
+        """Where the run-time prefixes sit: bytes in memory (`RunTimePrefixStore`) and on disk
         (`PrefixDisk`: bytes, files, bytes written and files refused since start-up), and bytes
         copied from slots waiting for the disk's writer thread."""
         disk = self.prefix_disk
         return {
-            "memory_bytes": self.prefix_lru.nbytes,
+            "memory_bytes": self.run_time_store.nbytes,
             "disk_bytes": 0 if disk is None else disk.nbytes,
             "disk_files": 0 if disk is None else len(disk),
             "disk_written_bytes": 0 if disk is None else disk.bytes_written,
@@ -246,8 +253,8 @@ class Model:
         if disk is None or cache is None:
             return 0
         written = 0
-        for entry in list(self.prefix_lru.entries.values()):
-            written += disk.save(entry.token_ids, reader(self.prefix_lru.block(entry)))
+        for entry in list(self.run_time_store.entries.values()):
+            written += disk.save(entry.token_ids, reader(self.run_time_store.block(entry)))
         for slot in sorted(range(cache.slots), key=lambda s: self._last_used[s]):
             written += self._keep_slot(slot)
         return written
@@ -555,9 +562,11 @@ class Model:
             session.reset(self.cache)
         held = self.cache.token_ids(slot)
         keep = common_prefix(held, ids)
-        if len(held) - keep >= self.prefix_lru.block_tokens:  # another conversation is about to replace it
-            if self.prefix_lru:
-                self.prefix_lru.save(self.cache, slot)
+        if (
+            len(held) - keep >= self.run_time_store.block_tokens
+        ):  # another conversation is about to replace it
+            if self.run_time_store:
+                self.run_time_store.save(self.cache, slot)
             elif self.prefix_disk is not None:
                 self._keep_slot(slot)
         keep = self._copy_prefix(slot, ids, keep)
@@ -576,8 +585,8 @@ class Model:
         def usable(ring_from: int, shared: int) -> int:
             return self._usable(ring_from, shared, ids)
 
-        warm, warm_shared = self.prefixes.best_match(ids, usable)
-        entry, lru_shared = self.prefix_lru.best_match(ids, usable)
+        warm, warm_shared = self.warm_store.best_match(ids, usable)
+        entry, lru_shared = self.run_time_store.best_match(ids, usable)
         if self.prefix_disk is not None:
             stored, disk_shared = self.prefix_disk.best_match(ids, usable)
             if stored is not None and disk_shared > max(keep, warm_shared, lru_shared):
@@ -590,7 +599,7 @@ class Model:
                         )
                     return disk_shared
         if entry is not None and lru_shared > max(keep, warm_shared):
-            self.prefix_lru.load(self.cache, slot, entry, lru_shared, start=keep)
+            self.run_time_store.load(self.cache, slot, entry, lru_shared, start=keep)
             return lru_shared
         if warm is not None and warm_shared > keep:
             self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared])

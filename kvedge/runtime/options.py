@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvedge.configs import WarmupConfig
+from kvedge.configs import WarmPrefixConfig
 from kvedge.errors import KvedgeError
 from kvedge.runtime.memory import check_kv_memory
 from kvedge.runtime.sessions import HistoryPolicy
@@ -28,13 +28,15 @@ class RunOptions:
     # GPU devices: the cache pool in mapped pinned host memory ("mapped") or GPU memory ("device")
     kv_memory: str = "mapped"
     policy: HistoryPolicy = field(default_factory=HistoryPolicy)  # conversations longer than the cache
-    prefix_cache_bytes: int = 0  # run-time prefixes kept when their slot is taken (`PrefixLRU`); 0: off
+    prefix_cache_bytes: int = (
+        0  # run-time prefixes kept when their slot is taken (`RunTimePrefixStore`); 0: off
+    )
     # run-time prefixes written to disk when they leave memory (`PrefixDisk`), in this export's
     # subfolder (`export_folder`); None: off
     prefix_dir: Path | None = None
     prefix_disk_bytes: int = 1 << 30  # budget of this export's files, least recently used removed first
     prefix_disk_min_tokens: int = 64  # shorter prefixes are never written (flash wear)
-    warm_prefixes: WarmupConfig | None = None  # fixed prompts whose KV is loaded from `warm_dir`
+    warm_prefixes: WarmPrefixConfig | None = None  # fixed prompts whose KV is loaded from `warm_dir`
     warm_dir: Path | None = None
     # an export with the same tokenizer whose proposals turns may verify (speculate="draft"),
     # loaded with the model: never in the middle of a request

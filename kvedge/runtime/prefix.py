@@ -37,7 +37,7 @@ every warm-up) removes a crash's leftovers but never a temp file another process
 takes only temps it can lock at once and older than STALE_TEMP_AGE_S (the instant between a
 writer's create and lock). Loading memory-maps the data.
 
-Run-time prefixes (`PrefixLRU`, off unless given a byte budget): when a slot is about to drop at
+Run-time prefixes (`RunTimePrefixStore`, off unless given a byte budget): when a slot is about to drop at
 least one block of tokens for another conversation, what it holds is copied into an arena
 allocated once at start-up, so a later conversation starting with the same tokens (the first
 user coming back after their slot was taken, a system prompt nobody declared) copies that KV in
@@ -432,7 +432,7 @@ def best_entry(
     return best, count
 
 
-class PrefixLRU:
+class RunTimePrefixStore:
     """Token sequences seen at run time and their KV, in a preallocated arena under a byte budget
     (layout and policy in the module docstring). A budget of 0 turns it off."""
 

@@ -1,4 +1,4 @@
-"""HTTP front of `kvedge serve`: a Starlette app run by uvicorn, in front of one `Engine`.
+"""HTTP front of `kvedge serve`: a Starlette app run by uvicorn, in front of one `Scheduler`.
 
 Routes::
 
@@ -44,15 +44,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvedge.configs import load_warmup_config
+from kvedge.configs import load_warm_prefix_config
 from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
 from kvedge.runtime.speculate import DRAFT, draft_folder
 from kvedge.serve import protocol, tools, ui
 from kvedge.serve.config import ServiceConfig
-from kvedge.serve.engine import Engine, Job, NotReady, QueueFull, ShuttingDown
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from kvedge.serve.scheduler import Job, NotReady, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,14 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def create_app(config: ServiceConfig, engine: Engine, metrics: Metrics) -> Starlette:
-    api = Api(config, engine, metrics)
+def create_app(config: ServiceConfig, scheduler: Scheduler, metrics: Metrics) -> Starlette:
+    api = Api(config, scheduler, metrics)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine.start()
+        scheduler.start()
         yield
-        await run_in_threadpool(engine.stop)
+        await run_in_threadpool(scheduler.stop)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -178,11 +178,11 @@ class HostCheck:
 
 
 class Api:
-    """The routes' handlers, in front of one engine: they validate, tokenize (in a worker
+    """The routes' handlers, in front of one scheduler: they validate, tokenize (in a worker
     thread), submit a `Job` and relay its events; they never touch onnxruntime."""
 
-    def __init__(self, config: ServiceConfig, engine: Engine, metrics: Metrics) -> None:
-        self.config, self.engine, self.metrics = config, engine, metrics
+    def __init__(self, config: ServiceConfig, scheduler: Scheduler, metrics: Metrics) -> None:
+        self.config, self.scheduler, self.metrics = config, scheduler, metrics
         self.model_card = {
             "id": config.model_name,
             "object": "model",
@@ -246,11 +246,11 @@ class Api:
         return respond
 
     async def health(self, request: Request) -> Response:
-        state = self.engine.state
+        state = self.scheduler.state
         return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
 
     async def metrics_text(self, request: Request) -> Response:
-        text = self.metrics.render(self.engine.gauges())
+        text = self.metrics.render(self.scheduler.gauges())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def list_models(self, request: Request) -> Response:
@@ -262,9 +262,9 @@ class Api:
         return JSONResponse(self.model_card)
 
     def ready_model(self) -> Model:
-        model = self.engine.model
-        if self.engine.state != "ready" or model is None:
-            raise _not_ready(self.engine.state)
+        model = self.scheduler.model
+        if self.scheduler.state != "ready" or model is None:
+            raise _not_ready(self.scheduler.state)
         return model
 
     async def chat_completions(self, request: Request) -> Response:
@@ -363,7 +363,7 @@ class Api:
         return await self.respond(request, job, events, reply, body.stream)
 
     def submit(self, ids: list[int], sampling: SamplingConfig) -> tuple[Job, asyncio.Queue[Event]]:
-        """Queue a job; its events arrive on the returned queue (from the engine thread)."""
+        """Queue a job; its events arrive on the returned queue (from the scheduler thread)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -375,7 +375,7 @@ class Api:
 
         job = Job(ids=ids, config=sampling, deliver=deliver)
         try:
-            self.engine.submit(job)
+            self.scheduler.submit(job)
         except QueueFull as full:
             raise ApiError(
                 429,
@@ -396,7 +396,7 @@ class Api:
         if stream:
 
             def closed() -> None:
-                self.engine.cancel(job)
+                self.scheduler.cancel(job)
                 self.metrics.response(reply.status)
                 log_request(request, reply.status, job)
 
@@ -407,7 +407,7 @@ class Api:
             status = response.status_code
             return response
         finally:
-            self.engine.cancel(job)
+            self.scheduler.cancel(job)
             log_request(request, status, job)
 
 
@@ -418,7 +418,7 @@ def warm_prefix_cards(config: ServiceConfig) -> list[dict[str, Any]]:
     if config.warm_prefixes is None:
         return []
     cards = []
-    for spec in load_warmup_config(config.warm_prefixes).prefixes:
+    for spec in load_warm_prefix_config(config.warm_prefixes).prefixes:
         if spec.messages is None:
             cards.append({"name": spec.name, "text": spec.text})
         else:
@@ -428,7 +428,7 @@ def warm_prefix_cards(config: ServiceConfig) -> list[dict[str, Any]]:
 
 
 def log_request(request: Request, status: int, job: Job) -> None:
-    """One line per request that reached the engine: status, tokens, time to first token."""
+    """One line per request that reached the scheduler: status, tokens, time to first token."""
     now = time.monotonic()
     ttft = "-" if job.first_token_at is None else f"{job.first_token_at - job.submitted:.3f} s"
     log.info(
@@ -567,7 +567,7 @@ def speculate_mode(requested: str | None, service: str) -> str:
 
 
 def api_error(exc: Exception, param: str = "messages") -> ApiError:
-    """The HTTP error for what went wrong in the runtime or the engine; `param`: the request
+    """The HTTP error for what went wrong in the runtime or the scheduler; `param`: the request
     field a plain KvedgeError is about."""
     if isinstance(exc, ShuttingDown):
         return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")

@@ -217,7 +217,7 @@ class ServiceConfig:
     def run_options(self, slots: int | None = None) -> RunOptions:
         """The model's options this config gives (`slots`: another count, e.g. 1 for --check); the
         warm-prefix file is read here."""
-        from kvedge.configs import load_warmup_config
+        from kvedge.configs import load_warm_prefix_config
 
         return RunOptions(
             slots=self.slots if slots is None else slots,
@@ -229,7 +229,7 @@ class ServiceConfig:
             prefix_dir=self.prefix_dir,
             prefix_disk_bytes=self.prefix_disk_bytes,
             prefix_disk_min_tokens=self.prefix_disk_min_tokens,
-            warm_prefixes=load_warmup_config(self.warm_prefixes) if self.warm_prefixes else None,
+            warm_prefixes=load_warm_prefix_config(self.warm_prefixes) if self.warm_prefixes else None,
             warm_dir=self.warm_dir,
             draft=None if (draft := draft_folder(self.speculate)) is None else Path(draft),
         )

@@ -2,8 +2,8 @@
 
 Each `Metrics` has its own `CollectorRegistry`, not the library's process-wide one, so services
 and tests in one process never share counts. Counters and the time-to-first-token histogram are
-updated by the engine thread and the request handlers (prometheus_client's metrics lock
-themselves); gauges (queue depth, slots in use, KV bytes) are read from the engine when /metrics
+updated by the scheduler thread and the request handlers (prometheus_client's metrics lock
+themselves); gauges (queue depth, slots in use, KV bytes) are read from the scheduler when /metrics
 is scraped. Tokens per second is the number of tokens generated in the last `RATE_WINDOW_S`
 seconds divided by that window, across all slots. Counters and the histogram also carry the
 library's `_created` sample (when the series started).

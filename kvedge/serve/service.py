@@ -9,7 +9,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ from kvedge.runtime.prefix_disk import PrefixDisk, list_prefix_files
 from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
-from kvedge.serve.engine import Engine, decode_warmup
 from kvedge.serve.metrics import Metrics
+from kvedge.serve.scheduler import Scheduler, decode_warmup
 from kvedge.serve.systemd import Notifier, render_unit
 from kvedge.serve.ui import page_url
 
@@ -43,7 +43,7 @@ def serve_command(
     need = check_memory(config)
     if check:
         with load_model(config, slots=1) as model:  # verifies the graph, loads or rebuilds warm files
-            prefixes, disk = len(model.prefixes), model.prefix_disk
+            prefixes, disk = len(model.warm_store), model.prefix_disk
             files = "" if disk is None else f", {prefix_files(disk)}"
             others = "" if disk is None else f"{other_exports(disk, config.prefix_dir)}\n"
         kv = model.manifest.geometry.bytes_per_slot() * config.slots
@@ -215,19 +215,21 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, draining the engine before it stops listening: while running requests finish
+    """uvicorn, draining the scheduler before it stops listening: while running requests finish
     (at most `grace_s`), the port stays open, so /health answers 503 "draining" and new
     requests get 503 rather than a refused connection."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float, notifier: Notifier) -> None:
+    def __init__(
+        self, config: uvicorn.Config, scheduler: Scheduler, grace_s: float, notifier: Notifier
+    ) -> None:
         super().__init__(config)
-        self.engine, self.grace_s, self.notifier = engine, grace_s, notifier
+        self.scheduler, self.grace_s, self.notifier = scheduler, grace_s, notifier
 
     async def shutdown(self, sockets=None) -> None:
         self.notifier.stopping()
-        self.engine.drain(self.grace_s)
-        deadline = time.monotonic() + self.grace_s + 1.0  # the engine cancels at grace_s
-        while self.engine.busy() and time.monotonic() < deadline and not self.force_exit:
+        self.scheduler.drain(self.grace_s)
+        deadline = time.monotonic() + self.grace_s + 1.0  # the scheduler cancels at grace_s
+        while self.scheduler.busy() and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
         await super().shutdown(sockets)
 
@@ -252,9 +254,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT. /health turns ready after the model loads and `warmup` (default:
-    `config.warmup_tokens` greedy decode steps) returns; warm-up files can hook in here."""
+def serve(config: ServiceConfig) -> None:
+    """Serve until SIGTERM/SIGINT. /health turns ready after the model loads (its warm prefixes
+    included) and `config.warmup_tokens` greedy decode steps have run (`decode_warmup`)."""
     manifest = Manifest.load(config.model)  # a broken folder fails here, before the port opens
     listening = listening_socket(config.host, config.port)  # a port in use fails before the load
     if logging.getLogger("kvedge.serve").getEffectiveLevel() > logging.INFO:
@@ -273,18 +275,18 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
     )
     metrics = Metrics()
     notifier = Notifier()
-    engine = Engine(
+    scheduler = Scheduler(
         load=lambda: load_model(config, config.slots),
         queue_size=config.queue_size,
         metrics=metrics,
-        warmup=warmup if warmup is not None else decode_warmup(config.warmup_tokens),
+        decode_warmup=decode_warmup(config.warmup_tokens),
         batch_decode=config.batch_decode,
         heartbeat=notifier.watchdog,
         heartbeat_s=notifier.heartbeat_s,
     )
     server = _Server(
         uvicorn.Config(
-            create_app(config, engine, metrics),
+            create_app(config, scheduler, metrics),
             host=config.host,
             port=config.port,
             log_config=None,
@@ -297,7 +299,7 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
                 max_connections=config.max_connections,
             ),
         ),
-        engine,
+        scheduler,
         config.shutdown_grace_s,
         notifier,
     )
@@ -312,8 +314,8 @@ def serve(config: ServiceConfig, warmup: Callable[[Model], None] | None = None) 
         else:
             log.info("API: %sv1 (chat page off: ui is false)", page_url(config.host, config.port))
 
-    engine.on_failure, engine.on_ready = failed, ready
+    scheduler.on_failure, scheduler.on_ready = failed, ready
     with listening:
         server.run(sockets=[listening])
-    if engine.state == "failed":
-        raise KvedgeError(f"{engine.failure}; see the log above")
+    if scheduler.state == "failed":
+        raise KvedgeError(f"{scheduler.failure}; see the log above")

@@ -6,9 +6,9 @@ once, verifying the graph fingerprint, so a broken install fails before the serv
 retried by `Restart=on-failure`. stdout and stderr go to the journal (`journalctl -u kvedge`).
 
 `Type=notify`: kvedge says READY=1 only once it is warm (weights loaded, warm prefixes in, warm-up
-steps run: when /health turns 200), and the engine thread pings WATCHDOG=1 as it loops, so an
-engine that stops stepping for `WatchdogSec` is killed and restarted whatever the cause. A failed
-engine ends the process non-zero, which `Restart=on-failure` restarts too.
+steps run: when /health turns 200), and the scheduler thread pings WATCHDOG=1 as it loops, so a
+scheduler that stops stepping for `WatchdogSec` is killed and restarted whatever the cause. A failed
+scheduler ends the process non-zero, which `Restart=on-failure` restarts too.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ After=network.target
 
 [Service]
 # notify: started means warm (READY=1 once /health is 200). Loading twice (the check, then the
-# service) may take minutes on a small board, hence the start timeout. The engine pings the
+# service) may take minutes on a small board, hence the start timeout. The scheduler pings the
 # watchdog every round and every second while idle: no ping for WatchdogSec means it hangs.
 Type=notify
 NotifyAccess=main
@@ -117,7 +117,7 @@ class Notifier:
         self.send("STOPPING=1\nSTATUS=draining")
 
     def watchdog(self) -> None:
-        """A ping, at most every `watchdog_interval_s` (called as often as the engine loops)."""
+        """A ping, at most every `watchdog_interval_s` (called as often as the scheduler loops)."""
         if self.watchdog_interval_s is None:
             return
         now = time.monotonic()

@@ -29,7 +29,7 @@ A = max(past_lengths) the longest valid past in the batch::
     out      = probs[..., :A] @ past_v + probs[..., A:] @ new_v
 
 GQA is a reshape of Q, never a repeat of K/V. The mask is computed once per call from
-`past_lengths` (slot j of row b is visible iff j < past_lengths[b]) plus a causal mask over the
+`past_lengths` (position j of row b is visible iff j < past_lengths[b]) plus a causal mask over the
 new tokens; stale data beyond a row's valid length is masked with -inf, so the runtime must keep
 buffers finite (they are zero-initialised and only ever written with finite K/V). Slicing to A
 makes the work follow the valid length, not max_len; the price is a copy of the valid K/V.

@@ -18,7 +18,7 @@ from kvedge.export.graph.rope import position_angles, rotate_half
 class RingSpec:
     """What the portable graph needs to build the ring layers' attention (`PortableAttention._ring`)."""
 
-    ring_len: int  # slots per ring layer (geometry.ring_len)
+    ring_len: int  # positions per ring layer (geometry.ring_len)
     window: int  # keys a query sees, itself included
     cos_table: str  # the ring layers' RoPE tables [max_len, d/2] (Gemma 3: the local base)
     sin_table: str
@@ -31,7 +31,7 @@ class RingInputs:
 
     cos4: str  # [b, 1, s, d/2]
     sin4: str
-    attend: str  # [1] ring slots read: min(max(past_lengths), ring_len)
+    attend: str  # [1] ring indices read: min(max(past_lengths), ring_len)
     mask: str  # [b, 1, g*s, A_r+s]
     split_as: str  # [2] (A_r, s)
     codec: Int8Codec | None
@@ -64,7 +64,7 @@ class PortableAttention:
         # RoPE angles [b, 1, s, d/2] each, shared by all layers (ring layers: by all ring layers).
         self.cos4, self.sin4 = position_angles(g, names.position_ids, cos_table, sin_table, "rope")
 
-        # A = longest valid past in the batch: attention reads slots [0, A) only.
+        # A = longest valid past in the batch: attention reads positions [0, A) only.
         self.attend = longest = g.reduce("ReduceMax", names.past_lengths, 0, "attn.attend_len")  # [1]
         self.codec = Int8Codec(g, kv_heads, d, kv_group_size, longest) if kv_group_size else None
         self.neg_inf = g.const("const.neg_inf", np.array(-np.inf, np.float32))
@@ -82,23 +82,23 @@ class PortableAttention:
         self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
 
     def _mask(self, length: int, b_dim: str, s_dim: str, groups: int) -> tuple[str, str, str, str]:
-        """The full layers' mask [b, 1, g*s, A+s], shared by them: slot j of row b visible iff
+        """The full layers' mask [b, 1, g*s, A+s], shared by them: position j of row b visible iff
         j < past_lengths[b], new token k to new token i iff k <= i; with the tensors the ring mask
         reuses (lengths [b, 1], rows [s, 1], new_idx [s])."""
         g, names, longest = self.g, self.names, self.attend
         zero_f, neg_inf = self.zero_f, self.neg_inf
-        slots = g.op(
+        positions = g.op(
             "Slice",
             [
-                g.const("mask.all_slots", np.arange(length, dtype=np.int64)[None, :]),
+                g.const("mask.all_positions", np.arange(length, dtype=np.int64)[None, :]),
                 g.ints(0),
                 longest,
                 g.ints(1),
             ],
-            "mask.slots",
+            "mask.positions",
         )  # [1, A]
         lengths = g.op("Unsqueeze", [names.past_lengths, g.ints(1)], "mask.lengths")  # [b, 1]
-        past_ok = g.op("Less", [slots, lengths], "mask.past_ok")  # [b, A]
+        past_ok = g.op("Less", [positions, lengths], "mask.past_ok")  # [b, A]
         past_bias = g.op("Where", [past_ok, zero_f, neg_inf], "mask.past_bias")
         past_bias4 = g.op("Unsqueeze", [past_bias, g.ints(1, 2)], "mask.past4")
         scalar_s = g.op("Squeeze", [s_dim, g.ints(0)], "shape.s_scalar")
@@ -135,28 +135,28 @@ class PortableAttention:
     ) -> RingInputs:
         """The ring layers' angles, valid slice and mask (`RingSpec`), shared by those layers.
 
-        Slot j of a ring of R slots holds position stored(j) = P - 1 - ((P - 1 - j) mod R) for a
+        Ring index j of a ring of R holds position stored(j) = P - 1 - ((P - 1 - j) mod R) for a
         row of valid length P: the latest position below P that lands on j (negative where none
-        has). New token i (position P + i) sees slot j iff j < P and stored(j) > P + i - window,
+        has). New token i (position P + i) sees ring index j iff j < P and stored(j) > P + i - window,
         and new token k iff k <= i and i - k < window (HF's sliding-window overlay: a key is
         visible iff kv_idx > q_idx - window)."""
         g = self.g
         cos4, sin4 = position_angles(g, self.names.position_ids, spec.cos_table, spec.sin_table, "ring.rope")
         ring_len = g.ints(spec.ring_len)
         attend = g.op("Min", [self.attend, ring_len], "ring.attend_len")  # [1] A_r = min(A, R)
-        slots = g.op(
+        indices = g.op(
             "Slice",
             [
-                g.const("ring.all_slots", np.arange(spec.ring_len, dtype=np.int64)[None, :]),
+                g.const("ring.all_indices", np.arange(spec.ring_len, dtype=np.int64)[None, :]),
                 g.ints(0),
                 attend,
                 g.ints(1),
             ],
-            "ring.slots",
+            "ring.indices",
         )  # [1, A_r]
         last = g.op("Sub", [lengths, g.ints(1)], "ring.last")  # [b, 1] P - 1
-        back = g.op("Mod", [g.op("Sub", [last, slots], "ring.behind"), ring_len], "ring.back", fmod=0)
-        stored = g.op("Sub", [last, back], "ring.stored")  # [b, A_r] position held at each slot
+        back = g.op("Mod", [g.op("Sub", [last, indices], "ring.behind"), ring_len], "ring.back", fmod=0)
+        stored = g.op("Sub", [last, back], "ring.stored")  # [b, A_r] position held at each ring index
         # visible iff i < stored + window - P (i: the new token's index in the call)
         reach = g.op(
             "Sub", [g.op("Add", [stored, g.ints(spec.window)], "ring.stored_w"), lengths], "ring.reach"
@@ -169,7 +169,7 @@ class PortableAttention:
             ],
             "ring.in_window",
         )  # [b, s, A_r]
-        held = g.op("Unsqueeze", [g.op("Less", [slots, lengths], "ring.held"), g.ints(1)], "ring.held3")
+        held = g.op("Unsqueeze", [g.op("Less", [indices, lengths], "ring.held"), g.ints(1)], "ring.held3")
         past_ok = g.op("And", [in_window, held], "ring.past_ok")  # [b, s, A_r]
         past_bias = g.op("Where", [past_ok, self.zero_f, self.neg_inf], "ring.past_bias")
         cols = g.op("Unsqueeze", [new_idx, g.ints(0)], "ring.cols")  # [1, s]

@@ -16,7 +16,7 @@
 // float32 cache itself). Here each KV head's codes are read once per step for all the query heads
 // of its group, as int8: 1 byte per element instead of 4.
 //
-// Inputs (b = batch, s = new tokens, L = cache slots, d = head_dim, G = d / group_size):
+// Inputs (b = batch, s = new tokens, L = cache positions, d = head_dim, G = d / group_size):
 //   0 qkv            float [b, s, (heads + 2 kv_heads) d], Q (scaled by 1/sqrt(d)), K, V unrotated
 //   1 past_lengths   int64 [b], valid cache length of each row; row r's new tokens take
 //                    positions past_lengths[r] .. past_lengths[r] + s - 1
@@ -284,7 +284,7 @@ struct Block {
   const float* q = nullptr;  // [n_rows, d] rotated queries
   float* scores = nullptr;   // [n_rows, stride] (the decode path's)
   int64_t stride = 0;
-  const int8_t* k_codes = nullptr;  // this KV head's cache: [slots, d] codes, [slots, groups] scales
+  const int8_t* k_codes = nullptr;  // this KV head's cache: [L, d] codes, [L, groups] scales
   const int8_t* v_codes = nullptr;
   const half_t* k_scales = nullptr;
   const half_t* v_scales = nullptr;
@@ -646,7 +646,7 @@ struct Work {
   const float *cos, *sin;
   const int8_t *k_codes, *v_codes;
   const half_t *k_scales, *v_scales;
-  int64_t batch, seq, heads, kv_heads, d, groups, slots, width;
+  int64_t batch, seq, heads, kv_heads, d, groups, cache_len, width;
   int64_t row_tokens = 0;      // tokens of a row in x and y (0: seq); more when a call is attended
                                // a token at a time (Kernel::decode_steps), x and y from that token
   int64_t window = -1;         // Kernel::window
@@ -715,7 +715,7 @@ struct Work {
     const int64_t blk = unit % blocks, rh = unit / blocks;
     const int64_t r = rh / kv_heads, h = rh % kv_heads, group = heads / kv_heads, half = d / 2;
     const int64_t first = blk * rows_per_item, start = origin + part * span;
-    const int64_t base = (r * kv_heads + h) * slots + start;  // this KV head's cache, from the block's start
+    const int64_t base = (r * kv_heads + h) * cache_len + start;  // this KV head's cache, from the block's start
     rows.resize(kMaxRows * d);
     Block block;
     block.n_rows = std::min<int64_t>(rows_per_item, group * seq - first);
@@ -723,7 +723,7 @@ struct Work {
     for (int64_t i = 0; i < block.n_rows; ++i) {
       const int64_t t = (first + i) / group, head = h * group + (first + i) % group, pos = past[r] + t;
       Rotate(x + (r * RowTokens() + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
-      block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : slots - start);
+      block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : cache_len - start);
       block.first[i] = std::min(std::max<int64_t>(First(pos) - start, 0), block.limit[i]);
       block.out[i] = own != nullptr ? own + i * d : Out(r, h, first + i);
     }
@@ -732,14 +732,14 @@ struct Work {
       block.sum = block.top + rows_per_item;
     }
     block.q = rows.data();
-    block.stride = slots;
+    block.stride = cache_len;
     block.k_codes = k_codes + base * d;
     block.v_codes = v_codes + base * d;
     block.k_scales = k_scales + base * groups;
     block.v_scales = v_scales + base * groups;
     block.groups = groups;
     if (tiled && AttendPrefill(d, block, &scratch)) return;
-    if (scores.size() < static_cast<size_t>(rows_per_item * slots)) scores.resize(rows_per_item * slots);
+    if (scores.size() < static_cast<size_t>(rows_per_item * cache_len)) scores.resize(rows_per_item * cache_len);
     block.scores = scores.data();
     Attend(d, block, &scratch);
   }
@@ -802,14 +802,14 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   const int64_t batch = qkv.shape[0], seq = qkv.shape[1];
   const Tensor& kc = in[2];
   if (kc.shape.size() != 4 || kc.shape[0] != batch || kc.shape[1] != kv_heads)
-    return Fail("K codes must be [batch, kv_heads=" + std::to_string(kv_heads) + ", slots, head_dim], got " +
+    return Fail("K codes must be [batch, kv_heads=" + std::to_string(kv_heads) + ", positions, head_dim], got " +
                 ShapeText(kc.shape));
-  const int64_t slots = kc.shape[2], d = kc.shape[3];
+  const int64_t cache_len = kc.shape[2], d = kc.shape[3];
   if (qkv.shape[2] != (heads + 2 * kv_heads) * d)
     return Fail("qkv width " + std::to_string(qkv.shape[2]) + " is not (heads + 2 kv_heads) * head_dim = " +
                 std::to_string((heads + 2 * kv_heads) * d));
   const int64_t groups = in[4].shape.size() == 4 ? in[4].shape[3] : 0;
-  if (groups <= 0 || d % groups || d % 2) return Fail("K scales must be [batch, kv_heads, slots, groups] "
+  if (groups <= 0 || d % groups || d % 2) return Fail("K scales must be [batch, kv_heads, positions, groups] "
                                                       "with groups dividing head_dim, got " + ShapeText(in[4].shape));
   for (int i = 3; i < 6; ++i) {
     const std::vector<int64_t>& want = i == 3 ? kc.shape : in[4].shape;
@@ -821,9 +821,9 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
     return Fail("cos/sin must be [positions, head_dim / 2], got " + ShapeText(cos_t.shape));
   const int64_t* past = static_cast<const int64_t*>(lengths.data);
   for (int64_t r = 0; r < batch; ++r) {
-    if (past[r] < 0 || past[r] + seq > slots || past[r] + seq > cos_t.shape[0])
+    if (past[r] < 0 || past[r] + seq > cache_len || past[r] + seq > cos_t.shape[0])
       return Fail("row " + std::to_string(r) + ": past length " + std::to_string(past[r]) + " + " +
-                  std::to_string(seq) + " new tokens does not fit " + std::to_string(slots) + " slots");
+                  std::to_string(seq) + " new tokens does not fit " + std::to_string(cache_len) + " positions");
   }
 
   // A decode step's cache lines, asked of memory before anything else touches them: in a model a
@@ -848,7 +848,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
           const int64_t count = pass == 0 ? seq : std::min(past[r] - first, kPrefetchKeys);
           for (int64_t h = 0; h < kv_heads; ++h) {
             const uintptr_t start = reinterpret_cast<uintptr_t>(in[2 + i].data) +
-                                    ((r * kv_heads + h) * slots + from) * bytes[i];
+                                    ((r * kv_heads + h) * cache_len + from) * bytes[i];
             for (uintptr_t line = start & ~uintptr_t{63}; line < start + count * bytes[i]; line += 64) {
               if (pass == 0) __builtin_prefetch(reinterpret_cast<const void*>(line), 1);
               else __builtin_prefetch(reinterpret_cast<const void*>(line), 0);
@@ -891,7 +891,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
       const int64_t pos = past[r] + t;
       const float* token = x + (r * seq + t) * width;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t row = (r * kv_heads + h) * slots + pos;
+        const int64_t row = (r * kv_heads + h) * cache_len + pos;
         Rotate(token + (heads + h) * d, cos_p + pos * half, sin_p + pos * half, d, tmp.data());
         QuantizeRow(tmp.data(), d, group_size, k_codes + row * d, k_scales + row * groups);
         QuantizeRow(token + (heads + kv_heads + h) * d, d, group_size, v_codes + row * d, v_scales + row * groups);
@@ -920,7 +920,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   work.kv_heads = kv_heads;
   work.d = d;
   work.groups = groups;
-  work.slots = slots;
+  work.cache_len = cache_len;
   work.width = width;
   work.window = window;
   if (seq == 1 || seq > decode_steps) return Attention(ctx, &work);

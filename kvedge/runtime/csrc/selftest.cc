@@ -49,16 +49,16 @@ void AttendExact(int64_t d, const Block& b) {
 // per query row (its own included), 0 for none.
 int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb, int64_t window,
           std::mt19937* rng) {
-  const int64_t groups = d / group_size, slots = longest + 3;
+  const int64_t groups = d / group_size, cache_len = longest + 3;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> code(-127, 127);
-  std::vector<int8_t> k(slots * d), v(slots * d);
-  std::vector<half_t> ks(slots * groups), vs(slots * groups);
+  std::vector<int8_t> k(cache_len * d), v(cache_len * d);
+  std::vector<half_t> ks(cache_len * groups), vs(cache_len * groups);
   for (auto& c : k) c = static_cast<int8_t>(code(*rng));
   for (auto& c : v) c = static_cast<int8_t>(code(*rng));
   for (auto& s : ks) s = static_cast<half_t>(0.002f + 0.01f * std::fabs(normal(*rng)));
   for (auto& s : vs) s = static_cast<half_t>(0.002f + 0.01f * std::fabs(normal(*rng)));
-  std::vector<float> q(n_rows * d), want(n_rows * d), got(n_rows * d), scores(n_rows * slots), scratch;
+  std::vector<float> q(n_rows * d), want(n_rows * d), got(n_rows * d), scores(n_rows * cache_len), scratch;
   for (auto& x : q) x = normal(*rng);
   Block b;
   b.n_rows = n_rows;
@@ -68,7 +68,7 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb
   }
   b.q = q.data();
   b.scores = scores.data();
-  b.stride = slots;
+  b.stride = cache_len;
   b.k_codes = k.data();
   b.v_codes = v.data();
   b.k_scales = ks.data();
@@ -110,23 +110,23 @@ int Check(int64_t d, int64_t group_size, int64_t n_rows, int64_t longest, int kb
 // window: the op's local_window_size (-1: none); the reference reads only the window's keys.
 int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, int64_t seq, int64_t past0,
               bool tiled, int64_t rows_per_item, int64_t keys, int threads, int64_t window, std::mt19937* rng) {
-  const int64_t batch = 2, slots = past0 + 9 + seq, groups = d / group_size, width = (heads + 2 * kv_heads) * d;
+  const int64_t batch = 2, cache_len = past0 + 9 + seq, groups = d / group_size, width = (heads + 2 * kv_heads) * d;
   const int64_t past[batch] = {past0, past0 + 9};
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> code(-127, 127);
-  std::vector<int8_t> k(batch * kv_heads * slots * d), v(k.size());
-  std::vector<half_t> ks(batch * kv_heads * slots * groups), vs(ks.size());
+  std::vector<int8_t> k(batch * kv_heads * cache_len * d), v(k.size());
+  std::vector<half_t> ks(batch * kv_heads * cache_len * groups), vs(ks.size());
   for (auto& c : k) c = static_cast<int8_t>(code(*rng));
   for (auto& c : v) c = static_cast<int8_t>(code(*rng));
   for (auto& s : ks) s = static_cast<half_t>(0.002f + 0.01f * std::fabs(normal(*rng)));
   for (auto& s : vs) s = static_cast<half_t>(0.002f + 0.01f * std::fabs(normal(*rng)));
-  std::vector<float> x(batch * seq * width), cos(slots * d / 2), sin(cos.size());
+  std::vector<float> x(batch * seq * width), cos(cache_len * d / 2), sin(cos.size());
   for (auto& e : x) e = normal(*rng);
   for (size_t i = 0; i < cos.size(); ++i) {
     cos[i] = std::cos(0.01f * i);
     sin[i] = std::sin(0.01f * i);
   }
-  std::vector<float> got(batch * seq * heads * d, NAN), want(got.size()), q(d), scores(slots), scratch;
+  std::vector<float> got(batch * seq * heads * d, NAN), want(got.size()), q(d), scores(cache_len), scratch;
   Work work;
   work.x = x.data();
   work.y = got.data();
@@ -143,7 +143,7 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   work.kv_heads = kv_heads;
   work.d = d;
   work.groups = groups;
-  work.slots = slots;
+  work.cache_len = cache_len;
   work.width = width;
   work.window = window;
   std::vector<float> partials;
@@ -167,7 +167,7 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
   for (int64_t r = 0; r < batch; ++r) {
     for (int64_t t = 0; t < seq; ++t) {
       for (int64_t head = 0; head < heads; ++head) {
-        const int64_t pos = past[r] + t, base = (r * kv_heads + head / (heads / kv_heads)) * slots;
+        const int64_t pos = past[r] + t, base = (r * kv_heads + head / (heads / kv_heads)) * cache_len;
         Rotate(x.data() + (r * seq + t) * width + head * d, cos.data() + pos * d / 2, sin.data() + pos * d / 2, d,
                q.data());
         Block b;
@@ -177,7 +177,7 @@ int CheckWork(int64_t d, int64_t group_size, int64_t heads, int64_t kv_heads, in
         b.out[0] = want.data() + ((r * seq + t) * heads + head) * d;
         b.q = q.data();
         b.scores = scores.data();
-        b.stride = slots;
+        b.stride = cache_len;
         b.k_codes = k.data() + base * d;
         b.v_codes = v.data() + base * d;
         b.k_scales = ks.data() + base * groups;

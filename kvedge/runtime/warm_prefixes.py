@@ -1,6 +1,6 @@
 """Warm prefixes: declare fixed prompts in YAML, compute their KV at boot, keep it on disk.
 
-Config: `configs/warmup/*.yaml`, read by `kvedge.configs.load_warmup_config` (format there).
+Config: `configs/warmup/*.yaml`, read by `kvedge.configs.load_warm_prefix_config` (format there).
 
 At start-up every declared prefix is loaded from its warm file if the file is valid for this
 model (its source and the graph that computed the K/V), cache geometry and prompt, and recomputed
@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvedge.configs import PrefixSpec, WarmupConfig
+from kvedge.configs import PrefixSpec, WarmPrefixConfig
 from kvedge.contract import Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.cache import KVCache
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 USER_PROBES = ("Hi", "42", "?", "(")  # user messages starting with different kinds of characters
 
 
-class PrefixStore:
+class WarmPrefixStore:
     """Warm prefixes held in memory (memory-mapped from their files), searched by token prefix."""
 
     def __init__(self, prefixes: list[WarmPrefix] | None = None) -> None:
@@ -70,7 +70,7 @@ class PrefixStore:
 
 
 @dataclass
-class WarmupReport:
+class WarmPrefixReport:
     loaded: list[str]
     rebuilt: dict[str, str]  # name -> why
     seconds: float
@@ -90,22 +90,22 @@ def prefix_ids(tokenizer: ChatTokenizer, spec: PrefixSpec) -> list[int]:
     return renders[0][: min(common_prefix(renders[0], other) for other in renders[1:])]
 
 
-def warm_up(
+def load_warm_prefixes(
     tokenizer: ChatTokenizer,
     backend: Backend,
     cache: KVCache,
     manifest: Manifest,
-    config: WarmupConfig,
+    config: WarmPrefixConfig,
     folder: str | Path,
-) -> tuple[PrefixStore, WarmupReport]:
+) -> tuple[WarmPrefixStore, WarmPrefixReport]:
     """Load every declared prefix from `folder`, recomputing (in the cache's last slot) and
     rewriting any that is not valid."""
     folder = Path(folder)
     started = time.perf_counter()
     fingerprint, graph = manifest.source_fingerprint, manifest.onnx_fingerprint
     geometry = manifest.geometry
-    store, loaded, rebuilt, unwritten = PrefixStore(), [], {}, {}
-    for spec in tqdm(config.prefixes, desc="warm-up", unit="prefix", disable=len(config.prefixes) < 2):
+    store, loaded, rebuilt, unwritten = WarmPrefixStore(), [], {}, {}
+    for spec in tqdm(config.prefixes, desc="warm prefixes", unit="prefix", disable=len(config.prefixes) < 2):
         ids = prefix_ids(tokenizer, spec)
         if len(ids) >= geometry.max_len:
             raise KvedgeError(
@@ -135,8 +135,8 @@ def warm_up(
                 log.warning("warm prefix %s: cannot write %s (%s); kept in memory only", spec.name, path, exc)
         store.prefixes.append(prefix)
     remove_stale_temps(folder)
-    report = WarmupReport(loaded, rebuilt, time.perf_counter() - started, unwritten)
-    log.info("warm-up: %d loaded, %d recomputed in %.2f s", len(loaded), len(rebuilt), report.seconds)
+    report = WarmPrefixReport(loaded, rebuilt, time.perf_counter() - started, unwritten)
+    log.info("warm prefixes: %d loaded, %d recomputed in %.2f s", len(loaded), len(rebuilt), report.seconds)
     return store, report
 
 
@@ -165,5 +165,5 @@ def compute_prefix(backend: Backend, cache: KVCache, name: str, ids: list[int]) 
     return WarmPrefix(name=name, token_ids=tuple(ids), block=block)
 
 
-def describe(report: WarmupReport) -> dict[str, Any]:
+def describe(report: WarmPrefixReport) -> dict[str, Any]:
     return {"loaded": report.loaded, "rebuilt": report.rebuilt, "seconds": round(report.seconds, 3)}

@@ -1,13 +1,13 @@
-"""The engine: one thread owns the `Model` and steps every active job once per round, decoding
+"""The scheduler: one thread owns the `Model` and steps every active job once per round, decoding
 the jobs' slots together in one batched call.
 
 Life of a request (a `Job`, its conversation tokenized once by the app)::
 
     submit   handler thread: refused with QueueFull (-> 429) when `queue_size` jobs already wait
              beyond the free slots, with NotReady (-> 503) before warm-up ends or while draining
-    admit    engine thread: the oldest waiting job takes the free slot `Model.pick_slot` chooses
+    admit    scheduler thread: the oldest waiting job takes the free slot `Model.pick_slot` chooses
              (the longest shared prefix, then least recently used) and `Model.begin`s its turn
-    step     engine thread, once per round: `Model.step` over every active job's turn, which
+    step     scheduler thread, once per round: `Model.step` over every active job's turn, which
              prefills the next chunk of each new prompt and decodes every other turn's pending
              token in batched calls; each job gets its event, exactly as when run alone
     finish   on the final event, an error, or `cancel`: `Model.end` notes what the slot holds,
@@ -20,11 +20,11 @@ later. Errors reach the app as events carrying the exception; the app turns them
 
 Faults stay with the request that met them: whatever one turn's sampling raises ends that turn
 (`Turn.sample`), a failed model call ends the turns in it (`step_turns`), and anything else a
-round raises ends that round's jobs, their slots reset, while the engine goes on. Should the
+round raises ends that round's jobs, their slots reset, while the scheduler goes on. Should the
 thread end anyway, every job still waiting or running gets an error event and `on_failure` stops
 the service, which exits non-zero so its service manager restarts it. `heartbeat` is called every
 round, and at least every `HEARTBEAT_S` (or `heartbeat_s`) while idle: the systemd watchdog's
-ping, so an engine that stops stepping (a hang in a model call) is restarted too.
+ping, so a scheduler that stops stepping (a hang in a model call) is restarted too.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_MESSAGES = ({"role": "user", "content": "Hello! What can you do?"},)
 STATES = ("loading", "warming", "ready", "draining", "stopped", "failed")
-HEARTBEAT_S = 1.0  # the longest the engine thread waits for work before calling `heartbeat`
+HEARTBEAT_S = 1.0  # the longest the scheduler thread waits for work before calling `heartbeat`
 
 
 class QueueFull(Exception):
@@ -65,16 +65,16 @@ class ShuttingDown(Exception):
 
 
 class EngineFailed(Exception):
-    """The job was cut off because the engine thread failed (the service then exits)."""
+    """The job was cut off because the scheduler thread failed (the service then exits)."""
 
 
 @dataclass(eq=False)
 class Job:
-    """One chat completion request on its way through the engine."""
+    """One chat completion request on its way through the scheduler."""
 
     ids: Sequence[int]  # the rendered conversation
     config: SamplingConfig
-    deliver: Callable[[Event], None]  # called on the engine thread; must not block
+    deliver: Callable[[Event], None]  # called on the scheduler thread; must not block
     submitted: float = field(default_factory=time.monotonic)
     slot: int | None = None
     turn: Turn | None = None
@@ -98,22 +98,22 @@ def decode_warmup(steps: int) -> Callable[[Model], None]:
     return warm
 
 
-class Engine:
-    """The slot pool and the scheduler thread. `load` builds the Model (on the engine thread)."""
+class Scheduler:
+    """The slot pool and the scheduler thread. `load` builds the Model (on the scheduler thread)."""
 
     def __init__(
         self,
         load: Callable[[], Model],
         queue_size: int,
         metrics: Metrics,
-        warmup: Callable[[Model], None] | None = None,
+        decode_warmup: Callable[[Model], None] | None = None,
         on_failure: Callable[[], None] = lambda: None,
         batch_decode: bool = True,
         on_ready: Callable[[], None] = lambda: None,
         heartbeat: Callable[[], None] = lambda: None,
         heartbeat_s: float | None = None,  # the longest wait between heartbeats (<= HEARTBEAT_S)
     ) -> None:
-        self._load, self._warmup = load, warmup
+        self._load, self._decode_warmup = load, decode_warmup
         self.queue_size = queue_size
         self.batch_decode = batch_decode
         self.metrics = metrics
@@ -129,8 +129,8 @@ class Engine:
         self._seconds_per_job = 1.0  # moving average, for Retry-After
         self._deadline: float | None = None  # when draining: cancel what is left at this time
         self._stopping = False
-        self.ready_s = 0.0  # from the engine's start to ready: model, warm prefixes, prefix index, warm-up
-        self._thread = threading.Thread(target=self._main, name="kvedge-engine", daemon=True)
+        self.ready_s = 0.0  # from the scheduler's start to ready: model, warm prefixes, prefix index, warm-up
+        self._thread = threading.Thread(target=self._main, name="kvedge-scheduler", daemon=True)
 
     # -- called from request handlers -------------------------------------------------------
 
@@ -206,7 +206,7 @@ class Engine:
         rounds = (len(self._waiting) + 1) / slots
         return max(1, min(60, math.ceil(self._seconds_per_job * rounds)))
 
-    # -- the engine thread ----------------------------------------------------------------
+    # -- the scheduler thread ----------------------------------------------------------------
 
     def _main(self) -> None:
         model = None
@@ -218,9 +218,9 @@ class Engine:
                 self._free = list(range(model.slots))
                 if self.state == "loading":
                     self.state = "warming"
-            if self._warmup is not None:
+            if self._decode_warmup is not None:
                 warming = time.monotonic()
-                self._warmup(model)
+                self._decode_warmup(model)
                 log.info("warm-up done in %.2f s", time.monotonic() - warming)
             with self._cond:
                 if self.state == "warming":
@@ -243,8 +243,8 @@ class Engine:
         try:
             self._schedule()
         except BaseException as exc:
-            log.critical("the engine thread failed; the service stops", exc_info=exc)
-            self.state, self.failure = "failed", f"the engine thread failed: {exc!r}"
+            log.critical("the scheduler thread failed; the service stops", exc_info=exc)
+            self.state, self.failure = "failed", f"the scheduler thread failed: {exc!r}"
             self._abandon(Event(text="", finish_reason="error", error=EngineFailed(str(exc))))
             self.on_failure()
         finally:
@@ -269,7 +269,7 @@ class Engine:
             try:
                 self._round(admitted, active)
             except Exception as exc:  # a fault no turn caught: it ends this round's jobs only
-                log.error("an engine round failed; ending its %d requests", len(active), exc_info=exc)
+                log.error("a scheduler round failed; ending its %d requests", len(active), exc_info=exc)
                 for job in active:
                     if not job.done:
                         if job.turn is not None and not job.turn.done:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import MAX_LEN, flip_byte, truncate
 
-from kvedge.configs import load_warmup_config
+from kvedge.configs import load_warm_prefix_config
 from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
@@ -51,7 +51,7 @@ prefixes:
 def warm(tmp_path):
     path = tmp_path / "warmup.yaml"
     path.write_text(CONFIG)
-    return load_warmup_config(path), tmp_path / "warm"
+    return load_warm_prefix_config(path), tmp_path / "warm"
 
 
 def boot(tiny_llama, warm) -> Model:
@@ -61,10 +61,10 @@ def boot(tiny_llama, warm) -> Model:
 
 def test_first_boot_builds_then_reboot_loads(tiny_llama, warm):
     first = boot(tiny_llama, warm)
-    assert first.warmup_report.rebuilt == {"assistant": "missing", "notes": "missing"}
+    assert first.warm_prefix_report.rebuilt == {"assistant": "missing", "notes": "missing"}
     again = boot(tiny_llama, warm)
-    assert again.warmup_report.loaded == ["assistant", "notes"] and not again.warmup_report.rebuilt
-    for a, b in zip(first.prefixes.prefixes, again.prefixes.prefixes, strict=True):
+    assert again.warm_prefix_report.loaded == ["assistant", "notes"] and not again.warm_prefix_report.rebuilt
+    for a, b in zip(first.warm_store.prefixes, again.warm_store.prefixes, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_array_equal(a.block.kv, b.block.kv)
 
@@ -74,7 +74,7 @@ def test_session_starting_with_warm_prefix_reuses_it_exactly(tiny_llama, warm):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]
     ids = model.tokenizer.encode_chat(messages)
     logits = model.prepare(0, ids)
-    assert model.sessions[0].reused_tokens == len(model.prefixes.prefixes[0].token_ids)
+    assert model.sessions[0].reused_tokens == len(model.warm_store.prefixes[0].token_ids)
     reference = tiny_llama.model()
     expected = prefill(reference.backend, reference.cache, 0, [ids])[0]
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
@@ -97,14 +97,14 @@ def test_damaged_file_is_refused_and_rebuilt(tiny_llama, warm, damage, reason):
     good = path.read_bytes()
     damage(path)
     model = boot(tiny_llama, warm)
-    assert reason in model.warmup_report.rebuilt["assistant"]
-    assert model.warmup_report.loaded == ["notes"]
+    assert reason in model.warm_prefix_report.rebuilt["assistant"]
+    assert model.warm_prefix_report.loaded == ["notes"]
     assert path.read_bytes() == good
 
 
 def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
     model = boot(tiny_llama, warm)
-    prefix = model.prefixes.prefixes[0]
+    prefix = model.warm_store.prefixes[0]
     geometry = model.manifest.geometry
     path = warm[1] / "assistant.kvw"
     fingerprint = model.manifest.source_fingerprint
@@ -124,7 +124,7 @@ def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
         with pytest.raises(KvedgeError, match=message):
             read_warm_file(path, geometry, fingerprint, prefix.token_ids)
         rebooted = boot(tiny_llama, warm)
-        assert "assistant" in rebooted.warmup_report.rebuilt
+        assert "assistant" in rebooted.warm_prefix_report.rebuilt
         graph = model.manifest.onnx_fingerprint  # the rewritten file is valid
         read_warm_file(path, geometry, fingerprint, prefix.token_ids, graph_fingerprint=graph)
 
@@ -141,18 +141,18 @@ def test_warm_file_of_another_export_of_the_same_model_is_refused_and_recomputed
     int8_model = Model(int8_out, slots=2, warm_prefixes=warm[0], warm_dir=warm[1])
     mine, theirs = int8_model.manifest, float_model.manifest
     assert (mine.source_fingerprint, mine.geometry) == (theirs.source_fingerprint, theirs.geometry)
-    why = int8_model.warmup_report.rebuilt["assistant"]
+    why = int8_model.warm_prefix_report.rebuilt["assistant"]
     graphs = f"graph {theirs.onnx_fingerprint[:16]!r}, this model's graph is {mine.onnx_fingerprint[:16]!r}"
     assert f"made by {graphs}" in why
-    assert int8_model.warmup_report.rebuilt.keys() == {"assistant", "notes"}
-    recomputed = int8_model.prefixes.prefixes[0]
+    assert int8_model.warm_prefix_report.rebuilt.keys() == {"assistant", "notes"}
+    recomputed = int8_model.warm_store.prefixes[0]
     ids = list(recomputed.token_ids)
     reference = Model(int8_out, slots=1)
     prefill(reference.backend, reference.cache, 0, [ids])
     np.testing.assert_array_equal(recomputed.block.kv, reference.cache.read(0, len(ids)).kv)
-    assert not np.array_equal(recomputed.block.kv, float_model.prefixes.prefixes[0].block.kv)
+    assert not np.array_equal(recomputed.block.kv, float_model.warm_store.prefixes[0].block.kv)
     again = boot(tiny_llama, warm)  # and back: the float32 export recomputes its own
-    assert "made by graph" in again.warmup_report.rebuilt["assistant"]
+    assert "made by graph" in again.warm_prefix_report.rebuilt["assistant"]
 
 
 def test_warm_file_of_an_older_version_is_refused_as_old(tmp_path):
@@ -228,7 +228,7 @@ def test_process_killed_mid_write_never_leaves_a_loadable_file(tiny_llama, warm)
     for leftover in leftovers:  # a crash some time ago: its writer's lock went with it
         age(leftover)
     rebooted = boot(tiny_llama, warm)
-    assert rebooted.warmup_report.rebuilt == {"assistant": "missing"}
+    assert rebooted.warm_prefix_report.rebuilt == {"assistant": "missing"}
     assert target.exists() and not any(p.exists() for p in leftovers)
 
 
@@ -239,34 +239,34 @@ def test_bad_config_names_file_and_key(tmp_path):
         KvedgeError,
         match=r"w.yaml: prefixes\[0\].messages\[0\].role: 'wizard' is not allowed; allowed: system, user",
     ):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefixes:\n  - name: a\n    text: x\n    messages: []\n")
     with pytest.raises(KvedgeError, match="must be a mapping|exactly one"):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefixes:\n  - name: a\n    messages: []\n")
     with pytest.raises(KvedgeError, match=r"w.yaml: prefixes\[0\].messages: \[\] is not allowed"):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefixes: []\n")
     with pytest.raises(
         KvedgeError, match=r"w.yaml: prefixes: \[\] is not allowed; allowed: a non-empty list"
     ):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefix: []\n")  # unknown key
     with pytest.raises(KvedgeError, match="w.yaml: prefix: unknown key; allowed keys: prefixes"):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefixes:\n  - {name: a, text: 5}\n")  # wrong type
     with pytest.raises(
         KvedgeError, match=r"w.yaml: prefixes\[0\].text: 5 is not allowed; allowed: a non-empty"
     ):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefixes:\n  - {name: ../etc, text: x}\n")  # out of the allowed names
     with pytest.raises(
         KvedgeError, match=r"w.yaml: prefixes\[0\].name: '../etc' is not allowed; allowed: a str"
     ):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
     path.write_text("prefixes:\n  - {name: a, text: x}\n  - {name: a, text: y}\n")
     with pytest.raises(KvedgeError, match=r"w.yaml: prefixes: names must be unique, got \['a', 'a'\]"):
-        load_warmup_config(path)
+        load_warm_prefix_config(path)
 
 
 @pytest.mark.parametrize(
@@ -303,9 +303,9 @@ def age(path, seconds: float = STALE_TEMP_AGE_S + 1) -> None:
     os.utime(path, (then, then))
 
 
-def test_warm_up_removes_only_the_temp_files_of_dead_writers(tiny_llama, warm):
+def test_warm_prefixes_remove_only_the_temp_files_of_dead_writers(tiny_llama, warm):
     """A writer holds an flock on its temp file until it is renamed into place: the sweep at the
-    end of warm_up leaves a locked one (another `kvedge warm-prefixes` at work) and a fresh one
+    end of load_warm_prefixes leaves a locked one (another `kvedge warm-prefixes` at work) and a fresh one
     (created, not yet locked) alone, and removes an old unlocked one."""
     boot(tiny_llama, warm)
     folder = warm[1]
@@ -361,7 +361,7 @@ def test_warm_file_of_non_finite_values_with_a_valid_checksum_is_refused_and_rec
     tiny_llama, warm, caplog
 ):
     model = boot(tiny_llama, warm)
-    manifest, prefix = model.manifest, model.prefixes.prefixes[0]
+    manifest, prefix = model.manifest, model.warm_store.prefixes[0]
     path = warm[1] / "assistant.kvw"
     good = path.read_bytes()
     write_warm_file(
@@ -379,12 +379,12 @@ def test_warm_file_of_non_finite_values_with_a_valid_checksum_is_refused_and_rec
             prefix.token_ids,
             graph_fingerprint=manifest.onnx_fingerprint,
         )
-    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.warmup"):
+    with caplog.at_level(logging.WARNING, logger="kvedge.runtime.warm_prefixes"):
         rebooted = boot(tiny_llama, warm)
-    assert "non-finite values in its K/V" in rebooted.warmup_report.rebuilt["assistant"]
-    assert rebooted.warmup_report.loaded == ["notes"]
-    assert [r.getMessage() for r in caplog.records if r.name == "kvedge.runtime.warmup"] == [
-        f"warm prefix assistant: recomputing ({rebooted.warmup_report.rebuilt['assistant']})"
+    assert "non-finite values in its K/V" in rebooted.warm_prefix_report.rebuilt["assistant"]
+    assert rebooted.warm_prefix_report.loaded == ["notes"]
+    assert [r.getMessage() for r in caplog.records if r.name == "kvedge.runtime.warm_prefixes"] == [
+        f"warm prefix assistant: recomputing ({rebooted.warm_prefix_report.rebuilt['assistant']})"
     ]
     assert path.read_bytes() == good
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]
@@ -426,6 +426,6 @@ def test_a_warning_logged_under_a_progress_bar_starts_its_own_line(tiny_llama, w
     assert done.returncode == 0, done.stderr
     lines = done.stderr.decode().split("\n")
     warned = [line for line in lines if "WARNING" in line]
-    assert warned and all(line.startswith("WARNING kvedge.runtime.warmup: ") for line in warned), lines
-    assert any(line.startswith("\rwarm-up:   0%") for line in lines), lines  # the bar was open
-    assert any("warm-up: 100%" in line for line in lines), lines
+    assert warned and all(line.startswith("WARNING kvedge.runtime.warm_prefixes: ") for line in warned), lines
+    assert any(line.startswith("\rwarm prefixes:   0%") for line in lines), lines  # the bar was open
+    assert any("warm prefixes: 100%" in line for line in lines), lines
