@@ -7,7 +7,7 @@ needs only the runtime installed: the tiny models come exported (device_tests/ar
 Each test says what it needs with a marker; where that is missing it is skipped with the reason:
 
     ort_cuda   onnxruntime with CUDAExecutionProvider (onnxruntime-gpu) and a CUDA runtime (the
-               pool is mapped with it, `kvedge.runtime.cuda.MappedHost`): a libcudart kvedge
+               pool is mapped with it, `kvedge.runtime.backends.cuda.MappedHost`): a libcudart kvedge
                drives through ctypes, or cuda-python (`kvedge.accel.import_cudart`;
                KVEDGE_CUDA_RUNTIME=ctypes or cuda-python runs the tests on that one)
     tensorrt   TensorRT and a CUDA runtime, and a GPU they can see

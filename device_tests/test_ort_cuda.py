@@ -1,5 +1,5 @@
 """onnxruntime CUDA provider against the CPU reference on tiny exported models (max_len 2048),
-each test run for both exports cuda takes (`kvedge.runtime.backend.cuda_refusal`): the portable
+each test run for both exports cuda takes (`kvedge.runtime.backends.ort.cuda_refusal`): the portable
 float32 graph, and the in-place `--variant ort --kv-dtype float16` graph (GroupQueryAttention in
 float16 writing the new K/V into the mapped pool on the device; the recommended CUDA export).
 
@@ -45,7 +45,7 @@ from speculation import check_speculation
 from kvedge.contract import ONNX_FILE, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.planner import check_fits
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backends.ort import OrtBackend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model

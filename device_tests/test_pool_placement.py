@@ -1,6 +1,6 @@
 """Where the cache pool should live on this GPU: mapped pinned host memory (what kvedge does today,
-`kvedge.runtime.cuda.MappedHost`) or device memory (cudaMalloc: `--kv-memory device`,
-`kvedge.runtime.cuda.DeviceMemory`, whose decode time test_ort_cuda.py and test_tensorrt.py
+`kvedge.runtime.backends.cuda.MappedHost`) or device memory (cudaMalloc: `--kv-memory device`,
+`kvedge.runtime.backends.cuda.DeviceMemory`, whose decode time test_ort_cuda.py and test_tensorrt.py
 record beside the mapped pool's). CUDA for Tegra recommends device memory for buffers only
 the GPU uses, since Orin's GPU does not cache pinned host memory; on a discrete GPU mapped memory
 is read over PCIe.
@@ -24,8 +24,8 @@ import pytest
 from artifacts import POOL_READER, take
 
 from kvedge.accel import cuda_call, import_cudart
-from kvedge.runtime.cuda import MappedHost
-from kvedge.runtime.memory import page_aligned
+from kvedge.runtime.backends.cuda import MappedHost
+from kvedge.runtime.backends.memory import page_aligned
 
 pytestmark = pytest.mark.ort_cuda
 

@@ -38,11 +38,11 @@ from kvedge.contract.engine import DECODE_PROFILE, ENGINE_MANIFEST_FILE, PREFILL
 from kvedge.errors import ArtifactMismatch
 from kvedge.export.tensorrt import build_engine
 from kvedge.planner import check_fits
+from kvedge.runtime.backends.cuda import DeviceMemory
+from kvedge.runtime.backends.trt import TrtBackend
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.cuda import DeviceMemory
 from kvedge.runtime.generate import decode_one_token, prefill, verify, verify_rows
 from kvedge.runtime.model import Model
-from kvedge.runtime.trt_backend import TrtBackend
 
 pytestmark = pytest.mark.tensorrt
 

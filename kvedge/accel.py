@@ -1,7 +1,7 @@
 """The accelerator's Python bindings, imported on demand, and the GPU this process runs on.
 
 Both the engine builder (`kvedge.export.tensorrt`: an engine is built on the device that will run
-it) and the runtime's GPU backends (`kvedge.runtime.cuda`, `kvedge.runtime.trt_backend`) import
+it) and the runtime's GPU backends (`kvedge.runtime.backends.cuda`, `kvedge.runtime.backends.trt`) import
 these helpers, so they live below both. Nothing here imports tensorrt or cuda-python, or loads
 libcudart, until a helper is called; each refuses with a KvedgeError saying what to install.
 The CUDA runtime is this machine's libcudart through ctypes (`kvedge.cudart`) unless none is

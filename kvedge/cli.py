@@ -30,7 +30,7 @@ from kvedge.contract import (
 )
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
-from kvedge.runtime.memory import KV_MEMORY
+from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
 from kvedge.runtime.speculate import SPECULATE_MODES, is_mode
 

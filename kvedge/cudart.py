@@ -1,5 +1,5 @@
 """The CUDA runtime through ctypes: the machine's own libcudart, called as cuda-python's
-`cuda.bindings.runtime` is, so the GPU paths (`kvedge.runtime.cuda`, `kvedge.runtime.trt_backend`,
+`cuda.bindings.runtime` is, so the GPU paths (`kvedge.runtime.backends.cuda`, `kvedge.runtime.backends.trt`,
 `kvedge.export.tensorrt`) take either without a change.
 
 Why: PyPI's aarch64 cuda-bindings carries a CUDA runtime of its own, built for SBSA servers, and

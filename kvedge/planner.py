@@ -37,7 +37,7 @@ load         what the backend holds beyond the weight bytes. onnxruntime CPU, me
              over-count it. GPU backends (onnxruntime CUDA, TensorRT): 1.0 x weights,
              ASSUMED (not measured): on unified memory the host copy read from disk and the
              device copy coexist while the model loads (TensorRT reads the engine memory-mapped,
-             `trt_backend.deserialize_engine`: page cache the kernel can drop, kept in the term
+             `backends.trt.deserialize_engine`: page cache the kernel can drop, kept in the term
              until device_tests/memory.py measures it); plus a float32 graph's float32 copy of
              float16-stored weights (`widened_bytes`, 2 x the file: onnxruntime folds the Casts).
 kv           `CacheGeometry(max_len=C, dtype=kv).pool_bytes(S)`: exactly what `KVCache` allocates

@@ -22,7 +22,7 @@ from onnx import numpy_helper
 from kvedge.contract import MANIFEST_FILE, ONNX_FILE, ExportRecipe, Manifest, sha256_files
 from kvedge.export.export import export_model, head_table, save_onnx
 from kvedge.export.graph import all_graphs
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backends.ort import OrtBackend
 from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -200,14 +200,14 @@ def require_onnxruntime(release: tuple[int, int], why: str) -> None:
     test's premise is a behaviour of that release (Python 3.10's newest wheel is 1.23.2)."""
     import onnxruntime
 
-    from kvedge.runtime.backend import onnxruntime_release
+    from kvedge.runtime.backends.ort import onnxruntime_release
 
     if onnxruntime_release(onnxruntime.__version__) < release:
         pytest.skip(f"needs onnxruntime >= {release[0]}.{release[1]} (have {onnxruntime.__version__}): {why}")
 
 
 # The premises, each where its test says: GroupQueryAttention's window counts the query's own key
-# (`kvedge.runtime.backend.ONNXRUNTIME_WINDOW_FLOOR`; older ones are refused at load); the
+# (`kvedge.runtime.backends.ort.ONNXRUNTIME_WINDOW_FLOOR`; older ones are refused at load); the
 # quantized matmuls fuse into MatMulNBits (1.27; unfused before: slower, not wrong); Gemma 3's
 # INT8-cache tolerances were measured with 1.30's kernels (0.004-0.005 against 0.002 before).
 GQA_WINDOW = ((1, 24), "GroupQueryAttention's local_window_size as kvedge's windowed ort graphs need it")

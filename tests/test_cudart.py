@@ -26,7 +26,7 @@ from kvedge import cudart
 from kvedge.accel import current_device, describe_cudart, import_cudart
 from kvedge.doctor import cuda_runtime
 from kvedge.errors import KvedgeError
-from kvedge.runtime.cuda import DeviceMemory, MappedHost
+from kvedge.runtime.backends.cuda import DeviceMemory, MappedHost
 
 NO_DRIVER = {cudart.cudaError_t.cudaErrorInsufficientDriver, cudart.cudaError_t.cudaErrorNoDevice}
 

@@ -1,4 +1,4 @@
-"""The cache pool in device memory (`--kv-memory device`, `kvedge.runtime.cuda.DeviceMemory`)
+"""The cache pool in device memory (`--kv-memory device`, `kvedge.runtime.backends.cuda.DeviceMemory`)
 holds, after every CPU-side path, exactly what the mapped pool (`HostMemory`) holds: the portable
 graph's new K/V written in, a rewind, window eviction (float and INT8), a stored block read out
 and written back (prefix store round trip), a warm prefix saved to its file and loaded, ring
@@ -23,10 +23,17 @@ from kvedge.cli import main
 from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
+from kvedge.runtime.backends.cuda import DeviceMemory, MappedHost
+from kvedge.runtime.backends.memory import (
+    ALIGNMENT,
+    ALL,
+    DeviceArray,
+    check_alignment,
+    check_kv_memory,
+    data_address,
+)
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.cuda import DeviceMemory, MappedHost
 from kvedge.runtime.generate import prefill
-from kvedge.runtime.memory import ALIGNMENT, ALL, DeviceArray, check_alignment, check_kv_memory, data_address
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import RunTimePrefixStore, WarmPrefix, read_warm_file, write_warm_file
 

@@ -148,7 +148,7 @@ def test_graph_nodes_reads_the_nodes_onnx_reads(folder, tmp_path):
     """On an export's graph and on the graph onnxruntime optimized from it (what test_ort_cuda.py
     reads for Memcpy nodes on the device)."""
     from kvedge.contract import ONNX_FILE, Manifest
-    from kvedge.runtime.backend import OrtBackend
+    from kvedge.runtime.backends.ort import OrtBackend
 
     export = folder / "ort16-2048"
     optimized = tmp_path / "optimized.onnx"

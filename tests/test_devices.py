@@ -25,7 +25,7 @@ from conftest import random_ids
 from kvedge.contract import EXPORTED_KV_DTYPES, LOGITS_MODES, VARIANTS
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
-from kvedge.runtime.backend import (
+from kvedge.runtime.backends.ort import (
     CALL,
     POOL,
     STEP,

@@ -31,7 +31,7 @@ from kvedge.doctor import (
     run_checks,
 )
 from kvedge.errors import KvedgeError
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backends.ort import OrtBackend
 from kvedge.runtime.model import Model
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None

@@ -283,7 +283,7 @@ def test_windowed_ort_graphs_are_refused_on_onnxruntime_older_than_their_window(
     """onnxruntime before 1.24 counts GroupQueryAttention's window one key short (1.23.2, Python
     3.10's newest, is off by up to 2.5 in these logits): such a graph is refused at load, naming
     both versions; the INT8 cache (kvedge's kernel) and the portable ring do not depend on it."""
-    from kvedge.runtime.backend import onnxruntime_window_refusal
+    from kvedge.runtime.backends.ort import onnxruntime_window_refusal
 
     export_model(gemma[0], tmp_path / "ort", ExportRecipe(max_len=MAX_LEN, variant="ort"))
     ort_graph = Manifest.load(tmp_path / "ort")

@@ -19,9 +19,9 @@ from cuda_standin import CudaRuntime
 
 from kvedge.contract import CacheGeometry
 from kvedge.errors import KvedgeError
+from kvedge.runtime.backends.cuda import MappedHost
+from kvedge.runtime.backends.memory import ALIGNMENT, PAGE, check_alignment, owned_mapping, page_aligned
 from kvedge.runtime.cache import KVCache
-from kvedge.runtime.cuda import MappedHost
-from kvedge.runtime.memory import ALIGNMENT, PAGE, check_alignment, owned_mapping, page_aligned
 
 INT8 = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=64, max_len=128, dtype="int8", group_size=32)
 RINGS = CacheGeometry(

@@ -27,7 +27,7 @@ from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.planner import ModelFootprint, kv_bytes
-from kvedge.runtime.backend import (
+from kvedge.runtime.backends.ort import (
     CALL,
     POOL,
     STEP,

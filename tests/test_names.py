@@ -19,7 +19,7 @@ import pytest
 import kvedge
 from kvedge.cli import main
 from kvedge.contract.engine import DEVICES
-from kvedge.runtime.memory import KV_MEMORY
+from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.serve.config import KEYS
 
 REPO = Path(kvedge.__file__).resolve().parents[1]

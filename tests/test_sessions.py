@@ -13,7 +13,7 @@ from kvedge.contract import CacheGeometry, ExportRecipe, Manifest
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock, KVCache
-from kvedge.runtime.generate import SamplingConfig, prefill
+from kvedge.runtime.generate import SamplingConfig, TurnState, prefill
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix import RunTimePrefixStore
 from kvedge.runtime.sessions import HistoryPolicy
@@ -71,6 +71,21 @@ def test_ten_turns_reuse_equals_full_reprefill_and_repeats(long_llama):
     first = converse()
     assert first == converse()
     assert len(set(first)) > 1
+
+
+def test_a_turn_is_prefilling_then_generating_then_finished(long_llama):
+    """`Turn.state` through one turn: a prompt of three chunks prefills a chunk a step, its last
+    chunk's step samples the first token (pending), each later step one more, until the limit."""
+    model = Model(long_llama)
+    turn = model.begin(0, random_ids(70, seed=5), SamplingConfig(max_new_tokens=3))
+    turn.chunk = 32
+    states = [turn.state]
+    while turn.state is not TurnState.FINISHED:
+        model.step([turn])
+        states.append(turn.state)
+        assert (turn.pending is not None) == (turn.state is TurnState.GENERATING)
+    assert states == [TurnState.PREFILLING] * 3 + [TurnState.GENERATING] * 2 + [TurnState.FINISHED]
+    assert turn.finish_reason == "length" and turn.produced == 3
 
 
 def test_edited_history_and_regeneration_follow_the_prefix_rule(long_llama):

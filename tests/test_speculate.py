@@ -607,7 +607,7 @@ def test_s8_to_u8_rewrite_disabled_only_where_it_breaks_loading(exports):
     S8->U8 rewrite (the portable-int4-int8 case above loads at all only without it); elsewhere
     it stays, as it speeds up portable int8-weight graphs."""
     from kvedge.contract import Manifest
-    from kvedge.runtime.backend import disabled_optimizers
+    from kvedge.runtime.backends.ort import disabled_optimizers
 
     assert disabled_optimizers(Manifest.load(exports("portable-int4-int8"))) == ["QDQS8ToU8Transformer"]
     for name in ("portable-f32", "portable-int8", "ort-int8"):

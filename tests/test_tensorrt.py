@@ -472,8 +472,8 @@ def fake_engine(
 
 def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: float) -> None:
     """TrtBackend over the fake engine against OrtBackend on the CPU: logits and the whole pool."""
+    from kvedge.runtime.backends.trt import TrtBackend
     from kvedge.runtime.model import Model
-    from kvedge.runtime.trt_backend import TrtBackend
 
     with fake_engine(folder, manifest, monkeypatch) as cudart:
         trt = TrtBackend(folder, manifest)
@@ -536,8 +536,8 @@ def test_a_host_located_input_is_bound_at_its_host_address(tiny_llama, monkeypat
     the portable graph's past_lengths feeds shapes; the backend bound every input at its device
     address, which TensorRT would take for a host pointer. With device addresses apart from host
     ones (a discrete GPU), the fake engine checks the host binding and runs on what it reads."""
+    from kvedge.runtime.backends.trt import TrtBackend
     from kvedge.runtime.model import Model
-    from kvedge.runtime.trt_backend import TrtBackend
 
     folder, manifest = tiny_llama.out, portable(tiny_llama)
     names = manifest.names
@@ -577,8 +577,8 @@ def test_trt_backend_binds_the_int8_pool_and_its_float16_scales(tmp_path, monkey
 
 
 def test_both_backends_implement_the_backend_protocol():
-    from kvedge.runtime.backend import OrtBackend
-    from kvedge.runtime.trt_backend import TrtBackend
+    from kvedge.runtime.backends.ort import OrtBackend
+    from kvedge.runtime.backends.trt import TrtBackend
 
     def parameters(function) -> list[tuple[str, object, object]]:
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
@@ -637,7 +637,7 @@ def test_a_timing_cache_from_another_gpu_is_replaced_not_fatal(tiny_llama, tmp_p
 def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, monkeypatch):
     """TensorRT's setters answer False (reason in its log): each answer is checked and a refusal
     names the tensor; the memory taken so far is given back."""
-    from kvedge.runtime.trt_backend import TrtBackend
+    from kvedge.runtime.backends.trt import TrtBackend
 
     folder, manifest = tiny_llama.out, portable(tiny_llama)
     with fake_engine(folder, manifest, monkeypatch) as cudart:
@@ -692,8 +692,8 @@ def test_trt_backend_verifies_rows_as_onnxruntime_does(tiny_llama, monkeypatch):
     [1, n] bound on the prefill profile into buffers sized for `max_rows`, logits [1, n, vocab]
     and the new K/V equal to OrtBackend's; one row returned in the same form as OrtBackend's
     for last_index [1] and [1, 1]; a call past the profile refused naming the rows."""
-    from kvedge.runtime.backend import OrtBackend
-    from kvedge.runtime.trt_backend import TrtBackend
+    from kvedge.runtime.backends.ort import OrtBackend
+    from kvedge.runtime.backends.trt import TrtBackend
 
     folder, manifest = tiny_llama.out, portable(tiny_llama)
     with fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_TOKENS):
@@ -730,8 +730,8 @@ def test_trt_backend_verifies_neighbours_in_one_call_as_onnxruntime_does(tiny_ll
     last_index [3, 9]) through TrtBackend (fake engine) on the prefill profile: logits at each
     row's real positions and each row's new K/V equal OrtBackend's; more rows than the engine's
     max_batch refused naming both."""
-    from kvedge.runtime.backend import OrtBackend
-    from kvedge.runtime.trt_backend import TrtBackend
+    from kvedge.runtime.backends.ort import OrtBackend
+    from kvedge.runtime.backends.trt import TrtBackend
 
     folder, manifest = tiny_llama.out, portable(tiny_llama)
     with fake_engine(folder, manifest, monkeypatch, max_rows=VERIFY_TOKENS, max_batch=3):

@@ -41,7 +41,7 @@ from kvedge.export.tensorrt import (
     parse_errors,
     profile_shapes,
 )
-from kvedge.runtime.trt_backend import deserialize_engine
+from kvedge.runtime.backends.trt import deserialize_engine
 
 trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT for RTX: pip install 'kvedge[trtcheck]'")
 

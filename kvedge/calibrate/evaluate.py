@@ -33,7 +33,7 @@ from kvedge.calibrate.calibrate import Prompt, prompt_ids
 from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
 from kvedge.quant import RoundTrip, Scales, Scheme
-from kvedge.runtime.backend import OrtBackend
+from kvedge.runtime.backends.ort import OrtBackend
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model

@@ -9,7 +9,7 @@ the two APIs differ, `_Flavour` names it. An RTX-built engine does not load on a
 TensorRT, which device_tests/test_tensorrt.py checks against the CPU.
 
 Files added to the artifact folder: `model.engine` and `engine_manifest.json` (the contract both
-this builder and `kvedge.runtime.trt_backend` follow, in `kvedge.contract.engine`), and::
+this builder and `kvedge.runtime.backends.trt` follow, in `kvedge.contract.engine`), and::
 
     timing.cache          TensorRT's timing cache, reused by the next build on the same device
 

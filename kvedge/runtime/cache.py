@@ -1,8 +1,8 @@
 """The KV cache: one preallocated pool, a valid length per slot, nothing inferred from contents.
 
 Memory layout (made at construction and reused forever; in host memory each array alone in whole
-pages, `kvedge.runtime.memory.page_aligned`, so a GPU backend can page-lock it in place, or, with
-`--kv-memory device`, in device memory, `kvedge.runtime.cuda.DeviceMemory`; the cache reaches
+pages, `kvedge.runtime.backends.memory.page_aligned`, so a GPU backend can page-lock it in place, or, with
+`--kv-memory device`, in device memory, `kvedge.runtime.backends.cuda.DeviceMemory`; the cache reaches
 the arrays only through its memory's `get` / `set` / `slots`, explicit copies on the device)::
 
     pool     [layers, 2 (K, V), slots, kv_heads, max_len, head_dim]   geometry dtype
@@ -42,11 +42,11 @@ import numpy as np
 from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.quant import dequantize_tokens, quantize_tokens
-from kvedge.runtime.memory import HostMemory
+from kvedge.runtime.backends.memory import HostMemory
 from kvedge.runtime.rope import rotate_keys
 
 if TYPE_CHECKING:
-    from kvedge.runtime.cuda import DeviceMemory
+    from kvedge.runtime.backends.cuda import DeviceMemory
 
 
 class KVBlock(NamedTuple):
@@ -96,7 +96,7 @@ class KVCache:
         # Where the arrays live, and the one way in and out of them (`get`, `set`, `slots`): host
         # memory (`HostMemory`: numpy arrays, each alone in whole pages, every page written now,
         # so a cache that does not fit fails at load and a GPU backend can page-lock exactly
-        # these pages, once), or device memory (`kvedge.runtime.cuda.DeviceMemory`).
+        # these pages, once), or device memory (`kvedge.runtime.backends.cuda.DeviceMemory`).
         self.memory = memory or HostMemory()
         allocate = self.memory.allocate
         ring = bool(geometry.ring_layers)

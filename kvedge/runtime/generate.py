@@ -30,6 +30,7 @@ Sampling, applied in this order to one row's logits z (float64):
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -331,6 +332,14 @@ class Event:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
+class TurnState(enum.Enum):
+    """Where a turn is, read from its fields (llama.cpp's `slot_state`): `Turn.state`."""
+
+    PREFILLING = "prefilling"  # prompt tokens not in the slot yet (`todo`), a chunk a step
+    GENERATING = "generating"  # a token sampled a step, `pending` until the next step writes it
+    FINISHED = "finished"  # `finish_reason` says why: stop, length, cancelled or error
+
+
 @dataclass(eq=False)
 class Turn:
     """One turn of one slot: the prompt tokens still to prefill, then one sampled token per step
@@ -366,8 +375,14 @@ class Turn:
         return self.finish_reason is not None
 
     @property
+    def state(self) -> TurnState:
+        if self.finish_reason is not None:
+            return TurnState.FINISHED
+        return TurnState.PREFILLING if self.todo else TurnState.GENERATING
+
+    @property
     def prefilling(self) -> bool:
-        return not self.done and bool(self.todo)
+        return self.state is TurnState.PREFILLING
 
     def prefill_chunk(self, backend: Backend, cache: KVCache) -> np.ndarray:
         """Prefill the next chunk of the prompt; return the logits after it [vocab]."""
@@ -510,7 +525,8 @@ def step_turns(backend: Backend, cache: KVCache, turns: Sequence[Turn], batch: b
         else:
             if not turn.todo:  # the whole prompt is in: sample the first token
                 result.events[turn] = turn.sample(logits)
-    by_slot = {t.slot: t for t in turns if not t.done and t.pending is not None and t not in result.events}
+    generating = [t for t in turns if t.state is TurnState.GENERATING and t not in result.events]
+    by_slot = {t.slot: t for t in generating}
     for turn in by_slot.values():
         turn.will_sample()
     # turns past their prompts, decoding or verifying this step: their decode call's rows

@@ -42,7 +42,7 @@ def step_logits(logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:
 @runtime_checkable
 class Backend(Protocol):
     """What the runtime asks of a backend: `generate` runs steps, `Model` reserves memory at load
-    and closes it. `kvedge.runtime.backend.OrtBackend` and `kvedge.runtime.trt_backend.TrtBackend`
+    and closes it. `kvedge.runtime.backends.ort.OrtBackend` and `kvedge.runtime.backends.trt.TrtBackend`
     implement it; `kvedge.runtime.registry.open_backend` picks one."""
 
     manifest: Manifest  # the graph's interface: `graph_inputs()`, `graph_outputs()`, `in_place`

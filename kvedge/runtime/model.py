@@ -36,9 +36,9 @@ from kvedge.contract import (
     sha256_files,
 )
 from kvedge.errors import ArtifactMismatch, ContextOverflow, KvedgeError
+from kvedge.runtime.backends.cuda import DeviceMemory
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Grammars
-from kvedge.runtime.cuda import DeviceMemory
 from kvedge.runtime.draft import Draft, DraftProposer, check_same_tokenizer
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvedge.configs import WarmPrefixConfig
 from kvedge.errors import KvedgeError
-from kvedge.runtime.memory import check_kv_memory
+from kvedge.runtime.backends.memory import check_kv_memory
 from kvedge.runtime.sessions import HistoryPolicy
 
 

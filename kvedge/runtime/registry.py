@@ -1,5 +1,5 @@
 """Which backend runs on which `--device`: `open_backend`, the one place that knows both
-backends. `kvedge.runtime.backend` (onnxruntime) and `kvedge.runtime.trt_backend` (TensorRT)
+backends. `kvedge.runtime.backends.ort` (onnxruntime) and `kvedge.runtime.backends.trt` (TensorRT)
 import neither this module nor each other; each is imported only when asked for, so a broken
 onnxruntime (JetPack 6's wheels under numpy 2: "_ARRAY_API not found") does not stop a
 TensorRT engine from loading.
@@ -30,7 +30,7 @@ def open_backend(
     if refusal := device_refusal(device, manifest.variant, manifest.geometry.dtype, manifest.logits):
         raise KvedgeError(refusal)
     if device != "tensorrt":
-        from kvedge.runtime.backend import OrtBackend
+        from kvedge.runtime.backends.ort import OrtBackend
 
         return OrtBackend(
             folder,
@@ -47,6 +47,6 @@ def open_backend(
             f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
             "`kvedge export --target tensorrt`"
         )
-    from kvedge.runtime.trt_backend import TrtBackend
+    from kvedge.runtime.backends.trt import TrtBackend
 
     return TrtBackend(folder, manifest)

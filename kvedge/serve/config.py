@@ -85,8 +85,8 @@ from kvedge.configs import find_problem, read_yaml
 from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
+from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.runtime.generate import PENALTY_RANGE
-from kvedge.runtime.memory import KV_MEMORY
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.sessions import POLICIES, HistoryPolicy
 from kvedge.runtime.speculate import SPECULATE_MODES, draft_folder
@@ -151,7 +151,7 @@ class ServiceConfig:
         Annotated[int, Meta(ge=1, le=1024)] | None, Meta(description="an integer >= 1, or null for all cores")
     ] = None
     device: Annotated[Literal[DEVICES], Meta(description=f"one of {list(DEVICES)}")] = "cpu"
-    # where a GPU device's KV cache pool lives (kvedge.runtime.memory.KV_MEMORY; docs/JETSON.md)
+    # where a GPU device's KV cache pool lives (kvedge.runtime.backends.memory.KV_MEMORY; docs/JETSON.md)
     kv_memory: Annotated[Literal[KV_MEMORY], Meta(description=f"one of {list(KV_MEMORY)}")] = "mapped"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
     # "draft:DIR": the draft in DIR is loaded at start; requests may then ask for "draft"

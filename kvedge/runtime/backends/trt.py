@@ -8,7 +8,7 @@ that before trusting it.
 Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
 
     cache pool   the KVCache's own arrays (pool; for an INT8 cache its float16 scales), each in
-                 its own whole pages (`kvedge.runtime.memory`), page-locked once with
+                 its own whole pages (`kvedge.runtime.backends.memory`), page-locked once with
                  cudaHostRegister(Mapped) at `reserve` and unregistered at `close`; past K/V [batch, kv_heads,
                  max_len, head_dim] views (int8 caches: then K/V scales [batch, kv_heads, max_len,
                  groups] float16) are bound by device pointer, so the GPU reads the cache in
@@ -43,10 +43,10 @@ from kvedge.accel import cuda_call, current_device, import_cudart, import_tensor
 from kvedge.contract import Manifest, TensorSpec
 from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE, EngineManifest, profile_for
 from kvedge.errors import KvedgeError
-from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.backends.cuda import MappedHost
+from kvedge.runtime.backends.memory import check_alignment
 from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
-from kvedge.runtime.memory import check_alignment
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvedge.accel import cuda_call, import_cudart
 from kvedge.errors import KvedgeError
-from kvedge.runtime.memory import ALL, DeviceArray, owned_mapping
+from kvedge.runtime.backends.memory import ALL, DeviceArray, owned_mapping
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class MappedHost:
     on a discrete GPU the same memory is reached over PCIe: correct, but every access crosses
     the bus.
 
-    Only memory kvedge owns is mapped, each piece once (`kvedge.runtime.memory`):
+    Only memory kvedge owns is mapped, each piece once (`kvedge.runtime.backends.memory`):
       - the `KVCache` arrays (pool, scales, ring layers), each its own whole pages from
         `memory.page_aligned`: page-locked in place with cudaHostRegister(Mapped) at the first
         `device_address` of a view into them (or `register`); this object keeps a reference to
@@ -100,7 +100,7 @@ class MappedHost:
         if owned is None:
             raise KvedgeError(
                 f"memory at {view.__array_interface__['data'][0]:#x} was not allocated by kvedge "
-                "(kvedge.runtime.memory.page_aligned or MappedHost.empty): it may share pages with "
+                "(kvedge.runtime.backends.memory.page_aligned or MappedHost.empty): it may share pages with "
                 "other arrays, which CUDA cannot register twice; the GPU backends map only their own"
             )
         root, start, size = owned
@@ -187,7 +187,7 @@ class DeviceMemory:
     reads them every step where it caches them (CUDA for Tegra's advice for buffers only the GPU
     uses; Orin's GPU does not cache pinned host memory), and the CPU side (prefix store, warm
     prefixes, rewinds, window eviction, the portable graph's new K/V) reaches them only through
-    the explicit copies `get` and `set`, which answer as `kvedge.runtime.memory.HostMemory` does.
+    the explicit copies `get` and `set`, which answer as `kvedge.runtime.backends.memory.HostMemory` does.
 
     A copy is one cudaMemcpy2D per (layer, kind) and run of consecutive positions: `heads` rows
     of n x last elements, the device rows max_len x last apart. The copies run on the legacy

@@ -24,7 +24,7 @@ both providers bind from and tests check without a GPU:
 - cpu: everything is host memory, bound as "cpu".
 - cuda (UNVERIFIED ON HARDWARE: written against onnxruntime's and cuda-python's documented
   APIs without a GPU; device_tests/ checks it): the pool is page-locked and mapped once
-  (`kvedge.runtime.cuda.MappedHost`, the same helper `TrtBackend` uses) and its views are bound
+  (`kvedge.runtime.backends.cuda.MappedHost`, the same helper `TrtBackend` uses) and its views are bound
   as "cuda" at their device addresses, so the GPU reads the cache where it is and nothing
   cache-sized is copied between host and device, ever. Decode's step buffers (ids, lengths,
   logits, the portable graph's one-token K/V) are mapped pinned buffers bound as "cuda" too:
@@ -33,7 +33,7 @@ both providers bind from and tests check without a GPU:
   before every step (`Bound.rebind`): onnxruntime copies an input at bind time wherever a
   consumer reads it on another device (shape arithmetic it keeps on the CPU, say), and a copy
   made once would hold the first step's tokens and lengths forever. Every device address bound
-  is 256-byte aligned (`kvedge.runtime.memory`), TF32 is off (`cuda_provider_options`), and
+  is 256-byte aligned (`kvedge.runtime.backends.memory`), TF32 is off (`cuda_provider_options`), and
   onnxruntime older than `ONNXRUNTIME_CUDA_FLOOR` is refused. Prefill's inputs and outputs are
   per-call and prompt-sized, bound as "cpu": onnxruntime copies them once per call. On Jetson the mapped
   memory is the GPU's own DRAM; on a discrete GPU every cache read crosses PCIe (correct, slow).
@@ -64,10 +64,10 @@ from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
-from kvedge.runtime.cuda import MappedHost
+from kvedge.runtime.backends.cuda import MappedHost
+from kvedge.runtime.backends.memory import check_alignment, data_address
 from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.interface import MAX_DECODE_BINDINGS, StepOutput, graph_last_index, step_logits
-from kvedge.runtime.memory import check_alignment, data_address
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Memory kvedge owns: page-aligned arrays that a GPU backend may page-lock, and the alignment a
 bound address must have.
 
-The GPU backends give the device the cache pool's own pages (`kvedge.runtime.cuda.MappedHost`),
+The GPU backends give the device the cache pool's own pages (`kvedge.runtime.backends.cuda.MappedHost`),
 so the pool must be memory kvedge allocated, not an array numpy placed somewhere in its heap:
 
 - CUDA page-locks whole pages (cudaHostRegister rounds the range out to them) and refuses a range
@@ -19,7 +19,7 @@ slot or layer offset is aligned when the slot stride is (`check_alignment`): the
 kv_heads x L x d x itemsize bytes.
 
 The same cache can live in device memory instead (`--kv-memory device`): `HostMemory` and
-`kvedge.runtime.cuda.DeviceMemory` answer the cache's reads and writes alike, and a
+`kvedge.runtime.backends.cuda.DeviceMemory` answer the cache's reads and writes alike, and a
 `DeviceArray` stands where a bound numpy view would (shape, dtype, strides, its device address).
 """
 
@@ -146,10 +146,10 @@ def check_kv_memory(kv_memory: str, device: str) -> None:
 
 class HostMemory:
     """The cache arrays as numpy arrays in host memory (`page_aligned`): the CPU backend's pool,
-    and the GPU backends' "mapped" pool, which `kvedge.runtime.cuda.MappedHost` page-locks in
+    and the GPU backends' "mapped" pool, which `kvedge.runtime.backends.cuda.MappedHost` page-locks in
     place so the device reads these very pages.
 
-    `kvedge.runtime.cuda.DeviceMemory` answers the same calls for a pool in device memory; the
+    `kvedge.runtime.backends.cuda.DeviceMemory` answers the same calls for a pool in device memory; the
     cache reaches its arrays only through them. Index: `array[layer, kind, slot]` ->
     [..., heads, L, last], then `columns` of L (a slice, or positions in any order); `layer` and
     `kind` an int (that axis dropped) or ALL. Values come and go as [layers?, kinds?, heads,
