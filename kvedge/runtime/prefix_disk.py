@@ -43,8 +43,9 @@ Boot reads the subfolder's index: each file's header only (magic, version, finge
 geometry, token ids, parent, size), and removes leftovers of writers that died mid-write. A file
 there whose header does not fit this model (one copied in from another export's subfolder), or
 whose parent is missing, is refused, named in one log line and removed (with the segments after
-it). Then a background thread of the lowest CPU priority (`check_ahead`) checks every file in full
-(`read_warm_file`: checksum, fingerprints, token ids, finite values), most recently used first: a
+it). Then a background thread (`check_ahead`; a service lowers it to nice 19 when it turns ready,
+`yield_cpu`) checks every file in full (`read_warm_file`: checksum, fingerprints, token ids,
+finite values), most recently used first: a
 conversation resumed after a restart copies its files in without hashing them, and after a
 reboot they are read from flash before it asks. A check holds for the file's identity (device,
 inode, size, modification time): a file written to since, or one not checked yet, is checked in
@@ -139,6 +140,8 @@ class PrefixDisk:
         self.checked: set[FileIdentity] = set()
         self._stop = threading.Event()
         self._ahead: threading.Thread | None = None
+        self._ahead_id: int | None = None  # its native thread id
+        self._yield = threading.Event()  # `yield_cpu` was called
         self._writer = FileWriter(self._written)
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         remove_stale_temps(self.folder)
@@ -146,15 +149,23 @@ class PrefixDisk:
         self._trim(0)
 
     def check_ahead(self) -> None:
-        """Check the indexed files in full in a background thread of the lowest CPU priority,
-        most recently used first, so the turn that needs one copies it in without hashing it:
-        after a reboot this also reads it from flash before it is asked for. A file that fails is
-        left for that turn, which refuses it (`load`). `close` stops it."""
+        """Check the indexed files in full in a background thread, most recently used first, so
+        the turn that needs one copies it in without hashing it: after a reboot this also reads
+        it from flash before it is asked for. It runs at the caller's priority (a service's start,
+        whose warm-up it shares the cores with) until `yield_cpu`. A file that fails is left for
+        the turn that needs it, which refuses it (`load`). `close` stops it."""
         links = [(e.path, e.token_ids[e.start :], e.parent, e.start) for e in reversed(self.entries.values())]
         self._ahead = threading.Thread(
             target=self._check_files, args=(links,), name="kvedge-prefix-check", daemon=True
         )
         self._ahead.start()
+
+    def yield_cpu(self) -> None:
+        """From now on `check_ahead`'s thread runs at the lowest CPU priority (nice 19), after
+        the turns being served (a service calls this when it turns ready)."""
+        self._yield.set()
+        if self._ahead_id is not None:
+            _lowest_priority(self._ahead_id)
 
     def flush(self) -> None:
         """Wait until every file `save` queued is written (or its failure logged and the prefix
@@ -172,8 +183,9 @@ class PrefixDisk:
         self._reap()
 
     def _check_files(self, links: list[tuple[Path, tuple[int, ...], str, int]]) -> None:
-        with contextlib.suppress(OSError):  # not Linux, or not allowed: the default priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        self._ahead_id = threading.get_native_id()
+        if self._yield.is_set():
+            _lowest_priority(self._ahead_id)
         began, done = time.monotonic(), 0
         for path, token_ids, parent, start in links:
             if self._stop.is_set():
@@ -424,6 +436,12 @@ def reader(block: KVBlock) -> Callable[[int], KVBlock]:
 
 def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ArtifactMismatch) else f"cannot read it: {exc.strerror or exc}"
+
+
+def _lowest_priority(thread_id: int) -> None:
+    """nice 19 for the thread `thread_id` (Linux: a thread's own priority)."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: as it was
+        os.setpriority(os.PRIO_PROCESS, thread_id, 19)
 
 
 @dataclass(eq=False)
