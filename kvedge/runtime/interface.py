@@ -5,6 +5,7 @@ chooses between them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +31,29 @@ def graph_last_index(manifest: Manifest, last_index: np.ndarray) -> np.ndarray:
     """last_index [batch] or [batch, rows] as the graph takes it: [batch, rows] in a "rows"
     graph (one row per sequence unless a verify asks for more), [batch] otherwise."""
     return last_index.reshape(len(last_index), -1) if manifest.logits == "rows" else last_index
+
+
+def step_values(
+    manifest: Manifest,
+    embeddings: Callable[[np.ndarray], np.ndarray] | None,
+    input_ids: np.ndarray,
+    position_ids: np.ndarray,
+    past_lengths: np.ndarray,
+    last_index: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """A step's per-call graph inputs by name: the tokens (or, with `embeddings`, the runtime's
+    lookup of them too), their positions, each row's past length and last index; which of them
+    the graph takes is `Manifest.graph_inputs`'s call."""
+    names = manifest.names
+    values = {
+        names.input_ids: input_ids,
+        names.position_ids: position_ids,
+        names.past_lengths: past_lengths,
+        names.last_index: graph_last_index(manifest, last_index),
+    }
+    if embeddings is not None:
+        values[names.inputs_embeds] = embeddings(input_ids)
+    return values
 
 
 def step_logits(logits: np.ndarray, last_index: np.ndarray) -> np.ndarray:

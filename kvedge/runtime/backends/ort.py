@@ -67,7 +67,13 @@ from kvedge.runtime import kernels
 from kvedge.runtime.backends.cuda import MappedHost
 from kvedge.runtime.backends.memory import check_alignment, data_address
 from kvedge.runtime.embeddings import TableEmbeddings
-from kvedge.runtime.interface import MAX_DECODE_BINDINGS, StepOutput, graph_last_index, step_logits
+from kvedge.runtime.interface import (
+    MAX_DECODE_BINDINGS,
+    StepOutput,
+    graph_last_index,
+    step_logits,
+    step_values,
+)
 
 log = logging.getLogger(__name__)
 
@@ -348,15 +354,9 @@ class OrtBackend:
 
     def _step_inputs(self, input_ids, position_ids, past_lengths, last_index) -> list[tuple[str, np.ndarray]]:
         """(name, value) of the graph's per-call inputs; which exist is `Manifest.graph_inputs`'s call."""
-        names = self.manifest.names
-        values = {
-            names.input_ids: input_ids,
-            names.position_ids: position_ids,
-            names.past_lengths: past_lengths,
-            names.last_index: graph_last_index(self.manifest, last_index),
-        }
-        if self.embeddings is not None:
-            values[names.inputs_embeds] = self.embeddings(input_ids)
+        values = step_values(
+            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index
+        )
         return [(name, values[name]) for name in self._step_names]
 
     def run(

@@ -46,7 +46,7 @@ from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.cuda import MappedHost
 from kvedge.runtime.backends.memory import check_alignment
 from kvedge.runtime.embeddings import TableEmbeddings
-from kvedge.runtime.interface import StepOutput, graph_last_index, step_logits
+from kvedge.runtime.interface import StepOutput, step_logits, step_values
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +170,9 @@ class TrtBackend:
         if refusal := self.engine_manifest.call_refusal(batch, seq, rows):
             raise KvedgeError(refusal)
         context = self.contexts[profile_for(seq)]
-        values = {
-            names.input_ids: input_ids,
-            names.position_ids: position_ids,
-            names.past_lengths: past_lengths,
-            names.last_index: graph_last_index(self.manifest, last_index),
-        }
-        if self.embeddings is not None:
-            values[names.inputs_embeds] = self.embeddings(input_ids)
+        values = step_values(
+            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index
+        )
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
             np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")
