@@ -71,7 +71,9 @@ def head_weight(folder) -> np.ndarray:
     )
     dq = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
     w = ReferenceEvaluator(dq).run(None, {"q": codes, "s": scale})[0].astype(np.float32)
-    side = found.get(HEAD_TABLE + HEAD_PARTS["side"])
+    side = found.get(HEAD_TABLE + HEAD_PARTS["side"])  # [rows, vocab], a portable graph's [vocab, rows]
+    if side is not None and side.shape[0] == w.shape[1] != side.shape[1]:
+        side = side.T
     kept = found.get(HEAD_TABLE + HEAD_PARTS["kept"], np.zeros(0, np.int64))
     blocks = w.shape[0] // block
     offsets = np.zeros((blocks, w.shape[1]), np.float32)
@@ -91,6 +93,8 @@ def test_lookup_is_the_heads_own_table_and_no_float_copy_is_stored(exported, sou
     folder = exported(name)
     manifest = Manifest.load(folder)
     assert manifest.embedding is not None and manifest.embedding.bits == RECIPES[name].lm_head_bits
+    if manifest.embedding.side is not None:  # TensorRT keeps a portable head's side rows once [vocab, *]
+        assert manifest.embedding.side_token_major() == (RECIPES[name].variant == "portable")
     graph = onnx.load(str(folder / ONNX_FILE), load_external_data=False)
     stored = [t for g in all_graphs(graph.graph) for t in g.initializer]
     assert not [t.name for t in stored if "embed_tokens" in t.name]

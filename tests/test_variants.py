@@ -130,16 +130,16 @@ def test_quantized_matmuls_fuse_into_matmulnbits(exports, tmp_path, variant, wei
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_portable_side_weights_are_stored_output_major_and_folded_by_onnxruntime(exports, tmp_path, weights):
-    """Portable graphs store each projection's second-product weight [N, *] behind a Transpose,
-    which TensorRT keeps once for both profiles (`quant_matmul._side_weight`); the LM head's stays
-    [*, N], the embedding table's layout. onnxruntime folds those Transposes at load: none is run."""
+    """Portable graphs store each projection's and the LM head's second-product weight [N, *]
+    behind a Transpose, which TensorRT keeps once for both profiles (`quant_matmul._side_weight`).
+    onnxruntime folds those Transposes at load: none is run."""
     folder = exports("portable", weights)
     graph = onnx.load(str(folder / "model.onnx")).graph
     stored = {t.name: tuple(t.dims) for t in graph.initializer if t.name.endswith(".side_weight")}
     transposed = [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in stored]
     layers = Manifest.load(folder).geometry.num_layers
-    assert len(transposed) == 4 * layers  # qkv, o, gate_up, down
-    assert stored["logits.rows_vocab.side_weight"][1] == Manifest.load(folder).vocab_size  # [*, N]
+    assert len(transposed) == 4 * layers + 1  # qkv, o, gate_up, down; the LM head
+    assert stored["logits.rows_vocab.side_weight"][0] == Manifest.load(folder).vocab_size  # [N, *]
     codes = {t.name: tuple(t.dims) for t in graph.initializer if t.name.endswith(".weight_q")}  # [K, N]
     for node in transposed:
         matmul = next(n for n in graph.node if n.op_type == "MatMul" and node.output[0] in n.input)

@@ -379,7 +379,9 @@ class EmbeddingTable:
 
     w [hidden, vocab] = codes x scale (blocks of `block_size` along hidden) + the block's offset
     (the first hidden/block rows of `side`, when `offsets`); the `kept` channels' rows are w
-    exactly: side's last rows plus their block's offset. Row t of the embedding is column t of w."""
+    exactly: side's last rows plus their block's offset. Row t of the embedding is column t of w.
+    A portable graph's head stores `side` token-major, [vocab, rows]: TensorRT keeps the head's
+    second-product weight once in that layout (`quant_matmul._side_weight`)."""
 
     file: str  # the file holding it, in the export folder: the graph's data file or EMBEDDINGS_FILE
     bits: int  # 8 or 4
@@ -387,8 +389,20 @@ class EmbeddingTable:
     offsets: bool
     codes: StoredTensor  # [hidden, vocab] int8, or packed int4 (uint8)
     scale: StoredTensor  # [hidden / block, vocab] float32 or float16
-    side: StoredTensor | None = None  # [(hidden / block if offsets) + kept, vocab]
+    # [rows, vocab] or token-major [vocab, rows]; rows = (hidden / block if offsets) + kept
+    side: StoredTensor | None = None
     kept: StoredTensor | None = None  # [kept] int64
+
+    def side_token_major(self) -> bool:
+        """Whether `side` is stored [vocab, rows] (`codes` [hidden, vocab] says which dim is vocab)."""
+        vocab = self.codes.shape[1]
+        return self.side is not None and self.side.shape[0] == vocab != self.side.shape[1]
+
+    def side_rows(self) -> int:
+        """How many rows `side` holds: the blocks' offsets (where `offsets`), then the kept channels."""
+        if self.side is None:
+            return 0
+        return self.side.shape[1] if self.side_token_major() else self.side.shape[0]
 
 
 @dataclass(frozen=True)

@@ -594,15 +594,15 @@ def head_table(folder: Path, bits: int, block_size: int) -> EmbeddingTable:
             shape=tuple(int(d) for d in tensor.dims),
             sha256=hashlib.sha256(first).hexdigest(),
         )
-    codes, side, kept = stored["codes"], stored["side"], stored["kept"]
-    kept_count = kept.shape[0] if kept is not None else 0
-    return EmbeddingTable(
+    kept = stored["kept"]
+    table = EmbeddingTable(
         file=file,
         bits=bits,
         block_size=block_size,
-        offsets=side is not None and side.shape[0] > kept_count,
-        codes=codes,
+        offsets=False,
+        codes=stored["codes"],
         scale=stored["scale"],
-        side=side,
+        side=stored["side"],
         kept=kept,
     )
+    return dataclasses.replace(table, offsets=table.side_rows() > (kept.shape[0] if kept is not None else 0))

@@ -40,6 +40,8 @@ class TableEmbeddings:
         self.codes = self._view(table.codes, flat=packed)  # [hidden, vocab] int8, or packed int4 bytes
         self.scale = self._view(table.scale)  # [hidden / block, vocab]
         self.side = None if table.side is None else self._view(table.side)  # [offsets + kept, vocab]
+        if self.side is not None and table.side_token_major():  # stored [vocab, offsets + kept]
+            self.side = self.side.T  # a view: a token's rows are one contiguous read
         self.kept = np.zeros(0, np.int64) if table.kept is None else np.array(self._view(table.kept))
         expected = self.blocks * table.offsets + self.kept.size
         if self.side is not None and self.side.shape != (expected, vocab):

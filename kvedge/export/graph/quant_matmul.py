@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvedge.contract import HEAD_TABLE, KVEDGE_OPS_DOMAIN, QUANT_MATMUL_OP, SIDE_INPUTS_OP
+from kvedge.contract import KVEDGE_OPS_DOMAIN, QUANT_MATMUL_OP, SIDE_INPUTS_OP
 from kvedge.export.graph.builder import Builder
 from kvedge.export.quantize import (
     EXPORT_GRIDS,
@@ -80,9 +80,9 @@ def _side_weight(g: Builder, rows: np.ndarray, out: str) -> str:
     [N, *] behind a Transpose: TensorRT for RTX's builder then keeps one copy for both
     optimization profiles, where it stores a [*, N] constant twice, in the layouts its prefill and
     its decode kernels read (docs/PERFORMANCE.md, "TensorRT engine bytes"); the product is the
-    same, and a builder that folds the Transpose has the constant it had. The LM head's stays
-    [*, N]: the runtime reads it as the embedding table (`EmbeddingTable.side`)."""
-    if not g.portable or out == HEAD_TABLE:
+    same, and a builder that folds the Transpose has the constant it had. The LM head's too: the
+    runtime reads its embedding rows in either layout (`EmbeddingTable.side`)."""
+    if not g.portable:
         return g.fconst(f"{out}.side_weight", rows)
     stored = g.fconst(f"{out}.side_weight", np.ascontiguousarray(rows.T))  # [N, *]
     return g.op("Transpose", [stored], f"{out}.side_rows", perm=[1, 0])  # [*, N]
