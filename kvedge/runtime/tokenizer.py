@@ -6,7 +6,6 @@ The chat template is rendered the way transformers renders it (trim_blocks, lstr
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -35,6 +34,15 @@ def _raise(message: str) -> None:
     raise KvedgeError(f"chat template refused the conversation: {message}")
 
 
+def _max_token_bytes(tokenizer: Tokenizer) -> int:
+    """At least the UTF-8 bytes of text one token can stand for: the longest vocabulary entry as
+    stored (never shorter than its text: byte-level BPE's "Ġ" is 2 bytes for 1, "▁" 3 for 1,
+    "<0x0A>" 6 for 1), times 3 when a normalizer runs first (NFC and NFKC shrink text by up to
+    3x: three Hangul jamo of 3 bytes compose into one syllable of 3)."""
+    longest = max(len(token.encode()) for token in tokenizer.get_vocab(with_added_tokens=True))
+    return longest * (3 if tokenizer.normalizer is not None else 1)
+
+
 class ChatTokenizer:
     def __init__(self, folder: Path, manifest: Manifest) -> None:
         path = folder / TOKENIZER_FILE
@@ -43,6 +51,9 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception for a missing or bad file
             raise KvedgeError(f"{path}: not a readable tokenizer ({exc}); re-export the model") from None
         self.special_tokens = dict(manifest.special_tokens)
+        # at load, not on the first request: the vocabulary's walk took 52 ms for SmolLM2's 49k
+        # tokens, the whole of a fresh service's first-request delay; more for 128k-262k
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
         self.template = None
         self._source = ""
         path = folder / CHAT_TEMPLATE_FILE
@@ -61,15 +72,6 @@ class ChatTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    @functools.cached_property
-    def max_token_bytes(self) -> int:
-        """At least the UTF-8 bytes of text one token can stand for: the longest vocabulary entry as
-        stored (never shorter than its text: byte-level BPE's "Ġ" is 2 bytes for 1, "▁" 3 for 1,
-        "<0x0A>" 6 for 1), times 3 when a normalizer runs first (NFC and NFKC shrink text by up
-        to 3x: three Hangul jamo of 3 bytes compose into one syllable of 3)."""
-        longest = max(len(token.encode()) for token in self.tokenizer.get_vocab(with_added_tokens=True))
-        return longest * (3 if self.tokenizer.normalizer is not None else 1)
 
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on len(encode(text)), without encoding: a prompt far over a limit is
