@@ -296,12 +296,16 @@ LOAD_FORMS = {
 
 def peak_growth(folder, what: str) -> int:
     """Peak RSS growth of a fresh process that loads `what` of the export in `folder` ("tokenizer",
-    or the model stepped twice, less its KV pool)."""
-    done = subprocess.run(
-        [sys.executable, "-c", HELD_CHILD, str(folder), what], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return int(done.stdout.split()[-1])
+    or the model stepped twice, less its KV pool): the lower of two processes' (one process's
+    peak varies with its threads' timing: 236-243 MB for the int4 export, on one machine)."""
+    peaks = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", HELD_CHILD, str(folder), what], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks.append(int(done.stdout.split()[-1]))
+    return min(peaks)
 
 
 @pytest.mark.parametrize("form", ["float32", *LOAD_FORMS])

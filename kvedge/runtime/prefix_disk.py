@@ -167,6 +167,12 @@ class PrefixDisk:
         if self._ahead_id is not None:
             _lowest_priority(self._ahead_id)
 
+    def wait_written(self) -> None:
+        """Wait until every file queued so far is written or has failed, not for files queued
+        meanwhile (any thread: it changes nothing here; `flush` also drops the failed ones, on the
+        owner's thread)."""
+        self._writer.wait_queued()
+
     def flush(self) -> None:
         """Wait until every file `save` queued is written (or its failure logged and the prefix
         dropped)."""
@@ -466,16 +472,24 @@ class FileWriter:
         self._pending: dict[str, _Job] = {}  # by file name, the last queued
         self._lock = threading.Lock()  # a cancel against a write's rename
         self._thread: threading.Thread | None = None
+        self._last: _Job | None = None
 
     def put(self, path: Path, file: WarmFile) -> None:
         job = _Job(path, file)
         with self._lock:
             self._pending[path.name] = job
             self.queued_bytes += file.nbytes
+            self._last = job
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvedge-prefix-writer", daemon=True)
             self._thread.start()
         self._queue.put(job)
+
+    def wait_queued(self) -> None:
+        """Wait for the last file queued so far, and so (one writer, in order) for every one."""
+        job = self._last
+        if job is not None:
+            job.done.wait()
 
     def wait(self, name: str) -> None:
         job = self._pending.get(name)

@@ -366,9 +366,22 @@ class Api:
         """Queue a job; its events arrive on the returned queue (from the scheduler thread)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        model = self.scheduler.model
+        disk = None if model is None else model.prefix_disk
+        waiting: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
+
+        async def after_files(item: Event) -> None:
+            # the turn's prefix files, queued as it ended, are on disk before the reply's end goes
+            # out: a service killed right after a reply answers the next turn from them. The
+            # writer thread writes them; this request waits, not the scheduler.
+            await asyncio.to_thread(disk.wait_written)
+            events.put_nowait(item)
 
         def deliver(item: Event) -> None:
             try:
+                if disk is not None and item.finish_reason is not None:
+                    loop.call_soon_threadsafe(lambda: _hold(waiting, loop.create_task(after_files(item))))
+                    return
                 loop.call_soon_threadsafe(events.put_nowait, item)
             except RuntimeError:  # the event loop is gone: nobody is listening any more
                 pass
@@ -766,3 +779,9 @@ class TextReply(Reply):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _hold(tasks: set[asyncio.Task], task: asyncio.Task) -> None:
+    """Keep `task` referenced until it is done."""
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
