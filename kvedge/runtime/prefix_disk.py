@@ -29,7 +29,8 @@ for a 1,176-token first turn of the default model (52 MiB float32): 21-28 ms of 
 caller's thread against 135-186 ms of writing on the writer's. The index counts a queued file at
 once; a conversation that needs one still queued waits for it; a write that fails (a full disk)
 is logged and its prefix dropped, with the segments after it. A process killed with files queued
-loses them: what kill -9 can lose is the turn in flight and those milliseconds of writing.
+loses them; the service sends a reply's end only once they are written (`wait_written`, on that
+request's worker thread), so what kill -9 can lose is the turn in flight.
 
 Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
 files are never rewritten. `bytes_written` counts every byte written.
