@@ -283,9 +283,9 @@ def test_a_model_that_does_not_fit_is_shown_the_smallest_change_that_does():
     assert done.returncode == 0, done.stderr
     first, advice = done.stdout.split("nothing above fits; the smallest change that does: ")
     assert all(cell == "-" for line in first.splitlines()[-4:] for cell in line.split()[1:6])
-    assert advice.startswith("--precision float16 --weights int4 (KL 0.00076 vs")
-    assert "int4 portable (block 32, 8 float16 channels, int8 head)" in advice
-    assert "kv cache     float16" in advice
+    assert advice.startswith("--weights int4 --kv-dtype int8 (KL 0.0011 vs")
+    assert "int4 portable (block 32, 32 float32 channels, int8 head)" in advice
+    assert "kv cache     int8" in advice
     fitting = [line.split() for line in advice.splitlines() if line.split()[:1] == ["512"]]
     assert fitting and fitting[0][1] != "-"  # 1 slot x 512 tokens fits
     assert "recommended" not in advice  # the CPU's export is README's, by measured speed
