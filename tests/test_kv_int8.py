@@ -428,6 +428,10 @@ def build_and_run_selftest(
     return run.stdout
 
 
+# A test that builds and runs `csrc/selftest.cc`: a C++ program, no Python or onnxruntime in it, so
+# one run proves it for every Python (.ci/python-versions deselects these: -m "not selftest")
+SELFTEST = pytest.mark.selftest
+
 # The self-test built for a Jetson Orin's CPU (Cortex-A78AE: the NEON code paths), run under qemu
 NEEDS_AARCH64 = pytest.mark.skipif(
     shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
@@ -443,6 +447,7 @@ def run_selftest(folder: Path, *args: str, orin: bool = False) -> str:
     return build_and_run_selftest(["g++", "-march=native"], [], folder, args)
 
 
+@SELFTEST
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_kernel_vector_paths_match_its_scalar_path(selftests):
     """Every vectorized (head_dim, group size) instantiation of the kernel against its
@@ -460,6 +465,7 @@ DECODE_CASES = 15 * 8
 TILED_CASES = 15 * 3 * 9 + 11 + 10 + 15
 
 
+@SELFTEST
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_kernel_tiled_prefill_matches_exact_attention(selftests):
     """The prefill path (tiles of query rows against blocks of dequantized cache rows, online
@@ -472,6 +478,7 @@ def test_kernel_tiled_prefill_matches_exact_attention(selftests):
     assert out.count("ok  ") == TILED_CASES and "FAIL" not in out
 
 
+@SELFTEST
 @NEEDS_AARCH64
 def test_kernel_neon_path_matches_its_scalar_path(selftests):
     """The same self-test built for a Jetson Orin's CPU (Cortex-A78AE: the NEON code path) and run
@@ -480,6 +487,7 @@ def test_kernel_neon_path_matches_its_scalar_path(selftests):
     assert out.count("ok  ") == DECODE_CASES and "FAIL" not in out
 
 
+@SELFTEST
 @NEEDS_AARCH64
 def test_kernel_neon_tiled_prefill_matches_exact_attention(selftests):
     """The tiled prefill self-test built for a Jetson Orin's CPU and run under qemu."""

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from test_kv_int8 import NEEDS_AARCH64, build_and_run_selftest, run_selftest
+from test_kv_int8 import NEEDS_AARCH64, SELFTEST, build_and_run_selftest, run_selftest
 
 from kvedge.export.quantize import pack_quant_matmul, quantize_blockwise
 from kvedge.runtime import kernels
@@ -32,6 +32,7 @@ def check_selftest(out: str, path: str) -> None:
     assert out.count(f"quant matmul ({path})") == QMM_CASES  # the path meant, not a fallback
 
 
+@SELFTEST
 @NEEDS_GXX
 def test_quant_matmul_selftest_native(selftests):
     """This machine's vector path (AVX2 on CI's CPU) and the scalar path against the formula in
@@ -59,6 +60,7 @@ def cpu_flags() -> set[str]:
     )
 
 
+@SELFTEST
 @NEEDS_GXX
 @pytest.mark.parametrize(
     "flags, needs, path",
@@ -76,6 +78,7 @@ def test_quant_matmul_selftest_other_x86_paths(selftests, flags, needs, path):
     check_selftest(out, path)
 
 
+@SELFTEST
 @NEEDS_AARCH64
 def test_quant_matmul_selftest_neon(selftests):
     """sdot (s8 x s8): 8-bit codes centred by xor 0x80, 4-bit ones less zc times the block's sum of

@@ -20,7 +20,7 @@ from kvedge.calibrate.calibrate import builtin_prompts
 from kvedge.calibrate.evaluate import evaluate
 from kvedge.contract import ExportRecipe
 from kvedge.export.export import export_model
-from kvedge.export.source import default_gguf, load_hf, resolve_source
+from kvedge.export.source import default_gguf
 from kvedge.planner import estimate, footprint
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill
 from kvedge.runtime.model import Model
@@ -31,11 +31,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(tmp_path_factory, default_hf):
     out = tmp_path_factory.mktemp("smol") / "artifact"
-    export_model(None, out, ExportRecipe(max_len=2048))
-    hf, tokenizer = load_hf(resolve_source(default_gguf()))
-    return out, hf, tokenizer
+    export_model(None, out, ExportRecipe(max_len=2048), loaded=default_hf)
+    return (out, *default_hf)
 
 
 def test_chat_ids_equal_transformers(smol):
