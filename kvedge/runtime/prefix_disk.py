@@ -177,7 +177,7 @@ class PrefixDisk:
     def flush(self) -> None:
         """Wait until every file `save` queued is written (or its failure logged and the prefix
         dropped)."""
-        self._writer.flush()
+        self._writer.wait_queued()
         self._reap()
 
     def close(self) -> None:
@@ -493,6 +493,7 @@ class FileWriter:
             job.done.wait()
 
     def wait(self, name: str) -> None:
+        """Wait for the file named `name` if it is queued or being written."""
         job = self._pending.get(name)
         if job is not None:
             job.done.wait()
@@ -504,9 +505,6 @@ class FileWriter:
             if job is not None:
                 job.cancelled = True
             path.unlink(missing_ok=True)
-
-    def flush(self) -> None:
-        self._queue.join()
 
     def close(self) -> None:
         if self._thread is not None:
@@ -525,8 +523,6 @@ class FileWriter:
                     if self._pending.get(job.path.name) is job:
                         del self._pending[job.path.name]
                 job.done.set()
-                self._queue.task_done()
-        self._queue.task_done()
 
     def _write(self, job: _Job) -> None:
         if job.cancelled:
