@@ -142,6 +142,55 @@ def test_a_turns_end_queues_its_files_and_never_waits_on_the_disk(llama, tmp_pat
     model.close()
 
 
+def test_the_writers_queue_is_bounded_and_a_deferred_turn_is_written_by_the_next(
+    llama, tmp_path, monkeypatch
+):
+    """While the disk stalls, the copies queued for the writer stay within `queue_bytes` (one
+    slot's KV): a turn ending past it queues nothing (`deferred`); its conversation's next turn
+    writes those tokens too (from where its last file ends: here, none), and a restart restores
+    them exactly."""
+    go, fsync = threading.Event(), os.fsync
+
+    def stalled(fd: int) -> None:  # a disk that stops answering until `go`
+        if threading.current_thread().name == "kvedge-prefix-writer":
+            assert go.wait(120)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", stalled)
+    model = boot(llama, tmp_path, slots=2)
+    disk = model.prefix_disk
+    slot_bytes = disk.queue_bytes
+    assert slot_bytes == model.manifest.geometry.bytes_per_slot()
+    talk(model, slot=0)  # A's prompt and reply queued, the first being written
+    disk.queue_bytes = disk.queued_bytes  # as far behind as the writer may be
+    b = [{"role": "system", "content": "Queues, B says. " * 12}, {"role": "user", "content": "Why?"}]
+    b.append({"role": "assistant", "content": "".join(e.text for e in model.chat(b, GREEDY, slot=1))})
+    assert disk.deferred == 2 and disk.queued_bytes == disk.queue_bytes  # B's prompt and reply
+    go.set()
+    disk.flush()
+    disk.queue_bytes = slot_bytes
+    a_files = files(tmp_path)
+    assert len(a_files) == 2
+    b.append({"role": "user", "content": "And then?"})
+    b.append({"role": "assistant", "content": "".join(e.text for e in model.chat(b, GREEDY, slot=1))})
+    held = model.cache.length(1)
+    b_files = [read_warm_header(p) for p in files(tmp_path, model) if p not in a_files]
+    assert b_files[0].start == 0 and sum(h.count for h in b_files) == held  # B's whole turn 1 too
+    model.close()
+    b.append({"role": "user", "content": "Thanks."})
+    again = boot(llama, tmp_path)
+    ids = again.tokenizer.encode_chat(b)
+    np.testing.assert_allclose(again.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
+    assert again.sessions[0].reused_tokens >= held - b_files[-1].count  # B's files, from its turn 1
+    assert again.prefix_disk.hits == 1
+    c = [
+        {"role": "system", "content": "C. " * 40},
+        {"role": "user", "content": "Hi"},
+    ]  # shares the template's start
+    again.prepare(0, again.tokenizer.encode_chat(c))
+    assert again.prefix_disk.hits == 1  # a match shorter than prefix_disk_min_tokens is not read
+
+
 def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
     model = boot(llama, tmp_path, prefix_cache_bytes=2**16)
     a = talk(model)

@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvedge.contract import Manifest
 from kvedge.errors import KvedgeError
 from kvedge.runtime.generate import Event, SamplingConfig, decode_one_token, decode_ranges, prefill
 from kvedge.runtime.model import Model
@@ -839,6 +840,18 @@ def test_memory_check_counts_the_prefix_store(artifact):
         None, {"model": artifact, "slots": 2, "memory_budget": need + store, "prefix_cache_bytes": store}
     )
     assert check_memory(roomy) == need + store
+
+
+def test_memory_check_counts_the_prefix_files_write_queue(artifact, tmp_path):
+    """With prefix_dir set, the copies queued for the writer (at most one slot's KV,
+    `PrefixDisk.queue_bytes`) count against the budget beside the slots."""
+    alone = {"model": artifact, "slots": 2, "memory_budget": 1 << 40}
+    need = check_memory(load_service_config(None, alone))
+    queue = Manifest.load(artifact).geometry.bytes_per_slot()
+    on_disk = {**alone, "prefix_dir": str(tmp_path)}
+    assert check_memory(load_service_config(None, on_disk)) == need + queue
+    with pytest.raises(KvedgeError, match=r"the budget left beside the prefix files' write queue"):
+        check_memory(load_service_config(None, {**on_disk, "memory_budget": need + queue - 1}))
 
 
 def test_memory_check_counts_the_draft_model(artifact):

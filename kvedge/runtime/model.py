@@ -222,8 +222,9 @@ class Model:
 
     def prefix_stats(self) -> dict[str, int]:
         """Where the run-time prefixes sit: bytes in memory (`RunTimePrefixStore`) and on disk
-        (`PrefixDisk`: bytes, files, bytes written and files refused since start-up), and bytes
-        copied from slots waiting for the disk's writer thread."""
+        (`PrefixDisk`: bytes, files, bytes written and files refused since start-up), bytes
+        copied from slots waiting for the disk's writer thread, and turns that queued nothing
+        while it was behind."""
         disk = self.prefix_disk
         return {
             "memory_bytes": self.run_time_store.nbytes,
@@ -232,6 +233,7 @@ class Model:
             "disk_written_bytes": 0 if disk is None else disk.bytes_written,
             "disk_refused": 0 if disk is None else len(disk.refused),
             "disk_queued_bytes": 0 if disk is None else disk.queued_bytes,
+            "disk_deferred": 0 if disk is None else disk.deferred,
         }
 
     @contextlib.contextmanager
@@ -589,7 +591,10 @@ class Model:
         entry, lru_shared = self.run_time_store.best_match(ids, usable)
         if self.prefix_disk is not None:
             stored, disk_shared = self.prefix_disk.best_match(ids, usable)
-            if stored is not None and disk_shared > max(keep, warm_shared, lru_shared):
+            # a match shorter than a file would be written for is not worth reading (nor waiting
+            # for, when its file is still queued): every chat shares its template's first tokens
+            worth = max(keep, warm_shared, lru_shared, self.prefix_disk.min_tokens - 1)
+            if stored is not None and disk_shared > worth:
                 chain = self.prefix_disk.load(stored, disk_shared)  # None: refused and logged
                 if chain is not None:
                     for part in chain:

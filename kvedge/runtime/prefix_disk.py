@@ -31,6 +31,9 @@ once; a conversation that needs one still queued waits for it; a write that fail
 is logged and its prefix dropped, with the segments after it. A process killed with files queued
 loses them; the service sends a reply's end only once they are written (`wait_written`, on that
 request's worker thread), so what kill -9 can lose is the turn in flight.
+The copies queued are bounded (`queue_bytes`: one slot's KV at max_len, counted by the service's
+memory plan): a turn that ends while the writer is that far behind queues nothing (`deferred`);
+its tokens go into the next file its conversation writes, which starts after the last one held.
 
 Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
 files are never rewritten. `bytes_written` counts every byte written.
@@ -135,6 +138,9 @@ class PrefixDisk:
         self.entries: OrderedDict[str, DiskEntry] = OrderedDict()  # least recently used first
         self.refused: dict[str, str] = {}  # file name -> why
         self.bytes_written = 0
+        # copies held for the writer at most (a file alone in the queue may be up to one slot)
+        self.queue_bytes = geometry.bytes_per_slot()
+        self.deferred = 0  # turns that queued nothing as the writer was behind
         self.nbytes = 0  # of the files indexed; kept, not summed: /metrics reads it from another thread
         self.hits = 0
         # files checked in full, or written, by this process and unchanged since: not hashed again
@@ -236,15 +242,16 @@ class PrefixDisk:
         """Queue for writing the KV of `token_ids` that no file holds yet: `read(start)` gives it
         from position `start` on, as a slot holds it, and is copied before this returns; the
         writer thread writes it (`FileWriter`), so the caller never waits on the disk. Nothing is
-        queued for a short or already held prefix, or a segment larger than the budget; whether a
-        file was queued. A failed write (a full disk) is logged and the prefix dropped."""
+        queued for a short or already held prefix, a segment larger than the budget, or while the
+        copies queued would pass `queue_bytes` (`deferred`); whether a file was queued. A failed
+        write (a full disk) is logged and the prefix dropped."""
         self._reap()
         ids = tuple(int(t) for t in token_ids)
         if len(ids) < self.min_tokens:
             return False
         whole = None if self.segments else read(0)
         ring_from = len(ids) - (0 if whole is None else whole.ring_count)
-        parent = None
+        parent, superseded = None, []
         for entry in list(self.entries.values()):
             shared = common_prefix(entry.token_ids, ids)
             if shared == len(ids) and (self.segments or entry.ring_from <= ring_from):  # held already
@@ -252,17 +259,23 @@ class PrefixDisk:
                 return False
             if shared == len(entry.token_ids) < len(ids):  # the new one extends it
                 if not self.segments:
-                    self._remove(entry.path.name)
+                    superseded.append(entry.path.name)
                 elif parent is None or len(entry.token_ids) > len(parent.token_ids):
                     parent = entry
         start = 0 if parent is None else len(parent.token_ids)
         block = read(start) if whole is None else whole
+        if block.nbytes > self.budget_bytes:
+            return False
+        queued = self._writer.queued_bytes
+        if queued and queued + block.nbytes > self.queue_bytes:
+            self.deferred += 1  # the next file of this conversation starts where its last held one ends
+            return False
+        for name in superseded:
+            self._remove(name)
         digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}{SUFFIX}"
         name = "" if parent is None else parent.path.name
         prefix = WarmPrefix(path.stem, ids[start:], block, name, start)
-        if block.nbytes > self.budget_bytes:
-            return False
         file = warm_file(
             prefix, self.geometry, self.model_fingerprint, graph_fingerprint=self.graph_fingerprint
         )

@@ -35,6 +35,7 @@ GAUGES = {
     "kvedge_prefix_disk_written_bytes": "Bytes written to prefix files since start-up (flash wear).",
     "kvedge_prefix_disk_refused": "Prefix files refused (damaged or of another export) since start-up.",
     "kvedge_prefix_disk_queued_bytes": "Bytes of prefix files copied from slots, in memory until written.",
+    "kvedge_prefix_disk_deferred": "Turns that wrote no prefix file as the writer was a slot behind.",
     "kvedge_kv_bytes_in_use": "KV cache bytes holding valid tokens, idle slots' reusable prefixes included.",
     "kvedge_kv_bytes_allocated": "KV cache bytes preallocated at start-up.",
     "kvedge_tokens_per_second": f"Tokens generated per second over the last {RATE_WINDOW_S} s, all slots.",

@@ -101,8 +101,9 @@ def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
 
 def check_memory(config: ServiceConfig) -> int:
     """Refuse at start-up a config whose slots do not fit the memory budget (the planner's figure):
-    the model's weights and slots, the run-time prefix store (allocated in full at start-up) and
-    a draft model's weights and slots (`speculate: draft:DIR`, loaded at start-up too)."""
+    the model's weights and slots, the run-time prefix store (allocated in full at start-up), the
+    prefix files' write queue (`PrefixDisk.queue_bytes`: one slot's KV, where prefix_dir is set)
+    and a draft model's weights and slots (`speculate: draft:DIR`, loaded at start-up too)."""
     from kvedge.planner import check_fits, estimate, footprint, live_budget
 
     budget = config.memory_budget or live_budget().usable
@@ -110,6 +111,10 @@ def check_memory(config: ServiceConfig) -> int:
     beside, besides = config.prefix_cache_bytes, []
     if config.prefix_cache_bytes:
         besides.append(f"prefix_cache_bytes {config.prefix_cache_bytes}")
+    if config.prefix_dir is not None:
+        queue = Manifest.load(config.model).geometry.bytes_per_slot()
+        beside += queue
+        besides.append(f"the prefix files' write queue ({human(queue)}: one slot's KV)")
     if draft is not None:
         fp = footprint(Path(draft))
         draft_bytes = estimate(fp, config.slots, fp.geometry.max_len, device=config.device).total
