@@ -31,7 +31,7 @@ from conftest import (
     save_graph,
 )
 from onnx import TensorProto, helper, numpy_helper
-from test_kv_int8 import NEEDS_AARCH64, run_selftest
+from test_kv_int8 import NEEDS_AARCH64, SELFTEST, run_selftest
 from tiny import make_tiny_model
 
 from kvedge.contract import ONNX_FILE, SIDE_INPUTS_OP, ExportRecipe, Manifest
@@ -42,6 +42,7 @@ from kvedge.runtime import kernels
 SIDE_CASES = 14  # csrc/selftest.cc's `side` cases
 
 
+@SELFTEST
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_side_rows_match_exact_sums(selftests):
     """SideRows against in-order float32 block sums, kept channels and masked x, all exactly: every
@@ -51,6 +52,7 @@ def test_side_rows_match_exact_sums(selftests):
     assert out.count("ok  ") == SIDE_CASES and "FAIL" not in out
 
 
+@SELFTEST
 @NEEDS_AARCH64
 def test_side_rows_neon_match_exact_sums(selftests):
     out = run_selftest(selftests, "side", orin=True)
