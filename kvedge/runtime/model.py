@@ -261,16 +261,16 @@ class Model:
             written += self._keep_slot(slot)
         return written
 
-    def _keep_slot(self, slot: int, upto: int | None = None) -> bool:
+    def _keep_slot(self, slot: int, upto: int | None = None, turn_end: bool = False) -> bool:
         """Write what `slot` holds (its first `upto` tokens) and no prefix file does yet
-        (`PrefixDisk.save`)."""
+        (`PrefixDisk.save`; at a `turn_end` it may wait for the next turn's file)."""
         held, session = self.cache.length(slot), self.sessions[slot]
         held = held if upto is None else min(held, upto)
         # a windowed slot's KV is not its tokens' from position 0
         if not held or session.evicted or not session.verify(self.cache):
             return False
         ids = self.cache.token_ids(slot)[:held]
-        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held))
+        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held), turn_end)
 
     def __enter__(self) -> Model:
         return self
@@ -474,8 +474,8 @@ class Model:
             # The prompt, then the reply after it as its own file: the next turn resends the reply
             # as the template renders it, which may tokenize otherwise; the next turn's file then
             # follows the prompt's, and the reply's goes unused until the budget drops it.
-            self._keep_slot(turn.slot, turn.prompt_tokens)
-            self._keep_slot(turn.slot)
+            self._keep_slot(turn.slot, turn.prompt_tokens, turn_end=True)
+            self._keep_slot(turn.slot, turn_end=True)
 
     # -- one conversation at a time --------------------------------------------------------
 

@@ -34,6 +34,7 @@ request's worker thread), so what kill -9 can lose is the turn in flight.
 The copies queued are bounded (`queue_bytes`: one slot's KV at max_len, counted by the service's
 memory plan): a turn that ends while the writer is that far behind queues nothing (`deferred`);
 its tokens go into the next file its conversation writes, which starts after the last one held.
+A prefix leaving memory (nothing else will hold it) waits for the writer instead.
 
 Flash wear: a prefix shorter than `min_tokens` is never written, nor one a file already holds;
 files are never rewritten. `bytes_written` counts every byte written.
@@ -238,13 +239,14 @@ class PrefixDisk:
         self._reap()
         return best_entry(self.entries.values(), ids, usable)
 
-    def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock]) -> bool:
+    def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock], turn_end: bool = False) -> bool:
         """Queue for writing the KV of `token_ids` that no file holds yet: `read(start)` gives it
         from position `start` on, as a slot holds it, and is copied before this returns; the
         writer thread writes it (`FileWriter`), so the caller never waits on the disk. Nothing is
-        queued for a short or already held prefix, a segment larger than the budget, or while the
-        copies queued would pass `queue_bytes` (`deferred`); whether a file was queued. A failed
-        write (a full disk) is logged and the prefix dropped."""
+        queued for a short or already held prefix, a segment larger than the budget, or at a
+        `turn_end` while the copies queued would pass `queue_bytes` (`deferred`: the slot still
+        holds it for the next turn's file); a prefix leaving memory waits for the writer instead.
+        Whether a file was queued. A failed write (a full disk) is logged and the prefix dropped."""
         self._reap()
         ids = tuple(int(t) for t in token_ids)
         if len(ids) < self.min_tokens:
@@ -268,8 +270,10 @@ class PrefixDisk:
             return False
         queued = self._writer.queued_bytes
         if queued and queued + block.nbytes > self.queue_bytes:
-            self.deferred += 1  # the next file of this conversation starts where its last held one ends
-            return False
+            if turn_end:
+                self.deferred += 1  # the next file of this conversation starts where its last held one ends
+                return False
+            self._writer.wait_queued()  # nothing else will hold these tokens: at most one slot to write
         for name in superseded:
             self._remove(name)
         digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:24]
