@@ -214,6 +214,23 @@ def default_hf():
     return load_hf(resolve_source(default_gguf()))
 
 
+@pytest.fixture(scope="session")
+def default_export(tmp_path_factory, default_hf):
+    """A function ExportRecipe -> folder: the default model exported with that recipe, once per
+    session (an export of its 30 layers takes 15-25 s; four recipes are asked for by two files
+    each). Tests read the folders and never change them: one that must, copies first."""
+    root = tmp_path_factory.mktemp("default-exports")
+    made: dict[ExportRecipe, Path] = {}
+
+    def export(recipe: ExportRecipe) -> Path:
+        if recipe not in made:
+            made[recipe] = root / str(len(made))
+            export_model(None, made[recipe], recipe, loaded=default_hf)
+        return made[recipe]
+
+    return export
+
+
 def require_onnxruntime(release: tuple[int, int], why: str) -> None:
     """Skip, naming both versions and why, where this onnxruntime is older than `release`: the
     test's premise is a behaviour of that release (Python 3.10's newest wheel is 1.23.2)."""

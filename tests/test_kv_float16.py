@@ -252,13 +252,13 @@ def test_cuda_runs_it_in_place_and_may_capture_its_decode(llama, tmp_path):
 
 
 @pytest.mark.real_model
-def test_real_model_float16_cache_matches_transformers(tmp_path, default_hf):
+def test_real_model_float16_cache_matches_transformers(default_hf, default_export):
     """SmolLM2-135M exported --variant ort --kv-dtype float16: logits within 4 x 2**-11 x the
     logits' range of transformers' float32 (measured 0.82 x: 0.026 on a range of 65), and the
     same 32 greedy tokens."""
     from test_parity import _real_model_against_transformers
 
-    options = ExportRecipe(variant="ort", kv_dtype="float16")
-    got, ref, greedy, want = _real_model_against_transformers(default_hf, tmp_path / "kv16", options)
+    folder = default_export(ExportRecipe(variant="ort", kv_dtype="float16"))
+    got, ref, greedy, want = _real_model_against_transformers(default_hf, folder)
     np.testing.assert_allclose(got, ref, atol=4 * FP16_UNIT * float(ref.max() - ref.min()), rtol=0)
     assert greedy == want

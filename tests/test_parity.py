@@ -9,6 +9,8 @@ variant (tests/conftest.py); the real model's in-place variant is checked at the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -102,35 +104,33 @@ def test_unsupported_family_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.real_model
-def test_real_model_ort_variant_matches_transformers(tmp_path, default_hf):
+def test_real_model_ort_variant_matches_transformers(default_hf, default_export):
     """The in-place GroupQueryAttention graph on SmolLM2-135M: same 1e-3 as the portable graph."""
-    got, ref, greedy, want = _real_model_against_transformers(
-        default_hf, tmp_path / "ort", ExportRecipe(variant="ort")
-    )
+    folder = default_export(ExportRecipe(variant="ort"))
+    got, ref, greedy, want = _real_model_against_transformers(default_hf, folder)
     np.testing.assert_allclose(got, ref, atol=REAL_ATOL, rtol=0)
     assert greedy == want  # greedy tokens identical
 
 
 @pytest.mark.real_model
-def test_real_model_float16_weights_match_transformers(tmp_path, default_hf):
+def test_real_model_float16_weights_match_transformers(default_hf, default_export):
     """--weights float16 on SmolLM2-135M (257 MiB of graph instead of 514): logits within 4 x the
     float16 unit roundoff (2**-11) x the logits' range of transformers' float32 (measured 0.91 x:
     0.029 on a range of 65), and the same 32 greedy tokens."""
     got, ref, greedy, want = _real_model_against_transformers(
-        default_hf, tmp_path / "f16", ExportRecipe(weights="float16")
+        default_hf, default_export(ExportRecipe(weights="float16"))
     )
     np.testing.assert_allclose(got, ref, atol=4 * 2.0**-11 * float(ref.max() - ref.min()), rtol=0)
     assert greedy == want
 
 
-def _real_model_against_transformers(loaded, out, options: ExportRecipe):
-    """SmolLM2 (`loaded`: the session's `default_hf`) exported with `options` to `out`,
-    teacher-forced through 32 greedy tokens of transformers: (kvedge logits [32, vocab],
-    transformers' logits [32, vocab], kvedge's greedy tokens with eos masked as min_new_tokens
-    masks it, transformers' tokens)."""
+def _real_model_against_transformers(loaded, folder: Path):
+    """SmolLM2's export in `folder` (from the session's `default_export`) teacher-forced through
+    32 greedy tokens of transformers' (`loaded`: the session's `default_hf`): (kvedge logits [32,
+    vocab], transformers' logits [32, vocab], kvedge's greedy tokens with eos masked as
+    min_new_tokens masks it, transformers' tokens)."""
     hf, _ = loaded
-    export_model(None, out, options, loaded=loaded)
-    model = Model(out)
+    model = Model(folder)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     with torch.no_grad():
         continuation = hf.generate(

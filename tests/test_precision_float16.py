@@ -287,7 +287,7 @@ def _kl(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.real_model
-def test_real_model_float16_graph_matches_transformers(tmp_path, default_hf):
+def test_real_model_float16_graph_matches_transformers(default_hf, default_export):
     """SmolLM2-135M exported --precision float16, teacher-forced through transformers' 32 greedy
     tokens: measured max |diff| 0.0425 on logits spanning 65 (1.34 x FP16_UNIT x the range), KL
     2.8e-6 mean and 2.3e-5 at most, the top token of every position and so the 32 greedy tokens
@@ -295,7 +295,7 @@ def test_real_model_float16_graph_matches_transformers(tmp_path, default_hf):
     from test_parity import _real_model_against_transformers
 
     got, ref, greedy, want = _real_model_against_transformers(
-        default_hf, tmp_path / "f16", ExportRecipe(precision="float16")
+        default_hf, default_export(ExportRecipe(precision="float16"))
     )
     np.testing.assert_allclose(got, ref, atol=4 * FP16_UNIT * float(ref.max() - ref.min()), rtol=0)
     assert _kl(ref, got).max() < 1e-4

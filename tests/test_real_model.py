@@ -19,7 +19,6 @@ import torch
 from kvedge.calibrate.calibrate import builtin_prompts
 from kvedge.calibrate.evaluate import evaluate
 from kvedge.contract import ExportRecipe
-from kvedge.export.export import export_model
 from kvedge.export.source import default_gguf
 from kvedge.planner import estimate, footprint
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill
@@ -31,10 +30,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory, default_hf):
-    out = tmp_path_factory.mktemp("smol") / "artifact"
-    export_model(None, out, ExportRecipe(max_len=2048), loaded=default_hf)
-    return (out, *default_hf)
+def smol(default_export, default_hf):
+    return (default_export(ExportRecipe(max_len=2048)), *default_hf)
 
 
 def test_chat_ids_equal_transformers(smol):
@@ -86,13 +83,12 @@ def test_known_good_answer_and_eos_stop(smol):
     assert events[-1].finish_reason == "stop" and "<|im" not in text
 
 
-def test_int8_cache_answers_and_stays_close_to_fp32(smol):
+def test_int8_cache_answers_and_stays_close_to_fp32(smol, default_export):
     """The INT8 cache (--kv-dtype int8, 32-channel groups) on the real model: the known-good
     answer, and teacher-forced next-token distributions close to the fp32 cache's (measured on 20
     held-out prompts x 256 tokens: KL 0.0003, top-1 99.4%; here 64 positions, bounds with room)."""
-    out, hf, tokenizer = smol
-    out8 = out.parent / "int8"
-    export_model(None, out8, ExportRecipe(max_len=2048, kv_dtype="int8"), loaded=(hf, tokenizer))
+    out = smol[0]
+    out8 = default_export(ExportRecipe(max_len=2048, kv_dtype="int8"))
     fp, q = Model(out), Model(out8)
     assert q.cache.nbytes / fp.cache.nbytes == pytest.approx(0.265625)
     answer = "".join(e.text for e in q.chat(QUESTION, SamplingConfig(max_new_tokens=16)))
@@ -206,15 +202,12 @@ def test_json_schema_replies_of_the_real_model_all_validate(smol, tmp_path):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_recommended_cpu_export_answers_like_fp32(smol, kv_dtype):
+def test_recommended_cpu_export_answers_like_fp32(default_export, kv_dtype):
     """README's CPU recommendation (--variant ort --weights int8), with either cache, answers the
     known-good question as the float32 export does. Its int8 weights reproduce the GGUF's grids
     exactly and keep 32 input channels float32; what is left is onnxruntime's int8 activations
     (docs/PERFORMANCE.md)."""
-    out, hf, tokenizer = smol
-    fast = out.parent / f"ort-int8-{kv_dtype}"
-    options = ExportRecipe(max_len=2048, variant="ort", weights="int8", kv_dtype=kv_dtype)
-    export_model(None, fast, options, loaded=(hf, tokenizer))
+    fast = default_export(ExportRecipe(max_len=2048, variant="ort", weights="int8", kv_dtype=kv_dtype))
     answer = "".join(e.text for e in Model(fast).chat(QUESTION, SamplingConfig(max_new_tokens=16)))
     assert "Paris" in answer, answer
 
@@ -230,7 +223,7 @@ class FloatActivations(ort.SessionOptions):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_portable_quantized_weights_stay_close_to_fp32(smol, monkeypatch, weights):
+def test_portable_quantized_weights_stay_close_to_fp32(smol, default_export, monkeypatch, weights):
     """The TensorRT-bound int8 / int4 weights (portable: blocked DequantizeLinear, every scale
     > 0, the LM head at 8 bits) teacher-forced against the fp32 export, as eval-kv measures it.
     Computed as TensorRT computes them (float activations) both answer the known-good question
@@ -241,9 +234,8 @@ def test_portable_quantized_weights_stay_close_to_fp32(smol, monkeypatch, weight
     near tie in fp32 ('The' over 'L' by 0.08 logits), which int8 activations tip either way (ort
     int4, KL 0.0007, says "L'Étoile")."""
     weight_only_kl, cpu_kl = 1e-6, 0.0015
-    out, hf, tokenizer = smol
-    folder = out.parent / f"portable-{weights}"
-    export_model(None, folder, ExportRecipe(max_len=2048, weights=weights), loaded=(hf, tokenizer))
+    out = smol[0]
+    folder = default_export(ExportRecipe(max_len=2048, weights=weights))
     with monkeypatch.context() as patch:
         patch.setattr(ort, "SessionOptions", FloatActivations)
         weight_only = Model(folder)
@@ -308,15 +300,11 @@ def peak_growth(folder, what: str) -> int:
 
 
 @pytest.mark.parametrize("form", ["float32", *LOAD_FORMS])
-def test_planned_weights_and_load_are_what_onnxruntime_holds(smol, form):
+def test_planned_weights_and_load_are_what_onnxruntime_holds(default_export, form):
     """`kvedge plan`'s weights + load for an export, against the peak RSS a fresh process gains
     loading it and running two decode steps, less the tokenizer (the planner's `runtime` term)
     and the KV pool (its `kv`, exact): within 10% for every weight form (planner.CPU_HELD)."""
-    out, hf, tokenizer = smol
-    folder = out
-    if form != "float32":
-        folder = out.parent / f"load-{form}"
-        export_model(None, folder, LOAD_FORMS[form], loaded=(hf, tokenizer), force=True)
+    folder = default_export(LOAD_FORMS.get(form, ExportRecipe(max_len=2048)))
     planned = estimate(footprint(folder), 1, 512, device="cpu")
     held = peak_growth(folder, "model") - peak_growth(folder, "tokenizer")
     assert abs(held / (planned.weights + planned.load) - 1) <= 0.10, (held, planned)

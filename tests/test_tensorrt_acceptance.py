@@ -260,10 +260,10 @@ def test_kvedge_engine_builds_a_folder_exported_elsewhere(source, tmp_path):
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("precision", ["float32", "float16"])
-def test_the_default_model_portable_graph_parses(precision, tmp_path, default_hf):
+def test_the_default_model_portable_graph_parses(precision, default_export):
     """SmolLM2-135M, portable, max_len 2048, in both precisions: zero parser errors, strongly
     typed with the graph's dtypes (the build is measured once in docs/JETSON.md, not in CI)."""
-    export_model(None, tmp_path / "smol", ExportRecipe(max_len=2048, precision=precision), loaded=default_hf)
-    assert parse_errors(tmp_path / "smol") == []
-    check_strongly_typed(tmp_path / "smol")
-    assert np.dtype(Manifest.load(tmp_path / "smol").geometry.dtype) == np.dtype(precision)
+    smol = default_export(ExportRecipe(max_len=2048, precision=precision))
+    assert parse_errors(smol) == []
+    check_strongly_typed(smol)
+    assert np.dtype(Manifest.load(smol).geometry.dtype) == np.dtype(precision)

@@ -171,10 +171,9 @@ def test_calls_cut_by_max_tokens_come_back_as_the_completed_calls(server):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory, default_hf):
+def smollm2(tmp_path_factory, default_export):
     root = tmp_path_factory.mktemp("smollm2")
-    export_model(None, root / "artifact", ExportRecipe(max_len=2048), loaded=default_hf)
-    srv = Server(root / "artifact", root, slots=1, queue_size=2, warmup_tokens=0)
+    srv = Server(default_export(ExportRecipe(max_len=2048)), root, slots=1, queue_size=2, warmup_tokens=0)
     srv.startup(timeout_s=300)
     yield srv
     srv.stop()
