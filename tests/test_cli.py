@@ -111,7 +111,7 @@ def test_weight_quantization_options(tmp_path):
 def test_bad_sampling_option_is_named(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "llama")
     out = tmp_path / "artifact"
-    assert kvedge("export", str(source), "--out", str(out), "--max-len", "32").returncode == 0
+    export_model(source, out, ExportRecipe(max_len=32))  # in-process: `kvedge export` is tested above
     done = kvedge("generate", "--model", str(out), "hi", "--top-p", "1.5")
     assert (
         done.returncode != 0 and "top_p=1.5 is not allowed" in done.stderr and "Traceback" not in done.stderr
@@ -121,7 +121,7 @@ def test_bad_sampling_option_is_named(tmp_path):
 def test_history_policy_and_warm_prefixes_and_their_old_spellings(tmp_path):
     source = make_tiny_model(tmp_path / "hf", "qwen2")
     out = tmp_path / "artifact"
-    assert kvedge("export", str(source), "--out", str(out), "--max-len", "64").returncode == 0
+    export_model(source, out, ExportRecipe(max_len=64))  # in-process: `kvedge export` is tested above
     long_prompt = "word " * 80  # > 64 tokens: refused under `error`, served under `window`
     refused = kvedge("generate", "--model", str(out), long_prompt, "--max-new-tokens", "2")
     assert refused.returncode != 0 and "the cache holds at most 64" in refused.stderr
