@@ -108,7 +108,7 @@ def unfused_logits(folder, ids: list[int]) -> np.ndarray:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     session = ort.InferenceSession(str(folder / ONNX_FILE), options, providers=["CPUExecutionProvider"])
-    past = np.zeros((1, geometry.num_kv_heads, geometry.max_len, geometry.head_dim), np.float32)
+    past = np.zeros((1, geometry.num_kv_heads, geometry.max_len, geometry.head_dim), geometry.np_dtype)
     feeds = {
         names.input_ids: np.array([ids], np.int64),
         names.position_ids: np.arange(len(ids), dtype=np.int64)[None],

@@ -21,6 +21,10 @@ ACCEPTED = {
     "float16-precision": ExportRecipe(max_len=MAX_LEN, precision="float16"),
     "float16-precision-int8-weights": ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int8"),
     "float16-precision-int4-weights": ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int4"),
+    # no kept channel: the default over a GGUF's own blocks (`ExportRecipe.kept_channels_of`)
+    "float16-precision-int4-weights-no-kept-channels": ExportRecipe(
+        max_len=MAX_LEN, precision="float16", weights="int4", outlier_channels=0
+    ),
     "float16-precision-int4-weights-int4-head": ExportRecipe(
         max_len=MAX_LEN, precision="float16", weights="int4", head_bits=4
     ),

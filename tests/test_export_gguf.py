@@ -14,6 +14,7 @@ makes. The export's logits are then transformers' on the same file up to float32
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -26,7 +27,7 @@ from tiny import make_tiny_gguf
 
 from kvedge.contract import HEAD_TABLE, ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
-from kvedge.export.export import export_model
+from kvedge.export.export import differences, export_model
 from kvedge.export.gguf_blocks import block_form, read_gguf_weights
 from kvedge.export.graph import DecoderSpec
 from kvedge.export.graph.weights import source_blocks
@@ -52,6 +53,9 @@ ATOL = 1e-5  # logits up to 3: float32 summation order alone (exact weights; mea
 # with onnxruntime's int8 activations (MatMulNBits, kvedge.QuantMatMul): measured 0.02; a block
 # stored wrongly moves logits by about their own size
 INT8_ACTIVATIONS_ATOL = 0.1
+# a float16 graph's logits against the float32 graph's: float16 activations (2**-11 relative) on
+# logits up to 2.5, measured 1.6e-3 to 2.7e-3 with or without kept channels (seeds 6-8)
+FLOAT16_ATOL = 0.01
 MATMULS = {  # graph matmul -> its GGUF tensors, side by side along N
     "attn.qkv": ("attn_q", "attn_k", "attn_v"),
     "attn.o": ("attn_output",),
@@ -161,6 +165,34 @@ def test_the_ort_graphs_decode_form_keeps_them_too(gguf_file):
         ref = hf(torch.tensor([ids]), use_cache=False).logits[0, 3:].numpy()
     got = decode_logits(out, ids, start=4)  # a prefill of 4, then one decode step per token
     np.testing.assert_allclose(got, ref, atol=INT8_ACTIVATIONS_ATOL, rtol=0)
+
+
+def test_a_float16_graph_of_the_sources_blocks_keeps_no_float_channel(gguf_file, portable_int4, tmp_path):
+    """A float16 graph is computed weight-only (TensorRT, onnxruntime's CUDA kernels), where a kept
+    channel only spares its weight row the grid's rounding; the GGUF's blocks are its weights
+    exactly, so an export of nothing but them keeps none unless --outlier-channels asks
+    (`ExportRecipe.kept_channels_of`), and computes the same products."""
+    recipe = ExportRecipe(max_len=64, logits="all", precision="float16", weights="int4")
+    ask = dataclasses.replace(recipe, outlier_channels=8)
+    plain = export_model(gguf_file, tmp_path / "plain", recipe)
+    asked = export_model(gguf_file, tmp_path / "asked", ask)
+    assert plain.weight_source_blocks == asked.weight_source_blocks == {"Q4_0": 6, "Q4_1": 8, "Q8_0": 1}
+    assert (plain.weight_outlier_channels, asked.weight_outlier_channels) == (0, 8)
+    kept = {name: [t for t in stored(tmp_path / name) if t.endswith(".kept")] for name in ("plain", "asked")}
+    assert kept["plain"] == [] and len(kept["asked"]) == 4 * LAYERS + 1
+    assert differences(recipe, plain) == differences(ask, asked) == []
+    assert differences(ask, plain) == ["weight_outlier_channels is 0, the recipe gives 8"]
+    ids = random_ids(24, seed=6)
+    exact = unfused_logits(portable_int4, ids)  # float32: transformers' within ATOL
+    for name in ("plain", "asked"):
+        np.testing.assert_allclose(unfused_logits(tmp_path / name, ids), exact, atol=FLOAT16_ATOL, rtol=0)
+    # a matrix requantized here (the Q8_0 head at 4 bits) keeps the channels, in every matrix
+    head4_recipe = dataclasses.replace(recipe, head_bits=4)
+    head4 = export_model(gguf_file, tmp_path / "head4", head4_recipe)
+    assert head4.weight_outlier_channels == 8 and differences(head4_recipe, head4) == []
+    # a float32 graph keeps them over the source's blocks too: onnxruntime's CPU kernel rounds
+    # activations to int8 per block, and a kept channel spares its block that
+    assert Manifest.load(portable_int4).weight_outlier_channels == 32
 
 
 def test_what_cannot_be_kept_is_requantized_and_named(gguf_file, tmp_path, caplog):

@@ -67,9 +67,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def recorded(recipe: ExportRecipe) -> dict[str, Any]:
+def recorded(recipe: ExportRecipe, source_blocks_only: bool = False) -> dict[str, Any]:
     """The manifest fields `recipe` decides, as `export_model` writes them (the cache geometry
-    aside, which also depends on the model: `differences` checks its part)."""
+    aside, which also depends on the model: `differences` checks its part); `source_blocks_only`:
+    every quantized matrix is the source's own blocks (`ExportRecipe.kept_channels_of`)."""
     decode = decode_matmuls_recorded(recipe)
     return {
         "logits": recipe.logits,
@@ -78,7 +79,7 @@ def recorded(recipe: ExportRecipe) -> dict[str, Any]:
         "opset": graph_opset(recipe),
         "weights_dtype": recipe.weights,
         "weight_block_size": recipe.block_size if recipe.quantized else 0,
-        "weight_outlier_channels": recipe.kept_channels,
+        "weight_outlier_channels": recipe.kept_channels_of(source_blocks_only),
         "weight_head_bits": recipe.lm_head_bits if recipe.quantized else 0,
         "weight_decode_matmuls": decode,
         # a decode form exactly where kvedge.QuantMatMul is (`build_decoder_graph`)
@@ -102,8 +103,11 @@ def differences(recipe: ExportRecipe, manifest: Manifest) -> list[str]:
     group = 0
     if recipe.kv_dtype in QUANTIZED_KV_DTYPES:
         group = recipe.kv_group_size or CacheGeometry.default_group_size(g.head_dim)
+    # an export of the source's blocks that keeps no float channel may owe it to the rule
+    # (`ExportRecipe.kept_channels_of`), which holds where none of its matrices was requantized
+    source_only = bool(manifest.weight_source_blocks) and not manifest.weight_outlier_channels
     wanted = {
-        **recorded(recipe),
+        **recorded(recipe, source_only),
         "max_len": recipe.max_len,
         "kv dtype": recipe.kv_dtype,
         "kv group size": group,
@@ -143,9 +147,9 @@ def export_model(
     )
     spec = DecoderSpec.from_config(config)
     check_ring(geometry, options.variant)
-    cos, sin, local_tables, rope = _rope(model, spec, geometry, options.max_len)
+    *tables, rope = _rope(model, spec, geometry, options.max_len)  # cos, sin, local tables
     names = IONames()
-    graph, kept = _graph(model, tokenizer, spec, geometry, (cos, sin, local_tables), names, options, blocks)
+    graph, kept, source_only = _graph(model, tokenizer, spec, geometry, tables, names, options, blocks)
     untied = untied_embeddings(model, spec, options)
     del model, blocks  # their weights, before the files are written
     needed = check_free_space(out, graph_bytes(graph), "about")
@@ -179,7 +183,7 @@ def export_model(
             },
             embedding=table,
             weight_source_blocks=kept,
-            **recorded(options),
+            **recorded(options, source_only),
         )
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
         if out.exists():
@@ -255,11 +259,12 @@ def _graph(
     names: IONames,
     options: ExportRecipe,
     blocks: GgufWeights | PackedWeights | None = None,
-) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """The decoder graph from the model's state dict, with a progress bar over its layers, and
-    how many of the quantized source's matrices (`blocks`) it keeps as they are, by type ({} for
-    other sources); the outlier channels of quantized weights are measured first (its int8
-    kernel needs them)."""
+) -> tuple[onnx.ModelProto, dict[str, int], bool]:
+    """The decoder graph from the model's state dict, with a progress bar over its layers; how
+    many of the quantized source's matrices (`blocks`) it keeps as they are, by type ({} for
+    other sources); and whether those are all its quantized matrices. The outlier channels of
+    quantized weights are measured first (its int8 kernel needs them), where it keeps any
+    (`ExportRecipe.kept_channels_of`)."""
     cos, sin, local_tables = tables
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     _check_quantizable(spec, geometry, options)
@@ -267,9 +272,12 @@ def _graph(
     if blocks is not None:
         kept = source_blocks(spec, blocks.tensors, blocks.types, weights, options)
         log.info("source blocks: %s", kept.summary())
-    outliers = None
-    if options.kept_channels:  # measured before the graph: its int8 kernel needs them
-        outliers = input_outliers(model, calibration_ids(tokenizer), options.kept_channels)
+    source_only = bool(kept.kept) and not kept.requantized
+    outliers, channels = None, options.kept_channels_of(source_only)
+    if channels:  # measured before the graph: its int8 kernel needs them
+        outliers = input_outliers(model, calibration_ids(tokenizer), channels)
+    elif options.kept_channels:
+        log.info("float channels kept: none, every quantized matrix is the source's blocks")
 
     with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
@@ -290,7 +298,7 @@ def _graph(
         log.info(
             "%s weights, block %d: max |w - w_hat| = %s", options.weights, options.block_size, quant_error
         )
-    return graph, kept.kept_types()
+    return graph, kept.kept_types(), source_only
 
 
 def check_output_folder(out: Path, force: bool) -> None:
