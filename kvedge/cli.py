@@ -943,7 +943,7 @@ def info(model_dir: Path, as_json: bool) -> None:
             + manifest.weights_dtype
             + (f" (block {manifest.weight_block_size})" if manifest.weight_block_size else "")
             + (
-                f", {manifest.weight_outlier_channels} float32 channels, "
+                f", {manifest.weight_outlier_channels} {manifest.precision} channels, "
                 f"LM head int{manifest.weight_head_bits}"
                 if manifest.weight_head_bits
                 else ""
