@@ -428,8 +428,8 @@ def main(verbose: int) -> None:
     type=int,
     default=None,
     help="int8/int4 weights: input channels of each matmul kept float (0, 8, 16, 32, 64; default "
-    "32, 8 with --precision float16). Fewer read fewer bytes per token, at some quality "
-    "(docs/PERFORMANCE.md).",
+    "32, 8 with --precision float16, none there where every matrix is the source's own blocks). "
+    "Fewer read fewer bytes per token, at some quality (docs/PERFORMANCE.md).",
 )
 @click.option(
     "--head-bits",
