@@ -552,3 +552,30 @@ def test_the_export_code_fingerprint_follows_the_graph_builder(tmp_path):
     graph.write_text((Path(kvedge.__file__).parent / "export" / "graph" / "decoder.py").read_text())
     runtime.write_text(runtime.read_text() + "\n# a runtime change\n")
     assert export_code_fingerprint(package) == export_code_fingerprint()
+
+
+def test_head_bits_bench_measures_each_head_form_of_a_tied_model(tmp_path):
+    """`python bench/head_bits.py` (kvedge.bench.head_bits) on a tiny tied Llama: a results folder
+    named by date, commit and "head-bits" holding each form's bits and KL. The stored table is the
+    reference itself (KL 0 up to float64 rounding); int4 loses something; keeping the most probable
+    rows at the stored bits loses less than none; an untied model is refused by name."""
+    from kvedge.bench import head_bits
+
+    source = make_tiny_model(tmp_path / "hf", "llama", seed=0)  # vocab 320, hidden 64, tied
+    folder = head_bits.main(
+        [str(source), "--prompts", "2", "--tokens", "4", "--calibration-tokens", "2", "--top", "64", "1000"]
+        + ["--out", str(tmp_path / "results")]
+    )
+    assert folder.parent == tmp_path / "results" and folder.name.endswith("-head-bits")
+    data = json.loads((folder / "head_bits.json").read_text())
+    rows = {row["head"]: row for row in data["rows"]}
+    assert list(rows) == ["stored", "int4 b32", "int4 b16", "top 64", "lowest 64"]  # 1000 > vocab
+    assert [rows[name]["bits_per_head_param"] for name in rows] == [8.5, 5.0, 6.0, 5.7, 5.7]
+    assert abs(rows["stored"]["mean_kl"]) < 1e-12 and rows["stored"]["top1_agreement"] == 1.0
+    assert rows["int4 b32"]["mean_kl"] > 1e-4 and rows["int4 b16"]["mean_kl"] > 1e-4
+    assert rows["top 64"]["mean_kl"] < rows["int4 b32"]["mean_kl"]
+    assert data["positions"] > 2 * 4 and (data["vocab"], data["hidden"]) == (320, 64)
+
+    untied = make_tiny_model(tmp_path / "untied", "qwen2", seed=0)
+    with pytest.raises(KvedgeError, match="is not tied"):
+        head_bits.main([str(untied), "--out", str(tmp_path / "results")])
