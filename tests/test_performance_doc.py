@@ -14,6 +14,7 @@ cell is checked against that folder's JSON:
                 `kvedge.bench.report.speedup` (what the bench's targets use)
     mode        bench/serve.py's JSON: rows are its modes ("batched", "one at a time")
     batch       bench/serve.py's JSON: the cost of one decode call over that many rows
+    head        bench/head_bits.py's JSON: rows are its head forms ("int4 b32", "top 11264")
 
 A cell matches when the JSON's value, rounded to the cell's decimals, gives the cell; "-" and a
 cell in parentheses ("(reference)") are not figures.
@@ -42,7 +43,7 @@ EXPORTS = "`kvedge export ...`"  # README's export table
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
 CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
-KINDS = ("system", "kvedge vs", "mode", "batch", "workload", EXPORTS)
+KINDS = ("system", "kvedge vs", "mode", "batch", "workload", "head", EXPORTS)
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
 
 
@@ -89,6 +90,14 @@ SPECULATE_COLUMNS = {
 }
 
 
+# bench/head_bits.py's head_bits.json: a row is one form of the tied table
+HEAD_COLUMNS = {
+    "bits / head param": lambda r: r["bits_per_head_param"],
+    "KL": lambda r: r["mean_kl"],
+    "top-1": lambda r: 100 * r["top1_agreement"],
+}
+
+
 def figure(data: dict, kind: str, header: str, row: str) -> float:
     """The JSON's value for one table cell."""
     if kind == "workload":
@@ -107,6 +116,9 @@ def figure(data: dict, kind: str, header: str, row: str) -> float:
         return ratio
     if kind == "mode":
         return SERVE_COLUMNS[header](data, row)
+    if kind == "head":
+        assert header in HEAD_COLUMNS, f"'head' column {header!r}: not in head_bits.json"
+        return HEAD_COLUMNS[header](next(r for r in data["rows"] if r["head"] == row))
     if kind == "batch":
         assert header == "ms per decode call", f"'batch' column {header!r}: expected 'ms per decode call'"
         return 1000 * data["decode_call_s"][row]

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvedge.bench.measure import kl_and_top1
 from kvedge.bench.results import RESULTS_ROOT, results_folder
@@ -97,7 +98,7 @@ def calibration_mass(head: TiedHead, prompts: list[Prompt], tokens: int) -> torc
     """Per token id: its softmax probability summed over every position of the calibration
     prompts and their greedy continuations, plus 1 for each time it is an input token."""
     mass = torch.zeros(head.stored.shape[0], dtype=torch.float64)
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="calibration mass", unit="prompt"):
         sequence = head.greedy(prompt_ids(head.tokenizer, prompt, generation_prompt=False)[:256], tokens)
         mass += torch.softmax(head.model(sequence[None]).logits[0].double(), -1).sum(0)
         mass.index_add_(0, sequence, torch.ones(len(sequence), dtype=torch.float64))
@@ -132,7 +133,7 @@ def measure(
     held_out = builtin_prompts("heldout")[:prompts]
     sequences = [head.greedy(prompt_ids(head.tokenizer, p, generation_prompt=True), tokens) for p in held_out]
     reference = [head.logits(s) for s in sequences]
-    log.info("reference: %d positions; calibration mass...", sum(len(r) for r in reference))
+    log.info("reference: %d positions", sum(len(r) for r in reference))
     mass = calibration_mass(head, builtin_prompts("calibration"), calibration_tokens)
     rows = []
     for name, bits, table in forms(head, tops, stored_bits, torch.argsort(mass, descending=True)):
