@@ -40,7 +40,7 @@ from kvedge.bench.measure import kl_and_top1
 from kvedge.bench.results import RESULTS_ROOT, results_folder
 from kvedge.calibrate.calibrate import Prompt, builtin_prompts
 from kvedge.errors import KvedgeError
-from kvedge.export.quantize import EXPORT_GRIDS, quantize_blockwise
+from kvedge.export.quantize import EXPORT_GRIDS, calibration_ids, quantize_blockwise
 from kvedge.export.source import load_hf, resolve_source
 
 log = logging.getLogger(__name__)
@@ -48,20 +48,16 @@ log = logging.getLogger(__name__)
 HALF_PARAMS_BITS = 32  # a float16 scale and a float16 minimum per block
 
 
+def int4_bits(block_size: int) -> float:
+    """Bits a parameter of int4 blocks of `block_size` with a float16 scale and minimum each."""
+    return 4 + HALF_PARAMS_BITS / block_size
+
+
 def int4_rows(table: torch.Tensor, block_size: int) -> torch.Tensor:
     """`table` [vocab, hidden] as kvedge's int4 blocks of `block_size` along hidden would hold it."""
     weight = table.numpy().T  # [K = hidden, N = vocab], the export's layout
     quantized = quantize_blockwise(weight, 4, block_size, EXPORT_GRIDS, positive_scales=True)
     return torch.from_numpy(np.ascontiguousarray(quantized.dequantize().T))
-
-
-def prompt_ids(tokenizer, prompt: Prompt, generation_prompt: bool) -> list[int]:
-    if "messages" in prompt:
-        ids = tokenizer.apply_chat_template(
-            prompt["messages"], tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
-        )
-        return list(ids)
-    return list(tokenizer(prompt["text"])["input_ids"])
 
 
 class TiedHead:
@@ -77,8 +73,14 @@ class TiedHead:
         self.stored = self.table.detach().clone()
 
     def greedy(self, ids: list[int], tokens: int) -> torch.Tensor:
-        ids_in = torch.tensor([ids])
-        return self.model.generate(ids_in, max_new_tokens=tokens, do_sample=False)[0]
+        return self.model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)[0]
+
+    def chat(self, prompt: Prompt) -> list[int]:
+        """A held-out prompt's ids, ending with the assistant's turn opened."""
+        ids = self.tokenizer.apply_chat_template(
+            prompt["messages"], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return list(ids)
 
     def logits(self, sequence: torch.Tensor) -> np.ndarray:
         return self.model(sequence[None]).logits[0].numpy()
@@ -94,13 +96,14 @@ class TiedHead:
         return float(np.concatenate(kl).mean()), float(np.concatenate(agree).mean())
 
 
-def calibration_mass(head: TiedHead, prompts: list[Prompt], tokens: int) -> torch.Tensor:
+def calibration_mass(head: TiedHead, tokens: int) -> torch.Tensor:
     """Per token id: its softmax probability summed over every position of the calibration
-    prompts and their greedy continuations, plus 1 for each time it is an input token."""
+    prompts (`calibration_ids`, the export's) and their greedy continuations, plus 1 for each time
+    it is an input token."""
     mass = torch.zeros(head.stored.shape[0], dtype=torch.float64)
-    for prompt in tqdm(prompts, desc="calibration mass", unit="prompt"):
-        sequence = head.greedy(prompt_ids(head.tokenizer, prompt, generation_prompt=False)[:256], tokens)
-        mass += torch.softmax(head.model(sequence[None]).logits[0].double(), -1).sum(0)
+    for ids in tqdm(calibration_ids(head.tokenizer), desc="calibration mass", unit="prompt"):
+        sequence = head.greedy(ids, tokens)
+        mass += torch.softmax(torch.from_numpy(head.logits(sequence)).double(), -1).sum(0)
         mass.index_add_(0, sequence, torch.ones(len(sequence), dtype=torch.float64))
     return mass
 
@@ -111,12 +114,12 @@ def forms(head: TiedHead, tops: list[int], stored_bits: float, mass_order: torch
     yield "stored", stored_bits, head.stored
     int4 = {bs: int4_rows(head.stored, bs) for bs in (32, 16)}
     for bs, rows in int4.items():
-        yield f"int4 b{bs}", 4 + HALF_PARAMS_BITS / bs, rows
+        yield f"int4 b{bs}", int4_bits(bs), rows
     for order, name in ((mass_order, "top"), (torch.arange(vocab), "lowest")):
         for top in (t for t in tops if t < vocab):
             keep = torch.zeros(vocab, dtype=torch.bool)
             keep[order[:top]] = True
-            bits = (top * stored_bits + (vocab - top) * (4 + HALF_PARAMS_BITS / 32)) / vocab
+            bits = (top * stored_bits + (vocab - top) * int4_bits(32)) / vocab
             yield f"{name} {top}", bits, torch.where(keep[:, None], head.stored, int4[32])
 
 
@@ -131,10 +134,10 @@ def measure(
     torch.set_grad_enabled(False)
     head = TiedHead(source)
     held_out = builtin_prompts("heldout")[:prompts]
-    sequences = [head.greedy(prompt_ids(head.tokenizer, p, generation_prompt=True), tokens) for p in held_out]
+    sequences = [head.greedy(head.chat(prompt), tokens) for prompt in held_out]
     reference = [head.logits(s) for s in sequences]
     log.info("reference: %d positions", sum(len(r) for r in reference))
-    mass = calibration_mass(head, builtin_prompts("calibration"), calibration_tokens)
+    mass = calibration_mass(head, calibration_tokens)
     rows = []
     for name, bits, table in forms(head, tops, stored_bits, torch.argsort(mass, descending=True)):
         kl, top1 = head.compare(table, sequences, reference)
