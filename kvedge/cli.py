@@ -27,6 +27,7 @@ from kvedge.contract import (
     PREFILL_CHUNK,
     VARIANTS,
     WEIGHT_FORMATS,
+    CacheGeometry,
 )
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
@@ -936,6 +937,7 @@ def info(model_dir: Path, as_json: bool) -> None:
             f"max_len {g.max_len}, {g.dtype}",
         ),
         ("KV bytes", f"{g.bytes_per_token()} per token, {g.bytes_per_slot() / 2**20:.1f} MiB per sequence"),
+        *state_rows(g),
         (
             "graph",
             f"{manifest.variant}, {manifest.precision} compute, opset {manifest.opset}, "
@@ -972,6 +974,23 @@ def info(model_dir: Path, as_json: bool) -> None:
     ]
     for key, value in rows:
         click.echo(f"{key:>12}  {value}")
+
+
+def state_rows(g: CacheGeometry) -> list[tuple[str, str]]:
+    """`kvedge info`'s lines for a hybrid model: which layers hold KV, and each per-slot state
+    (fixed bytes per sequence, not per token)."""
+    if not g.states:
+        return []
+    rows = [("KV layers", ", ".join(map(str, g.kv_layers)) or "all")]
+    for s in g.states:
+        rows.append(
+            (
+                f"{s.kind} state",
+                f"layers {', '.join(map(str, s.layers))}: {list(s.shape)} {s.dtype} each, "
+                f"{len(s.layers) * s.bytes_per_layer()} bytes per sequence (fixed)",
+            )
+        )
+    return rows
 
 
 def _plan_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

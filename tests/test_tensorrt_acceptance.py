@@ -140,6 +140,20 @@ def test_tensorrt_parses_and_builds_gemma3_ring_layers(precision, kv_dtype, tmp_
     assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_tensorrt_parses_and_builds_lfm2_convolution_states(weights, tmp_path):
+    """LFM2's portable graph: short-convolution layers whose per-slot state enters and leaves as
+    [batch, kernel - 1, hidden] tensors (Concat, Slice taps, GatherND at each row's input length),
+    Q/K norms per head, KV on the attention layers only."""
+    source = make_tiny_model(tmp_path / "hf", "lfm2")
+    out = tmp_path / weights
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN, weights=weights))
+    assert parse_errors(out) == []
+    check_strongly_typed(out)
+    engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
+    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == "float32"
+
+
 def test_what_the_parser_rejects_is_refused_with_its_reason(source, tmp_path):
     """A weight scale <= 0, as int8/int4 exports held before their scales were kept positive
     (`quantize_blockwise(positive_scales=True)`): the parser's reason reaches the user."""

@@ -1,10 +1,10 @@
 """The oldest TensorRT kvedge claims (`OLDEST_TENSORRT`, 10.3: JetPack 6.2), checked statically.
 
 Every TensorRT-claimed graph (`tensorrt_claims.ACCEPTED`, plus the families whose graphs differ:
-Qwen2's biases, Gemma 3's ring layers) is read node by node, opset and tensor type against
-onnx-tensorrt 10.1-GA's operator table (tests/data, the release branch closest to 10.3) and the
-importer-source facts in `kvedge.export.trt_compat`. Needs no TensorRT: this runs everywhere CI
-runs. The bad graphs below prove each kind of refusal fires, naming node, op and reason.
+Qwen2's biases, Gemma 3's ring layers, LFM2's convolution states) is read node by node, opset and
+tensor type against onnx-tensorrt 10.1-GA's operator table (tests/data, the release branch closest
+to 10.3) and the importer-source facts in `kvedge.export.trt_compat`. Needs no TensorRT: this runs
+everywhere CI runs. The bad graphs below prove each kind of refusal fires, naming node, op and reason.
 """
 
 from __future__ import annotations
@@ -84,10 +84,12 @@ def test_every_claimed_graph_is_taken_by_the_oldest_claimed_tensorrt(case, llama
 
 
 @pytest.mark.parametrize(
-    ("family", "kv_dtype"), [("qwen2", "int8"), ("gemma3", "float32"), ("gemma3", "int8")]
+    ("family", "kv_dtype"),
+    [("qwen2", "int8"), ("gemma3", "float32"), ("gemma3", "int8"), ("lfm2", "float32"), ("lfm2", "int8")],
 )
 def test_the_families_whose_graphs_differ_are_taken_too(family, kv_dtype, table, tmp_path):
-    """Qwen2: the finding's model (biases); Gemma 3: ring-buffer layers with their own INT8 codec."""
+    """Qwen2: the finding's model (biases); Gemma 3: ring-buffer layers with their own INT8 codec;
+    LFM2: convolution layers whose states are graph inputs and outputs."""
     source = make_tiny_model(tmp_path / "hf", family)
     export_model(source, tmp_path / "out", ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype))
     assert check_graph(load(tmp_path / "out"), table) == []

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Lfm2Config,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -65,6 +66,9 @@ GEMMA3 = {
     "query_pre_attn_scalar": 24,
     "pad_token_id": 0,
 }
+# LFM2's shape in small: convolution layers first and last, attention between (LFM2-1.2B: 10 conv,
+# 6 attention layers)
+LFM2_LAYERS = ["conv", "full_attention", "conv", "conv", "full_attention"]
 # Phi-4-mini's RoPE shape: 3/4 of each head rotated, LongRoPE factors (short ones apply below
 # original_max_position_embeddings, which the tests' exports stay under).
 PHI3_ROPE = {
@@ -138,6 +142,16 @@ def tiny_config(family: str, **overrides):
         )
     if family == "gemma3":
         return Gemma3TextConfig(**{**common, **GEMMA3, **overrides})
+    if family == "lfm2":  # conv layers around attention ones (LFM2_LAYERS), Q/K norms per head
+        lfm2 = {
+            "layer_types": LFM2_LAYERS,
+            "conv_L_cache": 3,
+            "norm_eps": 1e-5,
+            "block_auto_adjust_ff_dim": False,
+        }
+        common.pop("rms_norm_eps")
+        layers = overrides.get("layer_types", LFM2_LAYERS)
+        return Lfm2Config(**{**common, **lfm2, "num_hidden_layers": len(layers), **overrides})
     if family == "smollm3":  # no RoPE in layer 0, the one eviction tests compare (SmolLM3-3B: every 4th)
         return SmolLM3Config(**{"no_rope_layers": [0, 1], "pad_token_id": 0, **common})
     raise ValueError(family)

@@ -27,8 +27,10 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 MANIFEST_FORMAT = "kvedge-manifest"
 # 2: rope.unrotated_layers (SmolLM3), which a version-1 reader would re-rotate; 3: ring layers and
 # local-layer RoPE (Gemma 3), which a version-2 reader would size full-length or re-rotate wrongly;
-# 4: inputs_embeds (`EmbeddingTable`), which a version-3 reader would not feed
-MANIFEST_VERSION = 4
+# 4: inputs_embeds (`EmbeddingTable`), which a version-3 reader would not feed; 5: per-slot
+# states (`CacheGeometry.states`, LFM2's convolution layers) and `kv_layers`, which a version-4
+# reader would neither bind nor keep across calls
+MANIFEST_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 # an untied model's quantized input embeddings (`EmbeddingTable`), beside the graph's files
@@ -127,9 +129,54 @@ VERIFY_TOKENS = 9
 RING_MARGIN = 64
 
 
+# Kinds of per-slot state a layer may hold besides attention KV (`StateSpec.kind`). "conv": a
+# short causal convolution's last kernel-1 inputs (LFM2's conv layers), [kernel - 1, channels].
+STATE_KINDS = ("conv",)
+STATE_DTYPES = ("float32",)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One kind of fixed-size per-slot state and the layers holding it: each of `layers` (the
+    model's layer indices) holds one `shape` array per slot, whatever the slot's length. Unlike KV,
+    a state cannot be cut back to a shorter prefix: it is valid at one position only, and the
+    runtime keeps snapshots of it where a later turn may resume (`KVCache.snapshot`)."""
+
+    kind: str  # a STATE_KINDS value
+    layers: tuple[int, ...]
+    shape: tuple[int, ...]  # per slot and layer
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STATE_KINDS or self.dtype not in STATE_DTYPES:
+            raise KvedgeError(
+                f"state {self.kind!r} {self.dtype!r}: allowed kinds {list(STATE_KINDS)}, "
+                f"dtypes {list(STATE_DTYPES)}"
+            )
+        if not self.layers or any(not isinstance(n, int) or n <= 0 for n in self.shape):
+            raise KvedgeError(
+                f"state {self.kind!r}: layers {list(self.layers)} and shape {list(self.shape)} "
+                "must be non-empty and positive"
+            )
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    def bytes_per_layer(self) -> int:
+        """Bytes one slot's state of one layer holds."""
+        return int(np.prod(self.shape)) * self.np_dtype.itemsize
+
+    def pool_shape(self, slots: int) -> tuple[int, ...]:
+        """Shape of its pool: [layers, slots, *shape]."""
+        return (len(self.layers), slots, *self.shape)
+
+
 @dataclass(frozen=True)
 class CacheGeometry:
-    """Shape of one model's KV cache: the only place cache shapes and byte counts are computed."""
+    """Shape of one model's KV cache and per-slot states: the only place cache shapes and byte
+    counts are computed. `num_layers` counts the layers holding KV; in a hybrid model (LFM2) those
+    are some of the model's layers (`kv_layers`), and the others hold `states`."""
 
     num_layers: int
     num_kv_heads: int
@@ -144,6 +191,10 @@ class CacheGeometry:
     ring_layers: tuple[int, ...] = ()
     window: int = 0  # keys a ring layer's query sees, itself included (HF's sliding_window)
     ring_margin: int = 0  # ring positions beyond the window: how far back a slot can still rewind
+    # the model layer of each KV layer, where some layers hold no KV (hybrid models); () when
+    # KV layer i is model layer i
+    kv_layers: tuple[int, ...] = ()
+    states: tuple[StateSpec, ...] = ()  # fixed-size per-slot states (LFM2's convolutions)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
@@ -173,6 +224,16 @@ class CacheGeometry:
                 f"cache geometry: window={self.window!r}, ring_margin={self.ring_margin!r} need ring "
                 "layers and a positive window (and none without ring layers)"
             )
+        if self.kv_layers and (
+            len(self.kv_layers) != self.num_layers or list(self.kv_layers) != sorted(set(self.kv_layers))
+        ):
+            raise KvedgeError(
+                f"cache geometry: kv_layers={list(self.kv_layers)!r} must name {self.num_layers} distinct "
+                "increasing model layers"
+            )
+        held = [*self.kv_layers, *(i for state in self.states for i in state.layers)]
+        if self.states and len(held) != len(set(held)):
+            raise KvedgeError(f"cache geometry: a layer holds two kinds of state: {sorted(held)}")
 
     @classmethod
     def default_group_size(cls, head_dim: int) -> int:
@@ -254,7 +315,21 @@ class CacheGeometry:
         return held * self._bytes_per_layer_token()
 
     def bytes_per_slot(self) -> int:
-        return self.bytes_held(self.max_len)
+        """KV bytes of a full slot plus its fixed states."""
+        return self.bytes_held(self.max_len) + self.state_bytes_per_slot()
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one slot's fixed-size states (not per token)."""
+        return sum(len(s.layers) * s.bytes_per_layer() for s in self.states)
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers: KV layers plus state layers."""
+        return self.num_layers + sum(len(s.layers) for s in self.states)
+
+    def kv_index(self, layer: int) -> int:
+        """The KV layer index of model layer `layer` (its cache names' index)."""
+        return self.kv_layers.index(layer) if self.kv_layers else layer
 
     def pool_bytes(self, slots: int) -> int:
         return self.bytes_per_slot() * slots
@@ -278,6 +353,11 @@ class CacheGeometry:
                 key["group_size"] = self.group_size
         if self.ring_layers:
             key.update(ring_layers=list(self.ring_layers), window=self.window, ring_margin=self.ring_margin)
+        if self.states:
+            key.update(
+                kv_layers=list(self.kv_layers),
+                states=[[s.kind, list(s.layers), list(s.shape), s.dtype] for s in self.states],
+            )
         return key
 
 
@@ -305,6 +385,15 @@ class IONames:
     # ("ort"): [batch, kv_heads, max_len, head_dim], the past buffer itself, written in place.
     present_key: str = "present.%d.key"
     present_value: str = "present.%d.value"
+    # models with per-slot states (`CacheGeometry.states`): [batch] int64, the real tokens of each
+    # row (its state is the one after them); per state layer, formatted with (kind, model layer),
+    # the state before the call [batch, *shape] and after the row's real tokens [batch, *shape]
+    input_lengths: str = "input_lengths"
+    past_state: str = "past_states.%s.%d"
+    present_state: str = "present_states.%s.%d"
+
+    def state(self, template: str, kind: str, layer: int) -> str:
+        return template % (kind, layer)
 
     def layer(self, template: str, index: int) -> str:
         return template % index
@@ -456,7 +545,19 @@ class GraphInterface:
             specs.append(TensorSpec(names.last_index, int64, ("batch", "rows")))
         for i in range(self.geometry.num_layers):
             specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.layer_len(i))
+        if self.geometry.states:
+            specs.append(TensorSpec(names.input_lengths, int64, ("batch",)))
+            specs += self.states(names.past_state)
         return tuple(specs)
+
+    def states(self, template: str) -> list[TensorSpec]:
+        """Every state layer's tensor named by `template` (`IONames.past_state` / `present_state`):
+        [batch, *shape], its `layer` the model layer."""
+        return [
+            TensorSpec(self.names.state(template, s.kind, i), s.np_dtype, ("batch", *s.shape), i)
+            for s in self.geometry.states
+            for i in s.layers
+        ]
 
     def outputs(self) -> tuple[TensorSpec, ...]:
         logits_len = {"last": 1, "rows": "rows"}.get(self.logits, "seq")
@@ -464,6 +565,7 @@ class GraphInterface:
         for i in range(self.geometry.num_layers):
             length = self.geometry.layer_len(i) if self.in_place else "seq"
             specs += self._cache(self.names.present(self.geometry.quantized), i, length)
+        specs += self.states(self.names.present_state)
         return tuple(specs)
 
     def _cache(self, templates: tuple[str, ...], layer: int, length: Dim) -> list[TensorSpec]:
@@ -573,6 +675,11 @@ class Manifest:
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step (logits at several positions of a
         row in one call) giving the greedy replies of one-token decode steps, or None."""
+        if self.geometry.states:
+            return (
+                f"speculative decoding is off for {self.model_type}: its per-slot states (convolution "
+                "layers) would have to be rolled back to the accepted token, which is not built yet"
+            )
         if self.logits not in ("rows", "all"):
             return (
                 "speculative decoding needs logits at every proposed position, which this export's "

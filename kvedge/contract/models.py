@@ -14,6 +14,7 @@ SUPPORTED_MODEL_TYPES = {
     "phi3": "Phi-3/Phi-3.5/Phi-4-mini",
     "smollm3": "SmolLM3",
     "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
+    "lfm2": "LFM2 / LFM2.5 (portable graph; convolution layers' state kept per slot)",
 }
 
 ROLES = ("system", "user", "assistant", "tool")

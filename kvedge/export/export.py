@@ -37,6 +37,7 @@ from kvedge.contract import (
     IONames,
     Manifest,
     RopeSpec,
+    StateSpec,
     StoredTensor,
     graph_files,
     kvedge_ops,
@@ -49,6 +50,8 @@ from kvedge.export.graph import (
     all_graphs,
     build_decoder_graph,
     check_ring,
+    check_states,
+    conv_layers,
     graph_opset,
     local_layers,
     rope_tables,
@@ -147,6 +150,7 @@ def export_model(
     )
     spec = DecoderSpec.from_config(config)
     check_ring(geometry, options.variant)
+    check_states(geometry, options)
     *tables, rope = _rope(model, spec, geometry, options.max_len)  # cos, sin, local tables
     names = IONames()
     graph, kept, source_only = _graph(model, tokenizer, spec, geometry, tables, names, options, blocks)
@@ -279,7 +283,7 @@ def _graph(
     elif options.kept_channels:
         log.info("float channels kept: none, every quantized matrix is the source's blocks")
 
-    with tqdm(total=geometry.num_layers, desc="export layers", unit="layer") as bar:
+    with tqdm(total=spec.num_layers or geometry.num_layers, desc="export layers", unit="layer") as bar:
         graph = build_decoder_graph(
             spec,
             geometry,
@@ -389,6 +393,8 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
     attention in the ort variant; another family's sliding window is refused past its width."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     window = getattr(config, "sliding_window", None)
+    if config.model_type == "lfm2":
+        return lfm2_geometry(config, max_len, head_dim)
     if config.model_type == "gemma3_text":
         ring = local_layers(config) if variant == "portable" else ()
         return CacheGeometry(
@@ -410,6 +416,24 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
         max_len=max_len,
+    )
+
+
+def lfm2_geometry(config: Any, max_len: int, head_dim: int) -> CacheGeometry:
+    """LFM2's cache: KV for its attention layers only, and a state of the last conv_L_cache - 1
+    convolution inputs [conv_L_cache - 1, hidden] for each convolution layer."""
+    convs = conv_layers(config)
+    attention = tuple(i for i in range(config.num_hidden_layers) if i not in convs)
+    if not attention:
+        raise KvedgeError("an LFM2 config with no attention layer is not supported (no KV cache to bind)")
+    kernel = int(config.conv_L_cache)
+    return CacheGeometry(
+        num_layers=len(attention),
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        max_len=max_len,
+        kv_layers=attention if convs else (),
+        states=(StateSpec("conv", convs, (kernel - 1, config.hidden_size)),) if convs and kernel > 1 else (),
     )
 
 

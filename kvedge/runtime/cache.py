@@ -30,6 +30,17 @@ ring geometry (prefix stores, warm prefixes) carries every position of the full 
 the ring layers, only the last positions the slot still held, laid out by position; writing it
 back puts them at p % ring_len and sets `ring_start`. Window eviction, which moves a run of
 positions, still refuses ring geometries by name.
+
+Hybrid models (LFM2) hold, besides the KV of their attention layers, a fixed-size state per slot
+and state layer (`CacheGeometry.states`), in host memory::
+
+    states[name]  [state layers, slots, *shape]   the state after the slot's valid tokens
+
+A state cannot be cut back: it is valid at one position only, the slot's valid length. So the
+cache keeps snapshots of it (`snapshot`: at the end of a prompt and of a reply, the positions a
+later turn resumes from) and a rewind may land only on one (`rewind_limit`: the latest snapshot
+at or before the asked length; the tokens after it are computed again). Prefix stores, which
+carry KV only, and window eviction are refused for such geometries.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
+from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry, IONames
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.quant import dequantize_tokens, quantize_tokens
 from kvedge.runtime.backends.memory import HostMemory
@@ -47,6 +58,9 @@ from kvedge.runtime.rope import rotate_keys
 
 if TYPE_CHECKING:
     from kvedge.runtime.backends.cuda import DeviceMemory
+
+# snapshots of a slot's states kept (the end of its last prompts and replies)
+MAX_SNAPSHOTS = 4
 
 
 class KVBlock(NamedTuple):
@@ -123,6 +137,10 @@ class KVCache:
             else (full, geometry.full_layers.index(i), False)
             for i in range(geometry.num_layers)
         ]
+        # per-slot states (hybrid models): {kind: [state layers, slots, *shape]}, zero at length 0
+        self.states = {s.kind: np.zeros(s.pool_shape(slots), s.np_dtype) for s in geometry.states}
+        # {slot: {position: {kind: [state layers, *shape]}}}: the states at earlier positions
+        self.snapshots: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in range(slots)]
         self.tokens = np.full((slots, geometry.max_len), 0, np.int64)
         self.lengths = np.zeros(slots, np.int64)
         # ring layers: the lowest position each slot's rings still hold (every one from it up to
@@ -137,7 +155,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.pool, self.scales, self.ring, self.ring_scales)
+        arrays = (self.pool, self.scales, self.ring, self.ring_scales, *self.states.values())
         return sum(a.nbytes for a in arrays if a is not None)
 
     def __len__(self) -> int:
@@ -177,6 +195,43 @@ class KVCache:
         self._views[(first, count)] = views
         return views
 
+    def state_views(self, first: int, count: int) -> dict[str, np.ndarray]:
+        """{graph input name: view} of the states of slots first..first+count-1, each state layer's
+        [count, *shape] (contiguous), named as `IONames.past_state`; {} without states."""
+        names = IONames()
+        return {
+            names.state(names.past_state, spec.kind, layer): self.states[spec.kind][j, first : first + count]
+            for spec in self.geometry.states
+            for j, layer in enumerate(spec.layers)
+        }
+
+    def write_states(
+        self, slots: Sequence[int], counts: Sequence[int], present: dict[str, np.ndarray] | None
+    ) -> None:
+        """Each row's state after its real tokens (`present`: {graph output name: [batch, *shape]})
+        into its slot; rows of no tokens keep theirs."""
+        if not self.states:
+            return
+        if present is None:
+            raise KvedgeError("this model keeps per-slot states, and the step returned none")
+        names = IONames()
+        for spec in self.geometry.states:
+            for j, layer in enumerate(spec.layers):
+                new = present[names.state(names.present_state, spec.kind, layer)]
+                for row, (slot, count) in enumerate(zip(slots, counts, strict=True)):
+                    if count:
+                        self.states[spec.kind][j, slot] = new[row]
+
+    def snapshot(self, slot: int) -> None:
+        """Keep `slot`'s states at its valid length, where a later turn may resume (at most
+        MAX_SNAPSHOTS per slot, the latest kept)."""
+        if not self.states:
+            return
+        kept = self.snapshots[slot]
+        kept[self.length(slot)] = {kind: array[:, slot].copy() for kind, array in self.states.items()}
+        for position in sorted(kept)[:-MAX_SNAPSHOTS]:
+            del kept[position]
+
     def check_room(self, slot: int, count: int) -> None:
         if count > self.room(slot):
             raise ContextOverflow(
@@ -192,12 +247,15 @@ class KVCache:
         # per layer, in `IONames.present` order: (K, V) [batch, kvh, seq, d], then for int8
         # caches (K scales, V scales) [batch, kvh, seq, groups]
         present: Sequence[tuple[np.ndarray, ...]],
+        states: dict[str, np.ndarray] | None = None,  # {present state name: [batch, *shape]}
     ) -> None:
         """Write the first counts[r] new tokens of row r at the end of slot slots[r] (a ring
-        layer: the last ring_len of them, each at its position modulo ring_len)."""
+        layer: the last ring_len of them, each at its position modulo ring_len), and each row's
+        new `states` (per-slot state models)."""
         ring_len = self.geometry.ring_len
         with self.memory.batched():  # a device pool waits once for all the copies
             self._write(slots, counts, present, ring_len)
+        self.write_states(slots, counts, states)
         self.commit(slots, tokens, counts)
 
     def _write(
@@ -249,7 +307,11 @@ class KVCache:
 
     def rewind_limit(self, slot: int, length: int) -> int:
         """The rewind of `slot` to `length` tokens, if it keeps every position the next query
-        needs, else 0 (start over): `ring_limit` with what the slot's rings hold (`ring_start`)."""
+        needs, else 0 (start over): `ring_limit` with what the slot's rings hold (`ring_start`).
+        With per-slot states, the latest position at or before `length` whose states are known:
+        the valid length itself, else a snapshot's (the tokens after it are computed again)."""
+        if self.states and length != self.length(slot):
+            length = max((p for p in self.snapshots[slot] if p <= length), default=0)
         return self.ring_limit(int(self.ring_start[slot]), length)
 
     def ring_limit(self, ring_from: int, length: int) -> int:
@@ -265,14 +327,39 @@ class KVCache:
         """Rewind `slot` to its first `length` tokens (the rest becomes invisible)."""
         if not 0 <= length <= self.length(slot):
             raise KvedgeError(f"cannot truncate slot {slot} to {length}: it holds {self.length(slot)} tokens")
+        if self.states and length not in (0, self.length(slot), *self.snapshots[slot]):
+            raise KvedgeError(
+                f"cannot truncate slot {slot} to {length}: its states are known at "
+                f"{sorted(self.snapshots[slot])} and its length {self.length(slot)} only (rewind to "
+                "one, `rewind_limit`)"
+            )
         if self.rewind_limit(slot, length) != length:
             raise KvedgeError(
                 f"cannot truncate slot {slot} to {length}: its ring layers hold positions from "
                 f"{self.ring_start[slot]} on, not the {self.geometry.window - 1} before {length}; rewind to 0"
             )
+        if self.states and length != self.length(slot):
+            self._restore(slot, length)
         self.lengths[slot] = length
         if length == 0:
             self.ring_start[slot] = 0
+
+    def _restore(self, slot: int, length: int) -> None:
+        """Put back `slot`'s states at `length` (zero at 0, else a snapshot's), forgetting the
+        snapshots past it."""
+        kept = self.snapshots[slot]
+        for kind, array in self.states.items():
+            array[:, slot] = kept[length][kind] if length else 0
+        for position in [p for p in kept if p > length]:
+            del kept[position]
+
+    def _refuse_states(self, what: str) -> None:
+        """Refuse `what`, which moves or copies a run of KV, where slots also hold states."""
+        if self.states:
+            raise KvedgeError(
+                f"{what} is not supported for models with per-slot states (LFM2's convolution layers): "
+                "a state cannot be cut or moved with the KV"
+            )
 
     def _refuse_ring(self, what: str) -> None:
         """Refuse `what`, which reads or moves a slot's positions as one run, on ring layers."""
@@ -292,6 +379,7 @@ class KVCache:
         holds exactly what a fresh run over the kept tokens would have written.
         """
         self._refuse_ring("window eviction (history_policy 'window')")
+        self._refuse_states("window eviction (history_policy 'window')")
         length = self.length(slot)
         if not (0 <= start and count > 0 and start + count <= length):
             raise KvedgeError(f"cannot evict {count} tokens at {start} from slot {slot} holding {length}")
@@ -337,6 +425,7 @@ class KVCache:
         for `token_ids`; whatever it held after `start` is dropped. Ring layers take the block's
         last positions that fit the ring, and `ring_start` becomes the lowest position from which
         the rings hold every one up to the new length (`ring_limit` then says what is usable)."""
+        self._refuse_states("copying in a stored prefix")
         count = len(token_ids)
         g = self.geometry
         if not 0 <= start <= self.length(slot):

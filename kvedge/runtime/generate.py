@@ -222,6 +222,7 @@ def decode_one_token(
         past_lengths,
         np.zeros(len(slots), np.int64),  # last_index [batch]
         cache.layer_views(first_slot, len(slots)),
+        states=cache.state_views(first_slot, len(slots)),
     )
     _keep(cache, out, slots, input_ids, busy.astype(np.int64).tolist())
     return out.logits
@@ -239,7 +240,13 @@ def _run(
     count_arr = np.asarray(counts, np.int64)  # [batch]
     last_index = np.maximum(count_arr - 1, 0)  # [batch]
     out = backend.run(
-        input_ids, position_ids, past_lengths, last_index, cache.layer_views(slots[0], len(slots)), count_arr
+        input_ids,
+        position_ids,
+        past_lengths,
+        last_index,
+        cache.layer_views(slots[0], len(slots)),
+        count_arr,
+        states=cache.state_views(slots[0], len(slots)),
     )
     _keep(cache, out, slots, input_ids, counts)
     return out.logits
@@ -271,7 +278,7 @@ def _keep(
     if out.present is None:  # the graph wrote the new K/V into the pool itself
         cache.commit(slots, input_ids, counts)
     else:
-        cache.append(slots, input_ids, counts, out.present)
+        cache.append(slots, input_ids, counts, out.present, out.states)
 
 
 def _logprobs(logits: np.ndarray, token: int, top: int) -> dict[str, object]:
@@ -389,6 +396,8 @@ class Turn:
         tokens, self.todo = self.todo[: self.chunk], self.todo[self.chunk :]
         logits = prefill(backend, cache, self.slot, [tokens], chunk=self.chunk, make_room=self.make_room)[0]
         self.written.extend(tokens)
+        if not self.todo:  # the prompt's end: a later turn that re-renders the reply resumes here
+            cache.snapshot(self.slot)
         return logits
 
     def wrote_pending(self) -> None:

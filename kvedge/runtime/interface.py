@@ -25,6 +25,9 @@ class StepOutput:
     # seq, d], then K, V scales [batch, kvh, seq, groups] for int8 caches); None when the graph
     # wrote them into the cache in place.
     present: list[tuple[np.ndarray, ...]] | None
+    # models with per-slot states: {present state name: [batch, *shape]}, each row's state after
+    # its real tokens (`IONames.present_state`); None without states
+    states: dict[str, np.ndarray] | None = None
 
 
 def graph_last_index(manifest: Manifest, last_index: np.ndarray) -> np.ndarray:
@@ -40,16 +43,21 @@ def step_values(
     position_ids: np.ndarray,
     past_lengths: np.ndarray,
     last_index: np.ndarray,
+    counts: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """A step's per-call graph inputs by name: the tokens (or, with `embeddings`, the runtime's
-    lookup of them too), their positions, each row's past length and last index; which of them
-    the graph takes is `Manifest.graph_inputs`'s call."""
+    lookup of them too), their positions, each row's past length, last index and real tokens
+    (`counts`, default every token); which of them the graph takes is
+    `Manifest.graph_inputs`'s call."""
     names = manifest.names
+    if counts is None:
+        counts = np.full(len(input_ids), input_ids.shape[1], np.int64)
     values = {
         names.input_ids: input_ids,
         names.position_ids: position_ids,
         names.past_lengths: past_lengths,
         names.last_index: graph_last_index(manifest, last_index),
+        names.input_lengths: np.asarray(counts, np.int64),
     }
     if embeddings is not None:
         values[names.inputs_embeds] = embeddings(input_ids)
@@ -83,9 +91,10 @@ class Backend(Protocol):
         last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer views of the pool, `KVCache.layer_views`
         counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
+        states: dict[str, np.ndarray] | None = None,  # `KVCache.state_views` of the rows' slots
     ) -> StepOutput:
-        """One step over `past`: next-token logits per row (`StepOutput.logits`), and the new K/V
-        unless written in place."""
+        """One step over `past` (and the slots' `states`): next-token logits per row
+        (`StepOutput.logits`), the new K/V unless written in place, and the new states."""
         ...
 
     def verify_refusal(self) -> str | None:
@@ -93,8 +102,11 @@ class Backend(Protocol):
         speculative step), or None."""
         ...
 
-    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
-        """Take now, at load, the memory later steps over `past` (all slots' views) will need."""
+    def reserve(
+        self, past: list[tuple[np.ndarray, ...]], max_len: int, states: dict[str, np.ndarray] | None = None
+    ) -> None:
+        """Take now, at load, the memory later steps over `past` (all slots' views; `states`
+        theirs) will need."""
         ...
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ One turn, as the CLI (a batch of one) and the service (many slots) both drive it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shlex
 import time
@@ -131,12 +132,16 @@ class Model:
         )
         device_memory = DeviceMemory() if options.kv_memory == "device" else None
         self.cache = KVCache(self.manifest.geometry, slots, device_memory)
-        self.backend.reserve(self.cache.layer_views(0, slots), self.manifest.geometry.max_len)
+        self.backend.reserve(
+            self.cache.layer_views(0, slots), self.manifest.geometry.max_len, self.cache.state_views(0, slots)
+        )
         self.sessions = [ChatSession(slot) for slot in range(slots)]
         self._turns: list[Turn | None] = [None] * slots  # the unfinished turn of each slot
         self._last_used = [0.0] * slots
         self._warned: set[str] = set()  # reasons logged once
         geometry = self.manifest.geometry
+        if geometry.states:  # the stores and their files hold KV only: a state cannot be rebuilt from it
+            warm, options = None, _without_stores(options, self.manifest)
         disk = None if options.prefix_dir is None else self._open_prefix_disk(options)
         spill = None if disk is None else lambda ids, block: disk.save(ids, reader(block))  # evicted: to disk
         self.run_time_store = RunTimePrefixStore(geometry, options.prefix_cache_bytes, spill=spill)
@@ -470,6 +475,7 @@ class Model:
         if not turn.done:
             turn.finish("cancelled")
         session.record(self.cache, turn.written)
+        self.cache.snapshot(turn.slot)  # per-slot states: the next turn resumes from the reply's end
         if self.prefix_disk is not None and self.prefix_disk.segments:
             # The prompt, then the reply after it as its own file: the next turn resends the reply
             # as the template renders it, which may tokenize otherwise; the next turn's file then
@@ -620,11 +626,38 @@ class Model:
         return shared if self.cache.ring_limit(ring_from, min(shared, len(ids) - 1)) else 0
 
 
+def _without_stores(options: RunOptions, manifest: Manifest) -> RunOptions:
+    """`options` without the prefix stores, which carry KV only, for a model with per-slot states
+    (LFM2): a slot still resumes its own conversation from its snapshots (`KVCache.snapshot`)."""
+    dropped = [
+        name
+        for name, on in (
+            ("warm prefixes", options.warm_prefixes is not None),
+            ("prefix_dir", options.prefix_dir is not None),
+            ("prefix_cache_bytes", options.prefix_cache_bytes > 0),
+        )
+        if on
+    ]
+    if dropped:
+        log.warning(
+            "%s (%s) keeps per-slot states, which the prefix stores do not carry yet: %s off",
+            manifest.model_type,
+            manifest.architecture,
+            ", ".join(dropped),
+        )
+    return dataclasses.replace(options, warm_prefixes=None, prefix_dir=None, prefix_cache_bytes=0)
+
+
 def _check_ring_features(geometry: CacheGeometry, policy: HistoryPolicy) -> None:
     """Refuse, at load, window eviction for ring geometries (Gemma 3's sliding-window layers):
     eviction moves the kept positions back and re-rotates their keys, which in a ring layer would
     mean re-laying out what it holds at the new p % ring_len under the local RoPE; not done.
     Prefix stores and warm prefixes work (`KVBlock` carries the ring layers' last positions)."""
+    if geometry.states and policy.mode == "window":
+        raise KvedgeError(
+            "history_policy 'window' (eviction moves a run of keys): not supported for this model's "
+            "per-slot states (convolution layers), which cannot be moved with them; use 'error' or 'truncate'"
+        )
     if geometry.ring_layers and policy.mode == "window":
         raise KvedgeError(
             "history_policy 'window' (eviction re-rotates a contiguous run of keys): not supported "

@@ -124,6 +124,8 @@ from kvedge.export.graph.options import (
     STATIC_ROPE_TYPES,
     DecoderSpec,
     check_ring,
+    check_states,
+    conv_layers,
     graph_opset,
     local_layers,
 )
@@ -140,6 +142,8 @@ __all__ = [
     "all_graphs",
     "build_decoder_graph",
     "check_ring",
+    "check_states",
+    "conv_layers",
     "decode_step_graphs",
     "graph_opset",
     "local_layers",

@@ -86,7 +86,7 @@ def build_decoder_graph(
             kept_blocks,
         )
         hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
-        for i in range(geometry.num_layers):
+        for i in range(spec.num_layers or geometry.num_layers):
             hidden, delta = decoder.layer(i, hidden, delta)
             if progress:
                 progress(1 / len(forms))
@@ -125,6 +125,7 @@ class Decoder:
         kept: dict[str, QuantizedWeight] | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
+        self.geometry = geometry
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.kept = kept or {}  # {HF name: the source's blocks [K, N], stored as they are}
         self.portable = options.variant == "portable"
@@ -257,6 +258,12 @@ class Decoder:
         x, hidden = self.norms.residual_norm(
             hidden, delta, self.w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm"
         )
+        if i in self.spec.conv_layers:
+            delta = self.short_conv(i, x)
+            x, hidden = self.norms.residual_norm(
+                hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
+            )
+            return hidden, self.mlp(x, f"{p}.mlp")
         qkv = self.linear(
             x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv"
         )  # [b, s, (h+2kvh)d]
@@ -264,10 +271,11 @@ class Decoder:
             qkv = self.qk_norm(qkv, f"{p}.self_attn")
         if self.wide_attention:
             qkv = self.g.widen(qkv, f"{p}.attn.qkv32")
+        kv = self.geometry.kv_index(i)  # the index of its cache tensors' names
         if i in self.spec.local_layers:
-            attn = self.attention.layer(i, qkv, local=True)  # [b, s, heads*d]
+            attn = self.attention.layer(kv, qkv, local=True)  # [b, s, heads*d]
         else:
-            attn = self.attention.layer(i, qkv, rotate=i not in self.spec.unrotated_layers)
+            attn = self.attention.layer(kv, qkv, rotate=i not in self.spec.unrotated_layers)
         if self.wide_attention:
             attn = self.g.narrow(attn, f"{p}.attn.merged16")
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
@@ -289,6 +297,42 @@ class Decoder:
             hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
         )
         return hidden, self.mlp(x, f"{p}.mlp")
+
+    def short_conv(self, i: int, x: str) -> str:
+        """LFM2's gated short convolution of layer i over x [b, s, H] (transformers' Lfm2ShortConv):
+        B, C, h = in_proj(x); u = B * h; y = C * conv(u); out_proj(y), where conv is causal and
+        depthwise over kernel k: conv(u)[t] = sum_j w[:, j] * u[t + j - (k - 1)] (+ bias), the
+        positions before the call's first token read from the slot's state, its last k - 1 inputs
+        [b, k - 1, H]. The new state is the k - 1 inputs ending at each row's last real token
+        (input_lengths: a right-padded row's padding never enters it; a row of none keeps its
+        state)."""
+        g, names, p, k = self.g, self.names, f"model.layers.{i}", self.spec.conv_kernel
+        h = self.spec.hidden_size
+        bcx = self.linear(x, f"{p}.conv", ["in_proj"], f"{p}.conv.in")  # [b, s, 3H]
+        b, c, u = g.op("Split", [bcx, g.ints(h, h, h)], f"{p}.conv.parts", outputs=3, axis=-1)
+        u = g.op("Mul", [b, u], f"{p}.conv.bx")  # [b, s, H]
+        past = names.state(names.past_state, "conv", i)
+        run = g.op("Concat", [past, u], f"{p}.conv.run", axis=1)  # [b, k - 1 + s, H]
+        w = self.w(f"{p}.conv.conv.weight")[:, 0, :]  # [H, k]
+        out = None
+        for j in range(k):
+            end = g.op("Add", [self.s_dim, g.ints(j)], f"{p}.conv.end{j}")
+            tap = g.op("Slice", [run, g.ints(j), end, g.ints(1)], f"{p}.conv.tap{j}")  # [b, s, H]
+            term = g.op(
+                "Mul", [tap, g.fconst(f"{p}.conv.w{j}", np.ascontiguousarray(w[:, j]))], f"{p}.conv.t{j}"
+            )
+            out = term if out is None else g.op("Add", [out, term], f"{p}.conv.sum{j}")
+        bias = f"{p}.conv.conv.bias"
+        if bias in self.weights:
+            out = g.op("Add", [out, g.fconst(f"{p}.conv.bias", self.w(bias))], f"{p}.conv.biased")
+        y = g.op("Mul", [c, out], f"{p}.conv.gated")  # [b, s, H]
+        # the new state: run[r, n_r : n_r + k - 1] for each row's n_r real tokens
+        offsets = g.const(f"{p}.conv.offsets", np.arange(k - 1, dtype=np.int64)[None, :])  # [1, k-1]
+        starts = g.op("Unsqueeze", [names.input_lengths, g.ints(1)], f"{p}.conv.n")  # [b, 1]
+        index = g.op("Add", [starts, offsets], f"{p}.conv.kept")  # [b, k - 1]
+        index = g.op("Unsqueeze", [index, g.ints(2)], f"{p}.conv.kept3")  # [b, k - 1, 1]
+        g.op("GatherND", [run, index], names.state(names.present_state, "conv", i), batch_dims=1)
+        return self.linear(y, f"{p}.conv", ["out_proj"], f"{p}.conv.out")
 
     def qk_norm(self, qkv: str, p: str) -> str:
         """qkv [b, s, (h+2kvh)d] with Q and K RMS-normed per head, before any variant's RoPE (Qwen3);

@@ -47,10 +47,16 @@ class DecoderSpec:
     gemma_norms: bool = False
     local_layers: tuple[int, ...] = ()  # sliding-window layers (Gemma 3's "sliding_attention")
     window: int = 0  # keys a sliding-window layer's query sees, itself included
+    num_layers: int = 0  # the model's layers; 0: as many as the cache geometry's KV layers
+    # LFM2: layers that are a gated short convolution (`layer_types` "conv"), not attention; each
+    # keeps its last conv_kernel - 1 inputs as a per-slot state
+    conv_layers: tuple[int, ...] = ()
+    conv_kernel: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        lfm2 = config.model_type == "lfm2"
         gemma = config.model_type == "gemma3_text"
         rope = (getattr(config, "rope_parameters", None) or {}) if not gemma else {}
         partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
@@ -69,13 +75,13 @@ class DecoderSpec:
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=lfm2_intermediate_size(config) if lfm2 else config.intermediate_size,
             num_heads=config.num_attention_heads,
-            rms_norm_eps=float(config.rms_norm_eps),
+            rms_norm_eps=float(config.norm_eps if lfm2 else config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
-            qk_norm=config.model_type in ("qwen3", "gemma3_text"),
+            qk_norm=config.model_type in ("qwen3", "gemma3_text", "lfm2"),
             # SmolLM3: no_rope_layers[i] is 1 where layer i uses RoPE
             unrotated_layers=tuple(
                 i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope
@@ -87,6 +93,9 @@ class DecoderSpec:
             gemma_norms=gemma,
             local_layers=local_layers(config),
             window=int(config.sliding_window) if local_layers(config) else 0,
+            num_layers=config.num_hidden_layers,
+            conv_layers=conv_layers(config),
+            conv_kernel=int(config.conv_L_cache) if lfm2 else 0,
         )
 
     @property
@@ -111,6 +120,46 @@ def local_layers(config: Any) -> tuple[int, ...]:
             f"layer types {unknown} are not supported; allowed: sliding_attention, full_attention"
         )
     return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+
+
+def conv_layers(config: Any) -> tuple[int, ...]:
+    """LFM2's short-convolution layers ("conv" in `layer_types`); () for other families."""
+    if config.model_type != "lfm2":
+        return ()
+    kinds = list(config.layer_types)
+    unknown = sorted(set(kinds) - {"conv", "full_attention"})
+    if unknown:
+        raise KvedgeError(f"layer types {unknown} are not supported; allowed: conv, full_attention")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "conv")
+
+
+def lfm2_intermediate_size(config: Any) -> int:
+    """LFM2's MLP width as transformers' Lfm2MLP computes it from the config (2/3 of
+    intermediate_size, times block_ffn_dim_multiplier, rounded up to block_multiple_of)."""
+    size = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:
+        size = int(2 * size / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            size = int(config.block_ffn_dim_multiplier * size)
+            multiple = config.block_multiple_of
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+def check_states(geometry: CacheGeometry, recipe: ExportRecipe) -> None:
+    """Per-slot states (LFM2's convolution layers) are built for the portable float32 graph only."""
+    if not geometry.states:
+        return
+    if recipe.variant != "portable":
+        raise KvedgeError(
+            f"--variant {recipe.variant!r} is not built for models with convolution layers (LFM2) yet; "
+            "use --variant portable"
+        )
+    if recipe.half:
+        raise KvedgeError(
+            "--precision float16 is not built for models with convolution layers (LFM2) yet: their "
+            "states are float32; use --precision float32"
+        )
 
 
 def check_ring(geometry: CacheGeometry, variant: str) -> None:

@@ -19,6 +19,28 @@ from kvedge.export.quantize import QuantizedWeight
 Weight = np.ndarray | QuantizedWeight
 
 
+# LFM2's names of what other families call by Llama's (the graph is built from Llama's names)
+LFM2_NAMES = {
+    ".operator_norm.": ".input_layernorm.",
+    ".ffn_norm.": ".post_attention_layernorm.",
+    ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+    ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+    ".self_attn.out_proj.": ".self_attn.o_proj.",
+    ".feed_forward.w1.": ".mlp.gate_proj.",
+    ".feed_forward.w3.": ".mlp.up_proj.",
+    ".feed_forward.w2.": ".mlp.down_proj.",
+    "model.embedding_norm.": "model.norm.",
+}
+
+
+def llama_name(name: str) -> str:
+    """`name` (a state-dict key or a Linear's module name) in Llama's terms: LFM2's renamed."""
+    for theirs, ours in LFM2_NAMES.items():
+        if theirs in f"{name}.":
+            return f"{name}.".replace(theirs, ours, 1)[:-1]
+    return name
+
+
 def prepare_weights(
     spec: DecoderSpec, geometry: CacheGeometry, weights: dict[str, Weight]
 ) -> dict[str, Weight]:
@@ -36,13 +58,13 @@ def prepare_weights(
     block's scale and offset (exact where it is a power of two, as head_dim 64's 1/8; else each
     rounded once, as the float weights are).
     """
-    weights = dict(weights)
+    weights = {llama_name(name): w for name, w in weights.items()}
     d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
     if spec.gemma_norms:  # Gemma3RMSNorm: x / rms(x) * (1 + w), in float32 as HF computes it
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = 1.0 + weights[name].astype(np.float32)
     order = rotary_order(d, spec.rotary_dim)
-    for i in range(geometry.num_layers):
+    for i in range(spec.num_layers or geometry.num_layers):
         p = f"model.layers.{i}"
         for kind in ("weight", "bias"):
             fused = weights.pop(f"{p}.self_attn.qkv_proj.{kind}", None)

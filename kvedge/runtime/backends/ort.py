@@ -276,6 +276,11 @@ class OrtBackend:
             raise KvedgeError(refusal)
         if refusal := onnxruntime_window_refusal(manifest, ort.__version__):
             raise KvedgeError(refusal)
+        if manifest.geometry.states and provider != "cpu":
+            raise KvedgeError(
+                f"{manifest.model_type}'s per-slot states (convolution layers) run on --device cpu only "
+                "for now; use --device cpu"
+            )
         binding_plan(manifest, provider, "decode", 1)  # refuses what the provider cannot bind
         self.manifest = manifest
         self.provider = provider
@@ -352,10 +357,12 @@ class OrtBackend:
             plan = self._plans[key] = binding_plan(self.manifest, self.provider, phase, batch, seq, rows)
         return plan
 
-    def _step_inputs(self, input_ids, position_ids, past_lengths, last_index) -> list[tuple[str, np.ndarray]]:
+    def _step_inputs(
+        self, input_ids, position_ids, past_lengths, last_index, counts=None
+    ) -> list[tuple[str, np.ndarray]]:
         """(name, value) of the graph's per-call inputs; which exist is `Manifest.graph_inputs`'s call."""
         values = step_values(
-            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index
+            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index, counts
         )
         return [(name, values[name]) for name in self._step_names]
 
@@ -367,6 +374,7 @@ class OrtBackend:
         last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer views, `KVCache.layer_views`
         counts: np.ndarray | None = None,  # [batch] int64 real tokens per row; default last_index + 1
+        states: dict[str, np.ndarray] | None = None,  # `KVCache.state_views` of the rows' slots
     ) -> StepOutput:
         """Run one step. Logits of a row with no real tokens are zeros (in-place variant). With
         last_index [batch, rows] the logits are [batch, rows, vocab], at those positions."""
@@ -377,9 +385,11 @@ class OrtBackend:
             raise KvedgeError(refusal)
         counts = last_index.reshape(batch, -1)[:, -1] + 1 if counts is None else np.asarray(counts, np.int64)
         if seq == 1 and last_index.ndim == 1 and bool((counts == 1).all()):
-            return self._decode(input_ids, position_ids, past_lengths, past)
+            return self._decode(input_ids, position_ids, past_lengths, past, states)
         if not self.manifest.in_place:
-            return self._prefill_portable(input_ids, position_ids, past_lengths, last_index, past)
+            return self._prefill_portable(
+                input_ids, position_ids, past_lengths, last_index, past, counts, states
+            )
         if batch == 1 and int(counts[0]) == seq:
             return StepOutput(self._prefill_in_place(input_ids, past_lengths, last_index, past), None)
         logits = np.zeros((batch, *last_index.shape[1:], self.manifest.vocab_size), np.float32)
@@ -398,7 +408,9 @@ class OrtBackend:
         """Why this graph cannot verify a speculative step, or None (`Manifest.verify_refusal`)."""
         return self.manifest.verify_refusal()
 
-    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+    def reserve(
+        self, past: list[tuple[np.ndarray, ...]], max_len: int, states: dict[str, np.ndarray] | None = None
+    ) -> None:
         """Throwaway decode steps of every row at long pasts (`past`: pool views of all slots),
         so onnxruntime's arena grows to its largest decode working set now, at load, rather than
         step by step as conversations grow. One step at max_len - 1 for in-place graphs; portable
@@ -417,9 +429,9 @@ class OrtBackend:
         for length in lengths:
             longest = np.full(batch, length, np.int64)  # [batch]
             ids = np.zeros((batch, 1), np.int64)  # [batch, 1]
-            self.run(ids, longest[:, None].copy(), longest, np.zeros(batch, np.int64), past)
+            self.run(ids, longest[:, None].copy(), longest, np.zeros(batch, np.int64), past, states=states)
 
-    def _decode(self, input_ids, position_ids, past_lengths, past) -> StepOutput:
+    def _decode(self, input_ids, position_ids, past_lengths, past, states=None) -> StepOutput:
         """One token per row through a binding made once per (batch, slots) and then reused."""
         # the buffer address without a ctypes object: made every step, it would churn the heap
         key = (input_ids.shape[0], data_address(past[0][0]), past[0][0].strides)
@@ -427,8 +439,10 @@ class OrtBackend:
         if step is None:
             if len(self._decode_bindings) >= self.max_decode_bindings:
                 self._drop_bindings(self._decode_bindings)
-            step = self._decode_bindings[key] = self._make_binding(past)
+            step = self._decode_bindings[key] = self._make_binding(past, states=states)
         step.input_ids[...] = input_ids
+        if step.input_lengths is not None:
+            step.input_lengths[...] = 1
         if self.embeddings is not None:
             step.inputs_embeds[...] = self.embeddings(input_ids)
         step.past_lengths[...] = past_lengths
@@ -436,15 +450,17 @@ class OrtBackend:
         for args in step.rebind:  # the same buffers, bound again: what they hold now (`Bound.rebind`)
             step.binding.bind_input(*args)
         self.session.run_with_iobinding(step.binding, step.run_options)
-        return StepOutput(step.logits[:, 0].copy(), step.present)
+        return StepOutput(step.logits[:, 0].copy(), step.present, step.states)
 
-    def _make_binding(self, past: list[tuple[np.ndarray, ...]], seq: int = 0, rows: int = 1) -> _KeptBinding:
+    def _make_binding(
+        self, past: list[tuple[np.ndarray, ...]], seq: int = 0, rows: int = 1, states: dict | None = None
+    ) -> _KeptBinding:
         """A binding kept for decode steps of the rows of `past`, or with `seq` > 0 for in-place
         calls of `seq` tokens with logits at `rows` positions (`_short_call`)."""
         names, g = self.manifest.names, self.manifest.geometry
         batch = past[0][0].shape[0]
         plan = self._plan("verify", batch, seq, rows) if seq else self._plan("decode", batch)
-        arrays = self._pool_arrays(past)
+        arrays = self._pool_arrays(past, states)
         owned = {bound.name: self._step_buffer(bound) for bound in plan if bound.buffer == STEP}
         arrays.update(owned)
         binding = self.session.io_binding()
@@ -470,6 +486,8 @@ class OrtBackend:
             last_index=arrays.get(names.last_index, unbound[:, 0]),
             logits=arrays[names.logits],
             present=present,
+            input_lengths=arrays.get(names.input_lengths),
+            states=self._present_states(arrays),
             past=past,
             owned=list(owned.values()),
             plan=plan,
@@ -491,16 +509,29 @@ class OrtBackend:
                     self.host.release(array)
         kept.clear()
 
-    def _pool_arrays(self, past: list[tuple[np.ndarray, ...]]) -> dict[str, np.ndarray]:
-        """name -> pool view of every past input and, in place, every present output."""
+    def _pool_arrays(
+        self, past: list[tuple[np.ndarray, ...]], states: dict | None = None
+    ) -> dict[str, np.ndarray]:
+        """name -> pool view of every past input and, in place, every present output; and the
+        slots' `states` (`KVCache.state_views`), which a graph with states must be given."""
         names, quantized = self.manifest.names, self.manifest.geometry.quantized
         templates = [names.past(quantized)] + ([names.present(quantized)] if self.manifest.in_place else [])
-        return {
+        arrays = {
             names.layer(template, i): view
             for per_layer in templates
             for i, views in enumerate(past)
             for template, view in zip(per_layer, views, strict=True)
         }
+        if self.manifest.geometry.states:
+            if not states:
+                raise KvedgeError(f"{self.manifest.model_type} keeps per-slot states: a step needs them")
+            arrays.update(states)
+        return arrays
+
+    def _present_states(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The present state outputs among `arrays`, by name; None for a graph without states."""
+        names = self.manifest.interface.states(self.manifest.names.present_state)
+        return {spec.name: arrays[spec.name] for spec in names} if names else None
 
     def _bind(self, binding: ort.IOBinding, bound: Bound, array: np.ndarray) -> tuple:
         """Bind `array` by pointer as `bound` says: its host address on the CPU, its device
@@ -546,18 +577,21 @@ class OrtBackend:
             logits = logits[np.arange(logits.shape[0])[:, None], rows]
         return step_logits(logits, last_index)
 
-    def _prefill_portable(self, input_ids, position_ids, past_lengths, last_index, past) -> StepOutput:
+    def _prefill_portable(
+        self, input_ids, position_ids, past_lengths, last_index, past, counts=None, states=None
+    ) -> StepOutput:
         rows = last_index.size // len(last_index)
         plan = self._plan("prefill", *input_ids.shape, rows)
-        arrays = dict(self._step_inputs(input_ids, position_ids, past_lengths, last_index))
-        arrays.update(self._pool_arrays(past))
+        arrays = dict(self._step_inputs(input_ids, position_ids, past_lengths, last_index, counts))
+        arrays.update(self._pool_arrays(past, states))
         binding = self.session.io_binding()
         self._bind_call(binding, plan, arrays)  # logits, then each layer's present tensors: per call
         self.session.run_with_iobinding(binding, self._prefill_options)
         outs = binding.copy_outputs_to_cpu()
         n = len(self.manifest.names.present(self.manifest.geometry.quantized))
         present = [tuple(outs[1 + n * i : 1 + n * (i + 1)]) for i in range(len(past))]
-        return StepOutput(logits=self._select_last(outs[0], last_index), present=present)
+        named = dict(zip((b.name for b in plan if b.output), outs, strict=True))
+        return StepOutput(self._select_last(outs[0], last_index), present, self._present_states(named))
 
     def _prefill_in_place(self, input_ids, past_lengths, last_index, past) -> np.ndarray:
         """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
@@ -618,6 +652,8 @@ class _KeptBinding:
     last_index: np.ndarray  # [batch] or [batch, rows] int64 (zeros for decode: its one position)
     logits: np.ndarray  # [batch, 1 or rows, vocab] float32
     present: list[tuple[np.ndarray, ...]] | None  # portable: per layer [batch, kvh, 1, d or groups]
+    input_lengths: np.ndarray | None  # [batch] int64, graphs with per-slot states
+    states: dict[str, np.ndarray] | None  # present states by name [batch, *shape] (graphs with states)
     past: list[tuple[np.ndarray, ...]]  # the bound pool views, kept alive with the binding
     owned: list[np.ndarray]  # the step buffers made for this binding (plan's STEP entries)
     plan: tuple[Bound, ...]  # what is bound where, `binding_plan`

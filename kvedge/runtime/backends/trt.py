@@ -57,6 +57,11 @@ class TrtBackend:
     switch costs a resource update, TensorRT warns)."""
 
     def __init__(self, folder: Path, manifest: Manifest) -> None:
+        if manifest.geometry.states:
+            raise KvedgeError(
+                f"--device tensorrt does not bind {manifest.model_type}'s per-slot states (convolution "
+                "layers) yet; use --device cpu"
+            )
         self.trt, self.cudart = import_tensorrt(), import_cudart()
         self.manifest = manifest
         self.engine_manifest = EngineManifest.load(folder)
@@ -136,7 +141,9 @@ class TrtBackend:
             on_host.add(spec.name)
         return on_host
 
-    def reserve(self, past: list[tuple[np.ndarray, ...]], max_len: int) -> None:
+    def reserve(
+        self, past: list[tuple[np.ndarray, ...]], max_len: int, states: dict[str, np.ndarray] | None = None
+    ) -> None:
         """Page-lock the cache pool now rather than at the first step, and refuse now a pool
         whose views TensorRT could not take (256-byte alignment, at any slot); every other
         buffer was allocated at construction for the largest profile, so nothing grows later."""
@@ -158,6 +165,7 @@ class TrtBackend:
         last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer [batch, kvh, max_len, d] pool views
         counts: np.ndarray | None = None,  # [batch] real tokens per row; portable graphs ignore it
+        states: dict[str, np.ndarray] | None = None,  # none: engines of models with states are refused
     ) -> StepOutput:
         """One step; logits [batch, vocab], or [batch, rows, vocab] for last_index [batch, rows]."""
         if self.stream is None:
