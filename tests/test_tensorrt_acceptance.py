@@ -140,12 +140,13 @@ def test_tensorrt_parses_and_builds_gemma3_ring_layers(precision, kv_dtype, tmp_
     assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
-@pytest.mark.parametrize("weights", ["float32", "int4"])
-def test_tensorrt_parses_and_builds_lfm2_convolution_states(weights, tmp_path):
-    """LFM2's portable graph: short-convolution layers whose per-slot state enters and leaves as
-    [batch, kernel - 1, hidden] tensors (Concat, Slice taps, GatherND at each row's input length),
-    Q/K norms per head, KV on the attention layers only."""
-    source = make_tiny_model(tmp_path / "hf", "lfm2")
+@pytest.mark.parametrize("family, weights", [("lfm2", "float32"), ("lfm2", "int4"), ("qwen3_5", "float32")])
+def test_tensorrt_parses_and_builds_hybrid_states(family, weights, tmp_path):
+    """The hybrid models' portable graphs: LFM2's short-convolution layers and Qwen3.5's Gated
+    DeltaNet layers, whose per-slot states enter and leave as tensors (Concat, Slice taps and
+    GatherND at each row's input length; CumSum, Where, the triangular inverse's MatMuls), KV on
+    the attention layers only."""
+    source = make_tiny_model(tmp_path / "hf", family)
     out = tmp_path / weights
     export_model(source, out, ExportRecipe(max_len=MAX_LEN, weights=weights))
     assert parse_errors(out) == []

@@ -85,11 +85,18 @@ def test_every_claimed_graph_is_taken_by_the_oldest_claimed_tensorrt(case, llama
 
 @pytest.mark.parametrize(
     ("family", "kv_dtype"),
-    [("qwen2", "int8"), ("gemma3", "float32"), ("gemma3", "int8"), ("lfm2", "float32"), ("lfm2", "int8")],
+    [
+        ("qwen2", "int8"),
+        ("gemma3", "float32"),
+        ("gemma3", "int8"),
+        ("lfm2", "float32"),
+        ("lfm2", "int8"),
+        ("qwen3_5", "float32"),
+    ],
 )
 def test_the_families_whose_graphs_differ_are_taken_too(family, kv_dtype, table, tmp_path):
     """Qwen2: the finding's model (biases); Gemma 3: ring-buffer layers with their own INT8 codec;
-    LFM2: convolution layers whose states are graph inputs and outputs."""
+    LFM2 and Qwen3.5: convolution and recurrent layers whose states are graph inputs and outputs."""
     source = make_tiny_model(tmp_path / "hf", family)
     export_model(source, tmp_path / "out", ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype))
     assert check_graph(load(tmp_path / "out"), table) == []

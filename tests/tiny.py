@@ -22,6 +22,7 @@ from transformers import (
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
     SmolLM3Config,
 )
@@ -69,6 +70,18 @@ GEMMA3 = {
 # LFM2's shape in small: convolution layers first and last, attention between (LFM2-1.2B: 10 conv,
 # 6 attention layers)
 LFM2_LAYERS = ["conv", "full_attention", "conv", "conv", "full_attention"]
+# Qwen3.5's shape in small: three Gated DeltaNet layers to one gated attention layer (head_dim 32,
+# a quarter of it rotated), two key heads serving four value heads, a kernel of 4
+QWEN35 = {
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "pad_token_id": 0,
+}
 # Phi-4-mini's RoPE shape: 3/4 of each head rotated, LongRoPE factors (short ones apply below
 # original_max_position_embeddings, which the tests' exports stay under).
 PHI3_ROPE = {
@@ -152,6 +165,9 @@ def tiny_config(family: str, **overrides):
         common.pop("rms_norm_eps")
         layers = overrides.get("layer_types", LFM2_LAYERS)
         return Lfm2Config(**{**common, **lfm2, "num_hidden_layers": len(layers), **overrides})
+    if family == "qwen3_5":  # Gated DeltaNet layers around a gated attention one (QWEN35)
+        layers = overrides.get("layer_types", QWEN35["layer_types"])
+        return Qwen3_5TextConfig(**{**common, **QWEN35, "num_hidden_layers": len(layers), **overrides})
     if family == "smollm3":  # no RoPE in layer 0, the one eviction tests compare (SmolLM3-3B: every 4th)
         return SmolLM3Config(**{"no_rope_layers": [0, 1], "pad_token_id": 0, **common})
     raise ValueError(family)

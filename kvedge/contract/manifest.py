@@ -130,8 +130,10 @@ RING_MARGIN = 64
 
 
 # Kinds of per-slot state a layer may hold besides attention KV (`StateSpec.kind`). "conv": a
-# short causal convolution's last kernel-1 inputs (LFM2's conv layers), [kernel - 1, channels].
-STATE_KINDS = ("conv",)
+# short causal convolution's last kernel-1 inputs (LFM2's conv layers, Qwen3.5's Gated DeltaNet
+# layers), [kernel - 1, channels]; "recurrent": a Gated DeltaNet layer's matrix state per value
+# head, [value heads, key dim, value dim].
+STATE_KINDS = ("conv", "recurrent")
 STATE_DTYPES = ("float32",)
 
 
@@ -231,9 +233,13 @@ class CacheGeometry:
                 f"cache geometry: kv_layers={list(self.kv_layers)!r} must name {self.num_layers} distinct "
                 "increasing model layers"
             )
-        held = [*self.kv_layers, *(i for state in self.states for i in state.layers)]
-        if self.states and len(held) != len(set(held)):
-            raise KvedgeError(f"cache geometry: a layer holds two kinds of state: {sorted(held)}")
+        kinds = [state.kind for state in self.states]
+        stateful = {i for state in self.states for i in state.layers}
+        if len(kinds) != len(set(kinds)) or stateful & set(self.kv_layers):
+            raise KvedgeError(
+                f"cache geometry: states {kinds} must be of distinct kinds, on layers that hold no KV "
+                f"(kv_layers {list(self.kv_layers)})"
+            )
 
     @classmethod
     def default_group_size(cls, head_dim: int) -> int:
@@ -325,7 +331,7 @@ class CacheGeometry:
     @property
     def model_layers(self) -> int:
         """The model's layers: KV layers plus state layers."""
-        return self.num_layers + sum(len(s.layers) for s in self.states)
+        return self.num_layers + len({i for s in self.states for i in s.layers})
 
     def kv_index(self, layer: int) -> int:
         """The KV layer index of model layer `layer` (its cache names' index)."""

@@ -15,6 +15,7 @@ SUPPORTED_MODEL_TYPES = {
     "smollm3": "SmolLM3",
     "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
     "lfm2": "LFM2 / LFM2.5 (portable graph; convolution layers' state kept per slot)",
+    "qwen3_5_text": "Qwen3.5 dense text (portable graph; Gated DeltaNet layers' states kept per slot)",
 }
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -47,6 +47,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.graph import (
     STATIC_ROPE_TYPES,
     DecoderSpec,
+    DeltaNetSpec,
     all_graphs,
     build_decoder_graph,
     check_ring,
@@ -395,6 +396,8 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
     window = getattr(config, "sliding_window", None)
     if config.model_type == "lfm2":
         return lfm2_geometry(config, max_len, head_dim)
+    if config.model_type == "qwen3_5_text":
+        return qwen35_geometry(config, max_len, head_dim)
     if config.model_type == "gemma3_text":
         ring = local_layers(config) if variant == "portable" else ()
         return CacheGeometry(
@@ -434,6 +437,29 @@ def lfm2_geometry(config: Any, max_len: int, head_dim: int) -> CacheGeometry:
         max_len=max_len,
         kv_layers=attention if convs else (),
         states=(StateSpec("conv", convs, (kernel - 1, config.hidden_size)),) if convs and kernel > 1 else (),
+    )
+
+
+def qwen35_geometry(config: Any, max_len: int, head_dim: int) -> CacheGeometry:
+    """Qwen3.5's cache: KV for its full-attention layers, and for each Gated DeltaNet layer a
+    convolution state [kernel - 1, Q+K+V channels] and a recurrent state [v heads, k dim, v dim]."""
+    delta = DeltaNetSpec.from_config(config)
+    attention = tuple(i for i in range(config.num_hidden_layers) if i not in delta.layers)
+    if not attention or not delta.layers:
+        raise KvedgeError(
+            "a Qwen3.5 config needs both full_attention and linear_attention layers (it has "
+            f"{len(attention)} and {len(delta.layers)})"
+        )
+    states = (StateSpec("recurrent", delta.layers, (delta.v_heads, delta.k_dim, delta.v_dim)),)
+    if delta.kernel > 1:
+        states = (StateSpec("conv", delta.layers, (delta.kernel - 1, delta.conv_channels)), *states)
+    return CacheGeometry(
+        num_layers=len(attention),
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        max_len=max_len,
+        kv_layers=attention,
+        states=states,
     )
 
 

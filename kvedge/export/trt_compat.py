@@ -294,6 +294,7 @@ _RESTRICTIONS = {
     "ReduceMax": (_AXES_INITIALIZER, 1),
     "ReduceMean": (_AXES_INITIALIZER, 1),
     "ReduceSum": (_AXES_INITIALIZER, 1),
+    "CumSum": ("`axis` must be an initializer", 1),
     "Unsqueeze": ("`axes` must be a constant tensor", 1),
     "DequantizeLinear": ("`x_zero_point` must be zero", None),  # `_qdq_problems`
     "QuantizeLinear": ("`y_zero_point` must be 0", None),  # `_qdq_problems`

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from onnx import TensorProto
 
 from kvedge.contract import (
     HEAD_TABLE,
+    PREFILL_CHUNK,
     QUANT_MATMUL_OP,
     SIDE_INPUTS_OP,
     CacheGeometry,
@@ -106,6 +109,20 @@ def runtime_embeddings(options: ExportRecipe) -> bool:
     return options.quantized
 
 
+# factors of the Gated DeltaNet's triangular inverse (`Decoder.gated_delta_rule`): exact for calls
+# of up to 2**DELTA_FACTORS tokens per row, PREFILL_CHUNK
+DELTA_FACTORS = max(1, math.ceil(math.log2(PREFILL_CHUNK)))
+
+
+@dataclass(frozen=True)
+class CallPositions:
+    """Masks over the call's positions, shared by its Gated DeltaNet layers."""
+
+    real: str  # [b, s, 1] float: 1 at each row's real tokens (t < input_lengths), 0 at padding
+    causal: str  # [s, s] bool: j <= i
+    strict: str  # [s, s] bool: j < i
+
+
 class Decoder:
     """The decoder's blocks as ops on one `Builder`: tensors shared by all layers are made at
     construction, then `embed`, `layer` (once per layer) and `logits` add the rest in order."""
@@ -126,6 +143,7 @@ class Decoder:
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.geometry = geometry
+        self._positions: CallPositions | None = None
         self.outliers = outliers  # {Linear name: input channels kept float32 when quantized}
         self.kept = kept or {}  # {HF name: the source's blocks [K, N], stored as they are}
         self.portable = options.variant == "portable"
@@ -258,8 +276,8 @@ class Decoder:
         x, hidden = self.norms.residual_norm(
             hidden, delta, self.w(f"{p}.input_layernorm.weight"), f"{p}.input_layernorm"
         )
-        if i in self.spec.conv_layers:
-            delta = self.short_conv(i, x)
+        if i in self.spec.conv_layers or (self.spec.delta and i in self.spec.delta.layers):
+            delta = self.short_conv(i, x) if i in self.spec.conv_layers else self.delta_net(i, x)
             x, hidden = self.norms.residual_norm(
                 hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
             )
@@ -278,6 +296,11 @@ class Decoder:
             attn = self.attention.layer(kv, qkv, rotate=i not in self.spec.unrotated_layers)
         if self.wide_attention:
             attn = self.g.narrow(attn, f"{p}.attn.merged16")
+        if self.spec.attention_gate:  # Qwen3.5: attn * sigmoid(gate(x)), per head and channel
+            gate = self.linear(x, f"{p}.self_attn", ["attn_gate"], f"{p}.attn.gate")
+            attn = self.g.op(
+                "Mul", [attn, self.g.op("Sigmoid", [gate], f"{p}.attn.gate_sig")], f"{p}.attn.gated"
+            )
         delta = self.linear(attn, f"{p}.self_attn", ["o_proj"], f"{p}.attn.o")
         if self.spec.gemma_norms:  # each sublayer's output normed before its residual add
             delta = self.norms.rms_norm(
@@ -300,39 +323,210 @@ class Decoder:
 
     def short_conv(self, i: int, x: str) -> str:
         """LFM2's gated short convolution of layer i over x [b, s, H] (transformers' Lfm2ShortConv):
-        B, C, h = in_proj(x); u = B * h; y = C * conv(u); out_proj(y), where conv is causal and
-        depthwise over kernel k: conv(u)[t] = sum_j w[:, j] * u[t + j - (k - 1)] (+ bias), the
-        positions before the call's first token read from the slot's state, its last k - 1 inputs
-        [b, k - 1, H]. The new state is the k - 1 inputs ending at each row's last real token
-        (input_lengths: a right-padded row's padding never enters it; a row of none keeps its
-        state)."""
-        g, names, p, k = self.g, self.names, f"model.layers.{i}", self.spec.conv_kernel
-        h = self.spec.hidden_size
+        B, C, h = in_proj(x); u = B * h; y = C * conv(u); out_proj(y), `causal_conv` over u."""
+        g, p, h = self.g, f"model.layers.{i}", self.spec.hidden_size
         bcx = self.linear(x, f"{p}.conv", ["in_proj"], f"{p}.conv.in")  # [b, s, 3H]
         b, c, u = g.op("Split", [bcx, g.ints(h, h, h)], f"{p}.conv.parts", outputs=3, axis=-1)
         u = g.op("Mul", [b, u], f"{p}.conv.bx")  # [b, s, H]
+        out = self.causal_conv(i, u, f"{p}.conv.conv", f"{p}.conv")
+        y = g.op("Mul", [c, out], f"{p}.conv.gated")  # [b, s, H]
+        return self.linear(y, f"{p}.conv", ["out_proj"], f"{p}.conv.out")
+
+    def causal_conv(self, i: int, u: str, weights: str, name: str) -> str:
+        """Layer i's causal depthwise convolution over u [b, s, C] with `weights`.weight [C, 1, k]
+        (and its bias where stored): out[t] = sum_j w[:, j] * u[t + j - (k - 1)], the positions
+        before the call's first token read from the slot's "conv" state, its last k - 1 inputs
+        [b, k - 1, C]. The new state is the k - 1 inputs ending at each row's last real token
+        (input_lengths: a right-padded row's padding never enters it; a row of none keeps its
+        state)."""
+        g, names = self.g, self.names
+        w = self.w(f"{weights}.weight")[:, 0, :]  # [C, k]
+        k = w.shape[1]
         past = names.state(names.past_state, "conv", i)
-        run = g.op("Concat", [past, u], f"{p}.conv.run", axis=1)  # [b, k - 1 + s, H]
-        w = self.w(f"{p}.conv.conv.weight")[:, 0, :]  # [H, k]
+        run = g.op("Concat", [past, u], f"{name}.run", axis=1)  # [b, k - 1 + s, C]
         out = None
         for j in range(k):
-            end = g.op("Add", [self.s_dim, g.ints(j)], f"{p}.conv.end{j}")
-            tap = g.op("Slice", [run, g.ints(j), end, g.ints(1)], f"{p}.conv.tap{j}")  # [b, s, H]
-            term = g.op(
-                "Mul", [tap, g.fconst(f"{p}.conv.w{j}", np.ascontiguousarray(w[:, j]))], f"{p}.conv.t{j}"
-            )
-            out = term if out is None else g.op("Add", [out, term], f"{p}.conv.sum{j}")
-        bias = f"{p}.conv.conv.bias"
-        if bias in self.weights:
-            out = g.op("Add", [out, g.fconst(f"{p}.conv.bias", self.w(bias))], f"{p}.conv.biased")
-        y = g.op("Mul", [c, out], f"{p}.conv.gated")  # [b, s, H]
+            end = g.op("Add", [self.s_dim, g.ints(j)], f"{name}.end{j}")
+            tap = g.op("Slice", [run, g.ints(j), end, g.ints(1)], f"{name}.tap{j}")  # [b, s, C]
+            term = g.op("Mul", [tap, g.fconst(f"{name}.w{j}", np.ascontiguousarray(w[:, j]))], f"{name}.t{j}")
+            out = term if out is None else g.op("Add", [out, term], f"{name}.sum{j}")
+        if f"{weights}.bias" in self.weights:
+            out = g.op("Add", [out, g.fconst(f"{name}.bias", self.w(f"{weights}.bias"))], f"{name}.biased")
         # the new state: run[r, n_r : n_r + k - 1] for each row's n_r real tokens
-        offsets = g.const(f"{p}.conv.offsets", np.arange(k - 1, dtype=np.int64)[None, :])  # [1, k-1]
-        starts = g.op("Unsqueeze", [names.input_lengths, g.ints(1)], f"{p}.conv.n")  # [b, 1]
-        index = g.op("Add", [starts, offsets], f"{p}.conv.kept")  # [b, k - 1]
-        index = g.op("Unsqueeze", [index, g.ints(2)], f"{p}.conv.kept3")  # [b, k - 1, 1]
+        offsets = g.const(f"{name}.offsets", np.arange(k - 1, dtype=np.int64)[None, :])  # [1, k-1]
+        starts = g.op("Unsqueeze", [names.input_lengths, g.ints(1)], f"{name}.n")  # [b, 1]
+        index = g.op("Add", [starts, offsets], f"{name}.kept")  # [b, k - 1]
+        index = g.op("Unsqueeze", [index, g.ints(2)], f"{name}.kept3")  # [b, k - 1, 1]
         g.op("GatherND", [run, index], names.state(names.present_state, "conv", i), batch_dims=1)
-        return self.linear(y, f"{p}.conv", ["out_proj"], f"{p}.conv.out")
+        return out
+
+    def delta_net(self, i: int, x: str) -> str:
+        """Qwen3.5's Gated DeltaNet layer i over x [b, s, H] (transformers' Qwen3_5GatedDeltaNet):
+        one MatMul makes qkv, z, b, a; qkv goes through `causal_conv` and SiLU, then Q and K are
+        L2-normed (Q times k_dim**-0.5), beta = sigmoid(b), the log decay g = -exp(A_log) *
+        softplus(a + dt_bias), and `gated_delta_rule` runs the call's tokens against the slot's
+        recurrent state; the output is RMS-normed per value head, gated by silu(z), projected."""
+        g, spec, p = self.g, self.spec.delta, f"model.layers.{i}.linear_attn"
+        name = f"model.layers.{i}.dn"
+        c, vd, nv = spec.conv_channels, spec.v_heads * spec.v_dim, spec.v_heads
+        proj = self.linear(x, p, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], f"{name}.in")
+        qkv, z, b, a = g.op("Split", [proj, g.ints(c, vd, nv, nv)], f"{name}.parts", outputs=4, axis=-1)
+        conv = self.causal_conv(i, qkv, f"{p}.conv1d", f"{name}.conv")
+        conv = g.op("Mul", [conv, g.op("Sigmoid", [conv], f"{name}.conv_sig")], f"{name}.conv_silu")
+        kd = spec.k_heads * spec.k_dim
+        q, k, v = g.op("Split", [conv, g.ints(kd, kd, vd)], f"{name}.qkv", outputs=3, axis=-1)
+        q = self._delta_heads(q, spec.k_dim**-0.5, f"{name}.q")  # [b, nv, s, dk]
+        k = self._delta_heads(k, 1.0, f"{name}.k")
+        v = g.op(
+            "Transpose",
+            [g.op("Reshape", [v, g.ints(0, 0, nv, spec.v_dim)], f"{name}.v4")],
+            f"{name}.v_heads",
+            perm=[0, 2, 1, 3],
+        )  # [b, nv, s, dv]
+        # padding (positions past a row's input_lengths) neither decays nor writes the state
+        real = self.positions().real  # [b, s, 1] float: 1 at each row's real tokens
+        beta = g.op("Mul", [g.op("Sigmoid", [b], f"{name}.beta0"), real], f"{name}.beta")  # [b, s, nv]
+        a_log = self.w(f"{p}.A_log").astype(np.float32)
+        rate = g.op(
+            "Softplus",
+            [g.op("Add", [a, g.fconst(f"{name}.dt_bias", self.w(f"{p}.dt_bias"))], f"{name}.a_dt")],
+            f"{name}.softplus",
+        )
+        decay = g.op("Mul", [rate, g.fconst(f"{name}.neg_a", -np.exp(a_log))], f"{name}.g0")
+        decay = g.op("Mul", [decay, real], f"{name}.g")  # [b, s, nv]
+        beta, decay = (
+            g.op("Transpose", [t], f"{name}.{n}_heads", perm=[0, 2, 1])
+            for t, n in ((beta, "beta"), (decay, "g"))
+        )  # [b, nv, s]
+        out = self.gated_delta_rule(i, q, k, v, beta, decay, name)  # [b, nv, s, dv]
+        out = g.op("Transpose", [out], f"{name}.out_bshd", perm=[0, 2, 1, 3])  # [b, s, nv, dv]
+        normed = self.norms.rms_norm(out, self.w(f"{p}.norm.weight"), f"{name}.norm")
+        z = g.op("Reshape", [z, g.ints(0, 0, nv, spec.v_dim)], f"{name}.z4")
+        gate = g.op("Mul", [z, g.op("Sigmoid", [z], f"{name}.z_sig")], f"{name}.z_silu")
+        gated = g.op(
+            "Reshape", [g.op("Mul", [normed, gate], f"{name}.gated4"), g.ints(0, 0, vd)], f"{name}.gated"
+        )
+        return self.linear(gated, p, ["out_proj"], f"{name}.out")
+
+    def _delta_heads(self, x: str, scale: float, name: str) -> str:
+        """Q or K [b, s, k_heads k_dim] L2-normed per head (eps 1e-6 inside the root, as
+        transformers' l2norm) times `scale`, each head repeated for the value heads it serves:
+        [b, v_heads, s, k_dim]."""
+        g, spec = self.g, self.spec.delta
+        x = g.op("Reshape", [x, g.ints(0, 0, spec.k_heads, spec.k_dim)], f"{name}4")
+        sq = g.op("ReduceSum", [g.op("Mul", [x, x], f"{name}.sq"), g.ints(-1)], f"{name}.sumsq", keepdims=1)
+        root = g.op(
+            "Sqrt",
+            [g.op("Add", [sq, g.fconst(f"{name}.eps", np.array(1e-6))], f"{name}.var")],
+            f"{name}.norm",
+        )
+        x = g.op("Div", [x, root], f"{name}.unit")
+        if scale != 1.0:
+            x = g.op("Mul", [x, g.fconst(f"{name}.scale", np.array(scale))], f"{name}.scaled")
+        r = spec.v_heads // spec.k_heads
+        if r > 1:  # transformers' repeat_interleave: value head j reads key head j // r
+            x = g.op("Unsqueeze", [x, g.ints(3)], f"{name}.one")  # [b, s, nk, 1, dk]
+            x = g.op("Tile", [x, g.ints(1, 1, 1, r, 1)], f"{name}.tiled")
+            x = g.op("Reshape", [x, g.ints(0, 0, spec.v_heads, spec.k_dim)], f"{name}.repeated")
+        return g.op("Transpose", [x], f"{name}_heads", perm=[0, 2, 1, 3])
+
+    def positions(self) -> CallPositions:
+        """The call's position masks, made once per graph (`CallPositions`)."""
+        if self._positions is None:
+            g = self.g
+            s = g.op("Squeeze", [self.s_dim, g.ints(0)], "positions.s")  # scalar
+            t = g.op(
+                "Range",
+                [
+                    g.const("positions.zero", np.array(0, np.int64)),
+                    s,
+                    g.const("positions.step", np.array(1, np.int64)),
+                ],
+                "positions.t",
+            )  # [s]
+            rows = g.op("Unsqueeze", [t, g.ints(1)], "positions.rows")  # [s, 1]
+            cols = g.op("Unsqueeze", [t, g.ints(0)], "positions.cols")  # [1, s]
+            n = g.op("Unsqueeze", [self.names.input_lengths, g.ints(1)], "positions.n")  # [b, 1]
+            real = g.op(
+                "Cast", [g.op("Less", [cols, n], "positions.real_b")], "positions.real2", to=TensorProto.FLOAT
+            )
+            self._positions = CallPositions(
+                real=g.op("Unsqueeze", [real, g.ints(2)], "positions.real"),  # [b, s, 1]
+                causal=g.op("GreaterOrEqual", [rows, cols], "positions.causal"),  # [s, s] bool, j <= i
+                strict=g.op("Greater", [rows, cols], "positions.strict"),  # [s, s] bool, j < i
+            )
+        return self._positions
+
+    def gated_delta_rule(self, i: int, q: str, k: str, v: str, beta: str, decay: str, name: str) -> str:
+        """The gated delta rule over the call's s tokens as one chunk (transformers'
+        torch_chunk_gated_delta_rule with chunk_size = s), from layer i's recurrent state S0
+        [b, nv, dk, dv]; q, k [b, nv, s, dk], v [b, nv, s, dv], beta and the log decay g
+        [b, nv, s]. With c = cumsum(g), D[i, j] = exp(c_i - c_j) for j <= i (else 0):
+
+            T      = I + strictly_lower((beta k) k^T * D)                      [s, s], unit lower
+            U, W   = T^-1 (beta v), T^-1 (beta k exp(c))
+            V'     = U - W S0
+            out    = (q exp(c)) S0 + ((q k^T) * D) V'
+            S      = S0 exp(c_last) + (k exp(c_last - c))^T V'                  the present state
+
+        T^-1 = (I + N)(I + N^2)(I + N^4)... with N = I - T, exact once 2^factors >= s (N^s = 0):
+        DELTA_FACTORS factors cover a call of PREFILL_CHUNK tokens, the most the runtime runs.
+        Matmuls only, no token-by-token loop: TensorRT and onnxruntime take it as it is."""
+        g, names = self.g, self.names
+        where = self.positions()
+        kt = g.op("Transpose", [k], f"{name}.kT", perm=[0, 1, 3, 2])  # [b, nv, dk, s]
+        cum = g.op(
+            "CumSum", [decay, g.const(f"{name}.axis", np.array(2, np.int64))], f"{name}.cum"
+        )  # [b, nv, s]
+        pair = g.op(
+            "Sub",
+            [
+                g.op("Unsqueeze", [cum, g.ints(3)], f"{name}.cum_i"),
+                g.op("Unsqueeze", [cum, g.ints(2)], f"{name}.cum_j"),
+            ],
+            f"{name}.pair",
+        )  # [b, nv, s, s]
+        neg_inf = g.fconst(f"{name}.neg_inf", np.array(-np.inf))
+        d = g.op(
+            "Exp", [g.op("Where", [where.causal, pair, neg_inf], f"{name}.pair_causal")], f"{name}.decay"
+        )
+        beta4 = g.op("Unsqueeze", [beta, g.ints(3)], f"{name}.beta4")  # [b, nv, s, 1]
+        kb = g.op("Mul", [k, beta4], f"{name}.kb")
+        vb = g.op("Mul", [v, beta4], f"{name}.vb")
+        a = g.op("Mul", [g.op("MatMul", [kb, kt], f"{name}.kbk"), d], f"{name}.a")
+        zero = g.fconst(f"{name}.zero", np.array(0.0))
+        power = g.op("Neg", [g.op("Where", [where.strict, a, zero], f"{name}.a_strict")], f"{name}.n1")  # N
+        ecum = g.op("Unsqueeze", [g.op("Exp", [cum], f"{name}.ecum3"), g.ints(3)], f"{name}.ecum")
+        rhs = g.op("Concat", [vb, g.op("Mul", [kb, ecum], f"{name}.kb_decayed")], f"{name}.rhs0", axis=-1)
+        for j in range(DELTA_FACTORS):
+            rhs = g.op("Add", [rhs, g.op("MatMul", [power, rhs], f"{name}.nr{j}")], f"{name}.rhs{j + 1}")
+            if j + 1 < DELTA_FACTORS:
+                power = g.op("MatMul", [power, power], f"{name}.n{2 ** (j + 1)}")
+        spec = self.spec.delta
+        u, w = g.op("Split", [rhs, g.ints(spec.v_dim, spec.k_dim)], f"{name}.uw", outputs=2, axis=-1)
+        s0 = names.state(names.past_state, "recurrent", i)
+        v_new = g.op("Sub", [u, g.op("MatMul", [w, s0], f"{name}.ws0")], f"{name}.v_new")  # [b, nv, s, dv]
+        intra = g.op("Mul", [g.op("MatMul", [q, kt], f"{name}.qk"), d], f"{name}.intra")
+        out = g.op(
+            "Add",
+            [
+                g.op("MatMul", [g.op("Mul", [q, ecum], f"{name}.q_decayed"), s0], f"{name}.inter"),
+                g.op("MatMul", [intra, v_new], f"{name}.intra_v"),
+            ],
+            f"{name}.core",
+        )
+        last = g.op("Slice", [cum, g.ints(-1), g.ints(2**62), g.ints(2)], f"{name}.cum_last")  # [b, nv, 1]
+        tail = g.op("Exp", [g.op("Sub", [last, cum], f"{name}.to_last")], f"{name}.tail")  # [b, nv, s]
+        k_tail = g.op("Mul", [k, g.op("Unsqueeze", [tail, g.ints(3)], f"{name}.tail4")], f"{name}.k_tail")
+        last4 = g.op("Unsqueeze", [g.op("Exp", [last], f"{name}.last_decay"), g.ints(3)], f"{name}.last4")
+        kept = g.op("Mul", [s0, last4], f"{name}.s_kept")  # [b, nv, dk, dv]
+        written = g.op(
+            "MatMul",
+            [g.op("Transpose", [k_tail], f"{name}.k_tailT", perm=[0, 1, 3, 2]), v_new],
+            f"{name}.s_written",
+        )
+        g.op("Add", [kept, written], names.state(names.present_state, "recurrent", i))
+        return out
 
     def qk_norm(self, qkv: str, p: str) -> str:
         """qkv [b, s, (h+2kvh)d] with Q and K RMS-normed per head, before any variant's RoPE (Qwen3);

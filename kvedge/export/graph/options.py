@@ -25,6 +25,48 @@ GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # act(gate(x)) * up(x); Gemma
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """Qwen3.5's Gated DeltaNet layers ("linear_attention" in `layer_types`): a causal convolution
+    of `kernel` over Q, K, V ([2 k_heads k_dim + v_heads v_dim] channels), then a recurrent state
+    [v_heads, k_dim, v_dim] per layer updated by the gated delta rule."""
+
+    layers: tuple[int, ...]
+    kernel: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @classmethod
+    def from_config(cls, config: Any) -> DeltaNetSpec | None:
+        if config.model_type != "qwen3_5_text":
+            return None
+        kinds = list(config.layer_types)
+        unknown = sorted(set(kinds) - {"linear_attention", "full_attention"})
+        if unknown:
+            raise KvedgeError(
+                f"layer types {unknown} are not supported; allowed: linear_attention, full_attention"
+            )
+        if config.linear_num_value_heads % config.linear_num_key_heads:
+            raise KvedgeError(
+                f"linear_num_value_heads {config.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads {config.linear_num_key_heads}"
+            )
+        return cls(
+            layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+            kernel=int(config.linear_conv_kernel_dim),
+            k_heads=int(config.linear_num_key_heads),
+            v_heads=int(config.linear_num_value_heads),
+            k_dim=int(config.linear_key_head_dim),
+            v_dim=int(config.linear_value_head_dim),
+        )
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     """The numbers the graph needs from a Hugging Face config."""
 
@@ -52,11 +94,18 @@ class DecoderSpec:
     # keeps its last conv_kernel - 1 inputs as a per-slot state
     conv_layers: tuple[int, ...] = ()
     conv_kernel: int = 0
+    # Qwen3.5: Gated DeltaNet layers (None: none); every RMSNorm but the DeltaNet's gated one weighs
+    # by (1 + w) (`unit_offset_norms`); attention's output is gated by sigmoid of a second half of
+    # each head's q_proj rows (`attention_gate`)
+    delta: DeltaNetSpec | None = None
+    unit_offset_norms: bool = False
+    attention_gate: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         lfm2 = config.model_type == "lfm2"
+        qwen35 = config.model_type == "qwen3_5_text"
         gemma = config.model_type == "gemma3_text"
         rope = (getattr(config, "rope_parameters", None) or {}) if not gemma else {}
         partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
@@ -81,7 +130,7 @@ class DecoderSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
-            qk_norm=config.model_type in ("qwen3", "gemma3_text", "lfm2"),
+            qk_norm=config.model_type in ("qwen3", "gemma3_text", "lfm2", "qwen3_5_text"),
             # SmolLM3: no_rope_layers[i] is 1 where layer i uses RoPE
             unrotated_layers=tuple(
                 i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope
@@ -96,6 +145,9 @@ class DecoderSpec:
             num_layers=config.num_hidden_layers,
             conv_layers=conv_layers(config),
             conv_kernel=int(config.conv_L_cache) if lfm2 else 0,
+            delta=DeltaNetSpec.from_config(config),
+            unit_offset_norms=qwen35,
+            attention_gate=qwen35,
         )
 
     @property

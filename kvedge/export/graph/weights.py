@@ -33,6 +33,10 @@ LFM2_NAMES = {
 }
 
 
+# Qwen3.5's Gated DeltaNet output norm weighs by w, not (1 + w) as its other norms
+GATED_NORM = ".linear_attn.norm."
+
+
 def llama_name(name: str) -> str:
     """`name` (a state-dict key or a Linear's module name) in Llama's terms: LFM2's renamed."""
     for theirs, ours in LFM2_NAMES.items():
@@ -60,8 +64,8 @@ def prepare_weights(
     """
     weights = {llama_name(name): w for name, w in weights.items()}
     d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
-    if spec.gemma_norms:  # Gemma3RMSNorm: x / rms(x) * (1 + w), in float32 as HF computes it
-        for name in [n for n in weights if n.endswith("norm.weight")]:
+    if spec.gemma_norms or spec.unit_offset_norms:  # x / rms(x) * (1 + w), in float32 as HF computes it
+        for name in [n for n in weights if n.endswith("norm.weight") and GATED_NORM not in n]:
             weights[name] = 1.0 + weights[name].astype(np.float32)
     order = rotary_order(d, spec.rotary_dim)
     for i in range(spec.num_layers or geometry.num_layers):
@@ -72,6 +76,12 @@ def prepare_weights(
                 parts = _split(fused, [heads * d, (heads + kv_heads) * d])
                 for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
                     weights[f"{p}.self_attn.{name}.{kind}"] = part
+            if spec.attention_gate and f"{p}.self_attn.q_proj.{kind}" in weights:
+                # Qwen3.5: each head's rows are its query (d), then its output gate (d)
+                q_and_gate = weights.pop(f"{p}.self_attn.q_proj.{kind}")
+                rows = np.arange(heads * 2 * d).reshape(heads, 2, d)
+                weights[f"{p}.self_attn.q_proj.{kind}"] = _take(q_and_gate, rows[:, 0].reshape(-1))
+                weights[f"{p}.self_attn.attn_gate.{kind}"] = _take(q_and_gate, rows[:, 1].reshape(-1))
             fused = weights.pop(f"{p}.mlp.gate_up_proj.{kind}", None)
             if fused is not None:  # rows: gate [intermediate], up [intermediate]
                 gate, up = _split(fused, [_outputs(fused) // 2])

@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from kvedge.contract import ONNX_FILE, VERIFY_TOKENS, Manifest
+from kvedge.contract import ONNX_FILE, PREFILL_CHUNK, VERIFY_TOKENS, Manifest
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
@@ -321,6 +321,9 @@ class OrtBackend:
         self.max_decode_bindings = max_decode_bindings
         self._plans: dict[tuple, tuple[Bound, ...]] = {}  # `_plan`'s, by call shape
         self._short_bindings: dict[tuple, _KeptBinding] = {}  # `_short_call`'s
+        if any(state.kind == "recurrent" for state in manifest.geometry.states):
+            # a Gated DeltaNet graph's triangular inverse is exact up to PREFILL_CHUNK tokens a call
+            self.max_prefill = PREFILL_CHUNK
 
     def _check_io(self) -> None:
         """Refuse a graph whose inputs or outputs differ from the manifest's `graph_inputs()` /
