@@ -9,6 +9,7 @@ emulated aarch64 root of .ci/aarch64 (PyPI's aarch64 torch is a CUDA build of se
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from collections import Counter
 from pathlib import Path
@@ -20,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from kvedge.contract import MANIFEST_FILE, ONNX_FILE, ExportRecipe, Manifest, sha256_files
+from kvedge.contract import MANIFEST_FILE, ONNX_FILE, TOKENIZER_FILE, ExportRecipe, Manifest, sha256_files
 from kvedge.export.export import export_model, head_table, save_onnx
 from kvedge.export.graph import all_graphs
 from kvedge.runtime.backends.ort import OrtBackend
@@ -201,6 +202,24 @@ def served_artifact(tmp_path_factory) -> Path:
     source = make_tiny_model(root / "hf", "qwen2", seed=3)
     export_model(source, root / "out", ExportRecipe(max_len=512))
     return root / "out"
+
+
+LONG_ENTRY = "#" * 1000  # as SmolLM2 holds "#" * 80, its second longest entry
+
+
+@pytest.fixture(scope="session")
+def long_entry_artifact(served_artifact, tmp_path_factory) -> Path:
+    """`served_artifact` whose vocabulary also holds LONG_ENTRY, an entry no merge reaches: its
+    tokens are the same, but by its vocabulary a token may stand for 1000 bytes (SmolLM2's: 81),
+    so that by bytes alone 1 MB may be 1000 tokens."""
+    out = tmp_path_factory.mktemp("long-entry") / "out"
+    shutil.copytree(served_artifact, out)
+    tokenizer = json.loads((out / TOKENIZER_FILE).read_text())
+    vocab = tokenizer["model"]["vocab"]
+    used = {*vocab.values(), *(added["id"] for added in tokenizer["added_tokens"])}
+    vocab[LONG_ENTRY] = min(set(range(max(used) + 2)) - used)  # a free id in the model's vocabulary
+    (out / TOKENIZER_FILE).write_text(json.dumps(tokenizer))
+    return out
 
 
 @pytest.fixture(scope="session")

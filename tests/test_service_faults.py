@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 from test_serve import JSON_HEADERS, KEY, Server, chat_body, run_alone
+from test_tokenizer import ONE_MB
 
 from kvedge.errors import ContextOverflow, ModelFault
 from kvedge.runtime.generate import Event, SamplingConfig, sample
@@ -471,8 +472,69 @@ def test_a_1_mb_message_is_refused_before_it_is_tokenized(server, reference):
 )
 def test_the_byte_bound_never_refuses_what_fits(reference, text):
     tokens = len(reference.tokenizer.encode(text))
-    assert reference.tokenizer.fewest_tokens(text) <= tokens
+    assert reference.tokenizer.fewest_tokens(text, tokens) <= tokens
     assert len(reference.encode_chat([{"role": "user", "content": text}], limit=tokens + 20)) <= tokens + 20
+
+
+LONG_LIMIT = 400  # prompt tokens the long-entry server accepts (its max_len: 512)
+
+
+@pytest.fixture(scope="module")
+def long_server(long_entry_artifact, tmp_path_factory):
+    """A server whose vocabulary says a token may stand for 1000 bytes (conftest's LONG_ENTRY)."""
+    config = dict(slots=1, warmup_tokens=0, max_prompt_tokens=LONG_LIMIT, threads=1, max_body_bytes=4 << 20)
+    with Server(long_entry_artifact, tmp_path_factory.mktemp("long-server"), **config) as srv:
+        yield srv
+
+
+def fastest_400(server: Server, path: str, body: dict) -> float:
+    """The fastest of three posts of `body`, each refused as over LONG_LIMIT prompt tokens."""
+    data = json.dumps(body, ensure_ascii=False).encode()
+    elapsed = []
+    for _ in range(3):
+        started = time.perf_counter()
+        response = server.http.post(path, content=data, headers=JSON_HEADERS)
+        elapsed.append(time.perf_counter() - started)
+        assert response.status_code == 400, response.text
+        assert f"at most {LONG_LIMIT} prompt tokens" in response.json()["error"]["message"]
+    return min(elapsed)
+
+
+def lookup_tool(description: str) -> dict:
+    parameters = {"type": "object", "properties": {"q": {"type": "string"}}}
+    function = {"name": "lookup", "description": description, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+@pytest.mark.parametrize("shape", ONE_MB)
+def test_1_mb_of_any_shape_gets_its_400_fast_in_a_message_a_tool_or_a_raw_prompt(long_server, shape):
+    """Tokenizing 1 MB whole took 0.4-1 s; by its bytes alone it may be 334 tokens here."""
+    text = ONE_MB[shape]
+    fastest = {
+        "message": fastest_400(long_server, "/v1/chat/completions", chat_body(text)),
+        "tool": fastest_400(long_server, "/v1/chat/completions", chat_body("Hi", tools=[lookup_tool(text)])),
+        "prompt": fastest_400(long_server, "/v1/completions", {"model": "tiny", "prompt": text}),
+    }
+    assert max(fastest.values()) < 0.1, fastest
+
+
+def test_a_prompt_of_exactly_the_limit_is_accepted_one_token_more_refused(long_server, long_entry_artifact):
+    tokenizer = Model(long_entry_artifact, slots=1).tokenizer
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode_chat([{"role": "user", "content": text}]))
+
+    words = max(k for k in range(LONG_LIMIT) if count("word " * k) <= LONG_LIMIT)
+    text = next(
+        t for t in ("word " * words + "x" * j for j in range(12)) if count(t) == LONG_LIMIT
+    )  # 2 KB or so, more characters than the limit: counted in pieces
+    response = long_server.http.post("/v1/chat/completions", json=chat_body(text, max_tokens=2))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == LONG_LIMIT
+    over = next(t for t in (text + "x" * j for j in range(1, 12)) if count(t) == LONG_LIMIT + 1)
+    response = long_server.http.post("/v1/chat/completions", json=chat_body(over, max_tokens=2))
+    assert response.status_code == 400
+    assert f"the messages take {LONG_LIMIT + 1} tokens" in response.json()["error"]["message"]
 
 
 # -- 6. drain, stream status --------------------------------------------------------------------

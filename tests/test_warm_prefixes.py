@@ -429,3 +429,14 @@ def test_a_warning_logged_under_a_progress_bar_starts_its_own_line(tiny_llama, w
     assert warned and all(line.startswith("WARNING kvedge.runtime.warm_prefixes: ") for line in warned), lines
     assert any(line.startswith("\rwarm prefixes:   0%") for line in lines), lines  # the bar was open
     assert any("warm prefixes: 100%" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("field", ["text", "messages"])
+def test_a_warm_prefix_far_over_max_len_is_refused_before_tokenizing(long_entry_artifact, tmp_path, field):
+    """1 MB of words: counted only until past max_len (512), and refused saying "at least"."""
+    text = "word " * 200_000
+    prefix = {"text": text} if field == "text" else {"messages": [{"role": "system", "content": text}]}
+    path = tmp_path / "warmup.yaml"
+    path.write_text(json.dumps({"prefixes": [{"name": "huge", **prefix}]}))  # JSON is YAML
+    with pytest.raises(KvedgeError, match="warm prefix 'huge' has at least .* tokens; max_len is 512"):
+        Model(long_entry_artifact, warm_prefixes=load_warm_prefix_config(path), warm_dir=tmp_path / "warm")

@@ -309,24 +309,26 @@ class Model:
         under the truncate policy the oldest whole turns are dropped (system messages stay) until
         it fits with `reserve` tokens left for the reply. A conversation of more than `limit`
         tokens is refused before any truncation, which re-renders it once per dropped turn, and
-        one whose messages' text alone is over `limit` tokens (`ChatTokenizer.fewest_tokens`)
-        before it is rendered or tokenized at all."""
+        one whose rendered text is surely over `limit` (`ChatTokenizer.fewest_tokens`) before it
+        is tokenized whole: the rendering holds all the request sends (messages, tools)."""
         messages = list(messages)
-        if limit is not None:
-            text = "".join(_text(m.get("content")) for m in messages if isinstance(m, dict))
-            _at_least(self.tokenizer, text, limit, "messages take")
 
         def encode(kept: Sequence[dict[str, Any]]) -> list[int]:
             return self.tokenizer.encode_chat(kept, tools=tools, **template_kwargs)
 
-        ids = _within(encode(messages), limit, "the messages take")
+        if limit is None:
+            ids = encode(messages)
+        else:
+            text = self.tokenizer.render(messages, tools=tools, **template_kwargs)
+            _at_least(self.tokenizer, text, limit, "messages take")
+            ids = _within(self.tokenizer.encode_rendered(text), limit, "the messages take")
         if self.policy.mode == "truncate":
             messages, ids = self._truncate_turns(messages, ids, reserve, encode)
         return ids
 
     def encode_prompt(self, text: str, limit: int | None = None) -> list[int]:
         """A raw prompt's token ids (no chat template), refused above `limit` tokens (a prompt
-        whose bytes alone say so, before tokenizing it)."""
+        surely over it before it is tokenized whole: `ChatTokenizer.fewest_tokens`)."""
         if limit is not None:
             _at_least(self.tokenizer, text, limit, "prompt takes")
         return _within(self.tokenizer.encode(text), limit, "the prompt takes")
@@ -677,20 +679,9 @@ def _within(ids: list[int], limit: int | None, what: str) -> list[int]:
     return ids
 
 
-def _text(content: Any) -> str:
-    """The text a message's content holds (a string, or text parts); templates may trim its ends."""
-    if isinstance(content, str):
-        return content.strip()
-    if isinstance(content, list):
-        return "".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        ).strip()
-    return ""
-
-
 def _at_least(tokenizer: ChatTokenizer, text: str, limit: int, what: str) -> None:
-    """ContextOverflow when `text` is over `limit` tokens by its bytes alone (`fewest_tokens`)."""
-    fewest = tokenizer.fewest_tokens(text)
+    """ContextOverflow when `text` is surely over `limit` tokens (`fewest_tokens`)."""
+    fewest = tokenizer.fewest_tokens(text, limit)
     if fewest > limit:
         size = len(text.encode(errors="replace"))  # counted again only for the message
         raise ContextOverflow(

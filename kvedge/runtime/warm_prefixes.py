@@ -77,6 +77,20 @@ class WarmPrefixReport:
     unwritten: dict[str, str] = field(default_factory=dict)  # rebuilt, not stored: why
 
 
+def fewest_tokens(tokenizer: ChatTokenizer, spec: PrefixSpec, enough: int) -> int:
+    """A lower bound on len(prefix_ids(tokenizer, spec)), counted no further than past `enough`
+    (`ChatTokenizer.fewest_tokens`): its text's, or the sum of its messages' (each stands whole,
+    trimmed as templates trim it, before the user turn opens)."""
+    if spec.text is not None:
+        return tokenizer.fewest_tokens(spec.text, enough)
+    counted = 0
+    for message in spec.messages:
+        counted += tokenizer.fewest_tokens(message.content.strip(), enough - counted)
+        if counted > enough:
+            break
+    return counted
+
+
 def prefix_ids(tokenizer: ChatTokenizer, spec: PrefixSpec) -> list[int]:
     if spec.text is not None:
         return tokenizer.encode(spec.text, add_special_tokens=False)
@@ -106,6 +120,11 @@ def load_warm_prefixes(
     geometry = manifest.geometry
     store, loaded, rebuilt, unwritten = WarmPrefixStore(), [], {}, {}
     for spec in tqdm(config.prefixes, desc="warm prefixes", unit="prefix", disable=len(config.prefixes) < 2):
+        fewest = fewest_tokens(tokenizer, spec, geometry.max_len - 1)
+        if fewest >= geometry.max_len:  # before tokenizing a text far too long
+            raise KvedgeError(
+                f"warm prefix {spec.name!r} has at least {fewest} tokens; max_len is {geometry.max_len}"
+            )
         ids = prefix_ids(tokenizer, spec)
         if len(ids) >= geometry.max_len:
             raise KvedgeError(
