@@ -554,7 +554,7 @@ def _group_size(value: int) -> int:
     return value
 
 
-def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None):
+def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None, lenient: bool = False):
     """The output constraint the options ask for, or None; at most one may be given."""
     from kvedge.runtime.constrain import Constraint
 
@@ -567,8 +567,10 @@ def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | Non
         raise KvedgeError(
             f"give at most one of --json-schema, --regex, --grammar (got {', '.join(n for n, _ in given)})"
         )
+    if lenient and json_schema is None:
+        raise KvedgeError("--lenient-schemas applies to --json-schema; give one or drop it")
     if json_schema is not None:
-        return Constraint("json_schema", _read_text(json_schema, "--json-schema"))
+        return Constraint("json_schema", _read_text(json_schema, "--json-schema"), lenient)
     if grammar is not None:
         return Constraint("lark", _read_text(grammar, "--grammar"))
     return Constraint("regex", regex) if regex else None
@@ -591,6 +593,12 @@ def _read_text(path: Path, option: str) -> str:
     default=None,
     help="The answer is JSON valid against this JSON Schema file.",
 )
+@click.option(
+    "--lenient-schemas",
+    is_flag=True,
+    help="--json-schema: ignore what the constraint library does not implement and read an "
+    "overlapping oneOf as anyOf (the answer may then break those parts).",
+)
 @click.option("--regex", default=None, help="The answer matches this regular expression.")
 @click.option(
     "--grammar",
@@ -609,6 +617,7 @@ def generate(
     prompt: str,
     raw: bool,
     json_schema: Path | None,
+    lenient_schemas: bool,
     regex: str | None,
     grammar: Path | None,
     logprobs: int | None,
@@ -620,9 +629,11 @@ def generate(
     before the constraint is complete exits with status 1."""
     if not prompt:
         raise KvedgeError("PROMPT is empty; give the text to answer (a non-empty argument)")
-    constraint = _constraint(json_schema, regex, grammar)
+    constraint = _constraint(json_schema, regex, grammar, lenient_schemas)
     config = dataclasses.replace(_sampling(kwargs), constraint=constraint, logprobs=logprobs)
     model = _load_model(model_dir, kwargs)
+    if constraint is not None and (ignored := model.grammars.compile(constraint).ignored):
+        log.warning("the schema's %s: not enforced", ", ".join(ignored))
     events = _print_stream(
         model.stream(prompt, config, raw=raw), model.tokenizer if logprobs is not None else None
     )

@@ -51,6 +51,10 @@ CONCEPTS = {
     "regex": ("constrain the answer to a regular expression", None),
     "grammar": ("constrain the answer to a Lark grammar file", None),
     "logprobs": ("log each token's log probability and the N most likely", None),
+    "lenient_schemas": (
+        "JSON schemas: ignore what the constraint library does not implement, read oneOf as anyOf",
+        "lenient_schemas",
+    ),
     "system": ("system prompt", None),
     "url": ("a running `kvedge serve` to talk to", None),
     "service_config": ("the service YAML (configs/services/)", None),
@@ -153,6 +157,7 @@ COMMANDS = {
         **RUNTIME,
         "--raw": "raw",
         "--json-schema": "json_schema",
+        "--lenient-schemas": "lenient_schemas",
         "--regex": "regex",
         "--grammar": "grammar",
         "--logprobs": "logprobs",

@@ -200,3 +200,128 @@ def test_cli_generate_with_a_schema_a_regex_and_bad_options(tiny_llama, tmp_path
     ]:
         done = kvedge(*args)
         assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# Small equivalents of what JSONSchemaBench's real schemas hold (kvedge.runtime.json_schema),
+# written here: each compiles as the spec reads it, and every sampled output validates.
+ONE_OF_TYPES = {
+    "$defs": {"name": {"type": "string", "maxLength": 5}, "count": {"type": "integer", "minimum": 0}},
+    "type": "object",
+    "properties": {"v": {"oneOf": [{"$ref": "#/$defs/name"}, {"$ref": "#/$defs/count"}]}},
+    "required": ["v"],
+    "additionalProperties": False,
+}
+ONE_OF_TAGGED = {
+    "type": "object",
+    "properties": {
+        "shape": {
+            "type": "object",
+            "oneOf": [
+                {
+                    "properties": {"kind": {"const": "dot"}},
+                    "required": ["kind"],
+                    "additionalProperties": False,
+                },
+                {
+                    "properties": {
+                        "kind": {"enum": ["box", "bar"]},
+                        "side": {"type": "integer", "maximum": 9},
+                    },
+                    "required": ["kind", "side"],
+                    "additionalProperties": False,
+                },
+            ],
+        }
+    },
+    "required": ["shape"],
+    "additionalProperties": False,
+}
+ONE_OF_RANGES = {
+    "oneOf": [{"type": "integer", "maximum": -1}, {"type": "integer", "minimum": 0, "maximum": 99}]
+}
+UNKNOWN_FORMAT = {
+    "type": "object",
+    "properties": {"home": {"type": "string", "format": "url", "maxLength": 12}, "at": {"format": "no-such"}},
+    "required": ["home"],
+    "additionalProperties": False,
+}
+DEPENDENCIES = {
+    "type": "object",
+    "properties": {
+        "card": {"type": "integer", "maximum": 99},
+        "name": {"type": "string", "maxLength": 4},
+        "zip": {"type": "integer", "maximum": 99},
+    },
+    "dependencies": {"card": ["name"]},
+    "dependentRequired": {"name": ["zip"]},
+    "additionalProperties": False,
+}
+NOT_UNIQUE = {
+    "type": "array",
+    "items": {"type": "integer", "maximum": 9},
+    "maxItems": 3,
+    "uniqueItems": False,
+}
+SPEC_CASES = {
+    "oneOf of $ref'd types": ONE_OF_TYPES,
+    "oneOf tagged by a required const": ONE_OF_TAGGED,
+    "oneOf of integer ranges": ONE_OF_RANGES,
+    "unknown format": UNKNOWN_FORMAT,
+    "dependencies": DEPENDENCIES,
+    "uniqueItems false": NOT_UNIQUE,
+}
+
+
+@pytest.mark.parametrize("name", SPEC_CASES)
+def test_schemas_compile_as_the_spec_reads_them(tiny_llama, name):
+    schema = SPEC_CASES[name]
+    model = tiny_llama.model()
+    for seed in range(6):
+        events = sampled(model, Constraint.json_schema(schema), seed)
+        assert events[-1].finish_reason == "stop", (seed, text_of(events))
+        jsonschema.Draft7Validator(schema).validate(json.loads(text_of(events)))  # 7: `dependencies`
+
+
+NUMBER_OR_INTEGER = {
+    "type": "object",
+    "properties": {"n": {"oneOf": [{"type": "number", "maximum": 9}, {"type": "integer", "maximum": 9}]}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+REFUSED = [
+    (NUMBER_OR_INTEGER, "oneOf at /properties/n"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "not": {"required": ["a"]}}, "not"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '"if", "then"'),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+]
+
+
+@pytest.mark.parametrize("schema, named", REFUSED)
+def test_what_the_library_cannot_enforce_is_refused_by_name_unless_lenient(tiny_llama, schema, named):
+    model = tiny_llama.model()
+    with pytest.raises(KvedgeError, match="set lenient_schemas") as refused:
+        model.grammars.compile(Constraint.json_schema(schema))
+    assert named in str(refused.value)
+    assert model.grammars.compile(Constraint.json_schema(schema, lenient=True)).ignored
+
+
+def test_a_lenient_overlapping_one_of_is_read_as_any_of(tiny_llama):
+    """An integer matches both branches, so the output may break "exactly one": why lenient is off
+    by default. It does match anyOf, which is what the grammar enforces."""
+    model = tiny_llama.model()
+    constraint = Constraint.json_schema(NUMBER_OR_INTEGER, lenient=True)
+    assert model.grammars.compile(constraint).ignored == ("oneOf=anyOf",)
+    any_of = json.loads(json.dumps(NUMBER_OR_INTEGER).replace("oneOf", "anyOf"))
+    for seed in range(6):
+        events = sampled(model, constraint, seed)
+        assert events[-1].finish_reason == "stop", (seed, text_of(events))
+        jsonschema.validate(json.loads(text_of(events)), any_of)
+
+
+def test_unknown_formats_are_named_as_ignored(tiny_llama):
+    model = tiny_llama.model()
+    compiled = model.grammars.compile(Constraint.json_schema(UNKNOWN_FORMAT))
+    assert compiled.ignored == ("format=url", "format=no-such")
+    known = {"type": "string", "format": "date"}
+    assert model.grammars.compile(Constraint.json_schema(known)).ignored == ()

@@ -250,7 +250,7 @@ def test_text_completions_equal_a_raw_prompt(client, artifact):
 
 BAD = [
     ({"response_format": schema_format({"type": "object", "properties": 5})}, "response_format"),
-    ({"response_format": schema_format({"type": "string", "format": "made-up"})}, "response_format"),
+    ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     (
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
@@ -279,6 +279,52 @@ def test_bad_structured_requests_are_400_and_the_server_keeps_serving(server):
     assert (
         server.http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}).status_code == 200
     )
+
+
+LINK = {
+    "type": "object",
+    "properties": {"href": {"type": "string", "format": "url", "maxLength": 10}},
+    "required": ["href"],
+    "additionalProperties": False,
+}
+OVERLAPPING = {
+    "type": "object",
+    "properties": {"n": {"oneOf": [{"type": "number", "maximum": 9}, {"type": "integer", "maximum": 9}]}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def schema_reply(server, schema: dict, stream: bool = False):
+    body = {"messages": ASK, "seed": 1, "temperature": 1.0, "max_tokens": 60, "stream": stream}
+    return server.http.post("/v1/chat/completions", json={**body, "response_format": schema_format(schema)})
+
+
+def test_unknown_formats_are_ignored_and_said_so_in_a_header(server):
+    """The spec reads an unknown format as an annotation: the schema compiles, the reply validates,
+    and the header names what was not enforced (kvedge.runtime.json_schema)."""
+    for stream in (False, True):
+        response = schema_reply(server, LINK, stream)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvedge-schema-ignored"] == "format=url"
+    jsonschema.validate(
+        json.loads(schema_reply(server, LINK).json()["choices"][0]["message"]["content"]), LINK
+    )
+    assert "x-kvedge-schema-ignored" not in schema_reply(server, PERSON).headers
+    refused = schema_reply(server, OVERLAPPING)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    assert "oneOf at /properties/n" in refused.json()["error"]["message"]
+    assert "lenient_schemas" in refused.json()["error"]["message"]
+
+
+def test_lenient_schemas_read_an_overlapping_one_of_as_any_of(artifact, tmp_path):
+    with Server(artifact, tmp_path, lenient_schemas=True, default_max_tokens=64) as server:
+        response = schema_reply(server, OVERLAPPING)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvedge-schema-ignored"] == "oneOf=anyOf"
+        any_of = json.loads(json.dumps(OVERLAPPING).replace("oneOf", "anyOf"))
+        jsonschema.validate(json.loads(response.json()["choices"][0]["message"]["content"]), any_of)
+        assert "not enforced: oneOf=anyOf" in server.output()
 
 
 QWEN_LIKE = (

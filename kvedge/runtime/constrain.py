@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvedge.errors import KvedgeError
+from kvedge.runtime import json_schema
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 GRAMMAR_CACHE = 64  # compiled grammars kept per model
@@ -48,41 +49,70 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 @dataclass(frozen=True)
 class Constraint:
     """What the output must match. `source`: a JSON Schema (JSON text), a regular expression or a
-    Lark grammar; `json_object` needs none (any JSON object)."""
+    Lark grammar; `json_object` needs none (any JSON object). `lenient` (json_schema only): what
+    llguidance does not implement is ignored and an overlapping oneOf read as anyOf, so the output
+    may break those parts (kvedge.runtime.json_schema)."""
 
     kind: str
     source: str = ""
+    lenient: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise KvedgeError(f"constraint kind {self.kind!r} is not supported; allowed: {list(KINDS)}")
         if self.kind != "json_object" and not self.source:
             raise KvedgeError(f"a {self.kind} constraint needs its text")
+        if self.lenient and self.kind != "json_schema":
+            raise KvedgeError(f"lenient applies to json_schema constraints, not {self.kind}")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
+    def json_schema(cls, schema: dict[str, Any] | str, lenient: bool = False) -> Constraint:
         text = schema if isinstance(schema, str) else json.dumps(schema)  # key order is output order
-        return cls("json_schema", text)
+        return cls("json_schema", text, lenient)
 
-    def grammar(self) -> str:
-        """The llguidance grammar text; raises KvedgeError naming what is wrong."""
+    def grammar(self) -> Compiled:
+        """The llguidance grammar text (not yet validated) and what of the schema it ignores as the
+        spec says to; raises KvedgeError naming what is wrong."""
         import llguidance
 
         try:
             if self.kind == "regex":
-                return llguidance.LLMatcher.grammar_from_regex(self.source)
+                return Compiled(llguidance.LLMatcher.grammar_from_regex(self.source))
             if self.kind == "lark":
-                return llguidance.LLMatcher.grammar_from_lark(self.source)
-            text = ANY_JSON_OBJECT if self.kind == "json_object" else self.source
-            try:
-                schema = json.loads(text)
-            except ValueError as exc:
-                raise KvedgeError(f"the JSON schema is not valid JSON ({exc})") from None
-            if not isinstance(schema, dict | bool):
-                raise KvedgeError("a JSON schema must be an object (or true/false)")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+                return Compiled(llguidance.LLMatcher.grammar_from_lark(self.source))
+            prepared = json_schema.prepare(self.schema())
+            options = {"lenient": self.lenient, "coerce_one_of": self.lenient}  # over any x-guidance
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                prepared.schema, defaults=JSON_STYLE, overrides=options
+            )
+            return Compiled(grammar, prepared.ignored)
         except (ValueError, TypeError) as exc:
             raise KvedgeError(f"the {self.kind} constraint does not compile: {exc}") from None
+
+    def schema(self) -> dict[str, Any] | bool:
+        """The JSON schema (json_schema and json_object kinds)."""
+        text = ANY_JSON_OBJECT if self.kind == "json_object" else self.source
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise KvedgeError(f"the JSON schema is not valid JSON ({exc})") from None
+        if not isinstance(schema, dict | bool):
+            raise KvedgeError("a JSON schema must be an object (or true/false)")
+        return schema
+
+    def refusal(self, message: str) -> str:
+        """Why llguidance refused the grammar (its `message`), in words that name what to change."""
+        if self.kind in ("json_schema", "json_object"):
+            message = json_schema.refusal(message, json_schema.prepare(self.schema()))
+        return f"the {self.kind} constraint is not supported: {message}"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    grammar: str  # llguidance's grammar text
+    # what of the schema the grammar does not enforce: unknown formats ('format=url'), and under
+    # `lenient` the keywords llguidance ignored ('uniqueItems', 'oneOf=anyOf')
+    ignored: tuple[str, ...] = ()
 
 
 class Grammars:
@@ -92,7 +122,7 @@ class Grammars:
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, list(eos_ids)
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[Constraint, str] = OrderedDict()
+        self._compiled: OrderedDict[Constraint, Compiled] = OrderedDict()
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
 
@@ -111,30 +141,33 @@ class Grammars:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvedge-mask")
             return self._tokenizer
 
-    def compile(self, constraint: Constraint) -> str:
+    def compile(self, constraint: Constraint) -> Compiled:
         """The constraint's grammar, validated against this tokenizer (cached)."""
         import llguidance
 
         tokenizer = self.tokenizer()
         with self._lock:
-            grammar = self._compiled.get(constraint)
-            if grammar is not None:
+            compiled = self._compiled.get(constraint)
+            if compiled is not None:
                 self._compiled.move_to_end(constraint)
-                return grammar
-        grammar = constraint.grammar()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+                return compiled
+        compiled = constraint.grammar()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled.grammar, tokenizer)
         if is_error:
-            raise KvedgeError(f"the {constraint.kind} constraint is not supported: {messages[0]}")
+            raise KvedgeError(constraint.refusal(messages[0]))
+        if messages:  # warnings: what a lenient compilation ignored
+            ignored = [*compiled.ignored, *json_schema.lenient_notes(messages)]
+            compiled = Compiled(compiled.grammar, json_schema.notes(ignored))
         with self._lock:
-            self._compiled[constraint] = grammar
+            self._compiled[constraint] = compiled
             while len(self._compiled) > GRAMMAR_CACHE:
                 self._compiled.popitem(last=False)
-        return grammar
+        return compiled
 
     def matcher(self, constraint: Constraint) -> Matcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer(), self.compile(constraint), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), self.compile(constraint).grammar, log_level=0)
         if matcher.is_error():
             raise KvedgeError(f"the {constraint.kind} constraint cannot start: {matcher.get_error()}")
         assert self._worker is not None

@@ -14,6 +14,9 @@ With an API key configured every route but /health and the (static) chat page ne
 (`HostCheck`), JSON bodies must say `Content-Type: application/json`, and no CORS header is sent
 unless `cors_origins` lists origins: so a web page in the device's own browser can neither post
 to the API as a "simple" cross-origin request nor read it through DNS rebinding.
+A json_schema response_format whose schema has parts the spec says to ignore (unknown formats), or
+that `lenient_schemas` let through unenforced, gets `X-Kvedge-Schema-Ignored: format=url, ...`
+on its reply and one log line (kvedge.runtime.json_schema).
 Usage counts carry `prompt_tokens_details.cached_tokens`: the prompt tokens taken from the slot
 or a stored prefix instead of being prefilled.
 Handlers run on the event loop and never touch onnxruntime: they validate the body, render and
@@ -23,6 +26,7 @@ count the prompt (tokenizer only, in a worker thread), submit a `Job` and relay 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -55,6 +59,7 @@ from kvedge.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from kvedge.serve.scheduler import Job, NotReady, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger(__name__)
+SCHEMA_IGNORED = "X-Kvedge-Schema-Ignored"  # what of a response_format schema is not enforced
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -277,7 +282,7 @@ class Api:
         check_limits(config, chat.max_tokens, len(chat.messages))
         encode = functools.partial(model.tokenizer.encode, add_special_tokens=False)
         tool_fmt = tools.format_for(template, encode)
-        ids, constraint = await self.prompt(model, chat, tool_fmt)
+        ids, constraint, ignored = await self.prompt(model, chat, tool_fmt)
         try:
             max_new = model.fit_reply(
                 len(ids), chat.max_tokens, config.default_max_tokens, config.reply_overflow
@@ -295,14 +300,17 @@ class Api:
         reply = ChatReply(
             protocol.completion_id(), config.model_name, len(ids), chat.include_usage, parser, tokenizer
         )
-        return await self.respond(request, job, events, reply, chat.stream)
+        response = await self.respond(request, job, events, reply, chat.stream)
+        if ignored:
+            response.headers[SCHEMA_IGNORED] = ", ".join(ignored)
+        return response
 
     async def prompt(
         self, model: Model, chat: ChatRequest, tool_fmt: tools.ToolFormat | None
-    ) -> tuple[list[int], Constraint | None]:
+    ) -> tuple[list[int], Constraint | None, tuple[str, ...]]:
         """The conversation's token ids (tools rendered the template's way, within
-        max_prompt_tokens) and the reply's constraint, compiled now so that a schema llguidance
-        cannot take is a 400 before the request is queued."""
+        max_prompt_tokens), the reply's constraint, compiled now so that a schema llguidance
+        cannot take is a 400 before the request is queued, and what of its schema is not enforced."""
         if tool_fmt is None:
             if chat.tools:
                 raise ApiError(
@@ -331,12 +339,18 @@ class Api:
         constraint = chat.constraint or tool_fmt.constraint(
             chat.tools, chat.tool_choice, chat.parallel_tool_calls
         )
+        if constraint is not None and constraint.kind == "json_schema" and self.config.lenient_schemas:
+            constraint = dataclasses.replace(constraint, lenient=True)
         try:
-            if constraint is not None:
-                await run_in_threadpool(model.grammars.compile, constraint)
+            compiled = (
+                None if constraint is None else await run_in_threadpool(model.grammars.compile, constraint)
+            )
         except KvedgeError as exc:
             raise api_error(exc, "response_format" if chat.constraint else "tools") from None
-        return ids, constraint
+        ignored = () if compiled is None else compiled.ignored
+        if ignored:
+            log.info("response_format schema: not enforced: %s", ", ".join(ignored))
+        return ids, constraint, ignored
 
     async def completions(self, request: Request) -> Response:
         config = self.config

@@ -60,6 +60,11 @@ File format (every key optional except `model`, which may come from `--model` in
     prefix_disk_min_tokens: 64      # prefixes shorter than this are never written (flash wear)
     ui: null                        # the chat page at GET /: true | false | null = on for a loopback
                                     # host, off otherwise (the page is public: see `ui_default`)
+    lenient_schemas: false          # response_format schemas: compile what the constraint library
+                                    # does not implement by ignoring it (uniqueItems, not, if/then,
+                                    # ...) and a oneOf whose branches may overlap as anyOf, so a
+                                    # reply may break those parts; false = refuse them (400 naming
+                                    # them). Unknown formats are always ignored, as the spec says
 
 Command-line flags override the file. Every error names where the value came from (file or flag),
 the key and what is allowed. Old key names still read, with a warning naming the new one:
@@ -198,6 +203,8 @@ class ServiceConfig:
     ui: Annotated[  # None only until load_service_config applies `ui_default`
         bool | None, Meta(description="true, false, or null (on for a loopback host, off otherwise)")
     ] = None
+    # kvedge.runtime.json_schema: what a lenient compilation ignores
+    lenient_schemas: Annotated[bool, Meta(description="true or false")] = False
     api_key: str | None = field(default=None, repr=False)  # read from $api_key_env, never logged
 
     @property

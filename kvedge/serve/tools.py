@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvedge.runtime import json_schema
 from kvedge.runtime.constrain import JSON_STYLE
 from kvedge.runtime.model import Constraint
 
@@ -248,7 +249,8 @@ def tool_constraint(tools: tuple[Tool, ...], choice: str, parallel: bool = True)
 
 def _call_schema(tools: tuple[Tool, ...], choice: str, arguments: str, extra: dict[str, Any]) -> str:
     """JSON Schema of one call: {"name": <a function allowed by `choice`>, `arguments`: <its
-    parameters>, **extra}, keys in that order, written in `JSON_STYLE`."""
+    parameters, read as the spec reads them (json_schema.prepare: unknown formats ignored)>,
+    **extra}, keys in that order, written in `JSON_STYLE`."""
     allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
     schema = {
         "anyOf": [
@@ -257,7 +259,7 @@ def _call_schema(tools: tuple[Tool, ...], choice: str, arguments: str, extra: di
                 # no keys beyond the declared parameters unless the schema allows them itself
                 "properties": {
                     "name": {"const": t.name},
-                    arguments: {"additionalProperties": False, **t.parameters},
+                    arguments: {"additionalProperties": False, **json_schema.prepare(t.parameters).schema},
                     **extra,
                 },
                 "required": ["name", arguments, *extra],
