@@ -141,6 +141,20 @@ def test_engine_manifest_refuses_another_tensorrt_device_or_model(tmp_path, tiny
         loaded.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 16))
     with pytest.raises(ArtifactMismatch, match="rebuild the engine"):
         engine_manifest(manifest, onnx_fingerprint="0" * 64).check_model(manifest)
+    # each refusal names the command a Jetson can run: `kvedge engine` (no torch), not export
+    refusals = []
+    for call in (
+        lambda: loaded.check_runtime("10.7.0", GpuInfo("Orin", "8.7", 8), folder=tmp_path),
+        lambda: loaded.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 16), folder=tmp_path),
+        lambda: EngineManifest.load(tmp_path / "absent"),
+    ):
+        with pytest.raises(KvedgeError) as refused:
+            call()
+        refusals.append(str(refused.value))
+    for refusal in refusals:
+        assert "kvedge engine " in refusal and "--target tensorrt" not in refusal, refusal
+    assert refusals[0].endswith(f"rebuild the engine on this device with `kvedge engine {tmp_path}`")
+    assert refusals[2].endswith(f"build one on this device with `kvedge engine {tmp_path / 'absent'}`")
 
 
 def test_engine_manifest_of_the_wrong_type_or_format_is_refused(tmp_path, tiny_llama):
@@ -174,7 +188,8 @@ def test_engine_rows_speculation_and_which_calls_fit(tmp_path, tiny_llama):
     refusal = old.verify_refusal()
     needs = f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_TOKENS}"
     assert needs in refusal
-    assert "it decodes one token per step" in refusal and "rebuild the engine with `kvedge export" in refusal
+    assert "it decodes one token per step" in refusal
+    assert "rebuild the engine on this device with `kvedge engine" in refusal
     assert "(1 rows)" in old.call_refusal(1, 5, 2)
     built = engine_manifest(manifest, max_rows=VERIFY_TOKENS)  # max_batch 2, max_prefill 64
     assert built.verify_refusal() is None

@@ -61,7 +61,9 @@ class TrtBackend:
         self.manifest = manifest
         self.engine_manifest = EngineManifest.load(folder)
         self.engine_manifest.check_model(manifest)
-        self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart), "tensorrt")
+        self.engine_manifest.check_runtime(
+            self.trt.__version__, current_device(self.cudart), "tensorrt", folder
+        )
         # the profiles' most sequences per call, and tokens per sequence
         self.max_batch: int | None = self.engine_manifest.max_batch
         self.max_prefill: int | None = self.engine_manifest.max_prefill
