@@ -23,25 +23,32 @@ absent, with what to do about it when that is known.
                 whether the driver can run it: bindings of CUDA major N need a driver for CUDA N
                 or newer (`cuda_python_mismatch`)
     memory      MemTotal and MemAvailable from /proc/meminfo (on Jetson the GPU allocates from it)
+    service user the unit's user (`kvedge`) and whether it is in the groups of the GPU's device
+                nodes that others may not open (L4T's nvhost, nvmap, nvgpu: video, 0660)
 """
 
 from __future__ import annotations
 
 import ctypes.util
 import dataclasses
+import grp
 import importlib.metadata
 import json
+import pwd
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvedge.cudart import version_text
 
 TOOL_TIMEOUT_S = 10
+SERVICE_USER = "kvedge"  # the unit's User= when root renders it (kvedge.serve.service.systemd_unit)
+# The GPU's device nodes: Tegra's (L4T R36), a DRM render node, a discrete GPU's
+GPU_NODES = ("dev/nvmap", "dev/nvhost-*", "dev/nvgpu/*/*", "dev/dri/renderD*", "dev/nvidia*")
 
 
 @dataclass(frozen=True)
@@ -370,6 +377,59 @@ def memory(root: Path) -> Check:
     return Check("memory", f"{available:.2f} GiB available of {total:.2f} GiB", "/proc/meminfo MemAvailable")
 
 
+def gpu_node_groups(root: Path) -> dict[str, list[str]]:
+    """{group: its GPU device nodes} for the nodes in `root` that a group may open and others may
+    not (read and write)."""
+    found: dict[str, list[str]] = {}
+    for pattern in GPU_NODES:
+        for node in sorted(root.glob(pattern)):
+            try:
+                st = node.stat()
+                group = grp.getgrgid(st.st_gid).gr_name
+            except (OSError, KeyError):
+                continue
+            if st.st_mode & 0o060 == 0o060 and st.st_mode & 0o006 != 0o006:
+                found.setdefault(group, []).append(f"/{node.relative_to(root)}")
+    return found
+
+
+def groups_of(user: str) -> set[str] | None:
+    """The groups `user` is in (primary and /etc/group's), or None when there is no such user."""
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    primary = {g.gr_name for g in grp.getgrall() if g.gr_gid == entry.pw_gid}
+    return primary | {g.gr_name for g in grp.getgrall() if user in g.gr_mem}
+
+
+def service_user(
+    root: Path, user: str = SERVICE_USER, member_of: Callable[[str], set[str] | None] = groups_of
+) -> Check:
+    """Whether the service's user exists and is in the groups of the GPU's device nodes: without
+    them its first CUDA call finds no GPU."""
+    nodes: Mapping[str, list[str]] = gpu_node_groups(root)
+    groups = member_of(user)
+    if groups is None:
+        return Check(
+            "service user",
+            None,
+            f"no user {user}: `sudo useradd --system --home-dir /nonexistent --groups video {user}` "
+            "(docs/JETSON.md, the service)",
+        )
+    missing = sorted(set(nodes) - groups)
+    if missing:
+        owns = "; ".join(f"{g}: {', '.join(nodes[g][:3])}" for g in missing)
+        return Check(
+            "service user",
+            user,
+            f"MISSING group {', '.join(missing)}, which owns the GPU's device nodes ({owns}): "
+            f"`sudo usermod -aG {','.join(missing)} {user}`",
+        )
+    held = ", ".join(sorted(nodes)) or "none needed"
+    return Check("service user", user, f"GPU device node groups: {held}")
+
+
 def run_checks(root: Path = Path("/")) -> list[Check]:
     """Every check, in report order. `root` relocates the files read (tests use a fake tree)."""
     checks: list[Callable[[], Check]] = [
@@ -387,6 +447,7 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         tensorrt,
         lambda: cuda_python(root),
         lambda: memory(root),
+        lambda: service_user(root),
     ]
     return [check() for check in checks]
 
