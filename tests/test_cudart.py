@@ -27,6 +27,7 @@ from kvedge.accel import current_device, describe_cudart, import_cudart
 from kvedge.doctor import cuda_runtime
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.cuda import DeviceMemory, MappedHost
+from kvedge.runtime.backends.memory import page_aligned
 
 NO_DRIVER = {cudart.cudaError_t.cudaErrorInsufficientDriver, cudart.cudaError_t.cudaErrorNoDevice}
 
@@ -128,7 +129,7 @@ def test_gpu_paths_fail_naming_the_call_without_a_driver(no_driver, library):
     the CUDA call and CUDA's message, no ctypes traceback."""
     driver = r"failed: (CUDA driver version is insufficient|no CUDA-capable device)"
     with pytest.raises(KvedgeError, match=r"^cudaDeviceGetAttribute\(HostRegisterSupported\) " + driver):
-        MappedHost()
+        MappedHost().register(page_aligned((4, 256), np.uint8))
     with pytest.raises(KvedgeError, match=r"^cudaMalloc\(1024 bytes\) " + driver):
         DeviceMemory().allocate((4, 256), np.uint8)
     with pytest.raises(KvedgeError, match=r"^cudaGetDeviceProperties " + driver):

@@ -347,9 +347,13 @@ class FakeEngine:
         return FakeContext(self, strategy)
 
     def host_address(self, name, address):
-        """Where a bound tensor is in this process: a host-located one at its (host) address, a
-        device one at its device address less the stand-in's offset."""
-        return address if name in HOST_LOCATED else address - self.cudart.device_offset
+        """Where a bound tensor is in this process: a host-located one at its (host) address, one
+        in the stand-in's device memory (`cudaMalloc`: a `--kv-memory device` pool) at its
+        backing, a mapped one at its device address less the stand-in's offset."""
+        if name in HOST_LOCATED:
+            return address
+        backing = self.cudart._on_device(address, 1)
+        return backing if backing is not None else address - self.cudart.device_offset
 
 
 # tensors the fake engine reads from host memory (TensorRT's shape inputs); a test sets it
@@ -469,7 +473,7 @@ def install_fakes(monkeypatch, modules: dict[str, types.ModuleType]) -> None:
 
 @contextlib.contextmanager
 def fake_engine(
-    folder, manifest: Manifest, monkeypatch, device_offset: int = 0, **changes
+    folder, manifest: Manifest, monkeypatch, device_offset: int = 0, host_register: bool = True, **changes
 ) -> Iterator[CudaRuntime]:
     """A fake `model.engine` and its manifest (`engine_manifest(manifest, **changes)`) in
     `folder`, TensorRT and the CUDA runtime faked in sys.modules (device addresses `device_offset`
@@ -477,7 +481,7 @@ def fake_engine(
     (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest, **changes).to_json())
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
-        cudart = CudaRuntime(device_offset=device_offset)
+        cudart = CudaRuntime(device_offset=device_offset, host_register=host_register)
         install_fakes(monkeypatch, fake_modules(folder, manifest, cudart))
         yield cudart
     finally:
@@ -854,6 +858,24 @@ def test_prompts_longer_than_the_engines_max_prefill_prefill_in_chunks_it_takes(
         said = f"takes {VERIFY_TOKENS - 1} tokens per call, a verify up to {VERIFY_TOKENS}"
         assert said in trt.speculation_refusal()
         assert f"--max-prefill {VERIFY_TOKENS} or more" in trt.speculation_refusal()
+
+
+def test_a_gpu_that_cannot_register_host_memory_still_runs_a_device_pool(tiny_llama, monkeypatch):
+    """cudaDevAttrHostRegisterSupported 0 refuses the mapped pool only, naming --kv-memory
+    device; with the pool in device memory the engine loads and answers as the CPU does."""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    prompt = random_ids(20, seed=4)
+    with Model(folder) as cpu:
+        want = prefill(cpu.backend, cpu.cache, 0, [prompt])
+    with fake_engine(folder, manifest, monkeypatch, host_register=False) as cudart:
+        with pytest.raises(KvedgeError, match=r"HostRegisterSupported is 0\).*run with --kv-memory device"):
+            Model(folder, device="tensorrt")
+        assert cudart.registered == {} and cudart.allocated == {} and cudart.device == {}
+        with Model(folder, device="tensorrt", kv_memory="device") as trt:
+            np.testing.assert_allclose(prefill(trt.backend, trt.cache, 0, [prompt]), want, atol=1e-4)
+        assert "cudaHostRegister" not in [name for name, _ in cudart.events]
 
 
 def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkeypatch, caplog):

@@ -47,14 +47,7 @@ class MappedHost:
 
     def __init__(self, cudart: Any | None = None) -> None:
         self.cudart = cudart or import_cudart()
-        supported = self._call(
-            self.cudart.cudaDeviceGetAttribute(
-                self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
-            ),
-            "cudaDeviceGetAttribute(HostRegisterSupported)",
-        )
-        if not supported:
-            raise KvedgeError("this GPU cannot map host memory (cudaHostRegister); the GPU backends need it")
+        self._can_register: bool | None = None  # HostRegisterSupported, asked at the first register
         self._mappings: list[_Mapping] = []  # in the order made
         # Released also when this object is dropped without `close` (a Model never closed): its
         # arrays would otherwise be freed while CUDA still has them registered, and the next
@@ -107,6 +100,7 @@ class MappedHost:
         for mapping in self._mappings:
             if mapping.start == start:
                 return mapping.device
+        self._check_register()
         self._call(
             self.cudart.cudaHostRegister(start, size, self.cudart.cudaHostRegisterMapped),
             f"cudaHostRegister({size} bytes at {start:#x})",
@@ -118,6 +112,26 @@ class MappedHost:
             raise
         self._mappings.append(_Mapping(start, start + size, int(device), root, allocated=False))
         return int(device)
+
+    def _check_register(self) -> None:
+        """Refuse registration on a GPU that cannot page-lock memory in place. Only the mapped
+        cache pool needs it: `empty`'s buffers are cudaHostAlloc's, and a `--kv-memory device`
+        pool is the device's, so one driver answer does not refuse the whole GPU path."""
+        if self._can_register is None:
+            self._can_register = bool(
+                self._call(
+                    self.cudart.cudaDeviceGetAttribute(
+                        self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
+                    ),
+                    "cudaDeviceGetAttribute(HostRegisterSupported)",
+                )
+            )
+        if not self._can_register:
+            raise KvedgeError(
+                "this GPU cannot page-lock host memory in place (cudaDevAttrHostRegisterSupported is 0), "
+                "which the mapped cache pool needs: run with --kv-memory device (`kv_memory: device` in a "
+                "service config), whose pool is GPU memory"
+            )
 
     @property
     def nbytes(self) -> int:
