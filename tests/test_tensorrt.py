@@ -907,6 +907,29 @@ def test_a_decode_step_sets_only_what_changed_on_its_context(tiny_llama, monkeyp
         cpu.close()
 
 
+@pytest.mark.parametrize("kv_memory", ["mapped", "device"])
+def test_a_model_dropped_without_close_gives_back_the_gpu(tiny_llama, monkeypatch, kv_memory):
+    """A Model never closed (a script, a test): its TensorRT stream and activation buffer, the
+    mapped memory and a `--kv-memory device` pool are released when it is collected, the
+    contexts before the memory they were given."""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    with fake_engine(folder, manifest, monkeypatch) as cudart:
+        model = Model(folder, device="tensorrt", kv_memory=kv_memory)
+        prefill(model.backend, model.cache, 0, [random_ids(7, seed=1)])
+        assert cudart.streams and cudart.device
+        del cudart.events[:]
+        del model
+        gc.collect()
+        assert not cudart.streams and cudart.device == {}, cudart.device
+        assert cudart.registered == {} and cudart.allocated == {}
+        events = [name for name, _ in cudart.events]
+        assert max(i for i, name in enumerate(events) if name == "context destroyed") < events.index(
+            "cudaFree"
+        )
+
+
 def test_a_gpu_that_cannot_register_host_memory_still_runs_a_device_pool(tiny_llama, monkeypatch):
     """cudaDevAttrHostRegisterSupported 0 refuses the mapped pool only, naming --kv-memory
     device; with the pool in device memory the engine loads and answers as the CPU does."""

@@ -214,6 +214,9 @@ class DeviceMemory:
     def __init__(self, cudart: Any | None = None) -> None:
         self.cudart = cudart or import_cudart()
         self._allocations: list[int] = []  # device addresses, in the order made
+        # Freed also when this object is dropped without `close` (a Model never closed); the
+        # finalizer holds the list, not this object.
+        self._release = weakref.finalize(self, _free_unclosed, self.cudart, self._allocations)
         self._batching = 0  # `batched` blocks open: `set` leaves the wait to the outermost
         self._unsynced = False  # a copy was queued since the last wait
 
@@ -329,15 +332,31 @@ class DeviceMemory:
     def close(self) -> None:
         """Free every allocation, newest first; each is attempted, then the first failure is
         raised. Safe to call twice."""
-        failures = []
-        while self._allocations:
-            address = self._allocations.pop()
-            try:
-                self._call(self.cudart.cudaFree(address), f"cudaFree({address:#x})")
-            except KvedgeError as exc:
-                failures.append(exc)
+        failures = _free(self.cudart, self._allocations)
         if failures:
             raise failures[0]
+
+
+def _free(cudart: Any, allocations: list[int]) -> list[KvedgeError]:
+    """cudaFree each of `allocations`, newest first, emptying the list; the failures, in order."""
+    failures = []
+    while allocations:
+        address = allocations.pop()
+        try:
+            cuda_call(cudart, cudart.cudaFree(address), f"cudaFree({address:#x})")
+        except KvedgeError as exc:
+            failures.append(exc)
+    return failures
+
+
+def _free_unclosed(cudart: Any, allocations: list[int]) -> None:
+    """`_free` for a `DeviceMemory` dropped without `close`: nobody is left to raise to."""
+    if allocations:
+        log.warning(
+            "a DeviceMemory was dropped without close(); freeing its %d allocations", len(allocations)
+        )
+    for failure in _free(cudart, allocations):
+        log.warning("%s", failure)
 
 
 def _dropped(layer, kind) -> tuple:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,15 @@ class TrtBackend:
         self.max_batch: int | None = self.engine_manifest.max_batch
         self.max_prefill: int | None = self.engine_manifest.max_prefill
         self.host = MappedHost(self.cudart)  # the pool, mapped in place, and the step buffers
-        self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.contexts: dict[int, Any] = {}  # profile -> the execution context that runs it
+        # the stream and the contexts' activation buffer: given back by `close`, or by this
+        # finalizer when the backend is dropped without it (it holds the dicts, not the backend)
+        self._owned: dict[str, Any] = {}
+        self._release = weakref.finalize(self, _release_unclosed, self.cudart, self.contexts, self._owned)
+        self._owned["stream"] = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         # profile -> {tensor: (address, shape)} last given its context: TensorRT keeps both
         # across execute_async_v3, so a step sets only what changed
         self.bound: dict[int, dict[str, tuple[int, tuple[int, ...] | None]]] = {}
-        self.scratch: int | None = None  # the contexts' one activation buffer (device memory)
         self.engine = self.runtime = None
         try:
             self._load(Path(folder), manifest)
@@ -91,7 +95,7 @@ class TrtBackend:
         # (kSTATIC) each context reserves activation memory for every profile; the two never run
         # at once (`run` synchronizes), so they share one buffer of the largest size instead
         size = max(int(self.engine.device_memory_size_v2), 256)
-        self.scratch = int(self._call(self.cudart.cudaMalloc(size), f"cudaMalloc({size} bytes)"))
+        self._owned["scratch"] = int(self._call(self.cudart.cudaMalloc(size), f"cudaMalloc({size} bytes)"))
         for profile in (PREFILL_PROFILE, DECODE_PROFILE):
             context = self.engine.create_execution_context(
                 self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
@@ -122,6 +126,16 @@ class TrtBackend:
             flat = self.host.empty((int(np.prod(spec.shape(b, p, r))),), dtype)
             self.buffers[spec.name] = flat, self.host.device_address(flat)
             check_alignment(spec.name, self.buffers[spec.name][1])
+
+    @property
+    def stream(self) -> Any:
+        """The CUDA stream every step runs on; None once closed."""
+        return self._owned.get("stream")
+
+    @property
+    def scratch(self) -> int | None:
+        """The contexts' one activation buffer (device memory), once loaded."""
+        return self._owned.get("scratch")
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
@@ -234,18 +248,34 @@ class TrtBackend:
         try:
             self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         finally:
-            self.contexts, self.bound = {}, {}
+            self.contexts.clear()
+            self.bound = {}
             self.engine = self.runtime = None
             try:
                 try:
                     self.host.close()
                 finally:
-                    if self.scratch is not None:
-                        scratch, self.scratch = self.scratch, None
+                    if (scratch := self._owned.pop("scratch", None)) is not None:
                         self._call(self.cudart.cudaFree(scratch), f"cudaFree({scratch:#x})")
             finally:
-                stream, self.stream = self.stream, None
+                stream = self._owned.pop("stream")
                 self._call(self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def _release_unclosed(cudart: Any, contexts: dict[int, Any], owned: dict[str, Any]) -> None:
+    """What `close` gives back, for a TrtBackend dropped without it: the contexts go first (the
+    last references to them), then their activation buffer, then the stream. Nobody is left to
+    raise to; the mapped memory is its `MappedHost`'s own finalizer's."""
+    if not owned:
+        return
+    log.warning("a TrtBackend was dropped without close(); releasing its stream and GPU memory")
+    contexts.clear()
+    for key, call in (("scratch", cudart.cudaFree), ("stream", cudart.cudaStreamDestroy)):
+        if key in owned:
+            try:
+                cuda_call(cudart, call(owned.pop(key)), call.__name__)
+            except KvedgeError as exc:
+                log.warning("%s", exc)
 
 
 def _check(ok: bool, what: str) -> None:
