@@ -343,7 +343,22 @@ def cuda_python(root: Path) -> Check:
     return Check("cuda-python", version, f"{dist}, runs on this driver (CUDA {driver})")
 
 
-def cuda_runtime() -> Check:
+def runtime_mismatch(runtime: int, driver: int, tegra: bool) -> str | None:
+    """Why a CUDA runtime of version `runtime` cannot run on a driver of version `driver` (CUDA's
+    1000 * major + 10 * minor), or None. A discrete GPU's driver runs any runtime of its major
+    (minor version compatibility); Tegra has none, so there the runtime's minor counts too."""
+    newer = runtime > driver if tegra else runtime // 1000 > driver // 1000
+    if not driver or not newer:
+        return None
+    needs = version_text(runtime) if tegra else str(runtime // 1000)
+    return (
+        f"MISMATCH: a CUDA {needs} runtime needs a CUDA {needs} driver"
+        + (" (Tegra has no minor version compatibility)" if tegra else "")
+        + f": set KVEDGE_CUDART to a libcudart of CUDA {version_text(driver) if tegra else driver // 1000}"
+    )
+
+
+def cuda_runtime(root: Path = Path("/")) -> Check:
     """The CUDA runtime kvedge drives (`kvedge.accel.import_cudart`), its version and the driver's
     as that runtime reads them, and whether it reaches a GPU, else CUDA's one-line reason."""
     from kvedge.accel import cuda_call, describe_cudart, import_cudart
@@ -360,11 +375,8 @@ def cuda_runtime() -> Check:
         found = f"{cuda_call(runtime, runtime.cudaGetDeviceCount(), 'cudaGetDeviceCount')} GPU(s)"
     except KvedgeError as exc:
         found = str(exc)
-    if driver and version // 1000 > driver // 1000:
-        found += (
-            f"; MISMATCH: a CUDA {version // 1000} runtime needs a CUDA {version // 1000} driver: set "
-            f"KVEDGE_CUDART to a libcudart of CUDA {driver // 1000}"
-        )
+    if problem := runtime_mismatch(version, driver, (root / "etc/nv_tegra_release").exists()):
+        found += f"; {problem}"
     return Check("cuda runtime", value, f"{describe_cudart(runtime)}; {found}")
 
 
@@ -441,7 +453,7 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         lambda: gpu(root),
         cuda,
         lambda: cuda_driver(root),
-        cuda_runtime,
+        lambda: cuda_runtime(root),
         onnxruntime,
         kernels,
         tensorrt,

@@ -30,6 +30,7 @@ from kvedge.doctor import (
     jetpack_line,
     parse_l4t,
     run_checks,
+    runtime_mismatch,
     service_user,
 )
 from kvedge.errors import KvedgeError
@@ -140,6 +141,18 @@ def test_the_service_user_must_be_in_the_gpu_nodes_group(tmp_path):
     assert not absent.present
     assert "useradd --system --home-dir /nonexistent --groups video kvedge" in absent.detail
     assert service_user(tmp_path, "kvedge", lambda user: {"kvedge"}).detail.endswith("none needed")
+
+
+def test_a_newer_cuda_minor_is_a_mismatch_on_tegra_only():
+    """A discrete GPU's driver runs a newer runtime of its major (minor version compatibility);
+    Tegra's does not: CUDA 12.8's libcudart on JetPack 6.2's 12.6 driver is named there."""
+    assert runtime_mismatch(12080, 12060, tegra=False) is None
+    assert runtime_mismatch(12080, 12060, tegra=True) == (
+        "MISMATCH: a CUDA 12.8 runtime needs a CUDA 12.8 driver (Tegra has no minor version "
+        "compatibility): set KVEDGE_CUDART to a libcudart of CUDA 12.6"
+    )
+    assert runtime_mismatch(12060, 12060, tegra=True) is None and runtime_mismatch(12060, 0, True) is None
+    assert runtime_mismatch(13000, 12060, tegra=False).startswith("MISMATCH: a CUDA 13 runtime needs")
 
 
 def test_cli_doctor():
