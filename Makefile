@@ -84,7 +84,7 @@ bench: install
 	$(BIN)/kvedge bench
 
 # On an x86 machine: the tiny exports device_tests/ runs on, in DEVICE_ARTIFACTS with an index
-# (device_tests/artifacts.py); copy the folder to the GPU machine, which needs no torch.
+# (device_tests/artifacts.py), then the line that copies the folder to the GPU machine (no torch there).
 DEVICE_ARTIFACTS ?= device_artifacts
 device-artifacts: install
 	$(BIN)/python device_tests/artifacts.py --out $(DEVICE_ARTIFACTS)

@@ -3,8 +3,8 @@ to the device, which needs only the runtime (`pip install '.[serve]'`: a Jetson 
 transformers or onnx; PyPI's aarch64 torch does not run on L4T).
 
     make device-artifacts                       # x86: python device_tests/artifacts.py --out device_artifacts
-    # copy device_artifacts/ to the device, then there:
-    KVEDGE_DEVICE_ARTIFACTS=$PWD/device_artifacts device_tests/run.sh
+    rsync -a device_artifacts/ orin:/opt/kvedge/device_artifacts/      # the line it prints
+    device_tests/run.sh device_artifacts        # on the device, in /opt/kvedge
 
 The folder: one kvedge export per entry of EXPORTS (each from the same tiny random llama,
 `tests/tiny.py`, family and seed in SOURCE), `pool_reader.onnx` (test_pool_placement's one-node
@@ -155,8 +155,21 @@ def make(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export the tiny artifacts device_tests/ runs on.")
     parser.add_argument("--out", type=Path, default=Path("device_artifacts"), help="folder to write")
-    out = make(parser.parse_args(argv).out)
-    print(f"device artifacts in {out.resolve()}: copy the folder to the device and set {ENV} to it there")
+    out = make(parser.parse_args(argv).out).resolve()
+    print(copy_lines(out))
+
+
+def copy_lines(out: Path, device: str = "orin", repo: str = "/opt/kvedge") -> str:
+    """What to run next: copy the folder `out` into the checkout on `device` (docs/JETSON.md's
+    /opt/kvedge), then run the tests there."""
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return (
+        f"device artifacts in {out} ({size / 2**20:.1f} MiB). Copy them to the device, into the "
+        f"kvedge checkout there:\n"
+        f"  rsync -a {out}/ {device}:{repo}/{out.name}/\n"
+        f"then on the device, in {repo}, with kvedge's venv active:\n"
+        f"  device_tests/run.sh {out.name}"
+    )
 
 
 if __name__ == "__main__":

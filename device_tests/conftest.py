@@ -13,6 +13,8 @@ Each test says what it needs with a marker; where that is missing it is skipped 
     tensorrt   TensorRT and a CUDA runtime, and a GPU they can see
 
 and every test needs the artifacts: $KVEDGE_DEVICE_ARTIFACTS, or torch here to export them.
+Where onnxruntime or kvedge's runtime does not import (device_tests/preflight.py), each test file
+is one test that skips with the line that installs it, rather than a collection error.
 """
 
 from __future__ import annotations
@@ -20,13 +22,43 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import onnxruntime as ort
 import pytest
 from artifacts import ENV as ARTIFACTS_ENV
 from artifacts import missing as artifacts_missing
+from preflight import missing as base_missing
 
-if hasattr(ort, "preload_dlls"):  # CUDA and cuDNN from NVIDIA's pip packages, where installed
-    ort.preload_dlls()
+BASE_MISSING = "; ".join(base_missing())
+if not BASE_MISSING:
+    import onnxruntime as ort
+
+    # CUDA and cuDNN from NVIDIA's pip packages (the `nvidia` namespace) on x86-64; a Jetson's
+    # come with JetPack, where preloading only logs what it did not find
+    pip_cuda = importlib.util.find_spec("nvidia") is not None and not Path("/etc/nv_tegra_release").exists()
+    if pip_cuda and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+
+
+class Unrunnable(pytest.File):
+    """A test file whose imports cannot succeed here: one test, skipped naming what to install."""
+
+    def collect(self):
+        item = Skipped.from_parent(self, name="imports")
+        item.add_marker(pytest.mark.skip(reason=BASE_MISSING))
+        yield item
+
+
+class Skipped(pytest.Item):
+    def runtest(self):  # never run: marked skip
+        pytest.skip(BASE_MISSING)
+
+    def reportinfo(self):
+        return self.path, 0, self.name  # a skip's report needs a line
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if BASE_MISSING and module_path.name.startswith("test_"):
+        return Unrunnable.from_parent(parent, path=module_path)
+    return None
 
 
 def _cuda_runtime_missing() -> str | None:
@@ -71,6 +103,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if BASE_MISSING:  # every item is `Skipped`, saying what to install
+        return
     reasons: dict[str, str | None] = {}
     no_artifacts = artifacts_missing()
     for item in items:
@@ -110,8 +144,9 @@ def pytest_sessionfinish(session, exitstatus):
     if path:
         report = {
             "machine": platform.machine(),
-            "onnxruntime": ort.__version__,
-            "providers": ort.get_available_providers(),
+            "onnxruntime": None if BASE_MISSING else ort.__version__,
+            "providers": [] if BASE_MISSING else ort.get_available_providers(),
+            "missing": BASE_MISSING or None,
             "artifacts": os.environ.get(ARTIFACTS_ENV),  # None: the tests export their own
             "exit_status": int(exitstatus),
             "tests": OUTCOMES,

@@ -8,8 +8,12 @@
 #   3. there: `device_tests/run.sh <artifacts folder>` (or KVEDGE_DEVICE_ARTIFACTS=<folder>).
 #      Without a folder the tests export their own where torch is installed, else skip naming
 #      `make device-artifacts`.
-# It runs pytest on any machine, whatever is missing; each test skips, with the reason, where
-# what it needs is absent (ort_cuda: onnxruntime's CUDAExecutionProvider; tensorrt: TensorRT):
+# The Python: $PYTHON, else the active venv's ($VIRTUAL_ENV), else this repository's .venv, else
+# python3 on PATH. It needs pytest (kvedge's `device-tests` extra), onnxruntime and kvedge's
+# runtime: each one missing is said with the line that installs it (device_tests/preflight.py).
+# Without pytest it stops there; otherwise it always reaches pytest, whatever else is missing or
+# fails to install: each test skips, with the reason, where what it needs is absent (the base
+# above; ort_cuda: onnxruntime's CUDAExecutionProvider; tensorrt: TensorRT):
 #   - a Jetson (JetPack 6.2: NVIDIA's Jetson onnxruntime-gpu and TensorRT; JetPack 7.2: TensorRT
 #     only, the ort_cuda tests skip), kvedge installed as docs/JETSON.md says: the tests as they are;
 #   - an x86-64 Linux machine with an NVIDIA GPU, the CUDA 13 driver, cuBLAS and cuDNN 9 for
@@ -38,7 +42,17 @@ if [ -n "${KVEDGE_DEVICE_ARTIFACTS:-}" ]; then
 else
     echo "no artifacts folder (device_tests/run.sh <folder>, made by \`make device-artifacts\`): the tests export their own where torch is installed, else skip"
 fi
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+if [ -z "${PYTHON:-}" ]; then
+    if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+        PYTHON=$VIRTUAL_ENV/bin/python
+    elif [ -x .venv/bin/python ]; then
+        PYTHON=.venv/bin/python
+    else
+        PYTHON=python3
+    fi
+fi
+echo "python: $(command -v "$PYTHON")"
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" device_tests/preflight.py || exit $?
 TAG=$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 WHEEL=onnxruntime_gpu-1.31.1-$TAG-$TAG-manylinux_2_28_x86_64.whl
 export KVEDGE_DEVICE_REPORT=${KVEDGE_DEVICE_REPORT:-$PWD/device_report.json}
@@ -55,17 +69,19 @@ elif [ "$(uname -m)" != x86_64 ] || [ ! -e "${parts[0]}" ]; then
 else
     tmp=$(mktemp -d)
     cat "${parts[@]}" >"$tmp/$WHEEL"
-    (cd "$tmp" && grep " $WHEEL\$" "$OLDPWD/device_tests/onnxruntime_gpu.sha256" | sha256sum -c -)
-    "$PYTHON" -m pip uninstall -q -y onnxruntime
-    "$PYTHON" -m pip install -q --no-deps --no-index "$tmp/$WHEEL"
+    if ! (cd "$tmp" && grep " $WHEEL\$" "$OLDPWD/device_tests/onnxruntime_gpu.sha256" | sha256sum -c -); then
+        echo "$WHEEL from wheels/ does not match device_tests/onnxruntime_gpu.sha256: not installed; the ort_cuda tests skip"
+    elif ! ("$PYTHON" -m pip uninstall -q -y onnxruntime && "$PYTHON" -m pip install -q --no-deps --no-index "$tmp/$WHEEL"); then
+        echo "installing $WHEEL failed (above): the ort_cuda tests skip"
+    fi
     rm -rf "$tmp"
     has_cuda || echo "onnxruntime-gpu installed but CUDAExecutionProvider is not available (its CUDA libraries?): the ort_cuda tests skip"
 fi
 for module in llguidance msgspec; do
     if ! "$PYTHON" -c "import $module" 2>/dev/null; then
-        wheel=$(ls wheels/"$module"-*.whl 2>/dev/null | head -1)
+        wheel=$(ls wheels/"$module"-*.whl 2>/dev/null | head -1 || true)
         if [ -n "$wheel" ]; then
-            "$PYTHON" -m pip install -q --no-deps --no-index "$wheel"
+            "$PYTHON" -m pip install -q --no-deps --no-index "$wheel" || echo "installing $wheel failed (above)"
         else
             echo "$module is not installed and wheels/ has no wheel of it: the tests that need it fail"
         fi

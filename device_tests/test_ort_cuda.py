@@ -112,31 +112,31 @@ def test_decode_binds_the_mapped_pool_and_copies_no_cache(exported, tmp_path, re
 
 
 def test_cuda_matches_cpu(exported, record):
-    cpu, gpu = Model(exported), Model(exported, device="cuda")
-    ids = _ids(20)
-    a = prefill(cpu.backend, cpu.cache, 0, [ids])[0]
-    b = prefill(gpu.backend, gpu.cache, 0, [ids])[0]
-    worst, atol = 0.0, _tolerance(exported, a)
-    for _ in range(16):
-        worst = max(worst, float(np.abs(a - b).max()))
-        np.testing.assert_allclose(b, a, atol=atol, rtol=0)
-        token = int(np.argmax(a))
-        assert token == int(np.argmax(b))
-        a = decode_one_token(cpu.backend, cpu.cache, 0, [token])[0]
-        b = decode_one_token(gpu.backend, gpu.cache, 0, [token])[0]
+    with Model(exported) as cpu, Model(exported, device="cuda") as gpu:
+        ids = _ids(20)
+        a = prefill(cpu.backend, cpu.cache, 0, [ids])[0]
+        b = prefill(gpu.backend, gpu.cache, 0, [ids])[0]
+        worst, atol = 0.0, _tolerance(exported, a)
+        for _ in range(16):
+            worst = max(worst, float(np.abs(a - b).max()))
+            np.testing.assert_allclose(b, a, atol=atol, rtol=0)
+            token = int(np.argmax(a))
+            assert token == int(np.argmax(b))
+            a = decode_one_token(cpu.backend, cpu.cache, 0, [token])[0]
+            b = decode_one_token(gpu.backend, gpu.cache, 0, [token])[0]
     record(f"{_name(exported)}.cuda_vs_cpu_max_abs_logit_diff", worst)
     record(f"{_name(exported)}.cuda_vs_cpu_tolerance", atol)
 
 
 def test_cache_on_equals_cache_off(exported, record):
-    gpu = Model(exported, device="cuda")
-    ids = _ids(40, seed=1)
-    cached = [prefill(gpu.backend, gpu.cache, 0, [ids[:20]])[0]]
-    cached += [decode_one_token(gpu.backend, gpu.cache, 0, [t])[0] for t in ids[20:]]
-    fresh = []
-    for n in range(20, 41):
-        gpu.cache.reset(0)  # the pool stays where it is mapped; only its valid length restarts
-        fresh.append(prefill(gpu.backend, gpu.cache, 0, [ids[:n]])[0])
+    with Model(exported, device="cuda") as gpu:
+        ids = _ids(40, seed=1)
+        cached = [prefill(gpu.backend, gpu.cache, 0, [ids[:20]])[0]]
+        cached += [decode_one_token(gpu.backend, gpu.cache, 0, [t])[0] for t in ids[20:]]
+        fresh = []
+        for n in range(20, 41):
+            gpu.cache.reset(0)  # the pool stays where it is mapped; only its valid length restarts
+            fresh.append(prefill(gpu.backend, gpu.cache, 0, [ids[:n]])[0])
     diff = float(np.abs(np.stack(cached) - np.stack(fresh)).max())
     record(f"{_name(exported)}.cuda_cache_on_vs_off_max_abs_diff", diff)
     assert diff < _tolerance(exported, np.stack(fresh))
@@ -154,9 +154,9 @@ def _decode_ms(model: Model, context: int, steps: int = 32) -> float:
 
 def test_decode_time_at_long_and_short_context(exported, record):
     for device in ("cuda", "cpu"):
-        model = Model(exported, device=device)
-        _decode_ms(model, 64, steps=4)  # warm-up
-        short, long = _decode_ms(model, 64), _decode_ms(model, 1536)
+        with Model(exported, device=device) as model:
+            _decode_ms(model, 64, steps=4)  # warm-up
+            short, long = _decode_ms(model, 64), _decode_ms(model, 1536)
         name = _name(exported)
         record(f"{name}.{device}_decode_ms_context_64", short)
         record(f"{name}.{device}_decode_ms_context_1536", long)
@@ -227,15 +227,15 @@ def test_decode_time_with_a_cuda_graph(exported, record):
         except Exception as ort_exc:  # onnxruntime's own reason, whatever its type
             record(f"{name}.cuda_graph_onnxruntime_session", f"{type(ort_exc).__name__}: {ort_exc}"[:400])
         pytest.skip(f"no CUDA graph for this export: {exc}")
-    _decode_ms(model, 64, steps=4)  # warm-up: onnxruntime captures after its first runs
-    plain = Model(exported, device="cuda")
-    ids = _ids(1600, seed=4)
-    for context in (100, 1536):  # neither is the context the graph was captured at
-        replayed, uncaptured = _teacher_forced(model, ids, context), _teacher_forced(plain, ids, context)
-        diff = float(np.abs(replayed - uncaptured).max())
-        record(f"{name}.cuda_graph_vs_plain_max_abs_diff_context_{context}", diff)
-        assert diff < ATOL, (context, diff)
-    short, long = _decode_ms(model, 64), _decode_ms(model, 1536)
+    with model, Model(exported, device="cuda") as plain:
+        _decode_ms(model, 64, steps=4)  # warm-up: onnxruntime captures after its first runs
+        ids = _ids(1600, seed=4)
+        for context in (100, 1536):  # neither is the context the graph was captured at
+            replayed, uncaptured = _teacher_forced(model, ids, context), _teacher_forced(plain, ids, context)
+            diff = float(np.abs(replayed - uncaptured).max())
+            record(f"{name}.cuda_graph_vs_plain_max_abs_diff_context_{context}", diff)
+            assert diff < ATOL, (context, diff)
+        short, long = _decode_ms(model, 64), _decode_ms(model, 1536)
     record(f"{name}.cuda_graph_decode_ms_context_64", short)
     record(f"{name}.cuda_graph_decode_ms_context_1536", long)
 

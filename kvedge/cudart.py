@@ -24,7 +24,8 @@ numbers come from cudaDeviceGetAttribute, whose attribute values are fixed.
 Which library, in this order (`locate`): $KVEDGE_CUDART (a path); JetPack's (or the CUDA
 toolkit's) /usr/local/cuda/lib64, then /usr/local/cuda-*/targets/aarch64-linux/lib; the dynamic
 loader's (`ctypes.util.find_library`); NVIDIA's pip wheel (nvidia-cuda-runtime-cu12's
-nvidia/cuda_runtime/lib, nvidia-cuda-runtime 13's nvidia/cu13/lib).
+nvidia/cuda_runtime/lib, nvidia-cuda-runtime 13's nvidia/cu13/lib), except on a Tegra
+(/etc/nv_tegra_release), where PyPI's aarch64 wheel is the SBSA build named above.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ PATH_ENV = "KVEDGE_CUDART"
 TOOLKIT_DIRS = ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/aarch64-linux/lib")
 VERSIONED_DIRS = "/usr/local/cuda-*/targets/aarch64-linux/lib"  # newest first
 WHEEL_DIRS = (("nvidia", "cu13", "lib"), ("nvidia", "cuda_runtime", "lib"))
+TEGRA_RELEASE = Path("/etc/nv_tegra_release")  # L4T's: a Jetson, whose CUDA is JetPack's
 PROPS_BUFFER = 8192  # bytes; any release's cudaDeviceProp is about 1 KiB
 
 cudaHostAllocMapped = 0x02  # noqa: N816 (CUDA's names, as cuda-python spells them)
@@ -124,6 +126,15 @@ PROTOTYPES: dict[str, list] = {
 
 def _candidates() -> list[tuple[str, str]]:
     """(path, how it was found) of every libcudart this machine offers, in the order tried."""
+    return [(path, how) for path, how in _everywhere() if not _sbsa_on_tegra(how)]
+
+
+def _sbsa_on_tegra(how: str) -> bool:
+    """A pip wheel's libcudart on a Jetson: PyPI's aarch64 CUDA wheels are SBSA server builds."""
+    return how == "NVIDIA's pip wheel" and TEGRA_RELEASE.exists()
+
+
+def _everywhere() -> list[tuple[str, str]]:
     found = []
     for folder in [*TOOLKIT_DIRS, *sorted(glob.glob(VERSIONED_DIRS), reverse=True)]:
         found += [(path, f"in {folder}") for path in _libraries_in(folder)]
@@ -153,6 +164,13 @@ def locate() -> tuple[str, str]:
         return given, f"${PATH_ENV}"
     found = _candidates()
     if not found:
+        refused = [path for path, how in _everywhere() if _sbsa_on_tegra(how)]
+        if refused:
+            raise KvedgeError(
+                f"no libcudart of JetPack's found, and NVIDIA's pip wheel ({refused[0]}) is an SBSA server "
+                f"build, not used on a Jetson ({TEGRA_RELEASE}): `sudo apt install nvidia-jetpack` "
+                "(/usr/local/cuda/lib64), `pip uninstall nvidia-cuda-runtime-cu12`"
+            )
         raise KvedgeError(
             "no libcudart found (in /usr/local/cuda/lib64, /usr/local/cuda-*/targets/aarch64-linux/lib, "
             f"the dynamic loader's path, NVIDIA's nvidia-cuda-runtime wheel): set {PATH_ENV} to one, install "

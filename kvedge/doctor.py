@@ -23,25 +23,32 @@ absent, with what to do about it when that is known.
                 whether the driver can run it: bindings of CUDA major N need a driver for CUDA N
                 or newer (`cuda_python_mismatch`)
     memory      MemTotal and MemAvailable from /proc/meminfo (on Jetson the GPU allocates from it)
+    service user the unit's user (`kvedge`) and whether it is in the groups of the GPU's device
+                nodes that others may not open (L4T's nvhost, nvmap, nvgpu: video, 0660)
 """
 
 from __future__ import annotations
 
 import ctypes.util
 import dataclasses
+import grp
 import importlib.metadata
 import json
+import pwd
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvedge.cudart import version_text
 
 TOOL_TIMEOUT_S = 10
+SERVICE_USER = "kvedge"  # the unit's User= when root renders it (kvedge.serve.service.systemd_unit)
+# The GPU's device nodes: Tegra's (L4T R36), a DRM render node, a discrete GPU's
+GPU_NODES = ("dev/nvmap", "dev/nvhost-*", "dev/nvgpu/*/*", "dev/dri/renderD*", "dev/nvidia*")
 
 
 @dataclass(frozen=True)
@@ -336,7 +343,22 @@ def cuda_python(root: Path) -> Check:
     return Check("cuda-python", version, f"{dist}, runs on this driver (CUDA {driver})")
 
 
-def cuda_runtime() -> Check:
+def runtime_mismatch(runtime: int, driver: int, tegra: bool) -> str | None:
+    """Why a CUDA runtime of version `runtime` cannot run on a driver of version `driver` (CUDA's
+    1000 * major + 10 * minor), or None. A discrete GPU's driver runs any runtime of its major
+    (minor version compatibility); Tegra has none, so there the runtime's minor counts too."""
+    newer = runtime > driver if tegra else runtime // 1000 > driver // 1000
+    if not driver or not newer:
+        return None
+    needs = version_text(runtime) if tegra else str(runtime // 1000)
+    return (
+        f"MISMATCH: a CUDA {needs} runtime needs a CUDA {needs} driver"
+        + (" (Tegra has no minor version compatibility)" if tegra else "")
+        + f": set KVEDGE_CUDART to a libcudart of CUDA {version_text(driver) if tegra else driver // 1000}"
+    )
+
+
+def cuda_runtime(root: Path = Path("/")) -> Check:
     """The CUDA runtime kvedge drives (`kvedge.accel.import_cudart`), its version and the driver's
     as that runtime reads them, and whether it reaches a GPU, else CUDA's one-line reason."""
     from kvedge.accel import cuda_call, describe_cudart, import_cudart
@@ -353,11 +375,8 @@ def cuda_runtime() -> Check:
         found = f"{cuda_call(runtime, runtime.cudaGetDeviceCount(), 'cudaGetDeviceCount')} GPU(s)"
     except KvedgeError as exc:
         found = str(exc)
-    if driver and version // 1000 > driver // 1000:
-        found += (
-            f"; MISMATCH: a CUDA {version // 1000} runtime needs a CUDA {version // 1000} driver: set "
-            f"KVEDGE_CUDART to a libcudart of CUDA {driver // 1000}"
-        )
+    if problem := runtime_mismatch(version, driver, (root / "etc/nv_tegra_release").exists()):
+        found += f"; {problem}"
     return Check("cuda runtime", value, f"{describe_cudart(runtime)}; {found}")
 
 
@@ -368,6 +387,59 @@ def memory(root: Path) -> Check:
         return Check("memory", None, "cannot read /proc/meminfo")
     total, available = (int(fields[k]) * 1024 / 2**30 for k in ("MemTotal", "MemAvailable"))
     return Check("memory", f"{available:.2f} GiB available of {total:.2f} GiB", "/proc/meminfo MemAvailable")
+
+
+def gpu_node_groups(root: Path) -> dict[str, list[str]]:
+    """{group: its GPU device nodes} for the nodes in `root` that a group may open and others may
+    not (read and write)."""
+    found: dict[str, list[str]] = {}
+    for pattern in GPU_NODES:
+        for node in sorted(root.glob(pattern)):
+            try:
+                st = node.stat()
+                group = grp.getgrgid(st.st_gid).gr_name
+            except (OSError, KeyError):
+                continue
+            if st.st_mode & 0o060 == 0o060 and st.st_mode & 0o006 != 0o006:
+                found.setdefault(group, []).append(f"/{node.relative_to(root)}")
+    return found
+
+
+def groups_of(user: str) -> set[str] | None:
+    """The groups `user` is in (primary and /etc/group's), or None when there is no such user."""
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    primary = {g.gr_name for g in grp.getgrall() if g.gr_gid == entry.pw_gid}
+    return primary | {g.gr_name for g in grp.getgrall() if user in g.gr_mem}
+
+
+def service_user(
+    root: Path, user: str = SERVICE_USER, member_of: Callable[[str], set[str] | None] = groups_of
+) -> Check:
+    """Whether the service's user exists and is in the groups of the GPU's device nodes: without
+    them its first CUDA call finds no GPU."""
+    nodes: Mapping[str, list[str]] = gpu_node_groups(root)
+    groups = member_of(user)
+    if groups is None:
+        return Check(
+            "service user",
+            None,
+            f"no user {user}: `sudo useradd --system --home-dir /nonexistent --groups video {user}` "
+            "(docs/JETSON.md, the service)",
+        )
+    missing = sorted(set(nodes) - groups)
+    if missing:
+        owns = "; ".join(f"{g}: {', '.join(nodes[g][:3])}" for g in missing)
+        return Check(
+            "service user",
+            user,
+            f"MISSING group {', '.join(missing)}, which owns the GPU's device nodes ({owns}): "
+            f"`sudo usermod -aG {','.join(missing)} {user}`",
+        )
+    held = ", ".join(sorted(nodes)) or "none needed"
+    return Check("service user", user, f"GPU device node groups: {held}")
 
 
 def run_checks(root: Path = Path("/")) -> list[Check]:
@@ -381,12 +453,13 @@ def run_checks(root: Path = Path("/")) -> list[Check]:
         lambda: gpu(root),
         cuda,
         lambda: cuda_driver(root),
-        cuda_runtime,
+        lambda: cuda_runtime(root),
         onnxruntime,
         kernels,
         tensorrt,
         lambda: cuda_python(root),
         lambda: memory(root),
+        lambda: service_user(root),
     ]
     return [check() for check in checks]
 

@@ -633,6 +633,7 @@ def _recommendation_json(found: Recommendation | None) -> dict[str, Any] | None:
     c = found.cell
     return {
         "export": found.export_flags,
+        "engine": found.engine_command,
         "slots": c.slots,
         "max_len": c.context,
         "total": c.total,
@@ -990,16 +991,22 @@ class Recommendation:
 
     @property
     def export_flags(self) -> str:
-        """The `kvedge export` flags that make it (with `--target tensorrt` for that device)."""
-        target = ["--target tensorrt"] if self.device == "tensorrt" else []
-        return " ".join(f for f in (self.form.flags(), *target) if f)
+        """The `kvedge export` flags that make it: a portable folder, exported where torch is."""
+        return self.form.flags()
+
+    @property
+    def engine_command(self) -> str | None:
+        """For tensorrt, the command that builds the engine on the device from the copied folder
+        (`kvedge engine` needs no torch; `export --target tensorrt` does, which a Jetson lacks)."""
+        return f"kvedge engine DIR --max-batch {self.cell.slots}" if self.device == "tensorrt" else None
 
     def describe(self) -> str:
         c = self.cell
         slots = f"{c.slots} {'slot' if c.slots == 1 else 'slots'} x {c.context} tokens"
+        engine = f", then on the device {self.engine_command}" if self.engine_command else ""
         return (
             f"recommended for {self.budget.source} on --device {self.device}: kvedge export "
-            f"{self.export_flags or '(the defaults)'}: {slots}, {human(c.total)} of "
+            f"{self.export_flags or '(the defaults)'}{engine}: {slots}, {human(c.total)} of "
             f"{human(self.budget.usable)} (KL {self.kl:.2g} vs float32)"
         )
 

@@ -52,6 +52,7 @@ class cudaError_t(enum.IntEnum):  # noqa: N801 (cuda-python's name)
     cudaErrorInvalidPitchValue = 12
     cudaErrorHostMemoryAlreadyRegistered = 712
     cudaErrorHostMemoryNotRegistered = 713
+    cudaErrorNotSupported = 801
 
 
 class cudaMemcpyKind(enum.IntEnum):  # noqa: N801 (cuda-python's name)
@@ -83,8 +84,11 @@ class CudaRuntime:
     cudaHostAllocMapped = 2
     cudaHostRegisterMapped = 2
 
-    def __init__(self, device_name: bytes = b"Orin\x00", device_offset: int = 0) -> None:
+    def __init__(
+        self, device_name: bytes = b"Orin\x00", device_offset: int = 0, host_register: bool = True
+    ) -> None:
         self.device_name, self.device_offset = device_name, device_offset
+        self.host_register = host_register  # cudaDevAttrHostRegisterSupported's answer
         self.events: list[tuple[str, object]] = []
         self.registered: dict[int, int] = {}  # start -> bytes, as given
         self.allocated: dict[int, mmap.mmap] = {}  # start -> its memory
@@ -115,6 +119,8 @@ class CudaRuntime:
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> tuple:
         self.log("cudaHostRegister", ptr)
+        if not self.host_register:  # as a GPU answering HostRegisterSupported 0
+            return (cudaError_t.cudaErrorNotSupported,)
         if size <= 0 or flags != self.cudaHostRegisterMapped:
             return (cudaError_t.cudaErrorInvalidValue,)
         if self._locked_pages() & set(self._pages(ptr, size)):
@@ -235,6 +241,8 @@ class CudaRuntime:
         return cudaError_t.cudaSuccess, props
 
     def cudaDeviceGetAttribute(self, attribute: int, device: int) -> tuple:
+        if attribute == self.cudaDeviceAttr.cudaDevAttrHostRegisterSupported:
+            return cudaError_t.cudaSuccess, int(self.host_register)
         return cudaError_t.cudaSuccess, 1
 
     def cudaStreamCreate(self) -> tuple:

@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from kvedge.accel import current_device, describe_cudart, import_cudart
 from kvedge.doctor import cuda_runtime
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.cuda import DeviceMemory, MappedHost
+from kvedge.runtime.backends.memory import page_aligned
 
 NO_DRIVER = {cudart.cudaError_t.cudaErrorInsufficientDriver, cudart.cudaError_t.cudaErrorNoDevice}
 
@@ -128,7 +130,7 @@ def test_gpu_paths_fail_naming_the_call_without_a_driver(no_driver, library):
     the CUDA call and CUDA's message, no ctypes traceback."""
     driver = r"failed: (CUDA driver version is insufficient|no CUDA-capable device)"
     with pytest.raises(KvedgeError, match=r"^cudaDeviceGetAttribute\(HostRegisterSupported\) " + driver):
-        MappedHost()
+        MappedHost().register(page_aligned((4, 256), np.uint8))
     with pytest.raises(KvedgeError, match=r"^cudaMalloc\(1024 bytes\) " + driver):
         DeviceMemory().allocate((4, 256), np.uint8)
     with pytest.raises(KvedgeError, match=r"^cudaGetDeviceProperties " + driver):
@@ -157,6 +159,31 @@ def test_a_wrong_kvedge_cudart_is_one_line_naming_it(tmp_path, monkeypatch):
     ):
         import_cudart()
     assert "\n" not in str(refused.value)
+
+
+def test_a_jetson_never_drives_the_pip_wheels_sbsa_cudart(tmp_path, monkeypatch):
+    """PyPI's aarch64 libcudart is built for SBSA servers: on a Tegra (/etc/nv_tegra_release) it
+    is passed over, and where it is all there is, the refusal says so and what to install."""
+    wheel = tmp_path / "site/nvidia/cuda_runtime/lib"
+    wheel.mkdir(parents=True)
+    (wheel / "libcudart.so.12").touch()
+    (tmp_path / "site/nvidia/__init__.py").touch()
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    monkeypatch.delenv("KVEDGE_CUDART", raising=False)
+    monkeypatch.setattr(cudart, "TOOLKIT_DIRS", ())
+    monkeypatch.setattr(cudart, "VERSIONED_DIRS", str(tmp_path / "none-*"))
+    monkeypatch.setattr(cudart.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(cudart, "WHEEL_DIRS", (("nvidia", "cuda_runtime", "lib"),))
+    monkeypatch.setattr(cudart, "TEGRA_RELEASE", tmp_path / "nv_tegra_release")
+    assert cudart.locate() == (str(wheel / "libcudart.so.12"), "NVIDIA's pip wheel")  # x86-64, SBSA
+    (tmp_path / "nv_tegra_release").write_text("# R36 (release), REVISION: 4.3\n")
+    with pytest.raises(KvedgeError) as refused:
+        cudart.locate()
+    assert str(refused.value).startswith(
+        f"no libcudart of JetPack's found, and NVIDIA's pip wheel ({wheel / 'libcudart.so.12'}) is an SBSA"
+    )
+    assert "`sudo apt install nvidia-jetpack`" in str(refused.value)
 
 
 def test_the_runtime_choice_is_checked(monkeypatch):

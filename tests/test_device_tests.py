@@ -8,6 +8,7 @@ nodes without onnx (device_tests/graph_nodes.py) as onnx reads them."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -45,6 +46,9 @@ def folder(tmp_path_factory) -> Path:
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # it ends saying how the folder reaches the device and what runs there
+    assert f"  rsync -a {out}/ orin:/opt/kvedge/device_artifacts/\n" in done.stdout, done.stdout
+    assert done.stdout.rstrip().endswith("  device_tests/run.sh device_artifacts"), done.stdout
     return out
 
 
@@ -179,3 +183,86 @@ def test_memory_log_reads_host_memory_and_records_the_planners_terms(folder):
     assert terms["kv"] == estimate.kv > 0
     with pytest.raises(KvedgeError, match="cudaMemGetInfo|libcudart|cuda-python"):
         MemoryLog({}.__setitem__, "no-driver")
+
+
+# --- device_tests/run.sh with what a Jetson install may lack ----------------------------------
+
+
+def _closure(dist: str) -> set[str]:
+    """`dist` and the distributions it requires here, recursively (markers evaluated)."""
+    from packaging.requirements import Requirement
+
+    found, todo = set(), [dist]
+    while todo:
+        name = todo.pop()
+        if name.lower() in found:
+            continue
+        found.add(name.lower())
+        for text in importlib.metadata.requires(name) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return found
+
+
+def _bare_python(where: Path, dists: tuple[str, ...] = ()) -> Path:
+    """A venv with the standard library only, plus the named distributions of this Python and
+    what they require (their files linked in): a runtime install without pytest, or pytest
+    alone, without onnxruntime."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    site = next(where.glob("lib/python*/site-packages"))
+    for name in {d for dist in dists for d in _closure(dist)}:
+        dist = importlib.metadata.distribution(name)
+        for top in {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists():
+                (site / top).symlink_to(source)
+    return where / "bin/python"
+
+
+def _run_sh(env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", artifacts.ENV)}
+    return subprocess.run(
+        ["bash", "device_tests/run.sh", str(tmp_path / "no-artifacts")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**environ, "KVEDGE_DEVICE_REPORT": str(tmp_path / "report.json"), **env},
+    )
+
+
+def test_run_sh_takes_the_active_venv_and_names_the_fix_for_a_missing_pytest(tmp_path):
+    """A runtime-only install has no pytest: run.sh, in the venv that is active, says so with the
+    line that installs it (and the same for onnxruntime and kvedge), no traceback."""
+    bare = _bare_python(tmp_path / "venv")
+    done = _run_sh({"VIRTUAL_ENV": str(tmp_path / "venv")}, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert f"python: {bare}" in out  # the active interpreter, not python3 on PATH
+    assert f"device_tests: pytest is not importable by {bare}" in out
+    assert f"{bare} -m pip install pytest (kvedge's device-tests extra)" in out
+    assert f"device_tests: onnxruntime is not importable by {bare}" in out
+    assert f"{bare} -m pip install '.[serve,jp6]'" in out
+    assert "Traceback" not in out and "No module named pytest\n" not in out
+
+
+def test_run_sh_reaches_pytest_without_onnxruntime_and_every_test_skips_saying_why(tmp_path):
+    """A runtime-only install missing onnxruntime (or a wheel that does not import): pytest is
+    reached and every test file skips naming the fix, with no collection error."""
+    bare = _bare_python(tmp_path / "venv", ("pytest",))
+    done = _run_sh({"PYTHON": str(bare)}, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "onnxruntime is not importable" in out and "Traceback" not in out and " error" not in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["missing"].startswith(f"onnxruntime is not importable by {bare}")
+    assert {nodeid.split("::")[0] for nodeid in report["tests"]} == {
+        f"device_tests/{name.split('::')[0]}" for name in _test_names()
+    }
+    for nodeid, outcome in report["tests"].items():
+        assert outcome.startswith("skipped: ") and "onnxruntime is not importable" in outcome, (
+            nodeid,
+            outcome,
+        )

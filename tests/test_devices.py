@@ -68,7 +68,7 @@ def test_device_refusals_name_what_to_install_or_build(tiny_llama):
         assert "--device tensorrt runs the portable graph (standard ONNX ops) only" in engine
         return
     assert "CUDAExecutionProvider is not available here" in cuda and "onnxruntime-gpu" in cuda
-    assert "--device tensorrt needs" in engine and "kvedge export --target tensorrt" in engine
+    assert "--device tensorrt needs" in engine and f"on this device with `kvedge engine {out}`" in engine
     (tiny_llama.out / "model.engine").write_bytes(b"an engine")
     try:
         trt = one_line_error(cli("generate", "--model", out, "--device", "tensorrt", "hi"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import ctypes.util
+import grp
 import importlib.util
 import json
 import os
@@ -29,6 +30,8 @@ from kvedge.doctor import (
     jetpack_line,
     parse_l4t,
     run_checks,
+    runtime_mismatch,
+    service_user,
 )
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.ort import OrtBackend
@@ -109,6 +112,47 @@ def test_doctor_reads_a_jetson(tmp_path, monkeypatch):
     assert checks["cuda"] == "12.6"
     assert checks["memory"] == "6.00 GiB available of 7.44 GiB"
     assert "JetPack 6.2 line" in doctor_report(root=root)
+
+
+def grp_names() -> set[str]:
+    return {g.gr_name for g in grp.getgrall()}
+
+
+def test_the_service_user_must_be_in_the_gpu_nodes_group(tmp_path):
+    """`kvedge doctor`'s service user line: the unit's user must be in the group of every GPU
+    device node others may not open, else its first CUDA call finds no GPU."""
+    root = _fake_jetson(tmp_path)
+    (root / "dev/nvgpu/igpu0").mkdir(parents=True)
+    video = grp.getgrnam("video").gr_gid if os.geteuid() == 0 and "video" in grp_names() else os.getgid()
+    for node in ("nvmap", "nvhost-ctrl-gpu", "nvgpu/igpu0/ctrl"):  # L4T R36's, root:video 0660
+        (root / "dev" / node).touch()
+        os.chown(root / "dev" / node, -1, video)
+        (root / "dev" / node).chmod(0o660)
+    (root / "dev/nvidiactl").touch()
+    (root / "dev/nvidiactl").chmod(0o666)  # anyone may open it: no group needed
+    group = grp.getgrgid(video).gr_name
+    lacking = service_user(root, "kvedge", lambda user: {"kvedge"})
+    assert lacking.value == "kvedge" and lacking.detail.startswith(f"MISSING group {group}, "), lacking
+    assert f"({group}: /dev/nvmap, /dev/nvhost-ctrl-gpu, /dev/nvgpu/igpu0/ctrl)" in lacking.detail
+    assert lacking.detail.endswith(f"`sudo usermod -aG {group} kvedge`")
+    ok = service_user(root, "kvedge", lambda user: {"kvedge", group})
+    assert ok.detail == f"GPU device node groups: {group}", ok
+    absent = service_user(root, "kvedge", lambda user: None)
+    assert not absent.present
+    assert "useradd --system --home-dir /nonexistent --groups video kvedge" in absent.detail
+    assert service_user(tmp_path, "kvedge", lambda user: {"kvedge"}).detail.endswith("none needed")
+
+
+def test_a_newer_cuda_minor_is_a_mismatch_on_tegra_only():
+    """A discrete GPU's driver runs a newer runtime of its major (minor version compatibility);
+    Tegra's does not: CUDA 12.8's libcudart on JetPack 6.2's 12.6 driver is named there."""
+    assert runtime_mismatch(12080, 12060, tegra=False) is None
+    assert runtime_mismatch(12080, 12060, tegra=True) == (
+        "MISMATCH: a CUDA 12.8 runtime needs a CUDA 12.8 driver (Tegra has no minor version "
+        "compatibility): set KVEDGE_CUDART to a libcudart of CUDA 12.6"
+    )
+    assert runtime_mismatch(12060, 12060, tegra=True) is None and runtime_mismatch(12060, 0, True) is None
+    assert runtime_mismatch(13000, 12060, tegra=False).startswith("MISMATCH: a CUDA 13 runtime needs")
 
 
 def test_cli_doctor():

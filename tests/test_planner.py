@@ -505,7 +505,8 @@ def test_recommend_gives_the_form_holding_the_most_slots_among_measured_ones():
     recipe's max_len (one more does not fit); on an Orin Nano 8GB with TensorRT, Llama-3.2-3B as
     the float16 int4 graph with an 8-bit head and the INT8 cache, 6 slots x 2048."""
     found = recommend("orin-nano-8gb", "llama-3.2-3b", "tensorrt")
-    assert found.export_flags == "--precision float16 --weights int4 --kv-dtype int8 --target tensorrt"
+    assert found.export_flags == "--precision float16 --weights int4 --kv-dtype int8"  # where torch is
+    assert found.engine_command == "kvedge engine DIR --max-batch 6"  # on the device: no torch there
     assert (found.cell.slots, found.cell.context) == (6, 2048) and found.kl == pytest.approx(0.0010628)
     # the same form with the 4-bit head is smaller (2 slots more) but costs KL 0.027: never offered
     smaller = dataclasses.replace(found.form, head_bits=4)
@@ -534,7 +535,9 @@ def test_plan_prints_the_recommendation_and_refuses_one_for_an_export(tiny_llama
         "recommended for orin-nano-8gb on --device tensorrt: kvedge export --precision float16 --weights int4"
     )
     rows = json.loads(plan_report("llama-3.2-1b", profile="orin-nano-8gb", device="tensorrt", as_json=True))
-    assert rows[0]["recommended"]["export"].endswith("--kv-dtype int8 --target tensorrt")
+    assert rows[0]["recommended"]["export"].endswith("--kv-dtype int8")
+    assert rows[0]["recommended"]["engine"] == "kvedge engine DIR --max-batch 16"
+    assert ", then on the device kvedge engine DIR --max-batch 16: 16 slots" in text.splitlines()[-1]
     with pytest.raises(
         KvedgeError, match="is an export, whose form is its files; a recommendation is for a recipe"
     ):

@@ -9,7 +9,9 @@
    unit's WorkingDirectory, with systemd's environment (the user's HOME, nothing inherited). The
    service loads root's warm file, writes the second one itself, and a chat request to 127.0.0.1
    answers 200 with the text the model gives in-process; a model folder the user may not read is
-   then refused in one line. The user and its files are removed afterwards.
+   then refused in one line. The user and its files are removed afterwards. The unit's
+   SupplementaryGroups (the GPU groups this machine has: on a Jetson the GPU's device nodes are
+   video's, 0660) are given to those command lines as systemd gives them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from kvedge.export.export import export_model
 from kvedge.files import new_file, new_folder
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Model
+from kvedge.serve.service import systemd_unit
+from kvedge.serve.systemd import GPU_GROUPS, gpu_groups, group_exists, render_unit
 
 SYSTEM = "You are the assistant of a Jetson."  # the prefix root computes
 SECOND = "Answer in one word."  # the prefix the service user computes at boot
@@ -99,6 +103,20 @@ def test_export_and_warm_files_are_readable_by_others_under_umask_022(tmp_path, 
 # --- 2. the unit's command lines as another user (root only) ---------------------------------
 
 
+def test_the_unit_gives_its_user_the_gpu_groups_this_machine_has():
+    assert gpu_groups(lambda name: name == "video") == ("video",)  # a machine without render
+    assert gpu_groups(lambda name: True) == GPU_GROUPS == ("video", "render")
+    none = render_unit("/usr/bin/python3", None, Path("/opt/kvedge"), "kvedge", 10, groups=())
+    assert "SupplementaryGroups" not in unit_lines(none)  # systemd fails a unit naming a group it lacks
+    here = tuple(name for name in GPU_GROUPS if group_exists(name))
+    unit = unit_lines(systemd_unit(None, {"model": "model"}))
+    assert unit.get("SupplementaryGroups", "") == " ".join(here)
+    assert (
+        unit_lines((Path(__file__).parents[1] / "configs/kvedge.service").read_text())["SupplementaryGroups"]
+        == "video"
+    )
+
+
 def why_not_root() -> str | None:
     if os.geteuid() != 0:
         return "needs root, to create a system user and run as it (CI runs as root)"
@@ -106,17 +124,22 @@ def why_not_root() -> str | None:
     return f"needs {', '.join(missing)} (util-linux / passwd)" if missing else None
 
 
-def as_user(user: str, argv: list[str], cwd: Path, **kwargs) -> subprocess.Popen:
+def as_user(user: str, argv: list[str], cwd: Path, groups: str = "", **kwargs) -> subprocess.Popen:
     """`argv` as `user` the way systemd starts a unit's command: in its WorkingDirectory, with
-    the user's HOME (runuser sets it from passwd) and nothing of this process's environment
-    but a PATH."""
+    the user's HOME (runuser sets it from passwd), the unit's SupplementaryGroups (`groups`,
+    space-separated) and nothing of this process's environment but a PATH."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
     runuser = shutil.which("runuser")
-    return subprocess.Popen([runuser, "-u", user, "--", *argv], cwd=cwd, env=env, text=True, **kwargs)
+    supplementary = [flag for group in groups.split() for flag in ("-G", group)]
+    return subprocess.Popen(
+        [runuser, "-u", user, *supplementary, "--", *argv], cwd=cwd, env=env, text=True, **kwargs
+    )
 
 
-def ran_as(user: str, argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    process = as_user(user, argv, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def ran_as(
+    user: str, argv: list[str], cwd: Path, timeout: float = 300, groups: str = ""
+) -> subprocess.CompletedProcess:
+    process = as_user(user, argv, cwd, groups, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
@@ -176,13 +199,17 @@ def service_python(user: str, deploy: Path, granted: list[Path]) -> str:
 
 @pytest.fixture
 def system_user() -> Iterator[str]:
-    """A new system user standing in for the unit's `kvedge` (useradd --system, as the unit's
-    header says), deleted afterwards; a fresh name, so no real kvedge user is touched."""
+    """A new system user standing in for the unit's `kvedge` (useradd --system, in video where
+    that exists, as the unit's header says), deleted afterwards; a fresh name, so no real kvedge
+    user is touched."""
     why = why_not_root()
     if why:
         pytest.skip(why)
     name = f"kvedge-ci-{secrets.token_hex(3)}"
-    user_tool("useradd", "--system", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name)
+    video = ["--groups", "video"] if group_exists("video") else []
+    user_tool(
+        "useradd", "--system", *video, "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name
+    )
     try:
         yield name
     finally:
@@ -269,7 +296,10 @@ def test_the_unit_serves_as_its_user_what_root_exported(system_user, granted, de
     assert printed.returncode == 0, printed.stderr
     unit = unit_lines(printed.stdout)
     assert unit["User"] == "kvedge" and Path(unit["WorkingDirectory"]) == deploy  # root printed it
-    check = ran_as(system_user, shlex.split(unit["ExecStartPre"]), deploy)
+    groups = unit.get("SupplementaryGroups", "")
+    member_of = ran_as(system_user, ["id", "-Gn"], deploy, groups=groups).stdout.split()
+    assert set(groups.split()) <= set(member_of), member_of
+    check = ran_as(system_user, shlex.split(unit["ExecStartPre"]), deploy, groups=groups)
     assert check.returncode == 0 and check.stdout.startswith("ok: "), check.stderr
     assert "2 warm prefixes" in check.stdout
     made = deploy / "warm/service-made.kvw"
@@ -278,7 +308,7 @@ def test_the_unit_serves_as_its_user_what_root_exported(system_user, granted, de
     log = tmp_path / "service.log"
     with open(log, "w") as sink:
         service = as_user(
-            system_user, shlex.split(unit["ExecStart"]), deploy, stdout=sink, stderr=subprocess.STDOUT
+            system_user, shlex.split(unit["ExecStart"]), deploy, groups, stdout=sink, stderr=subprocess.STDOUT
         )
     try:
         url = f"http://127.0.0.1:{port}"

@@ -141,6 +141,20 @@ def test_engine_manifest_refuses_another_tensorrt_device_or_model(tmp_path, tiny
         loaded.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 16))
     with pytest.raises(ArtifactMismatch, match="rebuild the engine"):
         engine_manifest(manifest, onnx_fingerprint="0" * 64).check_model(manifest)
+    # each refusal names the command a Jetson can run: `kvedge engine` (no torch), not export
+    refusals = []
+    for call in (
+        lambda: loaded.check_runtime("10.7.0", GpuInfo("Orin", "8.7", 8), folder=tmp_path),
+        lambda: loaded.check_runtime("10.3.0", GpuInfo("Orin", "8.7", 16), folder=tmp_path),
+        lambda: EngineManifest.load(tmp_path / "absent"),
+    ):
+        with pytest.raises(KvedgeError) as refused:
+            call()
+        refusals.append(str(refused.value))
+    for refusal in refusals:
+        assert "kvedge engine " in refusal and "--target tensorrt" not in refusal, refusal
+    assert refusals[0].endswith(f"rebuild the engine on this device with `kvedge engine {tmp_path}`")
+    assert refusals[2].endswith(f"build one on this device with `kvedge engine {tmp_path / 'absent'}`")
 
 
 def test_engine_manifest_of_the_wrong_type_or_format_is_refused(tmp_path, tiny_llama):
@@ -174,7 +188,8 @@ def test_engine_rows_speculation_and_which_calls_fit(tmp_path, tiny_llama):
     refusal = old.verify_refusal()
     needs = f"its prefill profile takes 1 logits row per sequence, a verify needs up to {VERIFY_TOKENS}"
     assert needs in refusal
-    assert "it decodes one token per step" in refusal and "rebuild the engine with `kvedge export" in refusal
+    assert "it decodes one token per step" in refusal
+    assert "rebuild the engine on this device with `kvedge engine" in refusal
     assert "(1 rows)" in old.call_refusal(1, 5, 2)
     built = engine_manifest(manifest, max_rows=VERIFY_TOKENS)  # max_batch 2, max_prefill 64
     assert built.verify_refusal() is None
@@ -245,6 +260,7 @@ class FakeContext:
 
     def set_input_shape(self, name, shape):
         assert self.profile is not None, "set a profile first"
+        self.engine.setter_calls += 1
         names = self.engine.manifest.names
         if name == names.input_ids and self.profile == 1 and shape[1] > 1:
             return False  # the decode profile's seq axis is 1..1
@@ -259,6 +275,7 @@ class FakeContext:
         return True
 
     def set_tensor_address(self, name, address):
+        self.engine.setter_calls += 1
         if address % 256:
             return False
         offset = self.engine.cudart.device_offset
@@ -308,6 +325,7 @@ class FakeEngine:
         self.profiles_in_use: dict[int, int] = {}  # profile -> id() of the context holding it
         self.runs: list[int] = []  # the profile of each execute_async_v3
         self.calls: list[tuple[int, ...]] = []  # and its input_ids shape [batch, seq]
+        self.setter_calls = 0  # set_input_shape and set_tensor_address, every context
         self.session = ort.InferenceSession(str(folder / ONNX_FILE), providers=["CPUExecutionProvider"])
         built = EngineManifest.load(folder)  # built together with its manifest
         self.max_rows, self.max_batch, self.max_prefill = built.max_rows, built.max_batch, built.max_prefill
@@ -332,9 +350,13 @@ class FakeEngine:
         return FakeContext(self, strategy)
 
     def host_address(self, name, address):
-        """Where a bound tensor is in this process: a host-located one at its (host) address, a
-        device one at its device address less the stand-in's offset."""
-        return address if name in HOST_LOCATED else address - self.cudart.device_offset
+        """Where a bound tensor is in this process: a host-located one at its (host) address, one
+        in the stand-in's device memory (`cudaMalloc`: a `--kv-memory device` pool) at its
+        backing, a mapped one at its device address less the stand-in's offset."""
+        if name in HOST_LOCATED:
+            return address
+        backing = self.cudart._on_device(address, 1)
+        return backing if backing is not None else address - self.cudart.device_offset
 
 
 # tensors the fake engine reads from host memory (TensorRT's shape inputs); a test sets it
@@ -454,7 +476,7 @@ def install_fakes(monkeypatch, modules: dict[str, types.ModuleType]) -> None:
 
 @contextlib.contextmanager
 def fake_engine(
-    folder, manifest: Manifest, monkeypatch, device_offset: int = 0, **changes
+    folder, manifest: Manifest, monkeypatch, device_offset: int = 0, host_register: bool = True, **changes
 ) -> Iterator[CudaRuntime]:
     """A fake `model.engine` and its manifest (`engine_manifest(manifest, **changes)`) in
     `folder`, TensorRT and the CUDA runtime faked in sys.modules (device addresses `device_offset`
@@ -462,7 +484,7 @@ def fake_engine(
     (folder / ENGINE_MANIFEST_FILE).write_text(engine_manifest(manifest, **changes).to_json())
     (folder / ENGINE_FILE).write_bytes(b"fake plan")
     try:
-        cudart = CudaRuntime(device_offset=device_offset)
+        cudart = CudaRuntime(device_offset=device_offset, host_register=host_register)
         install_fakes(monkeypatch, fake_modules(folder, manifest, cudart))
         yield cudart
     finally:
@@ -654,6 +676,17 @@ def test_trt_backend_raises_what_tensorrt_refuses_naming_the_tensor(tiny_llama, 
         monkeypatch.setattr(FakeContext, "set_optimization_profile_async", lambda self, i, s: False)
         with pytest.raises(KvedgeError, match=r"TensorRT refused set_optimization_profile_async\(0\)"):
             TrtBackend(folder, manifest)
+
+        def raises(self, index, stream):  # TensorRT 10.3's binding (pyCore.cpp) never answers False
+            raise RuntimeError("Error in set optimization profile async.")
+
+        monkeypatch.setattr(FakeContext, "set_optimization_profile_async", raises)
+        with pytest.raises(KvedgeError) as refused:
+            TrtBackend(folder, manifest)
+        assert str(refused.value) == (
+            "TensorRT refused set_optimization_profile_async(0) (prefill profile): Error in set "
+            "optimization profile async.; see its log above"
+        )
         trt.close()
         gc.collect()
         assert cudart.registered == {} and cudart.allocated == {} and not cudart.streams
@@ -839,6 +872,80 @@ def test_prompts_longer_than_the_engines_max_prefill_prefill_in_chunks_it_takes(
         said = f"takes {VERIFY_TOKENS - 1} tokens per call, a verify up to {VERIFY_TOKENS}"
         assert said in trt.speculation_refusal()
         assert f"--max-prefill {VERIFY_TOKENS} or more" in trt.speculation_refusal()
+
+
+def test_a_decode_step_sets_only_what_changed_on_its_context(tiny_llama, monkeypatch):
+    """TensorRT keeps input shapes and tensor addresses across execute_async_v3: a decode step
+    over the same slots sets none again (SmolLM2 with the INT8 cache made about 370 Python-to-
+    TensorRT calls per step), a step over another batch sets what moved, and logits still match."""
+    from kvedge.runtime.backends.trt import TrtBackend
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    with fake_engine(folder, manifest, monkeypatch, max_batch=2):
+        trt, cpu = TrtBackend(folder, manifest), Model(folder, slots=2)
+        cache = KVCache(manifest.geometry, 2)
+        trt.reserve(cache.layer_views(0, 2), manifest.geometry.max_len)
+        prompts = [random_ids(9, seed=1), random_ids(5, seed=2)]
+        a, b = prefill(cpu.backend, cpu.cache, 0, prompts), prefill(trt, cache, 0, prompts)
+        calls = []
+        for _ in range(4):
+            tokens = [int(t) for t in np.argmax(a, axis=-1)]
+            a = decode_one_token(cpu.backend, cpu.cache, 0, tokens)
+            before = trt.engine.setter_calls
+            b = decode_one_token(trt, cache, 0, tokens)
+            calls.append(trt.engine.setter_calls - before)
+            np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+        inputs = len(trt.step_inputs) + len(manifest.names.past(manifest.geometry.quantized)) * len(
+            cache.layer_views(0, 2)
+        )
+        assert calls[0] == 2 * inputs + len(trt.outputs) and calls[1:] == [0, 0, 0], calls
+        before = trt.engine.setter_calls
+        decode_one_token(trt, cache, 1, [5])  # one row, from slot 1: shapes and pool views move
+        assert 0 < trt.engine.setter_calls - before <= 2 * inputs
+        trt.close()
+        cpu.close()
+
+
+@pytest.mark.parametrize("kv_memory", ["mapped", "device"])
+def test_a_model_dropped_without_close_gives_back_the_gpu(tiny_llama, monkeypatch, kv_memory):
+    """A Model never closed (a script, a test): its TensorRT stream and activation buffer, the
+    mapped memory and a `--kv-memory device` pool are released when it is collected, the
+    contexts before the memory they were given."""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    with fake_engine(folder, manifest, monkeypatch) as cudart:
+        model = Model(folder, device="tensorrt", kv_memory=kv_memory)
+        prefill(model.backend, model.cache, 0, [random_ids(7, seed=1)])
+        assert cudart.streams and cudart.device
+        del cudart.events[:]
+        del model
+        gc.collect()
+        assert not cudart.streams and cudart.device == {}, cudart.device
+        assert cudart.registered == {} and cudart.allocated == {}
+        events = [name for name, _ in cudart.events]
+        assert max(i for i, name in enumerate(events) if name == "context destroyed") < events.index(
+            "cudaFree"
+        )
+
+
+def test_a_gpu_that_cannot_register_host_memory_still_runs_a_device_pool(tiny_llama, monkeypatch):
+    """cudaDevAttrHostRegisterSupported 0 refuses the mapped pool only, naming --kv-memory
+    device; with the pool in device memory the engine loads and answers as the CPU does."""
+    from kvedge.runtime.model import Model
+
+    folder, manifest = tiny_llama.out, portable(tiny_llama)
+    prompt = random_ids(20, seed=4)
+    with Model(folder) as cpu:
+        want = prefill(cpu.backend, cpu.cache, 0, [prompt])
+    with fake_engine(folder, manifest, monkeypatch, host_register=False) as cudart:
+        with pytest.raises(KvedgeError, match=r"HostRegisterSupported is 0\).*run with --kv-memory device"):
+            Model(folder, device="tensorrt")
+        assert cudart.registered == {} and cudart.allocated == {} and cudart.device == {}
+        with Model(folder, device="tensorrt", kv_memory="device") as trt:
+            np.testing.assert_allclose(prefill(trt.backend, trt.cache, 0, [prompt]), want, atol=1e-4)
+        assert "cudaHostRegister" not in [name for name, _ in cudart.events]
 
 
 def test_tensorrt_speculates_with_an_engine_built_for_it_only(tiny_llama, monkeypatch, caplog):

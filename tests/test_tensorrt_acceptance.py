@@ -8,7 +8,8 @@ profiles. A pass here is strong evidence for Jetson, not proof: docs/JETSON.md k
 difference (explicit quantization only, slightly different type coverage). Every network is
 strongly typed on both flavours, so the engine built here computes in the dtypes a Jetson's
 does: each case checks the network's own flag, the engine manifest, and that the network's
-inputs and outputs carry the graph's dtypes (a float16 graph's cache float16, its logits float32).
+inputs and outputs carry the graph's dtypes (a float16 graph's cache float16, its logits float32)
+and that no input is a shape tensor (the runtime binds none as one).
 
 What the parser rejects is refused with the parser's own words: the cases below that expect a
 refusal check the message `build_engine` raises carries the parser's reason.
@@ -70,6 +71,11 @@ def check_strongly_typed(out) -> None:
         n: d for n, d in wanted.items() if d.kind == "f"
     }
     assert dtypes[manifest.names.logits] == np.float32
+    # No input is a shape tensor (whose values TensorRT needs on the host, per profile, through
+    # set_shape_input): the builder gives none and the runtime binds every step input as data,
+    # although the portable graph feeds past_lengths through ReduceMax into Slice.
+    shape_inputs = [t.name for t in found[: network.num_inputs] if t.is_shape_tensor]
+    assert shape_inputs == [], f"shape-tensor inputs: {shape_inputs}"
 
 
 @pytest.mark.parametrize("case", sorted(ACCEPTED))

@@ -54,7 +54,20 @@ ENGINE_FORMAT = "kvedge-engine"
 # `fp16` (the weakly typed builder's FP16 flag)
 ENGINE_VERSION = 2
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
-REBUILD = "rebuild the engine with `kvedge export --target tensorrt`"
+
+
+def build_here(folder: str | Path = "DIR") -> str:
+    """The command that builds export `folder`'s engine on this device. `kvedge engine` needs no
+    torch, so a Jetson has it; `kvedge export --target tensorrt` needs torch, which it has not."""
+    return f"`kvedge engine {folder}`"
+
+
+def rebuild(folder: str | Path = "DIR") -> str:
+    return f"rebuild the engine on this device with {build_here(folder)}"
+
+
+REBUILD = rebuild()
+
 # `--device`: what runs an artifact: onnxruntime on the CPU or CUDA, or its TensorRT engine
 DEVICES = ("cpu", "cuda", "tensorrt")
 # the cache dtype of the one in-place export onnxruntime's CUDA provider runs (`device_refusal`)
@@ -162,10 +175,10 @@ class EngineManifest:
         path = Path(folder) / ENGINE_MANIFEST_FILE
         if not path.is_file():
             raise KvedgeError(
-                f"{folder}: no {ENGINE_MANIFEST_FILE}; build one with `kvedge export --target tensorrt`"
+                f"{folder}: no {ENGINE_MANIFEST_FILE}; build one on this device with {build_here(folder)}"
             )
         data = decode_json(path.read_bytes(), str(path))
-        return read_artifact(data, cls, Header(ENGINE_FORMAT, ENGINE_VERSION), str(path), REBUILD)
+        return read_artifact(data, cls, Header(ENGINE_FORMAT, ENGINE_VERSION), str(path), rebuild(folder))
 
     def check_model(self, manifest: Manifest) -> None:
         """Refuse an engine built from another model or graph than the folder's model.onnx."""
@@ -216,17 +229,18 @@ class EngineManifest:
             )
         return None
 
-    def check_runtime(self, tensorrt_version: str, gpu: GpuInfo, flavour: str = "tensorrt") -> None:
-        """Refuse an engine built by another TensorRT flavour or version or for another GPU,
-        naming both sides."""
+    def check_runtime(
+        self, tensorrt_version: str, gpu: GpuInfo, flavour: str = "tensorrt", folder: str | Path = "DIR"
+    ) -> None:
+        """Refuse an engine (of export `folder`) built by another TensorRT flavour or version or
+        for another GPU, naming both sides and the command that rebuilds it."""
         if (flavour, tensorrt_version) != (self.tensorrt_flavour, self.tensorrt_version):
             raise ArtifactMismatch(
                 f"the engine was built with {self.built_with}, this machine has "
-                f"{TENSORRT_FLAVOURS.get(flavour, flavour)} {tensorrt_version}; rebuild it here with "
-                "`kvedge export --target tensorrt`"
+                f"{TENSORRT_FLAVOURS.get(flavour, flavour)} {tensorrt_version}; {rebuild(folder)}"
             )
         if gpu != self.gpu:
             raise ArtifactMismatch(
                 f"the engine was built for {self.gpu.describe()}, this machine has "
-                f"{gpu.describe()}; rebuild it here with `kvedge export --target tensorrt`"
+                f"{gpu.describe()}; {rebuild(folder)}"
             )

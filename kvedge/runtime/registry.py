@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvedge.contract import Manifest
-from kvedge.contract.engine import DEVICES, ENGINE_FILE, device_refusal
+from kvedge.contract.engine import DEVICES, ENGINE_FILE, build_here, device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.runtime.interface import MAX_DECODE_BINDINGS, Backend
 
@@ -45,7 +45,7 @@ def open_backend(
     if not (folder / ENGINE_FILE).is_file():
         raise KvedgeError(
             f"--device tensorrt needs {folder / ENGINE_FILE}; build it on this device with "
-            "`kvedge export --target tensorrt`"
+            + build_here(folder)
         )
     from kvedge.runtime.backends.trt import TrtBackend
 

@@ -27,7 +27,7 @@ from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
 from kvedge.serve.metrics import Metrics
 from kvedge.serve.scheduler import Scheduler, decode_warmup
-from kvedge.serve.systemd import Notifier, render_unit
+from kvedge.serve.systemd import Notifier, gpu_groups, render_unit
 from kvedge.serve.ui import page_url
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ def other_exports(disk: PrefixDisk, prefix_dir: Path) -> str:
 
 def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
     """The unit that runs `kvedge serve` with this config file and these flags, paths made
-    absolute, as the current user unless that is root (then `kvedge`, a system user)."""
+    absolute, as the current user unless that is root (then `kvedge`, a system user), in the GPU
+    groups this machine has."""
     flags = []
     for key, value in overrides.items():
         if isinstance(value, bool):  # an on/off flag (--ui / --no-ui) takes no value
@@ -95,7 +96,7 @@ def systemd_unit(config_path: Path | None, overrides: Mapping[str, Any]) -> str:
     user = getpass.getuser()
     config = None if config_path is None else config_path.absolute()
     return render_unit(
-        sys.executable, config, Path.cwd(), "kvedge" if user == "root" else user, grace_s, flags
+        sys.executable, config, Path.cwd(), "kvedge" if user == "root" else user, grace_s, flags, gpu_groups()
     )
 
 

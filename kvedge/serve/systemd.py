@@ -13,11 +13,12 @@ scheduler ends the process non-zero, which `Restart=on-failure` restarts too.
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,10 @@ UNIT = """\
 # `kvedge serve --config CONFIG --print-systemd-unit` writes this file for the current install.
 # A bearer key (required when the config binds a non-loopback host) goes in /etc/kvedge/kvedge.env
 # as NAME=value, NAME being the config's api_key_env. The service runs as User, never root; create
-# it with `sudo useradd --system --home-dir /nonexistent kvedge`. It reads what export and
+# it with `sudo useradd --system --home-dir /nonexistent --groups video kvedge` (and
+# `sudo usermod -aG render kvedge` where a render group exists). The GPU's device nodes are group
+# video on a Jetson (mode 0660), so SupplementaryGroups names those of video and render the
+# rendering machine has; `kvedge doctor` names a GPU group the user lacks. It reads what export and
 # warm-prefixes wrote under umask 022 (folders 0755, files 0644); to let it write warm prefix files
 # at boot, give it the config's warm_dir: `sudo install -d -o kvedge -m 0755 WARM_DIR`, and to keep
 # conversations across restarts, its prefix_dir: `sudo install -d -o kvedge -m 0700 PREFIX_DIR`.
@@ -46,7 +50,7 @@ NotifyAccess=main
 TimeoutStartSec=900
 WatchdogSec=60
 User={user}
-WorkingDirectory={workdir}
+{groups}WorkingDirectory={workdir}
 Environment=PYTHONUNBUFFERED=1
 EnvironmentFile=-/etc/kvedge/kvedge.env
 ExecStartPre={python} -m kvedge serve {args} --check
@@ -64,14 +68,45 @@ WantedBy=multi-user.target
 """
 
 
+# The groups that own GPU device nodes: L4T's nvhost, nvmap and nvgpu nodes are video's (0660),
+# a DRM render node render's. Ollama's installer adds its user to both for the same reason.
+GPU_GROUPS = ("video", "render")
+
+
+def group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def gpu_groups(exists: Callable[[str], bool] = group_exists) -> tuple[str, ...]:
+    """The `GPU_GROUPS` this machine has. systemd fails a unit whose SupplementaryGroups names a
+    group that does not exist (216/GROUP), so the unit names only these."""
+    return tuple(name for name in GPU_GROUPS if exists(name))
+
+
 def render_unit(
-    python: str, config: Path | None, workdir: Path, user: str, grace_s: float, flags: Sequence[str] = ()
+    python: str,
+    config: Path | None,
+    workdir: Path,
+    user: str,
+    grace_s: float,
+    flags: Sequence[str] = (),
+    groups: Sequence[str] = ("video",),  # every Debian and Ubuntu has video (base-passwd's gid 44)
 ) -> str:
     """The unit text for `kvedge serve --config CONFIG FLAGS...` (no --config when `config` is
-    None); systemd waits `grace_s` (the config's shutdown grace) plus 10 s before SIGKILL."""
+    None), run as `user` with the supplementary `groups`; systemd waits `grace_s` (the config's
+    shutdown grace) plus 10 s before SIGKILL."""
     args = ([f"--config {config}"] if config is not None else []) + list(flags)
     return UNIT.format(
-        python=python, args=" ".join(args), workdir=workdir, user=user, stop_timeout_s=int(grace_s) + 10
+        python=python,
+        args=" ".join(args),
+        workdir=workdir,
+        user=user,
+        groups=f"SupplementaryGroups={' '.join(groups)}\n" if groups else "",
+        stop_timeout_s=int(grace_s) + 10,
     )
 
 

@@ -47,14 +47,7 @@ class MappedHost:
 
     def __init__(self, cudart: Any | None = None) -> None:
         self.cudart = cudart or import_cudart()
-        supported = self._call(
-            self.cudart.cudaDeviceGetAttribute(
-                self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
-            ),
-            "cudaDeviceGetAttribute(HostRegisterSupported)",
-        )
-        if not supported:
-            raise KvedgeError("this GPU cannot map host memory (cudaHostRegister); the GPU backends need it")
+        self._can_register: bool | None = None  # HostRegisterSupported, asked at the first register
         self._mappings: list[_Mapping] = []  # in the order made
         # Released also when this object is dropped without `close` (a Model never closed): its
         # arrays would otherwise be freed while CUDA still has them registered, and the next
@@ -107,6 +100,7 @@ class MappedHost:
         for mapping in self._mappings:
             if mapping.start == start:
                 return mapping.device
+        self._check_register()
         self._call(
             self.cudart.cudaHostRegister(start, size, self.cudart.cudaHostRegisterMapped),
             f"cudaHostRegister({size} bytes at {start:#x})",
@@ -118,6 +112,26 @@ class MappedHost:
             raise
         self._mappings.append(_Mapping(start, start + size, int(device), root, allocated=False))
         return int(device)
+
+    def _check_register(self) -> None:
+        """Refuse registration on a GPU that cannot page-lock memory in place. Only the mapped
+        cache pool needs it: `empty`'s buffers are cudaHostAlloc's, and a `--kv-memory device`
+        pool is the device's, so one driver answer does not refuse the whole GPU path."""
+        if self._can_register is None:
+            self._can_register = bool(
+                self._call(
+                    self.cudart.cudaDeviceGetAttribute(
+                        self.cudart.cudaDeviceAttr.cudaDevAttrHostRegisterSupported, 0
+                    ),
+                    "cudaDeviceGetAttribute(HostRegisterSupported)",
+                )
+            )
+        if not self._can_register:
+            raise KvedgeError(
+                "this GPU cannot page-lock host memory in place (cudaDevAttrHostRegisterSupported is 0), "
+                "which the mapped cache pool needs: run with --kv-memory device (`kv_memory: device` in a "
+                "service config), whose pool is GPU memory"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -200,6 +214,9 @@ class DeviceMemory:
     def __init__(self, cudart: Any | None = None) -> None:
         self.cudart = cudart or import_cudart()
         self._allocations: list[int] = []  # device addresses, in the order made
+        # Freed also when this object is dropped without `close` (a Model never closed); the
+        # finalizer holds the list, not this object.
+        self._release = weakref.finalize(self, _free_unclosed, self.cudart, self._allocations)
         self._batching = 0  # `batched` blocks open: `set` leaves the wait to the outermost
         self._unsynced = False  # a copy was queued since the last wait
 
@@ -315,15 +332,31 @@ class DeviceMemory:
     def close(self) -> None:
         """Free every allocation, newest first; each is attempted, then the first failure is
         raised. Safe to call twice."""
-        failures = []
-        while self._allocations:
-            address = self._allocations.pop()
-            try:
-                self._call(self.cudart.cudaFree(address), f"cudaFree({address:#x})")
-            except KvedgeError as exc:
-                failures.append(exc)
+        failures = _free(self.cudart, self._allocations)
         if failures:
             raise failures[0]
+
+
+def _free(cudart: Any, allocations: list[int]) -> list[KvedgeError]:
+    """cudaFree each of `allocations`, newest first, emptying the list; the failures, in order."""
+    failures = []
+    while allocations:
+        address = allocations.pop()
+        try:
+            cuda_call(cudart, cudart.cudaFree(address), f"cudaFree({address:#x})")
+        except KvedgeError as exc:
+            failures.append(exc)
+    return failures
+
+
+def _free_unclosed(cudart: Any, allocations: list[int]) -> None:
+    """`_free` for a `DeviceMemory` dropped without `close`: nobody is left to raise to."""
+    if allocations:
+        log.warning(
+            "a DeviceMemory was dropped without close(); freeing its %d allocations", len(allocations)
+        )
+    for failure in _free(cudart, allocations):
+        log.warning("%s", failure)
 
 
 def _dropped(layer, kind) -> tuple:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from kvedge.runtime.embeddings import TableEmbeddings
 from kvedge.runtime.interface import StepOutput, step_logits, step_values
 
 log = logging.getLogger(__name__)
+PROFILE_NAMES = {PREFILL_PROFILE: "prefill", DECODE_PROFILE: "decode"}
 
 
 class TrtBackend:
@@ -66,14 +68,22 @@ class TrtBackend:
         self.manifest = manifest
         self.engine_manifest = EngineManifest.load(folder)
         self.engine_manifest.check_model(manifest)
-        self.engine_manifest.check_runtime(self.trt.__version__, current_device(self.cudart), "tensorrt")
+        self.engine_manifest.check_runtime(
+            self.trt.__version__, current_device(self.cudart), "tensorrt", folder
+        )
         # the profiles' most sequences per call, and tokens per sequence
         self.max_batch: int | None = self.engine_manifest.max_batch
         self.max_prefill: int | None = self.engine_manifest.max_prefill
         self.host = MappedHost(self.cudart)  # the pool, mapped in place, and the step buffers
-        self.stream = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.contexts: dict[int, Any] = {}  # profile -> the execution context that runs it
-        self.scratch: int | None = None  # the contexts' one activation buffer (device memory)
+        # the stream and the contexts' activation buffer: given back by `close`, or by this
+        # finalizer when the backend is dropped without it (it holds the dicts, not the backend)
+        self._owned: dict[str, Any] = {}
+        self._release = weakref.finalize(self, _release_unclosed, self.cudart, self.contexts, self._owned)
+        self._owned["stream"] = self._call(self.cudart.cudaStreamCreate(), "cudaStreamCreate")
+        # profile -> {tensor: (address, shape)} last given its context: TensorRT keeps both
+        # across execute_async_v3, so a step sets only what changed
+        self.bound: dict[int, dict[str, tuple[int, tuple[int, ...] | None]]] = {}
         self.engine = self.runtime = None
         try:
             self._load(Path(folder), manifest)
@@ -90,7 +100,7 @@ class TrtBackend:
         # (kSTATIC) each context reserves activation memory for every profile; the two never run
         # at once (`run` synchronizes), so they share one buffer of the largest size instead
         size = max(int(self.engine.device_memory_size_v2), 256)
-        self.scratch = int(self._call(self.cudart.cudaMalloc(size), f"cudaMalloc({size} bytes)"))
+        self._owned["scratch"] = int(self._call(self.cudart.cudaMalloc(size), f"cudaMalloc({size} bytes)"))
         for profile in (PREFILL_PROFILE, DECODE_PROFILE):
             context = self.engine.create_execution_context(
                 self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
@@ -99,10 +109,14 @@ class TrtBackend:
                 raise KvedgeError("TensorRT could not create an execution context (out of GPU memory?)")
             context.set_device_memory(self.scratch, size)
             self.contexts[profile] = context
-            _check(
-                context.set_optimization_profile_async(profile, int(self.stream)),
-                f"set_optimization_profile_async({profile})",
-            )
+            self.bound[profile] = {}
+            what = f"set_optimization_profile_async({profile}) ({PROFILE_NAMES[profile]} profile)"
+            try:
+                # the binding raises RuntimeError where setOptimizationProfileAsync answers false
+                # (python/src/infer/pyCore.cpp); a fake or another version may answer False
+                _check(context.set_optimization_profile_async(profile, int(self.stream)), what)
+            except RuntimeError as exc:
+                raise KvedgeError(f"TensorRT refused {what}: {exc}; see its log above") from None
 
         self.on_host = self._host_inputs(manifest)
         self.embeddings = TableEmbeddings.of(folder, manifest)  # None: the engine gathers its own
@@ -117,6 +131,16 @@ class TrtBackend:
             flat = self.host.empty((int(np.prod(spec.shape(b, p, r))),), dtype)
             self.buffers[spec.name] = flat, self.host.device_address(flat)
             check_alignment(spec.name, self.buffers[spec.name][1])
+
+    @property
+    def stream(self) -> Any:
+        """The CUDA stream every step runs on; None once closed."""
+        return self._owned.get("stream")
+
+    @property
+    def scratch(self) -> int | None:
+        """The contexts' one activation buffer (device memory), once loaded."""
+        return self._owned.get("scratch")
 
     def _call(self, result: tuple, what: str) -> Any:
         return cuda_call(self.cudart, result, what)
@@ -177,7 +201,8 @@ class TrtBackend:
             raise KvedgeError(refusal)
         if refusal := self.engine_manifest.call_refusal(batch, seq, rows):
             raise KvedgeError(refusal)
-        context = self.contexts[profile_for(seq)]
+        profile = profile_for(seq)
+        context = self.contexts[profile]
         values = step_values(
             self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index
         )
@@ -185,13 +210,13 @@ class TrtBackend:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
             np.copyto(host[: value.size].reshape(value.shape), value, casting="same_kind")
             address = host.ctypes.data if spec.name in self.on_host else device  # `_host_inputs`
-            self._bind(context, spec.name, address, value.shape)
+            self._bind(profile, spec.name, address, value.shape)
         for i, views in enumerate(past):
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 name = names.layer(template, i)
-                self._bind(context, name, self.host.device_address(view), view.shape)
+                self._bind(profile, name, self.host.device_address(view), view.shape)
         for spec in self.outputs:
-            self._bind(context, spec.name, self.buffers[spec.name][1])
+            self._bind(profile, spec.name, self.buffers[spec.name][1])
 
         if not context.execute_async_v3(int(self.stream)):
             raise KvedgeError("TensorRT execute_async_v3 failed; see its log above")
@@ -202,14 +227,19 @@ class TrtBackend:
         present = [tuple(layers[i * per_layer : (i + 1) * per_layer]) for i in range(g.num_layers)]
         return StepOutput(logits=step_logits(logits, last_index), present=present)
 
-    @staticmethod
-    def _bind(context: Any, name: str, address: int, shape: tuple[int, ...] | None = None) -> None:
-        """Give `context` tensor `name` at device `address` (and, for an input, its `shape`),
-        refusing what TensorRT refuses (it says so with False) or would misread."""
+    def _bind(self, profile: int, name: str, address: int, shape: tuple[int, ...] | None = None) -> None:
+        """Give `profile`'s context tensor `name` at device `address` (and, for an input, its
+        `shape`), refusing what TensorRT refuses (it says so with False) or would misread. What
+        the context holds already from an earlier step is not set again."""
+        context, bound = self.contexts[profile], self.bound[profile]
+        shape = None if shape is None else tuple(int(n) for n in shape)
+        before_address, before_shape = bound.pop(name, (None, None))  # back only once both took
         check_alignment(name, address)
-        if shape is not None:
-            _check(context.set_input_shape(name, tuple(shape)), f"set_input_shape({name!r}, {list(shape)})")
-        _check(context.set_tensor_address(name, address), f"set_tensor_address({name!r}, {address:#x})")
+        if shape is not None and shape != before_shape:
+            _check(context.set_input_shape(name, shape), f"set_input_shape({name!r}, {list(shape)})")
+        if address != before_address:
+            _check(context.set_tensor_address(name, address), f"set_tensor_address({name!r}, {address:#x})")
+        bound[name] = address, shape
 
     def _output(self, spec: TensorSpec, batch: int, seq: int, rows: int) -> np.ndarray:
         """The output `spec` of the last call, a view of its pinned buffer."""
@@ -226,18 +256,34 @@ class TrtBackend:
         try:
             self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         finally:
-            self.contexts = {}
+            self.contexts.clear()
+            self.bound = {}
             self.engine = self.runtime = None
             try:
                 try:
                     self.host.close()
                 finally:
-                    if self.scratch is not None:
-                        scratch, self.scratch = self.scratch, None
+                    if (scratch := self._owned.pop("scratch", None)) is not None:
                         self._call(self.cudart.cudaFree(scratch), f"cudaFree({scratch:#x})")
             finally:
-                stream, self.stream = self.stream, None
+                stream = self._owned.pop("stream")
                 self._call(self.cudart.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def _release_unclosed(cudart: Any, contexts: dict[int, Any], owned: dict[str, Any]) -> None:
+    """What `close` gives back, for a TrtBackend dropped without it: the contexts go first (the
+    last references to them), then their activation buffer, then the stream. Nobody is left to
+    raise to; the mapped memory is its `MappedHost`'s own finalizer's."""
+    if not owned:
+        return
+    log.warning("a TrtBackend was dropped without close(); releasing its stream and GPU memory")
+    contexts.clear()
+    for key, call in (("scratch", cudart.cudaFree), ("stream", cudart.cudaStreamDestroy)):
+        if key in owned:
+            try:
+                cuda_call(cudart, call(owned.pop(key)), call.__name__)
+            except KvedgeError as exc:
+                log.warning("%s", exc)
 
 
 def _check(ok: bool, what: str) -> None:
