@@ -261,3 +261,24 @@ def test_the_int8_cache_quantizes_the_attention_layers_and_keeps_states_float(hy
     got = [prefill(model.backend, model.cache, 0, [ids[:20]])[0]]
     got += [decode_one_token(model.backend, model.cache, 0, [t])[0] for t in ids[20:]]
     assert np.abs(np.stack(got) - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def test_the_text_part_of_a_qwen3_5_vision_language_checkpoint_exports(tmp_path):
+    """A `qwen3_5` checkpoint (vision-language, its decoder under model.language_model) exports its
+    text decoder, which equals transformers' Qwen3_5ForConditionalGeneration on text."""
+    from tiny import tiny_config, tiny_tokenizer
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64}
+    config = Qwen3_5Config(text_config=tiny_config("qwen3_5").to_dict(), vision_config=vision)
+    torch.manual_seed(5)
+    full = Qwen3_5ForConditionalGeneration(config).eval()
+    full.save_pretrained(tmp_path / "hf")
+    tiny_tokenizer().save_pretrained(tmp_path / "hf")
+    export_model(tmp_path / "hf", tmp_path / "out", ExportRecipe(max_len=64))
+    assert Manifest.load(tmp_path / "out").model_type == "qwen3_5_text"
+    ids = random_ids(20, seed=8)
+    with torch.no_grad():
+        ref = full(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+    model = Model(tmp_path / "out")
+    np.testing.assert_allclose(prefill(model.backend, model.cache, 0, [ids])[0], ref, atol=ATOL, rtol=0)

@@ -161,7 +161,7 @@ def test_every_glossary_identifier_exists(word, names):
 
 
 def test_the_glossary_is_short_and_its_resolver_can_fail():
-    assert 10 <= len(glossary()) < 15
+    assert 10 <= len(glossary()) <= 15  # "state" (hybrid models) made it 15
     for missing in (
         "PrefixLRU",
         "serve/engine.py",

@@ -79,6 +79,11 @@ def resolve_source(path: str | Path | None) -> Source:
     return Source(target, None)
 
 
+# checkpoints whose text decoder is one part of a composite config (vision-language models):
+# model_type -> the part's attribute; the export reads the text part only
+TEXT_PARTS = {"qwen3_5": "text_config"}
+
+
 def check_architecture(config: Any) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -102,6 +107,9 @@ def load_hf(source: Source) -> tuple[Any, Any]:
             f"{source.description}: not a complete GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
             "download it again"
         ) from None
+    composite = TEXT_PARTS.get(getattr(config, "model_type", None))
+    if composite:  # its text decoder; transformers maps the checkpoint's language_model tensors
+        config = getattr(config, composite)
     check_architecture(config)
     log.info("loading %s (%s) with transformers", source.description, config.model_type)
     if getattr(config, "quantization_config", None) and not source.gguf_file:
@@ -111,6 +119,9 @@ def load_hf(source: Source) -> tuple[Any, Any]:
         # config parsed above is not parsed again (a GGUF load: 4 parses, about 8 s each, to 3)
         model = AutoModelForCausalLM.from_pretrained(source.folder, config=config, dtype="float32", **kwargs)
     model.eval()
+    if composite:  # whether the head is the embedding is what was loaded, not the part's flag
+        head, table = model.get_output_embeddings(), model.get_input_embeddings()
+        model.config.tie_word_embeddings = head is None or head.weight is table.weight
     tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     return model, tokenizer
 
