@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import Exported, random_ids
+from conftest import VARIANTS, Exported, random_ids
 from tiny import make_tiny_model
 
 from kvedge.contract import ExportRecipe, Manifest
@@ -54,13 +54,22 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(
+    scope="module",
+    params=[(name, variant) for name in sorted(CONFIGS) for variant in VARIANTS],
+    ids=lambda param: "-".join(param),
+)
 def hybrid(request, tmp_path_factory) -> Exported:
-    family, overrides = CONFIGS[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+    """A tiny model of each config, exported in each graph variant (`recipe` keeps the variant
+    for the tests' own exports)."""
+    name, variant = request.param
+    family, overrides = CONFIGS[name]
+    root = tmp_path_factory.mktemp(f"{name}-{variant}")
     source = make_tiny_model(root / "hf", family, seed=4, **overrides)
-    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN))
-    return Exported(source, root / "out")
+    export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN, variant=variant))
+    exported = Exported(source, root / "out")
+    exported.variant = variant
+    return exported
 
 
 def state_layers(config) -> tuple[list[int], list[int]]:
@@ -223,8 +232,6 @@ def test_a_state_cannot_be_cut_back(hybrid):
 
 
 def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
-    with pytest.raises(KvedgeError, match="--variant 'ort' is not built for models with convolution"):
-        export_model(hybrid.source, tmp_path / "ort", ExportRecipe(max_len=64, variant="ort"))
     with pytest.raises(KvedgeError, match="--precision float16 is not built"):
         export_model(hybrid.source, tmp_path / "half", ExportRecipe(max_len=64, precision="float16"))
     model = hybrid.model()
@@ -238,9 +245,11 @@ def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
 
 
 def test_quantized_weights_stay_close(hybrid, tmp_path):
-    """int8 weights on the portable graph: the state layers' projections are quantized as the
-    attention's; logits stay within int8's error of transformers' float32."""
-    export_model(hybrid.source, tmp_path / "int8", ExportRecipe(max_len=64, weights="int8"))
+    """int8 weights: the state layers' projections are quantized as the attention's (the ort
+    variant: in both forms of its graph); logits stay within int8's error of transformers'."""
+    export_model(
+        hybrid.source, tmp_path / "int8", ExportRecipe(max_len=64, weights="int8", variant=hybrid.variant)
+    )
     ids = random_ids(24, seed=6)
     ref = hybrid.hf_logits(ids)[-1]
     model = Model(tmp_path / "int8")
@@ -252,7 +261,9 @@ def test_quantized_weights_stay_close(hybrid, tmp_path):
 def test_the_int8_cache_quantizes_the_attention_layers_and_keeps_states_float(hybrid, tmp_path):
     """--kv-dtype int8: the attention layers' KV per token in groups, the states float32; a prompt
     and decode steps stay within the INT8 cache's error of the float32 cache."""
-    export_model(hybrid.source, tmp_path / "kv8", ExportRecipe(max_len=64, kv_dtype="int8"))
+    export_model(
+        hybrid.source, tmp_path / "kv8", ExportRecipe(max_len=64, kv_dtype="int8", variant=hybrid.variant)
+    )
     g = Manifest.load(tmp_path / "kv8").geometry
     assert g.dtype == "int8" and {s.dtype for s in g.states} == {"float32"}
     ids = random_ids(40, seed=7)
@@ -282,3 +293,31 @@ def test_the_text_part_of_a_qwen3_5_vision_language_checkpoint_exports(tmp_path)
         ref = full(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
     model = Model(tmp_path / "out")
     np.testing.assert_allclose(prefill(model.backend, model.cache, 0, [ids])[0], ref, atol=ATOL, rtol=0)
+
+
+def test_eval_kv_reports_the_int8_cache_of_a_hybrid(hybrid, tmp_path):
+    """`kvedge eval-kv` over a hybrid model: the INT8 cache quantizes its attention layers only,
+    each prompt group starts from zero states (`KVCache.reset`), and the report is the INT8 row."""
+    from click.testing import CliRunner
+
+    from kvedge.cli import main
+
+    export_model(
+        hybrid.source, tmp_path / "i8", ExportRecipe(max_len=MAX_LEN, kv_dtype="int8", variant=hybrid.variant)
+    )
+    args = [
+        "eval-kv",
+        "--model",
+        str(hybrid.out),
+        "--int8-model",
+        str(tmp_path / "i8"),
+        "--limit",
+        "6",
+        "--tokens",
+        "8",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("INT8 cache"))
+    kl, top1 = float(row.split()[-5]), float(row.split()[-3].rstrip("%"))
+    assert kl < 0.01 and top1 >= 90.0, row

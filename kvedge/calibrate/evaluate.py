@@ -135,7 +135,8 @@ def evaluate(
         ids = [prompt_ids(model, p)[: geometry.max_len - tokens - 1] for p in group]
         continuations: list[list[int]] = [[] for _ in group]
         for _, cache in runs:
-            cache.lengths[:] = 0
+            for slot in range(cache.slots):
+                cache.reset(slot)  # its states too (hybrid models)
         logits = [prefill(backend, cache, 0, ids) for backend, cache in runs]
         progress.update()
         first_miss = np.full((len(candidates), len(group)), tokens)

@@ -428,6 +428,7 @@ class TensorSpec:
     dtype: np.dtype
     dims: tuple[Dim, ...]
     layer: int | None = None  # per-layer cache tensors: the layer's index; None for the others
+    state: bool = False  # a per-slot state (`CacheGeometry.states`), never written in place
 
     def shape(self, batch: int, seq: int, rows: int = 1) -> tuple[int, ...]:
         """The concrete shape of a call of `batch` rows x `seq` tokens asking for `rows` logits
@@ -560,7 +561,7 @@ class GraphInterface:
         """Every state layer's tensor named by `template` (`IONames.past_state` / `present_state`):
         [batch, *shape], its `layer` the model layer."""
         return [
-            TensorSpec(self.names.state(template, s.kind, i), s.np_dtype, ("batch", *s.shape), i)
+            TensorSpec(self.names.state(template, s.kind, i), s.np_dtype, ("batch", *s.shape), i, state=True)
             for s in self.geometry.states
             for i in s.layers
         ]

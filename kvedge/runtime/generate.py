@@ -276,6 +276,7 @@ def _keep(
 ) -> None:
     """Make the first counts[r] tokens of row r valid in slot slots[r]."""
     if out.present is None:  # the graph wrote the new K/V into the pool itself
+        cache.write_states(slots, counts, out.states)
         cache.commit(slots, input_ids, counts)
     else:
         cache.append(slots, input_ids, counts, out.present, out.states)

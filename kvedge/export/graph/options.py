@@ -199,14 +199,9 @@ def lfm2_intermediate_size(config: Any) -> int:
 
 
 def check_states(geometry: CacheGeometry, recipe: ExportRecipe) -> None:
-    """Per-slot states (LFM2's convolution layers) are built for the portable float32 graph only."""
+    """Per-slot states (LFM2's and Qwen3.5's state layers) are built for float32 graphs only."""
     if not geometry.states:
         return
-    if recipe.variant != "portable":
-        raise KvedgeError(
-            f"--variant {recipe.variant!r} is not built for models with convolution layers (LFM2) yet; "
-            "use --variant portable"
-        )
     if recipe.half:
         raise KvedgeError(
             "--precision float16 is not built for models with convolution layers (LFM2) yet: their "

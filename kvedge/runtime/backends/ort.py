@@ -224,7 +224,7 @@ def binding_plan(
     plan = []
     for output, specs in ((False, manifest.graph_inputs()), (True, manifest.graph_outputs())):
         for spec in specs:
-            if spec.layer is not None and (not output or manifest.in_place):
+            if spec.layer is not None and (not output or (manifest.in_place and not spec.state)):
                 buffer = POOL
             else:
                 buffer = STEP if kept else CALL
@@ -394,18 +394,24 @@ class OrtBackend:
                 input_ids, position_ids, past_lengths, last_index, past, counts, states
             )
         if batch == 1 and int(counts[0]) == seq:
-            return StepOutput(self._prefill_in_place(input_ids, past_lengths, last_index, past), None)
+            logits, new_states = self._prefill_in_place(input_ids, past_lengths, last_index, past, states)
+            return StepOutput(logits, None, new_states)
         logits = np.zeros((batch, *last_index.shape[1:], self.manifest.vocab_size), np.float32)
+        new_states = {name: np.zeros_like(view) for name, view in self._present_names(states)}
         for r in range(batch):
             n = int(counts[r])
             if n:
-                logits[r] = self._prefill_in_place(
+                row_logits, row_states = self._prefill_in_place(
                     input_ids[r : r + 1, :n],
                     past_lengths[r : r + 1],
                     last_index[r : r + 1],
                     [tuple(a[r : r + 1] for a in views) for views in past],
-                )[0]
-        return StepOutput(logits, None)
+                    {name: view[r : r + 1] for name, view in (states or {}).items()},
+                )
+                logits[r] = row_logits[0]
+                for name, value in (row_states or {}).items():
+                    new_states[name][r] = value[0]
+        return StepOutput(logits, None, new_states or None)
 
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step, or None (`Manifest.verify_refusal`)."""
@@ -596,22 +602,34 @@ class OrtBackend:
         named = dict(zip((b.name for b in plan if b.output), outs, strict=True))
         return StepOutput(self._select_last(outs[0], last_index), present, self._present_states(named))
 
-    def _prefill_in_place(self, input_ids, past_lengths, last_index, past) -> np.ndarray:
-        """One call whose rows all hold only real tokens; returns logits [batch, vocab]."""
+    def _prefill_in_place(self, input_ids, past_lengths, last_index, past, states=None) -> tuple:
+        """One call whose rows all hold only real tokens; returns (logits [batch, vocab], the new
+        states by name or None)."""
         names = self.manifest.names
         rows = last_index.size // len(last_index)
         if input_ids.shape[1] <= VERIFY_TOKENS:
-            return self._short_call(input_ids, past_lengths, last_index, past, rows)
+            return self._short_call(input_ids, past_lengths, last_index, past, rows, states)
         plan = self._plan("prefill", *input_ids.shape, rows)
         arrays = dict(self._step_inputs(input_ids, None, past_lengths, last_index))
-        arrays.update(self._pool_arrays(past))
+        arrays.update(self._pool_arrays(past, states))
         logits = arrays[names.logits] = np.empty(self._outputs[0].shape(*input_ids.shape, rows), np.float32)
+        for name, view in self._present_names(states):  # the new states: buffers of their own
+            arrays[name] = np.empty_like(view)
         binding = self.session.io_binding()
         self._bind_call(binding, plan, arrays)
         self.session.run_with_iobinding(binding, self._prefill_options)
-        return self._select_last(logits, last_index)  # [batch, 1 or seq, vocab] -> [batch, vocab]
+        # [batch, 1 or seq, vocab] -> [batch, vocab]
+        return self._select_last(logits, last_index), self._present_states(arrays)
 
-    def _short_call(self, input_ids, past_lengths, last_index, past, rows: int) -> np.ndarray:
+    def _present_names(self, states: dict | None) -> list[tuple[str, np.ndarray]]:
+        """(present state name, its past state's view in `states`) per state layer."""
+        if not states:
+            return []
+        interface, names = self.manifest.interface, self.manifest.names
+        pairs = zip(interface.states(names.past_state), interface.states(names.present_state), strict=True)
+        return [(out.name, states[past.name]) for past, out in pairs]
+
+    def _short_call(self, input_ids, past_lengths, last_index, past, rows: int, states=None) -> tuple:
         """`_prefill_in_place` of up to VERIFY_TOKENS tokens through a binding kept per (shape,
         slots), as decode's: binding ~250 buffers per call cost a verify of one token ~4 ms
         of Python on SmolLM2-135M (30 layers), a fifth of a decode step."""
@@ -620,8 +638,10 @@ class OrtBackend:
         if step is None:
             if len(self._short_bindings) >= MAX_SHORT_BINDINGS:
                 self._drop_bindings(self._short_bindings)
-            step = self._short_bindings[key] = self._make_binding(past, input_ids.shape[1], rows)
+            step = self._short_bindings[key] = self._make_binding(past, input_ids.shape[1], rows, states)
         step.input_ids[...] = input_ids
+        if step.input_lengths is not None:
+            step.input_lengths[...] = input_ids.shape[1]  # every token real (`run` splits padded rows)
         if self.embeddings is not None:
             step.inputs_embeds[...] = self.embeddings(input_ids)
         step.past_lengths[...] = past_lengths
@@ -629,7 +649,8 @@ class OrtBackend:
         for args in step.rebind:  # `Bound.rebind`, as in `_decode`
             step.binding.bind_input(*args)
         self.session.run_with_iobinding(step.binding, step.run_options)
-        return self._select_last(step.logits, last_index)  # a copy: the buffer is the binding's
+        states = None if step.states is None else {name: a.copy() for name, a in step.states.items()}
+        return self._select_last(step.logits, last_index), states  # copies: the buffers are the binding's
 
     def close(self) -> None:
         """Stop onnxruntime, then give back the mapped memory (cuda), in that order: the bindings
