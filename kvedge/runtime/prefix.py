@@ -327,16 +327,23 @@ def read_warm_file(
         )
     arrays = _arrays(mapped, geometry, offset, count, held)
     states = _states(mapped, geometry, offset + kv_bytes, header.state_at)
-    named = [*arrays.items(), *((f"state {k} at {p}", a) for p, at in states.items() for k, a in at.items())]
-    for name, array in () if known else named:  # layer by layer: the temporary stays small
+    if not known:
+        carried = ((f"state {kind} at {p}", a) for p, at in states.items() for kind, a in at.items())
+        _check_finite(path, [*arrays.items(), *carried])
+    if checked is not None:
+        checked.add(identity)
+    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start, states)
+
+
+def _check_finite(path: Path, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """Refuse a file whose float arrays hold a NaN or inf (checked layer by layer: the temporary
+    stays small)."""
+    for name, array in arrays:
         if array.dtype.kind == "f" and not all(np.isfinite(layer).all() for layer in array):
             raise ArtifactMismatch(
                 f"{path.name}: non-finite values in its K/V {name!r} array (NaN or inf under a valid "
                 "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
             )
-    if checked is not None:
-        checked.add(identity)
-    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start, states)
 
 
 def _check_state_at(
