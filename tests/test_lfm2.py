@@ -247,12 +247,17 @@ def test_a_conversation_that_left_its_slot_resumes_from_the_run_time_store(lfm2)
     np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)
 
 
-def test_warm_prefixes_carry_their_end_state_and_are_reused_exactly(lfm2, tmp_path):
+def warm_config(tmp_path):
+    """A warm-prefix config of SYSTEM as a messages prefix, and its warm folder."""
     path = tmp_path / "warmup.yaml"
     path.write_text(
-        f'prefixes:\n  - name: kiosk\n    messages:\n      - {{role: system, content: "{SYSTEM}"}}\n'
+        f'prefixes:\n  - name: kiosk\n    messages:\n      - {{role: system, content: "{SYSTEM}"}}'
     )
-    config, folder = load_warm_prefix_config(path), tmp_path / "warm"
+    return load_warm_prefix_config(path), tmp_path / "warm"
+
+
+def test_warm_prefixes_carry_their_end_state_and_are_reused_exactly(lfm2, tmp_path):
+    config, folder = warm_config(tmp_path)
     assert Model(lfm2.out, warm_prefixes=config, warm_dir=folder).warm_prefix_report.rebuilt == {
         "kiosk": "missing"
     }
@@ -260,9 +265,25 @@ def test_warm_prefixes_carry_their_end_state_and_are_reused_exactly(lfm2, tmp_pa
     assert model.warm_prefix_report.loaded == ["kiosk"]
     (warm,) = model.warm_store.prefixes
     assert warm.state_at == (len(warm.token_ids),)
-    ids = model.tokenizer.encode_chat(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
-    )
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    ids = model.tokenizer.encode_chat(messages)
+    logits = model.prepare(0, ids)
+    assert model.sessions[0].reused_tokens == len(warm.token_ids)
+    np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+def test_a_warm_prefix_serves_a_slot_that_cannot_cut_its_state_back_to_it(lfm2, tmp_path):
+    """The slot holds three turns of a conversation sharing the warm prefix, its snapshots all past
+    it: the slot cannot resume from what a new conversation shares with it, the warm prefix can."""
+    config, folder = warm_config(tmp_path)
+    model, reference = Model(lfm2.out, warm_prefixes=config, warm_dir=folder), lfm2.model()
+    (warm,) = model.warm_store.prefixes
+    a = [{"role": "system", "content": SYSTEM}]
+    for question in QUESTIONS[:3]:
+        a.append({"role": "user", "content": question})
+        a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
+    assert min(model.cache.snapshots[0]) > len(warm.token_ids)
+    ids = model.tokenizer.encode_chat([a[0], {"role": "user", "content": QUESTIONS[-1]}])
     logits = model.prepare(0, ids)
     assert model.sessions[0].reused_tokens == len(warm.token_ids)
     np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)

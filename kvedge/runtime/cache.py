@@ -242,8 +242,9 @@ class KVCache:
             del kept[position]
 
     def known_states(self, slot: int, upto: int) -> dict[int, dict[str, np.ndarray]]:
-        """`slot`'s states at the positions up to `upto` where they are known (its snapshots, and
-        its valid length), copies: what a prefix copied out of the slot carries. {} without states."""
+        """`slot`'s states at the positions up to `upto` where they are known (its snapshots, whose
+        arrays are never written to, and a copy of those at its valid length): what a prefix copied
+        out of the slot carries. {} without states."""
         if not self.states:
             return {}
         known = {p: dict(states) for p, states in self.snapshots[slot].items() if p <= upto}

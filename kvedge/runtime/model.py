@@ -587,11 +587,13 @@ class Model:
 
     def _copy_prefix(self, slot: int, ids: list[int], keep: int) -> int:
         """Copy in the warm or run-time prefix that shares the most usable leading tokens with
-        `ids`, if it shares more than the `keep` the slot holds; return how many the slot now
-        shares (with per-slot states, it resumes from the prefix's states there)."""
+        `ids`, if it can resume from more than the slot, which holds the first `keep`; return how
+        many the slot now shares (with per-slot states, it resumes from the prefix's states there)."""
 
         def usable(stored: Stored, shared: int) -> int:
             return self._usable(stored, shared, ids)
+
+        own = self.cache.rewind_limit(slot, min(keep, len(ids) - 1))  # what the slot can resume from
 
         warm, warm_shared = self.warm_store.best_match(ids, usable)
         entry, lru_shared = self.run_time_store.best_match(ids, usable)
@@ -599,7 +601,7 @@ class Model:
             stored, disk_shared = self.prefix_disk.best_match(ids, usable)
             # a match shorter than a file would be written for is not worth reading (nor waiting
             # for, when its file is still queued): every chat shares its template's first tokens
-            worth = max(keep, warm_shared, lru_shared, self.prefix_disk.min_tokens - 1)
+            worth = max(own, warm_shared, lru_shared, self.prefix_disk.min_tokens - 1)
             if stored is not None and disk_shared > worth:
                 chain = self.prefix_disk.load(stored, disk_shared)  # None: refused and logged
                 if chain is not None:
@@ -608,10 +610,10 @@ class Model:
                         run = ids[part.start : part.start + n]
                         self.cache.write(slot, part.block.head(n), run, part.start, part.states)
                     return disk_shared
-        if entry is not None and lru_shared > max(keep, warm_shared):
-            self.run_time_store.load(self.cache, slot, entry, lru_shared, start=keep)
+        if entry is not None and lru_shared > max(own, warm_shared):
+            self.run_time_store.load(self.cache, slot, entry, lru_shared, start=min(keep, lru_shared))
             return lru_shared
-        if warm is not None and warm_shared > keep:
+        if warm is not None and warm_shared > own:
             self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared], states=warm.states)
             return warm_shared
         return keep

@@ -651,6 +651,8 @@ class RunTimePrefixStore:
         states, `count` must be one of `entry.state_at`: the slot resumes from its states there."""
         if not 0 <= start <= count <= len(entry.token_ids):
             raise KvedgeError(f"cannot load tokens {start}..{count} of a {len(entry.token_ids)}-token entry")
+        if self.states:  # the last token at least: its piece carries the states the slot resumes from
+            start = min(start, count - 1)
         self._copy(cache, slot, entry, count, start)
         if start and cache.rewind_limit(slot, count) != count:
             self._copy(cache, slot, entry, count, 0)
