@@ -14,13 +14,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import VARIANTS, Exported, random_ids
+from test_serve import Server, run_alone
 from tiny import make_tiny_model
 
+from kvedge.configs import load_warm_prefix_config
 from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.runtime.generate import SamplingConfig, decode_one_token, prefill
 from kvedge.runtime.model import Model
+from kvedge.runtime.prefix import SUFFIX, read_warm_header
 from kvedge.runtime.sessions import HistoryPolicy
 
 ATOL = 1e-4
@@ -321,3 +324,129 @@ def test_eval_kv_reports_the_int8_cache_of_a_hybrid(hybrid, tmp_path):
     row = next(line for line in result.output.splitlines() if line.startswith("INT8 cache"))
     kl, top1 = float(row.split()[-5]), float(row.split()[-3].rstrip("%"))
     assert kl < 0.01 and top1 >= 90.0, row
+
+
+# -- prefix stores: a stored prefix carries the states where a turn can resume ------------------
+
+SYSTEM = "You are the kiosk assistant. Read the log below and answer questions about it. " * 3
+GREEDY = SamplingConfig(max_new_tokens=8)
+
+
+def first_turn(model: Model, slot: int = 0) -> tuple[list[dict[str, str]], int]:
+    """Conversation A's first turn in `slot`; the messages of its next turn and the first turn's
+    prompt tokens."""
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    prompt = len(model.tokenizer.encode_chat(a))
+    a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY, slot=slot))})
+    a.append({"role": "user", "content": QUESTIONS[1]})
+    return a, prompt
+
+
+def test_a_conversation_that_left_its_slot_resumes_from_the_run_time_store(hybrid):
+    """Another conversation takes the only slot; A's tokens, KV and the states at its prompt's
+    and reply's ends go to the run-time store, and A's next turn resumes from the latest of them
+    it shares, equal to a cold prefill."""
+    model, reference = Model(hybrid.out, slots=1, prefix_cache_bytes=2**21), hybrid.model()
+    a, prompt = first_turn(model)
+    held = model.cache.length(0)
+    model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[2]}]))
+    (entry,) = model.run_time_store.entries.values()
+    assert entry.state_at == (prompt, held)
+    ids = model.tokenizer.encode_chat(a)
+    logits = model.prepare(0, ids)
+    assert model.run_time_store.hits == 1 and model.sessions[0].reused_tokens in (prompt, held)
+    np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+def warm_config(tmp_path):
+    """A warm-prefix config of SYSTEM as a messages prefix, and its warm folder."""
+    path = tmp_path / "warmup.yaml"
+    path.write_text(
+        f'prefixes:\n  - name: kiosk\n    messages:\n      - {{role: system, content: "{SYSTEM}"}}'
+    )
+    return load_warm_prefix_config(path), tmp_path / "warm"
+
+
+def test_warm_prefixes_carry_their_end_state_and_are_reused_exactly(hybrid, tmp_path):
+    config, folder = warm_config(tmp_path)
+    assert Model(hybrid.out, warm_prefixes=config, warm_dir=folder).warm_prefix_report.rebuilt == {
+        "kiosk": "missing"
+    }
+    model, reference = Model(hybrid.out, warm_prefixes=config, warm_dir=folder), hybrid.model()
+    assert model.warm_prefix_report.loaded == ["kiosk"]
+    (warm,) = model.warm_store.prefixes
+    assert warm.state_at == (len(warm.token_ids),)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    ids = model.tokenizer.encode_chat(messages)
+    logits = model.prepare(0, ids)
+    assert model.sessions[0].reused_tokens == len(warm.token_ids)
+    np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+def test_a_warm_prefix_serves_a_slot_that_cannot_cut_its_state_back_to_it(hybrid, tmp_path):
+    """The slot holds three turns of a conversation sharing the warm prefix, its snapshots all past
+    it: the slot cannot resume from what a new conversation shares with it, the warm prefix can."""
+    config, folder = warm_config(tmp_path)
+    model, reference = Model(hybrid.out, warm_prefixes=config, warm_dir=folder), hybrid.model()
+    (warm,) = model.warm_store.prefixes
+    a = [{"role": "system", "content": SYSTEM}]
+    for question in QUESTIONS[:3]:
+        a.append({"role": "user", "content": question})
+        a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY))})
+    assert min(model.cache.snapshots[0]) > len(warm.token_ids)
+    ids = model.tokenizer.encode_chat([a[0], {"role": "user", "content": QUESTIONS[-1]}])
+    logits = model.prepare(0, ids)
+    assert model.sessions[0].reused_tokens == len(warm.token_ids)
+    np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+def test_the_disk_tier_resumes_a_conversation_after_a_restart(hybrid, tmp_path):
+    """The files a turn's end writes carry the states at their ends; a new Model over the folder
+    answers the next turn from them, with the logits and greedy reply of a cold start."""
+    options = {"prefix_dir": tmp_path / "prefixes", "prefix_disk_min_tokens": 32}
+    model = Model(hybrid.out, **options)
+    a, prompt = first_turn(model)
+    held = model.cache.length(0)
+    model.close()
+    headers = [read_warm_header(p) for p in (tmp_path / "prefixes").rglob(f"*{SUFFIX}")]
+    assert sorted(h.state_at for h in headers) == [(prompt,), (held,)]
+    again = Model(hybrid.out, **options)
+    ids = again.tokenizer.encode_chat(a)
+    logits = again.prepare(0, ids)
+    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens in (prompt, held)
+    np.testing.assert_allclose(logits, cold_logits(hybrid.model(), ids), atol=ATOL, rtol=0)
+    reply = "".join(e.text for e in again.chat(a, GREEDY))
+    assert reply == "".join(e.text for e in hybrid.model().chat(a, GREEDY))
+
+
+def test_a_service_killed_with_sigkill_answers_the_next_turn_from_its_files(hybrid, tmp_path):
+    """A real server, kill -9 right after a reply: the restarted one resumes the conversation
+    from the files (reused tokens past the first turn's prompt) with a cold start's greedy reply
+    (the portable variant's exports: two servers each)."""
+    if hybrid.variant != "portable":
+        pytest.skip("the service over each config once: its portable export")
+    config = {"slots": 2, "warmup_tokens": 2, "threads": 1, "prefix_dir": str(tmp_path / "prefixes")}
+    config["prefix_disk_min_tokens"] = 32
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    with Server(hybrid.out, tmp_path, **config) as srv:
+        for question in QUESTIONS[1:3]:
+            a.append({"role": "assistant", "content": served_turn(srv, a)})
+            a.append({"role": "user", "content": question})
+        srv.process.kill()
+        srv.process.wait(10)
+        srv.stop()
+    reference = hybrid.model()
+    first = len(reference.tokenizer.encode_chat(a[:2]))  # the first turn's prompt
+    with Server(hybrid.out, tmp_path, **config) as srv:
+        before = srv.metrics()
+        assert served_turn(srv, a) == run_alone(reference, a, max_new_tokens=12)[0]
+        after = srv.metrics()
+    reused = after["kvedge_prefix_cache_hit_tokens_total"] - before["kvedge_prefix_cache_hit_tokens_total"]
+    assert reused > first, (first, reused)
+
+
+def served_turn(srv: Server, messages: list[dict[str, str]]) -> str:
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 12}
+    response = srv.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]

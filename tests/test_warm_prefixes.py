@@ -19,7 +19,7 @@ import pytest
 from conftest import MAX_LEN, flip_byte, truncate
 
 from kvedge.configs import load_warm_prefix_config
-from kvedge.contract import CacheGeometry, ExportRecipe
+from kvedge.contract import CacheGeometry, ExportRecipe, StateSpec
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
 from kvedge.runtime.cache import KVBlock
@@ -168,6 +168,25 @@ def test_warm_file_of_an_older_version_is_refused_as_old(tmp_path):
         match=f"format version {WARM_VERSION - 1} does not match this kvedge \\({WARM_VERSION}\\)",
     ):
         read_warm_file(path, geometry, "x", [1, 2, 3], graph_fingerprint="g")
+
+
+def test_a_state_models_warm_file_carries_its_states_and_ends_where_they_are_known(tmp_path):
+    """Per-slot states (LFM2) are stored at the positions of `state_at`, the end always; a prefix
+    without its end's states is refused when written, one whose file lost them when read."""
+    conv = StateSpec("conv", (0, 2), (2, 8))
+    geometry = CacheGeometry(
+        num_layers=1, num_kv_heads=2, head_dim=16, max_len=128, kv_layers=(1,), states=(conv,)
+    )
+    block = KVBlock(np.ones((1, 2, 2, 5, 16), np.float32))
+    states = {p: {"conv": np.full((2, 2, 8), p, np.float32)} for p in (3, 5)}
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", (1, 2, 3, 4, 5), block, states=states), geometry, "x")
+    loaded = read_warm_file(path, geometry, "x", [1, 2, 3, 4, 5])
+    assert loaded.state_at == (3, 5)
+    for position in (3, 5):
+        np.testing.assert_array_equal(loaded.states[position]["conv"], states[position]["conv"])
+    with pytest.raises(KvedgeError, match="states at \\[3\\].*5 included"):
+        write_warm_file(path, WarmPrefix("p", (1, 2, 3, 4, 5), block, states={3: states[3]}), geometry, "x")
 
 
 @pytest.mark.parametrize(

@@ -38,14 +38,16 @@ and state layer (`CacheGeometry.states`), in host memory::
 
 A state cannot be cut back: it is valid at one position only, the slot's valid length. So the
 cache keeps snapshots of it (`snapshot`: at the end of a prompt and of a reply, the positions a
-later turn resumes from) and a rewind may land only on one (`rewind_limit`: the latest snapshot
-at or before the asked length; the tokens after it are computed again). Prefix stores, which
-carry KV only, and window eviction are refused for such geometries.
+later turn resumes from) and a rewind may land only on one (`resume_limit`: the latest known
+state at or before the asked length; the tokens after it are computed again). A stored prefix
+(prefix stores, warm prefixes) carries the states at the positions it can be resumed from
+(`known_states`); writing it back restores the KV up to one of them and the state exactly there
+(`write`'s `states`). Window eviction, which moves a run of keys, is refused for such geometries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -61,6 +63,9 @@ if TYPE_CHECKING:
 
 # snapshots of a slot's states kept (the end of its last prompts and replies)
 MAX_SNAPSHOTS = 4
+
+# per-slot states at positions of a run: {position: {kind: [state layers, *shape]}}
+Snapshots = Mapping[int, Mapping[str, np.ndarray]]
 
 
 class KVBlock(NamedTuple):
@@ -229,8 +234,40 @@ class KVCache:
             return
         kept = self.snapshots[slot]
         kept[self.length(slot)] = {kind: array[:, slot].copy() for kind, array in self.states.items()}
+        self._trim_snapshots(slot)
+
+    def _trim_snapshots(self, slot: int) -> None:
+        kept = self.snapshots[slot]
         for position in sorted(kept)[:-MAX_SNAPSHOTS]:
             del kept[position]
+
+    def known_states(self, slot: int, upto: int) -> dict[int, dict[str, np.ndarray]]:
+        """`slot`'s states at the positions up to `upto` where they are known (its snapshots, whose
+        arrays are never written to, and a copy of those at its valid length): what a prefix copied
+        out of the slot carries. {} without states."""
+        if not self.states:
+            return {}
+        known = {p: dict(states) for p, states in self.snapshots[slot].items() if p <= upto}
+        if self.length(slot) <= upto:
+            known[self.length(slot)] = {kind: array[:, slot].copy() for kind, array in self.states.items()}
+        return known
+
+    def resume(self, slot: int, states: Snapshots) -> None:
+        """Set `slot`'s states to those `states` (a stored prefix's) carry at its valid length, and
+        keep the ones they carry below it as snapshots."""
+        length = self.length(slot)
+        if length not in states:
+            raise KvedgeError(
+                f"slot {slot} holds {length} tokens; the stored prefix carries states at "
+                f"{sorted(states)} only"
+            )
+        for kind, array in self.states.items():
+            array[:, slot] = states[length][kind]
+        kept = self.snapshots[slot]
+        for position, carried in states.items():
+            if position <= length:
+                kept[position] = {kind: np.array(carried[kind]) for kind in self.states}
+        self._trim_snapshots(slot)
 
     def check_room(self, slot: int, count: int) -> None:
         if count > self.room(slot):
@@ -306,13 +343,19 @@ class KVCache:
             self.lengths[slot] = start + count
 
     def rewind_limit(self, slot: int, length: int) -> int:
-        """The rewind of `slot` to `length` tokens, if it keeps every position the next query
-        needs, else 0 (start over): `ring_limit` with what the slot's rings hold (`ring_start`).
-        With per-slot states, the latest position at or before `length` whose states are known:
-        the valid length itself, else a snapshot's (the tokens after it are computed again)."""
-        if self.states and length != self.length(slot):
-            length = max((p for p in self.snapshots[slot] if p <= length), default=0)
-        return self.ring_limit(int(self.ring_start[slot]), length)
+        """How far `slot` may rewind towards `length` tokens: `resume_limit` with what the slot's
+        rings hold (`ring_start`) and where its states are known (its snapshots, its length)."""
+        known = (*self.snapshots[slot], self.length(slot)) if self.states else None
+        return self.resume_limit(length, int(self.ring_start[slot]), known)
+
+    def resume_limit(self, length: int, ring_from: int = 0, state_at: Collection[int] | None = None) -> int:
+        """The most of the first `length` positions of a slot or a stored prefix a turn can resume
+        from, recomputing the rest. With per-slot states, the latest position at or before
+        `length` where they are known (`state_at`; 0 if none); then `ring_limit` at it. The one
+        rule for rewinding a slot and for copying in a stored prefix (`Model._usable`)."""
+        if self.states:
+            length = max((p for p in state_at or () if p <= length), default=0)
+        return self.ring_limit(ring_from, length)
 
     def ring_limit(self, ring_from: int, length: int) -> int:
         """`length` if rings holding positions ring_from .. length - 1 hold every one the next
@@ -420,12 +463,21 @@ class KVCache:
         """A copy of the first `count` tokens' KV (and scales) of `slot`."""
         return KVBlock(*(None if a is None else a.copy() for a in self.view(slot, 0, count)))
 
-    def write(self, slot: int, block: KVBlock, token_ids: Sequence[int], start: int = 0) -> None:
+    def write(
+        self,
+        slot: int,
+        block: KVBlock,
+        token_ids: Sequence[int],
+        start: int = 0,
+        states: Snapshots | None = None,
+    ) -> None:
         """Make `slot` hold its first `start` tokens, then `block` (as `read` or `view` return it)
         for `token_ids`; whatever it held after `start` is dropped. Ring layers take the block's
         last positions that fit the ring, and `ring_start` becomes the lowest position from which
-        the rings hold every one up to the new length (`ring_limit` then says what is usable)."""
-        self._refuse_states("copying in a stored prefix")
+        the rings hold every one up to the new length (`ring_limit` then says what is usable).
+        With per-slot states the slot's snapshots past `start` are dropped and it resumes from the
+        `states` the stored prefix carries at the new length (`resume`); a prefix copied in pieces
+        gives them with its last piece."""
         count = len(token_ids)
         g = self.geometry
         if not 0 <= start <= self.length(slot):
@@ -472,3 +524,8 @@ class KVCache:
             self.ring_start[slot] = max(end - g.ring_len, below)
         self.tokens[slot, start:end] = token_ids
         self.lengths[slot] = end
+        if self.states:
+            for position in [p for p in self.snapshots[slot] if p > start]:
+                del self.snapshots[slot][position]
+        if self.states and states is not None:
+            self.resume(slot, states)

@@ -16,7 +16,6 @@ One turn, as the CLI (a batch of one) and the service (many slots) both drive it
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import shlex
 import time
@@ -44,7 +43,7 @@ from kvedge.runtime.draft import Draft, DraftProposer, check_same_tokenizer
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.options import RunOptions
-from kvedge.runtime.prefix import RunTimePrefixStore
+from kvedge.runtime.prefix import RunTimePrefixStore, Stored
 from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
@@ -140,10 +139,8 @@ class Model:
         self._last_used = [0.0] * slots
         self._warned: set[str] = set()  # reasons logged once
         geometry = self.manifest.geometry
-        if geometry.states:  # the stores and their files hold KV only: a state cannot be rebuilt from it
-            warm, options = None, _without_stores(options, self.manifest)
         disk = None if options.prefix_dir is None else self._open_prefix_disk(options)
-        spill = None if disk is None else lambda ids, block: disk.save(ids, reader(block))  # evicted: to disk
+        spill = None if disk is None else lambda ids, block, states: disk.save(ids, reader(block), states)
         self.run_time_store = RunTimePrefixStore(geometry, options.prefix_cache_bytes, spill=spill)
         self.prefix_disk: PrefixDisk | None = disk
         self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
@@ -260,8 +257,9 @@ class Model:
         if disk is None or cache is None:
             return 0
         written = 0
-        for entry in list(self.run_time_store.entries.values()):
-            written += disk.save(entry.token_ids, reader(self.run_time_store.block(entry)))
+        store = self.run_time_store
+        for entry in list(store.entries.values()):
+            written += disk.save(entry.token_ids, reader(store.block(entry)), store.snapshots(entry))
         for slot in sorted(range(cache.slots), key=lambda s: self._last_used[s]):
             written += self._keep_slot(slot)
         return written
@@ -275,7 +273,8 @@ class Model:
         if not held or session.evicted or not session.verify(self.cache):
             return False
         ids = self.cache.token_ids(slot)[:held]
-        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held), turn_end)
+        states = self.cache.known_states(slot, held)
+        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held), states, turn_end)
 
     def __enter__(self) -> Model:
         return self
@@ -581,7 +580,8 @@ class Model:
                 self._keep_slot(slot)
         keep = self._copy_prefix(slot, ids, keep)
         keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
-        keep = self.cache.rewind_limit(slot, keep)  # a ring layer may have overwritten what it needs
+        # a ring layer may have overwritten what it needs; a state is known at a snapshot only
+        keep = self.cache.rewind_limit(slot, keep)
         self.cache.truncate(slot, keep)
         session.history = ids[:keep]
         session.reused_tokens = keep
@@ -589,11 +589,13 @@ class Model:
 
     def _copy_prefix(self, slot: int, ids: list[int], keep: int) -> int:
         """Copy in the warm or run-time prefix that shares the most usable leading tokens with
-        `ids`, if it shares more than the `keep` the slot holds; return how many the slot now
-        shares."""
+        `ids`, if it can resume from more than the slot, which holds the first `keep`; return how
+        many the slot now shares (with per-slot states, it resumes from the prefix's states there)."""
 
-        def usable(ring_from: int, shared: int) -> int:
-            return self._usable(ring_from, shared, ids)
+        def usable(stored: Stored, shared: int) -> int:
+            return self._usable(stored, shared, ids)
+
+        own = self.cache.rewind_limit(slot, min(keep, len(ids) - 1))  # what the slot can resume from
 
         warm, warm_shared = self.warm_store.best_match(ids, usable)
         entry, lru_shared = self.run_time_store.best_match(ids, usable)
@@ -601,53 +603,31 @@ class Model:
             stored, disk_shared = self.prefix_disk.best_match(ids, usable)
             # a match shorter than a file would be written for is not worth reading (nor waiting
             # for, when its file is still queued): every chat shares its template's first tokens
-            worth = max(keep, warm_shared, lru_shared, self.prefix_disk.min_tokens - 1)
+            worth = max(own, warm_shared, lru_shared, self.prefix_disk.min_tokens - 1)
             if stored is not None and disk_shared > worth:
                 chain = self.prefix_disk.load(stored, disk_shared)  # None: refused and logged
                 if chain is not None:
-                    for part in chain:
+                    for part in chain:  # each file carries the states at its end, the last at disk_shared
                         n = min(disk_shared - part.start, len(part.token_ids))
-                        self.cache.write(
-                            slot, part.block.head(n), ids[part.start : part.start + n], part.start
-                        )
+                        run = ids[part.start : part.start + n]
+                        self.cache.write(slot, part.block.head(n), run, part.start, part.states)
                     return disk_shared
-        if entry is not None and lru_shared > max(keep, warm_shared):
-            self.run_time_store.load(self.cache, slot, entry, lru_shared, start=keep)
+        if entry is not None and lru_shared > max(own, warm_shared):
+            self.run_time_store.load(self.cache, slot, entry, lru_shared, start=min(keep, lru_shared))
             return lru_shared
-        if warm is not None and warm_shared > keep:
-            self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared])
+        if warm is not None and warm_shared > own:
+            self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared], states=warm.states)
             return warm_shared
         return keep
 
-    def _usable(self, ring_from: int, shared: int, ids: list[int]) -> int:
-        """How many of the `shared` leading tokens of a stored prefix whose ring layers hold
-        positions ring_from .. on a turn on `ids` can keep: all, if the rings hold what the turn's
-        first query needs (it runs at min(shared, len(ids) - 1): the last prompt token is run
-        for its logits; `KVCache.ring_limit`), else none (a shorter prefix needs lower positions
-        still)."""
-        return shared if self.cache.ring_limit(ring_from, min(shared, len(ids) - 1)) else 0
-
-
-def _without_stores(options: RunOptions, manifest: Manifest) -> RunOptions:
-    """`options` without the prefix stores, which carry KV only, for a model with per-slot states
-    (LFM2): a slot still resumes its own conversation from its snapshots (`KVCache.snapshot`)."""
-    dropped = [
-        name
-        for name, on in (
-            ("warm prefixes", options.warm_prefixes is not None),
-            ("prefix_dir", options.prefix_dir is not None),
-            ("prefix_cache_bytes", options.prefix_cache_bytes > 0),
-        )
-        if on
-    ]
-    if dropped:
-        log.warning(
-            "%s (%s) keeps per-slot states, which the prefix stores do not carry yet: %s off",
-            manifest.model_type,
-            manifest.architecture,
-            ", ".join(dropped),
-        )
-    return dataclasses.replace(options, warm_prefixes=None, prefix_dir=None, prefix_cache_bytes=0)
+    def _usable(self, stored: Stored, shared: int, ids: list[int]) -> int:
+        """How many of the `shared` leading tokens of a stored prefix a turn on `ids` can copy
+        in (`KVCache.resume_limit`, the rewind rule): at most len(ids) - 1 (the last prompt token
+        is run for its logits); none where the prefix's ring layers lack what the first query
+        needs; with per-slot states, up to the latest position at or before that where it carries
+        them."""
+        last = min(shared, len(ids) - 1)
+        return self.cache.resume_limit(last, stored.ring_from, stored.state_at)
 
 
 def _check_ring_features(geometry: CacheGeometry, policy: HistoryPolicy) -> None:

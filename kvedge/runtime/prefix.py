@@ -9,7 +9,9 @@ Warm file (`<name>.kvw`, one per prefix)::
     16+H       N bytes   `KVBlock` arrays in the cache dtype: KV of the full layers (every layer
                          without ring layers) [full layers, 2 (K, V), kv_heads, count, head_dim],
                          then of the ring layers [ring layers, 2, kv_heads, ring_count, head_dim];
-                         for int8 caches then their float16 scales, same order, [..., groups]
+                         for int8 caches then their float16 scales, same order, [..., groups];
+                         then per-slot states (hybrid models, `CacheGeometry.states`): for each
+                         position of `state_at`, each state kind's [state layers, *shape]
     16+H+N     32 bytes  sha256 of every byte before it
 
 Header: name, model_fingerprint (source fingerprint from the model manifest), graph_fingerprint
@@ -18,14 +20,17 @@ with other weights, another variant or other export code never takes it), scales
 ("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, the scale
 group size for int8, and for ring geometries ring_layers, window and ring_margin), count,
 ring_count (the ring layers hold the prefix's last ring_count positions, in position order, so
-the data do not depend on ring_len; 0 without ring layers), token_ids, data_bytes,
-kvedge_version, and for a run-time prefix's segment (`kvedge.runtime.prefix_disk`) parent and
-start (`WarmHeader`; each field's type is checked on load). A file is used only if its
+the data do not depend on ring_len; 0 without ring layers), state_at (the positions, counted
+from the chain's first token, where the file carries the per-slot states a turn resumes from: its
+end always, and earlier snapshots of the slot it came from; empty without states), token_ids,
+data_bytes, kvedge_version, and for a run-time prefix's segment (`kvedge.runtime.prefix_disk`)
+parent and start (`WarmHeader`; each field's type is checked on load). A file is used only if its
 magic, version (an older one is refused as such), size, checksum, fingerprints, geometry (a
 different ring layout is named field by field) and token ids all match what is expected now
 (`kvedge.contract.header.check_header`), and its K/V (and scales) are finite: a NaN or inf
 under a valid checksum was computed or written wrong, and would poison every reply; otherwise it is
-recomputed and rewritten.
+recomputed and rewritten. A prefix of a model with per-slot states is usable only up to a position
+in `state_at` (`KVCache.resume_limit`): a state cannot be cut back.
 The graph is keyed, not the backend that ran it: a TensorRT engine is built from the folder's
 graph (`EngineManifest.check_model` refuses any other) and computes the same function, differing
 from onnxruntime only in arithmetic precision (as onnxruntime on CPU and on CUDA do), so one
@@ -61,10 +66,16 @@ ring_len), each at its own block offset; the ring part of earlier blocks is unus
 m tokens of the entry is usable only where those positions cover what the query at m needs
 (`KVCache.ring_limit`, the rewind rule), so a conversation sharing a short head of a long entry
 prefills from 0 unless its slot or a warm prefix serves it.
+
+Per-slot states (LFM2): each block has room for one state snapshot, `states[kind]` [state layers,
+blocks, *shape], counted in the block's bytes; an entry keeps the states its slot knew
+(`KVCache.known_states`) at its latest len(blocks) positions (`LRUEntry.state_at`, the i-th in
+its block i), and is usable up to one of them (`KVCache.resume_limit`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -78,7 +89,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -88,7 +99,7 @@ from kvedge.contract import KV_SCALE_DTYPE, CacheGeometry
 from kvedge.contract.header import Header, check_header, convert, decode_json
 from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.files import FILE_MODE, new_file
-from kvedge.runtime.cache import KVBlock, KVCache
+from kvedge.runtime.cache import KVBlock, KVCache, Snapshots
 from kvedge.runtime.sessions import common_prefix
 
 log = logging.getLogger(__name__)
@@ -98,7 +109,9 @@ MAGIC = b"KVEDGEWM"
 # (header field ring_count), which a version-1 reader would size as every layer's
 # 3: graph_fingerprint, without which a version-2 file made by another export of the same source
 # (float32 vs int4 weights, the same cache) would be taken as this one's
-WARM_VERSION = 3
+# 4: per-slot states after the KV at the positions of `state_at` (hybrid models), which a
+# version-3 reader would neither check nor restore
+WARM_VERSION = 4
 SUFFIX = ".kvw"
 STALE_TEMP_AGE_S = 60.0  # a temp file younger than this may be a writer's not yet locked
 _PREAMBLE = struct.Struct("<8sII")
@@ -117,10 +130,21 @@ class WarmPrefix:
     block: KVBlock
     parent: str = ""  # a segment's: the file holding the tokens before its first (kvedge.runtime.prefix_disk)
     start: int = 0  # the position of its first token (the parent chain's length)
+    # per-slot states (hybrid models) where a turn can resume, at positions start+1 .. its end
+    states: Snapshots = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return self.block.nbytes
+        return self.block.nbytes + sum(a.nbytes for at in self.states.values() for a in at.values())
+
+    @property
+    def ring_from(self) -> int:
+        """The ring layers hold positions ring_from .. its end."""
+        return self.start + self.block.count - self.block.ring_count
+
+    @property
+    def state_at(self) -> tuple[int, ...]:
+        return tuple(sorted(self.states))
 
 
 @dataclass(frozen=True)
@@ -131,10 +155,12 @@ class WarmHeader:
     model_fingerprint: str
     graph_fingerprint: str
     scales_fingerprint: str
-    geometry: dict[str, int | str | list[int]]  # `CacheGeometry.artifact_key(holds_cache=True)`
+    # `CacheGeometry.artifact_key(holds_cache=True)`: states are lists of [kind, layers, shape, dtype]
+    geometry: dict[str, int | str | list[Any]]
     count: Annotated[int, msgspec.Meta(ge=0)]
     ring_count: Annotated[int, msgspec.Meta(ge=0)]
     token_ids: tuple[int, ...]
+    state_at: tuple[int, ...]  # positions of the per-slot states carried (hybrid models)
     data_bytes: Annotated[int, msgspec.Meta(ge=0)]
     kvedge_version: str
     # Segments of a run-time prefix (kvedge.runtime.prefix_disk) only; absent from a warm prefix's
@@ -165,11 +191,14 @@ def warm_file(
 ) -> WarmFile:
     """`prefix` as the bytes of its warm file (module docstring). `graph_fingerprint` is the graph
     that computed its K/V (`Manifest.onnx_fingerprint`; "" for K/V made by no export)."""
-    block = prefix.block
+    block, state_at = prefix.block, prefix.state_at
+    _check_state_at(prefix.name, geometry, state_at, prefix.start, len(prefix.token_ids))
     parts = [np.array(a, geometry.np_dtype, order="C") for a in (block.kv, block.ring) if a is not None]
     if geometry.quantized:
         scales = (block.scales, block.ring_scales)
         parts += [np.array(a, KV_SCALE_DTYPE, order="C") for a in scales if a is not None]
+    for position in state_at:
+        parts += [np.array(prefix.states[position][s.kind], s.np_dtype, order="C") for s in geometry.states]
     header = {
         "name": prefix.name,
         "model_fingerprint": model_fingerprint,
@@ -179,6 +208,7 @@ def warm_file(
         "count": len(prefix.token_ids),
         "ring_count": block.ring_count,
         "token_ids": list(prefix.token_ids),
+        "state_at": list(state_at),
         "data_bytes": sum(part.nbytes for part in parts),
         "kvedge_version": __version__,
     }
@@ -285,23 +315,58 @@ def read_warm_file(
         raise ArtifactMismatch(
             f"{path.name}: ring_count {held} must be 0 without ring layers, at most count {count} with them"
         )
+    _check_state_at(path.name, geometry, header.state_at, header.start, count, ArtifactMismatch)
     per_layer = geometry.bytes_per_token() // geometry.num_layers
-    needed = (len(geometry.full_layers) * count + len(geometry.ring_layers) * held) * per_layer
+    kv_bytes = (len(geometry.full_layers) * count + len(geometry.ring_layers) * held) * per_layer
+    needed = kv_bytes + len(header.state_at) * geometry.state_bytes_per_slot()
     if header.data_bytes != needed:
         raise ArtifactMismatch(
             f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}"
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
+            + (f" (states at {len(header.state_at)} positions)" if geometry.states else "")
         )
     arrays = _arrays(mapped, geometry, offset, count, held)
-    for name, array in () if known else arrays.items():  # layer by layer: the temporary stays small
+    states = _states(mapped, geometry, offset + kv_bytes, header.state_at)
+    if not known:
+        carried = ((f"state {kind} at {p}", a) for p, at in states.items() for kind, a in at.items())
+        _check_finite(path, [*arrays.items(), *carried])
+    if checked is not None:
+        checked.add(identity)
+    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start, states)
+
+
+def _check_finite(path: Path, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """Refuse a file whose float arrays hold a NaN or inf (checked layer by layer: the temporary
+    stays small)."""
+    for name, array in arrays:
         if array.dtype.kind == "f" and not all(np.isfinite(layer).all() for layer in array):
             raise ArtifactMismatch(
                 f"{path.name}: non-finite values in its K/V {name!r} array (NaN or inf under a valid "
                 "checksum: computed wrong, not damaged on disk); allowed: finite numbers only"
             )
-    if checked is not None:
-        checked.add(identity)
-    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start)
+
+
+def _check_state_at(
+    where: str,
+    geometry: CacheGeometry,
+    state_at: Sequence[int],
+    start: int,
+    count: int,
+    error: type[Exception] = KvedgeError,
+) -> None:
+    """Refuse state positions that are not increasing within start+1 .. start+count with the end
+    among them (every stored prefix of a model with per-slot states ends where they are known),
+    or any without states."""
+    end = start + count
+    if not geometry.states:
+        if state_at:
+            raise error(f"{where}: states at {list(state_at)}, and this cache holds none")
+        return
+    if list(state_at) != sorted(set(state_at)) or not state_at or state_at[0] <= start or state_at[-1] != end:
+        raise error(
+            f"{where}: states at {list(state_at)}; a prefix of positions {start}..{end - 1} carries "
+            f"them at increasing positions from {start + 1} to {end}, {end} included"
+        )
 
 
 def read_warm_header(path: Path) -> WarmHeader:
@@ -401,6 +466,20 @@ def _arrays(
     return arrays
 
 
+def _states(mapped: mmap.mmap, geometry: CacheGeometry, start: int, state_at: Sequence[int]) -> Snapshots:
+    """The per-slot states of a warm file's data from `start` (views of `mapped`): {position:
+    {kind: [state layers, *shape]}}."""
+    states, offset = {}, start
+    for position in state_at:
+        states[position] = {}
+        for spec in geometry.states:
+            shape = (len(spec.layers), *spec.shape)
+            array = np.frombuffer(mapped, spec.np_dtype, int(np.prod(shape)), offset).reshape(shape)
+            states[position][spec.kind] = array
+            offset += array.nbytes
+    return states
+
+
 def _graph(fingerprint: str) -> str:
     return repr(fingerprint[:16]) if fingerprint else "none (K/V made by no export)"
 
@@ -411,22 +490,35 @@ class LRUEntry:
     token_ids: np.ndarray  # [n] int64
     blocks: list[int]  # arena blocks; block i holds tokens i*B .. i*B+B-1
     ring_from: int = 0  # the ring layers hold positions ring_from .. n - 1 (0 without rings)
+    state_at: tuple[int, ...] = ()  # positions of the states it carries; the i-th in its block i
 
 
-E = TypeVar("E")  # a stored prefix, with token_ids and ring_from: LRUEntry, prefix_disk.DiskEntry
+class Stored(Protocol):
+    """A stored prefix as matching sees it: LRUEntry, prefix_disk.DiskEntry, WarmPrefix."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def ring_from(self) -> int: ...  # the ring layers hold positions ring_from .. its end
+    @property
+    def state_at(self) -> tuple[int, ...]: ...  # where it carries per-slot states
+
+
+E = TypeVar("E", bound=Stored)
+Usable = Callable[[Stored, int], int]  # (a stored prefix, tokens it shares) -> how many a turn can use
 
 
 def best_entry(
-    entries: Iterable[E], ids: Sequence[int], usable: Callable[[int, int], int] | None = None
+    entries: Iterable[E], ids: Sequence[int], usable: Usable | None = None
 ) -> tuple[E | None, int]:
     """Of stored prefixes `entries`, the one sharing the most leading tokens with `ids` (the
-    first on a tie), and how many it shares; with `usable(ring_from, shared)`, how many of them
-    a turn can use (`Model._usable`)."""
+    first on a tie), and how many it shares; with `usable(entry, shared)`, how many of them a
+    turn can use (`Model._usable`)."""
     best, count = None, 0
     for entry in entries:
         shared = common_prefix(entry.token_ids, ids)
         if usable is not None:
-            shared = usable(entry.ring_from, shared)
+            shared = usable(entry, shared)
         if shared > count:
             best, count = entry, shared
     return best, count
@@ -441,13 +533,14 @@ class RunTimePrefixStore:
         geometry: CacheGeometry,
         budget_bytes: int,
         block_tokens: int = LRU_BLOCK_TOKENS,
-        spill: Callable[[np.ndarray, KVBlock], object] | None = None,
+        spill: Callable[[np.ndarray, KVBlock, Snapshots], object] | None = None,
     ) -> None:
-        """`spill(token_ids, block)`, if given, is handed each entry evicted to make room (the
-        disk tier, `kvedge.runtime.prefix_disk`)."""
+        """`spill(token_ids, block, states)`, if given, is handed each entry evicted to make room
+        (the disk tier, `kvedge.runtime.prefix_disk`)."""
         self.block_tokens = block_tokens
         self.spill = spill
-        self.block_bytes = geometry.bytes_per_token() * block_tokens
+        # a block's KV, and room for one snapshot of the per-slot states (hybrid models)
+        self.block_bytes = geometry.bytes_per_token() * block_tokens + geometry.state_bytes_per_slot()
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise KvedgeError(f"prefix_cache_bytes={budget_bytes!r} must be an integer >= 0 (0 = off)")
         blocks = budget_bytes // self.block_bytes
@@ -474,6 +567,8 @@ class RunTimePrefixStore:
                 len(g.ring_layers), g.head_dim, g.np_dtype, 0
             )  # [ring layers, 2, blocks, kvh, B, d]
             self.ring_scales = arena(len(g.ring_layers), g.scale_groups, scale, 1)  # [..., B, groups]
+        # {kind: [state layers, blocks, *shape]}: one snapshot per block (hybrid models)
+        self.states = {s.kind: np.full((len(s.layers), blocks, *s.shape), 0, s.np_dtype) for s in g.states}
         self.free = list(range(blocks - 1, -1, -1))
         self.entries: OrderedDict[int, LRUEntry] = OrderedDict()  # least recently used first
         self._next_key = 0
@@ -500,11 +595,9 @@ class RunTimePrefixStore:
     def __bool__(self) -> bool:
         return self.capacity_blocks > 0
 
-    def best_match(
-        self, ids: Sequence[int], usable: Callable[[int, int], int] | None = None
-    ) -> tuple[LRUEntry | None, int]:
+    def best_match(self, ids: Sequence[int], usable: Usable | None = None) -> tuple[LRUEntry | None, int]:
         """The entry sharing the most leading tokens with `ids`, and how many it shares; with
-        `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
+        `usable(entry, shared)`, how many of them a turn can use (`Model._usable`)."""
         return best_entry(self.entries.values(), ids, usable)
 
     def save(self, cache: KVCache, slot: int) -> None:
@@ -514,18 +607,23 @@ class RunTimePrefixStore:
             return
         # the slot's rings hold ring_start .. length - 1 (every position without rings)
         ring_from = min(int(cache.ring_start[slot]), len(ids)) if self.ring is not None else 0
+        need = -(-len(ids) // self.block_tokens)
+        known = cache.known_states(slot, len(ids))
+        state_at = tuple(sorted(known)[-need:])  # one per block, the latest
+        if self.states and not state_at:
+            return  # no position it could be resumed from
         for key, entry in list(self.entries.items()):
             shared = common_prefix(entry.token_ids, ids)
-            if shared == len(ids) and entry.ring_from <= ring_from:  # already held (rings too)
-                self.entries.move_to_end(key)
+            if shared == len(ids) and entry.ring_from <= ring_from and set(state_at) <= set(entry.state_at):
+                self.entries.move_to_end(key)  # already held (rings and states too)
                 return
-            if shared == len(entry.token_ids) and ring_from <= entry.ring_from:  # extended
+            extended = ring_from <= entry.ring_from and set(entry.state_at) <= set(state_at)
+            if shared == len(entry.token_ids) and extended:
                 self._drop(key)
-        need = -(-len(ids) // self.block_tokens)
         while len(self.free) < need:
             oldest = next(iter(self.entries.values()))
             if self.spill is not None:
-                self.spill(oldest.token_ids, self.block(oldest))
+                self.spill(oldest.token_ids, self.block(oldest), self.snapshots(oldest))
             self._drop(oldest.key)
             self.evictions += 1
         blocks = [self.free.pop() for _ in range(need)]
@@ -540,15 +638,21 @@ class RunTimePrefixStore:
                 self.ring[:, :, block, :, n - held.ring_count : n] = held.ring
                 if self.ring_scales is not None:
                     self.ring_scales[:, :, block, :, n - held.ring_count : n] = held.ring_scales
-        self.entries[self._next_key] = LRUEntry(self._next_key, ids.copy(), blocks, ring_from)
+        for block, position in zip(blocks, state_at, strict=False):
+            for kind, arena in self.states.items():
+                arena[:, block] = known[position][kind]
+        self.entries[self._next_key] = LRUEntry(self._next_key, ids.copy(), blocks, ring_from, state_at)
         self._next_key += 1
 
     def load(self, cache: KVCache, slot: int, entry: LRUEntry, count: int, start: int = 0) -> None:
         """Make `slot` hold the entry's first `count` tokens, given that it already holds the first
         `start` of them (those are not copied, unless the slot's rings lack positions below
-        `start` that the entry holds and the next query needs: then all are)."""
+        `start` that the entry holds and the next query needs: then all are). With per-slot
+        states, `count` must be one of `entry.state_at`: the slot resumes from its states there."""
         if not 0 <= start <= count <= len(entry.token_ids):
             raise KvedgeError(f"cannot load tokens {start}..{count} of a {len(entry.token_ids)}-token entry")
+        if self.states:  # the last token at least: its piece carries the states the slot resumes from
+            start = min(start, count - 1)
         self._copy(cache, slot, entry, count, start)
         if start and cache.rewind_limit(slot, count) != count:
             self._copy(cache, slot, entry, count, 0)
@@ -558,7 +662,8 @@ class RunTimePrefixStore:
 
     def _copy(self, cache: KVCache, slot: int, entry: LRUEntry, count: int, start: int) -> None:
         b = self.block_tokens
-        for i in range(start // b, -(-count // b)):
+        last = -(-count // b) - 1
+        for i in range(start // b, last + 1):
             block = entry.blocks[i]
             lo, hi = max(start, i * b) - i * b, min(count, (i + 1) * b) - i * b
             kv = self.kv[:, :, block, :, lo:hi]
@@ -569,7 +674,8 @@ class RunTimePrefixStore:
                 ring = self.ring[:, :, block, :, held]
                 ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, block, :, held]
             piece = KVBlock(kv, scales, ring, ring_scales)
-            cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], start=i * b + lo)
+            states = self.snapshots(entry, count) if i == last else None  # the slot resumes at count
+            cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], i * b + lo, states)
 
     def block(self, entry: LRUEntry) -> KVBlock:
         """A copy of the entry's KV as a slot stores it: the ring layers hold positions
@@ -590,6 +696,14 @@ class RunTimePrefixStore:
         return KVBlock(
             gather(self.kv), gather(self.scales), gather(self.ring, first), gather(self.ring_scales, first)
         )
+
+    def snapshots(self, entry: LRUEntry, upto: int | None = None) -> dict[int, dict[str, np.ndarray]]:
+        """Copies of the states the entry carries, at its positions up to `upto` (all without)."""
+        return {
+            position: {kind: arena[:, block].copy() for kind, arena in self.states.items()}
+            for block, position in zip(entry.blocks, entry.state_at, strict=False)
+            if upto is None or position <= upto
+        }
 
     def _drop(self, key: int) -> None:
         self.free.extend(reversed(self.entries.pop(key).blocks))

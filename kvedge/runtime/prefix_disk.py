@@ -21,7 +21,10 @@ a process killed at any moment loses at most the turn in flight. An edited or re
 conversation branches from the longest chain it extends. A prefix that leaves memory (its slot is
 taken, the LRU evicts it, the model closes) is written the same way, if not yet held.
 Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
-layer's part of a segment would need positions before its start.
+layer's part of a segment would need positions before its start. With per-slot states (LFM2) each
+file ends where the slot's states are known (the end of a prompt, of a reply, of what the slot
+held) and carries them there and at the slot's snapshots inside it (header `state_at`), so a
+conversation resumes from the latest one its chain carries at or before what it shares.
 
 Writing: `save` copies the KV out of the slot and queues the file for one writer thread
 (`FileWriter`: atomic write, fsync, rename), so the scheduler never waits on the disk; measured
@@ -76,10 +79,11 @@ import numpy as np
 
 from kvedge.contract import CacheGeometry
 from kvedge.errors import ArtifactMismatch
-from kvedge.runtime.cache import KVBlock
+from kvedge.runtime.cache import KVBlock, Snapshots
 from kvedge.runtime.prefix import (
     SUFFIX,
     FileIdentity,
+    Usable,
     WarmFile,
     WarmHeader,
     WarmPrefix,
@@ -114,6 +118,7 @@ class DiskEntry:
     nbytes: int
     parent: str = ""  # the file before this segment ("" for the first)
     start: int = 0  # position of this file's first token
+    state_at: tuple[int, ...] = ()  # where the chain up to this file carries per-slot states
 
 
 class PrefixDisk:
@@ -231,32 +236,44 @@ class PrefixDisk:
         """Bytes of the files queued and not yet written (`FileWriter`): held in memory."""
         return self._writer.queued_bytes
 
-    def best_match(
-        self, ids: Sequence[int], usable: Callable[[int, int], int] | None = None
-    ) -> tuple[DiskEntry | None, int]:
+    def best_match(self, ids: Sequence[int], usable: Usable | None = None) -> tuple[DiskEntry | None, int]:
         """The file sharing the most leading tokens with `ids`, and how many it shares; with
-        `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
+        `usable(entry, shared)`, how many of them a turn can use (`Model._usable`)."""
         self._reap()
         return best_entry(self.entries.values(), ids, usable)
 
-    def save(self, token_ids: Sequence[int], read: Callable[[int], KVBlock], turn_end: bool = False) -> bool:
+    def save(
+        self,
+        token_ids: Sequence[int],
+        read: Callable[[int], KVBlock],
+        states: Snapshots | None = None,
+        turn_end: bool = False,
+    ) -> bool:
         """Queue for writing the KV of `token_ids` that no file holds yet: `read(start)` gives it
         from position `start` on, as a slot holds it, and is copied before this returns; the
-        writer thread writes it (`FileWriter`), so the caller never waits on the disk. Nothing is
+        writer thread writes it (`FileWriter`), so the caller never waits on the disk. With
+        per-slot states, `states` are those known at positions of `token_ids` (`known_states`):
+        the file ends at the latest of them and carries those past its start. Nothing is
         queued for a short or already held prefix, a segment larger than the budget, or at a
         `turn_end` while the copies queued would pass `queue_bytes` (`deferred`: the slot still
         holds it for the next turn's file); a prefix leaving memory waits for the writer instead.
         Whether a file was queued. A failed write (a full disk) is logged and the prefix dropped."""
         self._reap()
         ids = tuple(int(t) for t in token_ids)
+        states = states or {}
+        if self.geometry.states:  # a file ends where its states are known: a turn resumes there
+            ids = ids[: max((p for p in states if p <= len(ids)), default=0)]
         if len(ids) < self.min_tokens:
             return False
-        whole = None if self.segments else read(0)
+        whole = None if self.segments else read(0).head(len(ids))
         ring_from = len(ids) - (0 if whole is None else whole.ring_count)
         parent, superseded = None, []
         for entry in list(self.entries.values()):
             shared = common_prefix(entry.token_ids, ids)
-            if shared == len(ids) and (self.segments or entry.ring_from <= ring_from):  # held already
+            held = (self.segments or entry.ring_from <= ring_from) and (
+                not self.geometry.states or len(ids) in entry.state_at
+            )
+            if shared == len(ids) and held:  # held already
                 self._use(entry)
                 return False
             if shared == len(entry.token_ids) < len(ids):  # the new one extends it
@@ -265,7 +282,7 @@ class PrefixDisk:
                 elif parent is None or len(entry.token_ids) > len(parent.token_ids):
                     parent = entry
         start = 0 if parent is None else len(parent.token_ids)
-        block = read(start) if whole is None else whole
+        block = read(start).head(len(ids) - start) if whole is None else whole
         if block.nbytes > self.budget_bytes:
             return False
         queued = self._writer.queued_bytes
@@ -279,7 +296,8 @@ class PrefixDisk:
         digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}{SUFFIX}"
         name = "" if parent is None else parent.path.name
-        prefix = WarmPrefix(path.stem, ids[start:], block, name, start)
+        carried = {p: at for p, at in states.items() if start < p <= len(ids)}
+        prefix = WarmPrefix(path.stem, ids[start:], block, name, start, carried)
         file = warm_file(
             prefix, self.geometry, self.model_fingerprint, graph_fingerprint=self.graph_fingerprint
         )
@@ -288,7 +306,9 @@ class PrefixDisk:
         self._trim(file.nbytes)
         if parent is not None and parent.path.name not in self.entries:  # trimmed to make room
             return False
-        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, file.nbytes, name, start))
+        before = () if parent is None else parent.state_at
+        state_at = (*before, *sorted(carried))
+        self._add(DiskEntry(path, ids, len(ids) - block.ring_count, file.nbytes, name, start, state_at))
         self._writer.put(path, file)
         self._trim(0)
         return True
@@ -366,7 +386,9 @@ class PrefixDisk:
                 continue
             ids = (parent.token_ids if parent else ()) + header.token_ids
             ring_from = len(ids) - header.ring_count
-            self._add(DiskEntry(path, ids, ring_from, path.stat().st_size, header.parent, header.start))
+            state_at = (*(parent.state_at if parent else ()), *header.state_at)
+            size = path.stat().st_size
+            self._add(DiskEntry(path, ids, ring_from, size, header.parent, header.start, state_at))
         for name in sorted(self.entries, key=lambda n: self.entries[n].path.stat().st_mtime):
             self.entries.move_to_end(name)
 

@@ -19,7 +19,6 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,15 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.interface import Backend
-from kvedge.runtime.prefix import SUFFIX, WarmPrefix, read_warm_file, remove_stale_temps, write_warm_file
+from kvedge.runtime.prefix import (
+    SUFFIX,
+    Usable,
+    WarmPrefix,
+    best_entry,
+    read_warm_file,
+    remove_stale_temps,
+    write_warm_file,
+)
 from kvedge.runtime.sessions import common_prefix
 from kvedge.runtime.tokenizer import ChatTokenizer
 
@@ -53,20 +60,10 @@ class WarmPrefixStore:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.prefixes)
 
-    def best_match(
-        self, ids: list[int], usable: Callable[[int, int], int] | None = None
-    ) -> tuple[WarmPrefix | None, int]:
+    def best_match(self, ids: list[int], usable: Usable | None = None) -> tuple[WarmPrefix | None, int]:
         """The prefix sharing the most leading tokens with `ids`, and how many it shares; with
-        `usable(ring_from, shared)`, how many of them a turn can use (`Model._usable`)."""
-        best, count = None, 0
-        for prefix in self.prefixes:
-            shared = common_prefix(prefix.token_ids, ids)
-            if usable is not None:
-                block = prefix.block
-                shared = usable(block.count - block.ring_count, shared)
-            if shared > count:
-                best, count = prefix, shared
-        return best, count
+        `usable(prefix, shared)`, how many of them a turn can use (`Model._usable`)."""
+        return best_entry(self.prefixes, ids, usable)
 
 
 @dataclass
@@ -175,13 +172,14 @@ def not_a_regular_file(path: Path) -> str | None:
 
 
 def compute_prefix(backend: Backend, cache: KVCache, name: str, ids: list[int]) -> WarmPrefix:
-    """Run `ids` through the model in a scratch slot (the last one) and copy out their KV."""
+    """Run `ids` through the model in a scratch slot (the last one) and copy out their KV (and
+    per-slot states at their end)."""
     slot = cache.slots - 1
     cache.reset(slot)
     prefill(backend, cache, slot, [ids])
-    block = cache.read(slot, len(ids))
+    block, states = cache.read(slot, len(ids)), cache.known_states(slot, len(ids))
     cache.reset(slot)
-    return WarmPrefix(name=name, token_ids=tuple(ids), block=block)
+    return WarmPrefix(name=name, token_ids=tuple(ids), block=block, states=states)
 
 
 def describe(report: WarmPrefixReport) -> dict[str, Any]:
