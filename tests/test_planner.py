@@ -4,6 +4,7 @@ hand-computed cases, and what does not fit is refused saying by how much."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import subprocess
@@ -39,6 +40,7 @@ from kvedge.planner import (
     live_budget,
     make_plan,
     measured_kl,
+    model_refusal,
     parse_bytes,
     plan_report,
     recipe_weight_bytes,
@@ -766,7 +768,7 @@ def recommendation_row(board: str, model: str) -> str:
     """A table row as the docs state `recommend`'s answer on --device tensorrt."""
     found = recommend(board, model, "tensorrt")
     if found is None:
-        return f"| {model} | nothing measured fits 1 slot | - | - |"
+        return f"| {model} | {model_refusal(model, 'tensorrt') or 'nothing measured fits 1 slot'} | - | - |"
     c = found.cell
     command = f"`kvedge export {found.export_flags}`"
     return f"| {model} | {command} | {c.slots} x {c.context} | {c.total / 2**30:.2f} |"
@@ -791,3 +793,32 @@ def test_readme_and_jetson_doc_state_the_planners_one_recommendation_per_board()
         for row in stated[0][board]:
             found = recommend(board, row.split("|")[1].strip(), "tensorrt")
             assert found is None or dataclasses.replace(found.form, max_len=MAX_LEN) in ACCEPTED.values()
+
+
+CACHE_HEADER = "| model | KV bytes per token | layers holding KV | state bytes per slot |"
+
+
+def cache_row(model: str) -> str:
+    """A row of the docs' cache table as the planner's footprint of the recipe says it (float32)."""
+    g = footprint(model).geometry
+    layers = f"{g.num_layers} of {g.model_layers}"
+    return f"| {model} | {g.bytes_per_token():,} | {layers} | {g.state_bytes_per_slot():,} |"
+
+
+def test_the_docs_cache_table_is_the_planners():
+    """README and docs/JETSON.md list each recipe of the board tables with its KV bytes per token and
+    its per-slot state bytes, from the recipes' geometry: a hybrid's KV covers its attention layers
+    only, so Qwen3.5-0.8B's token costs less than a ninth of Qwen3-0.6B's."""
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        start = lines.index(CACHE_HEADER) + 2
+        rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+        assert rows == [cache_row(row.split("|")[1].strip()) for row in rows]
+        models = {row.split("|")[1].strip() for row in rows}
+        assert models == {
+            row.split("|")[1].strip() for rows in board_tables(doc.read_text()).values() for row in rows
+        }
+    assert (
+        9 * footprint("qwen3.5-0.8b").geometry.bytes_per_token()
+        < footprint("qwen3-0.6b").geometry.bytes_per_token()
+    )
