@@ -26,6 +26,10 @@ the profile's memory (`kvedge.planner.recommend`), the one answer README and doc
     architecture: {family, num_layers, num_heads, num_kv_heads, head_dim, hidden_size,
                    intermediate_size, vocab_size, tie_word_embeddings, attention_bias,
                    max_position_embeddings, param_count}
+                   # hybrids (lfm2, qwen3_5_text) also: layer_types, conv_kernel; qwen3_5_text:
+                   # linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+                   # linear_value_head_dim (HF's names; `ModelRecipe.geometry` turns them into
+                   # KV layers and per-slot states as `kvedge export` does)
     export: {max_len, logits, weights_dtype, kv_dtype, max_prefill, max_batch}
 
 `configs/warmup/NAME.yaml`, warm prefixes: fixed prompts whose KV `kvedge warm-prefixes` (or
@@ -54,12 +58,14 @@ import msgspec
 import yaml
 
 from kvedge.contract import (
+    HYBRID_LAYER_TYPES,
     PREFILL_CHUNK,
     RING_MARGIN,
     ROLES,
     SUPPORTED_MODEL_TYPES,
     CacheGeometry,
     ExportRecipe,
+    StateSpec,
 )
 from kvedge.errors import KvedgeError
 
@@ -72,6 +78,14 @@ MODELS_DIR = CONFIG_ROOT / "models"
 
 WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
 FAMILIES = tuple(SUPPORTED_MODEL_TYPES)  # what `kvedge export` supports
+LAYER_TYPES = tuple(dict.fromkeys(t for types in HYBRID_LAYER_TYPES.values() for t in types))
+# Qwen3.5's Gated DeltaNet sizes (HF's names), which it needs and no other family takes
+DELTANET_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
 LOGITS = ("rows", "last", "all")  # contract.LOGITS_MODES
 PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is its file name
 
@@ -264,6 +278,45 @@ class Architecture(Strict):
     # (i + 1) % pattern == 0)
     sliding_window: Count | None = None
     sliding_window_pattern: Count | None = None
+    # Hybrids (`HYBRID_LAYER_TYPES`): HF's `layer_types`, one per layer: "full_attention" layers
+    # hold KV, LFM2's "conv" and Qwen3.5's "linear_attention" layers a fixed state per slot;
+    # `conv_kernel` is the short convolution's width (LFM2's conv_L_cache, Qwen3.5's
+    # linear_conv_kernel_dim), whose last kernel - 1 inputs the conv state keeps; Qwen3.5's Gated
+    # DeltaNet heads size its convolution's channels and its recurrent state
+    layer_types: tuple[Literal[LAYER_TYPES], ...] | None = None
+    conv_kernel: Count | None = None
+    linear_num_key_heads: Count | None = None
+    linear_num_value_heads: Count | None = None
+    linear_key_head_dim: Count | None = None
+    linear_value_head_dim: Count | None = None
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers holding KV: the "full_attention" ones of a hybrid, else every layer."""
+        if self.layer_types is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """A hybrid's layers holding a per-slot state instead of KV; () for other families."""
+        return tuple(i for i in range(self.num_layers) if i not in self.kv_layers)
+
+    def states(self) -> tuple[StateSpec, ...]:
+        """The per-slot states `kvedge export` gives a hybrid (`export.lfm2_geometry`,
+        `export.qwen35_geometry`): LFM2's conv layers [kernel - 1, hidden]; Qwen3.5's Gated DeltaNet
+        layers [kernel - 1, 2 k_heads k_dim + v_heads v_dim] and [v_heads, k_dim, v_dim]."""
+        layers, kernel = self.state_layers, self.conv_kernel or 1
+        if not layers:
+            return ()
+        if self.family == "lfm2":
+            return (StateSpec("conv", layers, (kernel - 1, self.hidden_size)),) if kernel > 1 else ()
+        kh, vh = self.linear_num_key_heads, self.linear_num_value_heads
+        kd, vd = self.linear_key_head_dim, self.linear_value_head_dim
+        states = (StateSpec("recurrent", layers, (vh, kd, vd)),)
+        if kernel > 1:
+            states = (StateSpec("conv", layers, (kernel - 1, 2 * kh * kd + vh * vd)), *states)
+        return states
 
 
 class ExportSettings(Strict):
@@ -302,14 +355,17 @@ class ModelRecipe(RecipeFile, frozen=True):
         ring: tuple[int, ...] = ()
         if a.sliding_window and a.sliding_window_pattern:
             ring = tuple(i for i in range(a.num_layers) if (i + 1) % a.sliding_window_pattern)
+        states = a.states()
         return CacheGeometry(
-            num_layers=a.num_layers,
+            num_layers=len(a.kv_layers),
             num_kv_heads=a.num_kv_heads,
             head_dim=a.head_dim,
             max_len=max_len or self.export.max_len,
             ring_layers=ring,
             window=a.sliding_window if ring else 0,
             ring_margin=RING_MARGIN if ring else 0,
+            kv_layers=a.kv_layers if a.state_layers else (),
+            states=states,
         ).with_dtype(kv_dtype or self.export.kv_dtype)
 
 
@@ -407,6 +463,7 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
         raise _refuse(
             path, "architecture.num_kv_heads", f"{a.num_kv_heads} does not divide num_heads={a.num_heads}"
         )
+    _check_hybrid(a, path)
     if export.max_len > a.max_position_embeddings:
         raise _refuse(
             path,
@@ -427,6 +484,45 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
     except KvedgeError as exc:
         raise _refuse(path, "export", str(exc)) from None
     return recipe
+
+
+def _check_hybrid(a: Architecture, path: Path) -> None:
+    """A hybrid family's layer types and state sizes are given, and fit; no other family has them."""
+    given = [k for k in ("layer_types", "conv_kernel", *DELTANET_FIELDS) if getattr(a, k) is not None]
+    if a.family not in HYBRID_LAYER_TYPES:
+        if given:
+            raise _refuse(
+                path,
+                f"architecture.{given[0]}",
+                f"only for the hybrid families {list(HYBRID_LAYER_TYPES)}, not {a.family!r}",
+            )
+        return
+    needed = ("layer_types", "conv_kernel", *(DELTANET_FIELDS if a.family == "qwen3_5_text" else ()))
+    for key in (*needed, *given):
+        if key not in needed:
+            raise _refuse(
+                path, f"architecture.{key}", f"not a field of {a.family!r}; its fields: {list(needed)}"
+            )
+        if key not in given:
+            raise _refuse(path, f"architecture.{key}", f"missing (required for {a.family!r})")
+    allowed = HYBRID_LAYER_TYPES[a.family]
+    kinds = a.layer_types
+    if len(kinds) != a.num_layers or not set(kinds) <= set(allowed) or "full_attention" not in kinds:
+        raise _refuse(
+            path,
+            "architecture.layer_types",
+            f"{len(kinds)} layer types {sorted(set(kinds))} is not allowed; allowed: "
+            f"num_layers={a.num_layers} of {list(allowed)}, at least one full_attention",
+        )
+    if a.family == "qwen3_5_text" and (
+        allowed[1] not in kinds or a.linear_num_value_heads % a.linear_num_key_heads
+    ):
+        raise _refuse(
+            path,
+            "architecture",
+            "qwen3_5_text needs linear_attention layers and linear_num_value_heads a multiple of "
+            f"linear_num_key_heads (has {a.linear_num_value_heads}, {a.linear_num_key_heads})",
+        )
 
 
 def load_warm_prefix_config(path: str | Path) -> WarmPrefixConfig:

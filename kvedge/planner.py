@@ -2,7 +2,7 @@
 
 The estimate, per (slots, context, kv dtype)::
 
-    total = weights + load + kv + activations + runtime
+    total = weights + load + kv + states + activations + runtime
 
 weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: what `kvedge export`
              writes for the weight form (`ExportRecipe`: --weights, --variant, --block-size,
@@ -40,18 +40,25 @@ load         what the backend holds beyond the weight bytes. onnxruntime CPU, me
              `backends.trt.deserialize_engine`: page cache the kernel can drop, kept in the term
              until device_tests/memory.py measures it); plus a float32 graph's float32 copy of
              float16-stored weights (`widened_bytes`, 2 x the file: onnxruntime folds the Casts).
-kv           `CacheGeometry(max_len=C, dtype=kv).pool_bytes(S)`: exactly what `KVCache` allocates
+kv           `CacheGeometry(max_len=C, dtype=kv).bytes_held(C) x S`: the KV `KVCache` allocates
              (tests/test_planner.py checks it). A quantized cache's scales belong to
-             CacheGeometry and appear here with no change to this module. The runtime's token
-             record (8 bytes per cached token) is not cache geometry and sits in the margin of
-             `runtime`.
+             CacheGeometry and appear here with no change to this module. A hybrid model's KV
+             covers its attention layers only (`kv_layers`). The runtime's token record (8 bytes
+             per cached token) is not cache geometry and sits in the margin of `runtime`.
+states       a hybrid model's per-slot states (`CacheGeometry.states`: LFM2's convolution, Qwen3.5's
+             Gated DeltaNet layers), fixed whatever the context: S x `state_bytes_per_slot()` x
+             (1 + MAX_SNAPSHOTS), the pool `KVCache` allocates plus the snapshots it keeps of each
+             slot's states where a later turn may resume (at most MAX_SNAPSHOTS each,
+             `KVCache.snapshot`). 0 for other models.
 activations  the largest single call: one sequence prefilling a chunk of s = PREFILL_CHUNK tokens,
              or one decode step for all S slots. It is dominated by the attention scores of one
              layer, [kv_heads, g*s, C+s] float32 (the graph never copies the cache). Measured
              with onnxruntime 1.32 CPU, SmolLM2-135M, chunk 256, C = 2048: peak 76-152 MiB
              (arena growth depends on call order), i.e. up to 7.5 score-sized buffers; the
              estimate counts 8, plus 3 MLP-sized and 4 hidden-sized buffers, the logits, and
-             the new tokens' K/V twice (the graph's output and the runtime's copy of it).
+             the new tokens' K/V twice (the graph's output and the runtime's copy of it); a hybrid's
+             present states likewise, per row (not measured; a Gated DeltaNet chunk's own [v heads,
+             s, s] buffers, 32 MiB at 256 tokens for 32 heads, are not counted).
 runtime      Python + numpy + onnxruntime + tokenizer: 96 MiB (measured 70-75 MiB). A GPU
              backend adds the CUDA context and libraries (cuBLAS, cuDNN or TensorRT): 1 GiB,
              ASSUMED, not measured (no GPU was available when this was written); device_tests
@@ -120,6 +127,7 @@ from kvedge.contract.engine import DEVICES, device_refusal
 from kvedge.contract.recipe import check_kv_dtype
 from kvedge.errors import KvedgeError
 from kvedge.files import GiB, MiB, human
+from kvedge.runtime.cache import MAX_SNAPSHOTS
 
 FLOAT32 = 4  # the graph computes activations in float32
 SCORE_BUFFERS, MLP_BUFFERS, HIDDEN_BUFFERS, PRESENT_COPIES = 8, 3, 4, 2  # see the module docstring
@@ -207,19 +215,43 @@ def recipe_weight_bytes(a: Architecture, form: ExportRecipe) -> int:
     """The bytes of an export of architecture `a` in weight form `form` (module docstring)."""
     if not form.quantized:
         return a.param_count * form.bits // 8
-    q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
-    layer = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]  # [K, N]: fused QKV, O, fused gate/up, down
+    h = a.hidden_size
+    matmuls = layer_matmuls(a)
     # a tied table is the head's blocks (the runtime looks embeddings up there); an untied model's
     # input table is 8-bit codes with a scale and an offset per block, beside its quantized head
     # (`kvedge.export.export.write_embedding_table`)
     table = h * a.vocab_size
     tables = 1 if a.tie_word_embeddings else 2
-    rest = a.param_count - a.num_layers * sum(k * n for k, n in layer) - tables * table  # float
-    quantized = a.num_layers * sum(quantized_matmul_bytes(k, n, form.bits, form) for k, n in layer)
+    rest = a.param_count - sum(k * n for k, n in matmuls) - tables * table  # float
+    quantized = sum(quantized_matmul_bytes(k, n, form.bits, form) for k, n in matmuls)
     real = 2 if form.half else FLOAT32
     head = quantized_matmul_bytes(h, a.vocab_size, form.lm_head_bits, form)
     embeddings = 0 if a.tie_word_embeddings else table + 2 * real * (h // form.block_size) * a.vocab_size
     return real * rest + quantized + head + embeddings
+
+
+def layer_matmuls(a: Architecture) -> list[tuple[int, int]]:
+    """[K, N] of every projection of the layers, as the graph builder makes them (its `linear`
+    calls): attention's fused QKV and O (Qwen3.5's output gate too), LFM2's convolution in
+    [3 hidden] and out, Qwen3.5's Gated DeltaNet in (QKV, z, b, a fused) and out; every layer's fused
+    gate/up and down."""
+    q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
+    attention = [(h, q + 2 * kv), (q, h)] + ([(h, q)] if a.family == "qwen3_5_text" else [])
+    if a.family == "lfm2":
+        mixer = [(h, 3 * h), (h, h)]
+    elif a.family == "qwen3_5_text":
+        kd, vd = (
+            a.linear_num_key_heads * a.linear_key_head_dim,
+            a.linear_num_value_heads * a.linear_value_head_dim,
+        )
+        mixer = [(h, 2 * kd + 2 * vd + 2 * a.linear_num_value_heads), (vd, h)]
+    else:
+        mixer = attention
+    kv_layers = set(a.kv_layers)
+    return [m for layer in range(a.num_layers) for m in (attention if layer in kv_layers else mixer)] + [
+        (h, 2 * i),
+        (i, h),
+    ] * a.num_layers
 
 
 def recipe_note(a: Architecture, form: ExportRecipe) -> str:
@@ -382,22 +414,30 @@ class Estimate:
     kv: int
     activations: int
     runtime: int
+    states: int = 0  # a hybrid's per-slot states, their snapshots included (`state_bytes`)
 
     @property
     def total(self) -> int:
-        return self.weights + self.load + self.kv + self.activations + self.runtime
+        return self.weights + self.load + self.kv + self.states + self.activations + self.runtime
 
     def breakdown(self) -> str:
-        parts = ("weights", "load", "kv", "activations", "runtime")
+        parts = ("weights", "load", "kv", *(("states",) if self.states else ()), "activations", "runtime")
         return ", ".join(f"{p} {human(getattr(self, p))}" for p in parts)
 
 
 def kv_bytes(model: ModelFootprint, slots: int, context: int, kv_dtype: str | None = None) -> int:
-    """Exact KV pool bytes, asked of CacheGeometry (the only place they are computed)."""
+    """Exact KV pool bytes (a hybrid's attention layers only), asked of CacheGeometry (the only
+    place they are computed)."""
     geometry = dataclasses.replace(model.geometry, max_len=context).with_dtype(
         kv_dtype or model.geometry.dtype
     )
-    return geometry.pool_bytes(slots)
+    return geometry.bytes_held(context) * slots
+
+
+def state_bytes(model: ModelFootprint, slots: int) -> int:
+    """A hybrid's per-slot states for `slots` slots, whatever the context: the pool and the
+    snapshots `KVCache` keeps of each slot (module docstring, "states"); 0 for other models."""
+    return slots * model.geometry.state_bytes_per_slot() * (1 + MAX_SNAPSHOTS)
 
 
 def activation_bytes(model: ModelFootprint, slots: int, context: int) -> int:
@@ -412,6 +452,7 @@ def _call_bytes(model: ModelFootprint, rows: int, seq: int, context: int) -> int
     hidden = rows * seq * model.hidden_size  # residual, normed input, attention output, ...
     logits = rows * (seq if model.logits == "all" else 1) * model.vocab_size
     present = PRESENT_COPIES * rows * seq * model.geometry.bytes_per_token()  # new K/V, all layers
+    present += PRESENT_COPIES * rows * model.geometry.state_bytes_per_slot()  # each row's new states
     return FLOAT32 * (SCORE_BUFFERS * scores + MLP_BUFFERS * mlp + HIDDEN_BUFFERS * hidden + logits) + present
 
 
@@ -432,6 +473,7 @@ def estimate(
         kv=kv_bytes(model, slots, context, kv_dtype),
         activations=activation_bytes(model, slots, context),
         runtime=overheads.runtime_bytes,
+        states=state_bytes(model, slots),
     )
 
 
@@ -534,7 +576,7 @@ def refusal(model: ModelFootprint, device: str, kv_dtype: str) -> str | None:
     made = model.form or model.manifest
     if made is None:
         return None
-    return device_refusal(device, made.variant, kv_dtype, model.logits)
+    return device_refusal(device, made.variant, kv_dtype, model.logits, bool(model.geometry.states))
 
 
 def make_plan(
@@ -574,13 +616,15 @@ def render(plan: Plan) -> str:
         + (f"\n{'':13}{m.forms_note}" if m.forms_note else ""),
         f"device       {plan.device} ({overheads.note}): runtime {human(first.runtime)}, "
         f"load {human(first.load)} ({overheads.load_note(m)})",
-        f"kv cache     {plan.kv_dtype}: {per_token:,} bytes per token per slot",
+        f"kv cache     {plan.kv_dtype}: {per_token:,} bytes per token per slot" + _kv_layers_note(m.geometry),
         f"budget       {human(b.usable)} = {b.source} {human(b.total_bytes)}"
         f" - reserve {human(b.reserve_bytes)}",
         "",
         "total GiB by max_len (rows) and slots (columns); '-' does not fit",
     ]
     g = m.geometry.with_dtype(plan.kv_dtype)
+    if g.states:
+        lines[4:4] = [states_line(g)]
     if g.ring_layers:  # the per-token figure above counts every layer; ring layers stop at ring_len
         full = dataclasses.replace(g, ring_layers=(), window=0, ring_margin=0)
         lines[4:4] = [
@@ -599,6 +643,26 @@ def render(plan: Plan) -> str:
             mark = "   (needs re-export with --max-len)"
         lines.append(f"{context:>8} {cells}{mark}")
     return "\n".join(lines)
+
+
+def _kv_layers_note(geometry: CacheGeometry) -> str:
+    """Which layers the per-token figure covers, where not all of them hold KV (hybrids)."""
+    if not geometry.states:
+        return ""
+    return f" ({geometry.num_layers} of {geometry.model_layers} layers hold KV)"
+
+
+def states_line(geometry: CacheGeometry) -> str:
+    """A hybrid's per-slot states beside its KV per token: what one slot holds whatever its length,
+    and with the snapshots the runtime keeps."""
+    per_slot = geometry.state_bytes_per_slot()
+    kinds = " + ".join(f"{s.kind} {list(s.shape)}" for s in geometry.states)
+    layers = len({i for s in geometry.states for i in s.layers})
+    return (
+        f"states       {per_slot:,} bytes per slot whatever its length ({kinds} {geometry.states[0].dtype} "
+        f"on {layers} layers); {human(per_slot * (1 + MAX_SNAPSHOTS))} with the runtime's "
+        f"{MAX_SNAPSHOTS} snapshots"
+    )
 
 
 def to_json(plan: Plan, recommended: Recommendation | None = None) -> str:
@@ -686,7 +750,7 @@ class Change:
         text = f"re-export with {flags}" if self.plan.model.fixed_context else flags
         form = self.plan.model.form
         if form is not None and {flag for flag, _ in self.options} & {flag for flag, _ in FORM_FLAGS}:
-            text += f" ({quality_note(form)})"
+            text += f" ({quality_note(form, bool(self.plan.model.geometry.states))})"
         return text
 
 
@@ -744,7 +808,7 @@ def quality_tier(model: ModelFootprint) -> int:
     above it; 2: unmeasured."""
     if model.form is None:
         return 0
-    kl = measured_kl(model.form)
+    kl = measured_kl(model.form, bool(model.geometry.states))
     return 2 if kl is None else int(kl > QUALITY_BAR)
 
 
@@ -807,7 +871,7 @@ def _other_forms(plan: Plan) -> list[tuple[tuple[tuple[str, str], ...], ModelFoo
     m = plan.model
     if m.form is not None:
         found = []
-        for form in device_forms(m.form, plan.device):
+        for form in device_forms(m.form, plan.device, bool(m.geometry.states)):
             options = _form_options(m.form, form)
             if options and _per_token(m, form.kv_dtype) < float("inf"):
                 found.append((options, with_form(m, form), form.kv_dtype))
@@ -843,10 +907,11 @@ def _implied(old: ExportRecipe, new: ExportRecipe, attr: str) -> bool:
     )
 
 
-def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
+def device_forms(base: ExportRecipe, device: str, states: bool = False) -> list[ExportRecipe]:
     """Every form `kvedge export` makes of `base` choosing its variant, precision, weights, head
-    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`); `base`'s
-    max_len, logits, block size, kept channels and decode matmuls stay where they apply."""
+    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`, for a model
+    with per-slot `states` too); `base`'s max_len, logits, block size, kept channels and decode
+    matmuls stay where they apply."""
     found: dict[tuple, ExportRecipe] = {}
     for variant, precision, weights, head_bits, kv in itertools.product(
         VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 4), EXPORTED_KV_DTYPES
@@ -866,7 +931,7 @@ def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
             )
         except KvedgeError:  # a combination export refuses
             continue
-        if device_refusal(device, variant, kv, form.logits) is None:
+        if device_refusal(device, variant, kv, form.logits, states) is None:
             found.setdefault((variant, precision, weights, form.lm_head_bits, kv), form)
     return list(found.values())
 
@@ -909,6 +974,9 @@ def _refused(plan: Plan) -> str:
     m = plan.model
     line = f"{m.name} ({m.weights_note}, {plan.kv_dtype} cache): {plan.refusal}"
     near = nearest_runnable(plan)
+    if near is None and plan.device != "cpu" and refusal(m, "cpu", plan.kv_dtype) is None:
+        on_cpu = make_plan(m, plan.budget, "cpu", plan.kv_dtype, plan.slots, plan.contexts)
+        return f"{line}\n\non --device cpu, which runs it:\n\n" + render_with_advice(on_cpu)
     if near is None:
         return line
     return (
@@ -922,7 +990,9 @@ def _refused(plan: Plan) -> str:
 # KL of the next-token distribution against the float32 model, per export choice, as measured on
 # SmolLM2-135M (docs/PERFORMANCE.md, "Quality of each export choice", whose table a test holds to
 # these). A form's KL is the sum of its weights', its graph precision's and its cache's; a form with
-# a choice not listed here is unmeasured, and never recommended.
+# a choice not listed here is unmeasured, and never recommended. They were measured on a dense
+# model: a hybrid's (per-slot states: LFM2's convolutions, Qwen3.5's Gated DeltaNet projections and
+# recurrent state) quantized or float16 forms were not, and count as unmeasured (`measured_kl`).
 WEIGHTS_KL = {
     "--variant portable --weights float32": 0.0,
     "--variant ort --weights float32": 0.0,
@@ -955,11 +1025,14 @@ def weights_choice(form: ExportRecipe) -> str:
     return text
 
 
-def measured_kl(form: ExportRecipe) -> float | None:
+def measured_kl(form: ExportRecipe, states: bool = False) -> float | None:
     """`form`'s KL against the float32 model from its choices' measured KLs, or None where one of
     them was not measured: a choice missing from the tables, a block size or kept channels other
     than export's defaults, or an ort int8/int4 graph without kvedge's decode form (the float16
-    cache's, whose decode steps run MatMulNBits)."""
+    cache's, whose decode steps run MatMulNBits). For a model with per-slot `states` (a hybrid),
+    every form but the float32 one (the float32 model itself, 0) is unmeasured."""
+    if states and (form.weights, form.precision, form.kv_dtype) != ("float32", "float32", "float32"):
+        return None
     default = ExportRecipe(variant=form.variant, precision=form.precision, weights=form.weights)
     if form.quantized and (form.block_size, form.kept_channels) != (32, default.kept_channels):
         return None
@@ -973,8 +1046,8 @@ def measured_kl(form: ExportRecipe) -> float | None:
     return None if None in parts else sum(parts)
 
 
-def quality_note(form: ExportRecipe) -> str:
-    kl = measured_kl(form)
+def quality_note(form: ExportRecipe, states: bool = False) -> str:
+    kl = measured_kl(form, states)
     return "quality unmeasured" if kl is None else f"KL {kl:.2g} vs float32, docs/PERFORMANCE.md"
 
 
@@ -1034,9 +1107,10 @@ def recommend(
         )
     if not isinstance(budget, Budget):
         budget = board_budget(budget if isinstance(budget, BoardProfile) else load_board(budget))
+    states = bool(fp.geometry.states)
     found = []
-    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device):
-        kl = measured_kl(form)
+    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device, states):
+        kl = measured_kl(form, states)
         if kl is None or kl > QUALITY_BAR or _per_token(fp, form.kv_dtype) == float("inf"):
             continue
         cell = _most_slots(with_form(fp, form), budget, device)
@@ -1058,10 +1132,21 @@ def describe_recommendation(
 ) -> str:
     if found is not None:
         return found.describe()
+    if refused := model_refusal(model, device):
+        return f"recommended for {budget.source} on --device {device}: nothing; {refused}"
     return (
         f"recommended for {budget.source} on --device {device}: nothing; no form of {model.name} whose "
         f"quality was measured within KL {QUALITY_BAR} fits 1 slot of {model.geometry.max_len} tokens"
     )
+
+
+def model_refusal(model: ModelFootprint | ModelRecipe | str | Path, device: str) -> str | None:
+    """Why `device` runs no form of `model` at all (a hybrid's per-slot states on a GPU), or None:
+    then `recommend` has nothing for it whatever the budget."""
+    fp = footprint(model)
+    if device_forms(ExportRecipe(max_len=fp.geometry.max_len), device, bool(fp.geometry.states)):
+        return None
+    return device_refusal(device, "portable", fp.geometry.dtype, fp.logits, bool(fp.geometry.states))
 
 
 def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Budget:

@@ -13,6 +13,7 @@ import yaml
 from kvedge.cli import main
 from kvedge.configs import (
     BOARDS_DIR,
+    DELTANET_FIELDS,
     MODELS_DIR,
     Architecture,
     available,
@@ -72,6 +73,106 @@ def test_recipe_param_count_matches_its_architecture(name):
 def test_recipe_geometry_is_the_cache_geometry():
     g = load_recipe("smollm2-135m").geometry(max_len=4096, kv_dtype="float16")
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.max_len, g.dtype) == (30, 3, 64, 4096, "float16")
+
+
+HYBRIDS = ["lfm2-1.2b", "lfm2.5-1.2b", "qwen3.5-0.8b", "qwen3.5-4b"]
+
+
+def hf_config(a: Architecture, **extra):
+    """The transformers config of a hybrid recipe's architecture, from the recipe's numbers."""
+    from transformers import Lfm2Config, Qwen3_5TextConfig
+
+    common = dict(
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        max_position_embeddings=a.max_position_embeddings,
+        tie_word_embeddings=a.tie_word_embeddings,
+        layer_types=list(a.layer_types),
+        **extra,
+    )
+    if a.family == "lfm2":  # the recipe's intermediate_size is the MLP's real width: no adjusting
+        return Lfm2Config(**common, conv_L_cache=a.conv_kernel, block_auto_adjust_ff_dim=False)
+    return Qwen3_5TextConfig(
+        **common,
+        head_dim=a.head_dim,
+        linear_conv_kernel_dim=a.conv_kernel,
+        linear_num_key_heads=a.linear_num_key_heads,
+        linear_num_value_heads=a.linear_num_value_heads,
+        linear_key_head_dim=a.linear_key_head_dim,
+        linear_value_head_dim=a.linear_value_head_dim,
+    )
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_recipe_geometry_is_the_one_export_makes(name):
+    """A hybrid recipe's cache (KV layers, per-slot states) equals what `kvedge export` makes of a
+    transformers config with the same numbers, and its param_count is that model's, counted."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvedge.export.export import geometry_from_config
+
+    recipe = load_recipe(name)
+    config = hf_config(recipe.architecture)
+    for max_len in (recipe.export.max_len, 64):
+        assert recipe.geometry(max_len=max_len) == geometry_from_config(config, max_len)
+    assert recipe.geometry().states and recipe.geometry().kv_layers
+    with torch.device("meta"):  # sizes only, no memory
+        model = AutoModelForCausalLM.from_config(config)
+    assert recipe.architecture.param_count == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("lfm2", {}),
+        ("lfm2", {"layer_types": ["full_attention", "conv", "full_attention"], "conv_L_cache": 4}),
+        ("lfm2", {"conv_L_cache": 1}),  # a width-1 convolution keeps no state
+        ("qwen3_5", {}),
+        ("qwen3_5", {"linear_conv_kernel_dim": 1, "linear_num_value_heads": 2}),
+    ],
+)
+def test_a_tiny_hybrid_recipe_has_the_exports_geometry(tmp_path, family, overrides):
+    """The same check at a small scale, on the tests' tiny configs and their variations."""
+    from tiny import tiny_config
+
+    from kvedge.export.export import geometry_from_config
+
+    config = tiny_config(family, **overrides)
+    fields = dict(layer_types=list(config.layer_types))
+    if family == "lfm2":
+        fields.update(conv_kernel=config.conv_L_cache)
+    else:
+        fields.update(conv_kernel=config.linear_conv_kernel_dim)
+        fields.update({k: getattr(config, k) for k in DELTANET_FIELDS})
+    data = {
+        "name": "tiny",
+        "description": "a tiny hybrid",
+        "source": "default",
+        "architecture": {
+            "family": config.model_type,
+            "num_layers": config.num_hidden_layers,
+            "num_heads": config.num_attention_heads,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "vocab_size": config.vocab_size,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "max_position_embeddings": config.max_position_embeddings,
+            "param_count": 1,
+            **fields,
+        },
+        "export": {"max_len": 64, "max_prefill": 64},
+    }
+    recipe = load_recipe(_write(tmp_path, data, "tiny"))
+    assert recipe.geometry() == geometry_from_config(config, 64)
+    assert recipe.geometry(kv_dtype="int8") == geometry_from_config(config, 64).with_dtype("int8")
 
 
 def _write(tmp_path: Path, data, name: str) -> Path:
@@ -160,6 +261,64 @@ RECIPE_CASES = [
     ),
     (lambda d: d.update(export=[1, 2]), "export: expected a mapping of keys, got list"),
 ]
+
+
+HYBRID_CASES = [
+    (
+        "smollm2-135m",
+        lambda a: a.update(conv_kernel=3),
+        "architecture.conv_kernel: only for the hybrid families ['lfm2', 'qwen3_5_text'], not 'llama'",
+    ),
+    ("lfm2-1.2b", lambda a: a.pop("layer_types"), "architecture.layer_types: missing (required for 'lfm2')"),
+    ("lfm2-1.2b", lambda a: a.pop("conv_kernel"), "architecture.conv_kernel: missing (required for 'lfm2')"),
+    (
+        "lfm2-1.2b",
+        lambda a: a.update(linear_num_key_heads=16),
+        "architecture.linear_num_key_heads: not a field of 'lfm2'; its fields: ['layer_types', "
+        "'conv_kernel']",
+    ),
+    (
+        "lfm2-1.2b",
+        lambda a: a.update(layer_types=a["layer_types"][:-1]),
+        "architecture.layer_types: 15 layer types ['conv', 'full_attention'] is not allowed; allowed: "
+        "num_layers=16 of ['full_attention', 'conv'], at least one full_attention",
+    ),
+    (
+        "lfm2-1.2b",
+        lambda a: a.update(layer_types=["linear_attention"] * 16),
+        "architecture.layer_types: 16 layer types ['linear_attention'] is not allowed",
+    ),
+    (
+        "lfm2-1.2b",
+        lambda a: a.update(layer_types=["conv", "mamba"] * 8),
+        "architecture.layer_types: ['conv', 'mamba', ",
+    ),
+    (
+        "qwen3.5-0.8b",
+        lambda a: a.pop("linear_value_head_dim"),
+        "architecture.linear_value_head_dim: missing (required for 'qwen3_5_text')",
+    ),
+    (
+        "qwen3.5-0.8b",
+        lambda a: a.update(linear_num_value_heads=24, linear_num_key_heads=16),
+        "linear_num_value_heads a multiple of linear_num_key_heads (has 24, 16)",
+    ),
+    (
+        "qwen3.5-0.8b",
+        lambda a: a.update(layer_types=["full_attention"] * 24),
+        "qwen3_5_text needs linear_attention layers",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "message"), HYBRID_CASES)
+def test_a_bad_hybrid_architecture_is_refused(tmp_path, name, mutate, message):
+    data = yaml.safe_load((MODELS_DIR / f"{name}.yaml").read_text())
+    mutate(data["architecture"])
+    path = _write(tmp_path, data, name)
+    with pytest.raises(KvedgeError) as error:
+        load_recipe(path)
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
 
 
 @pytest.mark.parametrize(("mutate", "message"), RECIPE_CASES)

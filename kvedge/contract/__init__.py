@@ -64,7 +64,7 @@ from kvedge.contract.manifest import (
     kvedge_ops,
     sha256_files,
 )
-from kvedge.contract.models import ROLES, SUPPORTED_MODEL_TYPES
+from kvedge.contract.models import HYBRID_LAYER_TYPES, ROLES, SUPPORTED_MODEL_TYPES
 from kvedge.contract.recipe import (
     BLOCK_SIZES,
     HEAD_BITS,
@@ -110,6 +110,7 @@ __all__ = [
     "STATE_KINDS",
     "STORED_CHECK_BYTES",
     "SUPPORTED_MODEL_TYPES",
+    "HYBRID_LAYER_TYPES",
     "TOKENIZER_FILE",
     "VARIANTS",
     "VERIFY_TOKENS",

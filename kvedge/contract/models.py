@@ -18,4 +18,11 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_5_text": "Qwen3.5 dense text (portable graph; Gated DeltaNet layers' states kept per slot)",
 }
 
+# Hybrid families: HF's `layer_types` values per family, the KV layer's first. "full_attention"
+# layers hold KV; the other kind holds a fixed-size state per slot (`CacheGeometry.states`).
+HYBRID_LAYER_TYPES = {
+    "lfm2": ("full_attention", "conv"),
+    "qwen3_5_text": ("full_attention", "linear_attention"),
+}
+
 ROLES = ("system", "user", "assistant", "tool")
