@@ -573,18 +573,7 @@ def test_recipe_weight_bytes_match_a_real_export(mid_llama, form):
 
 @pytest.mark.parametrize(
     "family",
-    [
-        pytest.param(
-            "lfm2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="today's export keeps no outlier channels in LFM2's renamed projections "
-                "(feed_forward.w1/w2/w3, self_attn.out_proj): quantize.input_outliers keys Hugging Face's "
-                "module names, the graph looks up Llama's (weights.LFM2_NAMES); the planner counts them kept",
-            ),
-        ),
-        "qwen3_5",
-    ],
+    ["lfm2", "qwen3_5"],
 )
 def test_a_hybrids_weight_bytes_match_a_real_export(tmp_path, family):
     """A hybrid's layers project differently (LFM2's convolution in [3 hidden] and out; Qwen3.5's

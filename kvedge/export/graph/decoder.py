@@ -32,7 +32,7 @@ from kvedge.export.graph.norms import Norms
 from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
 from kvedge.export.graph.quant_matmul import block_weight, matmul_weight
-from kvedge.export.graph.weights import prepare_weights, tied_head
+from kvedge.export.graph.weights import llama_name, prepare_weights, tied_head
 from kvedge.export.quantize import QuantizedWeight, concat_columns
 
 
@@ -83,7 +83,7 @@ def build_decoder_graph(
             sin,
             names,
             options,
-            outliers or {},
+            {llama_name(name): channels for name, channels in (outliers or {}).items()},
             local_tables,
             decode_form,
             kept_blocks,
