@@ -241,10 +241,17 @@ def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
     assert "per-slot states" in model.speculation_refusal()
     with pytest.raises(KvedgeError, match="history_policy 'window'.*per-slot states"):
         Model(hybrid.out, policy=HistoryPolicy(mode="window", n_sink=2, evict_chunk=16))
-    with pytest.raises(KvedgeError, match="--device tensorrt does not bind"):
-        from kvedge.runtime.backends.trt import TrtBackend
+    with pytest.raises(KvedgeError, match="--device cuda does not run per-slot states"):
+        Model(hybrid.out, device="cuda")
+    from cuda_standin import CudaRuntime
 
-        TrtBackend(hybrid.out, Manifest.load(hybrid.out))
+    from kvedge.runtime.backends.cuda import DeviceMemory
+    from kvedge.runtime.cache import KVCache
+
+    cuda = CudaRuntime()
+    with pytest.raises(KvedgeError, match="--kv-memory device does not hold per-slot states"):
+        KVCache(Manifest.load(hybrid.out).geometry, 1, DeviceMemory(cuda))
+    assert cuda.device == {}  # what it allocated before refusing went back
 
 
 def test_quantized_weights_stay_close(hybrid, tmp_path):

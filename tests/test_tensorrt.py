@@ -502,7 +502,7 @@ def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: floa
         cpu = Model(folder, slots=3)
         trt_cache = KVCache(manifest.geometry, 3)
         assert isinstance(trt, Backend) and isinstance(cpu.backend, Backend)
-        trt.reserve(trt_cache.layer_views(0, 3), manifest.geometry.max_len)
+        trt.reserve(trt_cache.layer_views(0, 3), manifest.geometry.max_len, trt_cache.state_views(0, 3))
         prompts = [random_ids(100, seed=1), random_ids(37, seed=2)]  # 100 > max_prefill: two chunks
         a = prefill(cpu.backend, cpu.cache, 1, prompts, chunk=64)  # the same chunks: equal sums
         b = prefill(trt, trt_cache, 1, prompts, chunk=64)
@@ -515,6 +515,8 @@ def _trt_matches_onnxruntime(folder, manifest: Manifest, monkeypatch, atol: floa
         np.testing.assert_allclose(trt_cache.pool, cpu.cache.pool, atol=atol, rtol=0)
         if manifest.geometry.quantized:
             np.testing.assert_array_equal(trt_cache.scales, cpu.cache.scales)
+        for kind, states in cpu.cache.states.items():  # hybrid models: every slot's states
+            np.testing.assert_allclose(trt_cache.states[kind], states, atol=atol, rtol=0)
         with pytest.raises(KvedgeError, match="exceeds the engine's profiles"):
             prefill(trt, trt_cache, 0, [[5]] * 3)
         # one context per profile, each set once: prefill ran on 0, decode on 1, no switching
@@ -595,6 +597,19 @@ def test_trt_backend_binds_the_int8_pool_and_its_float16_scales(tmp_path, monkey
     export_model(source, tmp_path / "out", ExportRecipe(max_len=128, kv_dtype="int8"))
     manifest = Manifest.load(tmp_path / "out")
     assert manifest.geometry.quantized
+    _trt_matches_onnxruntime(tmp_path / "out", manifest, monkeypatch, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_trt_backend_binds_a_hybrids_states_in_place(family, tmp_path, monkeypatch):
+    """LFM2's and Qwen3.5's states through TrtBackend: each state layer's past state bound from
+    `KVCache.states` by device pointer, the new states read back from their output buffers and
+    written to the slots (rows of a padded prefill, idle decode rows kept); logits, pool and
+    states equal onnxruntime's run."""
+    source = make_tiny_model(tmp_path / "hf", family)
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=128))
+    manifest = Manifest.load(tmp_path / "out")
+    assert manifest.geometry.states
     _trt_matches_onnxruntime(tmp_path / "out", manifest, monkeypatch, atol=1e-5)
 
 

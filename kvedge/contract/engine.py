@@ -88,14 +88,15 @@ def device_refusal(device: str, variant: str, kv_dtype: str, logits: str, states
     the host and the present back every step. tensorrt: the portable graph (TensorRT's parser
     refuses the `ort` graph's onnxruntime ops) with "rows" or "last" logits ("all" is [batch, seq,
     vocab] for every prompt position, more than a small device holds). A graph with per-slot
-    `states` (hybrid models: LFM2, Qwen3.5) runs on the CPU only: neither GPU backend binds them
-    yet (`OrtBackend`, `TrtBackend` refuse them at load)."""
+    `states` (hybrid models: LFM2, Qwen3.5) runs on the CPU and on TensorRT (`TrtBackend` binds
+    them as it binds the pool); onnxruntime's CUDA provider is not given them yet (`OrtBackend`
+    refuses them at load)."""
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not allowed; allowed: {list(DEVICES)}")
-    if states and device != "cpu":
+    if states and device == "cuda":
         return (
-            f"--device {device} does not run per-slot states (LFM2's convolution and Qwen3.5's Gated "
-            "DeltaNet layers) yet; use --device cpu"
+            "--device cuda does not run per-slot states (LFM2's convolution and Qwen3.5's Gated "
+            "DeltaNet layers) yet; use --device tensorrt or cpu"
         )
     if device == "cuda" and variant == "ort" and kv_dtype != CUDA_IN_PLACE_KV_DTYPE:
         if kv_dtype in QUANTIZED_KV_DTYPES:

@@ -143,7 +143,13 @@ class KVCache:
             for i in range(geometry.num_layers)
         ]
         # per-slot states (hybrid models): {kind: [state layers, slots, *shape]}, zero at length 0
-        self.states = {s.kind: np.zeros(s.pool_shape(slots), s.np_dtype) for s in geometry.states}
+        if geometry.states and not isinstance(self.memory, HostMemory):
+            self.memory.close()
+            raise KvedgeError(
+                "--kv-memory device does not hold per-slot states (LFM2, Qwen3.5) yet; use --kv-memory mapped"
+            )
+        # in whole pages, as the pool: a GPU backend page-locks and binds them in place
+        self.states = {s.kind: self.memory.allocate(s.pool_shape(slots), s.np_dtype) for s in geometry.states}
         # {slot: {position: {kind: [state layers, *shape]}}}: the states at earlier positions
         self.snapshots: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in range(slots)]
         self.tokens = np.full((slots, geometry.max_len), 0, np.int64)

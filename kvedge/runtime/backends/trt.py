@@ -19,6 +19,9 @@ Memory, for Jetson's unified memory (CPU and GPU share one DRAM)::
     outputs      logits [B, R, vocab] float32; per layer the new tokens only (`KVCache.append`
                  writes them into the pool): present K/V [B, kv_heads, P, head_dim] in the cache
                  dtype, then for int8 caches their scales [B, kv_heads, P, groups] float16
+    states       hybrid models (LFM2, Qwen3.5): each state layer's past state [B, *shape], a view
+                 of `KVCache.states` (whole pages, page-locked as the pool), bound in place; its
+                 new state an output buffer, which `KVCache.write_states` copies back
 
 Inputs and outputs are mapped pinned host buffers (cudaHostAlloc Mapped), allocated once for
 the engine's largest profile (B = max_batch, P = max_prefill, R = max_rows): the GPU reads and
@@ -59,11 +62,6 @@ class TrtBackend:
     switch costs a resource update, TensorRT warns)."""
 
     def __init__(self, folder: Path, manifest: Manifest) -> None:
-        if manifest.geometry.states:
-            raise KvedgeError(
-                f"--device tensorrt does not bind {manifest.model_type}'s per-slot states (convolution "
-                "layers) yet; use --device cpu"
-            )
         self.trt, self.cudart = import_tensorrt(), import_cudart()
         self.manifest = manifest
         self.engine_manifest = EngineManifest.load(folder)
@@ -175,6 +173,8 @@ class TrtBackend:
         for i, views in enumerate(past):
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 check_alignment(names.layer(template, i), self.host.device_address(view), view)
+        for name, view in (states or {}).items():  # hybrid models: the states, bound in place too
+            check_alignment(name, self.host.device_address(view), view)
 
     def verify_refusal(self) -> str | None:
         """Why this engine cannot verify a speculative step: the graph's reason
@@ -189,7 +189,7 @@ class TrtBackend:
         last_index: np.ndarray,  # [batch] int64, or [batch, rows] (`verify_refusal` is None)
         past: list[tuple[np.ndarray, ...]],  # per layer [batch, kvh, max_len, d] pool views
         counts: np.ndarray | None = None,  # [batch] real tokens per row; portable graphs ignore it
-        states: dict[str, np.ndarray] | None = None,  # none: engines of models with states are refused
+        states: dict[str, np.ndarray] | None = None,  # `KVCache.state_views` of the rows' slots
     ) -> StepOutput:
         """One step; logits [batch, vocab], or [batch, rows, vocab] for last_index [batch, rows]."""
         if self.stream is None:
@@ -204,7 +204,7 @@ class TrtBackend:
         profile = profile_for(seq)
         context = self.contexts[profile]
         values = step_values(
-            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index
+            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index, counts
         )
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
@@ -215,6 +215,10 @@ class TrtBackend:
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 name = names.layer(template, i)
                 self._bind(profile, name, self.host.device_address(view), view.shape)
+        if g.states and not states:
+            raise KvedgeError(f"{self.manifest.model_type} keeps per-slot states: a step needs them")
+        for name, view in (states or {}).items():  # [batch, *shape], in place as the pool
+            self._bind(profile, name, self.host.device_address(view), view.shape)
         for spec in self.outputs:
             self._bind(profile, spec.name, self.buffers[spec.name][1])
 
@@ -222,10 +226,11 @@ class TrtBackend:
             raise KvedgeError("TensorRT execute_async_v3 failed; see its log above")
         self._call(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
-        logits, *layers = [self._output(spec, batch, seq, rows) for spec in self.outputs]
+        logits, *layers = [self._output(spec, batch, seq, rows) for spec in self.outputs if not spec.state]
         per_layer = len(layers) // g.num_layers
         present = [tuple(layers[i * per_layer : (i + 1) * per_layer]) for i in range(g.num_layers)]
-        return StepOutput(logits=step_logits(logits, last_index), present=present)
+        new_states = {spec.name: self._output(spec, batch, seq, rows) for spec in self.outputs if spec.state}
+        return StepOutput(step_logits(logits, last_index), present, new_states or None)
 
     def _bind(self, profile: int, name: str, address: int, shape: tuple[int, ...] | None = None) -> None:
         """Give `profile`'s context tensor `name` at device `address` (and, for an input, its
