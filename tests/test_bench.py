@@ -579,3 +579,28 @@ def test_head_bits_bench_measures_each_head_form_of_a_tied_model(tmp_path):
     untied = make_tiny_model(tmp_path / "untied", "qwen2", seed=0)
     with pytest.raises(KvedgeError, match="is not tied"):
         head_bits.main([str(untied), "--out", str(tmp_path / "results")])
+
+
+def test_hybrid_bench_times_kvedge_and_transformers_at_each_context(tmp_path):
+    """`python bench/hybrid.py` (kvedge.bench.hybrid) on a small Qwen3.5 config cut to its first
+    layers: a results folder named by date, commit and "hybrid" holding both systems' decode times
+    at each context, their ratio and a prefill time, and the export's KV and state bytes."""
+    from tiny import tiny_config
+
+    from kvedge.bench import hybrid
+
+    config = tiny_config("qwen3_5", vocab_size=49152).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    folder = hybrid.main(
+        [str(tmp_path / "config.json"), "--layers", "4", "--contexts", "8", "32", "--prefill", "40"]
+        + ["--steps", "2", "--rounds", "1", "--threads", "1", "--out", str(tmp_path / "results")]
+    )
+    assert folder.parent == tmp_path / "results" and folder.name.endswith("-hybrid-t1")
+    data = json.loads((folder / "hybrid.json").read_text())
+    assert data["layers"] == 4 and data["layer_types"] == config["layer_types"][:4]
+    assert data["state_bytes_per_slot"] > 0 and data["kv_bytes_per_token"] > 0
+    for system in ("kvedge", "transformers"):
+        row = data["systems"][system]
+        assert set(row["decode_ms"]) == {"8", "32"} and all(ms > 0 for ms in row["decode_ms"].values())
+        assert row["prefill_s"] > 0
+        assert row["decode_ratio_longest_to_shortest"] == row["decode_ms"]["32"] / row["decode_ms"]["8"]

@@ -15,6 +15,7 @@ cell is checked against that folder's JSON:
     mode        bench/serve.py's JSON: rows are its modes ("batched", "one at a time")
     batch       bench/serve.py's JSON: the cost of one decode call over that many rows
     head        bench/head_bits.py's JSON: rows are its head forms ("int4 b32", "top 11264")
+    hybrid      bench/hybrid.py's JSON: rows are its systems ("kvedge", "transformers")
 
 A cell matches when the JSON's value, rounded to the cell's decimals, gives the cell; "-" and a
 cell in parentheses ("(reference)") are not figures.
@@ -43,7 +44,7 @@ EXPORTS = "`kvedge export ...`"  # README's export table
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
 CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
-KINDS = ("system", "kvedge vs", "mode", "batch", "workload", "head", EXPORTS)
+KINDS = ("system", "kvedge vs", "mode", "batch", "workload", "head", "hybrid", EXPORTS)
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
 
 
@@ -98,8 +99,21 @@ HEAD_COLUMNS = {
 }
 
 
+# bench/hybrid.py's hybrid.json: a row is a system
+HYBRID_COLUMNS = {
+    "decode ratio": lambda r: r["decode_ratio_longest_to_shortest"],
+    "prefill s": lambda r: r["prefill_s"],
+}
+
+
 def figure(data: dict, kind: str, header: str, row: str) -> float:
     """The JSON's value for one table cell."""
+    if kind == "hybrid":
+        system = data["systems"][row]
+        if match := re.fullmatch(r"decode ms @(\d+)", header):
+            return system["decode_ms"][match[1]]
+        assert header in HYBRID_COLUMNS, f"'hybrid' column {header!r}: not in hybrid.json"
+        return HYBRID_COLUMNS[header](system)
     if kind == "workload":
         export, workload = row.split(" ")
         assert header in SPECULATE_COLUMNS, f"'workload' column {header!r}: not in speculate.json"

@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=RESULTS_ROOT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    folder = results_folder("hybrid", [args.threads], root=args.out)  # named by the code that runs
     with tempfile.TemporaryDirectory() as work:
         data = measure(args, Path(work))
-    folder = results_folder("hybrid", [args.threads], root=args.out)
     folder.mkdir(parents=True)
     (folder / "hybrid.json").write_text(json.dumps(data, indent=2) + "\n")
     print(f"{data['model_type']}, {data['layers']} layers, {args.threads} threads; {folder}")
