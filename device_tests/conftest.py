@@ -72,7 +72,20 @@ def _cuda_runtime_missing() -> str | None:
     return None
 
 
+# an NVIDIA GPU's device nodes: a discrete GPU's (nvidia0, nvidiactl), a Jetson's (nvmap, nvhost-*,
+# nvgpu); a machine without any has no GPU for any test here, whatever is installed
+GPU_NODES = ("nvidia*", "nvhost*", "nvmap", "nvgpu")
+
+
+def _no_gpu() -> str | None:
+    if any(next(Path("/dev").glob(pattern), None) for pattern in GPU_NODES):
+        return None
+    return f"no GPU: this machine has no NVIDIA device node (/dev/{{{','.join(GPU_NODES)}}})"
+
+
 def _ort_cuda_missing() -> str | None:
+    if why := _no_gpu():
+        return why
     providers = ort.get_available_providers()
     if "CUDAExecutionProvider" not in providers:
         return f"no CUDAExecutionProvider in onnxruntime ({providers})"
@@ -80,6 +93,8 @@ def _ort_cuda_missing() -> str | None:
 
 
 def _tensorrt_missing() -> str | None:
+    if why := _no_gpu():
+        return why
     if importlib.util.find_spec("tensorrt") is None:
         return "tensorrt is not importable (JetPack ships it; `pip install tensorrt` on x86_64 CUDA)"
     if _cuda_runtime_missing():
