@@ -146,6 +146,22 @@ def test_tensorrt_parses_and_builds_gemma3_ring_layers(precision, kv_dtype, tmp_
     assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
+@pytest.mark.parametrize("kv_dtype, weights", [("float32", "float32"), ("int8", "int4")])
+def test_tensorrt_parses_and_builds_gemma4(kv_dtype, weights, tmp_path):
+    """Gemma 4's portable graph: rings of the sliding layers' own head_dim, global layers of
+    theirs, shared-KV layers reading their source layer's K and V, per-layer inputs as a graph
+    input, softcapped logits."""
+    source = make_tiny_model(tmp_path / "hf", "gemma4")
+    out = tmp_path / kv_dtype
+    export_model(
+        source, out, ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype, weights=weights, block_size=16)
+    )
+    assert parse_errors(out) == []
+    check_strongly_typed(out)
+    engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
+    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == "float32"
+
+
 @pytest.mark.parametrize("family, weights", [("lfm2", "float32"), ("lfm2", "int4"), ("qwen3_5", "float32")])
 def test_tensorrt_parses_and_builds_hybrid_states(family, weights, tmp_path):
     """The hybrid models' portable graphs: LFM2's short-convolution layers and Qwen3.5's Gated

@@ -92,11 +92,14 @@ def test_every_claimed_graph_is_taken_by_the_oldest_claimed_tensorrt(case, llama
         ("lfm2", "float32"),
         ("lfm2", "int8"),
         ("qwen3_5", "float32"),
+        ("gemma4", "float32"),
+        ("gemma4", "int8"),
     ],
 )
 def test_the_families_whose_graphs_differ_are_taken_too(family, kv_dtype, table, tmp_path):
     """Qwen2: the finding's model (biases); Gemma 3: ring-buffer layers with their own INT8 codec;
-    LFM2 and Qwen3.5: convolution and recurrent layers whose states are graph inputs and outputs."""
+    LFM2 and Qwen3.5: convolution and recurrent layers whose states are graph inputs and outputs;
+    Gemma 4: shared-KV layers, rings of their own head_dim, per-layer inputs."""
     source = make_tiny_model(tmp_path / "hf", family)
     export_model(source, tmp_path / "out", ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype))
     assert check_graph(load(tmp_path / "out"), table) == []

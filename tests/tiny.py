@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     Lfm2Config,
     LlamaConfig,
     MistralConfig,
@@ -55,8 +56,16 @@ GEMMA3_TEMPLATE = (
     "+ message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
-TEMPLATES = {"qwen3": QWEN3_CHATML, "phi3": PHI3_TEMPLATE, "gemma3": GEMMA3_TEMPLATE}
-SPECIAL_TOKENS = {"gemma3": ("<start_of_turn>", "<end_of_turn>")}
+TEMPLATES = {
+    "qwen3": QWEN3_CHATML,
+    "phi3": PHI3_TEMPLATE,
+    "gemma3": GEMMA3_TEMPLATE,
+    "gemma4": GEMMA3_TEMPLATE,
+}
+SPECIAL_TOKENS = {
+    "gemma3": ("<start_of_turn>", "<end_of_turn>"),
+    "gemma4": ("<start_of_turn>", "<end_of_turn>"),
+}
 # Gemma 3's shape in small: local (sliding-window) layers around a global one, head_dim apart
 # from hidden / heads, a query scale apart from head_dim**-0.5, window 8 (ring 8 + 64 slots)
 GEMMA3 = {
@@ -65,6 +74,32 @@ GEMMA3 = {
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
     "sliding_window": 8,
     "query_pre_attn_scalar": 24,
+    "pad_token_id": 0,
+}
+# Gemma 4's shape in small: sliding layers (head_dim 16, window 8) and global ones (head_dim 32,
+# a quarter rotated: "proportional" RoPE), the last three layers reading the KV of layers 1 and 3
+# (num_kv_shared_layers; twice as wide an MLP there), per-layer inputs of 16 per layer, softcapped
+# logits (E2B: 35 layers, 20 shared, head_dim 256 / 512, per-layer 256)
+GEMMA4_LAYERS = [
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+]
+GEMMA4 = {
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "layer_types": GEMMA4_LAYERS,
+    "num_hidden_layers": len(GEMMA4_LAYERS),
+    "num_kv_shared_layers": 3,
+    "sliding_window": 8,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 320,
+    "final_logit_softcapping": 30.0,
+    "use_double_wide_mlp": True,
     "pad_token_id": 0,
 }
 # LFM2's shape in small: convolution layers first and last, attention between (LFM2-1.2B: 10 conv,
@@ -155,6 +190,9 @@ def tiny_config(family: str, **overrides):
         )
     if family == "gemma3":
         return Gemma3TextConfig(**{**common, **GEMMA3, **overrides})
+    if family == "gemma4":
+        layers = overrides.get("layer_types", GEMMA4_LAYERS)
+        return Gemma4TextConfig(**{**common, **GEMMA4, "num_hidden_layers": len(layers), **overrides})
     if family == "lfm2":  # conv layers around attention ones (LFM2_LAYERS), Q/K norms per head
         lfm2 = {
             "layer_types": LFM2_LAYERS,
@@ -179,9 +217,15 @@ def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **overri
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
     with torch.no_grad():  # random init is small; widen it so logits are far from uniform
         for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else None
+            # Gemma 4 at 4x: its unscaled scores put transformers' own float32 logits 1.4e-4 from float64
+            p.mul_(2.0 if family == "gemma4" else 4.0) if p.dim() > 1 else None
             if family == "gemma3" and p.dim() == 1:  # its norms start at w = 0: make (1 + w) matter
                 p.add_(0.5 * torch.randn_like(p))
+            if family == "gemma4" and p.dim() == 1:  # its norms start at w = 1
+                p.add_(0.2 * torch.randn_like(p))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # 1 at init; a checkpoint's scale each layer
+                buffer.copy_(0.5 + torch.rand_like(buffer))
     model.save_pretrained(folder)
     tiny_tokenizer(TEMPLATES.get(family, CHATML), SPECIAL_TOKENS.get(family, ())).save_pretrained(folder)
     return folder

@@ -29,12 +29,16 @@ MANIFEST_FORMAT = "kvedge-manifest"
 # local-layer RoPE (Gemma 3), which a version-2 reader would size full-length or re-rotate wrongly;
 # 4: inputs_embeds (`EmbeddingTable`), which a version-3 reader would not feed; 5: per-slot
 # states (`CacheGeometry.states`, LFM2's convolution layers) and `kv_layers`, which a version-4
-# reader would neither bind nor keep across calls
-MANIFEST_VERSION = 5
+# reader would neither bind nor keep across calls; 6: Gemma 4's shared-KV layers, ring layers of
+# their own head_dim and per-layer inputs (`PerLayerTable`), which a version-5 reader would ignore
+MANIFEST_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 # an untied model's quantized input embeddings (`EmbeddingTable`), beside the graph's files
 EMBEDDINGS_FILE = "embeddings.bin"
+# Gemma 4's per-layer embedding table (`PerLayerTable`), a .npy file the runtime maps
+PER_LAYER_FILE = "per_layer_embeddings.npy"
+PER_LAYER_DTYPES = ("float32", "float16")
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -197,6 +201,13 @@ class CacheGeometry:
     # KV layer i is model layer i
     kv_layers: tuple[int, ...] = ()
     states: tuple[StateSpec, ...] = ()  # fixed-size per-slot states (LFM2's convolutions)
+    # the ring layers' head_dim where it is not the full layers' (Gemma 4: sliding layers 256,
+    # global layers 512); 0: head_dim
+    ring_head_dim: int = 0
+    # model layers that store no KV and attend over another layer's (Gemma 4's last
+    # num_kv_shared_layers), and the model layer whose KV each reads, in the same order
+    shared_layers: tuple[int, ...] = ()
+    shared_sources: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
@@ -209,11 +220,16 @@ class CacheGeometry:
             )
         if not self.quantized and self.group_size != 0:
             raise KvedgeError(f"cache geometry: group_size={self.group_size!r} is only for int8 caches")
-        allowed = [g for g in KV_GROUP_SIZES if g <= self.head_dim and self.head_dim % g == 0]
+        dims = {self.head_dim, self.ring_dim}
+        allowed = [g for g in KV_GROUP_SIZES if all(g <= d and d % g == 0 for d in dims)]
         if self.quantized and self.group_size not in allowed:
             raise KvedgeError(
                 f"cache geometry: group_size={self.group_size!r} is not allowed for head_dim "
-                f"{self.head_dim}; allowed: {allowed}"
+                f"{sorted(dims)}; allowed: {allowed}"
+            )
+        if self.ring_head_dim < 0 or (self.ring_head_dim and not self.ring_layers):
+            raise KvedgeError(
+                f"cache geometry: ring_head_dim={self.ring_head_dim!r} needs ring layers and must be positive"
             )
         layers = self.ring_layers
         if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
@@ -240,6 +256,23 @@ class CacheGeometry:
                 f"cache geometry: states {kinds} must be of distinct kinds, on layers that hold no KV "
                 f"(kv_layers {list(self.kv_layers)})"
             )
+        self._check_shared()
+
+    def _check_shared(self) -> None:
+        """Shared layers hold no KV and read a layer that does (`kv_layers`)."""
+        shared, sources = self.shared_layers, self.shared_sources
+        if not shared and not sources:
+            return
+        if (
+            len(shared) != len(sources)
+            or not self.kv_layers
+            or set(shared) & set(self.kv_layers)
+            or not set(sources) <= set(self.kv_layers)
+        ):
+            raise KvedgeError(
+                f"cache geometry: shared_layers={list(shared)!r} must hold no KV and each read one of "
+                f"kv_layers {list(self.kv_layers)} (shared_sources={list(sources)!r})"
+            )
 
     @classmethod
     def default_group_size(cls, head_dim: int) -> int:
@@ -250,7 +283,9 @@ class CacheGeometry:
     def with_dtype(self, dtype: str, group_size: int | None = None) -> CacheGeometry:
         """The same cache in another dtype (int8: `group_size`, default one scale per head)."""
         if dtype in QUANTIZED_KV_DTYPES:
-            group_size = group_size or self.group_size or self.default_group_size(self.head_dim)
+            group_size = (
+                group_size or self.group_size or self.default_group_size(min(self.head_dim, self.ring_dim))
+            )
         else:
             group_size = 0
         return dataclasses.replace(self, dtype=dtype, group_size=group_size)
@@ -265,8 +300,26 @@ class CacheGeometry:
 
     @property
     def scale_groups(self) -> int:
-        """Scales per token per head (int8 caches); 0 for float caches."""
+        """Scales per token per head of a full layer (int8 caches); 0 for float caches."""
         return self.head_dim // self.group_size if self.quantized else 0
+
+    @property
+    def ring_dim(self) -> int:
+        """The ring layers' head_dim (`ring_head_dim`, else head_dim)."""
+        return self.ring_head_dim or self.head_dim
+
+    @property
+    def ring_scale_groups(self) -> int:
+        """Scales per token per head of a ring layer (int8 caches); 0 for float caches."""
+        return self.ring_dim // self.group_size if self.quantized else 0
+
+    def layer_head_dim(self, layer: int) -> int:
+        """KV layer `layer`'s head_dim: the ring layers' own, or head_dim."""
+        return self.ring_dim if layer in self.ring_layers else self.head_dim
+
+    def layer_scale_groups(self, layer: int) -> int:
+        """Scales per token per head of KV layer `layer` (int8 caches); 0 for float caches."""
+        return self.layer_head_dim(layer) // self.group_size if self.quantized else 0
 
     @property
     def ring_len(self) -> int:
@@ -289,11 +342,11 @@ class CacheGeometry:
 
     def ring_scale_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
         """Shape of the ring layers' scales: [ring layers, 2, slots, kv_heads, ring_len, groups] float16."""
-        return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.scale_groups)
+        return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.ring_scale_groups)
 
     def layer_shape(self, batch: int, layer: int = 0) -> tuple[int, int, int, int]:
         """Shape of `layer`'s K (or V) for `batch` rows: [batch, kv_heads, layer_len, head_dim]."""
-        return (batch, self.num_kv_heads, self.layer_len(layer), self.head_dim)
+        return (batch, self.num_kv_heads, self.layer_len(layer), self.layer_head_dim(layer))
 
     def pool_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
         """Shape of the full layers' pool: [full layers, 2 (K, V), slots, kv_heads, max_len, head_dim]
@@ -301,24 +354,27 @@ class CacheGeometry:
         return (len(self.full_layers), 2, slots, self.num_kv_heads, self.max_len, self.head_dim)
 
     def ring_shape(self, slots: int) -> tuple[int, int, int, int, int, int]:
-        """Shape of the ring layers' pool: [ring layers, 2, slots, kv_heads, ring_len, head_dim]."""
-        return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.head_dim)
+        """Shape of the ring layers' pool: [ring layers, 2, slots, kv_heads, ring_len, ring_dim]."""
+        return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.ring_dim)
 
-    def _bytes_per_layer_token(self) -> int:
-        """KV bytes of one token in one layer (K and V), scales included."""
-        per_head = (
-            self.head_dim * self.np_dtype.itemsize + self.scale_groups * np.dtype(KV_SCALE_DTYPE).itemsize
-        )
+    def _bytes_per_layer_token(self, head_dim: int) -> int:
+        """KV bytes of one token in one layer of `head_dim` (K and V), scales included."""
+        groups = head_dim // self.group_size if self.quantized else 0
+        per_head = head_dim * self.np_dtype.itemsize + groups * np.dtype(KV_SCALE_DTYPE).itemsize
         return 2 * self.num_kv_heads * per_head
 
     def bytes_per_token(self) -> int:
-        """KV bytes one new token writes across all layers (K and V), scales included."""
-        return self.num_layers * self._bytes_per_layer_token()
+        """KV bytes one new token writes across all layers (K and V), scales included; a shared
+        layer (`shared_layers`) writes none."""
+        return len(self.full_layers) * self._bytes_per_layer_token(self.head_dim) + len(
+            self.ring_layers
+        ) * self._bytes_per_layer_token(self.ring_dim)
 
     def bytes_held(self, tokens: int) -> int:
         """KV bytes a slot holding `tokens` tokens uses: ring layers hold at most ring_len of them."""
-        held = len(self.full_layers) * tokens + len(self.ring_layers) * min(tokens, self.ring_len)
-        return held * self._bytes_per_layer_token()
+        full = len(self.full_layers) * tokens * self._bytes_per_layer_token(self.head_dim)
+        ring = len(self.ring_layers) * min(tokens, self.ring_len) * self._bytes_per_layer_token(self.ring_dim)
+        return full + ring
 
     def bytes_per_slot(self) -> int:
         """KV bytes of a full slot plus its fixed states."""
@@ -330,11 +386,14 @@ class CacheGeometry:
 
     @property
     def model_layers(self) -> int:
-        """The model's layers: KV layers plus state layers."""
-        return self.num_layers + len({i for s in self.states for i in s.layers})
+        """The model's layers: KV layers plus state layers plus shared layers."""
+        return self.num_layers + len({i for s in self.states for i in s.layers}) + len(self.shared_layers)
 
     def kv_index(self, layer: int) -> int:
-        """The KV layer index of model layer `layer` (its cache names' index)."""
+        """The KV layer index of model layer `layer` (its cache names' index); a shared layer's
+        is the one of the layer whose KV it reads."""
+        if layer in self.shared_layers:
+            layer = self.shared_sources[self.shared_layers.index(layer)]
         return self.kv_layers.index(layer) if self.kv_layers else layer
 
     def pool_bytes(self, slots: int) -> int:
@@ -359,6 +418,14 @@ class CacheGeometry:
                 key["group_size"] = self.group_size
         if self.ring_layers:
             key.update(ring_layers=list(self.ring_layers), window=self.window, ring_margin=self.ring_margin)
+        if self.ring_head_dim:
+            key.update(ring_head_dim=self.ring_head_dim)
+        if self.shared_layers:
+            key.update(
+                kv_layers=list(self.kv_layers),
+                shared_layers=list(self.shared_layers),
+                shared_sources=list(self.shared_sources),
+            )
         if self.states:
             key.update(
                 kv_layers=list(self.kv_layers),
@@ -395,6 +462,9 @@ class IONames:
     # row (its state is the one after them); per state layer, formatted with (kind, model layer),
     # the state before the call [batch, *shape] and after the row's real tokens [batch, *shape]
     input_lengths: str = "input_lengths"
+    # Gemma 4: [batch, seq, layers * P] in the graph's float type, each token's row of the
+    # per-layer embedding table, which the runtime reads from its mapped file (`Manifest.per_layer`)
+    per_layer_inputs: str = "per_layer_inputs"
     past_state: str = "past_states.%s.%d"
     present_state: str = "present_states.%s.%d"
 
@@ -502,6 +572,21 @@ class EmbeddingTable:
 
 
 @dataclass(frozen=True)
+class PerLayerTable:
+    """Gemma 4's per-layer embeddings (PLE), kept out of the graph: a table [rows, layers x P]
+    (rows: vocab_size_per_layer_input; already times sqrt(P), as transformers scales it) in
+    PER_LAYER_FILE, numpy's .npy format (a header, then the rows, C order), which the runtime maps
+    read-only and reads one row of per token (`kvedge.runtime.embeddings.PerLayerRows`): only the
+    pages of the tokens seen become resident, page cache the kernel may drop, never GPU memory.
+    The graph takes the rows as `per_layer_inputs` [batch, seq, layers x P] float32."""
+
+    file: str  # PER_LAYER_FILE
+    dtype: str  # a PER_LAYER_DTYPES value: float32 for float32 weights, else float16
+    shape: tuple[int, int]  # [rows, layers x P]
+    sha256: str  # of its first STORED_CHECK_BYTES bytes: a rewritten file is refused at load
+
+
+@dataclass(frozen=True)
 class GraphInterface:
     """Which inputs and outputs an exported graph has, with their types and shapes: decided here
     once, from the manifest's variant, logits mode and geometry. The exporter declares the graph's
@@ -532,6 +617,9 @@ class GraphInterface:
     # the inputs_embeds input's dtype ("float32", "float16"), where the runtime looks the
     # embeddings up (`EmbeddingTable`); "": the graph gathers them from input_ids
     embeds: str = ""
+    # the per_layer_inputs input's width (layers x P, Gemma 4's per-layer embeddings, float32);
+    # 0: none
+    per_layer: int = 0
 
     @property
     def in_place(self) -> bool:
@@ -543,6 +631,9 @@ class GraphInterface:
         if self.embeds:
             dims = ("batch", "seq", self.hidden_size)
             specs.append(TensorSpec(names.inputs_embeds, np.dtype(self.embeds), dims))
+        if self.per_layer:
+            dims = ("batch", "seq", self.per_layer)
+            specs.append(TensorSpec(names.per_layer_inputs, np.dtype(np.float32), dims))
         if not self.in_place:
             specs.append(TensorSpec(names.position_ids, int64, ("batch", "seq")))
         specs.append(TensorSpec(names.past_lengths, int64, ("batch",)))
@@ -578,7 +669,8 @@ class GraphInterface:
     def _cache(self, templates: tuple[str, ...], layer: int, length: Dim) -> list[TensorSpec]:
         """One layer's cache tensors named by `templates` (`IONames.past` / `present` order)."""
         g = self.geometry
-        kinds = [(g.np_dtype, g.head_dim)] * 2 + [(np.dtype(KV_SCALE_DTYPE), g.scale_groups)] * 2
+        d, groups = g.layer_head_dim(layer), g.layer_scale_groups(layer)
+        kinds = [(g.np_dtype, d)] * 2 + [(np.dtype(KV_SCALE_DTYPE), groups)] * 2
         return [
             TensorSpec(
                 self.names.layer(template, layer), dtype, ("batch", g.num_kv_heads, length, last), layer
@@ -663,6 +755,8 @@ class Manifest:
     # the embeddings the runtime looks up (quantized graphs with a tied LM head); None: the
     # graph gathers them from its own table
     embedding: EmbeddingTable | None = None
+    # Gemma 4's per-layer embeddings, which the runtime maps and feeds; None: the model has none
+    per_layer: PerLayerTable | None = None
     format: str = MANIFEST_FORMAT
     format_version: int = MANIFEST_VERSION
     kvedge_version: str = __version__
@@ -676,7 +770,14 @@ class Manifest:
     def interface(self) -> GraphInterface:
         embeds = "" if self.embedding is None else ("float16" if self.precision == "float16" else "float32")
         return GraphInterface(
-            self.names, self.geometry, self.variant, self.logits, self.vocab_size, self.hidden_size, embeds
+            self.names,
+            self.geometry,
+            self.variant,
+            self.logits,
+            self.vocab_size,
+            self.hidden_size,
+            embeds,
+            0 if self.per_layer is None else self.per_layer.shape[1],
         )
 
     def verify_refusal(self) -> str | None:
@@ -794,8 +895,9 @@ class Manifest:
 
 def graph_files(folder: Path) -> list[Path]:
     """The files an export's graph fingerprint (`Manifest.onnx_fingerprint`) covers, those
-    present of: model.onnx, model.onnx.data and an untied model's embeddings.bin."""
-    names = (ONNX_FILE, ONNX_FILE + ".data", EMBEDDINGS_FILE)
+    present of: model.onnx, model.onnx.data, an untied model's embeddings.bin and Gemma 4's
+    per-layer table."""
+    names = (ONNX_FILE, ONNX_FILE + ".data", EMBEDDINGS_FILE, PER_LAYER_FILE)
     return [Path(folder) / name for name in names if (Path(folder) / name).is_file()]
 
 

@@ -16,6 +16,7 @@ SUPPORTED_MODEL_TYPES = {
     "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
     "lfm2": "LFM2 / LFM2.5 (portable graph; convolution layers' state kept per slot)",
     "qwen3_5_text": "Qwen3.5 dense text (portable graph; Gated DeltaNet layers' states kept per slot)",
+    "gemma4_text": "Gemma 4 text (portable graph; shared-KV layers store none, per-layer embeddings mapped)",
 }
 
 # Hybrid families: HF's `layer_types` values per family, the KV layer's first. "full_attention"

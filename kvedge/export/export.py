@@ -24,6 +24,7 @@ from kvedge.contract import (
     MANIFEST_FILE,
     MANIFEST_FORMAT,
     ONNX_FILE,
+    PER_LAYER_FILE,
     QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
     RING_MARGIN,
@@ -36,6 +37,7 @@ from kvedge.contract import (
     ExportRecipe,
     IONames,
     Manifest,
+    PerLayerTable,
     RopeSpec,
     StateSpec,
     StoredTensor,
@@ -59,6 +61,7 @@ from kvedge.export.graph import (
     rotary_frequencies,
 )
 from kvedge.export.graph.decoder import runtime_embeddings
+from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma4_variant
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
 from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
 from kvedge.export.source import Source, load_hf, resolve_source
@@ -106,7 +109,7 @@ def differences(recipe: ExportRecipe, manifest: Manifest) -> list[str]:
     g = manifest.geometry
     group = 0
     if recipe.kv_dtype in QUANTIZED_KV_DTYPES:
-        group = recipe.kv_group_size or CacheGeometry.default_group_size(g.head_dim)
+        group = recipe.kv_group_size or CacheGeometry.default_group_size(min(g.head_dim, g.ring_dim))
     # an export of the source's blocks that keeps no float channel may owe it to the rule
     # (`ExportRecipe.kept_channels_of`), which holds where none of its matrices was requantized
     source_only = bool(manifest.weight_source_blocks) and not manifest.weight_outlier_channels
@@ -156,6 +159,7 @@ def export_model(
     names = IONames()
     graph, kept, source_only = _graph(model, tokenizer, spec, geometry, tables, names, options, blocks)
     untied = untied_embeddings(model, spec, options)
+    per_layer = per_layer_rows(model, spec, options)
     del model, blocks  # their weights, before the files are written
     needed = check_free_space(out, graph_bytes(graph), "about")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +168,7 @@ def export_model(
         embeds = any(i.name == names.inputs_embeds for i in graph.graph.input)
         save_onnx(graph, staging, embeds)
         table = lookup_table(staging, options, untied) if embeds else None
+        per_layer_table = save_per_layer(staging, per_layer) if per_layer is not None else None
         template = save_tokenizer(staging, tokenizer)
         manifest = Manifest(
             architecture=type(config).__name__.replace("Config", ""),
@@ -181,12 +186,9 @@ def export_model(
             onnx_fingerprint=sha256_files(graph_files(staging)),
             names=names,
             chat_template=bool(template),
-            special_tokens={
-                key: str(getattr(tokenizer, key))
-                for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-                if getattr(tokenizer, key, None) is not None
-            },
+            special_tokens=special_tokens(tokenizer),
             embedding=table,
+            per_layer=per_layer_table,
             weight_source_blocks=kept,
             **recorded(options, source_only),
         )
@@ -205,6 +207,34 @@ def export_model(
     size = sum(f.stat().st_size for f in out.iterdir())
     log.info("wrote %s (%.1f MiB)", out, size / 2**20)
     return manifest
+
+
+def special_tokens(tokenizer: Any) -> dict[str, str]:
+    """The tokenizer's special tokens the chat template may name (`Manifest.special_tokens`)."""
+    return {
+        key: str(getattr(tokenizer, key))
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if getattr(tokenizer, key, None) is not None
+    }
+
+
+def per_layer_rows(model: Any, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
+    """Gemma 4's per-layer embedding table [rows, layers x P] times sqrt(P) (transformers' scale,
+    in float32), float32 for float32 weights, else float16; None for other models."""
+    if spec.gemma4 is None or not spec.gemma4.per_layer:
+        return None
+    layer = model.model.embed_tokens_per_layer
+    rows = layer.weight.detach().numpy() * np.float32(layer.scalar_embed_scale)
+    return rows.astype(np.float32 if options.weights == "float32" else np.float16)
+
+
+def save_per_layer(folder: Path, rows: np.ndarray) -> PerLayerTable:
+    """`rows` as PER_LAYER_FILE in `folder` (.npy: mapped, not loaded, by the runtime)."""
+    path = folder / PER_LAYER_FILE
+    np.save(path, rows, allow_pickle=False)
+    with open(path, "rb") as handle:
+        first = hashlib.sha256(handle.read(STORED_CHECK_BYTES)).hexdigest()
+    return PerLayerTable(PER_LAYER_FILE, rows.dtype.name, tuple(rows.shape), first)
 
 
 def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | PackedWeights | None:
@@ -230,28 +260,31 @@ def _rope(
     the manifest's `RopeSpec`, from the model's rotary embedding."""
     rotary = model.model.rotary_emb
     local_tables, local = None, None
-    if spec.local_layers:  # Gemma 3: one RoPE per layer type, the local layers' own base
+    head_dim = spec.gemma4.global_head_dim if spec.gemma4 else spec.head_dim  # the full layers'
+    if spec.local_layers:  # Gemma 3 and 4: one RoPE per layer type, the local layers' own base
         local = rotary.sliding_attention_inv_freq.numpy()
         local_scaling = float(rotary.sliding_attention_attention_scaling)
         local_tables = rope_tables(local, local_scaling, geometry.max_len, spec.head_dim)
+        # Gemma 4's global layers: "proportional" RoPE, frequencies [global_head_dim/2] whose pairs
+        # past partial_rotary_factor are 0 (HF rotates the whole head with them)
         inv_freq = rotary.full_attention_inv_freq.numpy()
         attention_scaling = float(rotary.full_attention_attention_scaling)
     else:
         # [rotary_dim/2]; for LongRoPE the short factors' set, the one HF uses up to original_max_len
         inv_freq = rotary.inv_freq.numpy()
         attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-    if 2 * inv_freq.size != spec.rotary_dim:
+    if 2 * inv_freq.size != (head_dim if spec.gemma4 else spec.rotary_dim):
         raise KvedgeError(
             f"the model rotates {2 * inv_freq.size} channels per head but its config says "
             f"{spec.rotary_dim}; refusing to guess which"
         )
-    frequencies = rotary_frequencies(inv_freq, spec.head_dim)
+    frequencies = rotary_frequencies(inv_freq, head_dim)
     rope = rope_from_config(model.config, frequencies, attention_scaling, max_len, spec.unrotated_layers)
     if local is not None:
         rope = dataclasses.replace(
             rope, local_layers=spec.local_layers, local_inv_freq=tuple(float(f) for f in local)
         )
-    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, spec.head_dim)
+    cos, sin = rope_tables(inv_freq, attention_scaling, geometry.max_len, head_dim)
     return cos, sin, local_tables, rope
 
 
@@ -375,7 +408,10 @@ def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: Expo
     """Every quantized MatMul has hidden_size or intermediate_size input features."""
     if not options.quantized:
         return
-    for name, features in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)):
+    sizes = [("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)]
+    if spec.gemma4 and spec.gemma4.per_layer:  # the input of each layer's per_layer_projection
+        sizes.append(("hidden_size_per_layer_input", spec.gemma4.per_layer))
+    for name, features in sizes:
         if features % options.block_size:
             raise KvedgeError(
                 f"--block-size {options.block_size} does not divide the model's {name} ({features}); "
@@ -392,8 +428,10 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
     """The cache a config needs at `max_len`: Gemma 3's sliding-window layers get a ring of
     window + RING_MARGIN slots in the portable variant, a full-length cache with a windowed
     attention in the ort variant; another family's sliding window is refused past its width."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim, kv_heads = attention_sizes(config)
     window = getattr(config, "sliding_window", None)
+    if config.model_type == "gemma4_text":
+        return gemma4_geometry(config, max_len, variant)
     if config.model_type == "lfm2":
         return lfm2_geometry(config, max_len, head_dim)
     if config.model_type == "qwen3_5_text":
@@ -416,9 +454,35 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
         )
     return CacheGeometry(
         num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         max_len=max_len,
+    )
+
+
+def gemma4_geometry(config: Any, max_len: int, variant: str) -> CacheGeometry:
+    """Gemma 4's cache: KV for the layers before its shared ones only (`Gemma4Spec.shared_layers`
+    read an earlier layer's and store none); in the portable variant its sliding layers are rings
+    of window + RING_MARGIN slots of their own head_dim, its global layers max_len of theirs (the
+    portable variant only: `check_gemma4_variant`)."""
+    spec = Gemma4Spec.from_config(config)
+    head_dim, kv_heads = attention_sizes(config)
+    stored = tuple(i for i in range(config.num_hidden_layers) if i not in spec.shared_layers)
+    local = local_layers(config)
+    check_gemma4_variant(variant)
+    ring = tuple(k for k, i in enumerate(stored) if i in local)
+    return CacheGeometry(
+        num_layers=len(stored),
+        num_kv_heads=kv_heads,
+        head_dim=spec.global_head_dim,
+        max_len=max_len,
+        ring_layers=ring,
+        window=int(config.sliding_window) if ring else 0,
+        ring_margin=RING_MARGIN if ring else 0,
+        kv_layers=stored if spec.shared_layers else (),
+        ring_head_dim=head_dim if ring and head_dim != spec.global_head_dim else 0,
+        shared_layers=spec.shared_layers,
+        shared_sources=spec.shared_sources,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvedge.contract import SUPPORTED_MODEL_TYPES, sha256_files
 from kvedge.errors import KvedgeError
+from kvedge.export.graph.options import Gemma4Spec
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def resolve_source(path: str | Path | None) -> Source:
 
 # checkpoints whose text decoder is one part of a composite config (vision-language models):
 # model_type -> the part's attribute; the export reads the text part only
-TEXT_PARTS = {"qwen3_5": "text_config"}
+TEXT_PARTS = {"qwen3_5": "text_config", "gemma4": "text_config"}
 
 
 def check_architecture(config: Any) -> None:
@@ -111,6 +112,7 @@ def load_hf(source: Source) -> tuple[Any, Any]:
     if composite:  # its text decoder; transformers maps the checkpoint's language_model tensors
         config = getattr(config, composite)
     check_architecture(config)
+    Gemma4Spec.from_config(config)  # what of Gemma 4 is not built, refused before its weights load
     log.info("loading %s (%s) with transformers", source.description, config.model_type)
     if getattr(config, "quantization_config", None) and not source.gguf_file:
         model = load_packed(source.folder, config)

@@ -19,7 +19,7 @@ Geometries with ring layers (Gemma 3's sliding-window layers, `CacheGeometry.rin
 those layers apart, in a second allocation of ring_len = window + margin positions per slot::
 
     pool          [full layers, 2, slots, kv_heads, max_len, head_dim]
-    ring          [ring layers, 2, slots, kv_heads, ring_len, head_dim]
+    ring          [ring layers, 2, slots, kv_heads, ring_len, ring_dim]
     ring_scales   [ring layers, 2, slots, kv_heads, ring_len, groups]     int8 caches only
 
 Position p of a ring layer sits at ring index p % ring_len; the graph derives each ring index's
@@ -75,7 +75,7 @@ class KVBlock(NamedTuple):
 
     kv: np.ndarray  # [full layers, 2 (K, V), kv_heads, n, head_dim] cache dtype (every layer without rings)
     scales: np.ndarray | None = None  # [full layers, 2, kv_heads, n, groups] float16 (int8 caches only)
-    ring: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, head_dim] (ring geometries only)
+    ring: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, ring_dim] (ring geometries only)
     ring_scales: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, groups] float16 (int8 + rings)
 
     @property
@@ -499,7 +499,7 @@ class KVCache:
         if (block.scales is None) != (self.scales is None):
             raise KvedgeError(f"KV block scales do not match this {g.dtype} cache")
         held = block.ring_count
-        ring = (len(g.ring_layers), 2, g.num_kv_heads, held, g.head_dim)
+        ring = (len(g.ring_layers), 2, g.num_kv_heads, held, g.ring_dim)
         if (block.ring is None) != (self.ring is None) or (block.ring_scales is None) != (
             self.ring_scales is None
         ):
@@ -511,7 +511,7 @@ class KVCache:
         ):
             raise KvedgeError(
                 f"KV block ring {block.ring.shape} {block.ring.dtype} does not fit this cache and a "
-                f"{count}-token run (expected {ring[:3]} + (at most {count}, {g.head_dim}) {g.dtype})"
+                f"{count}-token run (expected {ring[:3]} + (at most {count}, {g.ring_dim}) {g.dtype})"
             )
         end = start + count
         put = self.memory.set

@@ -1,4 +1,6 @@
-"""Token embeddings the runtime looks up for a quantized graph with a tied LM head.
+"""Inputs the runtime looks up per token on the host: the token embeddings of a quantized graph
+with a tied LM head (`TableEmbeddings`) and Gemma 4's per-layer embeddings (`PerLayerRows`);
+`HostInputs` gives a step both, by graph input name.
 
 Such a graph takes `inputs_embeds` instead of gathering rows of a float table: the table is the
 LM head's own blocked weight w [hidden, vocab] (`kvedge.contract.EmbeddingTable`), stored once at
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvedge.contract import STORED_CHECK_BYTES, EmbeddingTable, Manifest, StoredTensor
+from kvedge.contract import STORED_CHECK_BYTES, EmbeddingTable, Manifest, PerLayerTable, StoredTensor
 from kvedge.errors import ArtifactMismatch
 
 
@@ -97,3 +99,60 @@ class TableEmbeddings:
             rows = self.side[self.blocks * t.offsets :, flat].astype(np.float32)  # [kept, n]
             w[self.kept] = rows + (offsets[self.kept // bs] if offsets is not None else 0.0)
         return np.ascontiguousarray(w.T).reshape(*np.shape(ids), self.hidden).astype(self.dtype, copy=False)
+
+
+class PerLayerRows:
+    """`lookup(ids)`: Gemma 4's per-layer inputs [..., layers x P] float32 of token ids [...],
+    rows of the table in its .npy file (`PerLayerTable`), mapped read-only: only the pages of the
+    tokens looked up become resident, page cache shared with the file and never GPU memory (E2B's
+    table is about as large as the rest of its weights)."""
+
+    def __init__(self, folder: Path, table: PerLayerTable) -> None:
+        path = Path(folder) / table.file
+        if not path.is_file():
+            raise ArtifactMismatch(
+                f"{folder}: the per-layer embedding file {table.file} is missing; re-export"
+            )
+        with open(path, "rb") as handle:
+            first = hashlib.sha256(handle.read(STORED_CHECK_BYTES)).hexdigest()
+        if first != table.sha256:
+            raise ArtifactMismatch(
+                f"{table.file}: its first bytes are not those the export wrote (the file was rewritten "
+                "after the manifest); re-export"
+            )
+        self.rows = np.load(path, mmap_mode="r", allow_pickle=False)  # [rows, layers x P], mapped
+        if self.rows.shape != tuple(table.shape) or self.rows.dtype != np.dtype(table.dtype):
+            raise ArtifactMismatch(
+                f"{table.file} holds {list(self.rows.shape)} {self.rows.dtype}, the manifest says "
+                f"{list(table.shape)} {table.dtype}; re-export"
+            )
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        flat = np.asarray(ids, np.int64).reshape(-1)  # [n]
+        return self.rows[flat].astype(np.float32, copy=False).reshape(*np.shape(ids), self.rows.shape[1])
+
+
+class HostInputs:
+    """The graph inputs a step's runtime looks up from its token ids: {name: value} by graph
+    input name, `inputs_embeds` (`TableEmbeddings`) and `per_layer_inputs` (`PerLayerRows`)."""
+
+    def __init__(self, lookups: dict[str, TableEmbeddings | PerLayerRows]) -> None:
+        self.lookups = lookups
+
+    @classmethod
+    def of(cls, folder: Path, manifest: Manifest) -> HostInputs | None:
+        """What `manifest`'s graph takes from the runtime, or None where it gathers all itself."""
+        lookups: dict[str, TableEmbeddings | PerLayerRows] = {}
+        table = TableEmbeddings.of(folder, manifest)
+        if table is not None:
+            lookups[manifest.names.inputs_embeds] = table
+        if manifest.per_layer is not None:
+            lookups[manifest.names.per_layer_inputs] = PerLayerRows(folder, manifest.per_layer)
+        return cls(lookups) if lookups else None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.lookups)
+
+    def __call__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: lookup(ids) for name, lookup in self.lookups.items()}

@@ -38,17 +38,17 @@ def graph_last_index(manifest: Manifest, last_index: np.ndarray) -> np.ndarray:
 
 def step_values(
     manifest: Manifest,
-    embeddings: Callable[[np.ndarray], np.ndarray] | None,
+    lookups: Callable[[np.ndarray], dict[str, np.ndarray]] | None,
     input_ids: np.ndarray,
     position_ids: np.ndarray,
     past_lengths: np.ndarray,
     last_index: np.ndarray,
     counts: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """A step's per-call graph inputs by name: the tokens (or, with `embeddings`, the runtime's
-    lookup of them too), their positions, each row's past length, last index and real tokens
-    (`counts`, default every token); which of them the graph takes is
-    `Manifest.graph_inputs`'s call."""
+    """A step's per-call graph inputs by name: the tokens (and, with `lookups`, what the runtime
+    looks up of them: `kvedge.runtime.embeddings.HostInputs`), their positions, each row's past
+    length, last index and real tokens (`counts`, default every token); which of them the graph
+    takes is `Manifest.graph_inputs`'s call."""
     names = manifest.names
     if counts is None:
         counts = np.full(len(input_ids), input_ids.shape[1], np.int64)
@@ -59,8 +59,8 @@ def step_values(
         names.last_index: graph_last_index(manifest, last_index),
         names.input_lengths: np.asarray(counts, np.int64),
     }
-    if embeddings is not None:
-        values[names.inputs_embeds] = embeddings(input_ids)
+    if lookups is not None:
+        values.update(lookups(input_ids))
     return values
 
 

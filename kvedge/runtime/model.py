@@ -143,7 +143,11 @@ class Model:
         spill = None if disk is None else lambda ids, block, states: disk.save(ids, reader(block), states)
         self.run_time_store = RunTimePrefixStore(geometry, options.prefix_cache_bytes, spill=spill)
         self.prefix_disk: PrefixDisk | None = disk
-        self.inv_freq = self.manifest.rope.key_frequencies(geometry.num_layers)  # [layers, 1, 1, d/2]
+        # [layers, 1, 1, d/2], what window eviction re-rotates keys by; ring geometries never evict
+        # (`_check_ring_features`), and Gemma 4's layers differ in head_dim
+        self.inv_freq = (
+            None if geometry.ring_layers else self.manifest.rope.key_frequencies(geometry.num_layers)
+        )
         self.warm_store = WarmPrefixStore()
         self.warm_prefix_report: WarmPrefixReport | None = None
         if warm is not None:

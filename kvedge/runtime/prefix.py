@@ -8,7 +8,7 @@ Warm file (`<name>.kvw`, one per prefix)::
     16         H bytes   JSON header (below), space-padded so the data starts 64-byte aligned
     16+H       N bytes   `KVBlock` arrays in the cache dtype: KV of the full layers (every layer
                          without ring layers) [full layers, 2 (K, V), kv_heads, count, head_dim],
-                         then of the ring layers [ring layers, 2, kv_heads, ring_count, head_dim];
+                         then of the ring layers [ring layers, 2, kv_heads, ring_count, ring_dim];
                          for int8 caches then their float16 scales, same order, [..., groups];
                          then per-slot states (hybrid models, `CacheGeometry.states`): for each
                          position of `state_at`, each state kind's [state layers, *shape]
@@ -59,7 +59,7 @@ tokens an entry already holds, counts as a use); an entry the new one extends is
 A sequence longer than the whole arena is kept up to what fits: its head is the reusable part.
 
 Ring geometries (Gemma 3): the arena holds the full layers as above, and the ring layers in a
-second arena indexed by the same blocks, `ring` [ring layers, 2, blocks, kv_heads, B, head_dim]
+second arena indexed by the same blocks, `ring` [ring layers, 2, blocks, kv_heads, B, ring_dim]
 (plus `ring_scales`), so block bytes and the budget count every layer. An entry's ring layers
 hold only what the slot's rings held when it was saved, positions ring_from .. n - 1 (at most
 ring_len), each at its own block offset; the ring part of earlier blocks is unused. A prefix of
@@ -452,11 +452,13 @@ def _arrays(
     arrays: dict[str, np.ndarray] = {}
     parts = [("kv", len(g.full_layers), count, g.head_dim, g.np_dtype)]
     if g.ring_layers:
-        parts.append(("ring", len(g.ring_layers), held, g.head_dim, g.np_dtype))
+        parts.append(("ring", len(g.ring_layers), held, g.ring_dim, g.np_dtype))
     if g.quantized:
         parts.append(("scales", len(g.full_layers), count, g.scale_groups, np.dtype(KV_SCALE_DTYPE)))
         if g.ring_layers:
-            parts.append(("ring_scales", len(g.ring_layers), held, g.scale_groups, np.dtype(KV_SCALE_DTYPE)))
+            parts.append(
+                ("ring_scales", len(g.ring_layers), held, g.ring_scale_groups, np.dtype(KV_SCALE_DTYPE))
+            )
     for name, layers, n, last, dtype in parts:
         shape = (layers, 2, g.num_kv_heads, n, last)
         arrays[name] = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(
@@ -564,9 +566,9 @@ class RunTimePrefixStore:
         self.ring = self.ring_scales = None
         if g.ring_layers:
             self.ring = arena(
-                len(g.ring_layers), g.head_dim, g.np_dtype, 0
-            )  # [ring layers, 2, blocks, kvh, B, d]
-            self.ring_scales = arena(len(g.ring_layers), g.scale_groups, scale, 1)  # [..., B, groups]
+                len(g.ring_layers), g.ring_dim, g.np_dtype, 0
+            )  # [ring layers, 2, blocks, kvh, B, ring_dim]
+            self.ring_scales = arena(len(g.ring_layers), g.ring_scale_groups, scale, 1)  # [..., B, groups]
         # {kind: [state layers, blocks, *shape]}: one snapshot per block (hybrid models)
         self.states = {s.kind: np.full((len(s.layers), blocks, *s.shape), 0, s.np_dtype) for s in g.states}
         self.free = list(range(blocks - 1, -1, -1))

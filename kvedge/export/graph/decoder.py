@@ -29,7 +29,7 @@ from kvedge.export.graph.builder import Builder
 from kvedge.export.graph.forms import onnx_model
 from kvedge.export.graph.inplace import GroupQueryAttention, Int8CacheAttention
 from kvedge.export.graph.norms import Norms
-from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_ring, graph_opset
+from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_gemma4, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
 from kvedge.export.graph.quant_matmul import block_weight, matmul_weight
 from kvedge.export.graph.weights import llama_name, prepare_weights, tied_head
@@ -56,12 +56,17 @@ def build_decoder_graph(
     (HF name: blocks [K, N], `weights.SourceBlocks.kept`) are stored as they are, not quantized."""
     check_kv_dtype(geometry.dtype, options.variant, options.precision)
     check_ring(geometry, options.variant)
+    check_gemma4(spec, options)
     if spec.local_layers and local_tables is None:
         raise KvedgeError("sliding-window layers need their RoPE tables (local_tables)")
-    if spec.local_layers and geometry.ring_layers not in ((), spec.local_layers):
+    stored_local = tuple(i for i in spec.local_layers if i not in geometry.shared_layers)
+    ring_model_layers = tuple(
+        geometry.kv_layers[k] if geometry.kv_layers else k for k in geometry.ring_layers
+    )
+    if spec.local_layers and ring_model_layers not in ((), stored_local):
         raise KvedgeError(
-            f"ring layers {list(geometry.ring_layers)} are not the model's sliding-window layers "
-            f"{list(spec.local_layers)}"
+            f"ring layers {list(ring_model_layers)} are not the model's sliding-window layers "
+            f"{list(stored_local)}"
         )
     prepared = prepare_weights(spec, geometry, weights)
     kept_blocks = prepare_weights(spec, geometry, kept or {})
@@ -96,8 +101,9 @@ def build_decoder_graph(
         decoder.logits(hidden, delta)
         builders.append(decoder.g)
     embeds = ("float16" if options.half else "float32") if runtime_embeddings(options) else ""
+    per_layer = spec.gemma4.per_layer * spec.num_layers if spec.gemma4 else 0
     interface = GraphInterface(
-        names, geometry, options.variant, options.logits, spec.vocab_size, spec.hidden_size, embeds
+        names, geometry, options.variant, options.logits, spec.vocab_size, spec.hidden_size, embeds, per_layer
     )
     return onnx_model(builders, interface, options)
 
@@ -159,15 +165,10 @@ class Decoder:
         self.b_dim = g.op("Slice", [batch_seq, g.ints(0), g.ints(1)], "shape.b")  # [1]
         self.s_dim = g.op("Slice", [batch_seq, g.ints(1), g.ints(2)], "shape.s")  # [1]
         self.attention = self._attention(geometry, cos, sin, local_tables)
-        self.mlp_split = g.const("mlp.split", np.array([spec.intermediate_size] * 2, np.int64))
         if spec.activation == "gelu_pytorch_tanh":
             consts = {"cubic": 0.044715, "root": math.sqrt(2.0 / math.pi), "half": 0.5, "one": 1.0}
             self.gelu_consts = {k: g.fconst(f"gelu.{k}", np.array(v)) for k, v in consts.items()}
-        if spec.qk_norm:
-            d, kv_heads = geometry.head_dim, geometry.num_kv_heads
-            self.qkv_split = g.ints(spec.num_heads * d, kv_heads * d, kv_heads * d)
-            self.per_head = g.ints(0, 0, -1, d)
-            self.merged_heads = g.ints(0, 0, -1)
+        self.per_layer: str | None = None  # [b, s, layers, P]: Gemma 4's per-layer inputs (`embed`)
 
     def _attention(self, geometry: CacheGeometry, cos: np.ndarray, sin: np.ndarray, local_tables=None):
         """The variant's attention (package docstring), sharing the RoPE tables [L, d/2] (float16
@@ -185,7 +186,9 @@ class Decoder:
                 window=self.spec.window,
             )
         if geometry.ring_layers:  # portable only (`check_ring`)
-            ring = RingSpec(geometry.ring_len, geometry.window, local["local_cos"], local["local_sin"])
+            ring = RingSpec(
+                geometry.ring_len, geometry.window, local["local_cos"], local["local_sin"], geometry.ring_dim
+            )
         tables = dict(
             cos_table=g.const("rope.cos", cos.astype(table_dtype)),
             sin_table=g.const("rope.sin", sin.astype(table_dtype)),
@@ -268,7 +271,29 @@ class Decoder:
         if self.spec.embed_scale == 1.0:
             return rows
         scale = self.g.fconst("model.embed_scale", np.array(self.spec.embed_scale, np.float32))
-        return self.g.op("Mul", [rows, scale], "model.embed_scaled")
+        embeds = self.g.op("Mul", [rows, scale], "model.embed_scaled")
+        if self.spec.gemma4 and self.spec.gemma4.per_layer:
+            self.per_layer = self.per_layer_inputs(embeds)
+        return embeds
+
+    def per_layer_inputs(self, embeds: str) -> str:
+        """Gemma 4's per-layer inputs [b, s, layers, P] (HF's project_per_layer_inputs): the
+        runtime's rows of the per-layer table (`names.per_layer_inputs` [b, s, layers P], already
+        times sqrt(P)) plus RMSNorm(embeds W^T hidden**-0.5) per layer, times 2**-0.5."""
+        g, spec = self.g, self.spec
+        layers, width = spec.num_layers, spec.gemma4.per_layer
+        p = "model.per_layer_model_projection"
+        proj = self.linear(embeds, "model", ["per_layer_model_projection"], f"{p}.mm")  # [b, s, L P]
+        proj = g.op("Mul", [proj, g.fconst(f"{p}.scale", np.array(spec.hidden_size**-0.5))], f"{p}.scaled")
+        proj = g.op("Reshape", [proj, g.ints(0, 0, layers, width)], f"{p}.per_layer")
+        normed = self.norms.rms_norm(
+            proj, self.w("model.per_layer_projection_norm.weight"), "model.per_layer_projection_norm"
+        )
+        table = g.op(
+            "Reshape", [self.names.per_layer_inputs, g.ints(0, 0, layers, width)], "model.per_layer_rows"
+        )
+        both = g.op("Add", [normed, table], "model.per_layer_sum")
+        return g.op("Mul", [both, g.fconst("model.per_layer_scale", np.array(2.0**-0.5))], "model.per_layer")
 
     def layer(self, i: int, hidden: str, delta: str | None) -> tuple[str, str]:
         """Decoder layer i: attention and MLP blocks. Returns (residual stream, MLP output)."""
@@ -282,15 +307,18 @@ class Decoder:
                 hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
             )
             return hidden, self.mlp(x, f"{p}.mlp")
-        qkv = self.linear(
-            x, f"{p}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{p}.attn.qkv"
-        )  # [b, s, (h+2kvh)d]
+        kv = self.geometry.kv_index(i)  # the index of its cache tensors' names
+        shared = i in self.geometry.shared_layers  # Gemma 4: reads layer kv's K and V, has none
+        parts = ["q_proj"] if shared else ["q_proj", "k_proj", "v_proj"]
+        qkv = self.linear(x, f"{p}.self_attn", parts, f"{p}.attn.qkv")  # [b, s, (h+2kvh)d], or Q only
         if self.spec.qk_norm:
-            qkv = self.qk_norm(qkv, f"{p}.self_attn")
+            qkv = self.qk_norm(qkv, i, f"{p}.self_attn", parts)
         if self.wide_attention:
             qkv = self.g.widen(qkv, f"{p}.attn.qkv32")
-        kv = self.geometry.kv_index(i)  # the index of its cache tensors' names
-        if i in self.spec.local_layers:
+        local = i in self.spec.local_layers
+        if shared:
+            attn = self.attention.shared(kv, i, qkv, local=local)
+        elif local:
             attn = self.attention.layer(kv, qkv, local=True)  # [b, s, heads*d]
         else:
             attn = self.attention.layer(kv, qkv, rotate=i not in self.spec.unrotated_layers)
@@ -312,14 +340,38 @@ class Decoder:
                 self.w(f"{p}.pre_feedforward_layernorm.weight"),
                 f"{p}.pre_feedforward_layernorm",
             )
-            out = self.mlp(x, f"{p}.mlp")
-            return hidden, self.norms.rms_norm(
-                out, self.w(f"{p}.post_feedforward_layernorm.weight"), f"{p}.post_feedforward_layernorm"
+            out = self.norms.rms_norm(
+                self.mlp(x, f"{p}.mlp"),
+                self.w(f"{p}.post_feedforward_layernorm.weight"),
+                f"{p}.post_feedforward_layernorm",
             )
+            if self.spec.gemma4:
+                return self.gemma4_tail(i, hidden, out), None
+            return hidden, out
         x, hidden = self.norms.residual_norm(
             hidden, delta, self.w(f"{p}.post_attention_layernorm.weight"), f"{p}.post_attention_layernorm"
         )
         return hidden, self.mlp(x, f"{p}.mlp")
+
+    def gemma4_tail(self, i: int, hidden: str, delta: str) -> str:
+        """What a Gemma 4 layer adds after its MLP: the residual stream h = hidden + delta, then
+        h + RMSNorm(W_proj (gelu(W_gate h) * per_layer_input_i)) where it has per-layer inputs,
+        then times the layer's scalar (HF's Gemma4TextDecoderLayer)."""
+        g, p = self.g, f"model.layers.{i}"
+        h = g.op("Add", [hidden, delta], f"{p}.residual_mlp")
+        if self.per_layer is not None:
+            row = g.op(
+                "Squeeze",
+                [g.op("Gather", [self.per_layer, g.ints(i)], f"{p}.ple_row", axis=2), g.ints(2)],
+                f"{p}.ple",
+            )  # [b, s, P]
+            gate = self.gelu_tanh(self.linear(h, p, ["per_layer_input_gate"], f"{p}.ple_gate"), f"{p}.ple")
+            mixed = g.op("Mul", [gate, row], f"{p}.ple_mixed")  # [b, s, P]
+            out = self.linear(mixed, p, ["per_layer_projection"], f"{p}.ple_proj")
+            out = self.norms.rms_norm(out, self.w(f"{p}.post_per_layer_input_norm.weight"), f"{p}.ple_norm")
+            h = g.op("Add", [h, out], f"{p}.residual_ple")
+        scalar = self.w(f"{p}.layer_scalar").reshape(())
+        return g.op("Mul", [h, g.fconst(f"{p}.layer_scalar", scalar)], f"{p}.scaled")
 
     def short_conv(self, i: int, x: str) -> str:
         """LFM2's gated short convolution of layer i over x [b, s, H] (transformers' Lfm2ShortConv):
@@ -528,34 +580,36 @@ class Decoder:
         g.op("Add", [kept, written], names.state(names.present_state, "recurrent", i))
         return out
 
-    def qk_norm(self, qkv: str, p: str) -> str:
-        """qkv [b, s, (h+2kvh)d] with Q and K RMS-normed per head, before any variant's RoPE (Qwen3);
-        V passes through. The Q norm's weight carries the softmax scale (`prepare_weights`)."""
-        g = self.g
-        q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.qkv_parts", outputs=3, axis=-1)
-        normed = [
-            g.op(
-                "Reshape",
-                [
-                    self.norms.rms_norm(
-                        g.op("Reshape", [x, self.per_head], f"{p}.{part}_heads"),  # [b, s, n, d]
-                        self.w(f"{p}.{part}_norm.weight"),
-                        f"{p}.{part}_norm",
-                    ),
-                    self.merged_heads,
-                ],
-                f"{p}.{part}_normed",
-            )
-            for part, x in (("q", q), ("k", k))
-        ]
-        return g.op("Concat", [*normed, v], f"{p}.qkv_normed", axis=-1)
+    def qk_norm(self, qkv: str, i: int, p: str, parts: list[str]) -> str:
+        """qkv [b, s, (h+2kvh)d] of model layer i with Q and K RMS-normed per head, before any
+        variant's RoPE (Qwen3); V passes through, or with Gemma 4 is normed without a weight. A
+        shared layer's `parts` are Q alone. The Q norm's weight carries the softmax scale
+        (`prepare_weights`)."""
+        g, d, kvh = self.g, self.spec.layer_head_dim(i), self.geometry.num_kv_heads
+        names = [part[0] for part in parts]  # "q", "k", "v"
+        if len(parts) > 1:
+            splits = g.ints(self.spec.num_heads * d, kvh * d, kvh * d)
+            pieces = g.op("Split", [qkv, splits], f"{p}.qkv_parts", outputs=3, axis=-1)
+        else:
+            pieces = [qkv]
+        normed = []
+        for part, x in zip(names, pieces, strict=True):
+            if part == "v" and not self.spec.gemma4:
+                normed.append(x)
+                continue
+            weight = self.w(f"{p}.{part}_norm.weight") if part != "v" else np.ones(d, np.float32)
+            heads = g.op("Reshape", [x, g.ints(0, 0, -1, d)], f"{p}.{part}_heads")  # [b, s, n, d]
+            out = self.norms.rms_norm(heads, weight, f"{p}.{part}_norm")
+            normed.append(g.op("Reshape", [out, g.ints(0, 0, -1)], f"{p}.{part}_normed"))
+        return normed[0] if len(normed) == 1 else g.op("Concat", normed, f"{p}.qkv_normed", axis=-1)
 
     def mlp(self, x: str, p: str) -> str:
         """Gated MLP: down(act(gate(x)) * up(x)), gate and up as one MatMul; act is SiLU (SwiGLU)
         or Gemma 3's tanh GELU."""
         g = self.g
         gate_up = self.linear(x, p, ["gate_proj", "up_proj"], f"{p}.gate_up")
-        gate, up = g.op("Split", [gate_up, self.mlp_split], f"{p}.parts", outputs=2, axis=-1)
+        width = self.weights[f"{p}.up_proj.weight"].shape[0]  # Gemma 4's shared layers: twice as wide
+        gate, up = g.op("Split", [gate_up, g.ints(width, width)], f"{p}.parts", outputs=2, axis=-1)
         if self.spec.activation == "gelu_pytorch_tanh":
             gated = self.gelu_tanh(gate, p)
         else:
@@ -583,6 +637,11 @@ class Decoder:
         logits widened before they leave the graph."""
         g = self.g
         scores = g.widen(self.lm_head(self.final_rows(hidden, delta)), "logits.rows_vocab32")  # [rows, vocab]
+        if self.spec.gemma4 and self.spec.gemma4.softcap:  # c tanh(logits / c), in float32
+            cap = np.array(self.spec.gemma4.softcap, np.float32)
+            scaled = g.op("Div", [scores, g.const("logits.softcap", cap)], "logits.capped_in")
+            capped = g.op("Tanh", [scaled], "logits.tanh")
+            scores = g.op("Mul", [capped, g.const("logits.softcap_out", cap)], "logits.capped")
         vocab = g.const("const.vocab", np.array([self.spec.vocab_size], np.int64))
         seq = {"last": g.ints(1), "rows": g.ints(-1)}.get(self.options.logits, self.s_dim)
         out_shape = g.op("Concat", [self.b_dim, seq, vocab], "shape.logits", axis=0)
@@ -596,7 +655,8 @@ class Decoder:
         if not self.portable:
             hidden, _ = self.norms.residual_norm(hidden, delta, self.w("model.norm.weight"), "model.norm")
             return self._select_rows(hidden)
-        hidden = self.g.op("Add", [hidden, delta], "model.residual")
+        if delta is not None:
+            hidden = self.g.op("Add", [hidden, delta], "model.residual")
         return self.norms.rms_norm(self._select_rows(hidden), self.w("model.norm.weight"), "model.norm")
 
     def _select_rows(self, hidden: str) -> str:

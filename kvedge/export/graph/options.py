@@ -20,7 +20,8 @@ OPSET = 17  # float32 and float16 weights
 HALF_KV_DTYPES = ("float16",)
 QUANTIZED_OPSET = 21  # blocked DequantizeLinear (block_size) needs opset 21
 MS_DOMAIN = "com.microsoft"
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # longrope: short factors only
+# longrope: short factors only; proportional: Gemma 4's global layers, frequencies past its rotary part 0
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # act(gate(x)) * up(x); Gemma 3 uses the tanh GELU
 
 
@@ -67,6 +68,59 @@ class DeltaNetSpec:
 
 
 @dataclass(frozen=True)
+class Gemma4Spec:
+    """What Gemma 4's text decoder adds to Gemma 3's (transformers' Gemma4TextModel; the note in
+    docs/design/model-families.md): the full layers' own head_dim, layers reading an earlier
+    layer's KV, per-layer embeddings, V normed per head, a scalar per layer, softcapped logits."""
+
+    global_head_dim: int  # head_dim of the "full_attention" layers (sliding ones: DecoderSpec.head_dim)
+    shared_layers: tuple[int, ...]  # layers storing no KV (the last num_kv_shared_layers)
+    shared_sources: tuple[int, ...]  # the layer whose KV each reads: the last earlier one of its type
+    per_layer: int  # hidden_size_per_layer_input; 0: no per-layer embeddings
+    per_layer_vocab: int  # vocab_size_per_layer_input
+    softcap: float  # final_logit_softcapping; 0: none
+
+    @classmethod
+    def from_config(cls, config: Any) -> Gemma4Spec | None:
+        if config.model_type != "gemma4_text":
+            return None
+        if config.enable_moe_block:
+            raise KvedgeError(
+                "Gemma 4 with enable_moe_block=True (the MoE variants, e.g. 26B-A4B) is not supported yet"
+            )
+        if config.attention_k_eq_v:
+            raise KvedgeError(
+                "Gemma 4 with attention_k_eq_v=True (values from the key projection, the 31B's global "
+                "layers) is not supported yet"
+            )
+        kinds = list(config.layer_types)
+        shared = tuple(i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse")
+        sources = (
+            tuple(max(j for j in range(shared[0]) if kinds[j] == kinds[i]) for i in shared) if shared else ()
+        )
+        full = cls.layer_config(config, "full_attention")
+        sliding = cls.layer_config(config, "sliding_attention")
+        if full.num_key_value_heads != sliding.num_key_value_heads:
+            raise KvedgeError(
+                f"Gemma 4 with {full.num_key_value_heads} KV heads on its global layers and "
+                f"{sliding.num_key_value_heads} on its sliding ones is not supported yet"
+            )
+        return cls(
+            global_head_dim=int(full.head_dim),
+            shared_layers=shared,
+            shared_sources=sources,
+            per_layer=int(config.hidden_size_per_layer_input or 0),
+            per_layer_vocab=int(config.vocab_size_per_layer_input or 0),
+            softcap=float(config.final_logit_softcapping or 0.0),
+        )
+
+    @staticmethod
+    def layer_config(config: Any, kind: str) -> Any:
+        """transformers' per-layer config of layer type `kind` (its head_dim, KV heads)."""
+        return config.per_layer_config[kind]
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     """The numbers the graph needs from a Hugging Face config."""
 
@@ -100,13 +154,16 @@ class DecoderSpec:
     delta: DeltaNetSpec | None = None
     unit_offset_norms: bool = False
     attention_gate: bool = False
+    # Gemma 4 (`Gemma4Spec`): per-layer head_dim, shared KV, per-layer embeddings; None: none
+    gemma4: Gemma4Spec | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = attention_sizes(config)[0]
         lfm2 = config.model_type == "lfm2"
         qwen35 = config.model_type == "qwen3_5_text"
-        gemma = config.model_type == "gemma3_text"
+        gemma4 = Gemma4Spec.from_config(config)
+        gemma = config.model_type == "gemma3_text" or gemma4 is not None
         rope = (getattr(config, "rope_parameters", None) or {}) if not gemma else {}
         partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
@@ -114,7 +171,7 @@ class DecoderSpec:
             raise KvedgeError(
                 f"hidden_act {act!r} is not supported; the MLP is gated with one of {list(GATED_ACTIVATIONS)}"
             )
-        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        for name in ("final_logit_softcapping", "attn_logit_softcapping")[gemma4 is not None :]:
             if getattr(config, name, None) is not None:
                 raise KvedgeError(
                     f"{name}={getattr(config, name)!r} is not supported (Gemma 2 style softcapping)"
@@ -130,13 +187,14 @@ class DecoderSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
-            qk_norm=config.model_type in ("qwen3", "gemma3_text", "lfm2", "qwen3_5_text"),
+            qk_norm=config.model_type in ("qwen3", "gemma3_text", "lfm2", "qwen3_5_text", "gemma4_text"),
             # SmolLM3: no_rope_layers[i] is 1 where layer i uses RoPE
             unrotated_layers=tuple(
                 i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope
             ),
             activation=act,
-            query_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
+            # Gemma 4: no softmax scale (HF's scaling 1.0; its Q norm sets the magnitude)
+            query_scale=(1.0 if gemma4 else float(config.query_pre_attn_scalar) ** -0.5) if gemma else 0.0,
             # HF: torch.tensor(hidden_size**0.5), float32, times the float32 embedding
             embed_scale=float(np.float32(config.hidden_size**0.5)) if gemma else 1.0,
             gemma_norms=gemma,
@@ -146,13 +204,31 @@ class DecoderSpec:
             conv_layers=conv_layers(config),
             conv_kernel=int(config.conv_L_cache) if lfm2 else 0,
             delta=DeltaNetSpec.from_config(config),
-            unit_offset_norms=qwen35,
+            # Gemma 3 and Qwen3.5 norms weigh by (1 + w); Gemma 4's by w
+            unit_offset_norms=qwen35 or config.model_type == "gemma3_text",
             attention_gate=qwen35,
+            gemma4=gemma4,
         )
 
     @property
     def softmax_scale(self) -> float:
         return self.query_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Model layer `layer`'s head_dim: a Gemma 4 global layer's own, else head_dim."""
+        if self.gemma4 and layer not in self.local_layers:
+            return self.gemma4.global_head_dim
+        return self.head_dim
+
+
+def attention_sizes(config: Any) -> tuple[int, int]:
+    """(head_dim, KV heads) of the config's attention layers; Gemma 4's per-layer config gives its
+    sliding layers' (its global layers' head_dim: `Gemma4Spec.global_head_dim`)."""
+    if config.model_type == "gemma4_text":
+        sliding = Gemma4Spec.layer_config(config, "sliding_attention")
+        return int(sliding.head_dim), int(sliding.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def graph_opset(recipe: ExportRecipe) -> int:
@@ -161,9 +237,9 @@ def graph_opset(recipe: ExportRecipe) -> int:
 
 
 def local_layers(config: Any) -> tuple[int, ...]:
-    """Gemma 3's sliding-window layers ("sliding_attention" in `layer_types`); () for other families,
-    whose sliding window (Mistral) is refused past its width instead (`geometry_from_config`)."""
-    if config.model_type != "gemma3_text":
+    """Gemma 3's and 4's sliding-window layers ("sliding_attention" in `layer_types`); () for other
+    families, whose sliding window (Mistral) is refused past its width instead (`geometry_from_config`)."""
+    if config.model_type not in ("gemma3_text", "gemma4_text"):
         return ()
     kinds = list(config.layer_types)
     unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
@@ -216,4 +292,27 @@ def check_ring(geometry: CacheGeometry, variant: str) -> None:
         raise KvedgeError(
             f"--variant {variant!r} does not support sliding-window ring layers (Gemma 3): its "
             "attention writes the cache in place at the valid length, with no ring; use --variant portable"
+        )
+
+
+def check_gemma4(spec: DecoderSpec, recipe: ExportRecipe) -> None:
+    """Gemma 4 is built for the portable float32-compute graph: a shared layer attends over what
+    its source layer's attention read in the same graph, which GroupQueryAttention (in place)
+    does not hand on, and its per-layer inputs are float32."""
+    if spec.gemma4 is None:
+        return
+    check_gemma4_variant(recipe.variant)
+    if recipe.half:
+        raise KvedgeError(
+            "--precision float16 is not built for Gemma 4 yet (its per-layer inputs are float32); "
+            "use --precision float32 (--weights float16 stores the weights in half the bytes)"
+        )
+
+
+def check_gemma4_variant(variant: str) -> None:
+    """Gemma 4's graph is the portable one (`check_gemma4`)."""
+    if variant != "portable":
+        raise KvedgeError(
+            f"--variant {variant!r} is not built for Gemma 4 yet (shared-KV layers, per-layer "
+            "head_dim); use --variant portable"
         )

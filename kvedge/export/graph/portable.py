@@ -22,6 +22,7 @@ class RingSpec:
     window: int  # keys a query sees, itself included
     cos_table: str  # the ring layers' RoPE tables [max_len, d/2] (Gemma 3: the local base)
     sin_table: str
+    head_dim: int = 0  # the ring layers' head_dim (geometry.ring_dim); 0: the full layers'
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,17 @@ class RingInputs:
     mask: str  # [b, 1, g*s, A_r+s]
     split_as: str  # [2] (A_r, s)
     codec: Int8Codec | None
+    d: int  # the ring layers' head_dim
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What a layer's attention read, which a layer sharing its KV (Gemma 4) reads again."""
+
+    k: str  # the new tokens' K [b, kvh, s, d] (after RoPE; as the cache will hold it)
+    v: str  # and V
+    past: tuple[str, ...]  # the past as attention read it: K, V [b, kvh, A, d] (sliced), or the
+    # INT8 cache's codes and scales (`IONames.past` order)
 
 
 class PortableAttention:
@@ -59,7 +71,7 @@ class PortableAttention:
         self.g, self.names, self.half = g, names, half
         self.heads, self.kv_heads, self.d = heads, kv_heads, d
         groups = heads // kv_heads
-        self.half_split = g.ints(d // 2, d // 2)
+        self.read: dict[int, LayerKV] = {}  # by KV layer: what its attention read (`shared`)
 
         # RoPE angles [b, 1, s, d/2] each, shared by all layers (ring layers: by all ring layers).
         self.cos4, self.sin4 = position_angles(g, names.position_ids, cos_table, sin_table, "rope")
@@ -74,12 +86,6 @@ class PortableAttention:
         self.ring = None
         if ring is not None:
             self.ring = self._ring(ring, lengths, rows, new_idx, b_dim, s_dim, groups, kv_group_size)
-        self.q_shape = g.ints(0, 0, heads, d)
-        self.kv_shape = g.ints(0, 0, kv_heads, d)
-        self.grouped = g.ints(0, kv_heads, -1, d)
-        self.per_head = g.ints(0, heads, -1, d)
-        self.merged = g.ints(0, 0, heads * d)
-        self.qkv_split = g.ints(heads * d, kv_heads * d, kv_heads * d)
 
     def _mask(self, length: int, b_dim: str, s_dim: str, groups: int) -> tuple[str, str, str, str]:
         """The full layers' mask [b, 1, g*s, A+s], shared by them: position j of row b visible iff
@@ -197,9 +203,10 @@ class PortableAttention:
             attend=attend,
             mask=g.op("Tile", [mask4, g.ints(1, 1, groups, 1)], "ring.mask"),  # [b, 1, g*s, A_r+s]
             split_as=g.op("Concat", [attend, s_dim], "ring.split_as", axis=0),
-            codec=Int8Codec(g, self.kv_heads, self.d, kv_group_size, attend, "ring.int8")
+            codec=Int8Codec(g, self.kv_heads, spec.head_dim or self.d, kv_group_size, attend, "ring.int8")
             if kv_group_size
             else None,
+            d=spec.head_dim or self.d,
         )
 
     def rope(self, x: str, name: str, rotate: bool = True, local: bool = False) -> str:
@@ -209,7 +216,8 @@ class PortableAttention:
         if not rotate:  # a layer without RoPE: x itself, under the name the caller wants
             return g.op("Identity", [x], name)
         cos4, sin4 = (self.ring.cos4, self.ring.sin4) if local else (self.cos4, self.sin4)
-        return rotate_half(g, x, cos4, sin4, self.half_split, name)
+        d = self.ring.d if local else self.d
+        return rotate_half(g, x, cos4, sin4, g.ints(d // 2, d // 2), name)
 
     def softmax(self, scores: str, mask: str, p: str) -> str:
         """softmax(scores + mask) over the keys, in float32: the mask is float32 (-inf) and, over a
@@ -225,41 +233,62 @@ class PortableAttention:
         """Layer i's attention; a sliding-window layer (`local`) reads its ring through the ring mask."""
         g, names, p = self.g, self.names, f"model.layers.{i}"
         inputs = self.ring if local else self
-        q, k, v = g.op("Split", [qkv, self.qkv_split], f"{p}.attn.qkv_parts", outputs=3, axis=-1)
-        q = g.op(
-            "Transpose",
-            [g.op("Reshape", [q, self.q_shape], f"{p}.attn.q5")],
-            f"{p}.attn.q_bhsd",
-            perm=[0, 2, 1, 3],
+        heads, kvh, d = self.heads, self.kv_heads, inputs.d
+        q, k, v = g.op(
+            "Split", [qkv, g.ints(heads * d, kvh * d, kvh * d)], f"{p}.attn.qkv_parts", outputs=3, axis=-1
         )
         k = g.op(
             "Transpose",
-            [g.op("Reshape", [k, self.kv_shape], f"{p}.attn.k4")],
+            [g.op("Reshape", [k, g.ints(0, 0, kvh, d)], f"{p}.attn.k4")],
             f"{p}.attn.k_bhsd",
             perm=[0, 2, 1, 3],
         )
         codec = inputs.codec
         v = g.op(
             "Transpose",
-            [g.op("Reshape", [v, self.kv_shape], f"{p}.attn.v4")],
+            [g.op("Reshape", [v, g.ints(0, 0, kvh, d)], f"{p}.attn.v4")],
             f"{p}.attn.v_new" if codec else names.layer(names.present_value, i),
             perm=[0, 2, 1, 3],
         )
-        q = g.op(
-            "Reshape", [self.rope(q, f"{p}.attn.q_rope", rotate, local), self.grouped], f"{p}.attn.q_grouped"
-        )  # [b, kvh, g*s, d]
         k = self.rope(
             k, f"{p}.attn.k_new" if codec else names.layer(names.present_key, i), rotate, local
         )  # [b, kvh, s, d]
         past = [names.layer(t, i) for t in names.past(codec is not None)]
         if codec:  # the new tokens attend over exactly what the cache will hold
             k, v = codec.write(k, v, [names.layer(t, i) for t in names.present(True)], f"{p}.attn.int8")
-            past_scores = codec.past_scores(q, past[0], past[2], f"{p}.attn.past_k")
         else:
             past = [
                 g.op("Slice", [name, g.ints(0), inputs.attend, g.ints(2)], f"{p}.attn.past{n}")
                 for n, name in enumerate(past)
             ]  # K, V [b, kvh, A, d]
+        self.read[i] = LayerKV(k, v, tuple(past))
+        return self.attend_over(p, q, self.read[i], rotate, local)
+
+    def shared(self, i: int, layer: int, q: str, local: bool = False) -> str:
+        """Model layer `layer`'s attention over the KV that KV layer i's attention read (Gemma 4's
+        shared layers: queries of their own, no K or V)."""
+        return self.attend_over(f"model.layers.{layer}", q, self.read[i], True, local)
+
+    def attend_over(self, p: str, q: str, kv: LayerKV, rotate: bool, local: bool) -> str:
+        """softmax(q K^T + mask) V of queries q [b, s, heads*d] over `kv`: [b, s, heads*d]."""
+        g = self.g
+        inputs = self.ring if local else self
+        heads, kvh, d = self.heads, self.kv_heads, inputs.d
+        q = g.op(
+            "Transpose",
+            [g.op("Reshape", [q, g.ints(0, 0, heads, d)], f"{p}.attn.q5")],
+            f"{p}.attn.q_bhsd",
+            perm=[0, 2, 1, 3],
+        )
+        q = g.op(
+            "Reshape",
+            [self.rope(q, f"{p}.attn.q_rope", rotate, local), g.ints(0, kvh, -1, d)],
+            f"{p}.attn.q_grouped",
+        )  # [b, kvh, g*s, d]
+        codec, past = inputs.codec, kv.past
+        if codec:
+            past_scores = codec.past_scores(q, past[0], past[2], f"{p}.attn.past_k")
+        else:
             past_scores = g.op(
                 "MatMul",
                 [q, g.op("Transpose", [past[0]], f"{p}.attn.past_kT", perm=[0, 1, 3, 2])],
@@ -271,7 +300,7 @@ class PortableAttention:
                 past_scores,
                 g.op(
                     "MatMul",
-                    [q, g.op("Transpose", [k], f"{p}.attn.new_kT", perm=[0, 1, 3, 2])],
+                    [q, g.op("Transpose", [kv.k], f"{p}.attn.new_kT", perm=[0, 1, 3, 2])],
                     f"{p}.attn.new_scores",
                 ),
             ],
@@ -288,13 +317,13 @@ class PortableAttention:
             "Add",
             [
                 from_past,
-                g.op("MatMul", [p_new, v], f"{p}.attn.from_new"),
+                g.op("MatMul", [p_new, kv.v], f"{p}.attn.from_new"),
             ],
             f"{p}.attn.context",
         )  # [b, kvh, g*s, d]
-        attn = g.op("Reshape", [attn, self.per_head], f"{p}.attn.per_head")  # [b, heads, s, d]
+        attn = g.op("Reshape", [attn, g.ints(0, heads, -1, d)], f"{p}.attn.per_head")  # [b, heads, s, d]
         return g.op(
             "Reshape",
-            [g.op("Transpose", [attn], f"{p}.attn.bshd", perm=[0, 2, 1, 3]), self.merged],
+            [g.op("Transpose", [attn], f"{p}.attn.bshd", perm=[0, 2, 1, 3]), g.ints(0, 0, heads * d)],
             f"{p}.attn.merged",
         )  # [b, s, heads*d]

@@ -64,10 +64,10 @@ def prepare_weights(
     """
     weights = {llama_name(name): w for name, w in weights.items()}
     d, heads, kv_heads = geometry.head_dim, spec.num_heads, geometry.num_kv_heads
-    if spec.gemma_norms or spec.unit_offset_norms:  # x / rms(x) * (1 + w), in float32 as HF computes it
+    if spec.unit_offset_norms:  # x / rms(x) * (1 + w), in float32 as HF computes it
         for name in [n for n in weights if n.endswith("norm.weight") and GATED_NORM not in n]:
             weights[name] = 1.0 + weights[name].astype(np.float32)
-    order = rotary_order(d, spec.rotary_dim)
+    order = rotary_order(spec.head_dim, spec.rotary_dim)
     for i in range(spec.num_layers or geometry.num_layers):
         p = f"model.layers.{i}"
         for kind in ("weight", "bias"):

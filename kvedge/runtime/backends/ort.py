@@ -66,7 +66,7 @@ from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.runtime import kernels
 from kvedge.runtime.backends.cuda import MappedHost
 from kvedge.runtime.backends.memory import check_alignment, data_address
-from kvedge.runtime.embeddings import TableEmbeddings
+from kvedge.runtime.embeddings import HostInputs
 from kvedge.runtime.interface import (
     MAX_DECODE_BINDINGS,
     StepOutput,
@@ -315,7 +315,7 @@ class OrtBackend:
         self._graph_ids = 0  # the last gpu_graph_id given to a decode binding; never reused
         self._check_io()
         self._step_names = [spec.name for spec in manifest.graph_inputs() if spec.layer is None]
-        self.embeddings = TableEmbeddings.of(folder, manifest)  # None: the graph gathers its own
+        self.lookups = HostInputs.of(folder, manifest)  # None: the graph gathers all its own
         self._outputs = manifest.graph_outputs()
         self._decode_bindings: dict[tuple, _KeptBinding] = {}
         self.max_decode_bindings = max_decode_bindings
@@ -365,7 +365,7 @@ class OrtBackend:
     ) -> list[tuple[str, np.ndarray]]:
         """(name, value) of the graph's per-call inputs; which exist is `Manifest.graph_inputs`'s call."""
         values = step_values(
-            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index, counts
+            self.manifest, self.lookups, input_ids, position_ids, past_lengths, last_index, counts
         )
         return [(name, values[name]) for name in self._step_names]
 
@@ -452,8 +452,9 @@ class OrtBackend:
         step.input_ids[...] = input_ids
         if step.input_lengths is not None:
             step.input_lengths[...] = 1
-        if self.embeddings is not None:
-            step.inputs_embeds[...] = self.embeddings(input_ids)
+        if self.lookups is not None:
+            for name, value in self.lookups(input_ids).items():
+                step.looked_up[name][...] = value
         step.past_lengths[...] = past_lengths
         step.position_ids[...] = position_ids  # bound only where the graph takes positions
         for args in step.rebind:  # the same buffers, bound again: what they hold now (`Bound.rebind`)
@@ -489,7 +490,7 @@ class OrtBackend:
         return _KeptBinding(
             binding=binding,
             input_ids=arrays[names.input_ids],
-            inputs_embeds=arrays.get(names.inputs_embeds),
+            looked_up={name: arrays[name] for name in (self.lookups.names if self.lookups else [])},
             position_ids=arrays.get(names.position_ids, unbound),
             past_lengths=arrays[names.past_lengths],
             last_index=arrays.get(names.last_index, unbound[:, 0]),
@@ -642,8 +643,9 @@ class OrtBackend:
         step.input_ids[...] = input_ids
         if step.input_lengths is not None:
             step.input_lengths[...] = input_ids.shape[1]  # every token real (`run` splits padded rows)
-        if self.embeddings is not None:
-            step.inputs_embeds[...] = self.embeddings(input_ids)
+        if self.lookups is not None:
+            for name, value in self.lookups(input_ids).items():
+                step.looked_up[name][...] = value
         step.past_lengths[...] = past_lengths
         step.last_index[...] = graph_last_index(self.manifest, last_index).reshape(step.last_index.shape)
         for args in step.rebind:  # `Bound.rebind`, as in `_decode`
@@ -670,7 +672,9 @@ class _KeptBinding:
 
     binding: ort.IOBinding
     input_ids: np.ndarray  # [batch, 1 or seq] int64
-    inputs_embeds: np.ndarray | None  # [batch, 1 or seq, hidden] where the runtime looks them up
+    # by name, the inputs the runtime looks up (`HostInputs`): inputs_embeds [batch, 1 or seq,
+    # hidden], per_layer_inputs [batch, 1 or seq, layers x P]
+    looked_up: dict[str, np.ndarray]
     position_ids: np.ndarray  # [batch, 1 or seq] int64 (bound where the graph takes positions)
     past_lengths: np.ndarray  # [batch] int64
     last_index: np.ndarray  # [batch] or [batch, rows] int64 (zeros for decode: its one position)

@@ -49,7 +49,7 @@ from kvedge.contract.engine import DECODE_PROFILE, ENGINE_FILE, PREFILL_PROFILE,
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.cuda import MappedHost
 from kvedge.runtime.backends.memory import check_alignment
-from kvedge.runtime.embeddings import TableEmbeddings
+from kvedge.runtime.embeddings import HostInputs
 from kvedge.runtime.interface import StepOutput, step_logits, step_values
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class TrtBackend:
                 raise KvedgeError(f"TensorRT refused {what}: {exc}; see its log above") from None
 
         self.on_host = self._host_inputs(manifest)
-        self.embeddings = TableEmbeddings.of(folder, manifest)  # None: the engine gathers its own
+        self.lookups = HostInputs.of(folder, manifest)  # None: the engine gathers all its own
         built = self.engine_manifest
         b, p, r = built.max_batch, built.max_prefill, built.max_rows
         self.buffers: dict[str, tuple[np.ndarray, int]] = {}  # name -> (flat host view, device ptr)
@@ -204,7 +204,7 @@ class TrtBackend:
         profile = profile_for(seq)
         context = self.contexts[profile]
         values = step_values(
-            self.manifest, self.embeddings, input_ids, position_ids, past_lengths, last_index, counts
+            self.manifest, self.lookups, input_ids, position_ids, past_lengths, last_index, counts
         )
         for spec in self.step_inputs:
             value, (host, device) = values[spec.name], self.buffers[spec.name]
