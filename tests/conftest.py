@@ -150,6 +150,28 @@ class Exported:
     def model(self, slots: int = 1) -> Model:
         return Model(self.out, slots=slots)
 
+    def greedy_pair(self, prompt: list[int], tokens: int = 64) -> tuple[list[int], list[int]]:
+        """(transformers' greedy continuation of `prompt`, the export's), `tokens` each, eos
+        masked on both sides (min_new_tokens on the HF side)."""
+        import torch
+
+        with torch.no_grad():
+            ref = self.hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        model, eos = self.model(), self.hf.config.eos_token_id
+        logits = prefill(model.backend, model.cache, 0, [prompt])[0]
+        got = []
+        for _ in range(tokens):
+            logits[eos] = -np.inf
+            got.append(int(np.argmax(logits)))
+            logits = decode_one_token(model.backend, model.cache, 0, [got[-1]])[0]
+        return ref, got
+
     def hf_logits(self, ids: list[int]) -> np.ndarray:
         """Reference logits [seq, vocab] of a full forward pass without cache."""
         import torch

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import VARIANTS, Exported, random_ids
 from test_serve import Server, run_alone
+from test_sessions import QUESTIONS
 from tiny import make_tiny_model
 
 from kvedge.configs import load_warm_prefix_config
@@ -126,19 +127,7 @@ def test_prefill_in_chunks_and_decode_match_hf(hybrid, chunk):
 
 
 def test_greedy_64_tokens_identical_to_hf_generate(hybrid):
-    model = hybrid.model()
-    prompt = random_ids(16, seed=2)
-    eos = hybrid.hf.config.eos_token_id
-    with torch.no_grad():
-        ref = hybrid.hf.generate(
-            torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
-        )[0, 16:].tolist()
-    logits = prefill(model.backend, model.cache, 0, [prompt])[0]
-    got = []
-    for _ in range(64):
-        logits[eos] = -np.inf  # as min_new_tokens does on the HF side
-        got.append(int(np.argmax(logits)))
-        logits = decode_one_token(model.backend, model.cache, 0, [got[-1]])[0]
+    ref, got = hybrid.greedy_pair(random_ids(16, seed=2))
     assert got == ref
 
 
@@ -162,20 +151,6 @@ def test_a_batch_equals_each_row_alone(hybrid):
                 want = decode_one_token(alone[r].backend, alone[r].cache, 0, [token])[0]
                 np.testing.assert_allclose(got[r], want, atol=ATOL, rtol=0)
     assert batch.cache.lengths.tolist() == [m.cache.length(0) for m in alone]
-
-
-QUESTIONS = [
-    "Hello! How are you today?",
-    "What is the capital of France?",
-    "Tell me about the KV cache.",
-    "Jetson Orin boards share memory.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Thank you, I am fine.",
-    "How are you?",
-    "Paris?",
-    "What does a cache store?",
-    "Goodbye!",
-]
 
 
 def cold_logits(reference: Model, ids: list[int]) -> np.ndarray:

@@ -41,23 +41,7 @@ def test_prefill_and_teacher_forced_decode_match_hf(tiny):
 
 
 def test_greedy_64_tokens_identical_to_hf_generate(tiny):
-    model = tiny.model()
-    prompt = random_ids(16, seed=2)
-    eos = tiny.hf.config.eos_token_id
-    with torch.no_grad():
-        ref = tiny.hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=64,
-            min_new_tokens=64,
-            do_sample=False,
-            pad_token_id=0,
-        )[0, 16:].tolist()
-    logits = prefill(model.backend, model.cache, 0, [prompt])[0]
-    got = []
-    for _ in range(64):
-        logits[eos] = -np.inf  # as min_new_tokens does on the HF side
-        got.append(int(np.argmax(logits)))
-        logits = decode_one_token(model.backend, model.cache, 0, [got[-1]])[0]
+    ref, got = tiny.greedy_pair(random_ids(16, seed=2))
     assert got == ref
 
 
