@@ -225,7 +225,7 @@ class CacheGeometry:
         if self.quantized and self.group_size not in allowed:
             raise KvedgeError(
                 f"cache geometry: group_size={self.group_size!r} is not allowed for head_dim "
-                f"{sorted(dims)}; allowed: {allowed}"
+                f"{' and '.join(map(str, sorted(dims)))}; allowed: {allowed}"
             )
         if self.ring_head_dim < 0 or (self.ring_head_dim and not self.ring_layers):
             raise KvedgeError(
