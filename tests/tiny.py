@@ -424,3 +424,11 @@ def make_tiny_packed(
     model.save_pretrained(reference)
     tokenizer.save_pretrained(reference)
     return folder, dequantized
+
+
+def gemma4_supported() -> bool:
+    """Whether this transformers runs Gemma 4 as kvedge follows it (5.25: `kv_sharing_modes`);
+    the 3.10 CI venv's older pin does not."""
+    from transformers import Gemma4TextConfig
+
+    return hasattr(Gemma4TextConfig(), "kv_sharing_modes")

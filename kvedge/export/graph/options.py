@@ -93,6 +93,11 @@ class Gemma4Spec:
                 "Gemma 4 with attention_k_eq_v=True (values from the key projection, the 31B's global "
                 "layers) is not supported yet"
             )
+        if not hasattr(config, "kv_sharing_modes"):
+            raise KvedgeError(
+                "Gemma 4 needs transformers 5.25 or newer (this one's Gemma4TextConfig has no "
+                "kv_sharing_modes): pip install 'transformers>=5.25'"
+            )
         kinds = list(config.layer_types)
         shared = tuple(i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse")
         sources = (
