@@ -197,6 +197,11 @@ _CPU = Overheads(96 * MiB, "onnxruntime CPU, measured", cpu=True)
 OVERHEADS = {device: _CPU if device == "cpu" else _GPU for device in DEVICES}
 
 
+# model.onnx bytes of the 16 nodes that split a float32 portable graph's quantized product input
+# in two (`kvedge.export.graph.quant_matmul._product`): 313,736 over SmolLM2-135M's 121
+SPLIT_GRAPH_BYTES = 2600
+
+
 def quantized_matmul_bytes(k: int, n: int, bits: int, form: ExportRecipe) -> int:
     """Bytes `kvedge export` stores for one quantized w [K, N] (module docstring, `graph.py`'s
     `matmul_weight` and `_quant_matmul`)."""
@@ -206,6 +211,8 @@ def quantized_matmul_bytes(k: int, n: int, bits: int, form: ExportRecipe) -> int
     total += 8 * kept  # the kept channels' indices (kvedge.SideInputs', or a Gather's)
     if form.variant == "portable" and kept:  # side inputs from standard ops: the 0/1 mask [K]
         total += real * k
+    if form.variant == "portable" and not form.half:  # the nodes splitting its input (`_product`)
+        total += SPLIT_GRAPH_BYTES
     if form.two_forms and n % 64 == 0:  # decode form: codes, float16 scale + minimum, float16 rows
         total += codes + 2 * 2 * blocks * n + 2 * kept * n
     return total
@@ -750,7 +757,7 @@ class Change:
         text = f"re-export with {flags}" if self.plan.model.fixed_context else flags
         form = self.plan.model.form
         if form is not None and {flag for flag, _ in self.options} & {flag for flag, _ in FORM_FLAGS}:
-            text += f" ({quality_note(form, bool(self.plan.model.geometry.states))})"
+            text += f" ({quality_note(form, bool(self.plan.model.geometry.states), self.plan.device)})"
         return text
 
 
@@ -799,16 +806,20 @@ def nearest_runnable(plan: Plan) -> Change | None:
         _Try(options, model, kv, plan.slots, plan.contexts, estimate(model, least, shortest, kv, plan.device))
         for options, model, kv in _other_forms(plan)
     ]
-    found = min(tries, key=lambda t: (quality_tier(t.model), len(t.options), t.corner.total), default=None)
+
+    def rank(t: _Try) -> tuple[int, int, int]:
+        return quality_tier(t.model, plan.device), len(t.options), t.corner.total
+
+    found = min(tries, key=rank, default=None)
     return found.change(plan) if found else None
 
 
-def quality_tier(model: ModelFootprint) -> int:
-    """0: a form measured within `QUALITY_BAR`, or an export (its form is its files); 1: measured
-    above it; 2: unmeasured."""
+def quality_tier(model: ModelFootprint, device: str) -> int:
+    """0: a form measured within `QUALITY_BAR` on `device`, or an export (its form is its files);
+    1: measured above it; 2: unmeasured."""
     if model.form is None:
         return 0
-    kl = measured_kl(model.form, bool(model.geometry.states))
+    kl = measured_kl(model.form, bool(model.geometry.states), device)
     return 2 if kl is None else int(kl > QUALITY_BAR)
 
 
@@ -831,7 +842,7 @@ def _shrinking(plan: Plan) -> list[_Try]:
         kept,
         key=lambda t: (
             -t.corner.context,
-            quality_tier(t.model),
+            quality_tier(t.model, plan.device),
             corner.total - t.corner.total,
             len(t.options),
         ),
@@ -999,8 +1010,8 @@ WEIGHTS_KL = {
     "--variant portable --weights float16": 0.0000028,
     "--variant ort --weights int8": 0.0009,
     "--variant ort --weights int4": 0.0013,
-    "--variant portable --weights int8": 0.00068,
-    "--variant portable --weights int4": 0.00076,
+    "--variant portable --weights int8": 0.000000045,
+    "--variant portable --weights int4": 0.000000048,
     "--variant portable --weights int4 --head-bits 4": 0.0267,
 }
 PRECISION_KL = {"--precision float32": 0.0, "--precision float16": 0.0000028}
@@ -1025,12 +1036,17 @@ def weights_choice(form: ExportRecipe) -> str:
     return text
 
 
-def measured_kl(form: ExportRecipe, states: bool = False) -> float | None:
+def measured_kl(form: ExportRecipe, states: bool = False, device: str | None = None) -> float | None:
     """`form`'s KL against the float32 model from its choices' measured KLs, or None where one of
     them was not measured: a choice missing from the tables, a block size or kept channels other
     than export's defaults, or an ort int8/int4 graph without kvedge's decode form (the float16
     cache's, whose decode steps run MatMulNBits). For a model with per-slot `states` (a hybrid),
-    every form but the float32 one (the float32 model itself, 0) is unmeasured."""
+    every form but the float32 one (the float32 model itself, 0) is unmeasured. On `device` "cpu"
+    a float16 graph's quantized products are too: onnxruntime rounds their activations to int8
+    there, which only a float32 graph's split input undoes (`quant_matmul._product`); the
+    measured weight-only figures are TensorRT's and CUDA's."""
+    if device == "cpu" and form.half and form.quantized:
+        return None
     if states and (form.weights, form.precision, form.kv_dtype) != ("float32", "float32", "float32"):
         return None
     default = ExportRecipe(variant=form.variant, precision=form.precision, weights=form.weights)
@@ -1046,8 +1062,8 @@ def measured_kl(form: ExportRecipe, states: bool = False) -> float | None:
     return None if None in parts else sum(parts)
 
 
-def quality_note(form: ExportRecipe, states: bool = False) -> str:
-    kl = measured_kl(form, states)
+def quality_note(form: ExportRecipe, states: bool = False, device: str | None = None) -> str:
+    kl = measured_kl(form, states, device)
     return "quality unmeasured" if kl is None else f"KL {kl:.2g} vs float32, docs/PERFORMANCE.md"
 
 

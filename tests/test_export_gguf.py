@@ -167,11 +167,13 @@ def test_the_ort_graphs_decode_form_keeps_them_too(gguf_file):
     np.testing.assert_allclose(got, ref, atol=INT8_ACTIVATIONS_ATOL, rtol=0)
 
 
-def test_a_float16_graph_of_the_sources_blocks_keeps_no_float_channel(gguf_file, portable_int4, tmp_path):
-    """A float16 graph is computed weight-only (TensorRT, onnxruntime's CUDA kernels), where a kept
-    channel only spares its weight row the grid's rounding; the GGUF's blocks are its weights
-    exactly, so an export of nothing but them keeps none unless --outlier-channels asks
-    (`ExportRecipe.kept_channels_of`), and computes the same products."""
+def test_a_portable_graph_of_the_sources_blocks_keeps_no_float_channel(gguf_file, portable_int4, tmp_path):
+    """A portable graph is computed weight-only (TensorRT, onnxruntime's CUDA kernels; on the CPU
+    its product inputs are split in two parts the int8 grid holds), where a kept channel only
+    spares its weight row the grid's rounding; the GGUF's blocks are its weights exactly, so an
+    export of nothing but them keeps none unless --outlier-channels asks
+    (`ExportRecipe.kept_channels_of`), and computes the same products. Float16 graph here, the
+    float32 one at the end."""
     recipe = ExportRecipe(max_len=64, logits="all", precision="float16", weights="int4")
     ask = dataclasses.replace(recipe, outlier_channels=8)
     plain = export_model(gguf_file, tmp_path / "plain", recipe)
@@ -190,9 +192,11 @@ def test_a_float16_graph_of_the_sources_blocks_keeps_no_float_channel(gguf_file,
     head4_recipe = dataclasses.replace(recipe, head_bits=4)
     head4 = export_model(gguf_file, tmp_path / "head4", head4_recipe)
     assert head4.weight_outlier_channels == 8 and differences(head4_recipe, head4) == []
-    # a float32 graph keeps them over the source's blocks too: onnxruntime's CPU kernel rounds
+    # so does a float32 graph, and an ort graph keeps them: onnxruntime's CPU kernel rounds its
     # activations to int8 per block, and a kept channel spares its block that
-    assert Manifest.load(portable_int4).weight_outlier_channels == 32
+    assert Manifest.load(portable_int4).weight_outlier_channels == 0
+    ort = export_model(gguf_file, tmp_path / "ort", ExportRecipe(max_len=64, variant="ort", weights="int4"))
+    assert ort.weight_outlier_channels == 32
 
 
 def test_what_cannot_be_kept_is_requantized_and_named(gguf_file, tmp_path, caplog):

@@ -241,7 +241,7 @@ def test_quantized_weights_and_int8_cache_in_float16_match_their_float32_twins(l
     MatMul into MatMulNBits, whose int8 rounding of activations moves both graphs by ~10 x,
     differently."""
     options = dict(max_len=MAX_LEN, weights=weights, kv_dtype=kv_dtype)
-    if weights != "float16":  # the same kept channels (a float16 graph's default keeps fewer)
+    if weights != "float16":  # the same kept channels in both graphs, whatever their defaults
         options["outlier_channels"] = 8
     half = llama.export(ExportRecipe(precision="float16", **options))
     twin = llama.export(

@@ -201,14 +201,23 @@ def test_json_schema_replies_of_the_real_model_all_validate(smol, tmp_path):
     assert len({text for text, _ in replies}) > 25  # the prompts really vary the replies
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_recommended_cpu_export_answers_like_fp32(default_export, kv_dtype):
-    """README's CPU recommendation (--variant ort --weights int8), with either cache, answers the
-    known-good question as the float32 export does. Its int8 weights reproduce the GGUF's grids
-    exactly and keep 32 input channels float32; what is left is onnxruntime's int8 activations
-    (docs/PERFORMANCE.md)."""
-    fast = default_export(ExportRecipe(max_len=2048, variant="ort", weights="int8", kv_dtype=kv_dtype))
-    answer = "".join(e.text for e in Model(fast).chat(QUESTION, SamplingConfig(max_new_tokens=16)))
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        ExportRecipe(max_len=2048, variant="ort", weights="int8"),
+        ExportRecipe(max_len=2048, variant="ort", weights="int8", kv_dtype="int8"),
+        ExportRecipe(max_len=2048, weights="int8"),
+    ],
+    ids=["ort-int8", "ort-int8-kv-int8", "portable-int8"],
+)
+def test_int8_exports_answer_like_fp32(default_export, recipe):
+    """README's CPU recommendation (--variant ort --weights int8), with either cache, and the
+    portable int8 export answer the known-good question as the float32 export does. Their int8
+    weights reproduce the GGUF's grids exactly; the ort graph keeps 32 input channels float32
+    beside onnxruntime's int8 activations, the portable one splits each product's input in two
+    parts the int8 grid holds (docs/PERFORMANCE.md)."""
+    model = Model(default_export(recipe))
+    answer = "".join(e.text for e in model.chat(QUESTION, SamplingConfig(max_new_tokens=16)))
     assert "Paris" in answer, answer
 
 
@@ -223,27 +232,55 @@ class FloatActivations(ort.SessionOptions):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_portable_quantized_weights_stay_close_to_fp32(smol, default_export, monkeypatch, weights):
+def test_portable_quantized_weights_compute_as_tensorrt_does(smol, default_export, monkeypatch, weights):
     """The TensorRT-bound int8 / int4 weights (portable: blocked DequantizeLinear, every scale
-    > 0, the LM head at 8 bits) teacher-forced against the fp32 export, as eval-kv measures it.
-    Computed as TensorRT computes them (float activations) both answer the known-good question
-    and hold the GGUF's grids exactly (Q4_1 projections, Q8_0 head). On the CPU (int8
-    activations) they cost what the ort graph's do (KL 0.0007-0.0008 on 8 held-out prompts x 64
-    tokens). Here 4 prompts x 32 tokens; bounds: weight-only at float32 rounding (measured 9e-12
-    for int8), CPU 2x the measured. The answer is not checked on the CPU: its first token is a
-    near tie in fp32 ('The' over 'L' by 0.08 logits), which int8 activations tip either way (ort
-    int4, KL 0.0007, says "L'Étoile")."""
-    weight_only_kl, cpu_kl = 1e-6, 0.0015
+    > 0, the LM head at 8 bits) teacher-forced against the fp32 export, as eval-kv measures it,
+    computed as TensorRT computes them (float activations) and as the CPU does (int8 activations,
+    each product's input split in two parts the int8 grid holds: `quant_matmul._product`). Both
+    hold the GGUF's grids exactly (Q4_1 projections, Q8_0 head), so both stay at float32
+    rounding (measured 1e-8 for int8 on the CPU, 24 held-out prompts x 64 tokens; before the
+    split, 0.0007). Here 4 prompts x 32 tokens."""
     out = smol[0]
     folder = default_export(ExportRecipe(max_len=2048, weights=weights))
     with monkeypatch.context() as patch:
         patch.setattr(ort, "SessionOptions", FloatActivations)
         weight_only = Model(folder)
-    answer = "".join(e.text for e in weight_only.chat(QUESTION, SamplingConfig(max_new_tokens=16)))
-    assert "Paris" in answer, answer
     prompts = builtin_prompts("heldout")[:4]
     rows = evaluate(Model(out), None, prompts, tokens=32, weights_models=(weight_only, Model(folder)))
-    assert rows[0].kl_mean < weight_only_kl and rows[1].kl_mean < cpu_kl, rows
+    assert rows[0].kl_mean < 1e-6 and rows[1].kl_mean < 1e-6, rows
+
+
+# Every quantized form README recommends for the CPU, and the portable ones the TensorRT engines
+# are built from: (recipe, least top-1 agreement, least mean greedy match of 32) against the
+# float32 export, teacher-forced over the held-out prompts and the demo question (eval-kv's
+# measure). Bounds: below what was measured (docs/PERFORMANCE.md, "Quality of each export
+# choice"), by about one position in a hundred; a regression like the int8 activations that
+# tipped the demo answer (top-1 98.75%) fails them.
+RECOMMENDED_FORMS = {
+    "ort int8 (README's CPU export)": (ExportRecipe(max_len=2048, variant="ort", weights="int8"), 0.97, 20),
+    "ort int8, INT8 cache (long contexts)": (
+        ExportRecipe(max_len=2048, variant="ort", weights="int8", kv_dtype="int8"),
+        0.96,
+        16,
+    ),
+    "portable int8": (ExportRecipe(max_len=2048, weights="int8"), 0.99, 30),
+    "portable int4": (ExportRecipe(max_len=2048, weights="int4"), 0.99, 30),
+}
+
+
+def test_recommended_forms_keep_float32s_answers(smol, default_export):
+    """Each recommended form's top-1 and greedy match against float32 (`RECOMMENDED_FORMS`),
+    on 24 held-out prompts and "What is the capital of France?", 32 tokens each."""
+    prompts = [*builtin_prompts("heldout"), {"messages": QUESTION}]
+    forms = [Model(default_export(recipe)) for recipe, _, _ in RECOMMENDED_FORMS.values()]
+    rows = evaluate(Model(smol[0]), None, prompts, tokens=32, weights_models=tuple(forms))
+    measured = {
+        name: (row.top1_agreement, row.greedy_match_mean)
+        for name, row in zip(RECOMMENDED_FORMS, rows, strict=True)
+    }
+    print(measured)
+    for (name, (_, top1, greedy)), row in zip(RECOMMENDED_FORMS.items(), rows, strict=True):
+        assert row.top1_agreement >= top1 and row.greedy_match_mean >= greedy, (name, measured)
 
 
 # --- the planner's load term against what onnxruntime holds -------------------------------------

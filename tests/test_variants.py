@@ -212,7 +212,7 @@ def test_outlier_channels_and_head_bits_reach_the_graph(tiny_source, tmp_path, c
 
 
 def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports, tmp_path):
-    """No --outlier-channels / --head-bits: 32 channels (8 in a float16 graph) and an int8 head,
+    """No --outlier-channels / --head-bits: 32 channels (8 in a portable graph) and an int8 head,
     the same bytes as asking for them; float exports record 0 for both."""
     default = exports("ort", "int4")
     explicit = tmp_path / "explicit"
@@ -225,7 +225,7 @@ def test_default_channels_and_head_bits_are_the_stated_ones(tiny_source, exports
     int4 = Manifest.load(default)
     assert (int4.weight_outlier_channels, int4.weight_head_bits) == (32, 8)
     portable = Manifest.load(exports("portable", "int4"))
-    assert (portable.weight_outlier_channels, portable.weight_head_bits) == (32, 8)
+    assert (portable.weight_outlier_channels, portable.weight_head_bits) == (8, 8)
     half = ExportRecipe(max_len=64, weights="int4", precision="float16")
     assert (half.kept_channels, half.lm_head_bits) == (8, 8)
     fp32 = Manifest.load(exports("ort", "float32"))

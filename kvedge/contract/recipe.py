@@ -29,17 +29,16 @@ from kvedge.errors import KvedgeError
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # input features per quantization block
 # input channels per quantized matmul kept float (kvedge.export.quantize's docstring); each kept
-# channel stores and reads one float row of N per matmul. A float32 graph keeps 32: onnxruntime's
-# CPU kernel rounds activations to int8 per block, and one large channel coarsens its block
-# (SmolLM2-135M int4, 8-bit head, CPU: KL 0.0029 with none, 0.0012 with 8, 0.00076 with 32). A
-# float16 graph is TensorRT's, whose activations stay float: a kept channel then only spares its
-# weight row the rounding, which matters where activations are large; 8 take most of that gain
-# for a quarter of 32's bytes (weights requantized off their grid, blocks of 64, weight-only: KL
-# 0.258 with none, 0.104 with 8, 0.073 with 32; 0.22 bit a weight at SmolLM2's width for 32's 0.89).
-# Over a source's own blocks, which are its weights exactly, that gain is nil: a float16 export of
-# nothing but them keeps none (`ExportRecipe.kept_channels_of`; SmolLM2's GGUF: 3.4 MiB less).
+# channel stores and reads one float row of N per matmul. An ort graph keeps 32: onnxruntime's CPU
+# kernel rounds its activations to int8 per block, and one large channel coarsens its block. A
+# portable graph computes weight-only (TensorRT's float activations; on the CPU its product inputs
+# are split in two parts the int8 grid holds, `kvedge.export.graph.quant_matmul._product`): a kept
+# channel then only spares its weight row the grid's rounding, which 8 take most of for a quarter
+# of 32's bytes, and over a source's own blocks, its weights exactly, none is kept
+# (`ExportRecipe.kept_channels_of`). docs/PERFORMANCE.md, "Quantized weights" and "Activations of
+# portable quantized graphs", has the measurements.
 OUTLIER_CHANNELS = 32
-HALF_OUTLIER_CHANNELS = 8
+WEIGHT_ONLY_OUTLIER_CHANNELS = 8
 OUTLIER_CHOICES = (0, 8, 16, 32, 64)
 # The LM head is never stored below 8 bits unless --head-bits 4 says so: at 4 bits it alone costs
 # most of an int4 export's error, for a fifth of SmolLM2's bytes (its tied table is the head):
@@ -170,20 +169,21 @@ class ExportRecipe:
     @property
     def kept_channels(self) -> int:
         """Input channels of each quantized matmul kept float: --outlier-channels, else
-        `OUTLIER_CHANNELS` (`HALF_OUTLIER_CHANNELS` in a float16 graph); 0 for float weights."""
+        `OUTLIER_CHANNELS` in an ort graph, `WEIGHT_ONLY_OUTLIER_CHANNELS` in a portable one; 0 for
+        float weights."""
         if not self.quantized:
             return 0
         if self.outlier_channels is not None:
             return self.outlier_channels
-        return HALF_OUTLIER_CHANNELS if self.half else OUTLIER_CHANNELS
+        return WEIGHT_ONLY_OUTLIER_CHANNELS if self.variant == "portable" else OUTLIER_CHANNELS
 
     def kept_channels_of(self, source_blocks_only: bool) -> int:
         """`kept_channels` of an export whose quantized matrices are, or are not, all the source's
-        own blocks (`source_blocks_only`: a GGUF, AWQ or GPTQ file's, none requantized). A float16
-        graph then keeps none unless --outlier-channels asks: TensorRT computes it weight-only, so a
-        kept channel only spares its weight row the grid's rounding, and the source's blocks are
-        its weights exactly."""
-        if source_blocks_only and self.half and self.outlier_channels is None:
+        own blocks (`source_blocks_only`: a GGUF, AWQ or GPTQ file's, none requantized). A portable
+        graph then keeps none unless --outlier-channels asks: it computes weight-only, so a kept
+        channel only spares its weight row the grid's rounding, and the source's blocks are its
+        weights exactly."""
+        if source_blocks_only and self.variant == "portable" and self.outlier_channels is None:
             return 0
         return self.kept_channels
 

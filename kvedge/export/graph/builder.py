@@ -70,6 +70,13 @@ class Builder:
             self._shared.add(self.const(name, np.array(values, np.int64)))
         return name
 
+    def scalar(self, value: float) -> str:
+        """A shared scalar constant in the graph's float type, e.g. scalar(127.0)."""
+        name = f"const.{self.float.name}_{value!r}"
+        if name not in self._shared:
+            self._shared.add(self.fconst(name, np.array(value)))
+        return name
+
     def reduce(self, op_type: str, x: str, axis: int, name: str, keepdims: int = 1) -> str:
         """ReduceMean/ReduceMax over one axis: axes are an attribute before opset 18, an input after."""
         if self.opset < 18:

@@ -55,7 +55,7 @@ def matmul_weight(
     if keep.size:
         rows.append(w[keep] - offsets[keep])
     if not rows:
-        return g.op("MatMul", [x, deq], out)
+        return _product(g, x, deq, w.shape[0], block_size, out, rank)
     if g.side_inputs:
         made = g.op(
             SIDE_INPUTS_OP,
@@ -70,9 +70,35 @@ def matmul_weight(
         side, quantized_in = _side_inputs(
             g, x, w.shape[0], out, block_size, qw.offset is not None, keep, rank
         )
-    scaled = g.op("MatMul", [quantized_in, deq], f"{out}.scaled")
+    scaled = _product(g, quantized_in, deq, w.shape[0], block_size, f"{out}.scaled", rank)
     shift = g.op("MatMul", [side, _side_weight(g, np.concatenate(rows), out)], f"{out}.shift")
     return g.op("Add", [scaled, shift], out)
+
+
+def _product(g: Builder, x: str, deq: str, k: int, block_size: int, out: str, rank: int) -> str:
+    """x @ deq (the dequantized weight [K, N]). In a float32 portable graph, x is first split in
+    two parts that onnxruntime's int8 activations hold: a = x rounded per block of `block_size`
+    onto the int8 grid the CPU kernel would use (its absmax / 127), exact on that grid again, and
+    the remainder b = x - a, which the kernel rounds at 1/127 of x's rounding error. Both go
+    through one product as rows [2, .., K] summed after it: weight-only quantization again on the
+    CPU (float activations computed exactly as TensorRT computes them: a + b = x), where the
+    fused kernel alone rounds every activation block to int8 and tips near-tied answers
+    (docs/PERFORMANCE.md, "Activations of portable quantized graphs"). Twice the rows cost a
+    prompt about twice its matmul time and a decode step little (it reads the weights once)."""
+    if not g.portable or g.half:
+        return g.op("MatMul", [x, deq], out)
+    blocks = g.op("Reshape", [x, g.ints(*[0] * (rank - 1), k // block_size, block_size)], f"{out}.act_blocks")
+    amax = g.reduce("ReduceMax", g.op("Abs", [blocks], f"{out}.act_abs"), -1, f"{out}.act_amax")
+    step = g.op("Div", [amax, g.scalar(127.0)], f"{out}.act_step")
+    step = g.op("Max", [step, g.scalar(1e-30)], f"{out}.act_step_pos")
+    codes = g.op("Round", [g.op("Div", [blocks, step], f"{out}.act_scaled")], f"{out}.act_codes")
+    on_grid = g.op("Mul", [codes, step], f"{out}.act_on_grid")
+    a = g.op("Reshape", [on_grid, g.op("Shape", [x], f"{out}.act_shape")], f"{out}.act_a")
+    b = g.op("Sub", [x, a], f"{out}.act_b")
+    first = g.ints(0)
+    parts = [g.op("Unsqueeze", [part, first], f"{out}.act_{n}_row") for n, part in (("a", a), ("b", b))]
+    rows = g.op("Concat", parts, f"{out}.act_parts", axis=0)  # [2, .., K]
+    return g.reduce("ReduceSum", g.op("MatMul", [rows, deq], f"{out}.parts"), 0, out, keepdims=0)
 
 
 def _side_weight(g: Builder, rows: np.ndarray, out: str) -> str:
