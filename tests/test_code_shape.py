@@ -9,7 +9,11 @@ drifts from the first (the planner's copy once had `head_bits` and `lm_head_bits
 
 docs/ARCHITECTURE.md stays a map a newcomer reads in 20 minutes (under 350 lines; the design notes
 live in docs/design/), and every docs/ path kvedge/ and tests/ cite exists, with the section they
-name where they name one: a note moved to another file leaves no citation pointing at nothing."""
+name where they name one: a note moved to another file leaves no citation pointing at nothing.
+
+No diary in kvedge/: no tracker number ("issue 18") and no commit of ours (a short hash) in its
+Python; figures and their history live in docs/PERFORMANCE.md, which a comment cites. A full
+40-digit hash pins another project's source (onnx-tensorrt's operator table) and stays."""
 
 from __future__ import annotations
 
@@ -21,6 +25,31 @@ import kvedge
 
 MAX_LINES = 80
 PACKAGE = Path(kvedge.__file__).parent
+
+
+DIARY = re.compile(r"\b[Ii]ssues? #?\d+\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b")
+
+
+def diary_lines(root: Path) -> list[str]:
+    """`file:line text` for every line of Python under `root` naming a tracker issue or a short
+    commit hash."""
+    return [
+        f"{path.relative_to(root.parent)}:{n} {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if DIARY.search(line)
+    ]
+
+
+def test_no_diary_in_kvedge():
+    assert diary_lines(PACKAGE) == []
+
+
+def test_a_diary_line_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text("X = 1  # measured at a2cf855\nY = 2  # see issue 18\nZ = 0x7fffffff\n")
+    assert [line.split()[0] for line in diary_lines(package)] == ["pkg/a.py:1", "pkg/a.py:2"]
 
 
 def long_functions(root: Path, limit: int = MAX_LINES) -> list[str]:

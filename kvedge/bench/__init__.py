@@ -18,7 +18,7 @@ neighbouring runs are what we quote). Cases, all batch 1, greedy, same random to
 Exact-size twins (kvedge exported with max_len = 128) run decode 64 only: they are the
 denominator of "no work over unused slots". Peak RSS is measured per system in a fresh process
 (prefill 1024 + 16 steps); allocation growth over 1000 decode steps likewise (kvedge only).
-Warm prefixes (issue 5: warm vs cold TTFT, warm-file start-up, turn-N TTFT; `kvedge.bench.warm`)
+Warm prefixes (warm vs cold TTFT, warm-file start-up, turn-N TTFT; `kvedge.bench.warm`)
 are measured after the other systems are unloaded, for every kvedge system (`warm="all"`), the
 first one only (`"first"`, what `--quick` does) or none.
 
@@ -92,7 +92,7 @@ DEFAULT_KVEDGE = (
     "ort:int4:int8",
 )
 PEERS = ("transformers", "onnxruntime-genai", "llama.cpp")
-# the kvedge systems speculative decoding is measured on (issue 26's two)
+# the kvedge systems speculative decoding is measured on
 SPECULATION_SYSTEMS = ("ort:int4:int8", "portable:float32")
 # (target, draft): a draft model proposing for the target, both systems of the run
 SPECULATION_DRAFT = ("portable:float32", "ort:int4:int8")

@@ -1,7 +1,7 @@
-"""Benchmark output: the issue's targets as ratios, a printed table, a PNG plot.
+"""Benchmark output: the targets as ratios, a printed table, a PNG plot.
 
 A ratio "a vs b" on a case is the median over rounds of (b's time / a's time) in the same round:
-above 1 means a is faster. Targets (issue 3):
+above 1 means a is faster. Targets:
 
     unused slots      decode 64 at max_len 2048 / the same at an exact-size cache      <= 1.10
     flat growth       decode 1536 / decode 64 (float32 weights; reported for all; the
@@ -9,24 +9,24 @@ above 1 means a is faster. Targets (issue 3):
     no allocation     RSS growth < 2 MiB and Python heap growth < 16 KiB over the
                       allocation run (a context-proportional buffer would add ~40 MiB)
     prefill           kvedge vs onnxruntime-genai, same weight precision                >= 1.0
-                      INT8-cache systems (issue 18): >= 1.2, up to 2048 tokens, and the
+                      INT8-cache systems: >= 1.2, up to 2048 tokens, and the
                       ort ones >= the portable graph with the same weights               >= 1.0
     int4 decode       kvedge int4 vs onnxruntime-genai int4 (>= 1.0), vs llama.cpp (>= 1.4), every
-                      context (issue 18: 64 to 2000)
+                      context (64 to 2000)
     fp32 decode       kvedge float32 vs onnxruntime-genai fp32                           >= 1.0
     int8 cache        kvedge with --kv-dtype int8 vs the same graph with the fp32 cache,
-                      decode at the longest context (issue 4)                           >= 1.0
+                      decode at the longest context                                     >= 1.0
     second form       a two-form ort export vs its one-form twin (--decode-matmuls
                       onnxruntime), decode at every context: what the decode form's
-                      bytes buy (issue 35)                                               report
+                      bytes buy                                                          report
 
-Warm prefixes (issue 5; method in `kvedge.bench.warm`), per kvedge system measured:
+Warm prefixes (method in `kvedge.bench.warm`), per kvedge system measured:
 
     warm TTFT         cold / warm-prefix time to first token, 300-token system prompt
                       + 20-token user message                                            >= 10
     long TTFT         the same for a 2048-token prompt                                   report
 
-Speculative decoding (issue 26; method in `kvedge.bench.speculate`), per kvedge system measured
+Speculative decoding (method in `kvedge.bench.speculate`), per kvedge system measured
 with prompt lookup and with a draft model: tokens/s with speculation / without, greedy replies
 equal to plain decoding's (met only when they are)
 
@@ -49,7 +49,7 @@ import numpy as np
 from kvedge.bench.systems import SystemSpec
 from kvedge.files import MiB
 
-FLAT_GROWTH_CONTEXT = 1536  # issue 3's long context for the flat-growth target
+FLAT_GROWTH_CONTEXT = 1536  # the flat-growth target's long context
 
 
 def speedup(results: Any, a: str, b: str, case: str) -> float | None:
@@ -162,7 +162,7 @@ def _peer_rows(
     for spec in kvedge:
         peer = peers.get(spec.weights)
         int8_cache = spec.extra.get("kv_dtype") == "int8"
-        if peer in names:  # issue 18: the INT8-cache kernel's prefill by a margin
+        if peer in names:  # the INT8-cache kernel's prefill by a margin
             for n in lengths:
                 rows.append(
                     _faster(

@@ -1,4 +1,4 @@
-"""Warm prefixes and multi-turn reuse on one kvedge export: the `kvedge bench` section for issue 5.
+"""Warm prefixes and multi-turn reuse on one kvedge export: a `kvedge bench` section.
 
 Everything runs on one `Model` (2 slots, `threads` threads, no run-time prefix store), already
 warmed up, in this order:

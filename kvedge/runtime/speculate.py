@@ -72,13 +72,14 @@ from kvedge.errors import KvedgeError
 SPECULATE_MODES = ("off", "lookup", "draft:DIR")
 DRAFT = "draft"  # "draft": the draft the model (or service) loaded; "draft:DIR": that export
 # most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core for float
-# weights, 2.7-3.4 for int4 (`kvedge.QuantMatMul`'s row tiles, a2cf855); TensorRT engines
+# weights, 2.7-3.4 for int4 (`kvedge.QuantMatMul`'s row tiles; docs/PERFORMANCE.md, "Speculative decoding by
+# prompt lookup"); TensorRT engines
 # are built for verifies of VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
 MAX_DRAFT = VERIFY_TOKENS - 1
 # k of a turn's first proposal: a draft model's proposals are mostly taken (96% in open chat on
 # SmolLM2-135M); prompt lookup's first probes of a reply mostly fail in open chat, and a failed
-# verify of 4 costs 1.7-2.0 decode steps with int4 weights against 0.9-1.2 for one (a2cf855; a
-# full take grows k by 2: 1, 3, 5, 7, 8)
+# verify of 4 costs 1.7-2.0 decode steps with int4 weights against 0.9-1.2 for one (the same
+# section; a full take grows k by 2: 1, 3, 5, 7, 8)
 FIRST_DRAFT = 4
 FIRST_LOOKUP = 1
 # suffix lengths looked up, longest first: 2 matched common pairs of open chat ("of the") and

@@ -215,7 +215,7 @@ def parallel_default(tool_choice: str) -> bool:
     a named function, where it is false: a client that names the function asks for that call
     (LangChain's `bind_tools(tool_choice=...)` and `with_structured_output` read only the first),
     so the reply ends after it. A small model otherwise goes on writing calls until max_tokens
-    cuts one (issue 28). `parallel_tool_calls: true` given explicitly still allows several."""
+    cuts one. `parallel_tool_calls: true` given explicitly still allows several."""
     return tool_choice in ("auto", "required", "none")
 
 
