@@ -65,8 +65,9 @@ graph does and reads each KV head's int8 codes once per step for its whole query
 Weights: float32, or blocked int8/int4 `DequantizeLinear -> MatMul` (see `quantize.py`) for every
 projection and the LM head, their block offsets and kept float32 channels in a second small
 product whose inputs `ort` graphs make with kvedge's op `kvedge.SideInputs` (not over a float16
-cache, the CUDA form: `kvedge.contract.kvedge_ops`); the embedding table stays float32 (one row is
-read per token).
+cache, the CUDA form: `kvedge.contract.kvedge_ops`); in a float32 portable graph each product's
+input is split in two parts onnxruntime's int8 activations hold (`quant_matmul._product`); the
+embedding table stays float32 (one row is read per token).
 float16 (`--weights float16`): the projections and the embedding table (the tied LM head) are
 stored float16, about half the bytes, each widened by one `Cast` to float32, so arithmetic stays
 float32 and the only error is fp16 rounding of the weights (relative 2**-11). onnxruntime and
