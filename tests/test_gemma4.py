@@ -177,10 +177,15 @@ def test_the_per_layer_table_is_a_mapped_file(gemma4):
 
 
 def test_int8_weights_and_the_int8_cache_stay_close(gemma4, tmp_path):
+    """Within a tenth of the logits' range. On these 64-wide random models, int8 weights in blocks
+    of 16 computed weight-only move the last logits by up to a tenth of it with a portable graph's
+    default 8 kept channels (measured 0.083-0.094 of 0.86, 0 and 8 channels); 32 of the 64 input
+    channels kept float halve that (0.045), so the bound holds the int8 path, not the default's
+    quality, which is measured on the real model (docs/PERFORMANCE.md)."""
     ids = random_ids(100, seed=6)
     ref = gemma4.hf_logits(ids)[-1]
     for name, recipe in (
-        ("int8", ExportRecipe(max_len=128, weights="int8", block_size=16)),  # per-layer width 16
+        ("int8", ExportRecipe(max_len=128, weights="int8", block_size=16, outlier_channels=32)),  # width 16
         ("kv8", ExportRecipe(max_len=128, kv_dtype="int8")),
     ):
         export_model(gemma4.source, tmp_path / name, recipe)

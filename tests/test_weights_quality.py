@@ -53,6 +53,29 @@ def q8_0_grid(w: np.ndarray) -> np.ndarray:
     return (d * np.clip(np.rint(blocks / d), -127, 127)).reshape(n, k).astype(np.float32)
 
 
+@pytest.mark.parametrize(("half", "positive"), [(False, True), (True, False)])
+def test_a_large_matrix_is_quantized_in_chunks_to_the_same_blocks(half, positive):
+    """`quantize_blockwise` takes a few columns at a time: the blocks equal one pass's, and what it
+    allocates beside w peaks near its results (codes a quarter of w, a scale and an offset per
+    32), not at the five full-size float32 temporaries of one pass (measured 5.2x w; chunked 1.1x
+    on [576, 49152])."""
+    import tracemalloc
+
+    w = np.random.default_rng(3).standard_normal((256, 65536), dtype=np.float32)  # 64 MiB
+    args = (w, 4, BLOCK, EXPORT_GRIDS, half, positive)
+    whole = quantize_blockwise(*args, chunk_values=w.size)
+    tracemalloc.start()
+    try:
+        chunked = quantize_blockwise(*args, chunk_values=1 << 18)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    for name in ("q", "scale", "offset"):
+        np.testing.assert_array_equal(getattr(chunked, name), getattr(whole, name), err_msg=name)
+    assert chunked.max_error == whole.max_error
+    assert peak < 0.6 * w.nbytes, peak / w.nbytes
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_q4_1_blocks_come_back_exactly(bits):
     rng = np.random.default_rng(0)

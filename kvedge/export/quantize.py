@@ -183,6 +183,11 @@ def _grid(blocks: np.ndarray, grid: str, qmin: int, qmax: int) -> tuple[np.ndarr
     return scale, (low - qmin * scale).astype(np.float32)
 
 
+# values of w quantized at once (`quantize_blockwise`): 16 MiB of float32, whose temporaries (the
+# blocks, each grid's codes and errors) stay near 100 MiB however large w is
+CHUNK_VALUES = 1 << 22
+
+
 def quantize_blockwise(
     w: np.ndarray,
     bits: int,
@@ -190,6 +195,7 @@ def quantize_blockwise(
     grids: tuple[str, ...] = ("extreme",),
     half_params: bool = False,
     positive_scales: bool = False,
+    chunk_values: int = CHUNK_VALUES,
 ) -> QuantizedWeight:
     """Quantize w [K, N] (K = input features, a multiple of block_size) in blocks along K, each
     block on whichever of `grids` gives it the smallest squared error (the first on a tie).
@@ -198,7 +204,11 @@ def quantize_blockwise(
     chosen on that grid. `positive_scales`: every scale > 0, for TensorRT, whose importer
     refuses a DequantizeLinear scale <= 0; a grid of negative scale (the extreme grid's m / qmin
     where m > 0) is offered as the same values on its positive scale with one level of offset
-    (`_positive`), so each block keeps the error it has without the constraint."""
+    (`_positive`), so each block keeps the error it has without the constraint.
+
+    Columns are independent (blocks run along K), so w is quantized a few columns at a time,
+    about `chunk_values` values each, into the result's arrays: an LM head of 311M values (Qwen3's)
+    then holds no full-size float32 temporary beside w (the same codes at any chunk size)."""
     k, n = w.shape
     if k % block_size:
         raise KvedgeError(
@@ -206,14 +216,35 @@ def quantize_blockwise(
         )
     if not grids or set(grids) - set(GRIDS):
         raise KvedgeError(f"quantization grids {grids!r} are not supported; allowed: {list(GRIDS)}")
+    q = np.empty((k, n), np.int8)
+    scale = np.empty((k // block_size, n), np.float32)
+    offset = np.empty((k // block_size, n), np.float32)
+    max_error = 0.0
+    step = max(1, chunk_values // max(k, 1))
+    for start in range(0, n, step):
+        part = slice(start, min(n, start + step))
+        codes, scale[:, part], offset[:, part], error = _quantize_columns(
+            w[:, part], bits, block_size, grids, half_params, positive_scales
+        )
+        q[:, part] = codes
+        max_error = max(max_error, error)
+    return QuantizedWeight(q, scale, offset if offset.any() else None, bits, block_size, max_error)
+
+
+def _quantize_columns(
+    w: np.ndarray, bits: int, block_size: int, grids: tuple[str, ...], half: bool, positive: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """`quantize_blockwise` of w [K, n] (`half`: half_params, `positive`: positive_scales): codes
+    int8 [K, n], scale and offset [K/bs, n], and max |w - w_hat|."""
+    k, n = w.shape
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     blocks = w.astype(np.float32).reshape(k // block_size, block_size, n)
-    best: tuple[np.ndarray, ...] | None = None  # (q, scale, offset, squared error [K/bs, N])
+    best: tuple[np.ndarray, ...] | None = None  # (q, scale, offset, squared error [K/bs, n])
     for grid in grids:
         scale, offset = _grid(blocks, grid, qmin, qmax)
-        if positive_scales:
+        if positive:
             scale, offset = _positive(scale, offset)
-        if half_params:
+        if half:
             scale, offset = _half_grid(scale, offset, qmin)
         q = np.clip(np.rint((blocks - offset[:, None, :]) / scale[:, None, :]), qmin, qmax)
         err = np.square(q * scale[:, None, :] + offset[:, None, :] - blocks).sum(axis=1)
@@ -228,11 +259,9 @@ def quantize_blockwise(
             np.minimum(err, best[3]),
         )
     q, scale, offset, _ = best
-    qw = QuantizedWeight(
-        q.astype(np.int8).reshape(k, n), scale, offset if offset.any() else None, bits, block_size, 0.0
-    )
-    max_error = float(np.abs(qw.dequantize() - w).max()) if w.size else 0.0
-    return QuantizedWeight(qw.q, scale, qw.offset, bits, block_size, max_error)
+    hat = q * scale[:, None, :] + offset[:, None, :]
+    max_error = float(np.abs(hat - blocks).max()) if w.size else 0.0
+    return q.astype(np.int8).reshape(k, n), scale.astype(np.float32), offset.astype(np.float32), max_error
 
 
 def _positive(scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

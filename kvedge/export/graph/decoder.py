@@ -679,7 +679,7 @@ class Decoder:
             return matmul_weight(
                 g,
                 hidden,
-                np.ascontiguousarray(head.T),
+                head.T,  # a view: the quantizer copies a few columns at a time
                 HEAD_TABLE,
                 options.lm_head_bits,
                 options.block_size,

@@ -48,12 +48,10 @@ def matmul_weight(
     scale = g.fconst(f"{out}.weight_scale", qw.scale)  # its type is DequantizeLinear's output's
     deq = g.op("DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size)
     rows: list[np.ndarray] = []  # [*, N] the second product's weights
-    offsets = np.zeros_like(w, np.float32)  # [K, N] each row's block offset
     if qw.offset is not None:
         rows.append(qw.offset)
-        offsets = np.repeat(qw.offset, block_size, axis=0)
     if keep.size:
-        rows.append(w[keep] - offsets[keep])
+        rows.append(w[keep] - _kept_offsets(qw, keep))
     if not rows:
         return _product(g, x, deq, w.shape[0], block_size, out, rank)
     if g.side_inputs:
@@ -101,6 +99,13 @@ def _product(g: Builder, x: str, deq: str, k: int, block_size: int, out: str, ra
     return g.reduce("ReduceSum", g.op("MatMul", [rows, deq], f"{out}.parts"), 0, out, keepdims=0)
 
 
+def _kept_offsets(qw: QuantizedWeight, keep: np.ndarray) -> np.ndarray:
+    """The block offsets [kept, N] of input channels `keep` (0 where the weight has none)."""
+    if qw.offset is None:
+        return np.zeros((keep.size, qw.q.shape[1]), np.float32)
+    return qw.offset[keep // qw.block_size]
+
+
 def _side_weight(g: Builder, rows: np.ndarray, out: str) -> str:
     """The second product's weight `rows` [*, N] as the MatMul's input. Portable graphs store it
     [N, *] behind a Transpose: TensorRT for RTX's builder then keeps one copy for both
@@ -141,8 +146,7 @@ def _quant_matmul(g: Builder, x: str, w: np.ndarray, qw: QuantizedWeight, out: s
     """x @ w as one kvedge.QuantMatMul (the decode form; `quantize.QuantMatMulWeight`): the
     block offsets and the kept channels' float rows (w[kept] less their block's offset, float16
     at the end of each tile's records) ride in the op, read in the same pass as the codes."""
-    offset = np.zeros_like(qw.scale) if qw.offset is None else qw.offset  # [K/bs, N]
-    rows = w[keep] - np.repeat(offset, qw.block_size, axis=0)[keep]  # [kept, N]
+    rows = w[keep] - _kept_offsets(qw, keep)  # [kept, N]
     packed = pack_quant_matmul(qw, rows)
     inputs = [x, g.const(f"{out}.qmm_weights", packed.weights)]
     if keep.size:
