@@ -838,8 +838,8 @@ def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
     from kvedge.runtime.model import Model
 
     model = Model(model_dir, warm_prefixes=load_warm_prefix_config(config_path), warm_dir=warm_dir)
-    report = model.warm_prefix_report
-    for prefix in model.warm_store.prefixes:
+    report = model.prefixes.warm_report
+    for prefix in model.prefixes.warm.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
         click.echo(f"{prefix.name}: {len(prefix.token_ids)} tokens, {prefix.nbytes / 2**20:.2f} MiB, {state}")
     if report.unwritten:  # this command's job is the files; the service would serve from memory

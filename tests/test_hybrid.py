@@ -332,11 +332,11 @@ def test_a_conversation_that_left_its_slot_resumes_from_the_run_time_store(hybri
     a, prompt = first_turn(model)
     held = model.cache.length(0)
     model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[2]}]))
-    (entry,) = model.run_time_store.entries.values()
+    (entry,) = model.prefixes.run_time.entries.values()
     assert entry.state_at == (prompt, held)
     ids = model.tokenizer.encode_chat(a)
     logits = model.prepare(0, ids)
-    assert model.run_time_store.hits == 1 and model.sessions[0].reused_tokens in (prompt, held)
+    assert model.prefixes.run_time.hits == 1 and model.sessions[0].reused_tokens in (prompt, held)
     np.testing.assert_allclose(logits, cold_logits(reference, ids), atol=ATOL, rtol=0)
 
 
@@ -351,12 +351,12 @@ def warm_config(tmp_path):
 
 def test_warm_prefixes_carry_their_end_state_and_are_reused_exactly(hybrid, tmp_path):
     config, folder = warm_config(tmp_path)
-    assert Model(hybrid.out, warm_prefixes=config, warm_dir=folder).warm_prefix_report.rebuilt == {
+    assert Model(hybrid.out, warm_prefixes=config, warm_dir=folder).prefixes.warm_report.rebuilt == {
         "kiosk": "missing"
     }
     model, reference = Model(hybrid.out, warm_prefixes=config, warm_dir=folder), hybrid.model()
-    assert model.warm_prefix_report.loaded == ["kiosk"]
-    (warm,) = model.warm_store.prefixes
+    assert model.prefixes.warm_report.loaded == ["kiosk"]
+    (warm,) = model.prefixes.warm.prefixes
     assert warm.state_at == (len(warm.token_ids),)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
     ids = model.tokenizer.encode_chat(messages)
@@ -370,7 +370,7 @@ def test_a_warm_prefix_serves_a_slot_that_cannot_cut_its_state_back_to_it(hybrid
     it: the slot cannot resume from what a new conversation shares with it, the warm prefix can."""
     config, folder = warm_config(tmp_path)
     model, reference = Model(hybrid.out, warm_prefixes=config, warm_dir=folder), hybrid.model()
-    (warm,) = model.warm_store.prefixes
+    (warm,) = model.prefixes.warm.prefixes
     a = [{"role": "system", "content": SYSTEM}]
     for question in QUESTIONS[:3]:
         a.append({"role": "user", "content": question})
@@ -395,7 +395,7 @@ def test_the_disk_tier_resumes_a_conversation_after_a_restart(hybrid, tmp_path):
     again = Model(hybrid.out, **options)
     ids = again.tokenizer.encode_chat(a)
     logits = again.prepare(0, ids)
-    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens in (prompt, held)
+    assert again.prefixes.disk.hits == 1 and again.sessions[0].reused_tokens in (prompt, held)
     np.testing.assert_allclose(logits, cold_logits(hybrid.model(), ids), atol=ATOL, rtol=0)
     reply = "".join(e.text for e in again.chat(a, GREEDY))
     assert reply == "".join(e.text for e in hybrid.model().chat(a, GREEDY))

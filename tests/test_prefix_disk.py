@@ -70,7 +70,7 @@ def cold_logits(llama, ids: list[int], export: str = "out") -> np.ndarray:
 def files(folder, live=None) -> list:
     """The prefix files in the folder and its export subfolders, first segment first; with `live`
     (a Model or a PrefixDisk), once the files it queued are written."""
-    disk = getattr(live, "prefix_disk", live)
+    disk = live.prefixes.disk if isinstance(live, Model) else live
     if disk is not None:
         disk.flush()
     return sorted(folder.rglob(f"*{SUFFIX}"), key=lambda p: (read_warm_header(p).start, p.name))
@@ -87,10 +87,10 @@ def test_conversation_survives_a_restart_exactly(llama, tmp_path, export, atol):
     subfolder = export_folder(tmp_path / "prefixes", model.manifest.onnx_fingerprint)
     assert {p.parent for p in written} == {subfolder} and stat.S_IMODE(subfolder.stat().st_mode) == 0o700
     again = boot(llama, tmp_path / "prefixes", export)
-    assert len(again.prefix_disk) == 2
+    assert len(again.prefixes.disk) == 2
     ids = again.tokenizer.encode_chat(a)
     logits = again.prepare(0, ids)
-    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens == held
+    assert again.prefixes.disk.hits == 1 and again.sessions[0].reused_tokens == held
     np.testing.assert_allclose(logits, cold_logits(llama, ids, export), atol=atol, rtol=0)
 
 
@@ -122,13 +122,13 @@ def test_each_token_is_written_once_as_the_conversation_grows(llama, tmp_path):
     assert [h.start for h in chain] == list(np.cumsum([0] + [h.count for h in chain[:-1]]))
     assert sum(h.count for h in chain) == held
     assert sum(h.data_bytes for h in chain) == held * model.manifest.geometry.bytes_per_token()
-    assert sum(p.stat().st_size for p in files(tmp_path, model)) == model.prefix_disk.bytes_written
+    assert sum(p.stat().st_size for p in files(tmp_path, model)) == model.prefixes.disk.bytes_written
     model.close()
     a.append({"role": "user", "content": "And why keep it on disk?"})
     again = boot(llama, tmp_path)
     ids = again.tokenizer.encode_chat(a)
     np.testing.assert_allclose(again.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
-    assert again.prefix_disk.hits == 1 and again.sessions[0].reused_tokens >= read_warm_header(reply).start
+    assert again.prefixes.disk.hits == 1 and again.sessions[0].reused_tokens >= read_warm_header(reply).start
 
 
 def test_a_turns_end_queues_its_files_and_never_waits_on_the_disk(llama, tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_the_writers_queue_is_bounded_and_a_deferred_turn_is_written_by_the_next
 
     monkeypatch.setattr(os, "fsync", stalled)
     model = boot(llama, tmp_path, slots=2)
-    disk = model.prefix_disk
+    disk = model.prefixes.disk
     slot_bytes = disk.queue_bytes
     assert slot_bytes == model.manifest.geometry.bytes_per_slot()
     talk(model, slot=0)  # A's prompt and reply queued, the first being written
@@ -182,13 +182,13 @@ def test_the_writers_queue_is_bounded_and_a_deferred_turn_is_written_by_the_next
     ids = again.tokenizer.encode_chat(b)
     np.testing.assert_allclose(again.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
     assert again.sessions[0].reused_tokens >= held - b_files[-1].count  # B's files, from its turn 1
-    assert again.prefix_disk.hits == 1
+    assert again.prefixes.disk.hits == 1
     c = [
         {"role": "system", "content": "C. " * 40},
         {"role": "user", "content": "Hi"},
     ]  # shares the template's start
     again.prepare(0, again.tokenizer.encode_chat(c))
-    assert again.prefix_disk.hits == 1  # a match shorter than prefix_disk_min_tokens is not read
+    assert again.prefixes.disk.hits == 1  # a match shorter than prefix_disk_min_tokens is not read
 
 
 def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
@@ -197,11 +197,11 @@ def test_lru_evictions_go_to_disk_and_come_back_exactly(llama, tmp_path):
     for i in range(3):  # other users push A out of the slot, then out of the LRU
         other = [{"role": "system", "content": f"User {i}. " * 40}, {"role": "user", "content": "Hello"}]
         model.prepare(0, model.tokenizer.encode_chat(other))
-    model.prefix_disk.flush()
-    assert model.run_time_store.evictions and model.prefix_disk.bytes_written
+    model.prefixes.disk.flush()
+    assert model.prefixes.run_time.evictions and model.prefixes.disk.bytes_written
     ids = model.tokenizer.encode_chat(a)
     np.testing.assert_allclose(model.prepare(0, ids), cold_logits(llama, ids), atol=ATOL, rtol=0)
-    assert model.prefix_disk.hits == 1
+    assert model.prefixes.disk.hits == 1
 
 
 def test_files_are_checked_ahead_and_a_file_changed_since_is_checked_again(llama, tmp_path, caplog):
@@ -212,20 +212,20 @@ def test_files_are_checked_ahead_and_a_file_changed_since_is_checked_again(llama
     talk(model)
     model.close()
     again = boot(llama, tmp_path)
-    again.prefix_disk._ahead.join(timeout=60)
+    again.prefixes.disk._ahead.join(timeout=60)
     paths = files(tmp_path)
-    assert {file_identity(p.stat()) for p in paths} == again.prefix_disk.checked
-    root, reply = (again.prefix_disk.entries[p.name] for p in paths)
+    assert {file_identity(p.stat()) for p in paths} == again.prefixes.disk.checked
+    root, reply = (again.prefixes.disk.entries[p.name] for p in paths)
     status = paths[0].stat()
     flip_byte(paths[0])
     os.utime(paths[0], ns=(status.st_atime_ns, status.st_mtime_ns))  # the same identity
-    assert again.prefix_disk.load(root, len(root.token_ids)) is not None  # taken as checked: no hash
+    assert again.prefixes.disk.load(root, len(root.token_ids)) is not None  # taken as checked: no hash
     time.sleep(0.02)  # past the file system's clock tick
     flip_byte(paths[1])
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
-        assert again.prefix_disk.load(reply, len(reply.token_ids)) is None
+        assert again.prefixes.disk.load(reply, len(reply.token_ids)) is None
     assert "checksum mismatch" in caplog.text and not paths[1].exists()
-    disk = again.prefix_disk
+    disk = again.prefixes.disk
     again.close()
     assert not disk._ahead.is_alive()
 
@@ -241,13 +241,13 @@ def test_the_byte_budget_removes_the_least_recently_used_files(llama, tmp_path):
         other = [{"role": "system", "content": f"User {i}. " * 20}, {"role": "user", "content": "Hello"}]
         model.prepare(0, model.tokenizer.encode_chat(other))
         model.prepare(0, model.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
-        assert model.prefix_disk.nbytes <= 2 * size + size // 2
-        assert sum(p.stat().st_size for p in files(tmp_path, model)) == model.prefix_disk.nbytes
+        assert model.prefixes.disk.nbytes <= 2 * size + size // 2
+        assert sum(p.stat().st_size for p in files(tmp_path, model)) == model.prefixes.disk.nbytes
     assert not first.exists() and len(files(tmp_path, model)) == 2
 
 
 def test_the_disk_tier_is_off_without_a_folder_and_its_options_are_checked(llama, tmp_path):
-    assert Model(llama / "out").prefix_disk is None
+    assert Model(llama / "out").prefixes.disk is None
     with pytest.raises(KvedgeError, match=r"prefix_disk_bytes=0 is not allowed; allowed: an integer >= 1"):
         boot(llama, tmp_path, prefix_disk_bytes=0)
     with pytest.raises(KvedgeError, match=r"prefix_disk_min_tokens='8' is not allowed"):
@@ -259,7 +259,7 @@ def test_clear_removes_every_file(llama, tmp_path):
     talk(model)
     model.close()
     again = boot(llama, tmp_path)
-    assert again.prefix_disk.clear() == 2 and not files(tmp_path)
+    assert again.prefixes.disk.clear() == 2 and not files(tmp_path)
 
 
 # -- crash safety: each damage refused, named in one line, removed, and the turn prefilled cold --
@@ -285,7 +285,7 @@ def test_a_damaged_file_is_refused_and_the_turn_prefilled_cold(llama, tmp_path, 
         logits = again.prepare(0, ids)
     lines = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]
     assert len(lines) == 1 and reason in lines[0] and "refused" in lines[0], lines
-    assert again.prefix_disk.hits == 0 and again.sessions[0].reused_tokens == 0
+    assert again.prefixes.disk.hits == 0 and again.sessions[0].reused_tokens == 0
     np.testing.assert_allclose(logits, cold_logits(llama, ids), atol=ATOL, rtol=0)
 
 
@@ -299,18 +299,18 @@ def test_another_exports_files_are_left_alone_and_unused(llama, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
         other = boot(llama, tmp_path, "int8")
         b = talk(other)  # conversation A again: the first export's files are not used
-        assert len(other.prefix_disk) == 2 and other.prefix_disk.hits == 0  # its prompt and reply
-        folder = other.prefix_disk.folder
+        assert len(other.prefixes.disk) == 2 and other.prefixes.disk.hits == 0  # its prompt and reply
+        folder = other.prefixes.disk.folder
         other.close()
     theirs = [p for p in files(tmp_path) if p not in mine]
     assert len(theirs) == 2 and {p.parent for p in theirs} == {folder} and mine[0].parent != folder
     for export, kept, messages in (("out", mine, a), ("int8", theirs, b)):
         with caplog.at_level(logging.WARNING, logger="kvedge.runtime.prefix_disk"):
             again = boot(llama, tmp_path, export)
-            assert {e.path for e in again.prefix_disk.entries.values()} == set(kept)
+            assert {e.path for e in again.prefixes.disk.entries.values()} == set(kept)
             ids = again.tokenizer.encode_chat(messages)
             logits = again.prepare(0, ids)
-        assert again.prefix_disk.hits == 1 and not again.prefix_disk.refused
+        assert again.prefixes.disk.hits == 1 and not again.prefixes.disk.refused
         atol = ATOL if export == "out" else 2e-3
         np.testing.assert_allclose(logits, cold_logits(llama, ids, export), atol=atol, rtol=0)
     assert not [r for r in caplog.records if r.name == "kvedge.runtime.prefix_disk"]
@@ -331,7 +331,7 @@ def test_a_file_moved_in_from_another_exports_subfolder_is_refused_and_removed(l
         other = boot(llama, tmp_path, "int8")
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvedge.runtime.prefix_disk"]
     assert root.name in line and "refused" in line and "graph" in line and "this model's is" in line
-    assert not moved.exists() and not list(theirs.iterdir()) and len(other.prefix_disk) == 0
+    assert not moved.exists() and not list(theirs.iterdir()) and len(other.prefixes.disk) == 0
     assert len(files(tmp_path)) == 1  # the first export's second segment, left in its subfolder
     other.prepare(0, other.tokenizer.encode_chat(a))
     assert other.sessions[0].reused_tokens == 0
@@ -433,7 +433,7 @@ def test_a_prefix_dir_that_cannot_be_made_leaves_the_model_serving_from_memory(l
         model = boot(llama, tmp_path / "file" / "prefixes")
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"prefix_dir {tmp_path / 'file' / 'prefixes'}: ") and "memory only" in line
-    assert model.prefix_disk is None and talk(model)
+    assert model.prefixes.disk is None and talk(model)
 
 
 def test_a_windowed_or_tampered_slot_is_never_written(llama, tmp_path):
@@ -443,7 +443,7 @@ def test_a_windowed_or_tampered_slot_is_never_written(llama, tmp_path):
     model.prepare(0, random_ids(600, seed=1))  # max_len 512: the window evicts as it prefills
     assert model.sessions[0].evicted and not files(tmp_path, model)
     a = talk(model, slot=1)
-    model.prefix_disk.clear()
+    model.prefixes.disk.clear()
     model.cache.tokens[1, 3] += 1  # the record no longer matches what the session left
     assert model.keep_prefixes() == 0 and not files(tmp_path, model) and a
 

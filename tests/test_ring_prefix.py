@@ -77,9 +77,9 @@ def test_store_serves_returning_conversations_past_the_ring(gemma, kind):
     a, b, tail = random_ids(150, seed=1), random_ids(60, seed=2), random_ids(9, seed=3)
     model.prepare(0, a)
     model.prepare(0, b)  # A is saved to the store as B replaces it
-    assert len(model.run_time_store) == 1 and model.run_time_store.entries[0].ring_from == 150 - RING
+    assert len(model.prefixes.run_time) == 1 and model.prefixes.run_time.entries[0].ring_from == 150 - RING
     check_served(model, reference, a + tail, 150, ATOL[kind])
-    assert model.run_time_store.hits == 1
+    assert model.prefixes.run_time.hits == 1
     model.prepare(0, b)
     check_served(model, reference, a[:140] + tail, 140, ATOL[kind])
     model.prepare(0, b)
@@ -97,12 +97,12 @@ def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_ring
     a, other, tail = random_ids(60, seed=4), random_ids(200, seed=5), random_ids(5, seed=6)
     model.prepare(0, a)
     model.prepare(0, random_ids(40, seed=7))
-    assert model.run_time_store.entries[0].ring_from == 0
+    assert model.prefixes.run_time.entries[0].ring_from == 0
     check_served(model, reference, a[:20] + tail, 20, ATOL["fp"])
     model.prepare(0, a[:55] + other)  # 255 tokens (its first 55 from the store, a hit)
     assert model.cache.ring_start[0] == 255 - RING  # this slot's rings hold 183 .. 254
     check_served(model, reference, a[:58] + tail, 58, ATOL["fp"])  # 58 reused: needs 51 .. 57
-    assert model.run_time_store.hits == 3
+    assert model.prefixes.run_time.hits == 3
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
@@ -117,13 +117,13 @@ def test_disk_tier_serves_an_evicted_entry_after_a_restart(gemma, kind, tmp_path
     model.prepare(0, a)
     model.prepare(0, c)  # A to the store
     model.prepare(0, b)  # C to the store: A is evicted to disk
-    assert model.run_time_store.evictions == 1 and len(model.prefix_disk) == 1
+    assert model.prefixes.run_time.evictions == 1 and len(model.prefixes.disk) == 1
     model.close()  # C is written too, B is under the threshold
     again, reference = Model(gemma[kind], **options), Model(gemma[kind])
-    assert len(again.prefix_disk) == 2
+    assert len(again.prefixes.disk) == 2
     check_served(again, reference, a + tail, 150, ATOL[kind])
     check_served(again, reference, a[:140] + tail, 140, ATOL[kind])
-    assert again.prefix_disk.hits == 2
+    assert again.prefixes.disk.hits == 2
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
@@ -134,13 +134,13 @@ def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
     path.write_text(f'prefixes:\n  - name: notes\n    text: "{LONG_TEXT}"\n')
     config, folder = load_warm_prefix_config(path), tmp_path / "warm"
     first = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
-    assert first.warm_prefix_report.rebuilt == {"notes": "missing"}
+    assert first.prefixes.warm_report.rebuilt == {"notes": "missing"}
     model = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
-    assert model.warm_prefix_report.loaded == ["notes"]
-    block = model.warm_store.prefixes[0].block
-    ids = list(model.warm_store.prefixes[0].token_ids)
+    assert model.prefixes.warm_report.loaded == ["notes"]
+    block = model.prefixes.warm.prefixes[0].block
+    ids = list(model.prefixes.warm.prefixes[0].token_ids)
     assert len(ids) > RING and block.ring_count == RING
-    np.testing.assert_array_equal(block.ring, first.warm_store.prefixes[0].block.ring)
+    np.testing.assert_array_equal(block.ring, first.prefixes.warm.prefixes[0].block.ring)
     reference, tail = Model(gemma[kind]), random_ids(7, seed=8)
     check_served(model, reference, ids + tail, len(ids), ATOL[kind])
     check_served(model, reference, ids[:-20] + tail, len(ids) - 20, ATOL[kind])

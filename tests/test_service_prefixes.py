@@ -71,7 +71,7 @@ def test_the_switch_turns_the_disk_tier_off(artifact, tmp_path):
     on = load_service_config(None, {"model": artifact, "prefix_dir": tmp_path / "p"}).run_options()
     assert on.prefix_dir == tmp_path / "p" and on.prefix_disk_min_tokens == 64
     off = load_service_config(None, {"model": artifact}).run_options()
-    assert off.prefix_dir is None and Model(artifact, off).prefix_disk is None
+    assert off.prefix_dir is None and Model(artifact, off).prefixes.disk is None
     assert not (tmp_path / "p").exists()
 
 
@@ -104,7 +104,7 @@ def test_serve_check_reports_the_prefix_files_and_the_refused(artifact, tmp_path
 def test_kvedge_prefixes_lists_and_clears_the_files(artifact, tmp_path):
     folder = tmp_path / "prefixes"
     model = Model(artifact, prefix_dir=folder, prefix_disk_min_tokens=32)
-    mine = model.prefix_disk.folder
+    mine = model.prefixes.disk.folder
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What failed first?"}]
     run_alone(model, a, max_new_tokens=4)
     held = model.cache.length(0)

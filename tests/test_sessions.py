@@ -319,13 +319,13 @@ def returning_user(folder, budget: int, atol: float) -> None:
     a.append({"role": "user", "content": QUESTIONS[1]})
     held_a = model.cache.length(0)
     reply(model, [{"role": "user", "content": QUESTIONS[2]}])  # user B takes the slot
-    assert len(model.run_time_store) == 1 and model.run_time_store.hits == 0
+    assert len(model.prefixes.run_time) == 1 and model.prefixes.run_time.hits == 0
     ids = model.tokenizer.encode_chat(a)
     logits = model.prepare(0, ids)
-    assert model.run_time_store.hits == 1 and model.sessions[0].reused_tokens >= held_a - 4
+    assert model.prefixes.run_time.hits == 1 and model.sessions[0].reused_tokens >= held_a - 4
     np.testing.assert_allclose(logits, fresh_logits(reference, ids), atol=atol, rtol=0)
-    assert len(model.run_time_store) == 2  # B's conversation was kept in turn
-    assert model.run_time_store.nbytes <= budget
+    assert len(model.prefixes.run_time) == 2  # B's conversation was kept in turn
+    assert model.prefixes.run_time.nbytes <= budget
 
 
 def test_returning_conversation_reuses_the_store_exactly(long_llama):
@@ -349,7 +349,7 @@ def test_service_config_passes_the_store_budget_to_the_model(long_llama):
     assert load_service_config(None, {"model": long_llama}).prefix_cache_bytes == 0
     config = load_service_config(None, {"model": long_llama, "prefix_cache_bytes": 2**20})
     model = load_model(config, slots=1)
-    assert 2**20 - model.run_time_store.block_bytes < model.run_time_store.capacity_bytes <= 2**20
+    assert 2**20 - model.prefixes.run_time.block_bytes < model.prefixes.run_time.capacity_bytes <= 2**20
 
 
 def test_long_prefill_is_chunked_between_decode_steps_of_other_turns(long_llama):

@@ -61,10 +61,11 @@ def boot(tiny_llama, warm) -> Model:
 
 def test_first_boot_builds_then_reboot_loads(tiny_llama, warm):
     first = boot(tiny_llama, warm)
-    assert first.warm_prefix_report.rebuilt == {"assistant": "missing", "notes": "missing"}
+    assert first.prefixes.warm_report.rebuilt == {"assistant": "missing", "notes": "missing"}
     again = boot(tiny_llama, warm)
-    assert again.warm_prefix_report.loaded == ["assistant", "notes"] and not again.warm_prefix_report.rebuilt
-    for a, b in zip(first.warm_store.prefixes, again.warm_store.prefixes, strict=True):
+    report = again.prefixes.warm_report
+    assert report.loaded == ["assistant", "notes"] and not report.rebuilt
+    for a, b in zip(first.prefixes.warm.prefixes, again.prefixes.warm.prefixes, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_array_equal(a.block.kv, b.block.kv)
 
@@ -74,7 +75,7 @@ def test_session_starting_with_warm_prefix_reuses_it_exactly(tiny_llama, warm):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]
     ids = model.tokenizer.encode_chat(messages)
     logits = model.prepare(0, ids)
-    assert model.sessions[0].reused_tokens == len(model.warm_store.prefixes[0].token_ids)
+    assert model.sessions[0].reused_tokens == len(model.prefixes.warm.prefixes[0].token_ids)
     reference = tiny_llama.model()
     expected = prefill(reference.backend, reference.cache, 0, [ids])[0]
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
@@ -97,14 +98,14 @@ def test_damaged_file_is_refused_and_rebuilt(tiny_llama, warm, damage, reason):
     good = path.read_bytes()
     damage(path)
     model = boot(tiny_llama, warm)
-    assert reason in model.warm_prefix_report.rebuilt["assistant"]
-    assert model.warm_prefix_report.loaded == ["notes"]
+    assert reason in model.prefixes.warm_report.rebuilt["assistant"]
+    assert model.prefixes.warm_report.loaded == ["notes"]
     assert path.read_bytes() == good
 
 
 def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
     model = boot(tiny_llama, warm)
-    prefix = model.warm_store.prefixes[0]
+    prefix = model.prefixes.warm.prefixes[0]
     geometry = model.manifest.geometry
     path = warm[1] / "assistant.kvw"
     fingerprint = model.manifest.source_fingerprint
@@ -124,7 +125,7 @@ def test_mismatched_files_are_refused_naming_both_sides(tiny_llama, warm):
         with pytest.raises(KvedgeError, match=message):
             read_warm_file(path, geometry, fingerprint, prefix.token_ids)
         rebooted = boot(tiny_llama, warm)
-        assert "assistant" in rebooted.warm_prefix_report.rebuilt
+        assert "assistant" in rebooted.prefixes.warm_report.rebuilt
         graph = model.manifest.onnx_fingerprint  # the rewritten file is valid
         read_warm_file(path, geometry, fingerprint, prefix.token_ids, graph_fingerprint=graph)
 
@@ -141,18 +142,18 @@ def test_warm_file_of_another_export_of_the_same_model_is_refused_and_recomputed
     int8_model = Model(int8_out, slots=2, warm_prefixes=warm[0], warm_dir=warm[1])
     mine, theirs = int8_model.manifest, float_model.manifest
     assert (mine.source_fingerprint, mine.geometry) == (theirs.source_fingerprint, theirs.geometry)
-    why = int8_model.warm_prefix_report.rebuilt["assistant"]
+    why = int8_model.prefixes.warm_report.rebuilt["assistant"]
     graphs = f"graph {theirs.onnx_fingerprint[:16]!r}, this model's graph is {mine.onnx_fingerprint[:16]!r}"
     assert f"made by {graphs}" in why
-    assert int8_model.warm_prefix_report.rebuilt.keys() == {"assistant", "notes"}
-    recomputed = int8_model.warm_store.prefixes[0]
+    assert int8_model.prefixes.warm_report.rebuilt.keys() == {"assistant", "notes"}
+    recomputed = int8_model.prefixes.warm.prefixes[0]
     ids = list(recomputed.token_ids)
     reference = Model(int8_out, slots=1)
     prefill(reference.backend, reference.cache, 0, [ids])
     np.testing.assert_array_equal(recomputed.block.kv, reference.cache.read(0, len(ids)).kv)
-    assert not np.array_equal(recomputed.block.kv, float_model.warm_store.prefixes[0].block.kv)
+    assert not np.array_equal(recomputed.block.kv, float_model.prefixes.warm.prefixes[0].block.kv)
     again = boot(tiny_llama, warm)  # and back: the float32 export recomputes its own
-    assert "made by graph" in again.warm_prefix_report.rebuilt["assistant"]
+    assert "made by graph" in again.prefixes.warm_report.rebuilt["assistant"]
 
 
 def test_warm_file_of_an_older_version_is_refused_as_old(tmp_path):
@@ -247,7 +248,7 @@ def test_process_killed_mid_write_never_leaves_a_loadable_file(tiny_llama, warm)
     for leftover in leftovers:  # a crash some time ago: its writer's lock went with it
         age(leftover)
     rebooted = boot(tiny_llama, warm)
-    assert rebooted.warm_prefix_report.rebuilt == {"assistant": "missing"}
+    assert rebooted.prefixes.warm_report.rebuilt == {"assistant": "missing"}
     assert target.exists() and not any(p.exists() for p in leftovers)
 
 
@@ -380,7 +381,7 @@ def test_warm_file_of_non_finite_values_with_a_valid_checksum_is_refused_and_rec
     tiny_llama, warm, caplog
 ):
     model = boot(tiny_llama, warm)
-    manifest, prefix = model.manifest, model.warm_store.prefixes[0]
+    manifest, prefix = model.manifest, model.prefixes.warm.prefixes[0]
     path = warm[1] / "assistant.kvw"
     good = path.read_bytes()
     write_warm_file(
@@ -400,10 +401,10 @@ def test_warm_file_of_non_finite_values_with_a_valid_checksum_is_refused_and_rec
         )
     with caplog.at_level(logging.WARNING, logger="kvedge.runtime.warm_prefixes"):
         rebooted = boot(tiny_llama, warm)
-    assert "non-finite values in its K/V" in rebooted.warm_prefix_report.rebuilt["assistant"]
-    assert rebooted.warm_prefix_report.loaded == ["notes"]
+    assert "non-finite values in its K/V" in rebooted.prefixes.warm_report.rebuilt["assistant"]
+    assert rebooted.prefixes.warm_report.loaded == ["notes"]
     assert [r.getMessage() for r in caplog.records if r.name == "kvedge.runtime.warm_prefixes"] == [
-        f"warm prefix assistant: recomputing ({rebooted.warm_prefix_report.rebuilt['assistant']})"
+        f"warm prefix assistant: recomputing ({rebooted.prefixes.warm_report.rebuilt['assistant']})"
     ]
     assert path.read_bytes() == good
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello! How are you?"}]

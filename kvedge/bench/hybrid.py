@@ -11,6 +11,7 @@ layer's decode time does not grow with the context, so decode at the longest con
 
     python bench/hybrid.py CONFIG_JSON [--layers N] [--contexts 64 512 2048] [--prefill 2048]
                            [--threads 2] [--steps 16] [--rounds 2] [--out DIR]
+    python bench/hybrid.py CONFIG_JSON --save-model DIR   # only the model, for bench/restart.py
 
 Writes hybrid.json and prints a table; the results folder is bench/results/<date>-<commit>-hybrid-...
 (`kvedge.bench.results`). llama.cpp is not run: writing a GGUF of these random weights needs
@@ -35,10 +36,13 @@ from kvedge.bench.results import RESULTS_ROOT, results_folder
 log = logging.getLogger(__name__)
 
 
-def build_model(config_json: Path, layers: int | None, folder: Path, seed: int = 0) -> dict[str, Any]:
+def build_model(
+    config_json: Path, layers: int | None, folder: Path, seed: int = 0, tokenizer_vocab: bool = False
+) -> dict[str, Any]:
     """A random-weight model of `config_json` (its text part; the first `layers` layers, keeping
-    the layer pattern) saved in `folder` with SmolLM2's tokenizer (the ids are random); returns
-    the config as used."""
+    the layer pattern) saved in `folder` with SmolLM2's tokenizer (the ids are random); with
+    `tokenizer_vocab`, its vocabulary cut to that tokenizer's, so that every id it samples
+    decodes to text (for a chat through the service). Returns the config as used."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -49,13 +53,16 @@ def build_model(config_json: Path, layers: int | None, folder: Path, seed: int =
     if layers:
         data["num_hidden_layers"] = layers
         data["layer_types"] = list(data["layer_types"])[:layers]
+    gguf = default_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if tokenizer_vocab:
+        data["vocab_size"] = len(tokenizer)
     config = AutoConfig.for_model(**data)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
-    gguf = default_gguf()
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return config.to_dict()
 
 
@@ -179,8 +186,20 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_ROOT)
+    parser.add_argument(
+        "--save-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only save the random-weight model as a Hugging Face folder, its vocabulary cut to the "
+        "tokenizer's so that replies decode (for bench/restart.py after `kvedge export DIR`)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.save_model is not None:
+        config = build_model(args.config, args.layers, args.save_model, tokenizer_vocab=True)
+        print(f"{config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']}")
+        return args.save_model
     folder = results_folder("hybrid", [args.threads], root=args.out)  # named by the code that runs
     with tempfile.TemporaryDirectory() as work:
         data = measure(args, Path(work))

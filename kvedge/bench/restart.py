@@ -13,8 +13,9 @@ history by turn 6), then questions with 32-token replies.
 
 Turn 6's TTFT (request sent to first content delta) for each; for the restarted service its
 start-to-ready time (`kvedge_ready_seconds`), the tokens it reused and the bytes on disk
-(/metrics). The targets (run-time prefixes on disk): restart within 1.5x of warm, at least 5x
-faster than cold, at a history of 1,000+ tokens. Writes restart.json and log.txt into
+(/metrics), and whether its greedy reply is the warm service's (and the cold one's). The targets
+(run-time prefixes on disk): restart within 1.5x of warm with the same reply, at least 5x faster
+than cold, at a history of 1,000+ tokens. Writes restart.json and log.txt into
 bench/results/<date>-<commit>-restart-cpu-t<threads>/ (`results_folder`), or `--out`.
 """
 
@@ -153,7 +154,7 @@ def one_round(model: Path, threads: int, work: Path, log_file: Path) -> dict[str
     warm = Service(model, threads, None, log_file)
     try:
         messages = chat(warm, 5)
-        found["warm_s"] = warm.turn(messages)[0]
+        found["warm_s"], warm_reply = warm.turn(messages)
     finally:
         warm.stop()
     prefixes = work / "prefixes"
@@ -167,7 +168,7 @@ def one_round(model: Path, threads: int, work: Path, log_file: Path) -> dict[str
     found["history_tokens"] = len(ChatTokenizer(model, Manifest.load(model)).encode_chat(messages))
     restarted = Service(model, threads, prefixes, log_file)
     try:
-        found["restart_s"] = restarted.turn(messages)[0]
+        found["restart_s"], restart_reply = restarted.turn(messages)
         found["ready_s"] = restarted.metric("kvedge_ready_seconds")
         found["reused_tokens"] = restarted.metric("kvedge_prefix_cache_hit_tokens_total")
         found["disk_bytes"] = restarted.metric("kvedge_prefix_disk_bytes")
@@ -175,9 +176,10 @@ def one_round(model: Path, threads: int, work: Path, log_file: Path) -> dict[str
         restarted.stop()
     cold = Service(model, threads, None, log_file)
     try:
-        found["cold_s"] = cold.turn(messages)[0]
+        found["cold_s"], cold_reply = cold.turn(messages)
     finally:
         cold.stop()
+    found["same_reply"] = {"restart": restart_reply == warm_reply, "cold": cold_reply == warm_reply}
     return found
 
 
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.rounds):
             rounds.append(one_round(args.model, args.threads, Path(work), log_file))
             log.info("round %d: %s", i + 1, rounds[-1])
-    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "same_reply"}
     ratios = {
         "restart_over_warm": median["restart_s"] / median["warm_s"],
         "cold_over_restart": median["cold_s"] / median["restart_s"],
@@ -220,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         "met": {
             "restart_over_warm": ratios["restart_over_warm"] <= TARGETS["restart_over_warm"],
             "cold_over_restart": ratios["cold_over_restart"] >= TARGETS["cold_over_restart"],
+            "same_reply_after_restart": all(r["same_reply"]["restart"] for r in rounds),
         },
     }
     (out / "restart.json").write_text(json.dumps(report, indent=2))

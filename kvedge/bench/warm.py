@@ -172,7 +172,7 @@ def _first_token(model: Model, messages: Messages, warm_store: WarmPrefixStore, 
     reused: dict[str, int] = {}
 
     def run(kind: str) -> float:
-        model.warm_store = stores[kind]
+        model.prefixes.warm = stores[kind]
         seconds = ttft(model, messages, reset=True)
         reused[kind] = model.sessions[0].reused_tokens
         return seconds
@@ -182,7 +182,7 @@ def _first_token(model: Model, messages: Messages, warm_store: WarmPrefixStore, 
     for i in range(pairs):
         for kind in ("warm", "cold") if i % 2 else ("cold", "warm"):
             times[kind].append(run(kind))
-    model.warm_store = WarmPrefixStore()
+    model.prefixes.warm = WarmPrefixStore()
     cold, warm = times["cold"], times["warm"]
     return {
         "warm_prefix_tokens": reused["warm"],

@@ -43,8 +43,7 @@ from kvedge.runtime.draft import Draft, DraftProposer, check_same_tokenizer
 from kvedge.runtime.generate import Event, SamplingConfig, StepResult, Turn, step_turns
 from kvedge.runtime.interface import Backend
 from kvedge.runtime.options import RunOptions
-from kvedge.runtime.prefix import RunTimePrefixStore, Stored
-from kvedge.runtime.prefix_disk import PrefixDisk, export_folder, reader
+from kvedge.runtime.prefix_stores import PrefixStores
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
 from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
@@ -139,57 +138,25 @@ class Model:
         self._last_used = [0.0] * slots
         self._warned: set[str] = set()  # reasons logged once
         geometry = self.manifest.geometry
-        disk = None if options.prefix_dir is None else self._open_prefix_disk(options)
-        spill = None if disk is None else lambda ids, block, states: disk.save(ids, reader(block), states)
-        self.run_time_store = RunTimePrefixStore(geometry, options.prefix_cache_bytes, spill=spill)
-        self.prefix_disk: PrefixDisk | None = disk
+        self.prefixes = PrefixStores(self.cache, self.sessions, self.manifest, options)
         # [layers, 1, 1, d/2], what window eviction re-rotates keys by; ring geometries never evict
         # (`_check_ring_features`), and Gemma 4's layers differ in head_dim
         self.inv_freq = (
             None if geometry.ring_layers else self.manifest.rope.key_frequencies(geometry.num_layers)
         )
-        self.warm_store = WarmPrefixStore()
-        self.warm_prefix_report: WarmPrefixReport | None = None
         if warm is not None:
-            self.warm_store, self.warm_prefix_report = self.load_warm_prefixes(warm, warm_dir)
+            self.prefixes.warm, self.prefixes.warm_report = self.load_warm_prefixes(warm, warm_dir)
             for session in self.sessions:
                 session.reset(self.cache)
-        if disk is not None:
-            disk.check_ahead()  # the files a restarted conversation will ask for, before it does
+        self.prefixes.check_ahead()
         log.info(
-            "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %d warm prefixes, prefix LRU %.1f MiB, "
-            "%d prefix files (%.1f MiB)",
+            "loaded %s: %d slots x %d tokens, KV pool %.1f MiB, %s",
             self.folder,
             slots,
-            self.manifest.geometry.max_len,
+            geometry.max_len,
             self.cache.nbytes / 2**20,
-            len(self.warm_store),
-            self.run_time_store.capacity_bytes / 2**20,
-            0 if disk is None else len(disk),
-            0 if disk is None else disk.nbytes / 2**20,
+            self.prefixes.describe(),
         )
-
-    def _open_prefix_disk(self, options: RunOptions) -> PrefixDisk | None:
-        """The disk tier in this export's subfolder of `options.prefix_dir` (`export_folder`:
-        other exports' files there are left alone); None, with a warning, where this user cannot
-        make or read that folder (on by default: a read-only install still serves)."""
-        try:
-            return PrefixDisk(
-                export_folder(options.prefix_dir, self.manifest.onnx_fingerprint),
-                options.prefix_disk_bytes,
-                self.manifest.geometry,
-                self.manifest.source_fingerprint,
-                self.manifest.onnx_fingerprint,
-                options.prefix_disk_min_tokens,
-            )
-        except OSError as exc:
-            log.warning(
-                "prefix_dir %s: %s; conversations are kept in memory only (give the service user that "
-                "folder, or set prefix_dir: null)",
-                options.prefix_dir,
-                exc.strerror or exc,
-            )
-            return None
 
     def _verify_graph(self) -> None:
         found = sha256_files(graph_files(self.folder))
@@ -213,10 +180,10 @@ class Model:
         model's backend and cache are still released (then the error is raised). Run-time
         prefixes still in memory are written to disk first (`RunOptions.prefix_dir`)."""
         try:
-            self.keep_prefixes()
-            if getattr(self, "prefix_disk", None) is not None:
-                self.prefix_disk.close()  # once every file queued is written
-            self.prefix_disk = None  # the cache goes next: nothing is written from it again
+            prefixes = getattr(self, "prefixes", None)
+            if prefixes is not None:
+                self.keep_prefixes()
+                prefixes.close()  # once every file queued is written; nothing is written from the cache after
             if self.draft is not None:
                 self.draft.close()
         finally:
@@ -227,58 +194,24 @@ class Model:
                     self.cache.close()
 
     def prefix_stats(self) -> dict[str, int]:
-        """Where the run-time prefixes sit: bytes in memory (`RunTimePrefixStore`) and on disk
-        (`PrefixDisk`: bytes, files, bytes written and files refused since start-up), bytes
-        copied from slots waiting for the disk's writer thread, and turns that queued nothing
-        while it was behind."""
-        disk = self.prefix_disk
-        return {
-            "memory_bytes": self.run_time_store.nbytes,
-            "disk_bytes": 0 if disk is None else disk.nbytes,
-            "disk_files": 0 if disk is None else len(disk),
-            "disk_written_bytes": 0 if disk is None else disk.bytes_written,
-            "disk_refused": 0 if disk is None else len(disk.refused),
-            "disk_queued_bytes": 0 if disk is None else disk.queued_bytes,
-            "disk_deferred": 0 if disk is None else disk.deferred,
-        }
+        """Where the run-time prefixes sit (`PrefixStores.stats`)."""
+        return self.prefixes.stats()
 
     @contextlib.contextmanager
     def scratch(self, slot: int) -> Iterator[None]:
         """Turns run inside (a service's warm-up) are no conversation: nothing of them is written
         to the disk tier, and `slot` is emptied after."""
-        disk, self.prefix_disk = self.prefix_disk, None
         try:
-            yield
+            with self.prefixes.unkept():
+                yield
         finally:
-            self.prefix_disk = disk
             self.sessions[slot].reset(self.cache)
 
     def keep_prefixes(self) -> int:
         """Write what the run-time prefix store and the slots hold to the disk tier, least
-        recently used first (`PrefixDisk.save` skips short and already written ones); how many
-        files were written. Safe to call twice, and before loading finished."""
-        disk, cache = getattr(self, "prefix_disk", None), self.cache
-        if disk is None or cache is None:
-            return 0
-        written = 0
-        store = self.run_time_store
-        for entry in list(store.entries.values()):
-            written += disk.save(entry.token_ids, reader(store.block(entry)), store.snapshots(entry))
-        for slot in sorted(range(cache.slots), key=lambda s: self._last_used[s]):
-            written += self._keep_slot(slot)
-        return written
-
-    def _keep_slot(self, slot: int, upto: int | None = None, turn_end: bool = False) -> bool:
-        """Write what `slot` holds (its first `upto` tokens) and no prefix file does yet
-        (`PrefixDisk.save`; at a `turn_end` it may wait for the next turn's file)."""
-        held, session = self.cache.length(slot), self.sessions[slot]
-        held = held if upto is None else min(held, upto)
-        # a windowed slot's KV is not its tokens' from position 0
-        if not held or session.evicted or not session.verify(self.cache):
-            return False
-        ids = self.cache.token_ids(slot)[:held]
-        states = self.cache.known_states(slot, held)
-        return self.prefix_disk.save(ids, lambda start: self.cache.view(slot, start, held), states, turn_end)
+        recently used first (`PrefixStores.keep_all`); how many files were written. Safe to call
+        twice."""
+        return self.prefixes.keep_all(sorted(range(self.cache.slots), key=lambda s: self._last_used[s]))
 
     def __enter__(self) -> Model:
         return self
@@ -382,7 +315,7 @@ class Model:
         self.policy.check_prompt(len(ids), self.manifest.geometry.max_len)
         matcher = None if config.constraint is None else self.grammars.matcher(config.constraint)
         session = self.sessions[slot]
-        new = self._reuse(slot, ids)
+        new = self.prefixes.resume(slot, ids)
         window = self.policy.mode == "window"
         chunk = min(PREFILL_CHUNK, self.backend.max_prefill or PREFILL_CHUNK)  # an engine's --max-prefill
         if window:
@@ -480,13 +413,7 @@ class Model:
         if not turn.done:
             turn.finish("cancelled")
         session.record(self.cache, turn.written)
-        self.cache.snapshot(turn.slot)  # per-slot states: the next turn resumes from the reply's end
-        if self.prefix_disk is not None and self.prefix_disk.segments:
-            # The prompt, then the reply after it as its own file: the next turn resends the reply
-            # as the template renders it, which may tokenize otherwise; the next turn's file then
-            # follows the prompt's, and the reply's goes unused until the budget drops it.
-            self._keep_slot(turn.slot, turn.prompt_tokens, turn_end=True)
-            self._keep_slot(turn.slot, turn_end=True)
+        self.prefixes.turn_ended(turn.slot, turn.prompt_tokens)
 
     # -- one conversation at a time --------------------------------------------------------
 
@@ -550,88 +477,6 @@ class Model:
         finally:
             progress.close()
             self.end(turn)
-
-    # -- reuse -------------------------------------------------------------------------------
-
-    def _reuse(self, slot: int, ids: list[int]) -> list[int]:
-        """Rewind `slot` to the longest prefix of `ids` it holds or can copy in, note it in the
-        slot's session, and return the tokens still to prefill (at least the last one, whose
-        logits give the first token)."""
-        session = self.sessions[slot]
-        if not session.verify(self.cache):
-            log.warning(
-                "slot %d: cache holds %d tokens, session expected %d (or other tokens); re-prefilling",
-                slot,
-                self.cache.length(slot),
-                len(session.expected),
-            )
-            session.reset(self.cache)
-        kept = len(session.history)
-        if session.evicted and len(ids) > kept and common_prefix(session.history, ids) == kept:
-            session.reused_tokens = kept
-            return ids[kept:]  # windowed slot: append the new turn to what is kept
-        if session.evicted:  # changed, or resent as it was (a regenerated reply): evicted tokens
-            log.info("slot %d: the conversation does not extend the windowed history; re-prefilling", slot)
-            session.reset(self.cache)
-        held = self.cache.token_ids(slot)
-        keep = common_prefix(held, ids)
-        if (
-            len(held) - keep >= self.run_time_store.block_tokens
-        ):  # another conversation is about to replace it
-            if self.run_time_store:
-                self.run_time_store.save(self.cache, slot)
-            elif self.prefix_disk is not None:
-                self._keep_slot(slot)
-        keep = self._copy_prefix(slot, ids, keep)
-        keep = min(keep, len(ids) - 1)  # the last prompt token is run to get the logits
-        # a ring layer may have overwritten what it needs; a state is known at a snapshot only
-        keep = self.cache.rewind_limit(slot, keep)
-        self.cache.truncate(slot, keep)
-        session.history = ids[:keep]
-        session.reused_tokens = keep
-        return ids[keep:]
-
-    def _copy_prefix(self, slot: int, ids: list[int], keep: int) -> int:
-        """Copy in the warm or run-time prefix that shares the most usable leading tokens with
-        `ids`, if it can resume from more than the slot, which holds the first `keep`; return how
-        many the slot now shares (with per-slot states, it resumes from the prefix's states there)."""
-
-        def usable(stored: Stored, shared: int) -> int:
-            return self._usable(stored, shared, ids)
-
-        own = self.cache.rewind_limit(slot, min(keep, len(ids) - 1))  # what the slot can resume from
-
-        warm, warm_shared = self.warm_store.best_match(ids, usable)
-        entry, lru_shared = self.run_time_store.best_match(ids, usable)
-        if self.prefix_disk is not None:
-            stored, disk_shared = self.prefix_disk.best_match(ids, usable)
-            # a match shorter than a file would be written for is not worth reading (nor waiting
-            # for, when its file is still queued): every chat shares its template's first tokens
-            worth = max(own, warm_shared, lru_shared, self.prefix_disk.min_tokens - 1)
-            if stored is not None and disk_shared > worth:
-                chain = self.prefix_disk.load(stored, disk_shared)  # None: refused and logged
-                if chain is not None:
-                    for part in chain:  # each file carries the states at its end, the last at disk_shared
-                        n = min(disk_shared - part.start, len(part.token_ids))
-                        run = ids[part.start : part.start + n]
-                        self.cache.write(slot, part.block.head(n), run, part.start, part.states)
-                    return disk_shared
-        if entry is not None and lru_shared > max(own, warm_shared):
-            self.run_time_store.load(self.cache, slot, entry, lru_shared, start=min(keep, lru_shared))
-            return lru_shared
-        if warm is not None and warm_shared > own:
-            self.cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared], states=warm.states)
-            return warm_shared
-        return keep
-
-    def _usable(self, stored: Stored, shared: int, ids: list[int]) -> int:
-        """How many of the `shared` leading tokens of a stored prefix a turn on `ids` can copy
-        in (`KVCache.resume_limit`, the rewind rule): at most len(ids) - 1 (the last prompt token
-        is run for its logits); none where the prefix's ring layers lack what the first query
-        needs; with per-slot states, up to the latest position at or before that where it carries
-        them."""
-        last = min(shared, len(ids) - 1)
-        return self.cache.resume_limit(last, stored.ring_from, stored.state_at)
 
 
 def _check_ring_features(geometry: CacheGeometry, policy: HistoryPolicy) -> None:

@@ -381,7 +381,7 @@ class Api:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         model = self.scheduler.model
-        disk = None if model is None else model.prefix_disk
+        disk = None if model is None else model.prefixes.disk
         waiting: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
 
         async def after_files(item: Event) -> None:

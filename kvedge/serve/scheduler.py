@@ -222,8 +222,8 @@ class Scheduler:
                 warming = time.monotonic()
                 self._decode_warmup(model)
                 log.info("warm-up done in %.2f s", time.monotonic() - warming)
-            if model.prefix_disk is not None:
-                model.prefix_disk.yield_cpu()  # what it has not checked yet waits behind the turns
+            if model.prefixes.disk is not None:
+                model.prefixes.disk.yield_cpu()  # what it has not checked yet waits behind the turns
             with self._cond:
                 if self.state == "warming":
                     self.state = "ready"

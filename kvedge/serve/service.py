@@ -43,7 +43,7 @@ def serve_command(
     need = check_memory(config)
     if check:
         with load_model(config, slots=1) as model:  # verifies the graph, loads or rebuilds warm files
-            prefixes, disk = len(model.warm_store), model.prefix_disk
+            prefixes, disk = len(model.prefixes.warm), model.prefixes.disk
             files = "" if disk is None else f", {prefix_files(disk)}"
             others = "" if disk is None else f"{other_exports(disk, config.prefix_dir)}\n"
         kv = model.manifest.geometry.bytes_per_slot() * config.slots
