@@ -14,9 +14,11 @@ from gguf.quants import dequantize, quantize
 
 from kvedge.errors import KvedgeError
 from kvedge.export.gguf_blocks import (
+    ARCHITECTURE_GLOBALS,
     ARCHITECTURE_NAMES,
     GLOBAL_NAMES,
     LAYER_NAMES,
+    WHOLE_NAMES,
     block_form,
     hf_name,
     read_gguf_weights,
@@ -200,12 +202,14 @@ def test_names_are_the_inverse_of_ggufs_own_map(arch):
     model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     to_gguf = gguf.get_tensor_name_map(model_arch, 4)
     in_arch = {gguf.TENSOR_NAMES[t].format(bid=3) for t in gguf.MODEL_TENSORS[model_arch]}
-    names = [*GLOBAL_NAMES, *(f"blk.3.{n}" for n in {**LAYER_NAMES, **ARCHITECTURE_NAMES[arch]})]
+    layer_names = {**LAYER_NAMES, **ARCHITECTURE_NAMES[arch], **WHOLE_NAMES.get(arch, {})}
+    names = [*GLOBAL_NAMES, *ARCHITECTURE_GLOBALS.get(arch, {}), *(f"blk.3.{n}" for n in layer_names)]
     checked = [n for n in names if n in in_arch]
     assert len(checked) >= 10
     for name in checked:
-        hf = hf_name(f"{name}.weight", arch)
-        assert to_gguf.get_name(hf.removesuffix(".weight")) == name, (name, hf)
+        whole = name.endswith(tuple(WHOLE_NAMES.get(arch, {})))  # ssm_a: the parameter itself
+        hf = hf_name(name if whole else f"{name}.weight", arch)
+        assert to_gguf.get_name(hf if whole else hf.removesuffix(".weight")) == name, (name, hf)
 
 
 @pytest.mark.parametrize("kind", (T.IQ4_NL, T.MXFP4, T.TQ2_0), ids=lambda t: t.name)

@@ -312,6 +312,8 @@ def test_eval_kv_reports_the_int8_cache_of_a_hybrid(hybrid, tmp_path):
 
 SYSTEM = "You are the kiosk assistant. Read the log below and answer questions about it. " * 3
 GREEDY = SamplingConfig(max_new_tokens=8)
+# sampled, so that a random model whose first greedy token is the end of turn still replies
+FIRST_REPLY = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=0)
 
 
 def first_turn(model: Model, slot: int = 0) -> tuple[list[dict[str, str]], int]:
@@ -319,7 +321,9 @@ def first_turn(model: Model, slot: int = 0) -> tuple[list[dict[str, str]], int]:
     prompt tokens."""
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     prompt = len(model.tokenizer.encode_chat(a))
-    a.append({"role": "assistant", "content": "".join(e.text for e in model.chat(a, GREEDY, slot=slot))})
+    reply = "".join(e.text for e in model.chat(a, FIRST_REPLY, slot=slot))
+    assert model.cache.length(slot) > prompt, "the tests of the states at a reply's end need a reply"
+    a.append({"role": "assistant", "content": reply})
     a.append({"role": "user", "content": QUESTIONS[1]})
     return a, prompt
 

@@ -51,8 +51,14 @@ Names: GGUF tensor names (`blk.3.attn_q.weight`) map to Hugging Face state-dict 
 loader maps them. llama.cpp's converter permutes the rows of attn_q and attn_k of "llama" models
 (Llama, Mistral, SmolLM2) for its interleaved RoPE; that permutation is undone here on the output
 features N (the columns of q, scale and offset), which leaves every block along K whole. Other
-architectures (Qwen2, Qwen3, Phi-3, Gemma 3) are stored unpermuted. Gemma 3's GGUF stores its
-norms as 1 + w; they are returned as w, as transformers does.
+architectures (Qwen2, Qwen3, Phi-3, Gemma 3, LFM2, Qwen3.5) are stored unpermuted. Gemma 3's and
+Qwen3.5's GGUFs store norms as 1 + w (Qwen3.5's Gated DeltaNet norm excepted); they are returned
+as w, as transformers does. The hybrids' depthwise convolution kernels, [C, k] in the file, are
+returned as [C, 1, k]; Qwen3.5's A = -exp(A_log) as A_log. llama.cpp's converter reorders the value
+heads of every Gated DeltaNet tensor that has them from grouped (by key head) to tiled
+(`ValueHeads`); they are put back: output rows by column, and the output projection's input
+features a block at a time where a value head is whole blocks (else it is returned as float, to
+be requantized).
 """
 
 from __future__ import annotations
@@ -96,7 +102,37 @@ ARCHITECTURE_NAMES = {  # general.architecture -> where its layer names differ f
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "lfm2": {
+        "attn_norm": "operator_norm",
+        "ffn_norm": "ffn_norm",
+        "attn_q_norm": "self_attn.q_layernorm",
+        "attn_k_norm": "self_attn.k_layernorm",
+        "attn_output": "self_attn.out_proj",
+        "ffn_gate": "feed_forward.w1",
+        "ffn_up": "feed_forward.w3",
+        "ffn_down": "feed_forward.w2",
+        "shortconv.conv": "conv.conv",
+        "shortconv.in_proj": "conv.in_proj",
+        "shortconv.out_proj": "conv.out_proj",
+    },
+    "qwen35": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+    },
 }
+ARCHITECTURE_GLOBALS = {"lfm2": {"token_embd_norm": "model.embedding_norm"}}  # beside GLOBAL_NAMES
+WHOLE_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>, parameters not named <module>.weight/.bias
+    "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+}
+# where llama.cpp writes norms as 1 + w (transformers reads w): every "...norm.weight" but these
+UNIT_OFFSET_NORMS = {"gemma3": (), "qwen35": (".linear_attn.norm.weight",)}
+CONV_WEIGHTS = (".conv.conv.weight", ".linear_attn.conv1d.weight")  # [C, k] in GGUF, [C, 1, k] in HF
 PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's LlamaModel permutes attn_q / attn_k rows
 DERIVED_TABLES = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # from the config in HF
 
@@ -119,7 +155,8 @@ def read_gguf_weights(path: str | Path, skip_unmapped: bool = False) -> GgufWeig
     reader = GGUFReader(str(path))
     architecture = _architecture(reader, path)
     heads = int(_field(reader, f"{architecture}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{architecture}.attention.head_count_kv", heads))
+    kv_heads = _field(reader, f"{architecture}.attention.head_count_kv", heads)
+    value_heads = _value_heads(reader, architecture)
     tensors: dict[str, QuantizedWeight | np.ndarray] = {}
     types: dict[str, str] = {}
     for tensor in reader.tensors:
@@ -133,11 +170,87 @@ def read_gguf_weights(path: str | Path, skip_unmapped: bool = False) -> GgufWeig
         if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rotary(weight, heads)
         elif architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rotary(weight, kv_heads)
-        elif architecture == "gemma3" and name.endswith("norm.weight") and isinstance(weight, np.ndarray):
-            weight = weight - np.float32(1.0)
+            weight = unpermute_rotary(weight, int(kv_heads))
+        if isinstance(weight, np.ndarray):
+            weight = _float_layout(name, weight, architecture)
+        if value_heads is not None:
+            weight = value_heads.untile(name, weight)
         tensors[name] = weight
     return GgufWeights(architecture, tensors, types)
+
+
+def _float_layout(name: str, weight: np.ndarray, architecture: str) -> np.ndarray:
+    """A float tensor as transformers holds it: norms written as 1 + w back to w, a depthwise
+    convolution's [C, k] back to [C, 1, k], Qwen3.5's A = -exp(A_log) back to A_log."""
+    kept = UNIT_OFFSET_NORMS.get(architecture)
+    if kept is not None and name.endswith("norm.weight") and not name.endswith(kept):
+        return weight - np.float32(1.0)
+    if name.endswith(CONV_WEIGHTS) and weight.ndim == 2:
+        return weight[:, None, :]
+    if name.endswith(".linear_attn.A_log"):
+        return np.log(-weight)
+    return weight
+
+
+@dataclass(frozen=True)
+class ValueHeads:
+    """Qwen3.5's Gated DeltaNet heads: llama.cpp's converter reorders the value heads of each
+    tensor that has them from transformers' grouped order (by key head: [key heads, values per
+    key head, d]) to a tiled one ([values per key head, key heads, d]), so that its kernels
+    broadcast; `untile` puts them back. Where there are as many value heads as key heads the
+    orders are one."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    def order(self, dim: int) -> np.ndarray:
+        """[value_heads * dim]: the GGUF index of each transformers index."""
+        per_key = self.value_heads // self.key_heads
+        tiled = np.arange(self.value_heads * dim).reshape(per_key, self.key_heads, dim)
+        return tiled.transpose(1, 0, 2).reshape(-1)
+
+    def untile(self, name: str, weight: QuantizedWeight | np.ndarray) -> QuantizedWeight | np.ndarray:
+        """`weight` (HF name `name`) with its value heads in transformers' order."""
+        if ".linear_attn." not in name or self.value_heads == self.key_heads:
+            return weight
+        kind = name.rsplit(".linear_attn.", 1)[1]
+        if kind in ("in_proj_qkv.weight", "conv1d.weight"):  # rows: q, k [key heads, key_dim], then v
+            qk = 2 * self.key_heads * self.key_dim
+            return _take_rows(weight, np.concatenate([np.arange(qk), qk + self.order(self.value_dim)]))
+        if kind == "in_proj_z.weight":
+            return _take_rows(weight, self.order(self.value_dim))
+        if kind in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+            return _take_rows(weight, self.order(1))
+        if kind == "out_proj.weight":  # its inputs are the value heads
+            order = self.order(self.value_dim)
+            if isinstance(weight, np.ndarray):
+                return np.ascontiguousarray(weight[:, order])
+            if self.value_dim % weight.block_size == 0:
+                return weight.block_rows(order[:: weight.block_size] // weight.block_size)
+            return np.ascontiguousarray(weight.dequantize().T[:, order])  # heads cut blocks: requantized
+        return weight
+
+
+def _take_rows(weight: QuantizedWeight | np.ndarray, order: np.ndarray) -> QuantizedWeight | np.ndarray:
+    """Output features `order` of `weight` (an HF-shaped array's rows; a QuantizedWeight's columns)."""
+    if isinstance(weight, np.ndarray):
+        return np.ascontiguousarray(weight[order])
+    return weight.columns(order)
+
+
+def _value_heads(reader: GGUFReader, architecture: str) -> ValueHeads | None:
+    """Qwen3.5's Gated DeltaNet head counts and sizes (llama.cpp's ssm.* keys), None for others."""
+    if architecture != "qwen35":
+        return None
+    value_heads = int(_field(reader, "qwen35.ssm.time_step_rank"))
+    return ValueHeads(
+        key_heads=int(_field(reader, "qwen35.ssm.group_count")),
+        value_heads=value_heads,
+        key_dim=int(_field(reader, "qwen35.ssm.state_size")),
+        value_dim=int(_field(reader, "qwen35.ssm.inner_size")) // value_heads,
+    )
 
 
 def _architecture(reader: GGUFReader, path: str | Path) -> str:
@@ -165,16 +278,23 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in DERIVED_TABLES:
         return None
-    if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
-        return f"{GLOBAL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
+    global_names = {**GLOBAL_NAMES, **ARCHITECTURE_GLOBALS.get(architecture, {})}
+    if base in global_names and suffix in ("weight", "bias"):
+        return f"{global_names[base]}.{suffix}"
     layer_names = {**LAYER_NAMES, **ARCHITECTURE_NAMES[architecture]}
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
-        if suffix in ("weight", "bias"):
-            return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
+    whole = WHOLE_NAMES.get(architecture, {})
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer, rest = parts[1], parts[2]
+        if rest in whole:
+            return f"model.layers.{layer}.{whole[rest]}"
+        module, _, suffix = rest.rpartition(".")
+        if module in layer_names and suffix in ("weight", "bias"):
+            return f"model.layers.{layer}.{layer_names[module]}.{suffix}"
+    known = ", ".join(sorted([*layer_names, *whole]))
     raise KvedgeError(
         f"GGUF tensor {gguf_name!r} has no Hugging Face name for architecture {architecture!r}; "
-        f"known: {sorted(GLOBAL_NAMES)} and blk.N.{{{', '.join(sorted(layer_names))}}} (.weight/.bias)"
+        f"known: {sorted(global_names)} and blk.N.{{{known}}} (.weight/.bias)"
     )
 
 

@@ -109,6 +109,16 @@ class QuantizedWeight:
             self.max_error,
         )
 
+    def block_rows(self, order: np.ndarray) -> QuantizedWeight:
+        """This weight with its input features reordered a block at a time: block i of the
+        result is block order[i] of this one (blocks run along K, so whole blocks move exactly)."""
+        k, n = self.q.shape
+        q = self.q.reshape(k // self.block_size, self.block_size, n)[order].reshape(k, n)
+        offset = None if self.offset is None else np.ascontiguousarray(self.offset[order])
+        return QuantizedWeight(
+            q, np.ascontiguousarray(self.scale[order]), offset, self.bits, self.block_size, self.max_error
+        )
+
     def split(self, block_size: int) -> QuantizedWeight:
         """The same values in blocks of `block_size`, which divides this weight's: each block's
         scale and offset repeated for its parts, the codes unchanged (exact)."""

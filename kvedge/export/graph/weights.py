@@ -51,7 +51,8 @@ def prepare_weights(
     """`weights` in the layout the graph is built from, per layer:
 
     - fused projections (Phi-3: `qkv_proj`, `gate_up_proj`) split into the Llama names;
-    - partial rotary: Q and K output channels of each head permuted (`rotary_frequencies`);
+    - partial rotary: Q and K output channels of each head permuted (`rotary_frequencies`), and
+      the weights of a per-head Q or K norm (Qwen3.5) with them;
     - Gemma 3's (1 + w) norm weights as plain weights;
     - the softmax scale (head_dim**-0.5, Gemma 3: query_pre_attn_scalar**-0.5) folded into Wq (and
       its bias), or into the Q norm's weight when Q is normed per head (Qwen3, Gemma 3), since the
@@ -93,6 +94,10 @@ def prepare_weights(
                     name = f"{p}.self_attn.{proj}.{part}"
                     if name in weights:
                         weights[name] = _take(weights[name], per_head)
+            for norm in ("q_norm", "k_norm"):  # a per-head norm's weights [d] follow its channels
+                name = f"{p}.self_attn.{norm}.weight"
+                if name in weights:
+                    weights[name] = weights[name][order]
         folded = (
             [f"{p}.self_attn.q_norm.weight"]
             if spec.qk_norm
@@ -170,7 +175,9 @@ def source_blocks(
     float weight the export reads (`weights`: transformers' dequantization of the same file; a
     name or layout mapped wrongly would be caught here and requantized, not kept)."""
     head = "model.embed_tokens.weight" if tied_head(spec, weights) else "lm_head.weight"
-    projections = [n for n in weights if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+    projections = [  # LFM2's feed_forward.w1 is Llama's mlp.gate_proj, ...
+        n for n in weights if n.startswith("model.layers.") and llama_name(n).endswith("_proj.weight")
+    ]
     wanted = {**dict.fromkeys(projections, options.bits), head: options.lm_head_bits}
     kept, requantized = {}, {}
     for name, bits in wanted.items():
