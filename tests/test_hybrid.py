@@ -405,6 +405,24 @@ def test_the_disk_tier_resumes_a_conversation_after_a_restart(hybrid, tmp_path):
     assert reply == "".join(e.text for e in hybrid.model().chat(a, GREEDY))
 
 
+def test_after_a_restart_an_edited_reply_resumes_from_the_prompts_file(hybrid, tmp_path):
+    """A restarted Model resumes a conversation from the last file of its chain, taking the
+    states at that file's end only; a later turn that edits the reply goes back to the disk for
+    the prompt's file, with a cold start's logits."""
+    options = {"prefix_dir": tmp_path / "prefixes", "prefix_disk_min_tokens": 32}
+    model = Model(hybrid.out, **options)
+    _, prompt = first_turn(model)
+    held = [int(t) for t in model.cache.token_ids(0)]
+    model.close()
+    again = Model(hybrid.out, **options)
+    again.prepare(0, [*held, 5, 6, 7])
+    assert again.sessions[0].reused_tokens == len(held) and prompt not in again.cache.snapshots[0]
+    edited = [*held[:prompt], 8, 9, 10, 11]
+    logits = again.prepare(0, edited)
+    assert again.prefixes.disk.hits == 2 and again.sessions[0].reused_tokens == prompt
+    np.testing.assert_allclose(logits, cold_logits(hybrid.model(), edited), atol=ATOL, rtol=0)
+
+
 def test_a_service_killed_with_sigkill_answers_the_next_turn_from_its_files(hybrid, tmp_path):
     """A real server, kill -9 right after a reply: the restarted one resumes the conversation
     from the files (reused tokens past the first turn's prompt) with a cold start's greedy reply

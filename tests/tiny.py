@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -27,6 +27,8 @@ from transformers import (
     Qwen3Config,
     SmolLM3Config,
 )
+
+from kvedge.bench.gguf_file import add_gguf_tokenizer, write_hybrid_gguf
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -271,7 +273,7 @@ def make_tiny_gguf(
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
-    add_gguf_tokenizer(writer, folder, config)
+    add_gguf_tokenizer(writer, folder, config.vocab_size, CHATML)
 
     def add(name: str, w: np.ndarray) -> None:
         kind = kinds.get(name.split(".")[-1])
@@ -298,125 +300,16 @@ def make_tiny_gguf(
     return path
 
 
-def add_gguf_tokenizer(writer: GGUFWriter, folder: Path, config) -> None:
-    """The tiny tokenizer of `folder` as llama.cpp's converter writes a BPE one (gpt2, default
-    pre-tokenizer), its vocabulary padded to the model's, and the ChatML template."""
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
-    tokens += [f"<unused{i}>" for i in range(config.vocab_size - len(tokens))]
-    special = {added["content"] for added in tokenizer["added_tokens"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
-    merges = tokenizer["model"]["merges"]  # ["a", "b"] pairs, or "a b" in older tokenizers
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    writer.add_chat_template(CHATML)
-
-
-GGUF_ARCHITECTURES = {"lfm2": "lfm2", "qwen3_5": "qwen35"}
-
-
 def make_tiny_hybrid_gguf(
     path: Path, family: str, kind: str | None = None, seed: int = 0, **overrides
 ) -> Path:
     """A tiny random `family` model ("lfm2", "qwen3_5") written as the GGUF file `path` the way
-    llama.cpp's convert_hf_to_gguf.py writes it (its LFM2Model and Qwen3_5TextModel); the Hugging
-    Face folder beside it (`<stem>-hf`) holds the same weights (`make_tiny_model`'s, every 1-D one
-    off its initial value, so the file's transforms show). Names come from gguf's own TensorNameMap; the
-    transforms are the converter's: convolution kernels [C, 1, k] squeezed to [C, k]; for Qwen3.5
-    norms written as 1 + w (but the Gated DeltaNet's own), A_log as -exp(A_log), dt_bias as
-    ssm_dt.bias, and the value heads of each Gated DeltaNet tensor reordered from grouped (by key
-    head) to tiled. `kind` ("Q8_0"): the type of every matrix whose rows are whole blocks (the
-    converter's --outtype q8_0), else float32. Checked once against the converter itself
-    (llama-cpp-python 0.3.36's vendored llama.cpp): the same tensors, bit for bit."""
-    import gguf
-
+    llama.cpp's converter writes it (`kvedge.bench.gguf_file.write_hybrid_gguf`, `kind` its
+    matrices' type or None for float32); the Hugging Face folder beside it (`<stem>-hf`) holds the
+    same weights (`make_tiny_model`'s, every 1-D one off its initial value, so the file's
+    transforms show)."""
     folder = make_tiny_model(path.parent / f"{path.stem}-hf", family, seed=seed, **overrides)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
-    config, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
-    arch = GGUF_ARCHITECTURES[family]
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    if family == "lfm2":
-        writer.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0])
-        writer.add_head_count_kv(
-            [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
-        )
-        writer.add_layer_norm_rms_eps(config.norm_eps)
-        writer.add_vocab_size(config.vocab_size)
-        writer.add_shortconv_l_cache(config.conv_L_cache)
-    else:
-        head_dim = config.head_dim
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
-        writer.add_ssm_state_size(config.linear_key_head_dim)
-        writer.add_ssm_group_count(config.linear_num_key_heads)
-        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
-        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
-        recurrent = [t == "linear_attention" for t in config.layer_types]
-        writer.add_array("qwen35.attention.recurrent_layers", recurrent)  # gguf 0.19 has no add_ for it
-        writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
-        rotary = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 0.25))
-        writer.add_rope_dimension_count(rotary)
-        writer.add_rope_dimension_sections([*config.rope_parameters.get("mrope_section", [11, 11, 10]), 0])
-    add_gguf_tokenizer(writer, folder, config)
-    names = gguf.get_tensor_name_map(
-        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
-    )
-    if family == "qwen3_5":
-        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
-        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-
-        def tiled(w: np.ndarray, dim: int, axis: int = 0) -> np.ndarray:  # grouped [nk, nv/nk, d] -> tiled
-            w = np.moveaxis(w, axis, 0)
-            shape = w.shape
-            w = w.reshape(nk, nv // nk, dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
-            return np.ascontiguousarray(np.moveaxis(w, 0, axis))
-
-    for name, w in state.items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if family == "qwen3_5":
-            if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
-                w = w + np.float32(1.0)
-            if name.endswith(".A_log"):
-                w = -torch.exp(torch.from_numpy(w)).numpy()  # as the converter computes it
-            if name.endswith((".A_log", ".dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
-                w = tiled(w, 1)
-            elif name.endswith("in_proj_z.weight"):
-                w = tiled(w, dv)
-            elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-                qk = 2 * nk * dk
-                w = np.concatenate([w[:qk], tiled(w[qk:], dv)])
-            elif name.endswith("linear_attn.out_proj.weight"):
-                w = tiled(w, dv, axis=1)
-            name = name.replace(".dt_bias", ".dt_proj.bias")
-        if name.endswith(("conv.conv.weight", "conv1d.weight")):
-            w = w.squeeze(1)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        kernel = gguf_name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight"))
-        if w.ndim == 2 and kind is not None and w.shape[1] % 32 == 0 and not kernel:
-            raw = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(w), raw), raw_dtype=raw)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_hybrid_gguf(folder, path, kind, chat_template=CHATML)
 
 
 # AWQ / GPTQ checkpoints (`make_tiny_packed`): a Llama wide enough for groups of 128 (K 128 and

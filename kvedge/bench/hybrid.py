@@ -10,12 +10,12 @@ layer's decode time does not grow with the context, so decode at the longest con
 1.15x of the shortest (only the attention layers read a longer past).
 
     python bench/hybrid.py CONFIG_JSON [--layers N] [--contexts 64 512 2048] [--prefill 2048]
-                           [--threads 2] [--steps 16] [--rounds 2] [--out DIR]
+                           [--threads 2] [--steps 16] [--rounds 2] [--out DIR] [--llama-cpp]
     python bench/hybrid.py CONFIG_JSON --save-model DIR   # only the model, for bench/restart.py
 
 Writes hybrid.json and prints a table; the results folder is bench/results/<date>-<commit>-hybrid-...
-(`kvedge.bench.results`). llama.cpp is not run: writing a GGUF of these random weights needs
-llama.cpp's converter, which is not packaged (say so where the figures are cited).
+(`kvedge.bench.results`). With --llama-cpp, llama.cpp too, on a float32 GGUF of the same weights
+written as its converter writes them (`kvedge.bench.gguf_file`; llama-cpp-python, the bench extra).
 """
 
 from __future__ import annotations
@@ -126,6 +126,24 @@ class Transformers:
         return times
 
 
+class LlamaCpp:
+    """llama.cpp (`systems.LlamaCppSystem`: llama-cpp-python, the bench extra, its defaults) on a
+    float32 GGUF of the same weights, written as its converter writes them (`gguf_file`)."""
+
+    def __init__(self, gguf: Path, threads: int, max_len: int) -> None:
+        from kvedge.bench.systems import LlamaCppSystem
+
+        self.llm = LlamaCppSystem(gguf, threads, max_len).llm
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        return timed(lambda: self.llm.eval(ids))
+
+    def decode(self, ids: list[int], steps: int) -> list[float]:
+        self.prefill(ids)
+        return [timed(lambda: self.llm.eval([7])) for _ in range(steps)]
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from kvedge.contract import ExportRecipe, Manifest
     from kvedge.export.export import export_model
@@ -142,6 +160,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "kvedge": Kvedge(work / "out", args.threads, max_len),
         "transformers": Transformers(work / "hf", args.threads),
     }
+    if args.llama_cpp:
+        from kvedge.bench.gguf_file import write_hybrid_gguf
+
+        gguf = write_hybrid_gguf(work / "hf", work / "model.gguf")
+        systems["llama.cpp"] = LlamaCpp(gguf, args.threads, max_len)
     decode: dict[str, dict[int, list[float]]] = {name: {c: [] for c in args.contexts} for name in systems}
     prefill: dict[str, list[float]] = {name: [] for name in systems}
     for r in range(args.rounds):  # alternating, so drift in the machine's speed hits both
@@ -186,6 +209,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_ROOT)
+    parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also llama.cpp (llama-cpp-python, the bench extra) on a float32 GGUF of the same weights",
+    )
     parser.add_argument(
         "--save-model",
         type=Path,

@@ -120,10 +120,13 @@ class PrefixStores:
             if stored is not None and disk_shared > worth:
                 chain = self.disk.load(stored, disk_shared)  # None: refused and logged
                 if chain is not None:
-                    for part in chain:  # each file carries the states at its end, the last at disk_shared
+                    for i, part in enumerate(chain):
                         n = min(disk_shared - part.start, len(part.token_ids))
                         run = ids[part.start : part.start + n]
-                        cache.write(slot, part.block.head(n), run, part.start, part.states)
+                        # each file carries the states at its end; the slot resumes from the last
+                        # one's, at disk_shared (the others stay on disk, for a later rewind)
+                        states = part.states if i == len(chain) - 1 else None
+                        cache.write(slot, part.block.head(n), run, part.start, states)
                     return disk_shared
         if entry is not None and lru_shared > max(own, warm_shared):
             self.run_time.load(cache, slot, entry, lru_shared, start=min(keep, lru_shared))
