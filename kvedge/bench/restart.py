@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: a new dated one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
     out = args.out or results_folder("restart-cpu", [args.threads])
     out.mkdir(parents=True)
     log_file = out / "log.txt"
