@@ -63,72 +63,19 @@ def write_hybrid_gguf(
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     config, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
-    family = config.model_type
-    arch = GGUF_ARCHITECTURES[family]
+    arch = GGUF_ARCHITECTURES[config.model_type]
     writer = GGUFWriter(str(path), arch)
     writer.add_name(folder.name)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    if family == "lfm2":
-        writer.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0])
-        writer.add_head_count_kv(
-            [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
-        )
-        writer.add_layer_norm_rms_eps(config.norm_eps)
-        writer.add_vocab_size(config.vocab_size)
-        writer.add_shortconv_l_cache(config.conv_L_cache)
-    else:
-        head_dim = config.head_dim
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
-        writer.add_ssm_state_size(config.linear_key_head_dim)
-        writer.add_ssm_group_count(config.linear_num_key_heads)
-        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
-        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
-        recurrent = [t == "linear_attention" for t in config.layer_types]
-        writer.add_array("qwen35.attention.recurrent_layers", recurrent)  # gguf 0.19 has no add_ for it
-        writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
-        rotary = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 0.25))
-        writer.add_rope_dimension_count(rotary)
-        writer.add_rope_dimension_sections([*config.rope_parameters.get("mrope_section", [11, 11, 10]), 0])
+    _add_hyperparameters(writer, config, state)
     add_gguf_tokenizer(writer, folder, config.vocab_size, chat_template)
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
     )
-    if family == "qwen3_5_text":
-        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
-        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-
-        def tiled(w: np.ndarray, dim: int, axis: int = 0) -> np.ndarray:  # grouped [nk, nv/nk, d] -> tiled
-            w = np.moveaxis(w, axis, 0)
-            shape = w.shape
-            w = w.reshape(nk, nv // nk, dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
-            return np.ascontiguousarray(np.moveaxis(w, 0, axis))
-
     for name, w in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if family == "qwen3_5_text":
-            if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
-                w = w + np.float32(1.0)
-            if name.endswith(".A_log"):
-                w = -torch.exp(torch.from_numpy(w)).numpy()  # as the converter computes it
-            if name.endswith((".A_log", ".dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
-                w = tiled(w, 1)
-            elif name.endswith("in_proj_z.weight"):
-                w = tiled(w, dv)
-            elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-                qk = 2 * nk * dk
-                w = np.concatenate([w[:qk], tiled(w[qk:], dv)])
-            elif name.endswith("linear_attn.out_proj.weight"):
-                w = tiled(w, dv, axis=1)
+        if config.model_type == "qwen3_5_text":
+            w = _qwen35_layout(name, w, config)
             name = name.replace(".dt_bias", ".dt_proj.bias")
         if name.endswith(("conv.conv.weight", "conv1d.weight")):
             w = w.squeeze(1)
@@ -143,3 +90,66 @@ def write_hybrid_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_hyperparameters(writer: Any, config: Any, state: dict[str, np.ndarray]) -> None:
+    """The `<arch>.*` keys the converter writes for `config` (LFM2 or Qwen3.5)."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if config.model_type == "lfm2":
+        writer.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0])
+        kv_heads = [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]
+        writer.add_head_count_kv(kv_heads)  # 0: a convolution layer
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+        return
+    head_dim = config.head_dim
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    recurrent = [t == "linear_attention" for t in config.layer_types]
+    writer.add_array("qwen35.attention.recurrent_layers", recurrent)  # gguf 0.19 has no add_ for it
+    writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections([*config.rope_parameters.get("mrope_section", [11, 11, 10]), 0])
+
+
+def _qwen35_layout(name: str, w: np.ndarray, config: Any) -> np.ndarray:
+    """Qwen3.5's tensor `name` as the converter writes it: norms as 1 + w (but the Gated
+    DeltaNet's), A_log as -exp(A_log), the value heads of Gated DeltaNet tensors tiled."""
+    import torch
+
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+
+    def tiled(w: np.ndarray, dim: int, axis: int = 0) -> np.ndarray:  # grouped [nk, nv/nk, d] -> tiled
+        w = np.moveaxis(w, axis, 0)
+        shape = w.shape
+        w = w.reshape(nk, nv // nk, dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+        return np.ascontiguousarray(np.moveaxis(w, 0, axis))
+
+    if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+        return w + np.float32(1.0)
+    if name.endswith(".A_log"):
+        w = -torch.exp(torch.from_numpy(w)).numpy()  # as the converter computes it
+    if name.endswith((".A_log", ".dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
+        return tiled(w, 1)
+    if name.endswith("in_proj_z.weight"):
+        return tiled(w, dv)
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        qk = 2 * nk * dk
+        return np.concatenate([w[:qk], tiled(w[qk:], dv)])
+    if name.endswith("linear_attn.out_proj.weight"):
+        return tiled(w, dv, axis=1)
+    return w
