@@ -11,6 +11,7 @@ layer's decode time does not grow with the context, so decode at the longest con
 
     python bench/hybrid.py CONFIG_JSON [--layers N] [--contexts 64 512 2048] [--prefill 2048]
                            [--threads 2] [--steps 16] [--rounds 2] [--out DIR] [--llama-cpp]
+                           [--variant portable|ort]
     python bench/hybrid.py CONFIG_JSON --save-model DIR   # only the model, for bench/restart.py
 
 Writes hybrid.json and prints a table; the results folder is bench/results/<date>-<commit>-hybrid-...
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvedge.bench.results import RESULTS_ROOT, results_folder
+from kvedge.contract import VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     config = build_model(args.config, args.layers, work / "hf")
     max_len = max([*args.contexts, args.prefill]) + args.steps + 8
     started = time.perf_counter()
-    export_model(work / "hf", work / "out", ExportRecipe(max_len=max_len))
+    export_model(work / "hf", work / "out", ExportRecipe(max_len=max_len, variant=args.variant))
     export_s = time.perf_counter() - started
     geometry = Manifest.load(work / "out").geometry
     rng = np.random.default_rng(0)
@@ -186,6 +188,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         row["decode_ratio_longest_to_shortest"] = last / first
     return {
         "config": str(args.config),
+        "variant": args.variant,
         "model_type": config["model_type"],
         "layers": config["num_hidden_layers"],
         "layer_types": config["layer_types"],
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_ROOT)
+    parser.add_argument("--variant", choices=VARIANTS, default="portable", help="kvedge's graph variant")
     parser.add_argument(
         "--llama-cpp",
         action="store_true",
