@@ -1209,7 +1209,7 @@ def calibrate(
     "--llama-cpp",
     "llama_cpp",
     is_flag=True,
-    help="Also compare llama.cpp's q8_0 KV cache with its f16 cache on the model's GGUF source "
+    help="Also compare llama.cpp's q8_0 and q4_0 KV caches with its f16 cache on the model's GGUF source "
     "(needs llama-cpp-python, the [bench] extra).",
 )
 @click.option("--threads", default=1, show_default=True, type=int, help="llama.cpp threads.")
@@ -1217,6 +1217,21 @@ def calibrate(
     "--prompts", default=None, type=click.Path(path_type=Path), help="Held-out set (default: built-in 24)."
 )
 @click.option("--limit", default=20, show_default=True, type=int, help="Use the first N prompts.")
+@click.option(
+    "--context",
+    "contexts",
+    multiple=True,
+    type=click.IntRange(min=64),
+    help="Instead of the chat prompts: the built-in long documents as prompts of this many tokens "
+    "(repeatable: one row per scheme and length; the export's --max-len must hold it plus --tokens).",
+)
+@click.option(
+    "--simulate",
+    "simulated",
+    multiple=True,
+    help="A per-token scheme simulated on --model's float32 cache, e.g. int8-g32, int4-g32, "
+    "int4-g16-hadamard-sinks4 (bits, then any of gN, hadamard, sinksN; repeatable).",
+)
 @click.option(
     "--tokens", default=256, show_default=True, type=int, help="Teacher-forced continuation length."
 )
@@ -1237,22 +1252,38 @@ def eval_kv(
     threads: int,
     prompts: Path | None,
     limit: int,
+    contexts: tuple[int, ...],
+    simulated: tuple[str, ...],
     tokens: int,
     json_path: Path | None,
 ) -> None:
     """Compare INT8 KV schemes (and real --kv-dtype int8 or quantized-weight exports) with the fp32 model."""
-    starting(f"loading {model_dir}, then {tokens} steps on each of up to {limit} held-out prompts")
-    from kvedge.calibrate.calibrate import read_prompts
+    what = f"long documents at {', '.join(map(str, contexts))} tokens" if contexts else "held-out prompts"
+    starting(f"loading {model_dir}, then {tokens} steps on each of up to {limit} {what}")
+    from kvedge.calibrate.calibrate import document_prompts, read_prompts
     from kvedge.calibrate.evaluate import evaluate
-    from kvedge.quant import Scales
+    from kvedge.quant import Scales, Scheme
     from kvedge.runtime.model import Model
 
     if tokens < 1 or limit < 1:
         raise KvedgeError(f"--tokens {tokens} and --limit {limit} must be >= 1")
+    if contexts and prompts:
+        raise KvedgeError("--context prompts are the built-in documents: give --prompts or --context")
+    schemes = tuple(Scheme.parse(spec) for spec in simulated) or None
     model = Model(model_dir)
+    for context in contexts:
+        if context + tokens + 1 > model.manifest.geometry.max_len:
+            raise KvedgeError(
+                f"--context {context} plus --tokens {tokens} needs an export with --max-len of at least "
+                f"{context + tokens + 1}; {model_dir} has {model.manifest.geometry.max_len}"
+            )
     scales = Scales.load(scales_dir, model.manifest) if scales_dir else None
     int8_model = Model(int8_dir) if int8_dir else None
-    held_out = read_prompts(prompts, default="heldout")[:limit]
+    sets = (
+        [(context, document_prompts(model, context)[:limit]) for context in contexts]
+        if contexts
+        else [(None, read_prompts(prompts, default="heldout")[:limit])]
+    )
     gguf = None
     if llama_cpp:
         gguf = Path(model.manifest.source)
@@ -1261,25 +1292,34 @@ def eval_kv(
                 f"--llama-cpp needs the model's GGUF source; this export was made from "
                 f"{model.manifest.source!r}"
             )
-    results = evaluate(
-        model,
-        scales,
-        held_out,
-        tokens=tokens,
-        int8_model=int8_model,
-        llama_cpp_gguf=gguf,
-        threads=threads,
-        weights_models=tuple(Model(d) for d in weights_dirs),
+    weights_models = tuple(Model(d) for d in weights_dirs)
+    results = [
+        dataclasses.replace(r, context=context)
+        for context, held_out in sets
+        for r in evaluate(
+            model,
+            scales,
+            held_out,
+            tokens=tokens,
+            schemes=schemes,
+            int8_model=int8_model,
+            llama_cpp_gguf=gguf,
+            threads=threads,
+            weights_models=weights_models,
+        )
+    ]
+    click.echo(
+        f"{'scheme':<56} {'context':>7} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}"
     )
-    click.echo(f"{'scheme':<48} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}")
     for r in results:
         click.echo(
-            f"{r.scheme:<48} {r.kl_mean:9.5f} {r.kl_p99:9.5f} {r.top1_agreement:7.2%} "
-            f"{r.greedy_match_mean:7.1f} {r.kv_bytes_ratio:6.3f}"
+            f"{r.scheme:<56} {r.context or 'chat':>7} {r.kl_mean:9.5f} {r.kl_p99:9.5f} "
+            f"{r.top1_agreement:7.2%} {r.greedy_match_mean:7.1f} {r.kv_bytes_ratio:6.3f}"
         )
     if json_path:
         payload = {
-            "prompts": len(held_out),
+            "prompts": len(sets[0][1]),
+            "contexts": list(contexts),
             "tokens": tokens,
             "schemes": [dataclasses.asdict(r) for r in results],
         }

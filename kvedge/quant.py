@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,8 @@ SCALE_ARRAYS = ("k_scale", "v_scale", "k_tensor_scale", "v_tensor_scale")
 RECALIBRATE = "run `kvedge calibrate` for this model"
 
 QMAX = 127
+BITS = (8, 4)  # a cached value's bits; 4 is simulated only (`Scheme.parse`, eval-kv --simulate)
+ROTATIONS = ("none", "hadamard")
 METHODS = ("minmax", "percentile", "mse")
 K_MODES = ("static-group", "dynamic-token", "static-tensor")
 V_MODES = ("dynamic-token", "static-group", "static-tensor")
@@ -94,8 +97,19 @@ class Scheme:
     group_size: int = 64  # channels per static scale (K, and V static-group): the calibration's
     v_group_size: int = 64  # channels per dynamic scale (K or V), one scale per token per group
     n_sink: int = 0  # the first n_sink positions of a sequence stay unquantized (attention sinks)
+    bits: int = 8  # symmetric codes in [-(2**(bits-1) - 1), 2**(bits-1) - 1]
+    rotation: str = "none"  # hadamard: K and V are quantized in a Hadamard basis of each head
 
     def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise KvedgeError(f"bits {self.bits!r} is not allowed; allowed: {list(BITS)}")
+        if self.rotation not in ROTATIONS:
+            raise KvedgeError(f"rotation {self.rotation!r} is not allowed; allowed: {list(ROTATIONS)}")
+        if (self.bits != 8 or self.rotation != "none") and not self.dynamic:
+            raise KvedgeError(
+                f"a {self.bits}-bit or rotated scheme quantizes K and V dynamic-token only, "
+                f"not K {self.k}, V {self.v}"
+            )
         if self.v_group_size not in GROUP_SIZES:
             raise KvedgeError(
                 f"V group size {self.v_group_size!r} is not allowed; allowed: {list(GROUP_SIZES)}"
@@ -110,17 +124,49 @@ class Scheme:
             raise KvedgeError(f"group size {self.group_size!r} is not allowed; allowed: {list(GROUP_SIZES)}")
 
     @property
+    def dynamic(self) -> bool:
+        """Both K and V scaled per token: no scales file needed."""
+        return self.k == self.v == "dynamic-token"
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    @property
     def name(self) -> str:
         v_group = self.v_group_size if self.v == "dynamic-token" else self.group_size
         k_group = f" g{self.group_size}" if self.k == "static-group" else ""
         v_group = f" g{v_group}" if self.v != "static-tensor" else ""
         sinks = f", {self.n_sink} sinks fp32" if self.n_sink else ""
-        return f"K {self.k}{k_group}, V {self.v}{v_group}{sinks}"
+        bits = f"int{self.bits} " if self.bits != 8 else ""
+        rotation = f", {self.rotation}" if self.rotation != "none" else ""
+        return f"{bits}K {self.k}{k_group}, V {self.v}{v_group}{rotation}{sinks}"
+
+    @classmethod
+    def parse(cls, spec: str) -> Scheme:
+        """A per-token scheme from its short name, dash-separated: the bits (`int8` or `int4`), then
+        any of `gN` (channels per scale, default 32), `hadamard`, `sinksN` (the first N positions
+        kept float32); e.g. `int4-g16-hadamard-sinks4`."""
+        allowed = "int8|int4, then any of gN, hadamard, sinksN (e.g. int4-g16-hadamard-sinks4)"
+        first, *rest = spec.split("-")
+        if first not in ("int8", "int4"):
+            raise KvedgeError(f"scheme {spec!r} is not allowed; allowed: {allowed}")
+        fields: dict[str, Any] = {"bits": int(first[3:]), "group_size": 32}
+        for part in rest:
+            number = re.fullmatch(r"(g|sinks)(\d+)", part)
+            if part == "hadamard":
+                fields["rotation"] = "hadamard"
+            elif number:
+                fields["group_size" if number[1] == "g" else "n_sink"] = int(number[2])
+            else:
+                raise KvedgeError(f"scheme {spec!r}: {part!r} is not allowed; allowed: {allowed}")
+        group = fields.pop("group_size")
+        return cls(k="dynamic-token", v="dynamic-token", group_size=group, v_group_size=group, **fields)
 
 
-def quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """int8 codes of `x` for a broadcastable `scale`."""
-    return np.clip(np.rint(x / scale), -QMAX, QMAX).astype(np.int8)
+def quantize(x: np.ndarray, scale: np.ndarray, qmax: int = QMAX) -> np.ndarray:
+    """int8 codes of `x` for a broadcastable `scale` (in [-qmax, qmax]: 7 for 4-bit codes)."""
+    return np.clip(np.rint(x / scale), -qmax, qmax).astype(np.int8)
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -145,12 +191,24 @@ def dynamic_scales(x: np.ndarray, group_size: int) -> np.ndarray:
     return np.maximum(np.abs(grouped(x, group_size)).max(axis=-1) / QMAX, _TINY).astype(np.float32)
 
 
-def quantize_tokens(x: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """INT8 cache codes of `x` [..., d] float32 -> (codes [..., d] int8, scales [..., d/g] float16)."""
+def quantize_tokens(x: np.ndarray, group_size: int, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
+    """INT8 cache codes of `x` [..., d] float32 -> (codes [..., d] int8, scales [..., d/g] float16)
+    (`qmax` 7: 4-bit codes, each in an int8)."""
     x = np.asarray(x, np.float32)
     absmax = np.abs(grouped(x, group_size)).max(axis=-1)
-    scales = np.maximum(absmax / np.float32(QMAX), SCALE_FLOOR).astype(np.float16)
-    return quantize(x, expand(scales.astype(np.float32), group_size)), scales
+    scales = np.maximum(absmax / np.float32(qmax), SCALE_FLOOR).astype(np.float16)
+    return quantize(x, expand(scales.astype(np.float32), group_size), qmax), scales
+
+
+def hadamard(d: int) -> np.ndarray:
+    """The orthonormal Sylvester Hadamard matrix of order `d` (a power of 2): x @ H spreads a
+    channel's outlier over all channels, and (q H)(k H)^T = q k^T."""
+    if d < 1 or d & (d - 1):
+        raise KvedgeError(f"a Hadamard rotation needs a power-of-2 head_dim, not {d}")
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(d)).astype(np.float32)
 
 
 def dequantize_tokens(codes: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
@@ -284,19 +342,34 @@ class Scales:
 
 
 class RoundTrip:
-    """Replaces freshly written K/V with their INT8 round trip under `scheme` (in place).
+    """Replaces freshly written K/V with their round trip under `scheme` (in place).
 
     Applied to each block of new tokens as it enters the cache, this gives exactly the values
     an INT8 cache with the same scales would dequantize to, so quality can be measured for
-    any scheme on the fp32 buffers.
+    any scheme on the fp32 buffers. Per-token scales are stored float16, as the INT8 cache's are
+    (`quantize_tokens`); a rotated scheme quantizes x H and gives back its round trip times H^T
+    (a graph would keep K and V rotated, rotate each query by H and each head's output by H^T:
+    the same products). Tokens of a block attend to its own unquantized K/V in the graph that
+    computed them: within a prefill chunk the simulation is a little kinder than a real cache.
     """
 
-    def __init__(self, scheme: Scheme, scales: Scales) -> None:
-        if scheme.group_size != scales.manifest.group_size and "static-group" in (scheme.k, scheme.v):
+    def __init__(self, scheme: Scheme, scales: Scales | None) -> None:
+        if scales is None and not scheme.dynamic:
+            raise KvedgeError(f"scheme {scheme.name!r} needs calibrated scales (kvedge calibrate)")
+        if (
+            scales is not None
+            and scheme.group_size != scales.manifest.group_size
+            and "static-group"
+            in (
+                scheme.k,
+                scheme.v,
+            )
+        ):
             raise KvedgeError(
                 f"scheme group size {scheme.group_size} differs from the scales' {scales.manifest.group_size}"
             )
         self.scheme = scheme
+        self.rotation: np.ndarray | None = None  # [d, d], set at the first block (head_dim known)
         self.k_scale = (
             None
             if scheme.k == "dynamic-token"
@@ -320,6 +393,14 @@ class RoundTrip:
         if skip >= block.shape[3]:
             return
         block = block[:, :, :, skip:]
+        if self.scheme.dynamic and (self.scheme.bits != 8 or self.scheme.rotation != "none"):
+            if self.scheme.rotation == "hadamard" and self.rotation is None:
+                self.rotation = hadamard(block.shape[-1])
+            x = block if self.rotation is None else block @ self.rotation
+            codes, scales = quantize_tokens(x, self.scheme.v_group_size, self.scheme.qmax)
+            back = dequantize_tokens(codes, scales, self.scheme.v_group_size)
+            block[...] = back if self.rotation is None else back @ self.rotation.T
+            return
         for index, scale in ((0, self.k_scale), (1, self.v_scale)):
             x = block[:, index]
             if scale is None:

@@ -117,9 +117,11 @@ def test_llama_cpp_q8_0_cache_comparison(smol):
     model = Model(out)
     ids = model.tokenizer.encode_chat([{"role": "user", "content": "Name three colors."}])
     continuation = [int(t) for t in np.random.default_rng(0).integers(300, 20000, 24)]
-    (row,) = llama_cpp_cache_quality(default_gguf(), [(ids, continuation)])
+    row, q4 = llama_cpp_cache_quality(default_gguf(), [(ids, continuation)])
     assert row.scheme.startswith("llama.cpp q8_0") and row.kv_bytes_ratio == pytest.approx(34 / 128)
     assert 0 <= row.kl_mean < 0.1 and row.top1_agreement >= 0.8
+    assert q4.scheme.startswith("llama.cpp q4_0") and q4.kv_bytes_ratio == pytest.approx(18 / 128)
+    assert q4.kl_mean > 0
 
 
 CITY = {

@@ -52,6 +52,47 @@ def builtin_prompts(name: str = "calibration") -> list[Prompt]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+SUMMARIZE = "Summarize the following document.\n\n"
+
+
+def builtin_documents() -> list[dict[str, str]]:
+    """The long documents shipped for quality at long context (`data/documents.jsonl`: the GPL
+    version 3, verbatim, and three sections of Python's reference documentation; each line says
+    its source and licence): {"title", "source", "licence", "text"}."""
+    text = resources.files("kvedge.calibrate").joinpath("data", "documents.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def document_prompts(model: Model, context: int) -> list[Prompt]:
+    """One chat prompt per built-in document: "Summarize the following document." and as much of
+    the document, cut at a space or line break, as keeps the templated prompt within `context`
+    tokens (the longest such cut: prompts end within a word or two of `context`)."""
+    prompts = []
+    for document in builtin_documents():
+        text = document["text"]
+        cuts = [i for i, c in enumerate(text) if c in " \n"] + [len(text)]
+
+        def prompt(n: int, text: str = text) -> Prompt:
+            return {"messages": [{"role": "user", "content": SUMMARIZE + text[:n].rstrip()}]}
+
+        low, high = 0, len(cuts) - 1  # the longest cut that fits lies in cuts[low:high + 1]
+        if len(prompt_ids(model, prompt(cuts[0]))) > context:
+            raise KvedgeError(f"context {context} is too short for a document prompt")
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(prompt_ids(model, prompt(cuts[middle]))) <= context:
+                low = middle
+            else:
+                high = middle - 1
+        if low == len(cuts) - 1 and len(prompt_ids(model, prompt(len(text)))) < context * 0.98:
+            raise KvedgeError(
+                f"context {context}: the document {document['title']!r} is only "
+                f"{len(prompt_ids(model, prompt(len(text))))} tokens long as a prompt"
+            )
+        prompts.append(prompt(cuts[low]))
+    return prompts
+
+
 def read_prompts(path: str | Path | None, default: str = "calibration") -> list[Prompt]:
     """Prompts from `path` (.jsonl or .txt), or the built-in set when `path` is None."""
     if path is None:

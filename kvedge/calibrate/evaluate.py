@@ -61,6 +61,7 @@ class SchemeQuality:
     greedy_match_mean: float
     greedy_match_min: int
     kv_bytes_ratio: float  # INT8 cache bytes incl. scales / fp32 cache bytes
+    context: int | None = None  # the prompts' length in tokens (long documents); None: the chat prompts
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -70,10 +71,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def kv_bytes_ratio(scheme: Scheme, head_dim: int) -> float:
-    """INT8 bytes per cached value incl. scales, over fp32's 4. Dynamic scales are float16 (2 bytes
-    per group per token); static scales are a few KB per model and amortise to ~0."""
-    k = 1.0 + (SCALE_BYTES / scheme.v_group_size if scheme.k == "dynamic-token" else 0.0)
-    v = 1.0 + (SCALE_BYTES / scheme.v_group_size if scheme.v == "dynamic-token" else 0.0)
+    """Bytes per cached value incl. scales (codes of `scheme.bits`, two 4-bit codes a byte), over
+    fp32's 4. Dynamic scales are float16 (2 bytes per group per token); static scales are a few KB
+    per model and amortise to ~0, as do the first tokens a scheme keeps float32."""
+    code = scheme.bits / 8
+    k = code + (SCALE_BYTES / scheme.v_group_size if scheme.k == "dynamic-token" else 0.0)
+    v = code + (SCALE_BYTES / scheme.v_group_size if scheme.v == "dynamic-token" else 0.0)
     return (k + v) / 8.0
 
 
@@ -107,7 +110,8 @@ def evaluate(
     threads: int = 1,
     weights_models: tuple[Model, ...] = (),
 ) -> list[SchemeQuality]:
-    """Compare every scheme (simulated on `model`'s fp32 cache with `scales`), the real INT8
+    """Compare every scheme (simulated on `model`'s fp32 cache; the default ones need `scales`,
+    the calibrated static scales), the real INT8
     cache of `int8_model` (an export of the same weights with --kv-dtype int8) and every export
     of `weights_models` (the same model with quantized weights) with the fp32 model over
     `prompts` (see the module docstring)."""
@@ -117,8 +121,8 @@ def evaluate(
     candidates = _candidates(model, scales, schemes, batch, int8_model, weights_models)
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(
-            "nothing to evaluate: give scales (--scales), an INT8 export (--int8-model), a "
-            "quantized-weight export (--weights-model) or --llama-cpp"
+            "nothing to evaluate: give scales (--scales), a simulated scheme (--simulate), an INT8 "
+            "export (--int8-model), a quantized-weight export (--weights-model) or --llama-cpp"
         )
     eos = list(model.manifest.eos_token_ids)
     reference = KVCache(geometry, batch)
@@ -186,11 +190,12 @@ def _candidates(
     simulated schemes over `scales`, the real INT8 cache, the quantized-weight exports."""
     geometry = model.manifest.geometry
     candidates: list[Candidate] = []
-    if scales is not None:
-        for scheme in schemes or default_schemes(scales.manifest.group_size, geometry.head_dim):
-            cache = KVCache(geometry, batch)
-            cache.round_trip = RoundTrip(scheme, scales)
-            candidates.append((scheme.name, model.backend, cache, kv_bytes_ratio(scheme, geometry.head_dim)))
+    if schemes is None and scales is not None:
+        schemes = default_schemes(scales.manifest.group_size, geometry.head_dim)
+    for scheme in schemes or ():
+        cache = KVCache(geometry, batch)
+        cache.round_trip = RoundTrip(scheme, scales)
+        candidates.append((scheme.name, model.backend, cache, kv_bytes_ratio(scheme, geometry.head_dim)))
     if int8_model is not None:
         model.manifest.check_compatible(int8_model.manifest, "--int8-model", cache_dtype=False)
         cache = KVCache(int8_model.manifest.geometry, batch)
@@ -223,17 +228,22 @@ def quality(
 def llama_cpp_cache_quality(
     gguf: Path, sequences: list[tuple[list[int], list[int]]], threads: int = 1
 ) -> list[SchemeQuality]:
-    """llama.cpp's q8_0 KV cache against its own f16 cache on the same GGUF and the same
+    """llama.cpp's q8_0 and q4_0 KV caches against its own f16 cache on the same GGUF and the same
     teacher-forced sequences (llama.cpp writes K/V into its cache before attending, so evaluating
     a whole sequence in one batch reads the quantized cache as decoding would). Bytes: q8_0 packs
-    32 values in 34 bytes, against f16's 64 (and our fp32 reference's 128)."""
+    32 values in 34 bytes and q4_0 in 18, against f16's 64 (and our fp32 reference's 128)."""
     try:
         import llama_cpp
     except ImportError as exc:
         raise KvedgeError("--llama-cpp needs llama-cpp-python (pip install '.[bench]')") from exc
     longest = max(len(p) + len(c) for p, c in sequences)
     logits: dict[str, list[np.ndarray]] = {}
-    for name, kv_type in (("f16", llama_cpp.GGML_TYPE_F16), ("q8_0", llama_cpp.GGML_TYPE_Q8_0)):
+    kinds = {
+        "f16": llama_cpp.GGML_TYPE_F16,
+        "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+        "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+    }
+    for name, kv_type in kinds.items():
         llm = llama_cpp.Llama(
             model_path=str(gguf),
             n_ctx=longest,
@@ -257,11 +267,14 @@ def llama_cpp_cache_quality(
         [rows.argmax(axis=-1) == c for rows, (_, c) in zip(logits["f16"], sequences, strict=True)]
     )
     log.info("llama.cpp f16 argmax = kvedge fp32 continuation at %.1f%% of positions", 100 * aligned.mean())
-    kls, agree, match = [], [], []
-    for ref_rows, q_rows in zip(logits["f16"], logits["q8_0"], strict=True):
-        ref, q = log_softmax(ref_rows), log_softmax(q_rows)
-        kls.append((np.exp(ref) * (ref - q)).sum(axis=-1))
-        same = ref.argmax(axis=-1) == q.argmax(axis=-1)
-        agree.append(same)
-        match.append(int(np.argmin(same)) if not same.all() else len(same))
-    return [quality("llama.cpp q8_0 cache vs its f16 cache", kls, agree, match, 34 / 128)]
+    results = []
+    for name, ratio in (("q8_0", 34 / 128), ("q4_0", 18 / 128)):
+        kls, agree, match = [], [], []
+        for ref_rows, q_rows in zip(logits["f16"], logits[name], strict=True):
+            ref, q = log_softmax(ref_rows), log_softmax(q_rows)
+            kls.append((np.exp(ref) * (ref - q)).sum(axis=-1))
+            same = ref.argmax(axis=-1) == q.argmax(axis=-1)
+            agree.append(same)
+            match.append(int(np.argmin(same)) if not same.all() else len(same))
+        results.append(quality(f"llama.cpp {name} cache vs its f16 cache", kls, agree, match, ratio))
+    return results
