@@ -19,11 +19,13 @@ from kvedge.export.export import export_model
 from kvedge.quant import (
     SCALES_FILE,
     SCALES_MANIFEST,
+    RoundTrip,
     Scales,
     Scheme,
     dequantize,
     dynamic_scales,
     expand,
+    hadamard,
     quantize,
     scales_from_thresholds,
     thresholds,
@@ -187,3 +189,55 @@ def test_cli_calibrate_and_eval(tiny_llama, tmp_path):
     )
     assert report.returncode == 0, report.stderr
     assert len(json.loads((tmp_path / "q.json").read_text())["schemes"]) == 3
+
+
+def test_short_scheme_names_parse_and_bad_ones_name_what_is_allowed():
+    scheme = Scheme.parse("int4-g16-hadamard-sinks4")
+    assert (scheme.bits, scheme.group_size, scheme.v_group_size, scheme.rotation, scheme.n_sink) == (
+        4,
+        16,
+        16,
+        "hadamard",
+        4,
+    )
+    assert scheme.dynamic and scheme.qmax == 7 and scheme.name.startswith("int4 K dynamic-token")
+    per_token = Scheme(k="dynamic-token", v="dynamic-token", group_size=32, v_group_size=32)
+    assert Scheme.parse("int8") == per_token
+    for bad in ("int3", "int4-g7", "int4-rotate", "int4-g32-sinks99"):
+        with pytest.raises(KvedgeError, match="not allowed"):
+            Scheme.parse(bad)
+    with pytest.raises(KvedgeError, match="dynamic-token only"):
+        Scheme(k="static-group", bits=4)
+    # 4-bit codes two to a byte plus a float16 scale per 32 channels: q4_0's 18 bytes per 32 values
+    assert kv_bytes_ratio(Scheme.parse("int4-g32"), head_dim=64) == pytest.approx(18 / 128)
+
+
+def test_hadamard_is_orthonormal_and_keeps_dot_products():
+    h = hadamard(64)
+    np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-6)
+    x, y = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    assert float((x @ h) @ (y @ h)) == pytest.approx(float(x @ y), rel=1e-5)
+    with pytest.raises(KvedgeError, match="power-of-2 head_dim, not 48"):
+        hadamard(48)
+
+
+def test_a_4_bit_round_trip_lies_on_its_grid_and_a_rotation_spreads_an_outlier():
+    """Per token and group, 4-bit codes in [-7, 7] times a float16 scale; a Hadamard rotation
+    quantizes x H, so one outlier channel no longer sets the scale of the whole group."""
+    rng = np.random.default_rng(1)
+    block = rng.standard_normal((2, 2, 3, 5, 64)).astype(np.float32)  # [layers, K/V, heads, n, d]
+    block[..., 7] *= 30  # an outlier channel, as keys have
+    plain, rotated = block.copy(), block.copy()
+    RoundTrip(Scheme.parse("int4-g32"), None)(plain)
+    grid = plain.reshape(*plain.shape[:-1], 2, 32)
+    steps = np.abs(grid).max(axis=-1, keepdims=True) / 7
+    np.testing.assert_allclose(grid / steps, np.rint(grid / steps), atol=1e-3)
+    RoundTrip(Scheme.parse("int4-g32-hadamard"), None)(rotated)
+    error = {name: float(np.linalg.norm(x - block)) for name, x in (("plain", plain), ("rotated", rotated))}
+    assert error["rotated"] < error["plain"] / 2, error  # measured 15.1 against 34.7
+    sinks = block.copy()
+    RoundTrip(Scheme.parse("int4-g32-sinks4"), None)(sinks, start=2)
+    np.testing.assert_array_equal(sinks[:, :, :, :2], block[:, :, :, :2])  # positions 2, 3
+    assert not np.array_equal(sinks[:, :, :, 2:], block[:, :, :, 2:])
+    with pytest.raises(KvedgeError, match="needs calibrated scales"):
+        RoundTrip(Scheme(), None)

@@ -15,9 +15,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from click.testing import CliRunner
 
-from kvedge.calibrate.calibrate import builtin_prompts
+from kvedge.calibrate.calibrate import SUMMARIZE, builtin_prompts, document_prompts, prompt_ids
 from kvedge.calibrate.evaluate import evaluate
+from kvedge.cli import main
 from kvedge.contract import ExportRecipe
 from kvedge.export.source import default_gguf
 from kvedge.planner import estimate, footprint
@@ -122,6 +124,29 @@ def test_llama_cpp_q8_0_cache_comparison(smol):
     assert 0 <= row.kl_mean < 0.1 and row.top1_agreement >= 0.8
     assert q4.scheme.startswith("llama.cpp q4_0") and q4.kv_bytes_ratio == pytest.approx(18 / 128)
     assert q4.kl_mean > 0
+
+
+def test_eval_kv_at_a_context_length_reads_the_long_documents(smol, tmp_path):
+    """`eval-kv --context N`: each built-in document cut to a prompt of N tokens (within a word),
+    one row per scheme and length; a length the export cannot hold is refused by name."""
+    out, _, _ = smol
+    model = Model(out)
+    prompts = document_prompts(model, 512)
+    lengths = [len(prompt_ids(model, p)) for p in prompts]
+    assert len(prompts) == 4 and all(500 <= n <= 512 for n in lengths), lengths
+    assert all(p["messages"][0]["content"].startswith(SUMMARIZE) for p in prompts)
+    report = tmp_path / "long.json"
+    args = ["eval-kv", "--model", str(out), "--limit", "1", "--tokens", "4", "--out", str(report)]
+    done = CliRunner().invoke(
+        main, [*args, "--context", "256", "--simulate", "int8-g32", "--simulate", "int4-g32"]
+    )
+    assert done.exit_code == 0, done.output
+    int8, int4 = json.loads(report.read_text())["schemes"]
+    assert int8["context"] == int4["context"] == 256
+    assert int4["kv_bytes_ratio"] == pytest.approx(18 / 128) and int4["kl_mean"] > int8["kl_mean"]
+    refused = CliRunner().invoke(main, [*args, "--context", "2048", "--simulate", "int4-g32"])
+    assert refused.exit_code != 0 and "--max-len of at least 2053" in refused.output
+    assert refused.exception is None or isinstance(refused.exception, SystemExit)
 
 
 CITY = {
