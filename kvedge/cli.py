@@ -402,6 +402,13 @@ def main(verbose: int) -> None:
     "all: every position.",
 )
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
+@click.option(
+    "--no-memory-check",
+    "no_memory_check",
+    is_flag=True,
+    help="Export even where the memory preflight finds less memory available than the export "
+    "certainly holds at once (the float32 model and its weights).",
+)
 @choice_option(
     "--variant",
     sorted(VARIANTS),
@@ -478,6 +485,7 @@ def export(
     max_len: int,
     logits: str,
     force: bool,
+    no_memory_check: bool,
     variant: str,
     precision: str,
     weights: str | None,
@@ -514,7 +522,7 @@ def export(
         kv_dtype=kv_dtype,
         kv_group_size=kv_group_size,
     )
-    manifest = export_model(source, out_dir, recipe, force=force)
+    manifest = export_model(source, out_dir, recipe, force=force, memory_check=not no_memory_check)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
     click.echo(
         f"wrote {out_dir} ({size / 2**20:.1f} MiB): {manifest.architecture}, "

@@ -63,6 +63,7 @@ from kvedge.export.graph import (
 from kvedge.export.graph.decoder import runtime_embeddings
 from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma4_variant
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
+from kvedge.export.memory import check_export_memory
 from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
 from kvedge.export.source import Source, load_hf, resolve_source
 from kvedge.files import human, new_folder
@@ -134,17 +135,21 @@ def export_model(
     options: ExportRecipe,
     loaded: tuple[Any, Any] | None = None,
     force: bool = False,
+    memory_check: bool = True,
 ) -> Manifest:
     """Export `source_path` (HF folder, GGUF file, or None for the default) into `out_dir`
     (`force`: replacing what is there).
 
     `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
-    variants from one load (the benchmark does); by default the source is loaded here. A quantized
+    variants from one load (the benchmark does); by default the source is loaded here, after the
+    memory preflight (`kvedge.export.memory`; `memory_check=False` skips it). A quantized
     source's blocks (GGUF, AWQ, GPTQ) are stored as they are where they fit (`read_source_blocks`).
     """
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
+    if loaded is None and memory_check:
+        check_export_memory(source, options.weights)
     blocks = read_source_blocks(source, options)
     model, tokenizer = loaded or load_hf(source)
     check_free_space(out, least_weight_bytes(model, options.weights), "at least")

@@ -1,0 +1,139 @@
+"""The export's memory preflight: before minutes of work, what the export must hold at once
+against what this process may still use, refused in one line where it cannot fit.
+
+The floor (`export_floor`) is a lower bound, never an estimate that may overshoot: the exporter
+holds the float32 model whole while it builds the graph (4 bytes a parameter), and the graph's
+weights (at least the recipe's bits a parameter) exist beside it until the files are written.
+Measured peaks sit well above it: Qwen3-0.6B's shape, int8, 5.4 GiB over a floor of 2.8 GiB;
+Qwen3.5-0.8B's with a 49,152-token vocabulary, float32, 9.2 GiB over 4.1 GiB (the closing notes of
+issue 52). So a refused export would certainly have failed, and a passed one may still run short.
+
+What this process may use is the least of: MemAvailable, every enclosing cgroup's limit less its
+usage (v2 `memory.max`, v1 `memory.limit_in_bytes`), and the address-space limit (`ulimit -v`)
+less the address space already mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import resource
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvedge.contract.manifest import WEIGHT_FORMATS
+from kvedge.errors import KvedgeError
+from kvedge.export.source import Source
+from kvedge.files import human
+
+log = logging.getLogger(__name__)
+
+# tensors the export does not load: composite checkpoints' vision / audio towers, multi-token heads
+NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|vision_model|audio_tower|mtp|multi_modal_projector)\.")
+
+
+def source_parameters(source: Source) -> int:
+    """The decoder's parameter count from the files' headers alone (no weight is read): each
+    safetensors file's JSON header, or the GGUF's tensor table."""
+    if source.gguf_file:
+        import gguf  # the export extra's
+
+        reader = gguf.GGUFReader(source.folder / source.gguf_file)
+        return sum(int(t.n_elements) for t in reader.tensors)
+    count = 0
+    for path in source.files()[1:]:
+        with path.open("rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+        for name, tensor in header.items():
+            if name != "__metadata__" and not NOT_LOADED.search(name):
+                elements = 1
+                for n in tensor["shape"]:
+                    elements *= n
+                count += elements
+    return count
+
+
+def export_floor(parameters: int, weights: str) -> int:
+    """Bytes the export certainly holds at once: the float32 model plus the graph's weights."""
+    return parameters * 4 + parameters * WEIGHT_FORMATS[weights] // 8
+
+
+@dataclass(frozen=True)
+class Available:
+    bytes: int
+    what: str  # which limit it is
+
+
+def _kb(text: str, field: str) -> int | None:
+    found = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_room(root: Path, membership: str) -> list[Available]:
+    """Limit less usage of every cgroup enclosing this process that has a memory limit."""
+    found = []
+    for line in membership.splitlines():
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":  # v2: walk up from our group to the root
+            files, folder = ("memory.max", "memory.current"), root / path.lstrip("/")
+        elif "memory" in controllers.split(","):  # v1
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            folder = root / "memory" / path.lstrip("/")
+        else:
+            continue
+        while True:
+            limit, usage = (_read(folder / name) for name in files)
+            if limit and limit.isdigit() and usage and usage.isdigit() and int(limit) < 2**60:
+                found.append(Available(int(limit) - int(usage), f"cgroup {folder}'s limit less its usage"))
+            if folder == root or root not in folder.parents:
+                break
+            folder = folder.parent
+    return found
+
+
+def available_memory(
+    meminfo: Path = Path("/proc/meminfo"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    membership: Path = Path("/proc/self/cgroup"),
+    status: Path = Path("/proc/self/status"),
+) -> Available | None:
+    """What this process may still allocate (the module docstring), or None where nothing says."""
+    found = []
+    available = _kb(_read(meminfo) or "", "MemAvailable")
+    if available is not None:
+        found.append(Available(available, "MemAvailable"))
+    found += _cgroup_room(cgroup_root, _read(membership) or "")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = _kb(_read(status) or "", "VmSize")
+    if soft != resource.RLIM_INFINITY and mapped is not None:
+        found.append(Available(soft - mapped, "ulimit -v less what is mapped"))
+    return min(found, key=lambda a: a.bytes) if found else None
+
+
+def check_export_memory(source: Source, weights: str, available: Available | None = None) -> None:
+    """Refuse, in one line, an export whose floor exceeds what this process may use."""
+    parameters = source_parameters(source)
+    floor = export_floor(parameters, weights)
+    room = available or available_memory()
+    log.info(
+        "memory preflight: %s parameters, at least %s held at once; %s",
+        f"{parameters:,}",
+        human(floor),
+        f"{human(room.bytes)} available ({room.what})" if room else "no limit found",
+    )
+    if room is not None and floor > room.bytes:
+        raise KvedgeError(
+            f"the export needs at least {human(floor)} of memory (the float32 model of {parameters:,} "
+            f"parameters and its {weights} weights, held together), and {human(max(room.bytes, 0))} is "
+            f"available ({room.what}); pass --no-memory-check to try anyway"
+        )

@@ -1,0 +1,146 @@
+"""The export's memory preflight (`kvedge.export.memory`): parameters counted from the files'
+headers, the floor of what an export holds at once, and what this process may use (MemAvailable,
+cgroup limits, ulimit -v); a 3B export refused under a 6 GiB address-space limit in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvedge.export.memory import (
+    Available,
+    available_memory,
+    check_export_memory,
+    export_floor,
+    source_parameters,
+)
+from kvedge.export.source import resolve_source
+
+GIB = 2**30
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def llama_shapes(a: dict) -> dict[str, list[int]]:
+    """The tensors of a Llama checkpoint with `a`'s sizes (a configs/models architecture)."""
+    h, d, kv = a["hidden_size"], a["head_dim"], a["num_kv_heads"]
+    shapes = {"model.embed_tokens.weight": [a["vocab_size"], h], "model.norm.weight": [h]}
+    for i in range(a["num_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": [a["num_heads"] * d, h],
+                p + "self_attn.k_proj.weight": [kv * d, h],
+                p + "self_attn.v_proj.weight": [kv * d, h],
+                p + "self_attn.o_proj.weight": [h, a["num_heads"] * d],
+                p + "mlp.gate_proj.weight": [a["intermediate_size"], h],
+                p + "mlp.up_proj.weight": [a["intermediate_size"], h],
+                p + "mlp.down_proj.weight": [h, a["intermediate_size"]],
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+            }
+        )
+    return shapes
+
+
+def sparse_checkpoint(folder: Path, name: str) -> int:
+    """A folder whose model.safetensors has `name`'s real shapes in bfloat16 and no data written
+    (a sparse file: the header is all the preflight reads); returns the model's param_count."""
+    card = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    a = card["architecture"]
+    header, offset = {}, 0
+    for tensor, shape in llama_shapes(a).items():
+        size = 2 * math.prod(shape)
+        header[tensor] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    # a vision tower's tensor, as composite checkpoints have: not loaded, not counted
+    header["model.visual.blocks.0.attn.qkv.weight"] = {
+        "dtype": "BF16",
+        "shape": [8, 8],
+        "data_offsets": [offset, offset + 128],
+    }
+    offset += 128
+    folder.mkdir()
+    raw = json.dumps(header).encode()
+    with (folder / "model.safetensors").open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": a["hidden_size"],
+        "num_hidden_layers": a["num_layers"],
+        "num_attention_heads": a["num_heads"],
+        "num_key_value_heads": a["num_kv_heads"],
+        "head_dim": a["head_dim"],
+        "intermediate_size": a["intermediate_size"],
+        "vocab_size": a["vocab_size"],
+        "tie_word_embeddings": a["tie_word_embeddings"],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return a["param_count"]
+
+
+def test_parameters_are_counted_from_the_headers_alone(tmp_path):
+    count = sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
+    assert source_parameters(resolve_source(tmp_path / "llama3b")) == count == 3_212_749_824
+    assert source_parameters(resolve_source(None)) == 134_515_008  # SmolLM2's GGUF tensor table
+    assert export_floor(count, "int4") == count * 4 + count // 2
+    assert export_floor(count, "float32") == count * 8
+
+
+def test_what_this_process_may_use_is_the_least_of_every_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:   12000000 kB\n")
+    root = tmp_path / "cgroup"
+    leaf = root / "a" / "b"
+    leaf.mkdir(parents=True)
+    (root / "a" / "memory.max").write_text(f"{6 * GIB}\n")  # the limit is the parent's
+    (root / "a" / "memory.current").write_text(f"{GIB}\n")
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text(f"{GIB}\n")
+    membership = tmp_path / "self_cgroup"
+    membership.write_text("0::/a/b\n")
+    found = available_memory(meminfo, root, membership, tmp_path / "none")
+    assert found == Available(5 * GIB, f"cgroup {root / 'a'}'s limit less its usage")
+    membership.write_text("4:memory:/a/b\n")  # cgroup v1
+    (root / "memory" / "a").mkdir(parents=True)
+    (root / "memory" / "a" / "memory.limit_in_bytes").write_text(f"{4 * GIB}\n")
+    (root / "memory" / "a" / "memory.usage_in_bytes").write_text(f"{GIB}\n")
+    assert available_memory(meminfo, root, membership, tmp_path / "none").bytes == 3 * GIB
+    membership.write_text("")
+    assert available_memory(meminfo, root, membership, tmp_path / "none") == Available(
+        12000000 * 1024, "MemAvailable"
+    )
+
+
+def test_an_export_over_the_available_memory_is_refused_in_one_line(tmp_path):
+    sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
+    source = resolve_source(tmp_path / "llama3b")
+    with pytest.raises(
+        Exception, match=r"needs at least 13\.46 GiB .*, and 6\.00 GiB is available \(a test\)"
+    ):
+        check_export_memory(source, "int4", Available(6 * GIB, "a test"))
+    check_export_memory(source, "int4", Available(14 * GIB, "a test"))  # passes: loads nothing
+
+
+def test_a_3b_export_under_a_6_gib_ulimit_is_refused_before_loading(tmp_path):
+    """The real limit, the real CLI: `ulimit -v 6 GiB`, then `kvedge export` of a 3B checkpoint."""
+    sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
+    export = f"{sys.executable} -m kvedge export {tmp_path / 'llama3b'} --weights int4 --out {tmp_path / 'x'}"
+    command = f"ulimit -v {6 * 2**20}; exec {export}"
+    done = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "needs at least 13.46 GiB" in errors[0], done.stderr
+    assert "(ulimit -v less what is mapped)" in errors[0] and "--no-memory-check" in errors[0]
+    assert not (tmp_path / "x").exists()
