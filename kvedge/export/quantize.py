@@ -70,6 +70,7 @@ from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
+from tqdm import tqdm
 
 from kvedge.contract import OUTLIER_CHANNELS
 from kvedge.errors import KvedgeError
@@ -399,7 +400,8 @@ def input_outliers(
     handles = [m.register_forward_pre_hook(record(n)) for n, m in linears]
     try:
         with torch.no_grad():
-            for ids in token_ids:
+            # minutes at a billion parameters: the bar shows the phase and its pace
+            for ids in tqdm(token_ids, desc="export channel calibration", unit="prompt"):
                 model(torch.tensor([ids]), use_cache=False)
     finally:
         for handle in handles:
