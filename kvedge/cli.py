@@ -1193,6 +1193,18 @@ def calibrate(
     )
 
 
+def echo_quality(results: list[Any]) -> None:
+    """eval-kv's table: one row per scheme and context length."""
+    click.echo(
+        f"{'scheme':<56} {'context':>7} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}"
+    )
+    for r in results:
+        click.echo(
+            f"{r.scheme:<56} {r.context or 'chat':>7} {r.kl_mean:9.5f} {r.kl_p99:9.5f} "
+            f"{r.top1_agreement:7.2%} {r.greedy_match_mean:7.1f} {r.kv_bytes_ratio:6.3f}"
+        )
+
+
 @main.command("eval-kv")
 @model_option
 @click.option(
@@ -1316,14 +1328,7 @@ def eval_kv(
             weights_models=weights_models,
         )
     ]
-    click.echo(
-        f"{'scheme':<56} {'context':>7} {'KL mean':>9} {'KL p99':>9} {'top-1':>7} {'greedy':>7} {'bytes':>6}"
-    )
-    for r in results:
-        click.echo(
-            f"{r.scheme:<56} {r.context or 'chat':>7} {r.kl_mean:9.5f} {r.kl_p99:9.5f} "
-            f"{r.top1_agreement:7.2%} {r.greedy_match_mean:7.1f} {r.kv_bytes_ratio:6.3f}"
-        )
+    echo_quality(results)
     if json_path:
         payload = {
             "prompts": len(sets[0][1]),

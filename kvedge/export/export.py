@@ -141,17 +141,14 @@ def export_model(
     (`force`: replacing what is there).
 
     `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
-    variants from one load (the benchmark does); by default the source is loaded here, after the
-    memory preflight (`kvedge.export.memory`; `memory_check=False` skips it). A quantized
-    source's blocks (GGUF, AWQ, GPTQ) are stored as they are where they fit (`read_source_blocks`).
-    """
+    variants from one load (the benchmark does); by default it is loaded here after the memory
+    preflight (`memory_check`: `kvedge.export.memory`). A quantized source's blocks (GGUF, AWQ,
+    GPTQ) are stored as they are where they fit (`read_source_blocks`)."""
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
-    if loaded is None and memory_check:
-        check_export_memory(source, options.weights)
     blocks = read_source_blocks(source, options)
-    model, tokenizer = loaded or load_hf(source)
+    model, tokenizer = loaded or _load(source, options, memory_check)
     check_free_space(out, least_weight_bytes(model, options.weights), "at least")
     config = model.config
     geometry = geometry_from_config(config, options.max_len, options.variant).with_dtype(
@@ -240,6 +237,13 @@ def save_per_layer(folder: Path, rows: np.ndarray) -> PerLayerTable:
     with open(path, "rb") as handle:
         first = hashlib.sha256(handle.read(STORED_CHECK_BYTES)).hexdigest()
     return PerLayerTable(PER_LAYER_FILE, rows.dtype.name, tuple(rows.shape), first)
+
+
+def _load(source: Source, options: ExportRecipe, memory_check: bool) -> tuple[Any, Any]:
+    """(model, tokenizer) of `source` in float32, after the memory preflight unless skipped."""
+    if memory_check:
+        check_export_memory(source, options.weights)
+    return load_hf(source)
 
 
 def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | PackedWeights | None:

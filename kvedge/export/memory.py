@@ -4,9 +4,8 @@ against what this process may still use, refused in one line where it cannot fit
 The floor (`export_floor`) is a lower bound, never an estimate that may overshoot: the exporter
 holds the float32 model whole while it builds the graph (4 bytes a parameter), and the graph's
 weights (at least the recipe's bits a parameter) exist beside it until the files are written.
-Measured peaks sit well above it: Qwen3-0.6B's shape, int8, 5.4 GiB over a floor of 2.8 GiB;
-Qwen3.5-0.8B's with a 49,152-token vocabulary, float32, 9.2 GiB over 4.1 GiB (the closing notes of
-issue 52). So a refused export would certainly have failed, and a passed one may still run short.
+Measured peaks sit about twice as high (docs/PERFORMANCE.md, "Memory"), so a refused export would
+certainly have failed, and a passed one may still run short.
 
 What this process may use is the least of: MemAvailable, every enclosing cgroup's limit less its
 usage (v2 `memory.max`, v1 `memory.limit_in_bytes`), and the address-space limit (`ulimit -v`)
