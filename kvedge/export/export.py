@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
-from onnx.external_data_helper import set_external_data
+from onnx.external_data_helper import (
+    convert_model_to_external_data,
+    save_external_data,
+    set_external_data,
+    uses_external_data,
+)
 from tqdm import tqdm
 
 from kvedge.contract import (
@@ -610,9 +615,18 @@ def save_onnx(model: onnx.ModelProto, folder: Path, embeds: bool = False) -> lis
         for tensor in g.initializer:
             if tensor.name in head:
                 set_external_data(tensor, data.name)
-    onnx.save_model(
-        model, graph, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name
-    )
+    # onnx.save_model's own steps, the tensors written one by one under a progress bar (gigabytes
+    # at a billion parameters): onnx's default threshold keeps tensors under 1 KiB in the graph
+    convert_model_to_external_data(model, all_tensors_to_one_file=True, location=data.name)
+    tensors = [t for g in all_graphs(model.graph) for t in g.initializer if uses_external_data(t)]
+    total = sum(len(t.raw_data) for t in tensors)
+    with tqdm(total=total, desc="export write", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+        for tensor in tensors:
+            if tensor.HasField("raw_data"):
+                bar.update(len(tensor.raw_data))
+                save_external_data(tensor, str(folder))
+                tensor.ClearField("raw_data")
+    onnx.save_model(model, graph)
     data.chmod(graph.stat().st_mode & 0o777)  # onnx creates it owner-only; a service user reads both
     return [graph, data]
 
