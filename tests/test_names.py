@@ -41,6 +41,7 @@ OLD_NAMES = {
     "load_device": "load_board",
     "device_budget": "board_budget",
     "DeviceInfo": "GpuInfo",
+    "EngineFailed": "SchedulerFailed",  # "engine" is a TensorRT engine only
 }
 OLD_MODULES = {
     "kvedge.serve.engine": "kvedge.serve.scheduler",

@@ -1,4 +1,5 @@
-"""Warm prefixes: the KV of fixed prompts, computed once and kept on disk across reboots.
+"""Prefixes: the `.kvw` file (a prompt's KV on disk across reboots, for the warm prefixes and the
+run-time store's disk tier alike) and the run-time prefix store in memory (`RunTimePrefixStore`).
 
 Warm file (`<name>.kvw`, one per prefix)::
 

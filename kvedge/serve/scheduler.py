@@ -64,7 +64,7 @@ class ShuttingDown(Exception):
     """The job was cut off because the server is shutting down."""
 
 
-class EngineFailed(Exception):
+class SchedulerFailed(Exception):
     """The job was cut off because the scheduler thread failed (the service then exits)."""
 
 
@@ -247,7 +247,7 @@ class Scheduler:
         except BaseException as exc:
             log.critical("the scheduler thread failed; the service stops", exc_info=exc)
             self.state, self.failure = "failed", f"the scheduler thread failed: {exc!r}"
-            self._abandon(Event(text="", finish_reason="error", error=EngineFailed(str(exc))))
+            self._abandon(Event(text="", finish_reason="error", error=SchedulerFailed(str(exc))))
             self.on_failure()
         finally:
             try:

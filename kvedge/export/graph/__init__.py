@@ -8,7 +8,7 @@ The contract (declared from `kvedge.contract.GraphInterface`, names from `IOName
 
     inputs  input_ids      [b, s]                     int64
             position_ids   [b, s]                     int64  (portable only: index into the RoPE tables)
-            past_lengths   [b]                        int64  (valid slots of each row's cache)
+            past_lengths   [b]                        int64  (valid positions of each row's cache)
             last_index     [b] ("last"), [b, r] ("rows") int64  (not when logits="all")
             past K/V per layer [b, kv_heads, L, d]    L = max_len, fixed
     outputs logits         [b, 1 | r | s, vocab] ("last" | "rows" | "all")
@@ -37,7 +37,7 @@ makes the work follow the valid length, not max_len; the price is a copy of the 
 `ort` (opset 17 + com.microsoft; 21 with quantized weights): onnxruntime's GroupQueryAttention
 with packed QKV, rotary applied inside the op from the same cos/sin tables, and the past buffer
 bound as both input and output (`past_present_share_buffer`), so the new K/V are written into
-the cache in place and attention reads only the valid slots::
+the cache in place and attention reads only the valid positions::
 
     seqlens_k              = past_lengths + s - 1                    [b] int32
     total_sequence_length  = max(past_lengths) + s                   scalar int32
@@ -94,7 +94,7 @@ full rotary over a permuted head (`rotary_frequencies`); SmolLM3's layers withou
 rotation (portable), run GroupQueryAttention with do_rotary=0, or give the INT8 kernel tables of
 angle 0. Gemma 3's (1 + w) norms are folded into the weights, its extra norms and GELU-tanh are
 ops around attention; its sliding-window layers are where attention differs: the portable graph
-reads them from ring-buffer caches of window + margin slots through a mask derived from the valid
+reads them from ring-buffer caches of window + margin positions through a mask derived from the valid
 length (`portable.PortableAttention._ring`, docs/design/kv-contract.md "Ring-buffer layers"), the ort graph
 keeps them full length with GroupQueryAttention's local_window_size, or over the INT8 cache the
 kernel's attribute of the same name and meaning; all with their own RoPE tables.
