@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvedge.errors import KvedgeError
 from kvedge.export.memory import (
     Available,
     available_memory,
@@ -125,7 +126,7 @@ def test_an_export_over_the_available_memory_is_refused_in_one_line(tmp_path):
     sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
     source = resolve_source(tmp_path / "llama3b")
     with pytest.raises(
-        Exception, match=r"needs at least 13\.46 GiB .*, and 6\.00 GiB is available \(a test\)"
+        KvedgeError, match=r"needs at least 13\.46 GiB .*, and 6\.00 GiB is available \(a test\)"
     ):
         check_export_memory(source, "int4", Available(6 * GIB, "a test"))
     check_export_memory(source, "int4", Available(14 * GIB, "a test"))  # passes: loads nothing
@@ -144,3 +145,12 @@ def test_a_3b_export_under_a_6_gib_ulimit_is_refused_before_loading(tmp_path):
     assert len(errors) == 1 and "needs at least 13.46 GiB" in errors[0], done.stderr
     assert "(ulimit -v less what is mapped)" in errors[0] and "--no-memory-check" in errors[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_cut_inside_its_header_is_refused_by_name(tmp_path):
+    sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
+    weights = tmp_path / "llama3b" / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(4096)  # the download stopped inside the JSON header
+    with pytest.raises(KvedgeError, match=r"llama3b: not a complete safetensors file \(JSONDecodeError"):
+        check_export_memory(resolve_source(tmp_path / "llama3b"), "int4", Available(64 * GIB, "a test"))

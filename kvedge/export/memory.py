@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvedge.contract.manifest import WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
-from kvedge.export.source import Source
+from kvedge.export.source import CUT_FILE, Source, incomplete
 from kvedge.files import human
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,14 @@ NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|vision_model|audio_tower|mt
 
 def source_parameters(source: Source) -> int:
     """The decoder's parameter count from the files' headers alone (no weight is read): each
-    safetensors file's JSON header, or the GGUF's tensor table."""
+    safetensors file's JSON header, or the GGUF's tensor table; a file cut short is refused."""
+    try:
+        return _parameters(source)
+    except CUT_FILE as exc:  # json's errors are ValueErrors
+        raise incomplete(source, exc) from None
+
+
+def _parameters(source: Source) -> int:
     if source.gguf_file:
         import gguf  # the export extra's
 

@@ -85,6 +85,19 @@ def resolve_source(path: str | Path | None) -> Source:
 TEXT_PARTS = {"qwen3_5": "text_config", "gemma4": "text_config"}
 
 
+# the gguf reader walks the file's tensor table, safetensors' its JSON header: a cut file fails
+# as one of these
+CUT_FILE = (struct.error, ValueError, EOFError, OSError)
+
+
+def incomplete(source: Source, exc: BaseException) -> KvedgeError:
+    """The one-line error for a source file cut short (a download that stopped)."""
+    return KvedgeError(
+        f"{source.description}: not a complete {'GGUF' if source.gguf_file else 'safetensors'} file "
+        f"({type(exc).__name__}: {str(exc)[:120]}); download it again"
+    )
+
+
 def check_architecture(config: Any) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -100,14 +113,10 @@ def load_hf(source: Source) -> tuple[Any, Any]:
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(source.folder, **kwargs)
-    except (struct.error, ValueError, EOFError, OSError) as exc:
+    except CUT_FILE as exc:
         if not source.gguf_file:
             raise
-        # the gguf reader walks the file's tensor table: a cut file fails as one of these
-        raise KvedgeError(
-            f"{source.description}: not a complete GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
-            "download it again"
-        ) from None
+        raise incomplete(source, exc) from None
     composite = TEXT_PARTS.get(getattr(config, "model_type", None))
     if composite:  # its text decoder; transformers maps the checkpoint's language_model tensors
         config = getattr(config, composite)
