@@ -6,11 +6,12 @@ transformers or onnx; PyPI's aarch64 torch does not run on L4T).
     rsync -a device_artifacts/ orin:/opt/kvedge/device_artifacts/      # the line it prints
     device_tests/run.sh device_artifacts        # on the device, in /opt/kvedge
 
-The folder: one kvedge export per entry of EXPORTS (each from the same tiny random llama,
-`tests/tiny.py`, family and seed in SOURCE), `pool_reader.onnx` (test_pool_placement's one-node
-ReduceSum graph) and `index.json`:
+The folder: one kvedge export per entry of EXPORTS, each from a tiny random model of
+`tests/tiny.py` (SOURCES: family and seed; a tiny llama, or for the hybrid models' tests one of
+each hybrid family, `source_of`), `pool_reader.onnx` (test_pool_placement's one-node ReduceSum
+graph) and `index.json`:
 
-    {"format": FORMAT, "kvedge": <version>, "source": SOURCE, "exports": {<name>: <recipe>},
+    {"format": FORMAT, "kvedge": <version>, "sources": SOURCES, "exports": {<name>: <recipe>},
      "files": {"pool_reader": "pool_reader.onnx"}}
 
 A test takes its copy of an artifact (`take`): from $KVEDGE_DEVICE_ARTIFACTS where set (an index
@@ -32,15 +33,23 @@ from pathlib import Path
 
 ENV = "KVEDGE_DEVICE_ARTIFACTS"
 TARGET = "make device-artifacts"
-FORMAT = 1
+FORMAT = 2
 INDEX_FILE = "index.json"
-SOURCE = {"family": "llama", "seed": 0}
-EXPORTS = {  # name -> ExportRecipe options
+# the tiny models the exports are made from: a llama, and one model of each hybrid family (seed 4,
+# as tests/test_hybrid.py's)
+SOURCES = {
+    "llama": {"family": "llama", "seed": 0},
+    "lfm2": {"family": "lfm2", "seed": 4},
+    "qwen3_5": {"family": "qwen3_5", "seed": 4},
+}
+EXPORTS = {  # name -> ExportRecipe options; an export named "<SOURCES key>-..." is of that model
     "portable-2048": {"max_len": 2048},
     "ort16-2048": {"max_len": 2048, "variant": "ort", "kv_dtype": "float16"},
     "portable-128": {"max_len": 128},
     "float16-128": {"max_len": 128, "precision": "float16"},
     "float16-2048": {"max_len": 2048, "precision": "float16"},
+    "lfm2-256": {"max_len": 256},
+    "qwen3_5-256": {"max_len": 256},
 }
 POOL_READER = "pool_reader.onnx"
 FILES = {"pool_reader": POOL_READER}
@@ -74,12 +83,22 @@ def take(name: str, into: Path) -> Path:
             f"{folder}/{INDEX_FILE} has {name} as {index['exports'].get(name)}, this checkout's recipe is "
             f"{EXPORTS[name]}: remake the folder with `{TARGET}` from this checkout"
         )
+    if name in EXPORTS and (made := index["sources"].get(source_of(name))) != SOURCES[source_of(name)]:
+        raise ValueError(
+            f"{folder}/{INDEX_FILE} made {name} from {made}, this checkout from "
+            f"{SOURCES[source_of(name)]}: remake the folder with `{TARGET}` from this checkout"
+        )
     copy = into / name
     if (Path(folder) / name).is_dir():
         shutil.copytree(Path(folder) / name, copy)
     else:
         shutil.copyfile(Path(folder) / name, copy)
     return copy
+
+
+def source_of(name: str) -> str:
+    """The SOURCES key export `name` is made from."""
+    return next((key for key in SOURCES if name.startswith(f"{key}-")), "llama")
 
 
 def _index(folder: Path) -> dict:
@@ -101,18 +120,18 @@ def make_one(name: str, into: Path) -> Path:
     from kvedge.contract import ExportRecipe
     from kvedge.export.export import export_model
 
-    export_model(_source(into), out, ExportRecipe(**EXPORTS[name]))
+    export_model(_source(into, source_of(name)), out, ExportRecipe(**EXPORTS[name]))
     return out
 
 
-def _source(into: Path) -> Path:
-    """The tiny Hugging Face model, made once per folder."""
-    hf = into / "hf"
+def _source(into: Path, key: str) -> Path:
+    """The tiny Hugging Face model SOURCES[key], made once per folder."""
+    hf = into / f"hf-{key}"
     if not hf.exists():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from tiny import make_tiny_model
 
-        make_tiny_model(hf, SOURCE["family"], seed=SOURCE["seed"])
+        make_tiny_model(hf, SOURCES[key]["family"], seed=SOURCES[key]["seed"])
     return hf
 
 
@@ -146,8 +165,9 @@ def make(out: Path) -> Path:
     out.mkdir(parents=True)
     for name in [*EXPORTS, POOL_READER]:
         make_one(name, out)
-    shutil.rmtree(out / "hf")
-    index = {"format": FORMAT, "kvedge": __version__, "source": SOURCE, "exports": EXPORTS, "files": FILES}
+    for key in SOURCES:
+        shutil.rmtree(out / f"hf-{key}")
+    index = {"format": FORMAT, "kvedge": __version__, "sources": SOURCES, "exports": EXPORTS, "files": FILES}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return out
 

@@ -29,7 +29,8 @@
 # at context 1536 vs 64 with and without a CUDA graph, GPU memory vs the planner, models opened and
 # closed in turn, the cache read from mapped vs device memory at 64 / 1536 tokens
 # (test_pool_placement.py), decode at 64 / 1536 with the pool mapped and with `--kv-memory
-# device` (onnxruntime and TensorRT); the TensorRT engine tests. The JSON report goes to
+# device` (onnxruntime and TensorRT); the TensorRT engine tests; the hybrid models (LFM2,
+# Qwen3.5: their states bound as the pool) on CUDA and TensorRT vs the CPU. The JSON report goes to
 # ${KVEDGE_DEVICE_REPORT:-device_report.json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."

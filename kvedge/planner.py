@@ -583,7 +583,7 @@ def refusal(model: ModelFootprint, device: str, kv_dtype: str) -> str | None:
     made = model.form or model.manifest
     if made is None:
         return None
-    return device_refusal(device, made.variant, kv_dtype, model.logits, bool(model.geometry.states))
+    return device_refusal(device, made.variant, kv_dtype, model.logits)
 
 
 def make_plan(
@@ -920,9 +920,9 @@ def _implied(old: ExportRecipe, new: ExportRecipe, attr: str) -> bool:
 
 def device_forms(base: ExportRecipe, device: str, states: bool = False) -> list[ExportRecipe]:
     """Every form `kvedge export` makes of `base` choosing its variant, precision, weights, head
-    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`, for a model
-    with per-slot `states` too); `base`'s max_len, logits, block size, kept channels and decode
-    matmuls stay where they apply."""
+    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`; a model with
+    per-slot `states` has float32-compute forms only, as its export does); `base`'s max_len,
+    logits, block size, kept channels and decode matmuls stay where they apply."""
     found: dict[tuple, ExportRecipe] = {}
     for variant, precision, weights, head_bits, kv in itertools.product(
         VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 4), EXPORTED_KV_DTYPES
@@ -942,7 +942,9 @@ def device_forms(base: ExportRecipe, device: str, states: bool = False) -> list[
             )
         except KvedgeError:  # a combination export refuses
             continue
-        if device_refusal(device, variant, kv, form.logits, states) is None:
+        if states and form.half:  # `check_states`: per-slot states are built for float32 graphs
+            continue
+        if device_refusal(device, variant, kv, form.logits) is None:
             found.setdefault((variant, precision, weights, form.lm_head_bits, kv), form)
     return list(found.values())
 
@@ -1157,12 +1159,12 @@ def describe_recommendation(
 
 
 def model_refusal(model: ModelFootprint | ModelRecipe | str | Path, device: str) -> str | None:
-    """Why `device` runs no form of `model` at all (a hybrid's per-slot states on a GPU), or None:
-    then `recommend` has nothing for it whatever the budget."""
+    """Why `device` runs no form of `model` at all (its logits, say, where TensorRT refuses them),
+    or None: then `recommend` has nothing for it whatever the budget."""
     fp = footprint(model)
     if device_forms(ExportRecipe(max_len=fp.geometry.max_len), device, bool(fp.geometry.states)):
         return None
-    return device_refusal(device, "portable", fp.geometry.dtype, fp.logits, bool(fp.geometry.states))
+    return device_refusal(device, "portable", fp.geometry.dtype, fp.logits)
 
 
 def _budget(profile: str | None, budget: str | None, reserve: str | None) -> Budget:

@@ -137,13 +137,17 @@ def test_take_copies_an_export_that_runs_and_refuses_another_recipe(folder, tmp_
     changed.mkdir()
     for name, recipe, fmt, wanted in (
         ("portable-128", {"max_len": 64}, artifacts.FORMAT, "this checkout's recipe is {'max_len': 128}"),
-        ("portable-128", artifacts.EXPORTS["portable-128"], 99, "format 99, this checkout reads format 1"),
+        ("portable-128", artifacts.EXPORTS["portable-128"], 99, "format 99, this checkout reads format 2"),
     ):
         moved = {**index, "format": fmt, "exports": {**index["exports"], name: recipe}}
         (changed / artifacts.INDEX_FILE).write_text(json.dumps(moved))
         monkeypatch.setenv(artifacts.ENV, str(changed))
         with pytest.raises(ValueError, match=re.escape(wanted)):
             artifacts.take(name, tmp_path / str(fmt))
+    moved = {**index, "sources": {**index["sources"], "qwen3_5": {"family": "qwen3_5", "seed": 5}}}
+    (changed / artifacts.INDEX_FILE).write_text(json.dumps(moved))
+    with pytest.raises(ValueError, match=re.escape("made qwen3_5-256 from {'family': 'qwen3_5', 'seed': 5}")):
+        artifacts.take("qwen3_5-256", tmp_path / "sources")
 
 
 def test_make_replaces_only_an_artifacts_folder(tmp_path):

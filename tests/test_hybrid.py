@@ -216,8 +216,6 @@ def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
     assert "per-slot states" in model.speculation_refusal()
     with pytest.raises(KvedgeError, match="history_policy 'window'.*per-slot states"):
         Model(hybrid.out, policy=HistoryPolicy(mode="window", n_sink=2, evict_chunk=16))
-    with pytest.raises(KvedgeError, match="--device cuda does not run per-slot states"):
-        Model(hybrid.out, device="cuda")
     from cuda_standin import CudaRuntime
 
     from kvedge.runtime.backends.cuda import DeviceMemory
@@ -227,6 +225,58 @@ def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
     with pytest.raises(KvedgeError, match="--kv-memory device does not hold per-slot states"):
         KVCache(Manifest.load(hybrid.out).geometry, 1, DeviceMemory(cuda))
     assert cuda.device == {}  # what it allocated before refusing went back
+
+
+def test_the_cuda_binding_plan_binds_the_states_where_they_are(hybrid):
+    """onnxruntime's CUDA provider binds each state layer's past state as it binds the pool: by
+    pointer, on the device, at its mapped address (the states are page-locked and mapped as the
+    pool is, 256-byte aligned at every slot); the new states go to step buffers on the device
+    (decode, verify) or per-call host arrays (prefill). No GPU here: the plan is pure, the
+    mapping is cuda_standin's, and opening the model gets as far as the missing provider."""
+    from cuda_standin import CudaRuntime
+
+    from kvedge.runtime.backends.cuda import MappedHost
+    from kvedge.runtime.backends.memory import check_alignment
+    from kvedge.runtime.backends.ort import CALL, POOL, STEP, binding_plan
+    from kvedge.runtime.cache import KVCache
+
+    manifest = Manifest.load(hybrid.out)
+    names = manifest.names
+    past = {spec.name for spec in manifest.interface.states(names.past_state)}
+    present = {spec.name for spec in manifest.interface.states(names.present_state)}
+    assert past and present
+    if manifest.in_place:  # float32 GroupQueryAttention has no CUDA kernel: the variant's refusal
+        with pytest.raises(KvedgeError, match="--device cuda cannot run this 'ort'-variant export"):
+            binding_plan(manifest, "cuda", "decode", 1)
+        return
+    for phase, seq, out in (
+        ("decode", 1, (STEP, "cuda")),
+        ("verify", 4, (STEP, "cuda")),
+        ("prefill", 9, (CALL, "cpu")),
+    ):
+        plan = {b.name: b for b in binding_plan(manifest, "cuda", phase, 2, seq=seq, rows=seq)}
+        assert {(plan[name].buffer, plan[name].memory, plan[name].output) for name in past} == {
+            (POOL, "cuda", False)
+        }
+        assert {(plan[name].buffer, plan[name].memory) for name in present} == {out}
+    slots = 3
+    cuda = CudaRuntime()
+    host = MappedHost(cuda)
+    cache = KVCache(manifest.geometry, slots)
+    for first, count in ((0, slots), (1, 2), (2, 1)):
+        views = cache.state_views(first, count)
+        assert views.keys() == past
+        for name, view in views.items():
+            check_alignment(name, host.device_address(view), view, state=True)
+            plan = {b.name: b for b in binding_plan(manifest, "cuda", "decode", count)}
+            assert view.shape == plan[name].shape and view.flags.c_contiguous
+    assert len(cuda.registered) == len(cache.states)  # each state array page-locked once, whole
+    odd = np.zeros((2, 3, 7), np.float32)  # a state of 84 bytes a slot: the second slot misaligned
+    with pytest.raises(KvedgeError, match="a slot's state is 84 bytes, not a multiple of 256"):
+        check_alignment("past_conv.0", 0, odd, state=True)
+    host.close()
+    with pytest.raises(KvedgeError, match="CUDAExecutionProvider is not available here"):
+        Model(hybrid.out, device="cuda")
 
 
 def test_quantized_weights_stay_close(hybrid, tmp_path):

@@ -202,26 +202,19 @@ def test_plan_of_a_hybrid_export_prints_its_states(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["lfm2-1.2b", "lfm2.5-1.2b", "qwen3.5-0.8b", "qwen3.5-4b"])
-def test_a_hybrid_is_refused_on_cuda_and_planned_on_tensorrt_with_nothing_recommended(name):
-    """onnxruntime's CUDA provider does not bind per-slot states yet: on cuda a hybrid gets the
-    refusal, then its plan on the CPU. TensorRT binds them: the plan is TensorRT's, and nothing is
-    recommended there either, since only the float32 form's quality is known for a hybrid."""
-    text = plan_report(name, profile="orin-nano-8gb", device="cuda")
-    first, rest = text.split("\n\n", 1)
-    refusal = (
-        "--device cuda does not run per-slot states (LFM2's convolution and Qwen3.5's Gated "
-        "DeltaNet layers) yet; use --device tensorrt or cpu"
-    )
-    assert first.endswith(refusal)
-    assert rest.startswith("on --device cpu, which runs it:") and "states       " in rest
-    assert recommend("orin-nano-8gb", name, "cuda") is None
-    assert device_forms(footprint(name).form, "cuda", states=True) == []
-    assert device_forms(footprint(name).form, "tensorrt", states=True) != []
-    text = plan_report(name, profile="orin-nano-8gb", device="tensorrt")
-    assert "states       " in text and "does not run per-slot states" not in text
-    assert recommend("orin-nano-8gb", name, "tensorrt") is None
-    assert text.splitlines()[-1].startswith("recommended for orin-nano-8gb on --device tensorrt: nothing; ")
-    assert device_refusal("cpu", "portable", "float32", "last", states=True) is None
+@pytest.mark.parametrize("device", ["cuda", "tensorrt"])
+def test_a_hybrid_is_planned_on_the_gpu_with_nothing_recommended(name, device):
+    """onnxruntime's CUDA provider and TensorRT bind per-slot states as they bind the pool: the
+    plan is the device's, with the states beside the KV; its forms are float32-compute only (the
+    export builds no float16 graph with states), and nothing is recommended, since only the
+    float32 form's quality is known for a hybrid."""
+    text = plan_report(name, profile="orin-nano-8gb", device=device)
+    assert f"device       {device} (" in text and "states       " in text and "per-slot states" not in text
+    forms = device_forms(footprint(name).form, device, states=True)
+    assert forms and not [form for form in forms if form.half]
+    assert [form for form in device_forms(footprint(name).form, device) if form.half]
+    assert recommend("orin-nano-8gb", name, device) is None
+    assert text.splitlines()[-1].startswith(f"recommended for orin-nano-8gb on --device {device}: nothing; ")
 
 
 def test_a_hybrids_quantized_forms_count_as_unmeasured():

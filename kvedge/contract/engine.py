@@ -79,7 +79,7 @@ TENSORRT_FLAVOURS = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}
 OLDEST_TENSORRT = "10.3"
 
 
-def device_refusal(device: str, variant: str, kv_dtype: str, logits: str, states: bool = False) -> str | None:
+def device_refusal(device: str, variant: str, kv_dtype: str, logits: str) -> str | None:
     """Why `device` cannot run an export of graph `variant` over a `kv_dtype` cache returning
     `logits`, or None. The CPU runs every export. cuda: the portable graph, and of the in-place
     `ort` graphs only the float16-cache one: onnxruntime's CUDA GroupQueryAttention has float16 and
@@ -88,16 +88,10 @@ def device_refusal(device: str, variant: str, kv_dtype: str, logits: str, states
     the host and the present back every step. tensorrt: the portable graph (TensorRT's parser
     refuses the `ort` graph's onnxruntime ops) with "rows" or "last" logits ("all" is [batch, seq,
     vocab] for every prompt position, more than a small device holds). A graph with per-slot
-    `states` (hybrid models: LFM2, Qwen3.5) runs on the CPU and on TensorRT (`TrtBackend` binds
-    them as it binds the pool); onnxruntime's CUDA provider is not given them yet (`OrtBackend`
-    refuses them at load)."""
+    states (hybrid models: LFM2, Qwen3.5) runs wherever its variant does: every backend binds
+    them as it binds the pool."""
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not allowed; allowed: {list(DEVICES)}")
-    if states and device == "cuda":
-        return (
-            "--device cuda does not run per-slot states (LFM2's convolution and Qwen3.5's Gated "
-            "DeltaNet layers) yet; use --device tensorrt or cpu"
-        )
     if device == "cuda" and variant == "ort" and kv_dtype != CUDA_IN_PLACE_KV_DTYPE:
         if kv_dtype in QUANTIZED_KV_DTYPES:
             attention = "kvedge's INT8 attention kernel, CPU only"

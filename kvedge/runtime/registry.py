@@ -27,8 +27,7 @@ def open_backend(
     in one line naming what to install or build. `cuda_graph`: capture decode (cuda only)."""
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not supported; allowed: {list(DEVICES)}")
-    states = bool(manifest.geometry.states)
-    if refusal := device_refusal(device, manifest.variant, manifest.geometry.dtype, manifest.logits, states):
+    if refusal := device_refusal(device, manifest.variant, manifest.geometry.dtype, manifest.logits):
         raise KvedgeError(refusal)
     if device != "tensorrt":
         from kvedge.runtime.backends.ort import OrtBackend

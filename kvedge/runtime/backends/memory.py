@@ -64,14 +64,21 @@ def owned_mapping(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
     return root, root.__array_interface__["data"][0], len(buffer)
 
 
-def check_alignment(name: str, address: int, view: np.ndarray | DeviceArray | None = None) -> None:
+def check_alignment(
+    name: str, address: int, view: np.ndarray | DeviceArray | None = None, state: bool = False
+) -> None:
     """Refuse a bound address that is not a multiple of `ALIGNMENT`, naming the tensor; for a
-    pool `view` [slots, kv_heads, L, last] also the stride between its slots, so that a view of
-    any slot range is aligned too."""
+    pool `view` [slots, kv_heads, L, last] (or a per-slot `state`'s [slots, *shape]) also the
+    stride between its slots, so that a view of any slot range is aligned too."""
     if address % ALIGNMENT:
         raise KvedgeError(
             f"{name}: address {address:#x} is {address % ALIGNMENT} bytes past a {ALIGNMENT}-byte "
             "boundary; TensorRT and the CUDA kernels need every bound tensor aligned to it"
+        )
+    if view is not None and view.strides[0] % ALIGNMENT and state:
+        raise KvedgeError(
+            f"{name}: a slot's state is {view.strides[0]} bytes, not a multiple of {ALIGNMENT}, so "
+            "views at later slots would be misaligned on the GPU; run this model on --device cpu"
         )
     if view is not None and view.strides[0] % ALIGNMENT:
         _, heads, length, last = view.shape

@@ -39,7 +39,11 @@ both providers bind from and tests check without a GPU:
   memory is the GPU's own DRAM; on a discrete GPU every cache read crosses PCIe (correct, slow).
   Portable graphs and the float16-cache `ort` graph run on cuda (`cuda_refusal` says why the
   other in-place ones cannot); the latter's GroupQueryAttention writes the new K/V into the
-  mapped pool on the device, so nothing of the cache crosses per step in either direction.
+  mapped pool on the device, so nothing of the cache crosses per step in either direction. A
+  hybrid's per-slot states (`KVCache.state_views`) are bound as the pool's views are (page-locked,
+  mapped, 256-byte aligned at every slot); its new states go to decode's step buffers on the
+  device or to prefill's per-call host arrays, and `KVCache.write_states` copies them into the
+  slots.
 
 CUDA graph capture of decode (`cuda_graph=True`, cuda only): onnxruntime's CUDA EP option
 `enable_cuda_graph` captures a run and replays it at the same addresses and shapes; each decode
@@ -276,11 +280,6 @@ class OrtBackend:
             raise KvedgeError(refusal)
         if refusal := onnxruntime_window_refusal(manifest, ort.__version__):
             raise KvedgeError(refusal)
-        if manifest.geometry.states and provider != "cpu":
-            raise KvedgeError(
-                f"{manifest.model_type}'s per-slot states (convolution layers) run on --device cpu only "
-                "for now; use --device cpu"
-            )
         binding_plan(manifest, provider, "decode", 1)  # refuses what the provider cannot bind
         self.manifest = manifest
         self.provider = provider
@@ -317,6 +316,7 @@ class OrtBackend:
         self._step_names = [spec.name for spec in manifest.graph_inputs() if spec.layer is None]
         self.lookups = HostInputs.of(folder, manifest)  # None: the graph gathers all its own
         self._outputs = manifest.graph_outputs()
+        self._state_names = {spec.name for spec in manifest.graph_inputs() if spec.state}
         self._decode_bindings: dict[tuple, _KeptBinding] = {}
         self.max_decode_bindings = max_decode_bindings
         self._plans: dict[tuple, tuple[Bound, ...]] = {}  # `_plan`'s, by call shape
@@ -556,7 +556,8 @@ class OrtBackend:
             address = data_address(array)  # not array.ctypes.data: a ctypes object per call
         else:
             address = self.host.device_address(array)
-            check_alignment(bound.name, address, array if bound.buffer == POOL else None)
+            pool = array if bound.buffer == POOL else None
+            check_alignment(bound.name, address, pool, state=bound.name in self._state_names)
         args = (bound.name, bound.memory, 0, array.dtype, list(array.shape), address)
         (binding.bind_output if bound.output else binding.bind_input)(*args)
         return args

@@ -174,7 +174,7 @@ class TrtBackend:
             for template, view in zip(names.past(g.quantized), views, strict=True):
                 check_alignment(names.layer(template, i), self.host.device_address(view), view)
         for name, view in (states or {}).items():  # hybrid models: the states, bound in place too
-            check_alignment(name, self.host.device_address(view), view)
+            check_alignment(name, self.host.device_address(view), view, state=True)
 
     def verify_refusal(self) -> str | None:
         """Why this engine cannot verify a speculative step: the graph's reason
