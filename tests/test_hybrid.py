@@ -213,7 +213,10 @@ def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
     with pytest.raises(KvedgeError, match="--precision float16 is not built"):
         export_model(hybrid.source, tmp_path / "half", ExportRecipe(max_len=64, precision="float16"))
     model = hybrid.model()
-    assert "per-slot states" in model.speculation_refusal()
+    assert model.speculation_refusal() is None  # a partial take runs its kept tokens again
+    with pytest.raises(KvedgeError, match="keeps per-slot states, which a draft would have to rewind"):
+        model.load_draft(hybrid.out)
+    assert model.draft is None
     with pytest.raises(KvedgeError, match="history_policy 'window'.*per-slot states"):
         Model(hybrid.out, policy=HistoryPolicy(mode="window", n_sink=2, evict_chunk=16))
     from cuda_standin import CudaRuntime

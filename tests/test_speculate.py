@@ -63,6 +63,16 @@ CASES = [
     ("ort-f16", {"variant": "ort", "kv_dtype": "float16"}, "llama"),
     ("portable-half", {"variant": "portable", "precision": "float16"}, "llama"),
     ("gemma3-ring", {"variant": "portable"}, "gemma3"),
+    # per-slot states: a partial take runs its kept tokens again (`generate._roll_back`)
+    ("lfm2-portable", {"variant": "portable"}, "lfm2"),
+]
+# the other hybrid exports: tiny random Qwen3.5 models seldom repeat themselves, so prompt lookup
+# proposes next to nothing; `test_a_partial_take_carries_the_states_to_the_accepted_token`
+# proposes for them
+STATE_CASES = [
+    ("qwen3_5-ort", {"variant": "ort"}, "qwen3_5"),
+    ("qwen3_5-portable", {"variant": "portable"}, "qwen3_5"),
+    ("lfm2-ort", {"variant": "ort"}, "lfm2"),
 ]
 # a prompt that repeats, so lookup has something to propose from the first step
 PROMPT = random_ids(12, seed=3) * 3
@@ -74,18 +84,24 @@ def exports(tmp_path_factory):
     from tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("speculate")
-    sources = {family: make_tiny_model(root / f"hf-{family}", family) for family in ("llama", "gemma3")}
+    sources: dict[str, Path] = {}
     built: dict[str, object] = {}
+
+    def source(family: str) -> Path:
+        """The tiny HF folder of a family, made at its first use."""
+        if family not in sources:
+            sources[family] = make_tiny_model(root / f"hf-{family}", family)
+        return sources[family]
 
     def get(name: str):
         if name not in built:
-            fields, family = next((f, fam) for n, f, fam in CASES if n == name)
+            fields, family = next((f, fam) for n, f, fam in CASES + STATE_CASES if n == name)
             out = root / name
-            export_model(sources[family], out, ExportRecipe(max_len=MAX_LEN, **fields))
+            export_model(source(family), out, ExportRecipe(max_len=MAX_LEN, **fields))
             built[name] = out
         return built[name]
 
-    get.source = sources.__getitem__  # the tiny HF folder of a family
+    get.source = source
     return get
 
 
@@ -138,6 +154,9 @@ def test_greedy_identical_every_cache_kind(exports, name):
             tolerance = logprob_tolerance(model)
             for a, b in zip(plain_events, fast_events, strict=True):  # logprobs from the verify rows
                 assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
+                if a.token is None or a.token in model.manifest.eos_token_ids:  # the end: no logprobs
+                    assert not a.top_logprobs and not b.top_logprobs
+                    continue
                 assert a.top_logprobs[0][0] == b.top_logprobs[0][0]  # the runner-up may be a near tie
                 fast_top = dict(b.top_logprobs)
                 for token, logprob in a.top_logprobs:
@@ -151,6 +170,8 @@ def test_greedy_identical_every_cache_kind(exports, name):
                 np.testing.assert_array_equal(b.kv, a.kv)
                 np.testing.assert_array_equal(b.scales, a.scales)
                 continue
+            for kind, states in model.cache.states.items():  # a hybrid's: carried to the same position
+                np.testing.assert_allclose(states[:, 1], states[:, 0], atol=1e-4, err_msg=kind)
             if model.manifest.weights_dtype in ("int8", "int4"):
                 continue  # K/V differ by the matmuls' rounding (`logprob_tolerance`)
             # float32: sums in another order; float16: its rounding; int8: the same codes
@@ -160,8 +181,41 @@ def test_greedy_identical_every_cache_kind(exports, name):
     assert model.speculation_costs.share_s() > 0  # measured on the lookup turns' decode calls
 
 
+@pytest.mark.parametrize("name", [c[0] for c in STATE_CASES])
+@pytest.mark.usefixtures("no_loss_pauses")
+def test_a_partial_take_carries_the_states_to_the_accepted_token(exports, name, monkeypatch):
+    """A model with per-slot states under a proposer that knows the plain greedy reply and gets
+    every third proposal run's last token wrong: the partial takes run their kept tokens again
+    (`generate._roll_back`), and the reply, the slot's tokens, K/V and states equal plain
+    decoding's (float sums in another order: 1e-4)."""
+    with Model(exports(name), slots=2) as model:
+        ids = random_ids(20, seed=8)
+        plain, _, _ = run_turn(model, 0, ids, greedy(40, "off"))
+        calls = []
+
+        def proposals(self, history, k):
+            done = len(history) - len(ids)  # the reply's tokens so far, the pending one last
+            draft = list(plain[done : done + k])
+            if draft and len(calls) % 3 == 1:
+                draft[-1] = (draft[-1] + 1) % model.manifest.vocab_size
+            calls.append(len(draft))
+            return draft
+
+        monkeypatch.setattr(Lookup, "proposals", proposals)
+        fast, _, verifies = run_turn(model, 1, ids, greedy(40, "lookup"))
+    assert fast == plain
+    assert any(keep - 1 < proposed for proposed, keep in verifies)  # partial takes: rolled back
+    assert any(keep - 1 == proposed for proposed, keep in verifies)  # whole takes: the verify's states
+    n = model.cache.length(0)
+    assert model.cache.length(1) == n and list(model.cache.token_ids(1)) == list(model.cache.token_ids(0))
+    a, b = model.cache.view(0, 0, n), model.cache.view(1, 0, n)
+    np.testing.assert_allclose(b.kv, a.kv, atol=1e-4)
+    for kind, states in model.cache.states.items():
+        np.testing.assert_allclose(states[:, 1], states[:, 0], atol=1e-4, err_msg=kind)
+
+
 # ort graphs write K/V in place and verify a padded group row by row; portable ones in one call
-@pytest.mark.parametrize("name", ["ort-int8", "portable-f32", "gemma3-ring"])
+@pytest.mark.parametrize("name", ["ort-int8", "portable-f32", "gemma3-ring", "lfm2-portable"])
 @pytest.mark.usefixtures("no_loss_pauses")
 def test_batched_rows_equal_solo(exports, name):
     prompts = [PROMPT, random_ids(10, seed=5) * 2, random_ids(30, seed=7)]

@@ -783,11 +783,6 @@ class Manifest:
     def verify_refusal(self) -> str | None:
         """Why this graph cannot verify a speculative step (logits at several positions of a
         row in one call) giving the greedy replies of one-token decode steps, or None."""
-        if self.geometry.states:
-            return (
-                f"speculative decoding is off for {self.model_type}: its per-slot states (convolution "
-                "layers) would have to be rolled back to the accepted token, which is not built yet"
-            )
         if self.logits not in ("rows", "all"):
             return (
                 "speculative decoding needs logits at every proposed position, which this export's "

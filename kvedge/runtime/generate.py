@@ -656,12 +656,36 @@ def speculate_turns(
         result.events[turn] = events[-1]
         if len(events) > 1:
             result.earlier[turn] = events[:-1]
+    # a model with per-slot states: the verify's new states are those after every token given, so
+    # a row that kept fewer keeps none of the call and runs its kept tokens again (`_roll_back`)
+    partial = [bool(cache.states) and 0 < keep < len(row) for keep, row in zip(keeps, tokens, strict=True)]
     try:
-        _keep(cache, out, [turn.slot for turn in turns], input_ids, keeps)
+        _keep(
+            cache,
+            out,
+            [turn.slot for turn in turns],
+            input_ids,
+            [0 if p else k for p, k in zip(partial, keeps, strict=True)],
+        )
+        for turn, row, keep, again in zip(turns, tokens, keeps, partial, strict=True):
+            if again:
+                _roll_back(backend, cache, turn, row[:keep])
     except Exception as exc:
         for turn in turns:
             result.earlier.pop(turn, None)
             result.events[turn] = turn.finish("error", error=exc)
+
+
+def _roll_back(backend: Backend, cache: KVCache, turn: Turn, kept: list[int]) -> None:
+    """Make `kept` (the pending token and the proposals taken) valid in `turn`'s slot by running
+    them again: a state cannot be cut back to an earlier position the way a valid length can,
+    and the verify left the slot's states where they were before it (its new states went to
+    buffers of their own), so this call carries them exactly to the accepted position. Its
+    seconds are charged to the turn's speculation (`Adaptive.rolled_back`)."""
+    started = time.perf_counter()
+    prefill(backend, cache, turn.slot, [kept])
+    if turn.speculator is not None:
+        turn.speculator.rolled_back(time.perf_counter() - started)
 
 
 def verify(
@@ -684,6 +708,6 @@ def verify_rows(
     counts = np.array([len(row) for row in tokens], np.int64)  # [rows]
     # logits at every real position; padding's repeat the row's last real one
     rows = np.minimum(np.arange(input_ids.shape[1], dtype=np.int64)[None, :], counts[:, None] - 1)
-    return backend.run(
-        input_ids, positions, past_lengths, rows, cache.layer_views(first_slot, len(slots)), counts
-    ), input_ids
+    past = cache.layer_views(first_slot, len(slots))
+    states = cache.state_views(first_slot, len(slots))
+    return backend.run(input_ids, positions, past_lengths, rows, past, counts, states=states), input_ids

@@ -356,6 +356,12 @@ class Model:
         )
         try:
             check_same_tokenizer(self, draft_model)
+            if draft_model.manifest.geometry.states:
+                raise KvedgeError(
+                    f"draft {folder}: {draft_model.manifest.model_type} keeps per-slot states, which a "
+                    "draft would have to rewind after every rejected proposal; choose a draft without "
+                    "them (a dense model with this tokenizer), or speculate='lookup'"
+                )
         except BaseException:
             draft_model.close()
             raise

@@ -19,7 +19,11 @@ proposals d1..dk (`propose`)::
                into the pool, an in-place graph's sit beyond the valid length, masked by it and
                overwritten by the next write. Gemma 3's ring layers are portable-only, so nothing
                rejected reaches a ring either. The slot's token ids, the prefix store and warm
-               prefixes only ever see valid tokens.
+               prefixes only ever see valid tokens. A model with per-slot states (LFM2, Qwen3.5)
+               has no valid length to lower in them: the verify's new states (after all k + 1
+               tokens) are kept only when everything was taken; otherwise the slot's states are
+               still those at L, and the c tokens run again to carry them to L + c, charged to
+               the step (`Adaptive.rolled_back`).
 
 Adaptive k (`Adaptive`, every proposer's policy): k starts at `FIRST_LOOKUP` for prompt
 lookup and `FIRST_DRAFT` for a draft model, grows (to `MAX_DRAFT`) while every proposal is taken
@@ -318,6 +322,16 @@ class Adaptive:
         self.misses += 1
         if self.misses >= MISSES:
             self.pause, self.backoff, self.misses = self.backoff, min(MAX_PAUSE, 2 * self.backoff), 0
+
+    def rolled_back(self, seconds: float) -> None:
+        """The last verify's kept tokens were run again (a model with per-slot states:
+        `kvedge.runtime.generate.speculate_turns`), taking `seconds` more: charged to that step,
+        so the next loss weighs it."""
+        if self.costs.measured:
+            self.saved_s -= seconds
+        if self.timings:
+            n, spent = self.timings[-1]
+            self.timings[-1] = (n, spent + seconds)
 
 
 @dataclass
