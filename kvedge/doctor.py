@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvedge.cudart import version_text
+from kvedge.machine import available_memory, meminfo_bytes
 
 TOOL_TIMEOUT_S = 10
 SERVICE_USER = "kvedge"  # the unit's User= when root renders it (kvedge.serve.service.systemd_unit)
@@ -381,12 +382,15 @@ def cuda_runtime(root: Path = Path("/")) -> Check:
 
 
 def memory(root: Path) -> Check:
-    text = _read(root / "proc/meminfo") or ""
-    fields = dict(re.findall(r"^(MemTotal|MemAvailable):\s+(\d+)\s+kB", text, re.MULTILINE))
-    if len(fields) < 2:
+    """MemTotal, and what this process may still allocate (`kvedge.machine.available_memory`:
+    MemAvailable, or less under a cgroup's limit or a ulimit, naming which)."""
+    total = meminfo_bytes(_read(root / "proc/meminfo") or "", "MemTotal")
+    room = available_memory(
+        root / "proc/meminfo", root / "sys/fs/cgroup", root / "proc/self/cgroup", root / "proc/self/status"
+    )
+    if total is None or room is None:
         return Check("memory", None, "cannot read /proc/meminfo")
-    total, available = (int(fields[k]) * 1024 / 2**30 for k in ("MemTotal", "MemAvailable"))
-    return Check("memory", f"{available:.2f} GiB available of {total:.2f} GiB", "/proc/meminfo MemAvailable")
+    return Check("memory", f"{room.bytes / 2**30:.2f} GiB available of {total / 2**30:.2f} GiB", room.what)
 
 
 def gpu_node_groups(root: Path) -> dict[str, list[str]]:

@@ -90,8 +90,9 @@ bench supports: ort int8 weights 0.0009 + the INT8 cache 0.0003 = 0.0012, measur
 
 Budgets: a board profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
 (1.5 GiB by default, an estimate for a headless L4T; a desktop session needs about 1 GiB
-more), or the live machine's MemAvailable from /proc/meminfo. On Jetson's unified memory that
-is the right figure, not cudaMemGetInfo (NVIDIA's "CUDA for Tegra" app note, "Estimating Total
+more), or what this process may allocate on the live machine (`live_budget`: MemAvailable from
+/proc/meminfo, or a container's cgroup limit or a ulimit where lower). On Jetson's unified memory
+MemAvailable is the right figure, not cudaMemGetInfo (NVIDIA's "CUDA for Tegra" app note, "Estimating Total
 Allocatable Device Memory on an Integrated GPU Device").
 """
 
@@ -127,6 +128,7 @@ from kvedge.contract.engine import DEVICES, device_refusal
 from kvedge.contract.recipe import check_kv_dtype
 from kvedge.errors import KvedgeError
 from kvedge.files import GiB, MiB, human
+from kvedge.machine import Available, available_memory
 from kvedge.runtime.cache import MAX_SNAPSHOTS
 
 FLOAT32 = 4  # the graph computes activations in float32
@@ -531,18 +533,17 @@ class Budget:
         return self.total_bytes - self.reserve_bytes
 
 
-def live_budget(reserve_bytes: int = 0, meminfo: Path = Path("/proc/meminfo")) -> Budget:
-    """This machine's MemAvailable (right for unified memory, where the GPU allocates from it)."""
-    try:
-        text = meminfo.read_text()
-    except OSError:
-        text = ""
-    found = re.search(r"^MemAvailable:\s+(\d+)\s+kB", text, re.MULTILINE)
-    if not found:
+def live_budget(reserve_bytes: int = 0, available: Available | None = None) -> Budget:
+    """What this process may still allocate on this machine (`kvedge.machine.available_memory`,
+    unless given): MemAvailable (right for unified memory, where the GPU allocates from it), or
+    less where a container's cgroup or a ulimit says so."""
+    room = available or available_memory()
+    if room is None:
         raise KvedgeError(
-            f"cannot read MemAvailable from {meminfo}; give --profile or --memory-budget instead"
+            "cannot read MemAvailable from /proc/meminfo, nor a cgroup or ulimit limit; give --profile "
+            "or --memory-budget instead"
         )
-    return Budget(int(found.group(1)) * 1024, reserve_bytes, f"MemAvailable of this machine ({meminfo})")
+    return Budget(room.bytes, reserve_bytes, f"{room.what} of this machine")
 
 
 def board_budget(profile: BoardProfile, reserve_bytes: int = BOARD_RESERVE) -> Budget:

@@ -17,13 +17,12 @@ import yaml
 
 from kvedge.errors import KvedgeError
 from kvedge.export.memory import (
-    Available,
-    available_memory,
     check_export_memory,
     export_floor,
     source_parameters,
 )
 from kvedge.export.source import resolve_source
+from kvedge.machine import Available, available_memory
 
 GIB = 2**30
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"

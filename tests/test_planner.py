@@ -16,12 +16,14 @@ import yaml
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
+from kvedge import planner
 from kvedge.configs import BOARDS_DIR, load_board, load_recipe
 from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe, StateSpec
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model
 from kvedge.files import human
+from kvedge.machine import available_memory
 from kvedge.planner import (
     CPU_HELD,
     MAX_SLOTS,
@@ -248,14 +250,23 @@ def test_context_beyond_the_model_is_refused():
         make_plan(HAND, Budget(1 << 40, 0, "test"), contexts=(16, 128))
 
 
-def test_live_budget_reads_memavailable(tmp_path):
+def test_live_budget_is_what_this_process_may_allocate(tmp_path, monkeypatch):
+    """MemAvailable, or a cgroup's limit less its usage where that is less (a container's)."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       8000000 kB\nMemFree:  100 kB\nMemAvailable:    6000000 kB\n")
-    budget = live_budget(reserve_bytes=1 << 20, meminfo=meminfo)
+    none = tmp_path / "none"
+    budget = live_budget(reserve_bytes=1 << 20, available=available_memory(meminfo, none, none, none))
     assert (budget.total_bytes, budget.usable) == (6_000_000 * 1024, 6_000_000 * 1024 - (1 << 20))
-    meminfo.write_text("MemTotal: 8000000 kB\n")
-    with pytest.raises(KvedgeError, match="cannot read MemAvailable"):
-        live_budget(meminfo=meminfo)
+    assert budget.source == "MemAvailable of this machine"
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "memory.max").write_text(str(3 << 30))
+    (tmp_path / "cg" / "memory.current").write_text(str(1 << 30))
+    (tmp_path / "cgroup").write_text("0::/\n")
+    budget = live_budget(available=available_memory(meminfo, tmp_path / "cg", tmp_path / "cgroup", none))
+    assert budget.total_bytes == 2 << 30 and budget.source.startswith("cgroup ")
+    monkeypatch.setattr(planner, "available_memory", lambda: None)  # no /proc, no limit
+    with pytest.raises(KvedgeError, match="cannot read MemAvailable from /proc/meminfo, nor a cgroup"):
+        live_budget()
 
 
 def test_parse_bytes():

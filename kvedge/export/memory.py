@@ -7,25 +7,23 @@ weights (at least the recipe's bits a parameter) exist beside it until the files
 Measured peaks sit about twice as high (docs/PERFORMANCE.md, "Memory"), so a refused export would
 certainly have failed, and a passed one may still run short.
 
-What this process may use is the least of: MemAvailable, every enclosing cgroup's limit less its
-usage (v2 `memory.max`, v1 `memory.limit_in_bytes`), and the address-space limit (`ulimit -v`)
-less the address space already mapped.
+What this process may use is `kvedge.machine.available_memory`'s: the least of MemAvailable, the
+cgroups' limits and `ulimit -v`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
-import resource
 import struct
-from dataclasses import dataclass
-from pathlib import Path
 
 from kvedge.contract.manifest import WEIGHT_FORMATS
 from kvedge.errors import KvedgeError
 from kvedge.export.source import CUT_FILE, Source, incomplete
 from kvedge.files import human
+from kvedge.machine import Available, available_memory
 
 log = logging.getLogger(__name__)
 
@@ -55,75 +53,13 @@ def _parameters(source: Source) -> int:
             header = json.loads(f.read(size))
         for name, tensor in header.items():
             if name != "__metadata__" and not NOT_LOADED.search(name):
-                elements = 1
-                for n in tensor["shape"]:
-                    elements *= n
-                count += elements
+                count += math.prod(tensor["shape"])
     return count
 
 
 def export_floor(parameters: int, weights: str) -> int:
     """Bytes the export certainly holds at once: the float32 model plus the graph's weights."""
     return parameters * 4 + parameters * WEIGHT_FORMATS[weights] // 8
-
-
-@dataclass(frozen=True)
-class Available:
-    bytes: int
-    what: str  # which limit it is
-
-
-def _kb(text: str, field: str) -> int | None:
-    found = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
-    return int(found.group(1)) * 1024 if found else None
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-def _cgroup_room(root: Path, membership: str) -> list[Available]:
-    """Limit less usage of every cgroup enclosing this process that has a memory limit."""
-    found = []
-    for line in membership.splitlines():
-        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if hierarchy == "0" and controllers == "":  # v2: walk up from our group to the root
-            files, folder = ("memory.max", "memory.current"), root / path.lstrip("/")
-        elif "memory" in controllers.split(","):  # v1
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
-            folder = root / "memory" / path.lstrip("/")
-        else:
-            continue
-        while True:
-            limit, usage = (_read(folder / name) for name in files)
-            if limit and limit.isdigit() and usage and usage.isdigit() and int(limit) < 2**60:
-                found.append(Available(int(limit) - int(usage), f"cgroup {folder}'s limit less its usage"))
-            if folder == root or root not in folder.parents:
-                break
-            folder = folder.parent
-    return found
-
-
-def available_memory(
-    meminfo: Path = Path("/proc/meminfo"),
-    cgroup_root: Path = Path("/sys/fs/cgroup"),
-    membership: Path = Path("/proc/self/cgroup"),
-    status: Path = Path("/proc/self/status"),
-) -> Available | None:
-    """What this process may still allocate (the module docstring), or None where nothing says."""
-    found = []
-    available = _kb(_read(meminfo) or "", "MemAvailable")
-    if available is not None:
-        found.append(Available(available, "MemAvailable"))
-    found += _cgroup_room(cgroup_root, _read(membership) or "")
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    mapped = _kb(_read(status) or "", "VmSize")
-    if soft != resource.RLIM_INFINITY and mapped is not None:
-        found.append(Available(soft - mapped, "ulimit -v less what is mapped"))
-    return min(found, key=lambda a: a.bytes) if found else None
 
 
 def check_export_memory(source: Source, weights: str, available: Available | None = None) -> None:

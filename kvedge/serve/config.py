@@ -49,7 +49,7 @@ File format (every key optional except `model`, which may come from `--model` in
     warm_prefixes: null             # warm-prefix YAML (configs/warmup/...): fixed prompts whose KV is
                                     # loaded from warm_dir (rebuilt there if missing) before ready
     warm_dir: null                  # folder of the warm prefix files (needed with warm_prefixes)
-    memory_budget: null             # bytes the service may use; null = MemAvailable at start-up
+    memory_budget: null             # bytes the service may use; null = what it may allocate at start-up
     prefix_cache_bytes: 0           # in-memory store of conversation prefixes seen at run time, kept
                                     # when their slot goes to another conversation (LRU); 0 = off
     prefix_dir: null                # folder where conversations' KV is written as turns end and read
@@ -186,7 +186,10 @@ class ServiceConfig:
     warm_dir: Annotated[Path | None, Meta(description="a folder for warm prefix files, or null")] = None
     memory_budget: Annotated[
         Annotated[int, Meta(ge=1, le=2**50)] | None,
-        Meta(description="a number of bytes, or null for MemAvailable"),
+        Meta(
+            description="a number of bytes, or null for what the service may allocate at start-up "
+            "(MemAvailable, or a cgroup or ulimit limit where lower)"
+        ),
     ] = None
     prefix_cache_bytes: Annotated[
         int, Meta(ge=0, le=2**50, description="a number of bytes >= 0 (0 = off)")
