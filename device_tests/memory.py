@@ -1,5 +1,5 @@
 """Memory at load and at the first decode, beside the planner's terms (the first GPU run checks
-them: the runtime's 1 GiB and the load term are assumed, not measured, in kvedge/planner.py).
+them: the runtime's 1 GiB and the load term are assumed, not measured, in kvedge/planner/).
 
 Device memory is cudaMemGetInfo's total - free (a Jetson has no nvidia-smi; there CPU and GPU
 share one DRAM, so it counts the process's host memory too); host memory is the process's

@@ -20,7 +20,7 @@ import kvedge
 
 # Lowest first. "kvedge" is the package's own __init__ (its version string).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvedge", "errors", "files"),
+    ("kvedge", "errors", "files", "machine"),
     ("contract", "cudart"),
     ("quant", "accel", "configs"),
     ("runtime", "export"),

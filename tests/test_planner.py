@@ -16,7 +16,6 @@ import yaml
 from tensorrt_claims import ACCEPTED, MAX_LEN
 from tiny import make_tiny_model
 
-from kvedge import planner
 from kvedge.configs import BOARDS_DIR, load_board, load_recipe
 from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe, StateSpec
 from kvedge.contract.engine import device_refusal
@@ -53,6 +52,7 @@ from kvedge.planner import (
     what_fits,
     with_form,
 )
+from kvedge.planner import budget as planner_budget
 from kvedge.runtime.cache import MAX_SNAPSHOTS, KVCache
 
 RUNTIME = OVERHEADS["cpu"].runtime_bytes
@@ -264,7 +264,7 @@ def test_live_budget_is_what_this_process_may_allocate(tmp_path, monkeypatch):
     (tmp_path / "cgroup").write_text("0::/\n")
     budget = live_budget(available=available_memory(meminfo, tmp_path / "cg", tmp_path / "cgroup", none))
     assert budget.total_bytes == 2 << 30 and budget.source.startswith("cgroup ")
-    monkeypatch.setattr(planner, "available_memory", lambda: None)  # no /proc, no limit
+    monkeypatch.setattr(planner_budget, "available_memory", lambda: None)  # no /proc, no limit
     with pytest.raises(KvedgeError, match="cannot read MemAvailable from /proc/meminfo, nor a cgroup"):
         live_budget()
 
