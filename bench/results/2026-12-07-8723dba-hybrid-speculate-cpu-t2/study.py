@@ -3,8 +3,12 @@ and the run of the c kept tokens a partial take adds (`kvedge.runtime.generate._
 Random weights, so acceptance is not measured here; these are the prices a take pays.
 
     python study.py EXPORT [EXPORT ...]   # each an export of Qwen3.5-0.8B's shape (max_len 2048)
+
+prints the table (study.log) and writes study.json: per export, its variant, decode_ms, and per n
+verify_ms and run_ms.
 """
 
+import json
 import statistics
 import sys
 import time
@@ -27,7 +31,7 @@ def median_ms(fn, rounds: int = ROUNDS) -> float:
     return statistics.median(times) * 1e3
 
 
-def study(folder: str) -> None:
+def study(folder: str) -> dict:
     rng = np.random.default_rng(0)
     with Model(folder, threads=2) as model:
         backend, cache = model.backend, model.cache
@@ -41,6 +45,8 @@ def study(folder: str) -> None:
             cache.truncate(0, CONTEXT)  # back to the snapshot
 
         decode = median_ms(one_decode, 9)
+        found = {"variant": model.manifest.variant, "context": CONTEXT, "threads": 2, "decode_ms": decode}
+        found["verify_ms"], found["run_ms"] = {}, {}
         print(f"{folder}: {model.manifest.variant}, context {CONTEXT}, 2 threads")
         print(f"decode step: {decode:.1f} ms")
         print(
@@ -57,8 +63,11 @@ def study(folder: str) -> None:
 
             r = median_ms(run)
             print(f"{n} | {v:.1f} | {r:.1f} | {v / decode:.2f} | {r / decode:.2f}", flush=True)
+            found["verify_ms"][n], found["run_ms"][n] = v, r
+    return found
 
 
 if __name__ == "__main__":
-    for folder in sys.argv[1:]:
-        study(folder)
+    results = {folder: study(folder) for folder in sys.argv[1:]}
+    with open("study.json", "w") as f:
+        json.dump(results, f, indent=2)
