@@ -33,7 +33,7 @@ from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
-from kvedge.runtime.speculate import SPECULATE_MODES, is_mode
+from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
 if TYPE_CHECKING:
     from kvedge.runtime.generate import Event
@@ -227,10 +227,42 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _speculate_mode(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if not is_mode(value):
-        raise click.BadParameter(f"{value!r} is not allowed; allowed: {', '.join(SPECULATE_MODES)}")
-    return value
+def _speculate_mode(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--speculate as given (None: "draft" with --draft, else "off"); the retired "draft:DIR" is
+    kept for `_speculation`, which reads it."""
+    if value is None or value in SPECULATE_MODES:
+        return value
+    try:
+        if legacy_draft(value) is not None:
+            return value
+    except KvedgeError:
+        pass
+    raise click.BadParameter(f"{value!r} is not allowed; allowed: {', '.join(SPECULATE_MODES)}")
+
+
+def _speculation(kwargs: dict[str, Any], remote: bool = False) -> tuple[str, Path | None]:
+    """(the turns' speculate mode, the draft folder to load with the model) from --speculate and
+    --draft: --draft alone speculates with it; the retired --speculate draft:DIR still works,
+    with a warning. Both are written back to `kwargs`, so a second call reads them resolved.
+    `remote` (chat --url): "draft" is the service's draft, and none is loaded here."""
+    mode, draft = kwargs["speculate"], kwargs["draft"]
+    if remote and (draft is not None or legacy_draft(mode) is not None):
+        raise click.UsageError(
+            "with --url the service's draft proposes (--speculate draft); --draft loads one here"
+        )
+    if remote:  # `chat` sends --speculate where given (RemoteChat.speculate)
+        return mode or "off", None
+    if (old := legacy_draft(mode)) is not None:
+        log.warning("--speculate draft:DIR is deprecated; use --draft %s", old)
+        if draft is not None and draft != old:
+            raise click.UsageError(f"--speculate {mode} and --draft {draft} name two drafts; give --draft")
+        mode, draft = "draft", old
+    if mode is None:
+        mode = "draft" if draft is not None else "off"
+    if mode == "draft" and draft is None:
+        raise click.UsageError("--speculate draft needs the draft's export: --draft DIR")
+    kwargs["speculate"], kwargs["draft"] = mode, draft
+    return mode, draft
 
 
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
@@ -254,15 +286,20 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option(
             "--speculate",
-            default="off",
-            show_default=True,
+            default=None,
             callback=_speculate_mode,
             metavar="|".join(SPECULATE_MODES),
             help="lookup: propose the tokens that followed the reply's last words earlier in the "
             "conversation and verify them in one step (the same reply, faster where it repeats its "
-            "input: quoting, rewriting; off where proposals keep failing); draft:DIR: the export in "
-            "DIR (the same tokenizer, e.g. --weights int4 of the same model) proposes; needs a "
-            "--logits rows export.",
+            "input: quoting, rewriting; off where proposals keep failing); draft: the --draft "
+            "export proposes; needs a --logits rows export. [default: draft with --draft, else off]",
+        ),
+        click.option(
+            "--draft",
+            default=None,
+            type=click.Path(path_type=Path),
+            help="An export with the same tokenizer (e.g. --weights int4 of the same model), loaded "
+            "with the model, whose proposals the model verifies (--speculate draft).",
         ),
         click.option(
             "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
@@ -297,7 +334,7 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
     return func
 
 
-def _sampling(kwargs: dict[str, Any]):
+def _sampling(kwargs: dict[str, Any], remote: bool = False):
     from kvedge.runtime.generate import SamplingConfig
 
     return SamplingConfig(
@@ -308,19 +345,17 @@ def _sampling(kwargs: dict[str, Any]):
         repetition_penalty=kwargs["repetition_penalty"],
         seed=kwargs["seed"],
         stop=tuple(kwargs["stop"]),
-        speculate=kwargs["speculate"],
+        speculate=_speculation(kwargs, remote)[0],
     )
 
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
-    """The model the runtime flags (`runtime_options`) and --speculate draft:DIR name."""
+    """The model the runtime flags (`runtime_options`) and --draft name."""
     from kvedge.configs import load_warm_prefix_config
     from kvedge.runtime.model import Model
     from kvedge.runtime.options import RunOptions
     from kvedge.runtime.sessions import HistoryPolicy
-    from kvedge.runtime.speculate import draft_folder
 
-    draft = draft_folder(kwargs["speculate"])
     options = RunOptions(
         threads=kwargs["threads"],
         device=kwargs["device"],
@@ -328,7 +363,7 @@ def _load_model(model_dir: Path, kwargs: dict[str, Any]):
         policy=HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"]),
         warm_prefixes=load_warm_prefix_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
         warm_dir=kwargs["warm_dir"],
-        draft=None if draft is None else Path(draft),
+        draft=_speculation(kwargs)[1],
     )
     return Model(model_dir, options)
 
@@ -687,11 +722,11 @@ Answer = Callable[[Sequence[dict[str, str]], Callable[[], bool]], Iterator[Any]]
 def chat(model_dir: Path | None, system: str | None, url: str | None, **kwargs: Any) -> None:
     """Interactive multi-turn chat. /reset starts over, /exit quits. Ctrl-C stops a reply (what
     it wrote stays in the conversation); at the prompt, or twice during a reply, it quits."""
-    config = _sampling(kwargs)
+    config = _sampling(kwargs, remote=url is not None)
     if url is not None:
         from kvedge.serve.client import RemoteChat
 
-        answer: Answer = RemoteChat(url, config).events
+        answer: Answer = RemoteChat(url, config, speculate=kwargs["speculate"]).events
         max_len = None
     elif model_dir is None:
         raise click.UsageError("give --model DIR, or --url of a running `kvedge serve`")

@@ -115,7 +115,8 @@ CONCEPTS = {
     "prefix_disk_min_tokens": ("shortest run-time prefix written to disk", "prefix_disk_min_tokens"),
     "kv_memory": ("GPU devices: where the KV cache pool lives (mapped host or device memory)", "kv_memory"),
     "ui": ("serve the chat page at GET /", "ui"),
-    "speculate": ("speculative decoding: off, prompt lookup or a draft model (draft:DIR)", "speculate"),
+    "speculate": ("speculative decoding: off, prompt lookup or the draft model", "speculate"),
+    "draft": ("an export with the same tokenizer whose proposals the model verifies", "draft"),
 }
 
 RUNTIME = {
@@ -166,8 +167,9 @@ COMMANDS = {
         "--grammar": "grammar",
         "--logprobs": "logprobs",
         "--speculate": "speculate",
+        "--draft": "draft",
     },
-    "chat": {**RUNTIME, "--system": "system", "--url": "url", "--speculate": "speculate"},
+    "chat": {**RUNTIME, "--system": "system", "--url": "url", "--speculate": "speculate", "--draft": "draft"},
     "warm-prefixes": {"--model": "model", "--warm-prefixes": "warm_prefixes", "--warm-dir": "warm_dir"},
     "prefixes": {},  # list and clear take --prefix-dir (prefix_dir)
     "serve": {

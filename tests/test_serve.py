@@ -867,12 +867,12 @@ def test_memory_check_counts_the_prefix_files_write_queue(artifact, tmp_path):
 
 
 def test_memory_check_counts_the_draft_model(artifact):
-    """A draft model (`speculate: draft:DIR`) is loaded at start-up with a slot per service slot:
+    """A draft model (`draft: DIR`) is loaded at start-up with a slot per service slot:
     its weights and pool count against the budget beside the model's. The export as its own
     draft needs exactly as much again."""
     alone = load_service_config(None, {"model": artifact, "slots": 2, "memory_budget": 1 << 40})
     need = check_memory(alone)
-    drafted = {"model": artifact, "slots": 2, "speculate": f"draft:{artifact}"}
+    drafted = {"model": artifact, "slots": 2, "draft": artifact}
     assert check_memory(load_service_config(None, {**drafted, "memory_budget": 1 << 40})) == 2 * need
     assert check_memory(load_service_config(None, {**drafted, "memory_budget": 2 * need})) == 2 * need
     over = r"need .* \(the budget left beside the draft model .* with its 2 slots"

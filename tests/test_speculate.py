@@ -44,6 +44,7 @@ from kvedge.runtime.speculate import (
     Costs,
     Lookup,
     accept,
+    legacy_draft,
     lookup,
 )
 
@@ -391,11 +392,17 @@ def test_quantized_ort_weights_without_exact_verify_decode_without_speculation(t
 
 
 def test_bad_mode_names_allowed():
-    allowed = r"allowed: \['off', 'lookup', 'draft:DIR'\] or 'draft'"
-    for bad in ("draft:", "draft: ", "Lookup", "on"):
+    """A turn's speculate is one of three words; the draft's folder is the model's (RunOptions.draft),
+    and the retired "draft:DIR" is read only at the edges (`legacy_draft`)."""
+    allowed = r"allowed: \['off', 'lookup', 'draft'\]"
+    for bad in ("draft:", "draft: ", "draft:some/dir", "Lookup", "on"):
         with pytest.raises(KvedgeError, match=rf"speculate={bad!r} is not allowed; {allowed}"):
             SamplingConfig(speculate=bad)
-    assert SamplingConfig(speculate="draft:some/dir").speculate == "draft:some/dir"
+    assert SamplingConfig(speculate="draft").speculate == "draft"
+    assert legacy_draft("draft: some/dir ") == Path("some/dir")
+    assert legacy_draft("draft") is None and legacy_draft("lookup") is None
+    with pytest.raises(KvedgeError, match=rf"speculate='draft: ' names no draft folder; {allowed}"):
+        legacy_draft("draft: ")
 
 
 def test_lookup_takes_longest_latest_match():
@@ -651,8 +658,9 @@ def test_service_request_field_overrides_config():
     assert sampling_config(plain, 8, None, None, "lookup").speculate == "lookup"  # the service's default
     assert sampling_config(plain, 8, None, None).speculate == "off"
     assert parse_completion_request({"prompt": "x", "speculate": "off"}).speculate == "off"
-    with pytest.raises(ApiError, match=r"speculate=.*draft:.* is not allowed; allowed: one of"):
-        parse_chat_request({"messages": messages, "speculate": "draft:"})
+    for retired in ("draft:", "draft:some/dir"):  # the wire never needed the folder
+        with pytest.raises(ApiError, match=r"speculate=.*draft:.* is not allowed; allowed: one of"):
+            parse_chat_request({"messages": messages, "speculate": retired})
     assert parse_chat_request({"messages": messages, "speculate": "draft"}).speculate == "draft"
 
 

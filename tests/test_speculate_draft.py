@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -102,7 +103,7 @@ def test_greedy_identical_with_a_draft(folders, draft):
     with Model(folders["target"], slots=2, draft=folders[draft]) as model:
         for ids in PROMPTS:
             plain, _, none = run_turn(model, 0, ids, greedy(40))
-            fast, _, verifies = run_in_step(model, 1, ids, greedy(40, f"draft:{folders[draft]}"))
+            fast, _, verifies = run_in_step(model, 1, ids, greedy(40, "draft"))
             assert not none and fast == plain
             assert list(model.cache.token_ids(1)) == list(model.cache.token_ids(0))
             assert_draft_in_step(model, 1)
@@ -151,7 +152,7 @@ def test_batched_rows_equal_solo(folders):
     prompts = [PROMPTS[0], random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
     with Model(folders["target"], slots=3, draft=folders["perturbed"]) as model:
         solo = [run_turn(model, 0, ids, greedy(30))[0] for ids in prompts]
-        config = greedy(30, f"draft:{folders['perturbed']}")
+        config = greedy(30, "draft")
         turns = [model.begin(slot, ids, config) for slot, ids in enumerate(prompts)]
         got: dict[int, list[int]] = {t.slot: [] for t in turns}
         verified = 0
@@ -204,13 +205,13 @@ def test_tokenizer_mismatch_refused(folders, tmp_path):
         assert str(other) in str(info.value) and str(folders["target"]) in str(info.value)
         assert model.draft is None
         with pytest.raises(KvedgeError, match="needs the draft loaded with the model"):
-            model.begin(0, PROMPTS[0], greedy(5, f"draft:{other}"))  # never loaded mid-request
-        with pytest.raises(KvedgeError, match="needs the draft loaded with the model"):
-            model.begin(0, PROMPTS[0], greedy(5, "draft"))
+            model.begin(0, PROMPTS[0], greedy(5, "draft"))  # never loaded mid-request
     with pytest.raises(KvedgeError, match="has another tokenizer than the target"):
         Model(folders["target"], draft=other)  # at load, as RunOptions.draft
     with Model(folders["target"], draft=folders["int4"]) as model:
-        with pytest.raises(KvedgeError, match="names another draft than the one loaded"):
+        with pytest.raises(
+            KvedgeError, match="speculate='draft:.*' is not allowed"
+        ):  # the folder is the model's
             model.begin(0, PROMPTS[0], greedy(5, f"draft:{folders['perturbed']}"))
         tokens, _, _ = run_turn(model, 0, PROMPTS[0], greedy(5))  # the model still answers
         assert len(tokens) == 5
@@ -250,41 +251,65 @@ def test_ring_draft_starts_over_when_a_new_turn_rewinds_past_its_rings(folders):
             assert_draft_in_step(model, 1)
 
 
-def test_cli_generate_with_a_draft(folders):
+def test_cli_generate_with_a_draft(folders, caplog):
     from kvedge.cli import main
 
     runner = CliRunner()
     args = ["generate", "--model", str(folders["target"]), "--max-new-tokens", "12", "hello there"]
     plain = runner.invoke(main, args)
-    fast = runner.invoke(main, [*args, "--speculate", f"draft:{folders['int4']}"])
+    fast = runner.invoke(main, [*args, "--draft", str(folders["int4"])])  # --speculate draft by default
     assert plain.exit_code == 0 and fast.exit_code == 0, (plain.output, fast.output)
     assert fast.output == plain.output
+    with caplog.at_level("WARNING", logger="kvedge"):
+        retired = runner.invoke(main, [*args, "--speculate", f"draft:{folders['int4']}"])
+    assert retired.exit_code == 0 and retired.output == plain.output
+    assert caplog.text.count(f"--speculate draft:DIR is deprecated; use --draft {folders['int4']}") == 1
     bad = runner.invoke(main, [*args, "--speculate", "draft:"])
-    assert bad.exit_code != 0 and "'draft:' is not allowed; allowed: off, lookup, draft:DIR" in bad.output
-    missing = runner.invoke(main, [*args, "--speculate", "draft:/nonexistent/draft"])
+    assert bad.exit_code != 0 and "'draft:' is not allowed; allowed: off, lookup, draft" in bad.output
+    alone = runner.invoke(main, [*args, "--speculate", "draft"])
+    assert alone.exit_code != 0 and "--speculate draft needs the draft's export: --draft DIR" in alone.output
+    missing = runner.invoke(main, [*args, "--draft", "/nonexistent/draft"])
     assert missing.exit_code != 0 and "/nonexistent/draft" in missing.output
-    assert "Traceback" not in missing.output
+    assert "Traceback" not in missing.output + alone.output
+    remote = runner.invoke(main, ["chat", "--url", "http://127.0.0.1:9", "--draft", str(folders["int4"])])
+    assert remote.exit_code == 2 and "with --url the service's draft proposes" in remote.output
 
 
-def test_service_draft_requests(folders):
+def test_remote_chat_sends_speculate_only_where_given():
+    from kvedge.runtime.generate import SamplingConfig
+    from kvedge.serve.client import RemoteChat
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert "speculate" not in RemoteChat("http://x", SamplingConfig()).request(messages)  # the service's
+    asked = RemoteChat("http://x", SamplingConfig(speculate="draft"), speculate="draft").request(messages)
+    assert asked["speculate"] == "draft"
+
+
+def test_service_draft_requests(folders, tmp_path, caplog):
     from kvedge.serve.app import speculate_mode
     from kvedge.serve.config import load_service_config
     from kvedge.serve.protocol import ApiError
     from kvedge.serve.service import load_model
 
-    loaded = f"draft:{folders['int4']}"
-    assert speculate_mode("draft", loaded) == loaded
-    assert speculate_mode(f"draft:{folders['int4']}/.", loaded) == loaded  # the same folder
-    assert speculate_mode(None, loaded) == loaded
-    assert speculate_mode("lookup", loaded) == "lookup"
-    with pytest.raises(ApiError, match=r"loaded another draft model; allowed: \['off', 'lookup', 'draft'\]$"):
-        speculate_mode(f"draft:{folders['perturbed']}", loaded)  # the service's folder is not named
+    assert speculate_mode("draft", "lookup", drafted=True) == "draft"
+    assert speculate_mode(None, "draft", drafted=True) == "draft"
+    assert speculate_mode("lookup", "draft", drafted=True) == "lookup"
     with pytest.raises(ApiError, match=r"loaded no draft model; allowed: \['off', 'lookup'\]"):
         speculate_mode("draft", "lookup")
-    with pytest.raises(KvedgeError, match="speculate='draft' is not allowed"):
+    with pytest.raises(KvedgeError, match="speculate=draft needs the draft's export: set draft"):
         load_service_config(None, {"model": folders["target"], "speculate": "draft"})
-    config = load_service_config(None, {"model": folders["target"], "speculate": loaded})
+    config = load_service_config(None, {"model": folders["target"], "draft": folders["int4"]})
+    assert (config.speculate, config.draft) == ("draft", folders["int4"])  # draft: speculates by default
+    with pytest.raises(KvedgeError, match="--draft='/nonexistent': no manifest.json there"):
+        load_service_config(None, {"model": folders["target"], "draft": Path("/nonexistent")})
+    retired = tmp_path / "retired.yaml"
+    retired.write_text(f"model: {folders['target']}\nspeculate: draft:{folders['int4']}\n")
+    with caplog.at_level("WARNING", logger="kvedge.serve.config"):
+        assert load_service_config(retired, {}) == config
+    assert f"speculate: draft:DIR is deprecated; write draft: {folders['int4']}" in caplog.text
     with load_model(config, slots=2) as model:  # the draft is loaded at start, a slot per slot
         assert model.draft is not None and model.draft.model.slots == 2
-        tokens, _, verifies = run_turn(model, 1, PROMPTS[0], greedy(20, speculate_mode("draft", loaded)))
+        tokens, _, verifies = run_turn(
+            model, 1, PROMPTS[0], greedy(20, speculate_mode(None, config.speculate, True))
+        )
         assert verifies and tokens == run_turn(model, 0, PROMPTS[0], greedy(20))[0]

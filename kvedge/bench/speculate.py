@@ -1,5 +1,5 @@
 """What speculative decoding buys, per workload, in one run: decode tokens/s with
-`speculate="lookup"` (or a draft model, `draft=`: `speculate="draft:DIR"`) against without, the
+`speculate="lookup"` (or a draft model, `draft=`: `speculate="draft"`) against without, the
 same target model, batch 1, greedy.
 
 Workloads (`WORKLOADS`, written down in bench/speculate.py): (a) answer from a given passage,
@@ -147,7 +147,7 @@ def measure_speculation(
     proposals taken, and greedy equality. Speculative is prompt lookup, or with `draft` the draft
     model in that folder proposing."""
     figures: dict[str, dict[str, Any]] = {}
-    mode = "lookup" if draft is None else f"draft:{draft}"
+    mode = "lookup" if draft is None else "draft"
     kind = "lookup" if draft is None else "draft"  # the figures' key: lookup_tokens_per_s, ..
     with Model(model_dir, slots=2 * batch, threads=threads, draft=draft) as model:
         plain_config = SamplingConfig(max_new_tokens=max_new_tokens)

@@ -43,7 +43,7 @@ from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.interface import Backend, StepOutput
-from kvedge.runtime.speculate import Adaptive, accept, check_mode
+from kvedge.runtime.speculate import Adaptive, Speculate, accept, check_mode
 from kvedge.runtime.tokenizer import TextStream
 
 # Temperatures below this sample greedily: at 1e-3 a logit 0.05 below the best is already e^-50
@@ -66,9 +66,10 @@ class SamplingConfig:
     constraint: Constraint | None = None  # output must match it (kvedge.runtime.constrain)
     logprobs: int | None = None  # None: off; k: each token's log probability and the k most likely
     # "lookup": speculative decoding with prompt-lookup proposals (kvedge.runtime.speculate), where
-    # the export can verify them; "draft:DIR" or "draft" (the model's loaded draft): a draft
-    # model's (kvedge.runtime.draft); "off". Replies are the same either way (sampled: in distribution)
-    speculate: str = "off"
+    # the export can verify them; "draft": the proposals of the draft loaded with the model
+    # (RunOptions.draft; kvedge.runtime.draft); "off". Replies are the same either way (sampled:
+    # in distribution)
+    speculate: Speculate = "off"
     max_top_logprobs: ClassVar[int] = 20
 
     def __post_init__(self) -> None:

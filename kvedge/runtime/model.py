@@ -46,7 +46,7 @@ from kvedge.runtime.options import RunOptions
 from kvedge.runtime.prefix_stores import PrefixStores
 from kvedge.runtime.registry import open_backend
 from kvedge.runtime.sessions import ChatSession, HistoryPolicy, RoomMaker, common_prefix, pick_slot
-from kvedge.runtime.speculate import Adaptive, Costs, Lookup, draft_folder
+from kvedge.runtime.speculate import Adaptive, Costs, Lookup
 from kvedge.runtime.tokenizer import ChatTokenizer, TextStream
 from kvedge.runtime.warm_prefixes import (
     WarmPrefixConfig,
@@ -371,8 +371,8 @@ class Model:
 
     def _speculator(self, config: SamplingConfig, slot: int) -> Adaptive | None:
         """A turn's proposals, if `config` asks for them and this model can verify: prompt lookup,
-        or the draft loaded with the model ("draft", or "draft:DIR" naming it; a draft is never
-        loaded in the middle of a request)."""
+        or the draft loaded with the model ("draft"; a draft is never loaded in the middle of a
+        request)."""
         if config.speculate == "off":
             return None
         refusal = self.speculation_refusal()
@@ -383,16 +383,10 @@ class Model:
             return None
         if config.speculate == "lookup":
             return Lookup(costs=self.speculation_costs)
-        folder = draft_folder(config.speculate)
         if self.draft is None:
             raise KvedgeError(
-                f"speculate={config.speculate!r} needs the draft loaded with the model "
-                "(RunOptions.draft; --speculate draft:DIR, or the service's speculate: draft:DIR)"
-            )
-        if folder is not None and Path(folder).resolve() != self.draft.folder:
-            raise KvedgeError(
-                f"speculate={config.speculate!r} names another draft than the one loaded with the model "
-                f"({self.draft.folder}); allowed: 'draft' or 'draft:{self.draft.folder}'"
+                "speculate='draft' needs the draft loaded with the model (RunOptions.draft: --draft DIR, "
+                "or the service's draft: DIR)"
             )
         return DraftProposer(draft=self.draft, slot=slot, costs=self.speculation_costs)
 

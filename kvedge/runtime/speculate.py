@@ -67,14 +67,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from kvedge.contract import VERIFY_TOKENS
 from kvedge.errors import KvedgeError
 
-SPECULATE_MODES = ("off", "lookup", "draft:DIR")
-DRAFT = "draft"  # "draft": the draft the model (or service) loaded; "draft:DIR": that export
+SPECULATE_MODES = ("off", "lookup", "draft")  # "draft": the draft loaded with the model (RunOptions.draft)
+Speculate = Literal["off", "lookup", "draft"]
+# the retired form naming the draft in the mode, "draft:DIR": flags and service configs still
+# read it (`legacy_draft`), with a warning; a request never did need the folder
+LEGACY_DRAFT = "draft:"
 # most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core for float
 # weights, 2.7-3.4 for int4 (`kvedge.QuantMatMul`'s row tiles; docs/PERFORMANCE.md, "Speculative decoding by
 # prompt lookup"); TensorRT engines
@@ -98,25 +103,23 @@ TIMINGS = 8  # a turn's latest speculative steps that say what a verify of n tok
 DECODE_WEIGHT = 0.2  # of the latest call in the running average of a call shape's seconds
 
 
-def is_mode(mode: object) -> bool:
-    """Whether `mode` is "off", "lookup", "draft" or "draft:DIR" (DIR not empty)."""
-    if not isinstance(mode, str):
-        return False
-    return mode in ("off", "lookup", DRAFT) or (mode.startswith(DRAFT + ":") and bool(draft_folder(mode)))
+def check_mode(mode: object) -> str:
+    """`mode` if it is one of SPECULATE_MODES, else a KvedgeError naming them."""
+    if mode not in SPECULATE_MODES:
+        raise KvedgeError(f"speculate={mode!r} is not allowed; allowed: {list(SPECULATE_MODES)}")
+    return str(mode)
 
 
-def check_mode(mode: str) -> str:
-    if not is_mode(mode):
-        raise KvedgeError(f"speculate={mode!r} is not allowed; allowed: {list(SPECULATE_MODES)} or 'draft'")
-    return mode
-
-
-def draft_folder(mode: str) -> str | None:
-    """DIR of "draft:DIR"; None for every other mode ("draft" alone names no folder)."""
-    prefix = DRAFT + ":"
-    if not mode.startswith(prefix):
+def legacy_draft(value: object) -> Path | None:
+    """DIR of the retired "draft:DIR" form of a speculate value, else None; refuses "draft:" with
+    no folder. The one reader of that form: `--speculate` and the service config's `speculate`
+    turn it into speculate "draft" and the draft folder (`RunOptions.draft`), warning."""
+    if not isinstance(value, str) or not value.startswith(LEGACY_DRAFT):
         return None
-    return mode[len(prefix) :].strip() or None
+    folder = value[len(LEGACY_DRAFT) :].strip()
+    if not folder:
+        raise KvedgeError(f"speculate={value!r} names no draft folder; allowed: {list(SPECULATE_MODES)}")
+    return Path(folder)
 
 
 def lookup(history: np.ndarray, k: int, min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> list[int]:

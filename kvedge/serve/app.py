@@ -36,7 +36,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -51,7 +50,6 @@ from starlette.routing import Route
 from kvedge.configs import load_warm_prefix_config
 from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
-from kvedge.runtime.speculate import DRAFT, draft_folder
 from kvedge.serve import protocol, tools, ui
 from kvedge.serve.config import ServiceConfig
 from kvedge.serve.metrics import Metrics
@@ -292,7 +290,13 @@ class Api:
         job, events = self.submit(
             ids,
             sampling_config(
-                chat, max_new, constraint, chat.logprobs, config.speculate, config.sampling_defaults
+                chat,
+                max_new,
+                constraint,
+                chat.logprobs,
+                config.speculate,
+                config.sampling_defaults,
+                config.draft is not None,
             ),
         )
         parser = tools.ReplyParser(chat.tool_choice != "none", tools.THINK_OPEN in template, tool_fmt)
@@ -368,7 +372,15 @@ class Api:
             raise api_error(exc, "prompt") from None
         job, events = self.submit(
             ids,
-            sampling_config(body, max_new, None, body.logprobs, config.speculate, config.sampling_defaults),
+            sampling_config(
+                body,
+                max_new,
+                None,
+                body.logprobs,
+                config.speculate,
+                config.sampling_defaults,
+                config.draft is not None,
+            ),
         )
         tokenizer = model.tokenizer if body.logprobs is not None else None
         reply = TextReply(
@@ -555,6 +567,7 @@ def sampling_config(
     logprobs: int | None,
     speculate: str = "off",  # the service's default; the request's field wins
     defaults: Mapping[str, float] | None = None,  # `ServiceConfig.sampling_defaults`, likewise
+    drafted: bool = False,  # the service loaded a draft model (`ServiceConfig.draft`)
 ) -> SamplingConfig:
     """A request's sampling: its own fields, else the service's defaults."""
     given = {
@@ -569,25 +582,22 @@ def sampling_config(
         stop=request.stop,
         constraint=constraint,
         logprobs=logprobs,
-        speculate=speculate_mode(request.speculate, speculate),
+        speculate=speculate_mode(request.speculate, speculate, drafted),
     )
 
 
-def speculate_mode(requested: str | None, service: str) -> str:
-    """The speculate mode a request runs with: its own, else the service's (`ServiceConfig`). A
-    draft model is the one the service loaded at start ("draft", or "draft:DIR" naming it);
-    asking for another, or for one when none was loaded, is refused (400)."""
-    if requested is None or requested in ("off", "lookup"):
-        return requested or service
-    loaded = draft_folder(service)
-    asked = draft_folder(requested)
-    if loaded is not None and (asked is None or Path(asked).resolve() == Path(loaded).resolve()):
+def speculate_mode(requested: str | None, service: str, drafted: bool = False) -> str:
+    """The speculate mode a request runs with: its own, else the service's (`ServiceConfig`).
+    "draft" is the draft model the service loaded at start (`drafted`); asking for it where none
+    was loaded is refused (400)."""
+    if requested is None:
         return service
-    allowed = ["off", "lookup"] + ([DRAFT] if loaded else [])  # never the folder: a client needn't know it
-    why = "this service loaded another draft model" if loaded else "this service loaded no draft model"
+    if requested != "draft" or drafted:
+        return requested
     raise ApiError(
         400,
-        f"speculate={requested!r} is not allowed: {why}; allowed: {allowed}",
+        f"speculate={requested!r} is not allowed: this service loaded no draft model; "
+        "allowed: ['off', 'lookup']",
         param="speculate",
         code="invalid_value",
     )

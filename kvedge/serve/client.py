@@ -19,9 +19,12 @@ API_KEY_ENV = "KVEDGE_API_KEY"
 
 
 class RemoteChat:
-    def __init__(self, url: str, config: SamplingConfig, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, url: str, config: SamplingConfig, timeout_s: float = 300.0, speculate: str | None = None
+    ) -> None:
         self.url = url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
         self.config = config
+        self.speculate = speculate  # sent where given (chat --speculate); else the service's default
         key = os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
@@ -35,7 +38,12 @@ class RemoteChat:
             "temperature": c.temperature,
             "top_p": c.top_p,
         }
-        extras = {"seed": c.seed, "stop": list(c.stop) or None, "top_k": c.top_k or None}
+        extras = {
+            "seed": c.seed,
+            "stop": list(c.stop) or None,
+            "top_k": c.top_k or None,
+            "speculate": self.speculate,
+        }
         if c.repetition_penalty != 1.0:
             extras["repetition_penalty"] = c.repetition_penalty
         return body | {k: v for k, v in extras.items() if v is not None}

@@ -34,9 +34,11 @@ File format (every key optional except `model`, which may come from `--model` in
                                     # (mapped) or in GPU memory (device); docs/JETSON.md
     batch_decode: true              # decode all active slots in one call per round (false: one by one)
     speculate: "off"                # lookup: speculative decoding by prompt lookup, where the export
-                                    # verifies (--logits rows); draft:DIR: the export in DIR (same
-                                    # tokenizer) proposes, loaded at start; a request's "speculate"
-                                    # overrides it ("draft": only the loaded one)
+                                    # verifies (--logits rows); draft: the `draft` export proposes
+                                    # (the default when draft is set); a request's "speculate"
+                                    # overrides it ("draft" only where a draft is loaded)
+    draft: null                     # an export with the same tokenizer, loaded at start, whose
+                                    # proposals the model verifies; null = none
     temperature: 0                  # what a request that leaves them out samples with: greedy by
     top_p: 1                        # default, as `kvedge generate` (tests/test_real_model.py: the
     top_k: 0                        # default model's answers); the chat page shows them
@@ -94,7 +96,7 @@ from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.runtime.generate import PENALTY_RANGE
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.sessions import POLICIES, HistoryPolicy
-from kvedge.runtime.speculate import SPECULATE_MODES, draft_folder
+from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
 log = logging.getLogger(__name__)
 REPLY_OVERFLOW = ("clip", "reject")
@@ -159,10 +161,12 @@ class ServiceConfig:
     # where a GPU device's KV cache pool lives (kvedge.runtime.backends.memory.KV_MEMORY; docs/JETSON.md)
     kv_memory: Annotated[Literal[KV_MEMORY], Meta(description=f"one of {list(KV_MEMORY)}")] = "mapped"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
-    # "draft:DIR": the draft in DIR is loaded at start; requests may then ask for "draft"
-    speculate: Annotated[
-        str, Meta(pattern=r"^(off|lookup|draft:.*\S.*)$", description=f"one of {list(SPECULATE_MODES)}")
-    ] = "off"
+    # a request may ask for another; "draft" is the default where a draft is set (`load`)
+    speculate: Annotated[Literal[SPECULATE_MODES], Meta(description=f"one of {list(SPECULATE_MODES)}")] = (
+        "off"
+    )
+    # loaded at start with a slot per service slot; requests may then ask for "draft"
+    draft: Annotated[Path | None, Meta(description="an export folder, or null")] = None
     temperature: Annotated[float, Meta(ge=0, le=2, description="a number in 0..2 (0: greedy)")] = 0.0
     top_p: Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")] = 1.0
     top_k: Annotated[int, Meta(ge=0, description="an integer >= 0 (0: off)")] = 0
@@ -241,7 +245,7 @@ class ServiceConfig:
             prefix_disk_min_tokens=self.prefix_disk_min_tokens,
             warm_prefixes=load_warm_prefix_config(self.warm_prefixes) if self.warm_prefixes else None,
             warm_dir=self.warm_dir,
-            draft=None if (draft := draft_folder(self.speculate)) is None else Path(draft),
+            draft=self.draft,
         )
 
 
@@ -284,6 +288,9 @@ def load_service_config(
 
     if values.get("speculate") is False:  # YAML 1.1 reads an unquoted `off` as false
         values["speculate"] = "off"
+    _legacy_draft(values, origin)
+    if values.get("draft") is not None and "speculate" not in values:
+        values["speculate"] = "draft"
     if "model" not in values:
         where = f"set `model` in {path} or pass --model" if path else "pass --model or --config"
         raise KvedgeError(f"no model folder given: {where}")
@@ -310,6 +317,13 @@ def load_service_config(
         raise KvedgeError(
             f"{where}=device puts the cache in GPU memory: it needs device cuda or tensorrt, not cpu"
         )
+    if config.speculate == "draft" and config.draft is None:
+        raise KvedgeError(f"{origin['speculate']}=draft needs the draft's export: set draft (a folder)")
+    if config.draft is not None and not (config.draft / MANIFEST_FILE).is_file():
+        raise KvedgeError(
+            f"{origin['draft']}={str(config.draft)!r}: no {MANIFEST_FILE} there; export the draft with "
+            "`kvedge export --out DIR` first"
+        )
     if (config.warm_prefixes is None) != (config.warm_dir is None):
         raise KvedgeError("warm_prefixes and warm_dir go together: set both or neither")
     if config.warm_prefixes is not None and not config.warm_prefixes.is_file():
@@ -320,6 +334,29 @@ def load_service_config(
         ui=ui_default(config.host) if config.ui is None else config.ui,
     )
     return dataclasses.replace(config, api_key=_api_key(config, origin, environ))
+
+
+def _legacy_draft(values: dict[str, Any], origin: dict[str, str]) -> None:
+    """The retired `speculate: draft:DIR` as `speculate: draft` and `draft: DIR`, with a warning."""
+    try:
+        folder = legacy_draft(values.get("speculate"))
+    except KvedgeError as exc:
+        raise KvedgeError(f"{origin['speculate']}: {exc}") from None
+    if folder is None:
+        return
+    where = origin["speculate"]
+    log.warning(
+        "%s: speculate: draft:DIR is deprecated; write draft: %s (speculate: draft is then the default)",
+        where,
+        folder,
+    )
+    if values.get("draft") is not None and Path(values["draft"]) != folder:
+        raise KvedgeError(
+            f"{where}={values['speculate']!r} and {origin['draft']}={values['draft']!r} name two "
+            "drafts; keep draft"
+        )
+    values["speculate"], values["draft"] = "draft", folder
+    origin.setdefault("draft", where)
 
 
 def _path(kind: type, value: Any) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 from kvedge.contract import ROLES
 from kvedge.runtime.generate import PENALTY_RANGE
 from kvedge.runtime.model import Constraint
-from kvedge.runtime.speculate import SPECULATE_MODES, is_mode
+from kvedge.runtime.speculate import SPECULATE_MODES
 from kvedge.serve import tools as toolkit
 from kvedge.serve.tools import Tool, ToolError
 
@@ -287,7 +287,7 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         "stream": stream,
         "include_usage": bool(include_usage),
         "speculate": _optional(
-            body, "speculate", is_mode, f"one of {list(SPECULATE_MODES)} or 'draft'", None
+            body, "speculate", lambda v: v in SPECULATE_MODES, f"one of {list(SPECULATE_MODES)}", None
         ),
     }
 

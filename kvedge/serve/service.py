@@ -22,7 +22,6 @@ from kvedge.errors import KvedgeError
 from kvedge.files import human
 from kvedge.runtime.model import Model
 from kvedge.runtime.prefix_disk import PrefixDisk, list_prefix_files
-from kvedge.runtime.speculate import draft_folder
 from kvedge.serve.app import create_app
 from kvedge.serve.config import ServiceConfig, load_service_config
 from kvedge.serve.metrics import Metrics
@@ -104,11 +103,11 @@ def check_memory(config: ServiceConfig) -> int:
     """Refuse at start-up a config whose slots do not fit the memory budget (the planner's figure):
     the model's weights and slots, the run-time prefix store (allocated in full at start-up), the
     prefix files' write queue (`PrefixDisk.queue_bytes`: one slot's KV, where prefix_dir is set)
-    and a draft model's weights and slots (`speculate: draft:DIR`, loaded at start-up too)."""
+    and a draft model's weights and slots (`draft: DIR`, loaded at start-up too)."""
     from kvedge.planner import check_fits, estimate, footprint, live_budget
 
     budget = config.memory_budget or live_budget().usable
-    draft = draft_folder(config.speculate)
+    draft = config.draft
     beside, besides = config.prefix_cache_bytes, []
     if config.prefix_cache_bytes:
         besides.append(f"prefix_cache_bytes {config.prefix_cache_bytes}")
@@ -117,7 +116,7 @@ def check_memory(config: ServiceConfig) -> int:
         beside += queue
         besides.append(f"the prefix files' write queue ({human(queue)}: one slot's KV)")
     if draft is not None:
-        fp = footprint(Path(draft))
+        fp = footprint(draft)
         draft_bytes = estimate(fp, config.slots, fp.geometry.max_len, device=config.device).total
         beside += draft_bytes
         besides.append(f"the draft model {draft} ({human(draft_bytes)} with its {config.slots} slots)")
