@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import VARIANTS, Exported, random_ids
+from conftest import VARIANTS, Exported, decode_logits, random_ids
 from test_serve import Server, run_alone
 from test_sessions import QUESTIONS
 from tiny import make_tiny_model
@@ -210,8 +210,6 @@ def test_a_state_cannot_be_cut_back(hybrid):
 
 
 def test_what_is_not_built_for_states_is_refused_by_name(hybrid, tmp_path):
-    with pytest.raises(KvedgeError, match="--precision float16 is not built"):
-        export_model(hybrid.source, tmp_path / "half", ExportRecipe(max_len=64, precision="float16"))
     model = hybrid.model()
     assert model.speculation_refusal() is None  # a partial take runs its kept tokens again
     with pytest.raises(KvedgeError, match="keeps per-slot states, which a draft would have to rewind"):
@@ -280,6 +278,39 @@ def test_the_cuda_binding_plan_binds_the_states_where_they_are(hybrid):
     host.close()
     with pytest.raises(KvedgeError, match="CUDAExecutionProvider is not available here"):
         Model(hybrid.out, device="cuda")
+
+
+FP16_UNIT = 2.0**-11
+
+
+def test_a_float16_graph_keeps_lfm2s_states_in_float16_and_refuses_a_recurrent_one(hybrid, tmp_path):
+    """--precision float16 (the portable graph in float16): LFM2's convolution states are float16,
+    the inputs its float16 convolutions read anyway; every position's logits stay within the
+    float16 bound of tests/test_precision_float16.py (6 x 2**-11 x the logits' range) of
+    transformers' float32 with the same top token, and a snapshot resumes the slot to the bit.
+    Qwen3.5's recurrent state sums a whole conversation's updates: refused by name."""
+    if hybrid.variant != "portable":
+        pytest.skip("--precision float16 is the portable graph only")
+    half = ExportRecipe(max_len=MAX_LEN, precision="float16")
+    if Manifest.load(hybrid.out).model_type != "lfm2":
+        with pytest.raises(KvedgeError, match="--precision float16 is not built for models with a recurrent"):
+            export_model(hybrid.source, tmp_path / "half", half)
+        return
+    export_model(hybrid.source, tmp_path / "half", half)
+    assert {s.dtype for s in Manifest.load(tmp_path / "half").geometry.states} == {"float16"}
+    ids = random_ids(40, seed=6)
+    ref = hybrid.hf_logits(ids)[19:]
+    got = decode_logits(tmp_path / "half", ids, 20)  # [21, vocab]
+    np.testing.assert_allclose(got, ref, atol=6 * FP16_UNIT * float(ref.max() - ref.min()), rtol=0)
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+    with Model(tmp_path / "half") as model:
+        assert {a.dtype for a in model.cache.states.values()} == {np.dtype(np.float16)}
+        prefill(model.backend, model.cache, 0, [ids[:20]])
+        model.cache.snapshot(0)
+        once = [decode_one_token(model.backend, model.cache, 0, [t]) for t in ids[20:24]]
+        model.cache.truncate(0, 20)
+        again = [decode_one_token(model.backend, model.cache, 0, [t]) for t in ids[20:24]]
+    np.testing.assert_array_equal(np.stack(again), np.stack(once))
 
 
 def test_quantized_weights_stay_close(hybrid, tmp_path):

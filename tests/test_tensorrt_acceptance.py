@@ -162,19 +162,27 @@ def test_tensorrt_parses_and_builds_gemma4(kv_dtype, weights, tmp_path):
     assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == "float32"
 
 
-@pytest.mark.parametrize("family, weights", [("lfm2", "float32"), ("lfm2", "int4"), ("qwen3_5", "float32")])
-def test_tensorrt_parses_and_builds_hybrid_states(family, weights, tmp_path):
+@pytest.mark.parametrize(
+    "family, weights, precision",
+    [
+        ("lfm2", "float32", "float32"),
+        ("lfm2", "int4", "float32"),
+        ("lfm2", "float16", "float16"),  # its convolution states in float16 too
+        ("qwen3_5", "float32", "float32"),
+    ],
+)
+def test_tensorrt_parses_and_builds_hybrid_states(family, weights, precision, tmp_path):
     """The hybrid models' portable graphs: LFM2's short-convolution layers and Qwen3.5's Gated
     DeltaNet layers, whose per-slot states enter and leave as tensors (Concat, Slice taps and
     GatherND at each row's input length; CumSum, Where, the triangular inverse's MatMuls), KV on
     the attention layers only."""
     source = make_tiny_model(tmp_path / "hf", family)
     out = tmp_path / weights
-    export_model(source, out, ExportRecipe(max_len=MAX_LEN, weights=weights))
+    export_model(source, out, ExportRecipe(max_len=MAX_LEN, weights=weights, precision=precision))
     assert parse_errors(out) == []
     check_strongly_typed(out)
     engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
-    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == "float32"
+    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
 def test_what_the_parser_rejects_is_refused_with_its_reason(source, tmp_path):

@@ -138,7 +138,7 @@ RING_MARGIN = 64
 # layers), [kernel - 1, channels]; "recurrent": a Gated DeltaNet layer's matrix state per value
 # head, [value heads, key dim, value dim].
 STATE_KINDS = ("conv", "recurrent")
-STATE_DTYPES = ("float32",)
+STATE_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -293,6 +293,11 @@ class CacheGeometry:
     @property
     def quantized(self) -> bool:
         return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state (Qwen3.5's Gated DeltaNet), which no float16 graph holds."""
+        return any(state.kind == "recurrent" for state in self.states)
 
     @property
     def np_dtype(self) -> np.dtype:

@@ -161,7 +161,7 @@ def export_model(
     )
     spec = DecoderSpec.from_config(config)
     check_ring(geometry, options.variant)
-    check_states(geometry, options)
+    geometry = check_states(geometry, options)
     *tables, rope = _rope(model, spec, geometry, options.max_len)  # cos, sin, local tables
     names = IONames()
     graph, kept, source_only = _graph(model, tokenizer, spec, geometry, tables, names, options, blocks)

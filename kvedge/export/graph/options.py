@@ -5,6 +5,7 @@ combinations no graph is built for.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -279,15 +280,20 @@ def lfm2_intermediate_size(config: Any) -> int:
     return size
 
 
-def check_states(geometry: CacheGeometry, recipe: ExportRecipe) -> None:
-    """Per-slot states (LFM2's and Qwen3.5's state layers) are built for float32 graphs only."""
-    if not geometry.states:
-        return
-    if recipe.half:
+def check_states(geometry: CacheGeometry, recipe: ExportRecipe) -> CacheGeometry:
+    """`geometry` with its per-slot states in the graph's float type: a float16 graph (LFM2's)
+    keeps its convolution states in float16, the inputs its float16 convolutions read anyway.
+    Qwen3.5's recurrent state accumulates a whole conversation's updates: a float16 graph for it
+    is not built."""
+    if not recipe.half or not geometry.states:
+        return geometry
+    if any(state.kind == "recurrent" for state in geometry.states):
         raise KvedgeError(
-            "--precision float16 is not built for models with convolution layers (LFM2) yet: their "
-            "states are float32; use --precision float32"
+            "--precision float16 is not built for models with a recurrent state (Qwen3.5's Gated "
+            "DeltaNet layers) yet: it sums a whole conversation's updates; use --precision float32"
         )
+    states = tuple(dataclasses.replace(state, dtype="float16") for state in geometry.states)
+    return dataclasses.replace(geometry, states=states)
 
 
 def check_ring(geometry: CacheGeometry, variant: str) -> None:
