@@ -68,15 +68,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
 from kvedge.contract import VERIFY_TOKENS
 from kvedge.errors import KvedgeError
 
-SPECULATE_MODES = ("off", "lookup", "draft")  # "draft": the draft loaded with the model (RunOptions.draft)
-Speculate = Literal["off", "lookup", "draft"]
+Speculate = Literal["off", "lookup", "draft"]  # "draft": the draft loaded with the model (RunOptions.draft)
+SPECULATE_MODES: tuple[str, ...] = get_args(Speculate)
 # the retired form naming the draft in the mode, "draft:DIR": flags and service configs still
 # read it (`legacy_draft`), with a warning; a request never did need the folder
 LEGACY_DRAFT = "draft:"
