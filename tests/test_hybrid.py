@@ -283,28 +283,26 @@ def test_the_cuda_binding_plan_binds_the_states_where_they_are(hybrid):
 FP16_UNIT = 2.0**-11
 
 
-def test_a_float16_graph_keeps_lfm2s_states_in_float16_and_refuses_a_recurrent_one(hybrid, tmp_path):
+def test_a_float16_graph_matches_transformers_with_its_states_where_they_belong(hybrid, tmp_path):
     """--precision float16 (the portable graph in float16): LFM2's convolution states are float16,
-    the inputs its float16 convolutions read anyway; every position's logits stay within the
-    float16 bound of tests/test_precision_float16.py (6 x 2**-11 x the logits' range) of
-    transformers' float32 with the same top token, and a snapshot resumes the slot to the bit.
-    Qwen3.5's recurrent state sums a whole conversation's updates: refused by name."""
+    the inputs its float16 convolutions read anyway; Qwen3.5's Gated DeltaNet layers are float32
+    islands between their projections, their states float32 (the recurrent one sums a whole
+    conversation's updates). Every position's logits stay within the float16 bound of
+    tests/test_precision_float16.py (6 x 2**-11 x the logits' range) of transformers' float32,
+    with the same top token, and a snapshot resumes the slot to the bit."""
     if hybrid.variant != "portable":
         pytest.skip("--precision float16 is the portable graph only")
-    half = ExportRecipe(max_len=MAX_LEN, precision="float16")
-    if Manifest.load(hybrid.out).model_type != "lfm2":
-        with pytest.raises(KvedgeError, match="--precision float16 is not built for models with a recurrent"):
-            export_model(hybrid.source, tmp_path / "half", half)
-        return
-    export_model(hybrid.source, tmp_path / "half", half)
-    assert {s.dtype for s in Manifest.load(tmp_path / "half").geometry.states} == {"float16"}
+    export_model(hybrid.source, tmp_path / "half", ExportRecipe(max_len=MAX_LEN, precision="float16"))
+    manifest = Manifest.load(tmp_path / "half")
+    state_dtype = "float16" if manifest.model_type == "lfm2" else "float32"
+    assert {s.dtype for s in manifest.geometry.states} == {state_dtype}
     ids = random_ids(40, seed=6)
     ref = hybrid.hf_logits(ids)[19:]
     got = decode_logits(tmp_path / "half", ids, 20)  # [21, vocab]
     np.testing.assert_allclose(got, ref, atol=6 * FP16_UNIT * float(ref.max() - ref.min()), rtol=0)
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
     with Model(tmp_path / "half") as model:
-        assert {a.dtype for a in model.cache.states.values()} == {np.dtype(np.float16)}
+        assert {a.dtype for a in model.cache.states.values()} == {np.dtype(state_dtype)}
         prefill(model.backend, model.cache, 0, [ids[:20]])
         model.cache.snapshot(0)
         once = [decode_one_token(model.backend, model.cache, 0, [t]) for t in ids[20:24]]

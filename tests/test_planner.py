@@ -207,15 +207,11 @@ def test_plan_of_a_hybrid_export_prints_its_states(tmp_path):
 @pytest.mark.parametrize("device", ["cuda", "tensorrt"])
 def test_a_hybrid_is_planned_on_the_gpu_with_nothing_recommended(name, device):
     """onnxruntime's CUDA provider and TensorRT bind per-slot states as they bind the pool: the
-    plan is the device's, with the states beside the KV; Qwen3.5's forms are float32-compute only
-    (the export builds no float16 graph with a recurrent state), LFM2's include float16 ones; and
-    nothing is recommended, since only the float32 form's quality is known for a hybrid."""
+    plan is the device's, with the states beside the KV, its forms float16 ones too; and nothing
+    is recommended, since only the float32 form's quality is known for a hybrid."""
     text = plan_report(name, profile="orin-nano-8gb", device=device)
     assert f"device       {device} (" in text and "states       " in text and "per-slot states" not in text
-    recurrent = footprint(name).geometry.recurrent
-    assert recurrent == name.startswith("qwen3.5")
-    forms = device_forms(footprint(name).form, device, recurrent)
-    assert forms and bool([form for form in forms if form.half]) != recurrent
+    assert [form for form in device_forms(footprint(name).form, device) if form.half]
     assert recommend("orin-nano-8gb", name, device) is None
     assert text.splitlines()[-1].startswith(f"recommended for orin-nano-8gb on --device {device}: nothing; ")
 

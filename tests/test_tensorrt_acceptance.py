@@ -169,6 +169,7 @@ def test_tensorrt_parses_and_builds_gemma4(kv_dtype, weights, tmp_path):
         ("lfm2", "int4", "float32"),
         ("lfm2", "float16", "float16"),  # its convolution states in float16 too
         ("qwen3_5", "float32", "float32"),
+        ("qwen3_5", "float16", "float16"),  # its Gated DeltaNet layers float32 islands
     ],
 )
 def test_tensorrt_parses_and_builds_hybrid_states(family, weights, precision, tmp_path):

@@ -296,7 +296,8 @@ class CacheGeometry:
 
     @property
     def recurrent(self) -> bool:
-        """Some layer keeps a recurrent state (Qwen3.5's Gated DeltaNet), which no float16 graph holds."""
+        """Some layer keeps a recurrent state (Qwen3.5's Gated DeltaNet): a float16 graph keeps its
+        states in float32 (`check_states`)."""
         return any(state.kind == "recurrent" for state in self.states)
 
     @property

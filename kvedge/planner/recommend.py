@@ -153,7 +153,7 @@ def recommend(
         budget = board_budget(budget if isinstance(budget, BoardProfile) else load_board(budget))
     states = bool(fp.geometry.states)
     found = []
-    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device, fp.geometry.recurrent):
+    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device):
         kl = measured_kl(form, states)
         if kl is None or kl > QUALITY_BAR or _per_token(fp, form.kv_dtype) == float("inf"):
             continue
@@ -188,16 +188,15 @@ def model_refusal(model: ModelFootprint | ModelRecipe | str | Path, device: str)
     """Why `device` runs no form of `model` at all (its logits, say, where TensorRT refuses them),
     or None: then `recommend` has nothing for it whatever the budget."""
     fp = footprint(model)
-    if device_forms(ExportRecipe(max_len=fp.geometry.max_len), device, fp.geometry.recurrent):
+    if device_forms(ExportRecipe(max_len=fp.geometry.max_len), device):
         return None
     return device_refusal(device, "portable", fp.geometry.dtype, fp.logits)
 
 
-def device_forms(base: ExportRecipe, device: str, recurrent: bool = False) -> list[ExportRecipe]:
+def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
     """Every form `kvedge export` makes of `base` choosing its variant, precision, weights, head
-    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`; a model with a
-    `recurrent` state has float32-compute forms only, as its export does: `check_states`);
-    `base`'s max_len, logits, block size, kept channels and decode matmuls stay where they apply."""
+    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`); `base`'s
+    max_len, logits, block size, kept channels and decode matmuls stay where they apply."""
     found: dict[tuple, ExportRecipe] = {}
     for variant, precision, weights, head_bits, kv in itertools.product(
         VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 4), EXPORTED_KV_DTYPES
@@ -216,8 +215,6 @@ def device_forms(base: ExportRecipe, device: str, recurrent: bool = False) -> li
                 kv_group_size=base.kv_group_size if kv in QUANTIZED_KV_DTYPES else 0,
             )
         except KvedgeError:  # a combination export refuses
-            continue
-        if recurrent and form.half:  # `check_states`: no float16 graph holds a recurrent state
             continue
         if device_refusal(device, variant, kv, form.logits) is None:
             found.setdefault((variant, precision, weights, form.lm_head_bits, kv), form)

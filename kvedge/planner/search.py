@@ -169,7 +169,7 @@ def _other_forms(plan: Plan) -> list[tuple[tuple[tuple[str, str], ...], ModelFoo
     m = plan.model
     if m.form is not None:
         found = []
-        for form in device_forms(m.form, plan.device, m.geometry.recurrent):
+        for form in device_forms(m.form, plan.device):
             options = _form_options(m.form, form)
             if options and _per_token(m, form.kv_dtype) < float("inf"):
                 found.append((options, with_form(m, form), form.kv_dtype))

@@ -5,6 +5,8 @@ with `narrow`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,17 @@ class Builder:
         """x (float32) back in the graph's float type under `name`: where an island ends (x itself
         in a float32 graph)."""
         return self.op("Cast", [x], name, to=TensorProto.FLOAT16) if self.half else x
+
+    @contextlib.contextmanager
+    def float32(self) -> Iterator[None]:
+        """Ops added inside are a float32 island of a float16 graph as a whole (constants float32,
+        `widen` and `narrow` nothing): open it on a `widen`ed input and `narrow` its result after."""
+        saved = self.half, self.float
+        self.half, self.float = False, np.dtype(np.float32)
+        try:
+            yield
+        finally:
+            self.half, self.float = saved
 
     def transposed_weight(self, name: str, rows: np.ndarray) -> str:
         """`rows` [N, K] as a float weight [K, N] for a MatMul: stored [N, K] behind a Transpose.

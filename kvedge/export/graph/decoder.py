@@ -418,10 +418,19 @@ class Decoder:
         L2-normed (Q times k_dim**-0.5), beta = sigmoid(b), the log decay g = -exp(A_log) *
         softplus(a + dt_bias), and `gated_delta_rule` runs the call's tokens against the slot's
         recurrent state; the output is RMS-normed per value head, gated by silu(z), projected."""
-        g, spec, p = self.g, self.spec.delta, f"model.layers.{i}.linear_attn"
+        g, p = self.g, f"model.layers.{i}.linear_attn"
         name = f"model.layers.{i}.dn"
-        c, vd, nv = spec.conv_channels, spec.v_heads * spec.v_dim, spec.v_heads
         proj = self.linear(x, p, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], f"{name}.in")
+        proj = g.widen(proj, f"{name}.in32")  # a float16 graph: the layer between is a float32 island
+        with g.float32():
+            gated = self._delta_core(i, proj, name)
+        return self.linear(g.narrow(gated, f"{name}.gated16"), p, ["out_proj"], f"{name}.out")
+
+    def _delta_core(self, i: int, proj: str, name: str) -> str:
+        """`delta_net` between its projections, in float32: proj [b, s, qkv + z + b + a] -> the
+        gated output [b, s, v_heads v_dim]."""
+        g, spec, p = self.g, self.spec.delta, f"model.layers.{i}.linear_attn"
+        c, vd, nv = spec.conv_channels, spec.v_heads * spec.v_dim, spec.v_heads
         qkv, z, b, a = g.op("Split", [proj, g.ints(c, vd, nv, nv)], f"{name}.parts", outputs=4, axis=-1)
         conv = self.causal_conv(i, qkv, f"{p}.conv1d", f"{name}.conv")
         conv = g.op("Mul", [conv, g.op("Sigmoid", [conv], f"{name}.conv_sig")], f"{name}.conv_silu")
@@ -455,10 +464,9 @@ class Decoder:
         normed = self.norms.rms_norm(out, self.w(f"{p}.norm.weight"), f"{name}.norm")
         z = g.op("Reshape", [z, g.ints(0, 0, nv, spec.v_dim)], f"{name}.z4")
         gate = g.op("Mul", [z, g.op("Sigmoid", [z], f"{name}.z_sig")], f"{name}.z_silu")
-        gated = g.op(
+        return g.op(
             "Reshape", [g.op("Mul", [normed, gate], f"{name}.gated4"), g.ints(0, 0, vd)], f"{name}.gated"
         )
-        return self.linear(gated, p, ["out_proj"], f"{name}.out")
 
     def _delta_heads(self, x: str, scale: float, name: str) -> str:
         """Q or K [b, s, k_heads k_dim] L2-normed per head (eps 1e-6 inside the root, as

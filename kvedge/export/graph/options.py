@@ -281,17 +281,12 @@ def lfm2_intermediate_size(config: Any) -> int:
 
 
 def check_states(geometry: CacheGeometry, recipe: ExportRecipe) -> CacheGeometry:
-    """`geometry` with its per-slot states in the graph's float type: a float16 graph (LFM2's)
-    keeps its convolution states in float16, the inputs its float16 convolutions read anyway.
-    Qwen3.5's recurrent state accumulates a whole conversation's updates: a float16 graph for it
-    is not built."""
-    if not recipe.half or not geometry.states:
+    """`geometry` with its per-slot states in the dtype a float16 graph keeps them in: LFM2's
+    convolution states in float16, the inputs its float16 convolutions read anyway; Qwen3.5's
+    Gated DeltaNet layers are float32 islands between their projections (its recurrent state sums
+    a whole conversation's updates), so both their states stay float32."""
+    if not recipe.half or not geometry.states or geometry.recurrent:
         return geometry
-    if any(state.kind == "recurrent" for state in geometry.states):
-        raise KvedgeError(
-            "--precision float16 is not built for models with a recurrent state (Qwen3.5's Gated "
-            "DeltaNet layers) yet: it sums a whole conversation's updates; use --precision float32"
-        )
     states = tuple(dataclasses.replace(state, dtype="float16") for state in geometry.states)
     return dataclasses.replace(geometry, states=states)
 
