@@ -78,12 +78,14 @@ def decode_logits(folder: Path, ids: list[int], start: int) -> np.ndarray:
     return np.stack(got)
 
 
-def save_graph(model, out: Path) -> Path:
+def save_graph(model, out: Path, written: bool = False) -> Path:
     """`model` (an artifact's graph, rewritten by a test) saved into the artifact folder `out` in
     place of its graph, the manifest's fingerprint (and where the LM head's blocks lie, for
-    the embeddings the runtime reads) made to match it."""
+    the embeddings the runtime reads) made to match it. `written`: the model was built into the
+    folder's data file (`graph_data`), which stays."""
     data = out / (ONNX_FILE + ".data")
-    data.unlink()
+    if not written:
+        data.unlink()
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     table = manifest.get("embedding")
     save_onnx(model, out, embeds=table is not None)

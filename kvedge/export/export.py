@@ -66,6 +66,7 @@ from kvedge.export.graph import (
     rotary_frequencies,
 )
 from kvedge.export.graph.decoder import runtime_embeddings
+from kvedge.export.graph.external import ExternalData, stored_length
 from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma4_variant
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
 from kvedge.export.memory import check_export_memory
@@ -78,6 +79,8 @@ if TYPE_CHECKING:
     from kvedge.export.gguf_blocks import GgufWeights
 
 log = logging.getLogger(__name__)
+
+DATA_FILE = ONNX_FILE + ".data"  # the graph's tensors of 1 KiB and more (`save_onnx`)
 
 
 def recorded(recipe: ExportRecipe, source_blocks_only: bool = False) -> dict[str, Any]:
@@ -392,8 +395,9 @@ def least_weight_bytes(model: Any, weights: str) -> int:
 
 def graph_bytes(graph: onnx.ModelProto) -> int:
     """The bytes of the graph's tensors, every If branch included: what model.onnx.data holds
-    (the graph's structure and the tokenizer add a few MiB)."""
-    return sum(len(t.raw_data) for g in all_graphs(graph.graph) for t in g.initializer)
+    (the graph's structure and the tokenizer add a few MiB), those already in it (`graph_data`)
+    by their recorded length."""
+    return sum(stored_length(t) for g in all_graphs(graph.graph) for t in g.initializer)
 
 
 def check_free_space(out: Path, needed: int, bound: str) -> int:
@@ -602,18 +606,27 @@ def eos_ids(config: Any, tokenizer: Any, generation_eos: Any) -> tuple[int, ...]
     return tuple(sorted(found))
 
 
+def graph_data(folder: Path) -> ExternalData:
+    """The data file `save_onnx` completes in `folder` (which must exist), open for the graph
+    builder to write the large tensors into as it makes them (`build_decoder_graph`'s sink):
+    then the export holds no weight twice, nor all of them at once. Close it (a `with` block)
+    once the graph is built."""
+    return ExternalData(folder / DATA_FILE)
+
+
 def save_onnx(model: onnx.ModelProto, folder: Path, embeds: bool = False) -> list[Path]:
     """The graph in model.onnx, its weights in model.onnx.data. Always apart: protobuf caps a
     file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice (the parsed
     protobuf and its tensors; measured on SmolLM2-135M int4: 396 MiB after session start with
     the weights inline, 199 MiB from model.onnx.data, same step time). With `embeds`, the LM
     head's tensors (HEAD_TABLE + HEAD_PARTS) go to the data file whatever their size: the runtime
-    reads the embeddings there (`head_table`)."""
-    graph, data = folder / ONNX_FILE, folder / (ONNX_FILE + ".data")
+    reads the embeddings there (`head_table`). Tensors already in the data file (a graph built
+    with `graph_data`) stay where they are; what is still inline is appended after them."""
+    graph, data = folder / ONNX_FILE, folder / DATA_FILE
     head = {HEAD_TABLE + suffix for suffix in HEAD_PARTS.values()} if embeds else set()
     for g in all_graphs(model.graph):
         for tensor in g.initializer:
-            if tensor.name in head:
+            if tensor.name in head and tensor.HasField("raw_data"):
                 set_external_data(tensor, data.name)
     # onnx.save_model's own steps, the tensors written one by one under a progress bar (gigabytes
     # at a billion parameters): onnx's default threshold keeps tensors under 1 KiB in the graph

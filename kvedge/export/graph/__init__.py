@@ -102,6 +102,7 @@ kernel's attribute of the same name and meaning; all with their own RoPE tables.
 The package, one idea per module (each imports only those listed before it):
 
     options       DecoderSpec, the graph's opset and the checks of what can be built
+    external      ExternalData: the data file large initializers are written to as they are made
     builder       Builder: nodes and initializers, float16 islands (widen / narrow)
     rope          RoPE tables, the partial-rotary channel order, the rotation in ops
     quant_matmul  blocked integer weights: DequantizeLinear -> MatMul, side inputs, QuantMatMul

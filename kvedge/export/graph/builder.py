@@ -1,6 +1,7 @@
 """`Builder`: appends nodes and initializers to one ONNX graph; every op returns its output's name.
 Its float type is float16 in a float16 graph, whose float32 islands open with `widen` and close
-with `narrow`.
+with `narrow`. Given the graph's data file (`ExternalData`), it writes each large initializer
+there as it is made and keeps only where it lies.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from kvedge.export.graph.external import ExternalData
+
 
 class Builder:
     """Appends nodes and initializers; every op returns the name of its (first) output."""
@@ -24,6 +27,7 @@ class Builder:
         decode_form: bool = False,
         half: bool = False,
         portable: bool = False,
+        sink: ExternalData | None = None,
     ) -> None:
         self.opset = opset
         self.side_inputs = side_inputs  # quantized matmuls take their side inputs from kvedge.SideInputs
@@ -37,6 +41,7 @@ class Builder:
         # stored as TensorRT's builder keeps them once (`quant_matmul._side_weight`)
         self.portable = portable
         self.float = np.dtype(np.float16 if half else np.float32)
+        self.sink = sink  # the data file large initializers go to as they are made, or None: all inline
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.quant_errors: list[float] = []  # max |w - w_hat| of each quantized weight
@@ -62,8 +67,12 @@ class Builder:
         return outs[0] if len(outs) == 1 else outs
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
+        return self.initializer(numpy_helper.from_array(np.ascontiguousarray(array), name))
+
+    def initializer(self, tensor: onnx.TensorProto) -> str:
+        """Add `tensor` (a large one written to the sink, when there is one); returns its name."""
+        self.initializers.append(tensor if self.sink is None else self.sink.keep(tensor))
+        return tensor.name
 
     def ints(self, *values: int) -> str:
         """A shared int64 vector constant, e.g. ints(0) -> [0]."""

@@ -26,6 +26,7 @@ from kvedge.contract import (
 )
 from kvedge.errors import KvedgeError
 from kvedge.export.graph.builder import Builder
+from kvedge.export.graph.external import ExternalData
 from kvedge.export.graph.forms import onnx_model
 from kvedge.export.graph.inplace import GroupQueryAttention, Int8CacheAttention
 from kvedge.export.graph.norms import Norms
@@ -48,12 +49,14 @@ def build_decoder_graph(
     outliers: dict[str, np.ndarray] | None = None,
     local_tables: tuple[np.ndarray, np.ndarray] | None = None,
     kept: dict[str, QuantizedWeight] | None = None,
+    sink: ExternalData | None = None,
 ) -> onnx.ModelProto:
     """The decoder as an ONNX model. `weights` uses Hugging Face state-dict names and layouts;
     `outliers` ({Linear name: input channels}, `quantize.input_outliers`) are kept float32 in
     quantized matmuls; `local_tables` (cos, sin [max_len, d/2]) rotate the sliding-window layers
     (`spec.local_layers`: Gemma 3's, their own RoPE base), `cos`/`sin` every other layer; `kept`
-    (HF name: blocks [K, N], `weights.SourceBlocks.kept`) are stored as they are, not quantized."""
+    (HF name: blocks [K, N], `weights.SourceBlocks.kept`) are stored as they are, not quantized;
+    `sink` (the data file, `ExternalData`) takes the large initializers as they are made."""
     check_kv_dtype(geometry.dtype, options.variant, options.precision)
     check_ring(geometry, options.variant)
     check_gemma4(spec, options)
@@ -92,6 +95,7 @@ def build_decoder_graph(
             local_tables,
             decode_form,
             kept_blocks,
+            sink,
         )
         hidden, delta = decoder.embed(), None  # delta: the last sublayer's output, added by the next norm
         for i in range(spec.num_layers or geometry.num_layers):
@@ -146,6 +150,7 @@ class Decoder:
         local_tables: tuple[np.ndarray, np.ndarray] | None = None,
         decode_form: bool = False,
         kept: dict[str, QuantizedWeight] | None = None,
+        sink: ExternalData | None = None,
     ) -> None:
         self.spec, self.weights, self.names, self.options = spec, weights, names, options
         self.geometry = geometry
@@ -155,7 +160,7 @@ class Decoder:
         self.portable = options.variant == "portable"
         ops = kvedge_ops(options.variant, geometry.dtype, options.weights)
         self.g = g = Builder(
-            graph_opset(options), SIDE_INPUTS_OP in ops, decode_form, options.half, self.portable
+            graph_opset(options), SIDE_INPUTS_OP in ops, decode_form, options.half, self.portable, sink
         )
         # a float16 graph over the INT8 cache runs attention in float32, as a float32 graph does:
         # its codec's products of a query with int8 codes before scaling can pass 65504

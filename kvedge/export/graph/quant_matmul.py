@@ -44,7 +44,7 @@ def matmul_weight(
     keep = np.zeros(0, np.int64) if keep is None else keep.astype(np.int64)  # [kept]
     if g.decode_form and w.shape[1] % 64 == 0:
         return _quant_matmul(g, x, w, qw, out, keep)
-    g.initializers.append(weight_tensor(f"{out}.weight_q", qw))
+    g.initializer(weight_tensor(f"{out}.weight_q", qw))
     scale = g.fconst(f"{out}.weight_scale", qw.scale)  # its type is DequantizeLinear's output's
     deq = g.op("DequantizeLinear", [f"{out}.weight_q", scale], f"{out}.weight", axis=0, block_size=block_size)
     rows: list[np.ndarray] = []  # [*, N] the second product's weights
