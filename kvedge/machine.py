@@ -73,3 +73,16 @@ def available_memory(
     if soft != resource.RLIM_INFINITY and mapped is not None:
         found.append(Available(soft - mapped, "ulimit -v less what is mapped"))
     return min(found, key=lambda a: a.bytes) if found else None
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's freed pages back to the system (glibc's malloc_trim); False where the C
+    library has no such call. After a phase that allocated and freed gigabytes from several
+    threads (the export's calibration), glibc keeps them in its arenas, where they still count
+    as the process's resident memory."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    return bool(trim is not None and trim(0) is not None)

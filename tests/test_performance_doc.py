@@ -16,6 +16,7 @@ cell is checked against that folder's JSON:
     batch       bench/serve.py's JSON: the cost of one decode call over that many rows
     head        bench/head_bits.py's JSON: rows are its head forms ("int4 b32", "top 11264")
     hybrid      bench/hybrid.py's JSON: rows are its systems ("kvedge", "transformers")
+    scale form  bench/scale.py's JSON: rows are its export forms ("cpu", "nano") and "genai int4"
 
 A cell matches when the JSON's value, rounded to the cell's decimals, gives the cell; "-" and a
 cell in parentheses ("(reference)") are not figures.
@@ -44,7 +45,7 @@ EXPORTS = "`kvedge export ...`"  # README's export table
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
 CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9-]+")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
-KINDS = ("system", "kvedge vs", "mode", "batch", "workload", "head", "hybrid", EXPORTS)
+KINDS = ("system", "kvedge vs", "mode", "batch", "workload", "head", "hybrid", "scale form", EXPORTS)
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
 
 
@@ -106,8 +107,27 @@ HYBRID_COLUMNS = {
 }
 
 
+# bench/scale.py's scale.json: a row is an export form (its "forms" entry and its run) or the
+# onnxruntime-genai build ("genai int4": its "genai" entry and its run)
+SCALE_COLUMNS = {
+    "export s": lambda f, r: f["export"]["wall_s"],
+    "export peak GiB": lambda f, r: f["export"]["peak_rss"] / 2**30,
+    "files MiB": lambda f, r: f["files"] / 2**20,
+    "bits / param": lambda f, r: f["bits_per_parameter"],
+    "run peak GiB": lambda f, r: r["peak_rss"] / 2**30,
+    "planned / run": lambda f, r: f["planned_over_measured"],
+    "ms / token": lambda f, r: r["median_decode_ms"],
+}
+
+
 def figure(data: dict, kind: str, header: str, row: str) -> float:
     """The JSON's value for one table cell."""
+    if kind == "scale form":
+        assert header in SCALE_COLUMNS, f"'scale form' column {header!r}: not in scale.json"
+        form = data["genai"] if row == "genai int4" else data["forms"][row]
+        if row == "genai int4":
+            form = {**form, "export": form["build"]}
+        return SCALE_COLUMNS[header](form, data["runs"][row])
     if kind == "hybrid":
         system = data["systems"][row]
         if match := re.fullmatch(r"decode ms @(\d+)", header):

@@ -71,8 +71,17 @@ from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
 from kvedge.export.memory import check_export_memory
 from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
-from kvedge.export.source import Source, load_hf, resolve_source
+from kvedge.export.source import (
+    Opened,
+    Source,
+    load_hf,
+    load_tokenizer,
+    opened,
+    resolve_source,
+    stream_source,
+)
 from kvedge.files import human, new_folder
+from kvedge.machine import release_freed_memory
 
 if TYPE_CHECKING:
     from kvedge.export.awq_gptq import PackedWeights
@@ -149,15 +158,48 @@ def export_model(
     (`force`: replacing what is there).
 
     `loaded` is (model, tokenizer) as `load_hf` returns them for that source, to export several
-    variants from one load (the benchmark does); by default it is loaded here after the memory
-    preflight (`memory_check`: `kvedge.export.memory`). A quantized source's blocks (GGUF, AWQ,
-    GPTQ) are stored as they are where they fit (`read_source_blocks`)."""
+    variants from one load (the benchmark does); by default the source is read here after the
+    memory preflight (`memory_check`: `kvedge.export.memory`), one layer at a time where it can
+    be (`stream_source`). A quantized source's blocks (GGUF, AWQ, GPTQ) are stored as they are
+    where they fit (`read_source_blocks`)."""
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
     blocks = read_source_blocks(source, options)
-    model, tokenizer = loaded or _load(source, options, memory_check)
-    check_free_space(out, least_weight_bytes(model, options.weights), "at least")
+    source_model = opened(*loaded) if loaded else _load(source, options, memory_check)
+    needed = [check_free_space(out, least_weight_bytes(source_model.model, options.weights), "at least")]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
+    try:
+        manifest = _export_into(staging, source, source_model, options, blocks, needed)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if out_of_space(exc):
+            raise KvedgeError(
+                f"{out.parent}: no space left on the device while writing the export, which needs "
+                f"about {human(needed[-1])}; nothing was kept, {out} is unchanged"
+            ) from None
+        raise
+    size = sum(f.stat().st_size for f in out.iterdir())
+    log.info("wrote %s (%.1f MiB)", out, size / 2**20)
+    return manifest
+
+
+def _export_into(
+    staging: Path,
+    source: Source,
+    source_model: Opened,
+    options: ExportRecipe,
+    blocks: GgufWeights | PackedWeights | None,
+    needed: list[int],
+) -> Manifest:
+    """The export's files in `staging`: the graph, its large tensors written into the data file
+    as they are made (`graph_data`); `needed` gets the bytes the files take once the graph's
+    size is known."""
+    model, tokenizer = source_model.model, source_model.tokenizer
     config = model.config
     geometry = geometry_from_config(config, options.max_len, options.variant).with_dtype(
         options.kv_dtype, options.kv_group_size or None
@@ -167,55 +209,41 @@ def export_model(
     geometry = check_states(geometry, options)
     *tables, rope = _rope(model, spec, geometry, options.max_len)  # cos, sin, local tables
     names = IONames()
-    graph, kept, source_only = _graph(model, tokenizer, spec, geometry, tables, names, options, blocks)
-    untied = untied_embeddings(model, spec, options)
-    per_layer = per_layer_rows(model, spec, options)
-    del model, blocks  # their weights, before the files are written
-    needed = check_free_space(out, graph_bytes(graph), "about")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
-    try:
-        embeds = any(i.name == names.inputs_embeds for i in graph.graph.input)
-        save_onnx(graph, staging, embeds)
-        table = lookup_table(staging, options, untied) if embeds else None
-        per_layer_table = save_per_layer(staging, per_layer) if per_layer is not None else None
-        template = save_tokenizer(staging, tokenizer)
-        manifest = Manifest(
-            architecture=type(config).__name__.replace("Config", ""),
-            model_type=config.model_type,
-            source=source.description,
-            source_fingerprint=source.fingerprint(),
-            geometry=geometry,
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.hidden_size,
-            num_heads=spec.num_heads,
-            eos_token_ids=eos_ids(
-                config, tokenizer, getattr(model_generation_config(source), "eos_token_id", None)
-            ),
-            rope=rope,
-            onnx_fingerprint=sha256_files(graph_files(staging)),
-            names=names,
-            chat_template=bool(template),
-            special_tokens=special_tokens(tokenizer),
-            embedding=table,
-            per_layer=per_layer_table,
-            weight_source_blocks=kept,
-            **recorded(options, source_only),
-        )
-        (staging / MANIFEST_FILE).write_text(manifest.to_json())
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if out_of_space(exc):
-            raise KvedgeError(
-                f"{out.parent}: no space left on the device while writing the export, which needs "
-                f"about {human(needed)}; nothing was kept, {out} is unchanged"
-            ) from None
-        raise
-    size = sum(f.stat().st_size for f in out.iterdir())
-    log.info("wrote %s (%.1f MiB)", out, size / 2**20)
+    with graph_data(staging) as sink:
+        graph, kept, source_only = _graph(source_model, spec, geometry, tables, names, options, blocks, sink)
+    untied = untied_embeddings(source_model, spec, options)
+    per_layer = per_layer_rows(source_model, spec, options)
+    del model, blocks, source_model  # their weights, before the files are written
+    needed.append(graph_bytes(graph))
+    check_free_space(staging, needed[-1] - sink.size, "about")  # what is not written yet
+    embeds = any(i.name == names.inputs_embeds for i in graph.graph.input)
+    save_onnx(graph, staging, embeds)
+    del graph
+    table = lookup_table(staging, options, untied) if embeds else None
+    per_layer_table = save_per_layer(staging, per_layer) if per_layer is not None else None
+    template = save_tokenizer(staging, tokenizer)
+    generation = model_generation_config(source)
+    manifest = Manifest(
+        architecture=type(config).__name__.replace("Config", ""),
+        model_type=config.model_type,
+        source=source.description,
+        source_fingerprint=source.fingerprint(),
+        geometry=geometry,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_heads=spec.num_heads,
+        eos_token_ids=eos_ids(config, tokenizer, getattr(generation, "eos_token_id", None)),
+        rope=rope,
+        onnx_fingerprint=sha256_files(graph_files(staging)),
+        names=names,
+        chat_template=bool(template),
+        special_tokens=special_tokens(tokenizer),
+        embedding=table,
+        per_layer=per_layer_table,
+        weight_source_blocks=kept,
+        **recorded(options, source_only),
+    )
+    (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
 
 
@@ -228,13 +256,13 @@ def special_tokens(tokenizer: Any) -> dict[str, str]:
     }
 
 
-def per_layer_rows(model: Any, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
+def per_layer_rows(source: Opened, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
     """Gemma 4's per-layer embedding table [rows, layers x P] times sqrt(P) (transformers' scale,
     in float32), float32 for float32 weights, else float16; None for other models."""
     if spec.gemma4 is None or not spec.gemma4.per_layer:
         return None
-    layer = model.model.embed_tokens_per_layer
-    rows = layer.weight.detach().numpy() * np.float32(layer.scalar_embed_scale)
+    scale = np.float32(source.model.model.embed_tokens_per_layer.scalar_embed_scale)
+    rows = source.weights["model.embed_tokens_per_layer.weight"] * scale
     return rows.astype(np.float32 if options.weights == "float32" else np.float16)
 
 
@@ -247,11 +275,20 @@ def save_per_layer(folder: Path, rows: np.ndarray) -> PerLayerTable:
     return PerLayerTable(PER_LAYER_FILE, rows.dtype.name, tuple(rows.shape), first)
 
 
-def _load(source: Source, options: ExportRecipe, memory_check: bool) -> tuple[Any, Any]:
-    """(model, tokenizer) of `source` in float32, after the memory preflight unless skipped."""
+def _load(source: Source, options: ExportRecipe, memory_check: bool) -> Opened:
+    """`source` streamed, or else loaded whole in float32, each after its memory preflight unless
+    skipped (before anything is allocated)."""
+    from kvedge.export.awq_gptq import quantization_config
+
+    streamable = source.gguf_file is None and not quantization_config(source.folder)
     if memory_check:
-        check_export_memory(source, options.weights)
-    return load_hf(source)
+        check_export_memory(source, streamed=streamable)
+    streamed = stream_source(source) if streamable else None
+    if streamed is not None:
+        return dataclasses.replace(streamed, tokenizer=load_tokenizer(source))
+    if memory_check and streamable:  # it could not be streamed after all
+        check_export_memory(source)
+    return opened(*load_hf(source))
 
 
 def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | PackedWeights | None:
@@ -306,22 +343,22 @@ def _rope(
 
 
 def _graph(
-    model: Any,
-    tokenizer: Any,
+    source: Opened,
     spec: DecoderSpec,
     geometry: CacheGeometry,
     tables: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None],
     names: IONames,
     options: ExportRecipe,
     blocks: GgufWeights | PackedWeights | None = None,
+    sink: ExternalData | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, int], bool]:
-    """The decoder graph from the model's state dict, with a progress bar over its layers; how
+    """The decoder graph from the source's state dict, with a progress bar over its layers; how
     many of the quantized source's matrices (`blocks`) it keeps as they are, by type ({} for
     other sources); and whether those are all its quantized matrices. The outlier channels of
     quantized weights are measured first (its int8 kernel needs them), where it keeps any
     (`ExportRecipe.kept_channels_of`)."""
     cos, sin, local_tables = tables
-    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    weights = source.weights
     _check_quantizable(spec, geometry, options)
     kept = SourceBlocks({}, {}, {})
     if blocks is not None:
@@ -330,7 +367,9 @@ def _graph(
     source_only = bool(kept.kept) and not kept.requantized
     outliers, channels = None, options.kept_channels_of(source_only)
     if channels:  # measured before the graph: its int8 kernel needs them
-        outliers = input_outliers(model, calibration_ids(tokenizer), channels)
+        streamed = source.weights if source.streamed else None
+        outliers = input_outliers(source.model, calibration_ids(source.tokenizer), channels, streamed)
+        release_freed_memory()  # the calibration's activations, kept by the C heap
     elif options.kept_channels:
         log.info("float channels kept: none, every quantized matrix is the source's blocks")
 
@@ -347,6 +386,7 @@ def _graph(
             outliers=outliers,
             local_tables=local_tables,
             kept=kept.kept,
+            sink=sink,
         )
     quant_error = {p.key: p.value for p in graph.metadata_props}.get("kvedge.max_quant_error")
     if quant_error:
@@ -676,13 +716,15 @@ def lookup_table(folder: Path, options: ExportRecipe, untied: np.ndarray | None)
     return head_table(folder, options.lm_head_bits, options.block_size)
 
 
-def untied_embeddings(model: Any, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
+def untied_embeddings(source: Opened, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
     """An untied model's input embedding table [vocab, hidden] float32, which a quantized graph's
     lookup reads from a file of its own (`write_embedding_table`); None for a tied model (its
     table is the head's blocks) or a float graph (which gathers from its own table)."""
-    if not runtime_embeddings(options) or tied_head(spec, {k: None for k in model.state_dict()}):
+    if not runtime_embeddings(options) or tied_head(spec, source.weights):
         return None
-    return model.get_input_embeddings().weight.detach().float().numpy()
+    table = source.model.get_input_embeddings()
+    name = next(n for n, m in source.model.named_modules() if m is table)
+    return np.asarray(source.weights[f"{name}.weight"], np.float32)
 
 
 def write_embedding_table(folder: Path, table: np.ndarray, options: ExportRecipe) -> EmbeddingTable:

@@ -63,7 +63,9 @@ int4 tensors are packed two per byte, the first element in the low nibble (the O
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -351,12 +353,18 @@ def pack_quant_matmul(qw: QuantizedWeight, kept_rows: np.ndarray | None = None) 
     return QuantMatMulWeight(np.ascontiguousarray(weights), qw.offset is not None)
 
 
-def pack_int4(q: np.ndarray) -> bytes:
-    """Signed 4-bit values (int8 array in [-8, 7]) packed two per byte, first in the low nibble."""
-    flat = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
-    if flat.size % 2:
-        flat = np.append(flat, np.uint8(0))
-    return (flat[0::2] | (flat[1::2] << 4)).tobytes()
+def pack_int4(q: np.ndarray, chunk_values: int = CHUNK_VALUES) -> bytes:
+    """Signed 4-bit values (int8 array in [-8, 7]) packed two per byte, first in the low nibble
+    (two's complement: a value's low 4 bits), `chunk_values` values at a time."""
+    flat = np.ascontiguousarray(q).reshape(-1).view(np.uint8)
+    packed = np.empty((flat.size + 1) // 2, np.uint8)
+    step = max(2, chunk_values - chunk_values % 2)
+    for start in range(0, flat.size, step):
+        part = flat[start : start + step] & np.uint8(0xF)
+        if part.size % 2:
+            part = np.append(part, np.uint8(0))
+        packed[start // 2 : start // 2 + part.size // 2] = part[0::2] | (part[1::2] << np.uint8(4))
+    return packed.tobytes()
 
 
 def weight_tensor(name: str, qw: QuantizedWeight) -> TensorProto:
@@ -380,29 +388,49 @@ def calibration_ids(tokenizer: Any, max_tokens: int = 256) -> list[list[int]]:
     return ids
 
 
+# tokens per calibration batch: its prompts run together, right-padded (`input_outliers`)
+CALIBRATION_BATCH_TOKENS = 4096
+
+
 def input_outliers(
-    model: Any, token_ids: list[list[int]], channels: int = OUTLIER_CHANNELS
+    model: Any,
+    token_ids: list[list[int]],
+    channels: int = OUTLIER_CHANNELS,
+    weights: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """{Linear module name: its `channels` input channels of largest max |x| over `token_ids`,
-    ascending [channels] int64}, from one float32 forward pass of the Hugging Face `model`."""
+    ascending [channels] int64}, from float32 forward passes of the Hugging Face `model`; the LM
+    head's ("lm_head") from the decoder's output. Prompts run in batches of up to
+    CALIBRATION_BATCH_TOKENS tokens, right-padded, the padding left out of every maximum (a causal
+    model's real tokens never see it). A skeleton `model` (`kvedge.export.streamed`) reads each
+    block's `weights` as it runs them."""
     import torch
 
+    from kvedge.export.streamed import streaming
+
     peaks: dict[str, torch.Tensor] = {}  # name -> [in_features] max |x|
+    real: list[torch.Tensor] = []  # [b, s] bool: the running batch's real tokens
 
-    def record(name: str):
-        def hook(module: Any, args: tuple) -> None:
-            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
-            peaks[name] = torch.maximum(peaks[name], x) if name in peaks else x
+    def fold(name: str, x: torch.Tensor) -> None:
+        if tuple(x.shape[:2]) != tuple(real[0].shape):
+            raise KvedgeError(f"calibration: {name} reads {list(x.shape)}, not [batch, tokens, ...]")
+        peak = x.detach()[real[0]].abs().reshape(-1, x.shape[-1]).amax(dim=0)
+        peaks[name] = torch.maximum(peaks[name], peak) if name in peaks else peak
 
-        return hook
-
+    decoder = getattr(model, model.base_model_prefix)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    handles = [m.register_forward_pre_hook(record(n)) for n, m in linears]
+    handles = [m.register_forward_pre_hook(lambda _, args, n=n: fold(n, args[0])) for n, m in linears]
+    head = isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), streaming(model, weights) if weights is not None else contextlib.nullcontext():
             # minutes at a billion parameters: the bar shows the phase and its pace
-            for ids in tqdm(token_ids, desc="export channel calibration", unit="prompt"):
-                model(torch.tensor([ids]), use_cache=False)
+            with tqdm(total=len(token_ids), desc="export channel calibration", unit="prompt") as bar:
+                for ids, mask in calibration_batches(token_ids):
+                    real[:] = [mask.bool()]
+                    hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                    if head:
+                        fold("lm_head", hidden)
+                    bar.update(len(ids))
     finally:
         for handle in handles:
             handle.remove()
@@ -410,3 +438,21 @@ def input_outliers(
         name: np.sort(torch.topk(peak, min(channels, peak.numel())).indices.numpy()).astype(np.int64)
         for name, peak in peaks.items()
     }
+
+
+def calibration_batches(token_ids: list[list[int]]) -> Iterator[tuple[Any, Any]]:
+    """(ids [b, s] int64, attention mask [b, s] int64) batches of the prompts, longest first,
+    each right-padded to its longest and of at most CALIBRATION_BATCH_TOKENS tokens (padded)."""
+    import torch
+
+    rows = sorted((ids for ids in token_ids if ids), key=len, reverse=True)
+    while rows:
+        width = len(rows[0])
+        take = max(1, CALIBRATION_BATCH_TOKENS // width)
+        batch, rows = rows[:take], rows[take:]
+        ids = torch.zeros((len(batch), width), dtype=torch.int64)
+        mask = torch.zeros((len(batch), width), dtype=torch.int64)
+        for r, row in enumerate(batch):
+            ids[r, : len(row)] = torch.tensor(row)
+            mask[r, : len(row)] = 1
+        yield ids, mask

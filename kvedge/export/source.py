@@ -11,9 +11,12 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvedge.contract import SUPPORTED_MODEL_TYPES, sha256_files
 from kvedge.errors import KvedgeError
@@ -105,10 +108,22 @@ def check_architecture(config: Any) -> None:
         raise KvedgeError(f"architecture {model_type!r} is not supported; supported: {supported}")
 
 
-def load_hf(source: Source) -> tuple[Any, Any]:
-    """Load (model, tokenizer) with transformers in fp32. GGUF weights are dequantized, by
-    transformers; AWQ and GPTQ ones by `load_packed`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass(frozen=True)
+class Opened:
+    """A source as the export reads it: the transformers `model` (whole in float32, or its
+    skeleton when `streamed`), its `tokenizer`, and `weights`, its state dict as float32 arrays
+    (read from the files on each access when streamed, `kvedge.export.streamed`)."""
+
+    model: Any
+    tokenizer: Any
+    weights: Mapping[str, np.ndarray]
+    streamed: bool = False
+
+
+def hf_config(source: Source) -> tuple[Any, bool]:
+    """(the decoder's transformers config of `source`, whether it is a composite checkpoint's
+    text part), refused here where kvedge does not build the architecture."""
+    from transformers import AutoConfig
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
@@ -122,19 +137,69 @@ def load_hf(source: Source) -> tuple[Any, Any]:
         config = getattr(config, composite)
     check_architecture(config)
     Gemma4Spec.from_config(config)  # what of Gemma 4 is not built, refused before its weights load
+    return config, bool(composite)
+
+
+def load_hf(source: Source) -> tuple[Any, Any]:
+    """Load (model, tokenizer) with transformers in fp32. GGUF weights are dequantized, by
+    transformers; AWQ and GPTQ ones by `load_packed`."""
+    from transformers import AutoModelForCausalLM
+
+    config, composite = hf_config(source)
     log.info("loading %s (%s) with transformers", source.description, config.model_type)
     if getattr(config, "quantization_config", None) and not source.gguf_file:
         model = load_packed(source.folder, config)
     else:
         # config=: transformers parses a GGUF's metadata (its whole vocabulary) on each call; the
         # config parsed above is not parsed again (a GGUF load: 4 parses, about 8 s each, to 3)
+        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
         model = AutoModelForCausalLM.from_pretrained(source.folder, config=config, dtype="float32", **kwargs)
     model.eval()
-    if composite:  # whether the head is the embedding is what was loaded, not the part's flag
-        head, table = model.get_output_embeddings(), model.get_input_embeddings()
-        model.config.tie_word_embeddings = head is None or head.weight is table.weight
-    tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
-    return model, tokenizer
+    if composite:
+        tie_as_loaded(model)
+    return model, load_tokenizer(source)
+
+
+def stream_source(source: Source) -> Opened | None:
+    """`source` streamed for the export (`kvedge.export.streamed`): a Hugging Face folder of
+    plain safetensors whose tensors map one to one onto the model's, its tokenizer not loaded yet
+    (`load_tokenizer`); None (with why, logged) for anything else, which is loaded whole
+    (`load_hf`)."""
+    if source.gguf_file:
+        return None
+    config, composite = hf_config(source)
+    if getattr(config, "quantization_config", None):
+        return None
+    from kvedge.export.streamed import open_streamed
+
+    streamed = open_streamed(source.folder, source.files()[1:], config)
+    if streamed is None:
+        return None
+    model, weights = streamed
+    if composite:  # its head is the embedding where the files hold no head of their own
+        model.config.tie_word_embeddings = weights.same("lm_head.weight", "model.embed_tokens.weight")
+    log.info("reading %s (%s) one layer at a time", source.description, config.model_type)
+    return Opened(model, None, weights, streamed=True)
+
+
+def opened(model: Any, tokenizer: Any) -> Opened:
+    """A model loaded whole (`load_hf`) as the export reads it."""
+    return Opened(model, tokenizer, {k: v.detach().numpy() for k, v in model.state_dict().items()})
+
+
+def tie_as_loaded(model: Any) -> None:
+    """A composite checkpoint's text part: whether its head is the embedding is what the model
+    holds, not the part's flag."""
+    head, table = model.get_output_embeddings(), model.get_input_embeddings()
+    model.config.tie_word_embeddings = head is None or head.weight is table.weight
+
+
+def load_tokenizer(source: Source) -> Any:
+    """The source's tokenizer, as transformers reads it (a GGUF's from its metadata)."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.folder, **kwargs)
 
 
 def load_packed(folder: Path, config: Any) -> Any:

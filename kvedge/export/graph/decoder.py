@@ -4,8 +4,9 @@ attention, the gated MLP) and the logits; `build_decoder_graph` is the entry poi
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,14 +34,16 @@ from kvedge.export.graph.norms import Norms
 from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_gemma4, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
 from kvedge.export.graph.quant_matmul import block_weight, matmul_weight
-from kvedge.export.graph.weights import llama_name, prepare_weights, tied_head
+from kvedge.export.graph.weights import LayerWeights, Weight, llama_name, prepare_weights, tied_head
 from kvedge.export.quantize import QuantizedWeight, concat_columns
+
+log = logging.getLogger(__name__)
 
 
 def build_decoder_graph(
     spec: DecoderSpec,
     geometry: CacheGeometry,
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, Weight],
     cos: np.ndarray,
     sin: np.ndarray,
     names: IONames,
@@ -71,7 +74,7 @@ def build_decoder_graph(
             f"ring layers {list(ring_model_layers)} are not the model's sliding-window layers "
             f"{list(stored_local)}"
         )
-    prepared = prepare_weights(spec, geometry, weights)
+    prepared = LayerWeights(spec, geometry, weights)  # one layer's arrays at a time
     kept_blocks = prepare_weights(spec, geometry, kept or {})
     # Graphs with kvedge.QuantMatMul hold two forms of the decoder (`onnx_model`): prefill's
     # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's and a
@@ -102,6 +105,9 @@ def build_decoder_graph(
             hidden, delta = decoder.layer(i, hidden, delta)
             if progress:
                 progress(1 / len(forms))
+        if options.quantized:  # minutes at a large vocabulary, after the layers' bar has filled
+            form = ("decode" if decode_form else "prefill") if len(forms) > 1 else "the graph"
+            log.info("%s: quantizing the LM head [%d x %d]", form, spec.vocab_size, spec.hidden_size)
         decoder.logits(hidden, delta)
         builders.append(decoder.g)
     embeds = ("float16" if options.half else "float32") if runtime_embeddings(options) else ""
@@ -141,7 +147,7 @@ class Decoder:
         self,
         spec: DecoderSpec,
         geometry: CacheGeometry,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, Weight],
         cos: np.ndarray,
         sin: np.ndarray,
         names: IONames,
@@ -216,7 +222,7 @@ class Decoder:
         return GroupQueryAttention(**ctx, **tables, **local, half=half)
 
     def w(self, name: str) -> np.ndarray:
-        return self.weights[name].astype(np.float32)
+        return self.weights[name].astype(np.float32, copy=False)
 
     def linear(self, x: str, prefix: str, parts: list[str], out: str) -> str:
         """x @ concat(W_parts)^T + concat(b_parts): fused projections cost one MatMul. The only
@@ -263,14 +269,14 @@ class Decoder:
 
     def embed(self) -> str:
         """Token embeddings [b, s, H]: rows of the table gathered from input_ids, or the
-        inputs_embeds the runtime looks up in a quantized graph (`runtime_embeddings`). The table
-        is kept for a tied LM head."""
-        self.embed_table = self.w("model.embed_tokens.weight")  # [vocab, hidden]
+        inputs_embeds the runtime looks up in a quantized graph (`runtime_embeddings`)."""
         if runtime_embeddings(self.options):
             rows = self.names.inputs_embeds
         else:
             self.embed_name = self.g.float_weight(
-                "model.embed_tokens.weight", self.embed_table, stored_half=self.options.weights == "float16"
+                "model.embed_tokens.weight",
+                self.w("model.embed_tokens.weight"),  # [vocab, hidden]
+                stored_half=self.options.weights == "float16",
             )
             rows = self.g.op("Gather", [self.embed_name, self.names.input_ids], "model.embed", axis=0)
         if self.spec.embed_scale == 1.0:
@@ -688,7 +694,7 @@ class Decoder:
         g, options = self.g, self.options
         tied = tied_head(self.spec, self.weights)
         if options.quantized:
-            head = self.embed_table if tied else self.w("lm_head.weight")  # [vocab, H]
+            head = self.w("model.embed_tokens.weight" if tied else "lm_head.weight")  # [vocab, H]
             return matmul_weight(
                 g,
                 hidden,

@@ -60,7 +60,6 @@ class ExternalData:
         raw = tensor.raw_data
         if not is_large(raw):
             return tensor
-        tensor.ClearField("raw_data")
         key = hashlib.sha256(repr((tensor.name, tensor.data_type, list(tensor.dims))).encode())
         key.update(raw)
         digest = key.digest()
@@ -70,12 +69,14 @@ class ExternalData:
             self._file.flush()  # the file's end is where `save_onnx` appends, even while open
             self.size += len(raw)
         offset, length = self._written[digest]
-        tensor.data_location = TensorProto.EXTERNAL
-        del tensor.external_data[:]
+        # a new message: clearing raw_data would leave its bytes in the message's memory (upb
+        # frees a message's memory with the message only)
+        kept = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        kept.data_location = TensorProto.EXTERNAL
         for k, v in (("location", self.location), ("offset", offset), ("length", length)):
-            entry = tensor.external_data.add()
+            entry = kept.external_data.add()
             entry.key, entry.value = k, str(v)
-        return tensor
+        return kept
 
     def close(self) -> None:
         self._file.close()

@@ -5,7 +5,9 @@ softmax scale folded into Wq), and which of a quantized source's own blocks the 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +16,7 @@ from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.export.graph.options import DecoderSpec
 from kvedge.export.graph.rope import rotary_order
 from kvedge.export.quantize import QuantizedWeight
+from kvedge.machine import release_freed_memory
 
 # a float weight in its Hugging Face layout (rows: output features), or blocks [K, N] (`quantize`)
 Weight = np.ndarray | QuantizedWeight
@@ -107,6 +110,58 @@ def prepare_weights(
             if name in weights:
                 weights[name] = _scaled(weights[name], spec.softmax_scale)
     return weights
+
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class LayerWeights(Mapping[str, Weight]):
+    """`prepare_weights` of a state dict (`source`: a dict, or one read on each access,
+    `kvedge.export.streamed.FolderWeights`) one layer at a time: the layer a name belongs to is
+    prepared when a name of it is first asked for and kept until another layer's is, so a graph
+    built layer after layer holds one layer's weights; a name outside the layers is prepared on
+    each access. Iterating gives the source's names in Llama's terms, before the layout steps."""
+
+    def __init__(self, spec: DecoderSpec, geometry: CacheGeometry, source: Mapping[str, Weight]) -> None:
+        self.spec, self.geometry, self.source = spec, geometry, source
+        self._raw = {llama_name(name): name for name in source}
+        self._layers: dict[int, list[str]] = {}
+        for name in source:
+            match = LAYER.match(name)
+            if match:
+                self._layers.setdefault(int(match.group(1)), []).append(name)
+        self._held: tuple[int, dict[str, Weight]] = (-1, {})
+
+    def _layer(self, name: str) -> dict[str, Weight] | None:
+        match = LAYER.match(name)
+        if match is None:
+            return None
+        i = int(match.group(1))
+        if self._held[0] != i:
+            self._held = (-1, {})  # the last layer's arrays go before this one's are read
+            release_freed_memory()
+            raw = {n: self.source[n] for n in self._layers.get(i, [])}
+            self._held = (i, prepare_weights(self.spec, self.geometry, raw))
+        return self._held[1]
+
+    def __getitem__(self, name: str) -> Weight:
+        layer = self._layer(name)
+        if layer is not None:
+            return layer[name]
+        raw = self._raw[name]  # KeyError for a name the source lacks
+        return prepare_weights(self.spec, self.geometry, {raw: self.source[raw]})[name]
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        layer = self._layer(name)
+        return name in layer if layer is not None else name in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
 
 
 def _outputs(w: Weight) -> int:

@@ -1,0 +1,207 @@
+"""The export's source read one layer at a time (`kvedge.export.streamed`): each family's streamed
+export is byte for byte the export of the model loaded whole; what cannot be streamed is loaded
+whole, and says why; the calibration holds one block's weights at a time; bfloat16 widens
+exactly; a random checkpoint at a card's real shape (`kvedge.bench.checkpoint`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+
+import numpy as np
+import pytest
+import torch
+from conftest import MAX_LEN
+from tiny import gemma4_supported, make_tiny_model, tiny_config
+
+from kvedge.bench.checkpoint import hf_config, write_checkpoint
+from kvedge.contract import ExportRecipe
+from kvedge.export.export import export_model
+from kvedge.export.quantize import calibration_batches, input_outliers
+from kvedge.export.source import load_hf, resolve_source, stream_source
+from kvedge.export.streamed import FolderWeights, Stored, open_streamed, read_tensor, skeleton, streaming
+
+CASES = [
+    ("llama", {}, ExportRecipe(max_len=MAX_LEN, variant="ort", weights="int8")),  # calibrated channels
+    ("qwen2", {"tie_word_embeddings": False}, ExportRecipe(max_len=MAX_LEN, variant="ort", weights="int4")),
+    ("phi3", {}, ExportRecipe(max_len=MAX_LEN)),  # fused projections split per layer
+    ("gemma3", {}, ExportRecipe(max_len=MAX_LEN, weights="int4")),
+    ("qwen3_5", {}, ExportRecipe(max_len=MAX_LEN, variant="ort", weights="int8", kv_dtype="int8")),
+    ("lfm2", {}, ExportRecipe(max_len=MAX_LEN, precision="float16", weights="int4")),
+    ("gemma4", {}, ExportRecipe(max_len=MAX_LEN, weights="int8", block_size=16)),
+]
+
+
+@pytest.mark.parametrize(("family", "overrides", "recipe"), CASES, ids=[c[0] for c in CASES])
+def test_a_streamed_export_is_the_export_of_the_model_loaded_whole(tmp_path, family, overrides, recipe):
+    if family == "gemma4" and not gemma4_supported():
+        pytest.skip("this transformers has no Gemma 4 with shared KV")
+    source = make_tiny_model(tmp_path / "hf", family, **overrides)
+    assert stream_source(resolve_source(source)).streamed
+    export_model(source, tmp_path / "streamed", recipe)
+    export_model(source, tmp_path / "whole", recipe, loaded=load_hf(resolve_source(source)))
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    streamed = json.loads((tmp_path / "streamed" / "manifest.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "manifest.json").read_text())
+    assert streamed == whole
+
+
+def test_bfloat16_and_float16_widen_exactly(tmp_path):
+    values = torch.randn(3, 5) * 100
+    path = tmp_path / "t.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(
+        {"b": values.to(torch.bfloat16), "h": values.to(torch.float16), "i": torch.arange(4)}, str(path)
+    )
+    from kvedge.export.streamed import read_header
+
+    stored, _ = read_header(path)
+    assert np.array_equal(read_tensor(stored["b"]), values.to(torch.bfloat16).float().numpy())
+    assert np.array_equal(read_tensor(stored["h"]), values.to(torch.float16).float().numpy())
+    assert read_tensor(stored["i"]).tolist() == [0, 1, 2, 3]
+    assert read_tensor(stored["b"]).dtype == np.float32
+
+
+def _rewrite(folder, change) -> None:
+    """The folder's safetensors file with its tensors changed by `change` (a dict, in place)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (
+            lambda t: t.pop("model.layers.0.mlp.up_proj.weight"),
+            "the files lack model.layers.0.mlp.up_proj.weight",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": torch.ones(3)}),
+            r"model.norm.weight is \[3\], the model's model.norm.weight is \[64\]",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.float8_e4m3fn)}),
+            "model.norm.weight is F8_E4M3, which has no exact float32 form here",
+        ),
+    ],
+    ids=["missing", "shape", "dtype"],
+)
+def test_a_source_that_cannot_be_streamed_is_loaded_whole_and_says_why(tmp_path, caplog, change, why):
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    _rewrite(source, change)
+    caplog.set_level(logging.INFO, logger="kvedge.export.streamed")
+    assert stream_source(resolve_source(source)) is None
+    assert any(
+        "reading the weights whole, not layer by layer" in r.message
+        and __import__("re").search(why, r.message)
+        for r in caplog.records
+    ), caplog.text
+
+
+def test_a_composite_checkpoints_text_part_is_streamed(tmp_path):
+    """A Qwen3.5 checkpoint saved as its vision-language model (model.language_model.* names, a
+    vision tower): its text part is streamed under transformers' names, the tower left unread."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = tiny_config("qwen3_5")
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(
+            text_config=text.to_dict(),
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": text.hidden_size,
+            },
+        )
+    )
+    model.save_pretrained(tmp_path / "vl")
+    make_tiny_model(tmp_path / "text", "qwen3_5")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tmp_path / "text" / name).exists():
+            (tmp_path / "vl" / name).write_bytes((tmp_path / "text" / name).read_bytes())
+    streamed = stream_source(resolve_source(tmp_path / "vl"))
+    assert streamed is not None and streamed.streamed
+    whole, _ = load_hf(resolve_source(tmp_path / "vl"))
+    state = whole.state_dict()
+    assert set(streamed.weights) == set(state)
+    for name, value in state.items():
+        assert np.array_equal(streamed.weights[name], value.numpy()), name
+
+
+def test_calibration_holds_one_block_at_a_time_and_equals_the_model_loaded_whole(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "qwen3")
+    whole, tokenizer = load_hf(resolve_source(source))
+    model, weights = open_streamed(source, [source / "model.safetensors"], whole.config)
+    layer_values = max(sum(p.numel() for p in layer.parameters()) for layer in whole.model.layers)
+    held = []
+
+    def count(*_):
+        held.append(sum(p.numel() for p in model.parameters() if p.device.type != "meta"))
+
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids = [[int(t) for t in row] for row in torch.randint(0, 100, (9, 21)).tolist()] + [[5, 6, 7]]
+    got = input_outliers(model, ids, 4, weights)
+    for hook in hooks:
+        hook.remove()
+    assert held and max(held) <= layer_values  # a layer's, never two
+    assert all(p.device.type == "meta" for p in model.parameters())  # dropped after the run
+    want = input_outliers(whole, ids, 4)
+    assert got.keys() == want.keys() and "lm_head" in got
+    for name in got:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def test_calibration_batches_leave_padding_out(tmp_path):
+    ids = [[1] * 300, [2] * 10, [3] * 3000, [4] * 10]
+    batches = list(calibration_batches(ids))
+    assert [tuple(b[0].shape) for b in batches] == [(1, 3000), (3, 300)]  # longest first
+    assert [int(b[1].sum()) for b in batches] == [3000, 320]
+    assert batches[1][0][1].tolist() == [2] * 10 + [0] * 290  # right-padded
+
+
+def test_a_random_checkpoint_has_the_cards_shape_and_streams(tmp_path):
+    count = write_checkpoint("qwen3-0.6b", tmp_path / "q", layers=2)
+    config, card = hf_config("qwen3-0.6b")
+    per_layer = (
+        card - config.vocab_size * config.hidden_size - config.hidden_size
+    ) // config.num_hidden_layers
+    assert count == config.vocab_size * config.hidden_size + 2 * per_layer + config.hidden_size
+    with (tmp_path / "q" / "model.safetensors").open("rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    streamed = stream_source(resolve_source(tmp_path / "q"))
+    assert streamed is not None
+    table = streamed.weights["model.embed_tokens.weight"]
+    assert table.shape == (config.vocab_size, config.hidden_size) and 0.015 < table.std() < 0.025
+
+
+def test_folder_weights_read_on_each_access(tmp_path):
+    source = make_tiny_model(tmp_path / "hf", "llama")
+    _, weights = open_streamed(source, [source / "model.safetensors"], skeleton_config(source))
+    assert isinstance(weights, FolderWeights)
+    first = weights["model.norm.weight"]
+    assert first is not weights["model.norm.weight"]  # nothing is kept
+    assert isinstance(weights._where["model.norm.weight"], Stored)
+
+
+def skeleton_config(folder):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def test_the_skeleton_holds_no_weights():
+    model = skeleton(tiny_config("llama"))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())  # the RoPE tables are real
+    with streaming(model, {}):
+        pass
