@@ -117,6 +117,7 @@ SCALE_COLUMNS = {
     "run peak GiB": lambda f, r: r["peak_rss"] / 2**30,
     "planned / run": lambda f, r: f["planned_over_measured"],
     "ms / token": lambda f, r: r["median_decode_ms"],
+    "prefill s": lambda f, r: r["median_prefill_s"],
 }
 
 

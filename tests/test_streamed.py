@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -205,3 +206,24 @@ def test_the_skeleton_holds_no_weights():
     assert all(b.device.type == "cpu" for b in model.buffers())  # the RoPE tables are real
     with streaming(model, {}):
         pass
+
+
+def test_the_exports_peak_memory_does_not_grow_with_depth(tmp_path):
+    """The same real-width model (Qwen3-0.6B's shape) at 2 and 10 layers, exported in a child
+    process each: the deeper one's peak RSS exceeds the shallower's by well under the 8 layers'
+    float32 weights, which a model held whole adds (the export reads one layer at a time)."""
+    from kvedge.bench.scale import run_phase
+
+    peaks, layer_bytes = {}, 0
+    for layers in (2, 10):
+        folder = tmp_path / f"q{layers}"
+        write_checkpoint("qwen3-0.6b", folder, layers=layers)
+        config, _ = hf_config("qwen3-0.6b", layers)
+        h, q, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        d, m = config.head_dim, config.intermediate_size
+        layer_bytes = 4 * (h * d * (2 * q + 2 * kv) + 3 * h * m)
+        command = [sys.executable, "-m", "kvedge", "export", str(folder), "--weights", "int4"]
+        command += ["--max-len", "256", "--out", str(tmp_path / f"out{layers}")]
+        peaks[layers] = run_phase(command, tmp_path / f"export{layers}.log").peak_rss
+    growth = peaks[10] - peaks[2]
+    assert growth < 0.4 * 8 * layer_bytes, (peaks, layer_bytes)

@@ -155,8 +155,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def run_systems(args: argparse.Namespace, systems: dict[str, tuple[str, Path]], work: Path) -> dict[str, Any]:
-    """Each system's peak RSS and median decode ms per token, `args.rounds` alternating rounds."""
-    runs: dict[str, dict[str, Any]] = {name: {"peak_rss": 0, "decode_ms": []} for name in systems}
+    """Each system's peak RSS, median decode ms per token and prefill seconds (`args.context`
+    tokens from an empty cache), `args.rounds` alternating rounds."""
+    runs: dict[str, dict[str, Any]] = {
+        name: {"peak_rss": 0, "decode_ms": [], "prefill_s": []} for name in systems
+    }
     for r in range(args.rounds):
         for name, (kind, path) in systems.items():
             code = python(RUN, kind, str(path), str(args.max_len), str(args.threads), str(args.context))
@@ -165,9 +168,11 @@ def run_systems(args: argparse.Namespace, systems: dict[str, tuple[str, Path]], 
             timing = json.loads(log_path.read_text().strip().splitlines()[-1])
             runs[name]["peak_rss"] = max(runs[name]["peak_rss"], phase.peak_rss)
             runs[name]["decode_ms"].append(1000 * statistics.median(timing["steps_s"]))
+            runs[name]["prefill_s"].append(timing["ttft_s"])
             log.info("round %d %s: %.1f ms/token", r + 1, name, runs[name]["decode_ms"][-1])
     for row in runs.values():
         row["median_decode_ms"] = statistics.median(row["decode_ms"])
+        row["median_prefill_s"] = statistics.median(row["prefill_s"])
     return runs
 
 
@@ -178,21 +183,21 @@ def table(data: dict[str, Any]) -> str:
         f"{data['card']} ({data['parameters']:,} parameters), {data['threads']} threads, "
         f"decode after {data['context']} tokens",
         f"{'form':<14}{'export s':>9}{'export GiB':>11}{'files MiB':>10}{'bits/p':>7}"
-        f"{'run GiB':>8}{'planned/run':>12}{'ms/token':>9}",
+        f"{'run GiB':>8}{'planned/run':>12}{'ms/token':>9}{'prefill s':>10}",
     ]
     for form, row in data["forms"].items():
         run = data["runs"][form]
         lines.append(
             f"{form:<14}{row['export']['wall_s']:>9.0f}{row['export']['peak_rss'] / gib:>11.2f}"
             f"{row['files'] / 2**20:>10.0f}{row['bits_per_parameter']:>7.2f}{run['peak_rss'] / gib:>8.2f}"
-            f"{row['planned_over_measured']:>12.2f}{run['median_decode_ms']:>9.1f}"
+            f"{row['planned_over_measured']:>12.2f}{run['median_decode_ms']:>9.1f}{run['median_prefill_s']:>10.2f}"
         )
     if "genai" in data:
         row, run = data["genai"], data["runs"]["genai int4"]
         lines.append(
             f"{'genai int4':<14}{row['build']['wall_s']:>9.0f}{row['build']['peak_rss'] / gib:>11.2f}"
             f"{row['files'] / 2**20:>10.0f}{row['bits_per_parameter']:>7.2f}{run['peak_rss'] / gib:>8.2f}"
-            f"{'-':>12}{run['median_decode_ms']:>9.1f}"
+            f"{'-':>12}{run['median_decode_ms']:>9.1f}{run['median_prefill_s']:>10.2f}"
         )
     return "\n".join(lines)
 
