@@ -88,6 +88,7 @@ def write_checkpoint(card_name: str, folder: Path, layers: int | None = None, se
         )
     folder.mkdir(parents=True, exist_ok=True)
     _write_safetensors(folder / "model.safetensors", shapes, float(config.initializer_range), seed)
+    config.architectures = [type(model).__name__]  # as a published config.json names it
     config.save_pretrained(folder)
     gguf = default_gguf()
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)

@@ -98,13 +98,6 @@ ttft, steps = system.run(ids, int(sys.argv[6]))
 print(json.dumps({"ttft_s": ttft, "steps_s": steps}))
 """
 
-GENAI = """
-import sys
-from onnxruntime_genai.models.builder import create_model
-create_model(None, sys.argv[1], sys.argv[2], sys.argv[3], "int4", "cpu", sys.argv[4])
-"""
-
-
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from kvedge.planner import check_fits
 
@@ -142,7 +135,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.genai:
         genai = work / "genai"
         log.info("onnxruntime-genai builder: int4 cpu")
-        command = python(GENAI, str(hf), str(genai), str(work / "genai-cache"), str(hf))
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(genai)]
+        command += ["-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")]
         phase = run_phase(command, work / "genai.log")
         files = artifact_bytes(genai)
         bits = 8 * files / parameters
