@@ -98,6 +98,7 @@ ttft, steps = system.run(ids, int(sys.argv[6]))
 print(json.dumps({"ttft_s": ttft, "steps_s": steps}))
 """
 
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from kvedge.planner import check_fits
 

@@ -52,7 +52,8 @@ CPU_HELD = {
 # What a two-form export's decode form buys (`ExportRecipe.two_forms`): decode ms/token with one
 # form (--decode-matmuls onnxruntime) over with two, by weights, at 64 and 2000 tokens of context;
 # SmolLM2-135M, INT8 cache, onnxruntime CPU, 1 thread, on an AVX2 machine (kvedge.QuantMatMul's
-# "avx2" path; other CPUs' paths unmeasured): docs/PERFORMANCE.md, "Two forms of the weights"
+# "avx2" path; other CPUs' paths unmeasured): docs/PERFORMANCE.md, "Two forms of the weights". At
+# Qwen3-1.7B's shape (int8, float32 cache, 2 threads) one form was the faster: "Exporting at a real size"
 SECOND_FORM_DECODE_GAIN = {"int8": (1.12, 1.06), "int4": (1.23, 1.14)}
 
 
@@ -65,7 +66,8 @@ def second_form_note(weights: str, decode_bytes: int | None = None) -> str:
     )
     return (
         f"{cost}: decode {short:.2f}x as fast as one form at 64 tokens of context, {long:.2f}x at 2000 "
-        "(measured: SmolLM2-135M, an AVX2 CPU); --decode-matmuls onnxruntime keeps one form"
+        "(measured: SmolLM2-135M, an AVX2 CPU; at Qwen3-1.7B's shape, int8, it was 0.85x); "
+        "--decode-matmuls onnxruntime keeps one form"
     )
 
 
