@@ -7,10 +7,12 @@ plan` and the service's budget without a board profile, `kvedge doctor`) reads i
 
 from __future__ import annotations
 
+import functools
 import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,15 @@ def release_freed_memory() -> bool:
     library has no such call. After a phase that allocated and freed gigabytes from several
     threads (the export's calibration), glibc keeps them in its arenas, where they still count
     as the process's resident memory."""
+    trim = _malloc_trim()
+    return bool(trim is not None and trim(0) is not None)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (found once: find_library runs ldconfig)."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    return bool(trim is not None and trim(0) is not None)
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None

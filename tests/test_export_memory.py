@@ -1,6 +1,7 @@
 """The export's memory preflight (`kvedge.export.memory`): parameters counted from the files'
-headers, the floor of what an export holds at once, and what this process may use (MemAvailable,
-cgroup limits, ulimit -v); a 3B export refused under a 1.5 GiB address-space limit in one line."""
+headers, the export's estimated peak, and what this process may use (MemAvailable, cgroup limits,
+ulimit -v); a 3B export refused under a 3 GiB address-space limit in one line, and one line where
+an allocation fails past the preflight."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
 from kvedge.export.memory import (
+    HEAD_PEAK,
+    STREAMED_BASE,
     check_export_memory,
-    export_floor,
+    export_estimate,
     source_parameters,
+    source_tensors,
 )
 from kvedge.export.source import resolve_source
 from kvedge.machine import Available, available_memory
@@ -92,8 +97,23 @@ def test_parameters_are_counted_from_the_headers_alone(tmp_path):
     count = sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
     assert source_parameters(resolve_source(tmp_path / "llama3b")) == count == 3_212_749_824
     assert source_parameters(resolve_source(None)) == 134_515_008  # SmolLM2's GGUF tensor table
-    assert export_floor(count) == count * 4  # loaded whole
-    assert export_floor(count, 128256 * 3072) == 128256 * 3072 * 4  # streamed: the embedding
+    tensors = source_tensors(resolve_source(tmp_path / "llama3b"))
+    table = 128256 * 3072  # the embedding, read whole to quantize it as the LM head
+    assert max(tensors) == table
+    int4, ort8 = ExportRecipe(weights="int4"), ExportRecipe(variant="ort", weights="int8")
+    assert ort8.two_forms and not int4.two_forms
+    assert export_estimate(tensors, int4, True).bytes == STREAMED_BASE + int(
+        HEAD_PEAK["one form"] * 4 * table
+    )
+    assert export_estimate(tensors, ort8, True).bytes == STREAMED_BASE + int(
+        HEAD_PEAK["two forms"] * 4 * table
+    )
+    assert export_estimate(tensors, ExportRecipe(), True).bytes == STREAMED_BASE + int(
+        HEAD_PEAK["float"] * 4 * table
+    )
+    whole = export_estimate(tensors, int4, False)  # loaded whole: the float32 model besides
+    assert whole.bytes == export_estimate(tensors, int4, True).bytes + 4 * (count - table)
+    assert "loaded whole" in whole.what
 
 
 def test_what_this_process_may_use_is_the_least_of_every_limit(tmp_path):
@@ -124,33 +144,57 @@ def test_what_this_process_may_use_is_the_least_of_every_limit(tmp_path):
 def test_an_export_over_the_available_memory_is_refused_in_one_line(tmp_path):
     sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
     source = resolve_source(tmp_path / "llama3b")
+    int4 = ExportRecipe(weights="int4")
     with pytest.raises(
         KvedgeError,
-        match=r"needs at least 11\.97 GiB of memory \(the float32 model of 3,212,749,824 parameters, "
-        r"loaded whole\), and 6\.00 GiB is available \(a test\)",
+        match=r"needs about 14\.29 GiB of memory \(the float32 model of 3,212,749,824 parameters, "
+        r"loaded whole, and its largest tensor, 394,002,432 values, in float32 and as the graph's "
+        r"weights\), and 6\.00 GiB is available \(a test\)",
     ):
-        check_export_memory(source, Available(6 * GIB, "a test"))
-    check_export_memory(source, Available(14 * GIB, "a test"))  # passes: loads nothing
-    check_export_memory(source, Available(6 * GIB, "a test"), streamed=True)  # 1.47 GiB
-    with pytest.raises(KvedgeError, match=r"1\.47 GiB of memory \(its largest tensor, 394,002,432 values"):
-        check_export_memory(source, Available(GIB, "a test"), streamed=True)
+        check_export_memory(source, int4, Available(6 * GIB, "a test"))
+    check_export_memory(source, int4, Available(16 * GIB, "a test"))  # passes: loads nothing
+    check_export_memory(source, int4, Available(4 * GIB, "a test"), streamed=True)  # 3.79 GiB
+    with pytest.raises(
+        KvedgeError, match=r"about 3\.79 GiB of memory \(its largest tensor, 394,002,432 values"
+    ):
+        check_export_memory(source, int4, Available(3 * GIB, "a test"), streamed=True)
 
 
-def test_a_3b_export_under_a_1_5_gib_ulimit_is_refused_before_loading(tmp_path):
-    """The real limit, the real CLI: `ulimit -v 1.5 GiB`, then `kvedge export` of a 3B checkpoint,
-    streamed, whose embedding alone is 1.47 GiB in float32 (the 3B export fits 6 GiB:
-    docs/PERFORMANCE.md, "Memory")."""
-    sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
-    export = f"{sys.executable} -m kvedge export {tmp_path / 'llama3b'} --weights int4 --out {tmp_path / 'x'}"
-    command = f"ulimit -v {3 * 2**19}; exec {export}"
-    done = subprocess.run(
-        ["bash", "-c", command], capture_output=True, text=True, timeout=600, env=os.environ
-    )
+def in_ulimit(gib: float, command: str) -> subprocess.CompletedProcess:
+    """`command` in bash under `ulimit -v` of `gib` GiB."""
+    limit = f"ulimit -v {int(gib * 2**20)}; exec {command}"
+    return subprocess.run(["bash", "-c", limit], capture_output=True, text=True, timeout=600, env=os.environ)
+
+
+def one_error(done: subprocess.CompletedProcess) -> str:
+    """The one "Error" line of a user error: non-zero, no traceback."""
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and "needs at least 1.47 GiB" in errors[0], done.stderr
-    assert "(ulimit -v less what is mapped)" in errors[0] and "--no-memory-check" in errors[0]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+def test_a_3b_export_under_a_3_gib_ulimit_is_refused_before_loading(tmp_path):
+    """The real limit, the real CLI: `ulimit -v 3 GiB`, then `kvedge export` of a 3B checkpoint,
+    streamed, whose estimated peak is 3.79 GiB (its largest tensor alone is 1.47 GiB in float32,
+    under the limit; the 3B export fits 6 GiB: docs/PERFORMANCE.md, "Exporting at a real size")."""
+    sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
+    export = f"{sys.executable} -m kvedge export {tmp_path / 'llama3b'} --weights int4 --out {tmp_path / 'x'}"
+    error = one_error(in_ulimit(3, export))
+    assert "needs about 3.79 GiB" in error and "(ulimit -v less what is mapped)" in error
+    assert "--no-memory-check" in error
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_that_runs_out_of_memory_anyway_says_so_in_one_line(tmp_path):
+    """Past the preflight (--no-memory-check) under `ulimit -v 1.5 GiB`, the 3B checkpoint's first
+    large allocation fails (its 1.47 GiB embedding): one line, what was needed, nothing kept."""
+    sparse_checkpoint(tmp_path / "llama3b", "llama-3.2-3b")
+    export = f"{sys.executable} -m kvedge export {tmp_path / 'llama3b'} --weights int4 --out {tmp_path / 'x'}"
+    error = one_error(in_ulimit(1.5, export + " --no-memory-check"))
+    assert "the export ran out of memory (an allocation of 1.47 GiB failed)" in error, error
+    assert "it needs about 3.79 GiB" in error and "is unchanged" in error
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.*"))
 
 
 def test_a_checkpoint_cut_inside_its_header_is_refused_by_name(tmp_path):
@@ -159,4 +203,6 @@ def test_a_checkpoint_cut_inside_its_header_is_refused_by_name(tmp_path):
     with weights.open("r+b") as f:
         f.truncate(4096)  # the download stopped inside the JSON header
     with pytest.raises(KvedgeError, match=r"llama3b: not a complete safetensors file \(JSONDecodeError"):
-        check_export_memory(resolve_source(tmp_path / "llama3b"), Available(64 * GIB, "a test"))
+        check_export_memory(
+            resolve_source(tmp_path / "llama3b"), ExportRecipe(), Available(64 * GIB, "a test")
+        )

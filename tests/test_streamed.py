@@ -19,6 +19,7 @@ from tiny import gemma4_supported, make_tiny_model, tiny_config
 from kvedge.bench.checkpoint import hf_config, write_checkpoint
 from kvedge.contract import ExportRecipe
 from kvedge.export.export import export_model
+from kvedge.export.memory import export_estimate, source_tensors
 from kvedge.export.quantize import calibration_batches, input_outliers
 from kvedge.export.source import load_hf, resolve_source, stream_source
 from kvedge.export.streamed import FolderWeights, Stored, open_streamed, read_tensor, skeleton, streaming
@@ -138,7 +139,7 @@ def test_a_composite_checkpoints_text_part_is_streamed(tmp_path):
         assert np.array_equal(streamed.weights[name], value.numpy()), name
 
 
-def test_calibration_holds_one_block_at_a_time_and_equals_the_model_loaded_whole(tmp_path):
+def test_calibration_holds_one_block_at_a_time_and_equals_the_model_loaded_whole(tmp_path, capsys):
     source = make_tiny_model(tmp_path / "hf", "qwen3")
     whole, tokenizer = load_hf(resolve_source(source))
     model, weights = open_streamed(source, [source / "model.safetensors"], whole.config)
@@ -155,6 +156,8 @@ def test_calibration_holds_one_block_at_a_time_and_equals_the_model_loaded_whole
         hook.remove()
     assert held and max(held) <= layer_values  # a layer's, never two
     assert all(p.device.type == "meta" for p in model.parameters())  # dropped after the run
+    layers = len(whole.model.layers)  # the bar moves a layer of a batch at a time
+    assert f"{layers}/{layers} " in capsys.readouterr().err.replace("\r", "\n")
     want = input_outliers(whole, ids, 4)
     assert got.keys() == want.keys() and "lm_head" in got
     for name in got:
@@ -227,3 +230,7 @@ def test_the_exports_peak_memory_does_not_grow_with_depth(tmp_path):
         peaks[layers] = run_phase(command, tmp_path / f"export{layers}.log").peak_rss
     growth = peaks[10] - peaks[2]
     assert growth < 0.4 * 8 * layer_bytes, (peaks, layer_bytes)
+    # the preflight's estimate holds the peak (it is set by the LM head, not by the depth)
+    tensors = source_tensors(resolve_source(tmp_path / "q10"))
+    estimate = export_estimate(tensors, ExportRecipe(weights="int4"), streamed=True).bytes
+    assert max(peaks.values()) <= estimate, (peaks, estimate)

@@ -69,7 +69,7 @@ from kvedge.export.graph.decoder import runtime_embeddings
 from kvedge.export.graph.external import ExternalData, stored_length
 from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma4_variant
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
-from kvedge.export.memory import check_export_memory
+from kvedge.export.memory import check_export_memory, export_needs, failed_allocation, out_of_memory
 from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
 from kvedge.export.source import (
     Opened,
@@ -165,22 +165,31 @@ def export_model(
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
-    blocks = read_source_blocks(source, options)
-    source_model = opened(*loaded) if loaded else _load(source, options, memory_check)
-    needed = [check_free_space(out, least_weight_bytes(source_model.model, options.weights), "at least")]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
+    staging, needed = None, [0]
     try:
+        blocks = read_source_blocks(source, options)
+        source_model = opened(*loaded) if loaded else _load(source, options, memory_check)
+        least = least_weight_bytes(source_model.model, options.weights)
+        needed[:] = [check_free_space(out, least, "at least")]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = new_folder(out.parent, f".{out.name}.")  # readable by the service user (kvedge.files)
         manifest = _export_into(staging, source, source_model, options, blocks, needed)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
     except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if out_of_space(exc):
             raise KvedgeError(
                 f"{out.parent}: no space left on the device while writing the export, which needs "
                 f"about {human(needed[-1])}; nothing was kept, {out} is unchanged"
+            ) from None
+        if out_of_memory(exc) and not loaded:
+            needs = export_needs(source, options, streamable(source))
+            raise KvedgeError(
+                f"the export ran out of memory ({failed_allocation(exc)}); {needs}; nothing was kept, "
+                f"{out} is unchanged"
             ) from None
         raise
     size = sum(f.stat().st_size for f in out.iterdir())
@@ -278,17 +287,22 @@ def save_per_layer(folder: Path, rows: np.ndarray) -> PerLayerTable:
 def _load(source: Source, options: ExportRecipe, memory_check: bool) -> Opened:
     """`source` streamed, or else loaded whole in float32, each after its memory preflight unless
     skipped (before anything is allocated)."""
-    from kvedge.export.awq_gptq import quantization_config
-
-    streamable = source.gguf_file is None and not quantization_config(source.folder)
     if memory_check:
-        check_export_memory(source, streamed=streamable)
-    streamed = stream_source(source) if streamable else None
+        check_export_memory(source, options, streamed=streamable(source))
+    streamed = stream_source(source) if streamable(source) else None
     if streamed is not None:
         return dataclasses.replace(streamed, tokenizer=load_tokenizer(source))
-    if memory_check and streamable:  # it could not be streamed after all
-        check_export_memory(source)
+    if memory_check and streamable(source):  # it could not be streamed after all
+        check_export_memory(source, options)
     return opened(*load_hf(source))
+
+
+def streamable(source: Source) -> bool:
+    """Whether `source` may be read a tensor at a time (`stream_source` has the last word): not a
+    GGUF file nor an AWQ / GPTQ checkpoint."""
+    from kvedge.export.awq_gptq import quantization_config
+
+    return source.gguf_file is None and not quantization_config(source.folder)
 
 
 def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | PackedWeights | None:

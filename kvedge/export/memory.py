@@ -1,13 +1,13 @@
-"""The export's memory preflight: before minutes of work, what the export must hold at once
-against what this process may still use, refused in one line where it cannot fit.
+"""The export's memory preflight: before minutes of work, the export's peak estimated from the
+source's file headers and the recipe, refused in one line where it exceeds what this process may
+still use; and the one line an allocation that fails anyway becomes.
 
-The floor (`export_floor`) is a lower bound, never an estimate that may overshoot. The graph's
-weights go to its data file as they are made (`kvedge.export.graph.external`), so what the
-export certainly holds is what it reads in float32: the whole model, where the source is loaded
-whole (a GGUF file, an AWQ or GPTQ checkpoint), else the largest tensor (the embedding, read whole
-to quantize it as the LM head), where it is streamed (`kvedge.export.streamed`). Measured peaks
-sit higher (docs/PERFORMANCE.md, "Memory"), so a refused export would certainly have failed, and
-a passed one may still run short.
+The graph's weights go to its data file as they are made (`kvedge.export.graph.external`) and a
+folder of plain safetensors is read a tensor at a time (`kvedge.export.streamed`), so a streamed
+export's peak is its LM head's quantization: the table in float32 (the largest tensor, read whole)
+beside its codes, scales and offsets, and a second layout where the graph holds a decode form
+(`ExportRecipe.two_forms`). `export_estimate` is that, measured (`HEAD_PEAK`); a source loaded
+whole (a GGUF file, an AWQ or GPTQ checkpoint, what transformers converts) adds its float32 model.
 
 What this process may use is `kvedge.machine.available_memory`'s: the least of MemAvailable, the
 cgroups' limits and `ulimit -v`.
@@ -20,7 +20,9 @@ import logging
 import math
 import re
 import struct
+from dataclasses import dataclass
 
+from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
 from kvedge.export.source import CUT_FILE, Source, incomplete
 from kvedge.files import human
@@ -63,32 +65,80 @@ def _tensors(source: Source) -> list[int]:
     return counts
 
 
-def export_floor(parameters: int, largest: int | None = None) -> int:
-    """Bytes the export certainly holds at once: the float32 model of `parameters` loaded whole,
-    or its `largest` tensor in float32 when streamed."""
-    return 4 * (parameters if largest is None else largest)
+# A streamed export's peak RSS: STREAMED_BASE (the libraries, a layer's weights) plus HEAD_PEAK
+# times the largest tensor's float32 bytes, by the graph's weights. Measured: random bfloat16
+# weights at Llama-3.2-3B's and Qwen3-1.7B's shapes (4 layers: the peak does not move with depth),
+# RSS sampled every 0.2 s, 2026-12-07: above 1 GiB, 1.68-1.78x the table's float32 bytes with one
+# form, 2.15-2.31x with two; docs/PERFORMANCE.md, "Exporting at a real size"
+STREAMED_BASE = 2**30
+HEAD_PEAK = {"one form": 1.9, "two forms": 2.5, "float": 1.6}
 
 
-def check_export_memory(source: Source, available: Available | None = None, streamed: bool = False) -> None:
-    """Refuse, in one line, an export whose floor exceeds what this process may use (`streamed`:
-    the source is read one layer at a time)."""
-    tensors = source_tensors(source)
+@dataclass(frozen=True)
+class Estimate:
+    """An export's estimated peak (`bytes`) and what sets it (`what`, a phrase)."""
+
+    bytes: int
+    what: str
+
+
+def export_estimate(tensors: list[int], recipe: ExportRecipe, streamed: bool) -> Estimate:
+    """The peak of an export of a source with these tensors (their values, `source_tensors`) as
+    `recipe`: read a tensor at a time (`streamed`), or loaded whole in float32."""
     parameters, largest = sum(tensors), max(tensors, default=0)
-    floor = export_floor(parameters, largest if streamed else None)
+    form = "two forms" if recipe.two_forms else "one form" if recipe.quantized else "float"
+    head = STREAMED_BASE + int(HEAD_PEAK[form] * 4 * largest)
+    what = f"its largest tensor, {largest:,} values, in float32 and as the graph's weights"
+    if streamed:
+        return Estimate(head, what)
+    whole = f"the float32 model of {parameters:,} parameters, loaded whole, and {what}"
+    return Estimate(head + 4 * (parameters - largest), whole)
+
+
+def check_export_memory(
+    source: Source, recipe: ExportRecipe, available: Available | None = None, streamed: bool = False
+) -> None:
+    """Refuse, in one line, an export as `recipe` whose estimated peak exceeds what this process
+    may use (`streamed`: the source is read one tensor at a time)."""
+    tensors = source_tensors(source)
+    need = export_estimate(tensors, recipe, streamed)
     room = available or available_memory()
     log.info(
-        "memory preflight: %s parameters, at least %s held at once; %s",
-        f"{parameters:,}",
-        human(floor),
+        "memory preflight: %s parameters, a peak of about %s; %s",
+        f"{sum(tensors):,}",
+        human(need.bytes),
         f"{human(room.bytes)} available ({room.what})" if room else "no limit found",
     )
-    if room is not None and floor > room.bytes:
-        held = (
-            f"its largest tensor, {largest:,} values, in float32"
-            if streamed
-            else f"the float32 model of {parameters:,} parameters, loaded whole"
-        )
+    if room is not None and need.bytes > room.bytes:
         raise KvedgeError(
-            f"the export needs at least {human(floor)} of memory ({held}), and "
+            f"the export needs about {human(need.bytes)} of memory ({need.what}), and "
             f"{human(max(room.bytes, 0))} is available ({room.what}); pass --no-memory-check to try anyway"
         )
+
+
+def export_needs(source: Source, recipe: ExportRecipe, streamed: bool) -> str:
+    """What an export of `source` as `recipe` needs and what is available, for the error an
+    allocation that failed becomes."""
+    need = export_estimate(source_tensors(source), recipe, streamed)
+    room = available_memory()
+    have = f", and {human(max(room.bytes, 0))} is available now ({room.what})" if room else ""
+    return f"it needs about {human(need.bytes)} ({need.what}){have}"
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """True when `exc` is an allocation that failed: a MemoryError (Python's, numpy's) or torch's
+    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def failed_allocation(exc: BaseException) -> str:
+    """An `out_of_memory` error as a phrase: "an allocation of 1.47 GiB failed" where it says its
+    size (torch's allocator's, numpy's), else its first line."""
+    text = str(exc)
+    if found := re.search(r"tried to allocate (\d+) bytes", text):
+        return f"an allocation of {human(int(found[1]))} failed"
+    if found := re.search(r"Unable to allocate ([\d.]+ [KMGT]?i?B)", text):
+        return f"an allocation of {found[1]} failed"
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -421,23 +421,44 @@ def input_outliers(
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     handles = [m.register_forward_pre_hook(lambda _, args, n=n: fold(n, args[0])) for n, m in linears]
     head = isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
+    # minutes at a billion parameters: the bar moves a decoder layer of a batch at a time
+    batches = list(calibration_batches(token_ids))
+    layers = _decoder_layers(decoder)
+    bar = tqdm(total=len(batches) * max(len(layers), 1), desc="export channel calibration", unit="layer")
+
+    def step(*_: Any) -> None:  # a forward hook's non-None return would replace the layer's output
+        bar.update(1)
+
+    handles += [layer.register_forward_hook(step) for layer in layers]
     try:
         with torch.no_grad(), streaming(model, weights) if weights is not None else contextlib.nullcontext():
-            # minutes at a billion parameters: the bar shows the phase and its pace
-            with tqdm(total=len(token_ids), desc="export channel calibration", unit="prompt") as bar:
-                for ids, mask in calibration_batches(token_ids):
-                    real[:] = [mask.bool()]
-                    hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-                    if head:
-                        fold("lm_head", hidden)
-                    bar.update(len(ids))
+            for i, (ids, mask) in enumerate(batches):
+                bar.set_postfix_str(f"batch {i + 1}/{len(batches)}, {len(ids)} prompts")
+                real[:] = [mask.bool()]
+                hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                if head:
+                    fold("lm_head", hidden)
+                if not layers:
+                    bar.update(1)
     finally:
+        bar.close()
         for handle in handles:
             handle.remove()
     return {
         name: np.sort(torch.topk(peak, min(channels, peak.numel())).indices.numpy()).astype(np.int64)
         for name, peak in peaks.items()
     }
+
+
+def _decoder_layers(decoder: Any) -> list[Any]:
+    """The decoder's layers (its ModuleList named "layers", a composite's text model's too), in
+    order; [] where it has none."""
+    import torch
+
+    for name, module in decoder.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return list(module)
+    return []
 
 
 def calibration_batches(token_ids: list[list[int]]) -> Iterator[tuple[Any, Any]]:

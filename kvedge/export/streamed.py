@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from kvedge.machine import release_freed_memory
+
 log = logging.getLogger(__name__)
 
 # safetensors dtype -> the numpy dtype of its stored bytes; BF16 is read as uint16 and widened
@@ -223,8 +225,11 @@ def streaming(model: Any, weights: Mapping[str, np.ndarray]) -> Iterator[None]:
         def drop(mod: Any, args: Any, output: Any, names: list[str] = names) -> None:
             for name in names:
                 owner, attr = _owner(mod, name)
-                held = owner._parameters[attr]
-                owner._parameters[attr] = torch.nn.Parameter(held.to("meta"), requires_grad=False)
+                meta = owner._parameters[attr].to("meta")
+                owner._parameters[attr] = torch.nn.Parameter(meta, requires_grad=False)
+            # glibc keeps a block's freed weights and activations in its heap: without this a 3B
+            # model's calibration grew by ~170 MiB a layer (5.9 GiB at 28 layers)
+            release_freed_memory()
 
         handles.append(module.register_forward_pre_hook(load))
         handles.append(module.register_forward_hook(drop))
