@@ -81,7 +81,7 @@ from kvedge.export.source import (
     stream_source,
 )
 from kvedge.files import human, new_folder
-from kvedge.machine import release_freed_memory
+from kvedge.machine import map_large_allocations, release_freed_memory
 
 if TYPE_CHECKING:
     from kvedge.export.awq_gptq import PackedWeights
@@ -165,6 +165,7 @@ def export_model(
     out = Path(out_dir)
     check_output_folder(out, force)
     source = resolve_source(source_path)
+    map_large_allocations()  # or the calibration's heap grows its address range a layer at a time
     staging, needed = None, [0]
     try:
         blocks = read_source_blocks(source, options)

@@ -69,9 +69,13 @@ def _tensors(source: Source) -> list[int]:
 # times the largest tensor's float32 bytes, by the graph's weights. Measured: random bfloat16
 # weights at Llama-3.2-3B's and Qwen3-1.7B's shapes (4 layers: the peak does not move with depth),
 # RSS sampled every 0.2 s, 2026-12-07: above 1 GiB, 1.68-1.78x the table's float32 bytes with one
-# form, 2.15-2.31x with two; docs/PERFORMANCE.md, "Exporting at a real size"
+# form of quantized weights, 2.15-2.31x with two, 1.61x with float32 weights (the table stored as
+# it is); docs/PERFORMANCE.md, "Exporting at a real size"
 STREAMED_BASE = 2**30
-HEAD_PEAK = {"one form": 1.9, "two forms": 2.5, "float": 1.6}
+HEAD_PEAK = {"one form": 2.0, "two forms": 2.6}
+# Address space an export maps beyond its resident peak (its libraries, threads' stacks and
+# arenas), where the limit is `ulimit -v`: VmPeak - VmHWM measured 0.67-0.85 GiB (as above)
+MAPPED_BEYOND_RESIDENT = 2**30
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,7 @@ def export_estimate(tensors: list[int], recipe: ExportRecipe, streamed: bool) ->
     """The peak of an export of a source with these tensors (their values, `source_tensors`) as
     `recipe`: read a tensor at a time (`streamed`), or loaded whole in float32."""
     parameters, largest = sum(tensors), max(tensors, default=0)
-    form = "two forms" if recipe.two_forms else "one form" if recipe.quantized else "float"
-    head = STREAMED_BASE + int(HEAD_PEAK[form] * 4 * largest)
+    head = STREAMED_BASE + int(HEAD_PEAK["two forms" if recipe.two_forms else "one form"] * 4 * largest)
     what = f"its largest tensor, {largest:,} values, in float32 and as the graph's weights"
     if streamed:
         return Estimate(head, what)
@@ -101,8 +104,8 @@ def check_export_memory(
     """Refuse, in one line, an export as `recipe` whose estimated peak exceeds what this process
     may use (`streamed`: the source is read one tensor at a time)."""
     tensors = source_tensors(source)
-    need = export_estimate(tensors, recipe, streamed)
     room = available or available_memory()
+    need = _need(tensors, recipe, streamed, room)
     log.info(
         "memory preflight: %s parameters, a peak of about %s; %s",
         f"{sum(tensors):,}",
@@ -119,10 +122,18 @@ def check_export_memory(
 def export_needs(source: Source, recipe: ExportRecipe, streamed: bool) -> str:
     """What an export of `source` as `recipe` needs and what is available, for the error an
     allocation that failed becomes."""
-    need = export_estimate(source_tensors(source), recipe, streamed)
     room = available_memory()
+    need = _need(source_tensors(source), recipe, streamed, room)
     have = f", and {human(max(room.bytes, 0))} is available now ({room.what})" if room else ""
     return f"it needs about {human(need.bytes)} ({need.what}){have}"
+
+
+def _need(tensors: list[int], recipe: ExportRecipe, streamed: bool, room: Available | None) -> Estimate:
+    """`export_estimate`, and the libraries' mapping where `room` limits the address space."""
+    need = export_estimate(tensors, recipe, streamed)
+    if room is None or not room.address_space:
+        return need
+    return Estimate(need.bytes + MAPPED_BEYOND_RESIDENT, f"{need.what}, and its libraries mapped")
 
 
 def out_of_memory(exc: BaseException) -> bool:

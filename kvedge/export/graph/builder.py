@@ -67,6 +67,9 @@ class Builder:
         return outs[0] if len(outs) == 1 else outs
 
     def const(self, name: str, array: np.ndarray) -> str:
+        if self.sink is not None:  # a large array's buffer goes to the data file as it is
+            self.initializers.append(self.sink.keep_array(name, array))
+            return name
         return self.initializer(numpy_helper.from_array(np.ascontiguousarray(array), name))
 
     def initializer(self, tensor: onnx.TensorProto) -> str:

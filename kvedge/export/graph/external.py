@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from onnx import TensorProto
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
 
 # onnx's default size_threshold (convert_model_to_external_data), compared as onnx compares it
 EXTERNAL_THRESHOLD = 1024
@@ -60,7 +61,24 @@ class ExternalData:
         raw = tensor.raw_data
         if not is_large(raw):
             return tensor
-        key = hashlib.sha256(repr((tensor.name, tensor.data_type, list(tensor.dims))).encode())
+        return self._written_tensor(tensor.name, tensor.data_type, list(tensor.dims), raw)
+
+    def keep_array(self, name: str, array: np.ndarray) -> TensorProto:
+        """`keep(numpy_helper.from_array(array, name))`, the same proto, without its bytes copied
+        three times on the way (to bytes, into the message, out of it): a large array's own
+        buffer is written."""
+        array = np.ascontiguousarray(array)
+        if array.dtype.kind not in "biuf" or sys.getsizeof(b"") + array.nbytes < EXTERNAL_THRESHOLD:
+            return self.keep(numpy_helper.from_array(array, name))
+        data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        return self._written_tensor(name, data_type, list(array.shape), array.reshape(-1).view(np.uint8))
+
+    def _written_tensor(
+        self, name: str, data_type: int, dims: list[int], raw: bytes | np.ndarray
+    ) -> TensorProto:
+        """The external-data proto of a tensor whose bytes are `raw`, written unless an identical
+        tensor was."""
+        key = hashlib.sha256(repr((name, data_type, dims)).encode())
         key.update(raw)
         digest = key.digest()
         if digest not in self._written:
@@ -71,7 +89,7 @@ class ExternalData:
         offset, length = self._written[digest]
         # a new message: clearing raw_data would leave its bytes in the message's memory (upb
         # frees a message's memory with the message only)
-        kept = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        kept = TensorProto(name=name, data_type=data_type, dims=dims)
         kept.data_location = TensorProto.EXTERNAL
         for k, v in (("location", self.location), ("offset", offset), ("length", length)):
             entry = kept.external_data.add()
