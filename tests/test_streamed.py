@@ -211,6 +211,16 @@ def test_the_skeleton_holds_no_weights():
         pass
 
 
+def test_a_phase_reports_its_own_peak_not_its_parents(tmp_path):
+    """On Linux a child's ru_maxrss starts at the peak of the memory it replaced at exec (the
+    parent's, under vfork): run_phase's peaks are the phase's, from a large process too."""
+    from kvedge.bench.scale import run_phase
+
+    held = np.ones(2**30 // 8)  # 1 GiB resident in this process
+    phase = run_phase([sys.executable, "-c", "import numpy; a = numpy.ones(2**25)"], tmp_path / "p.log")
+    assert 2**28 < phase.peak_rss < 2**29 + held.nbytes // 4, phase  # 256 MiB and the interpreter
+
+
 def test_the_exports_peak_memory_does_not_grow_with_depth(tmp_path):
     """The same real-width model (Qwen3-0.6B's shape) at 2 and 10 layers, exported in a child
     process each: the deeper one's peak RSS exceeds the shallower's by well under the 8 layers'

@@ -16,9 +16,9 @@ Phases and what each reports:
 - genai (with `--genai`, where onnxruntime-genai is installed): its builder's int4 CPU model of
   the same checkpoint (wall, peak RSS, files) and its decode, alternating with kvedge's forms.
 
-Peak RSS is the child's ru_maxrss (`os.wait4`). Random weights measure memory, time and bytes,
-never answers. Writes scale.json and prints a table; the results folder is
-bench/results/<date>-<commit>-scale-<card>-t<threads> (`kvedge.bench.results`).
+Peak RSS is the phase's own ru_maxrss (`os.wait4` in a small process between, `PEAK_OF`).
+Random weights measure memory, time and bytes, never answers. Writes scale.json and prints a
+table; the results folder is bench/results/<date>-<commit>-scale-<card>-t<threads> (`kvedge.bench.results`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -59,14 +58,27 @@ class Phase:
     returncode: int
 
 
+# The phase runs under a small Python process that reports its exit code and peak RSS: on Linux
+# a process's ru_maxrss starts at the peak of the memory it replaced at exec, which is the
+# parent's under vfork, so a phase started straight from a large process (a test suite's, 5.6
+# GiB in CI) reported that process's peak instead of its own.
+PEAK_OF = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+open(sys.argv[1], "w").write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
+
+
 def run_phase(command: list[str], log_path: Path) -> Phase:
     """Run `command` with its output in `log_path`; its wall time and its own peak RSS."""
     started = time.perf_counter()
+    report = log_path.with_suffix(".peak")
     with log_path.open("wb") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    phase = Phase(time.perf_counter() - started, usage.ru_maxrss * 1024, child.returncode)
+        wrapped = python(PEAK_OF, str(report), *command)
+        subprocess.run(wrapped, stdout=out, stderr=subprocess.STDOUT, check=True)
+    returncode, peak_kib = map(int, report.read_text().split())
+    phase = Phase(time.perf_counter() - started, peak_kib * 1024, returncode)
     if phase.returncode:
         tail = log_path.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{' '.join(command[:6])} ... exited {phase.returncode}:\n{tail}")
