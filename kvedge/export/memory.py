@@ -74,7 +74,9 @@ def _tensors(source: Source) -> list[int]:
 STREAMED_BASE = 2**30
 HEAD_PEAK = {"one form": 2.0, "two forms": 2.6}
 # Address space an export maps beyond its resident peak (its libraries, threads' stacks and
-# arenas), where the limit is `ulimit -v`: VmPeak - VmHWM measured 0.67-0.85 GiB (as above)
+# arenas), where the limit is `ulimit -v`: VmPeak - VmHWM measured 0.67-0.85 GiB (as above, a CPU
+# wheel of torch). torch itself is mapped before the preflight (`kvedge.export.export`), which
+# counts it in what is mapped already: 0.6 GiB for a CPU wheel, 3.1 GiB for a CUDA one
 MAPPED_BEYOND_RESIDENT = 2**30
 
 
@@ -137,10 +139,14 @@ def _need(tensors: list[int], recipe: ExportRecipe, streamed: bool, room: Availa
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """True when `exc` is an allocation that failed: a MemoryError (Python's, numpy's) or torch's
-    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    """True when `exc` is an allocation that failed: a MemoryError (Python's, numpy's), torch's
+    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or a library that
+    could not be mapped (an ImportError: "libtorch_cpu.so: failed to map segment from shared
+    object", a CUDA wheel of torch maps 3.1 GiB under `ulimit -v`)."""
     if isinstance(exc, MemoryError):
         return True
+    if isinstance(exc, ImportError):
+        return "failed to map segment" in str(exc) or "cannot allocate memory" in str(exc).lower()
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
