@@ -23,8 +23,9 @@ import torch
 from conftest import assert_same_values, decode_logits, graph_weight, random_ids, stored, unfused_logits
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
-from tiny import make_tiny_gguf
+from tiny import CHATML, make_tiny_gguf, make_tiny_model
 
+from kvedge.bench.gguf_file import write_gguf
 from kvedge.contract import HEAD_TABLE, ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import differences, export_model
@@ -272,3 +273,34 @@ def test_blocks_mapped_wrongly_are_requantized_not_kept(gguf_file):
     )
     assert set(chosen.requantized) == {name} and len(chosen.kept) == 14
     assert chosen.requantized[name].startswith("Q4_0 blocks dequantize ")
+
+
+def test_the_benchs_gguf_writer_writes_llama_as_the_converter_does(tmp_path):
+    """`write_gguf` (bench/scale.py --gguf) of a Llama folder: the tensors of tests/tiny.py's file
+    (llama.cpp's converter's names and Q/K permutation, float32), byte for byte."""
+    want = make_tiny_gguf(tmp_path / "tiny.gguf", {}, seed=4)
+    got = write_gguf(tmp_path / "tiny-hf", tmp_path / "written.gguf", chat_template=CHATML)
+    written = {t.name: t for t in GGUFReader(str(got)).tensors}
+    tensors = GGUFReader(str(want)).tensors
+    assert sorted(written) == sorted(t.name for t in tensors)
+    for tensor in tensors:
+        assert written[tensor.name].data.tobytes() == tensor.data.tobytes(), tensor.name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_written_gguf_reads_back_as_its_folder(tmp_path, family):
+    """The file `write_gguf` writes from a folder, Q8_0, read back as transformers reads it: every
+    weight of the folder within its Q8_0 rounding, the hyperparameters the same. (transformers
+    reads no head_dim from a Qwen3 GGUF: its default, 128, is every Qwen3's.)"""
+    folder = make_tiny_model(
+        tmp_path / "hf", family, seed=4, **({"head_dim": 128} if family == "qwen3" else {})
+    )
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0", chat_template=CHATML)
+    whole, _ = load_hf(resolve_source(folder))
+    back, _ = load_hf(resolve_source(path))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert getattr(back.config, key) == getattr(whole.config, key), key
+    state = back.state_dict()
+    for name, value in whole.state_dict().items():
+        step = np.abs(value.numpy()).max() / 127  # Q8_0: at most half a step of a block's absmax / 127
+        np.testing.assert_allclose(state[name].numpy(), value.numpy(), atol=step, rtol=0, err_msg=name)

@@ -18,6 +18,7 @@ import yaml
 
 from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
+from kvedge.export.export import streamable
 from kvedge.export.memory import (
     HEAD_PEAK,
     STREAMED_BASE,
@@ -114,6 +115,17 @@ def test_parameters_are_counted_from_the_headers_alone(tmp_path):
     whole = export_estimate(tensors, int4, False)  # loaded whole: the float32 model besides
     assert whole.bytes == export_estimate(tensors, int4, True).bytes + 4 * (count - table)
     assert "loaded whole" in whole.what
+
+
+def test_a_gguf_file_is_estimated_as_streamed_and_a_packed_folder_as_loaded_whole(tmp_path):
+    assert streamable(resolve_source(None))  # SmolLM2's GGUF: read a tensor at a time
+    folder = tmp_path / "llama3b"
+    sparse_checkpoint(folder, "llama-3.2-3b")
+    assert streamable(resolve_source(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert not streamable(resolve_source(folder))  # an AWQ checkpoint is loaded whole
 
 
 def test_what_this_process_may_use_is_the_least_of_every_limit(tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import MAX_LEN
-from tiny import gemma4_supported, make_tiny_model, tiny_config
+from tiny import gemma4_supported, make_tiny_gguf, make_tiny_hybrid_gguf, make_tiny_model, tiny_config
 
 from kvedge.bench.checkpoint import hf_config, write_checkpoint
 from kvedge.contract import ExportRecipe
@@ -22,7 +22,15 @@ from kvedge.export.export import export_model
 from kvedge.export.memory import export_estimate, source_tensors
 from kvedge.export.quantize import calibration_batches, input_outliers
 from kvedge.export.source import load_hf, resolve_source, stream_source
-from kvedge.export.streamed import FolderWeights, Stored, open_streamed, read_tensor, skeleton, streaming
+from kvedge.export.streamed import (
+    FolderWeights,
+    Stored,
+    open_streamed,
+    open_streamed_gguf,
+    read_tensor,
+    skeleton,
+    streaming,
+)
 
 CASES = [
     ("llama", {}, ExportRecipe(max_len=MAX_LEN, variant="ort", weights="int8")),  # calibrated channels
@@ -48,6 +56,55 @@ def test_a_streamed_export_is_the_export_of_the_model_loaded_whole(tmp_path, fam
     streamed = json.loads((tmp_path / "streamed" / "manifest.json").read_text())
     whole = json.loads((tmp_path / "whole" / "manifest.json").read_text())
     assert streamed == whole
+
+
+# GGUF files (tests/tiny.py's, as llama.cpp's converter writes them): a Llama of both 4-bit forms
+# and a Q8_0 embedding (its "llama" Q and K rows permuted), LFM2 and Qwen3.5 in Q8_0 and float32
+GGUF_KINDS = {"attn_q": "Q4_0", "attn_k": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"}
+GGUF_CASES = [
+    ("llama", None, ExportRecipe(max_len=MAX_LEN, weights="int4")),  # the file's blocks kept
+    ("llama", None, ExportRecipe(max_len=MAX_LEN, variant="ort", weights="int8")),  # requantized, calibrated
+    ("lfm2", "Q8_0", ExportRecipe(max_len=MAX_LEN, weights="int8")),
+    ("qwen3_5", None, ExportRecipe(max_len=MAX_LEN)),
+]
+
+
+def gguf_source(tmp_path, family: str, kind: str | None):
+    if family == "llama":
+        return make_tiny_gguf(tmp_path / "tiny.gguf", GGUF_KINDS)
+    return make_tiny_hybrid_gguf(tmp_path / "tiny.gguf", family, kind, seed=3)
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "recipe"), GGUF_CASES, ids=["llama-int4", "llama-ort-int8", "lfm2-q8_0", "qwen3_5-f32"]
+)
+def test_a_gguf_is_streamed_and_exports_as_the_model_transformers_loads_whole(tmp_path, family, kind, recipe):
+    """A GGUF file read a tensor at a time (each dequantized as transformers does, then dropped;
+    the skeleton holds no weight) exports byte for byte as the model transformers loads whole."""
+    source = gguf_source(tmp_path, family, kind)
+    opened = stream_source(resolve_source(source))
+    assert opened.streamed and all(p.device.type == "meta" for p in opened.model.parameters())
+    whole, _ = load_hf(resolve_source(source))
+    for name, value in whole.state_dict().items():
+        np.testing.assert_array_equal(opened.weights[name], value.numpy(), err_msg=name)
+    export_model(source, tmp_path / "streamed", recipe)
+    export_model(source, tmp_path / "whole", recipe, loaded=(whole, load_hf(resolve_source(source))[1]))
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    streamed = json.loads((tmp_path / "streamed" / "manifest.json").read_text())
+    assert streamed == json.loads((tmp_path / "whole" / "manifest.json").read_text())
+
+
+def test_a_gguf_the_model_does_not_match_is_loaded_whole_and_says_why(tmp_path, caplog):
+    source = make_tiny_gguf(tmp_path / "tiny.gguf", GGUF_KINDS)
+    config = skeleton_config(tmp_path / "tiny-hf")
+    config.intermediate_size *= 2  # the file's ffn tensors are half the size
+    caplog.set_level(logging.INFO, logger="kvedge.export.streamed")
+    assert open_streamed_gguf(source, config) is None
+    assert (
+        "blk.0.ffn_gate.weight holds 6,144 values, the model's model.layers.0.mlp.gate_proj.weight 12,288"
+        in caplog.text
+    )
 
 
 def test_bfloat16_and_float16_widen_exactly(tmp_path):

@@ -28,7 +28,7 @@ from transformers import (
     SmolLM3Config,
 )
 
-from kvedge.bench.gguf_file import add_gguf_tokenizer, write_hybrid_gguf
+from kvedge.bench.gguf_file import add_gguf_tokenizer, write_gguf
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -304,12 +304,12 @@ def make_tiny_hybrid_gguf(
     path: Path, family: str, kind: str | None = None, seed: int = 0, **overrides
 ) -> Path:
     """A tiny random `family` model ("lfm2", "qwen3_5") written as the GGUF file `path` the way
-    llama.cpp's converter writes it (`kvedge.bench.gguf_file.write_hybrid_gguf`, `kind` its
+    llama.cpp's converter writes it (`kvedge.bench.gguf_file.write_gguf`, `kind` its
     matrices' type or None for float32); the Hugging Face folder beside it (`<stem>-hf`) holds the
     same weights (`make_tiny_model`'s, every 1-D one off its initial value, so the file's
     transforms show)."""
     folder = make_tiny_model(path.parent / f"{path.stem}-hf", family, seed=seed, **overrides)
-    return write_hybrid_gguf(folder, path, kind, chat_template=CHATML)
+    return write_gguf(folder, path, kind, chat_template=CHATML)
 
 
 # AWQ / GPTQ checkpoints (`make_tiny_packed`): a Llama wide enough for groups of 128 (K 128 and

@@ -1,7 +1,14 @@
 """A Hugging Face folder written as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes
-it, for the hybrid families (LFM2, Qwen3.5) whose random-weight models the benchmarks build: so
-llama.cpp can run the same weights as kvedge (`bench/hybrid.py`), and the tests can check
-`kvedge.export.gguf_blocks` against files like the converter's without it (it is no package).
+it, for the families whose random-weight models the benchmarks build: so llama.cpp can run the
+same weights as kvedge (`bench/hybrid.py`), an export from a GGUF is measured at a real size
+(`bench/scale.py --gguf`), and the tests can check `kvedge.export.gguf_blocks` against files like
+the converter's without it (it is no package). The folder is read a tensor at a time
+(`kvedge.export.streamed`), so a model at a real size is written in bounded memory.
+
+Llama, Qwen2 and Qwen3 (its LlamaModel and Qwen2/Qwen3Model): names, Q and K rows of "llama"
+permuted for its interleaved RoPE, the hyperparameters transformers reads back; Llama 3's RoPE
+scaling (the converter's rope_freqs table) is not written, which changes the RoPE and not a byte
+of the weights (the scale benchmark measures memory and time, not answers).
 
 What the converter (its LFM2Model and Qwen3_5TextModel) does and this repeats: names from gguf's
 own TensorNameMap; depthwise convolution kernels [C, 1, k] squeezed to [C, k]; for Qwen3.5, norms
@@ -21,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-GGUF_ARCHITECTURES = {"lfm2": "lfm2", "qwen3_5_text": "qwen35"}  # model_type -> general.architecture
+GGUF_ARCHITECTURES = {  # model_type -> general.architecture
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "lfm2": "lfm2",
+    "qwen3_5_text": "qwen35",
+}
 KERNELS = ("shortconv.conv.weight", "ssm_conv1d.weight")  # kept float32, as the converter does
 
 
@@ -50,19 +63,19 @@ def add_gguf_tokenizer(writer: Any, folder: Path, vocab_size: int, chat_template
         writer.add_chat_template(chat_template)
 
 
-def write_hybrid_gguf(
-    folder: Path, path: Path, kind: str | None = None, chat_template: str | None = None
-) -> Path:
-    """The LFM2 or Qwen3.5 model in `folder` written as the GGUF file `path` (module docstring);
-    `kind` ("Q8_0"): the type of its matrices, None for float32. Returns `path`."""
+def write_gguf(folder: Path, path: Path, kind: str | None = None, chat_template: str | None = None) -> Path:
+    """The model in `folder` (a family of `GGUF_ARCHITECTURES`) written as the GGUF file `path`
+    (module docstring); `kind` ("Q8_0"): the type of its matrices, None for float32. Returns
+    `path`."""
     import gguf
-    import torch
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    config, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    from kvedge.export.source import load_hf, opened, resolve_source, stream_source
+
+    source = resolve_source(folder)
+    read = stream_source(source) or opened(*load_hf(source))
+    config, state = read.model.config, read.weights
     arch = GGUF_ARCHITECTURES[config.model_type]
     writer = GGUFWriter(str(path), arch)
     writer.add_name(folder.name)
@@ -71,12 +84,16 @@ def write_hybrid_gguf(
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
     )
-    for name, w in state.items():
+    for name in list(state):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        w = np.asarray(state[name], np.float32)
         if config.model_type == "qwen3_5_text":
             w = _qwen35_layout(name, w, config)
             name = name.replace(".dt_bias", ".dt_proj.bias")
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # LlamaModel.permute
+            n = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         if name.endswith(("conv.conv.weight", "conv1d.weight")):
             w = w.squeeze(1)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -93,12 +110,24 @@ def write_hybrid_gguf(
 
 
 def _add_hyperparameters(writer: Any, config: Any, state: dict[str, np.ndarray]) -> None:
-    """The `<arch>.*` keys the converter writes for `config` (LFM2 or Qwen3.5)."""
+    """The `<arch>.*` keys the converter writes for `config`."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if config.model_type in ("llama", "qwen2", "qwen3"):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        if config.model_type == "llama":
+            writer.add_rope_dimension_count(head_dim)
+        else:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        return
     if config.model_type == "lfm2":
         writer.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0])
         kv_heads = [0 if t == "conv" else config.num_key_value_heads for t in config.layer_types]

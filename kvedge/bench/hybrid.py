@@ -163,9 +163,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "transformers": Transformers(work / "hf", args.threads),
     }
     if args.llama_cpp:
-        from kvedge.bench.gguf_file import write_hybrid_gguf
+        from kvedge.bench.gguf_file import write_gguf
 
-        gguf = write_hybrid_gguf(work / "hf", work / "model.gguf")
+        gguf = write_gguf(work / "hf", work / "model.gguf")
         systems["llama.cpp"] = LlamaCpp(gguf, args.threads, max_len)
     decode: dict[str, dict[int, list[float]]] = {name: {c: [] for c in args.contexts} for name in systems}
     prefill: dict[str, list[float]] = {name: [] for name in systems}

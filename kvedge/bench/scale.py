@@ -98,6 +98,14 @@ layers = int(sys.argv[3]) or None
 print(write_checkpoint(sys.argv[1], Path(sys.argv[2]), layers))
 """
 
+GGUF = """
+import logging, sys
+from pathlib import Path
+from kvedge.bench.gguf_file import write_gguf
+logging.basicConfig(level=logging.INFO)
+write_gguf(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+"""
+
 RUN = """
 import json, statistics, sys
 from pathlib import Path
@@ -128,10 +136,15 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "checkpoint": {**asdict(built), "bytes": artifact_bytes(hf)},
         "forms": {},
     }
+    source = hf
+    if args.gguf:  # the exports read the checkpoint written as a GGUF file
+        source = work / f"model-{args.gguf}.gguf"
+        written = run_phase(python(GGUF, str(hf), str(source), args.gguf), work / "gguf.log")
+        result["gguf"] = {"type": args.gguf, "write": asdict(written), "bytes": source.stat().st_size}
     systems: dict[str, tuple[str, Path]] = {}
     for form in args.forms:
         out = work / form
-        command = [sys.executable, "-m", "kvedge", "-v", "export", str(hf), "--out", str(out)]
+        command = [sys.executable, "-m", "kvedge", "-v", "export", str(source), "--out", str(out)]
         command += ["--max-len", str(args.max_len), *FORMS[form]]
         log.info("export %s: %s", form, " ".join(FORMS[form]))
         phase = run_phase(command, work / f"export-{form}.log")
@@ -188,7 +201,8 @@ def table(data: dict[str, Any]) -> str:
     gib = 2**30
     lines = [
         f"{data['card']} ({data['parameters']:,} parameters), {data['threads']} threads, "
-        f"decode after {data['context']} tokens",
+        f"decode after {data['context']} tokens"
+        + (f", exported from a {data['gguf']['type']} GGUF file" if "gguf" in data else ""),
         f"{'form':<14}{'export s':>9}{'export GiB':>11}{'files MiB':>10}{'bits/p':>7}"
         f"{'run GiB':>8}{'planned/run':>12}{'ms/token':>9}{'prefill s':>10}",
     ]
@@ -220,11 +234,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--genai", action="store_true", help="also onnxruntime-genai's int4 CPU build")
+    parser.add_argument(
+        "--gguf",
+        choices=["Q8_0", "Q4_0", "Q4_1"],
+        default=None,
+        help="export from the checkpoint written as a GGUF file of this type (as llama.cpp's converter)",
+    )
     parser.add_argument("--work", type=Path, default=None, help="keep the checkpoint and exports here")
     parser.add_argument("--out", type=Path, default=RESULTS_ROOT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    folder = results_folder(f"scale-{args.card}", [args.threads], root=args.out)
+    name = f"scale-{args.card}" + (f"-{args.gguf.lower()}" if args.gguf else "")
+    folder = results_folder(name, [args.threads], root=args.out)
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         data = measure(args, args.work)

@@ -303,11 +303,11 @@ def _load(source: Source, options: ExportRecipe, memory_check: bool) -> Opened:
 
 
 def streamable(source: Source) -> bool:
-    """Whether `source` may be read a tensor at a time (`stream_source` has the last word): not a
-    GGUF file nor an AWQ / GPTQ checkpoint."""
+    """Whether `source` may be read a tensor at a time (`stream_source` has the last word): not
+    an AWQ / GPTQ checkpoint."""
     from kvedge.export.awq_gptq import quantization_config
 
-    return source.gguf_file is None and not quantization_config(source.folder)
+    return source.gguf_file is not None or not quantization_config(source.folder)
 
 
 def read_source_blocks(source: Source, options: ExportRecipe) -> GgufWeights | PackedWeights | None:

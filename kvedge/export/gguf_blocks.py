@@ -63,7 +63,7 @@ be requantized).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,41 +142,107 @@ class GgufWeights:
     """A GGUF file's tensors under their Hugging Face names."""
 
     architecture: str  # general.architecture, e.g. "llama"
-    tensors: dict[str, QuantizedWeight | np.ndarray]  # QuantizedWeight [K, N]; float32 in HF shape
+    tensors: Mapping[str, QuantizedWeight | np.ndarray]  # QuantizedWeight [K, N]; float32 in HF shape
     types: dict[str, str]  # every tensor's name (skipped ones too) -> GGUF type, e.g. "Q4_1"
 
 
-def read_gguf_weights(path: str | Path, skip_unmapped: bool = False) -> GgufWeights:
-    """Every tensor of the GGUF file at `path` under its Hugging Face name: quantized matrices
-    as QuantizedWeight (the transpose of the HF weight), float tensors as float32 arrays, attn_q
-    and attn_k of "llama" models unpermuted. Refuses an architecture, tensor name or type it
-    cannot map, naming it and what is allowed; with `skip_unmapped`, a tensor of a type without
-    a block form is left out of `tensors` (its type stays in `types`) instead."""
-    reader = GGUFReader(str(path))
-    architecture = _architecture(reader, path)
-    heads = int(_field(reader, f"{architecture}.attention.head_count"))
-    kv_heads = _field(reader, f"{architecture}.attention.head_count_kv", heads)
-    value_heads = _value_heads(reader, architecture)
-    tensors: dict[str, QuantizedWeight | np.ndarray] = {}
-    types: dict[str, str] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, architecture)
-        if name is None:
-            continue
-        types[name] = tensor.tensor_type.name
-        if skip_unmapped and block_shape(types[name]) is None and types[name] not in FLOAT_TYPES:
-            continue
-        weight = tensor_weight(tensor, path)
-        if architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rotary(weight, heads)
-        elif architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rotary(weight, int(kv_heads))
+class GgufFile:
+    """A GGUF file's tensors under their Hugging Face names (`entries`), each read from the file
+    when asked for and not kept: `blocks` gives kvedge's block form, `floats` the float32 weight
+    transformers dequantizes. Plain reads, not the reader's memory map, whose touched pages would
+    count as the process's memory. Refuses an architecture or tensor name it cannot map."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        reader = GGUFReader(str(path))
+        self.architecture = _architecture(reader, path)
+        self.heads = int(_field(reader, f"{self.architecture}.attention.head_count"))
+        self.kv_heads = _field(
+            reader, f"{self.architecture}.attention.head_count_kv", self.heads
+        )  # LFM2: per layer
+        self.value_heads = _value_heads(reader, self.architecture)
+        self.entries: dict[str, ReaderTensor] = {}
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name, self.architecture)
+            if name is not None:
+                self.entries[name] = tensor
+        self.types = {name: tensor.tensor_type.name for name, tensor in self.entries.items()}
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s bytes as the reader shapes them (its memory map's dtype and shape)."""
+        tensor = self.entries[name]
+        data = np.empty(tensor.data.shape, tensor.data.dtype)  # the map's shape: no page is read
+        with self.path.open("rb") as handle:
+            handle.seek(tensor.data_offset)
+            if handle.readinto(memoryview(data.reshape(-1).view(np.uint8))) != data.nbytes:
+                raise EOFError(f"{self.path}: tensor {tensor.name!r} runs past the end of the file")
+        return data
+
+    def blocks(self, name: str) -> QuantizedWeight | np.ndarray:
+        """Tensor `name` in kvedge's block form [K, N] (`tensor_weight`), or float32 in the HF
+        shape for a float type, as transformers holds it (`_hf_layout`)."""
+        return self._hf_layout(name, tensor_weight(self.entries[name], self.path, self.raw(name)))
+
+    def floats(self, name: str) -> np.ndarray:
+        """Tensor `name` as transformers loads it: dequantized by gguf to float32, in the HF
+        shape and layout."""
+        tensor = self.entries[name]
+        values = np.asarray(dequantize(self.raw(name), tensor.tensor_type), np.float32)
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        return self._hf_layout(name, values.reshape(shape))
+
+    def _hf_layout(self, name: str, weight: QuantizedWeight | np.ndarray) -> QuantizedWeight | np.ndarray:
+        """A tensor read from the file put as transformers holds it: "llama" models' attn_q and
+        attn_k unpermuted, float norms, kernels and A_log as in `_float_layout`, Qwen3.5's value
+        heads back in order."""
+        if self.architecture in PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rotary(weight, self.heads)
+        elif self.architecture in PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rotary(weight, int(self.kv_heads))
         if isinstance(weight, np.ndarray):
-            weight = _float_layout(name, weight, architecture)
-        if value_heads is not None:
-            weight = value_heads.untile(name, weight)
-        tensors[name] = weight
-    return GgufWeights(architecture, tensors, types)
+            weight = _float_layout(name, weight, self.architecture)
+        if self.value_heads is not None:
+            weight = self.value_heads.untile(name, weight)
+        return weight
+
+
+class GgufBlocks(Mapping[str, "QuantizedWeight | np.ndarray"]):
+    """`names` of a `GgufFile`, each read (`GgufFile.blocks`) on access."""
+
+    def __init__(self, file: GgufFile, names: list[str]) -> None:
+        self.file, self.names, self._names = file, names, set(names)
+
+    def __getitem__(self, name: str) -> QuantizedWeight | np.ndarray:
+        if name not in self:
+            raise KeyError(name)
+        return self.file.blocks(name)
+
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def read_gguf_weights(path: str | Path, skip_unmapped: bool = False) -> GgufWeights:
+    """Every tensor of the GGUF file at `path` under its Hugging Face name, each read from the
+    file when asked for (`GgufFile`): quantized matrices as QuantizedWeight (the transpose of the
+    HF weight), float tensors as float32 arrays, attn_q and attn_k of "llama" models unpermuted.
+    Refuses an architecture, tensor name or type it cannot map, naming it and what is allowed;
+    with `skip_unmapped`, a tensor of a type without a block form is left out of `tensors` (its
+    type stays in `types`) instead."""
+    file = GgufFile(path)
+    names = []
+    for name, tensor in file.entries.items():
+        if tensor.tensor_type.name not in FLOAT_TYPES and tensor.tensor_type not in BLOCK_FORMS:
+            if skip_unmapped:
+                continue
+            raise no_block_form(tensor, file.path)
+        names.append(name)
+    return GgufWeights(file.architecture, GgufBlocks(file, names), file.types)
 
 
 def _float_layout(name: str, weight: np.ndarray, architecture: str) -> np.ndarray:
@@ -298,22 +364,28 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     )
 
 
-def tensor_weight(tensor: ReaderTensor, path: str | Path) -> QuantizedWeight | np.ndarray:
-    """One GGUF tensor: a QuantizedWeight [K, N] (K = ne[0], the contiguous input features) for a
-    quantized type, a float32 array in the Hugging Face shape (ne reversed) for F32/F16/BF16."""
-    kind = tensor.tensor_type.name
-    if kind in FLOAT_TYPES:
-        return np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)
-    form = BLOCK_FORMS.get(tensor.tensor_type)
-    if form is None:
-        allowed = [*FLOAT_TYPES, *(t.name for t in BLOCK_FORMS)]
-        raise KvedgeError(
-            f"{path}: tensor {tensor.name!r} is {kind}, which has no kvedge block form "
-            f"(it would have to be requantized); allowed: {allowed}"
-        )
+def tensor_weight(
+    tensor: ReaderTensor, path: str | Path, data: np.ndarray | None = None
+) -> QuantizedWeight | np.ndarray:
+    """One GGUF tensor (its bytes `data`, else the reader's map): a QuantizedWeight [K, N] (K =
+    ne[0], the contiguous input features) for a quantized type, a float32 array in the Hugging
+    Face shape (ne reversed) for F32/F16/BF16."""
+    data = tensor.data if data is None else data
+    if tensor.tensor_type.name in FLOAT_TYPES:
+        return np.array(dequantize(data, tensor.tensor_type), np.float32)
+    if tensor.tensor_type not in BLOCK_FORMS:
+        raise no_block_form(tensor, path)
     k = int(tensor.shape[0])
     n = int(np.prod(tensor.shape[1:], dtype=np.int64))
-    return block_form(np.asarray(tensor.data), tensor.tensor_type, k, n)
+    return block_form(np.asarray(data), tensor.tensor_type, k, n)
+
+
+def no_block_form(tensor: ReaderTensor, path: str | Path) -> KvedgeError:
+    allowed = [*FLOAT_TYPES, *(t.name for t in BLOCK_FORMS)]
+    return KvedgeError(
+        f"{path}: tensor {tensor.name!r} is {tensor.tensor_type.name}, which has no kvedge block form "
+        f"(it would have to be requantized); allowed: {allowed}"
+    )
 
 
 def block_form(data: np.ndarray, kind: GGMLQuantizationType, k: int, n: int) -> QuantizedWeight:

@@ -3,11 +3,12 @@ source's file headers and the recipe, refused in one line where it exceeds what 
 still use; and the one line an allocation that fails anyway becomes.
 
 The graph's weights go to its data file as they are made (`kvedge.export.graph.external`) and a
-folder of plain safetensors is read a tensor at a time (`kvedge.export.streamed`), so a streamed
-export's peak is its LM head's quantization: the table in float32 (the largest tensor, read whole)
-beside its codes, scales and offsets, and a second layout where the graph holds a decode form
-(`ExportRecipe.two_forms`). `export_estimate` is that, measured (`HEAD_PEAK`); a source loaded
-whole (a GGUF file, an AWQ or GPTQ checkpoint, what transformers converts) adds its float32 model.
+folder of plain safetensors or a GGUF file is read a tensor at a time (`kvedge.export.streamed`),
+so a streamed export's peak is its LM head's quantization: the table in float32 (the largest
+tensor, read whole) beside its codes, scales and offsets, and a second layout where the graph
+holds a decode form (`ExportRecipe.two_forms`). `export_estimate` is that, measured
+(`HEAD_PEAK`); a source loaded whole (an AWQ or GPTQ checkpoint, what transformers converts)
+adds its float32 model.
 
 What this process may use is `kvedge.machine.available_memory`'s: the least of MemAvailable, the
 cgroups' limits and `ulimit -v`.

@@ -162,17 +162,19 @@ def load_hf(source: Source) -> tuple[Any, Any]:
 
 def stream_source(source: Source) -> Opened | None:
     """`source` streamed for the export (`kvedge.export.streamed`): a Hugging Face folder of
-    plain safetensors whose tensors map one to one onto the model's, its tokenizer not loaded yet
+    plain safetensors whose tensors map one to one onto the model's, or a GGUF file whose
+    tensors kvedge names (`kvedge.export.gguf_blocks`), its tokenizer not loaded yet
     (`load_tokenizer`); None (with why, logged) for anything else, which is loaded whole
     (`load_hf`)."""
-    if source.gguf_file:
-        return None
     config, composite = hf_config(source)
-    if getattr(config, "quantization_config", None):
+    if getattr(config, "quantization_config", None) and not source.gguf_file:
         return None
-    from kvedge.export.streamed import open_streamed
+    from kvedge.export.streamed import open_streamed, open_streamed_gguf
 
-    streamed = open_streamed(source.folder, source.files()[1:], config)
+    if source.gguf_file:
+        streamed = open_streamed_gguf(source.folder / source.gguf_file, config)
+    else:
+        streamed = open_streamed(source.folder, source.files()[1:], config)
     if streamed is None:
         return None
     model, weights = streamed

@@ -1,11 +1,14 @@
-"""A Hugging Face folder's weights read one tensor at a time, so the export's float32 model never
-exists whole.
+"""A Hugging Face folder's weights, or a GGUF file's, read one tensor at a time, so the export's
+float32 model never exists whole.
 
 `open_streamed` gives the model's skeleton (parameters on the meta device; buffers real, so the
 RoPE tables are the ones transformers computes) and `FolderWeights`: each state-dict name mapped
 to where its tensor lies in the folder's safetensors files, read with plain file reads (no
 memory map, whose touched pages would count as the process's) and widened to float32 when asked
 for, never kept. bfloat16 widens exactly (its 16 bits are float32's high half), float16 too.
+
+A GGUF file's tensors are read the same way (`open_streamed_gguf`): named, dequantized and laid
+out as transformers loads them (`kvedge.export.gguf_blocks.GgufFile.floats`).
 
 Checkpoint names become the model's as transformers maps them (`rename_source_key` with the
 model's own renamings). A checkpoint transformers converts on load (fused experts, permuted
@@ -22,7 +25,7 @@ import contextlib
 import json
 import logging
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,16 +104,24 @@ def read_tensor(stored: Stored) -> np.ndarray:
 
 class FolderWeights(Mapping[str, np.ndarray]):
     """The model's state dict, read on each access: name -> float32 array (a buffer of another
-    type as the model holds it). `fixed` holds the buffers the files lack, as the model made them."""
+    type as the model holds it). `where` says where each name's tensor lies, `read` reads it
+    (`read_tensor` of a safetensors `Stored`; a GGUF file's `floats` of its own name); `fixed`
+    holds the buffers the files lack, as the model made them."""
 
-    def __init__(self, where: dict[str, Stored], fixed: dict[str, np.ndarray]) -> None:
+    def __init__(
+        self,
+        where: dict[str, Any],
+        fixed: dict[str, np.ndarray],
+        read: Callable[[Any], np.ndarray] = read_tensor,
+    ) -> None:
         self._where = where
         self._fixed = fixed
+        self._read = read
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._fixed:
             return self._fixed[name]
-        return read_tensor(self._where[name])
+        return self._read(self._where[name])
 
     def __iter__(self) -> Iterator[str]:
         yield from self._where
@@ -124,11 +135,7 @@ class FolderWeights(Mapping[str, np.ndarray]):
 
     def same(self, name: str, other: str) -> bool:
         """Whether `name` reads the tensor `other` does (a tied LM head)."""
-        return name in self._where and self._where[name] is self._where.get(other)
-
-    def stored_bytes(self) -> int:
-        """Bytes of the tensors read from the files."""
-        return sum(s.count * np.dtype(STORED[s.dtype]).itemsize for s in self._where.values())
+        return name in self._where and self._where[name] == self._where.get(other)
 
 
 def skeleton(config: Any) -> Any:
@@ -145,8 +152,6 @@ def skeleton(config: Any) -> Any:
 def open_streamed(folder: Path, files: list[Path], config: Any) -> tuple[Any, FolderWeights] | None:
     """(the model's skeleton, its weights as `FolderWeights`) of the safetensors `files` in
     `folder`, or None (logged, with why) where the export must load the model whole."""
-    import torch
-
     model = skeleton(config)
     stored: dict[str, Stored] = {}
     for path in files:
@@ -157,18 +162,56 @@ def open_streamed(folder: Path, files: list[Path], config: Any) -> tuple[Any, Fo
     mapped = _mapped(model, stored)
     if isinstance(mapped, str):
         return _whole(mapped)
+    return _with_buffers(model, mapped, read_tensor)
+
+
+def open_streamed_gguf(path: Path, config: Any) -> tuple[Any, FolderWeights] | None:
+    """(the model's skeleton, its weights as `FolderWeights`) of the GGUF file at `path`, each
+    tensor read and dequantized as transformers dequantizes it (`GgufFile.floats`) when asked
+    for, or None (logged, with why) where the export must load the model whole."""
+    from kvedge.errors import KvedgeError
+    from kvedge.export.gguf_blocks import GgufFile  # the export extra's gguf package
+
+    try:
+        file = GgufFile(path)
+    except KvedgeError as exc:
+        return _whole(str(exc))
+    model = skeleton(config)
+    meta = model.state_dict()
+    mapped: dict[str, str] = {}
+    for name, tensor in file.entries.items():
+        if name not in meta:
+            continue  # a part the export does not build
+        if int(tensor.n_elements) != meta[name].numel():
+            values, want = int(tensor.n_elements), meta[name].numel()
+            return _whole(f"{tensor.name} holds {values:,} values, the model's {name} {want:,}")
+        mapped[name] = name
+    for name, tied in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied in mapped and name not in mapped:  # a GGUF holds no output.weight where it is tied
+            mapped[name] = tied
+    return _with_buffers(model, mapped, file.floats)
+
+
+def _with_buffers(
+    model: Any, mapped: dict[str, Any], read: Callable[[Any], np.ndarray]
+) -> tuple[Any, FolderWeights] | None:
+    """`model` and its `FolderWeights` over `mapped` (name -> where its tensor lies, read by
+    `read`): a buffer the files hold is copied into the skeleton, which runs with it; one they
+    lack is kept as the model made it; None (logged) where they lack a parameter."""
+    import torch
+
     buffers = dict(model.named_buffers())
     fixed = {}
     for name, value in model.state_dict().items():
         if name in mapped:
             if name in buffers:  # a checkpoint's buffer (a layer's scale): the skeleton runs with it
-                buffers[name].copy_(torch.from_numpy(read_tensor(mapped[name])))
+                buffers[name].copy_(torch.from_numpy(read(mapped[name])))
             continue
         if name in buffers and value.device.type != "meta":
             fixed[name] = value.numpy()
         else:
             return _whole(f"the files lack {name}")
-    return model, FolderWeights(mapped, fixed)
+    return model, FolderWeights(mapped, fixed, read)
 
 
 def _whole(why: str) -> None:

@@ -34,7 +34,7 @@ from kvedge.export.graph.norms import Norms
 from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_gemma4, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
 from kvedge.export.graph.quant_matmul import block_weight, matmul_weight
-from kvedge.export.graph.weights import LayerWeights, Weight, llama_name, prepare_weights, tied_head
+from kvedge.export.graph.weights import LayerWeights, Weight, llama_name, tied_head
 from kvedge.export.quantize import QuantizedWeight, concat_columns
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def build_decoder_graph(
             f"{list(stored_local)}"
         )
     prepared = LayerWeights(spec, geometry, weights)  # one layer's arrays at a time
-    kept_blocks = prepare_weights(spec, geometry, kept or {})
+    kept_blocks = LayerWeights(spec, geometry, kept or {})  # read a layer at a time, as `prepared`
     # Graphs with kvedge.QuantMatMul hold two forms of the decoder (`onnx_model`): prefill's
     # matmuls stay onnxruntime's MatMulNBits (its many-row kernel), a decode step's and a
     # verify's (up to VERIFY_TOKENS tokens per row, `forms.two_forms`) are the op.

@@ -187,13 +187,16 @@ def tied_head(spec: DecoderSpec, weights: dict[str, np.ndarray]) -> bool:
     return spec.tie_word_embeddings or "lm_head.weight" not in weights
 
 
+COMPARED_VALUES = 1 << 22  # a source's blocks dequantized at a time, to compare with the weights
+
+
 @dataclass(frozen=True)
 class SourceBlocks:
     """Which of a quantized source's matrices (a GGUF's blocks, `kvedge.export.gguf_blocks`; an
     AWQ or GPTQ checkpoint's, `kvedge.export.awq_gptq`) the graph stores as they are, and why the
     others are quantized again by the export."""
 
-    kept: dict[str, QuantizedWeight]  # HF name -> its blocks [K, N] as the source has them
+    kept: Mapping[str, QuantizedWeight]  # HF name -> its blocks [K, N] as the source has them
     types: dict[str, str]  # kept name -> the source's type, e.g. "Q4_1"
     requantized: dict[str, str]  # HF name -> why its blocks are not kept
 
@@ -218,7 +221,7 @@ class SourceBlocks:
 
 def source_blocks(
     spec: DecoderSpec,
-    blocks: dict[str, Weight],
+    blocks: Mapping[str, Weight],
     types: dict[str, str],
     weights: dict[str, np.ndarray],
     options: ExportRecipe,
@@ -234,18 +237,42 @@ def source_blocks(
         n for n in weights if n.startswith("model.layers.") and llama_name(n).endswith("_proj.weight")
     ]
     wanted = {**dict.fromkeys(projections, options.bits), head: options.lm_head_bits}
-    kept, requantized = {}, {}
+    kept, requantized = [], {}
     for name, bits in wanted.items():
-        kind = types.get(name, "float")
-        qw = blocks.get(name)
-        if isinstance(qw, QuantizedWeight) and qw.block_size % options.block_size == 0:
-            qw = qw.split(options.block_size)
-        why = _why_requantized(qw, kind, weights[name], bits, options.block_size)
+        qw = KeptBlocks(blocks, [name], options.block_size).get(name)
+        why = _why_requantized(qw, types.get(name, "float"), weights[name], bits, options.block_size)
         if why:
             requantized[name] = why
         else:
-            kept[name] = qw
-    return SourceBlocks(kept, {name: types[name] for name in kept}, requantized)
+            kept.append(name)
+    return SourceBlocks(
+        KeptBlocks(blocks, kept, options.block_size), {n: types[n] for n in kept}, requantized
+    )
+
+
+class KeptBlocks(Mapping[str, Weight]):
+    """`names` of a source's `blocks` (read on each access where they are: `gguf_blocks.GgufBlocks`)
+    with blocks of a multiple of `block_size` split to it, exactly (`QuantizedWeight.split`)."""
+
+    def __init__(self, blocks: Mapping[str, Weight], names: list[str], block_size: int) -> None:
+        self.blocks, self.names, self.block_size = blocks, names, block_size
+
+    def __getitem__(self, name: str) -> Weight:
+        if name not in self:
+            raise KeyError(name)
+        qw = self.blocks[name]
+        if isinstance(qw, QuantizedWeight) and qw.block_size % self.block_size == 0:
+            qw = qw.split(self.block_size)
+        return qw
+
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self.names and name in self.blocks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _why_requantized(qw: Weight | None, kind: str, w: np.ndarray, bits: int, block_size: int) -> str:
@@ -260,8 +287,14 @@ def _why_requantized(qw: Weight | None, kind: str, w: np.ndarray, bits: int, blo
         )
     if qw.q.shape != w.shape[::-1]:
         return f"{kind} blocks hold [{qw.q.shape[1]}, {qw.q.shape[0]}], the weight is {list(w.shape)}"
-    # within one rounding of an offset (`gguf_blocks`), with room; a mapping error is of |w|'s order
-    error = float(np.abs(qw.dequantize() - w.T).max())
+    # within one rounding of an offset (`gguf_blocks`), with room; a mapping error is of |w|'s order;
+    # compared a few columns at a time: an LM head's table is gigabytes in float32
+    k, n = qw.q.shape
+    columns = max(1, COMPARED_VALUES // k)
+    error = 0.0
+    for start in range(0, n, columns):
+        part = slice(start, start + columns)
+        error = max(error, float(np.abs(qw.columns(part).dequantize() - w[part].T).max()))
     if error > 2.0**-20 * float(np.abs(w).max()):
         return f"{kind} blocks dequantize {error:.3g} away from the weights transformers reads"
     return ""
