@@ -157,9 +157,8 @@ class GgufFile:
         reader = GGUFReader(str(path))
         self.architecture = _architecture(reader, path)
         self.heads = int(_field(reader, f"{self.architecture}.attention.head_count"))
-        self.kv_heads = _field(
-            reader, f"{self.architecture}.attention.head_count_kv", self.heads
-        )  # LFM2: per layer
+        # LFM2's is a list, a count per layer
+        self.kv_heads = _field(reader, f"{self.architecture}.attention.head_count_kv", self.heads)
         self.value_heads = _value_heads(reader, self.architecture)
         self.entries: dict[str, ReaderTensor] = {}
         for tensor in reader.tensors:
