@@ -525,10 +525,3 @@ BLOCK_FORMS: dict[GGMLQuantizationType, tuple[int, int, Callable[[np.ndarray], B
     GGMLQuantizationType.Q6_K: (8, 16, _q6_k),
     GGMLQuantizationType.Q8_K: (8, 256, _q8_k),
 }
-
-
-def block_shape(kind: str) -> tuple[int, int] | None:
-    """(kvedge bits, block size) of GGML type `kind` (a name, "Q8_0": (8, 32)), or None where it
-    has no block form (a float or codebook type)."""
-    form = BLOCK_FORMS.get(GGMLQuantizationType.__members__.get(kind))
-    return None if form is None else form[:2]
