@@ -15,6 +15,7 @@ makes. The export's logits are then transformers' on the same file up to float32
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import numpy as np
@@ -304,3 +305,16 @@ def test_a_written_gguf_reads_back_as_its_folder(tmp_path, family):
     for name, value in whole.state_dict().items():
         step = np.abs(value.numpy()).max() / 127  # Q8_0: at most half a step of a block's absmax / 127
         np.testing.assert_allclose(state[name].numpy(), value.numpy(), atol=step, rtol=0, err_msg=name)
+
+
+def test_a_written_gguf_takes_its_eos_and_template_from_the_tokenizer_where_the_config_has_none(tmp_path):
+    """The scale bench's random checkpoints declare no eos_token_id in config.json (an export of
+    their GGUF refused: "the model declares no eos token id"): the tokenizer's own is written."""
+    folder = make_tiny_model(tmp_path / "hf", "llama", seed=4)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = config["bos_token_id"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    fields = GGUFReader(str(write_gguf(folder, tmp_path / "m.gguf"))).fields
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == vocab["<|im_end|>"]
+    assert fields["tokenizer.chat_template"].contents() == (folder / "chat_template.jinja").read_text()

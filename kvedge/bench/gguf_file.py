@@ -40,7 +40,8 @@ KERNELS = ("shortconv.conv.weight", "ssm_conv1d.weight")  # kept float32, as the
 
 def add_gguf_tokenizer(writer: Any, folder: Path, vocab_size: int, chat_template: str | None) -> None:
     """The BPE tokenizer of `folder` (tokenizer.json) as llama.cpp's converter writes one (gpt2,
-    default pre-tokenizer), its vocabulary padded to the model's `vocab_size`."""
+    default pre-tokenizer), its vocabulary padded to the model's `vocab_size`; its BOS / EOS ids
+    from config.json, else tokenizer_config.json's tokens; `chat_template`, else the folder's."""
     from gguf import TokenType
 
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
@@ -56,11 +57,24 @@ def add_gguf_tokenizer(writer: Any, folder: Path, vocab_size: int, chat_template
     ids = tokenizer["model"]["vocab"]
     config = json.loads((folder / "config.json").read_text())
     config = config.get("text_config", config)
+    named = _json(folder / "tokenizer_config.json")  # where the config names none: "eos_token"
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
-        if isinstance(config.get(key), int) and config[key] < len(ids):
-            add(config[key])
+        token = config.get(key)
+        if not isinstance(token, int):
+            text = named.get(key.removesuffix("_id"))
+            token = ids.get(text["content"] if isinstance(text, dict) else text)
+        if isinstance(token, int) and token < len(ids):
+            add(token)
+    template = folder / "chat_template.jinja"  # the converter writes the folder's own
+    chat_template = chat_template or (
+        template.read_text() if template.is_file() else named.get("chat_template")
+    )
     if chat_template:
         writer.add_chat_template(chat_template)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def write_gguf(folder: Path, path: Path, kind: str | None = None, chat_template: str | None = None) -> Path:
