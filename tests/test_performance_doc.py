@@ -43,8 +43,8 @@ DOC = ROOT / "docs" / "PERFORMANCE.md"
 DOCS = (DOC, ROOT / "README.md")
 EXPORTS = "`kvedge export ...`"  # README's export table
 FOLDER = re.compile(r"bench/results/([A-Za-z0-9._-]*[A-Za-z0-9])")  # a trailing "." ends a sentence
-# <date>-<commit>-<what>: what may name a card ("qwen3-1.7b")
-CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9.-]*[a-z0-9]")
+# <date>-<commit>-<what>: what may name a card ("qwen3-1.7b") and a GGUF type ("q8_0")
+CITABLE = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{7,40}-(?!dirty)[a-z0-9._-]*[a-z0-9]")
 NUMBER = re.compile(r"-?\d+(?:\.(\d+))?%?")
 KINDS = ("system", "kvedge vs", "mode", "batch", "workload", "head", "hybrid", "scale form", EXPORTS)
 NOT_CITED = {"scratch"}  # the git-ignored folder for runs not meant to be kept
