@@ -384,7 +384,7 @@ def test_plan_says_what_the_second_form_of_the_weights_costs_and_buys(tmp_path):
         line = below_weights("--weights", weights, "--variant", "ort")
         assert line == (
             f"{'':13}{human(decode)} of these are the decode form: {gain(*SECOND_FORM_DECODE_GAIN[weights])} "
-            "(measured: SmolLM2-135M, an AVX2 CPU; at Qwen3-1.7B's shape, int8, it was 0.85x); "
+            "(measured: SmolLM2-135M, an AVX2 CPU; at Qwen3-1.7B's shape, int8, 0.85-1.06x); "
             "--decode-matmuls onnxruntime keeps one form"
         )
     assert below_weights(

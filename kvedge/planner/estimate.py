@@ -53,7 +53,7 @@ CPU_HELD = {
 # form (--decode-matmuls onnxruntime) over with two, by weights, at 64 and 2000 tokens of context;
 # SmolLM2-135M, INT8 cache, onnxruntime CPU, 1 thread, on an AVX2 machine (kvedge.QuantMatMul's
 # "avx2" path; other CPUs' paths unmeasured): docs/PERFORMANCE.md, "Two forms of the weights". At
-# Qwen3-1.7B's shape (int8, float32 cache, 2 threads) one form was the faster: "Exporting at a real size"
+# Qwen3-1.7B's shape (int8, float32 cache, 2 threads) it bought nothing: "Exporting at a real size"
 SECOND_FORM_DECODE_GAIN = {"int8": (1.12, 1.06), "int4": (1.23, 1.14)}
 
 
@@ -66,7 +66,7 @@ def second_form_note(weights: str, decode_bytes: int | None = None) -> str:
     )
     return (
         f"{cost}: decode {short:.2f}x as fast as one form at 64 tokens of context, {long:.2f}x at 2000 "
-        "(measured: SmolLM2-135M, an AVX2 CPU; at Qwen3-1.7B's shape, int8, it was 0.85x); "
+        "(measured: SmolLM2-135M, an AVX2 CPU; at Qwen3-1.7B's shape, int8, 0.85-1.06x); "
         "--decode-matmuls onnxruntime keeps one form"
     )
 
