@@ -19,6 +19,7 @@ from tiny import gemma4_supported, make_tiny_gguf, make_tiny_hybrid_gguf, make_t
 from kvedge.bench.checkpoint import hf_config, write_checkpoint
 from kvedge.contract import ExportRecipe
 from kvedge.export.export import export_model
+from kvedge.export.gguf_blocks import GgufFile
 from kvedge.export.memory import export_estimate, source_tensors
 from kvedge.export.quantize import calibration_batches, input_outliers
 from kvedge.export.source import load_hf, resolve_source, stream_source
@@ -100,7 +101,7 @@ def test_a_gguf_the_model_does_not_match_is_loaded_whole_and_says_why(tmp_path, 
     config = skeleton_config(tmp_path / "tiny-hf")
     config.intermediate_size *= 2  # the file's ffn tensors are half the size
     caplog.set_level(logging.INFO, logger="kvedge.export.streamed")
-    assert open_streamed_gguf(source, config) is None
+    assert open_streamed_gguf(GgufFile(source), config) is None
     assert (
         "blk.0.ffn_gate.weight holds 6,144 values, the model's model.layers.0.mlp.gate_proj.weight 12,288"
         in caplog.text

@@ -172,7 +172,14 @@ def stream_source(source: Source) -> Opened | None:
     from kvedge.export.streamed import open_streamed, open_streamed_gguf
 
     if source.gguf_file:
-        streamed = open_streamed_gguf(source.folder / source.gguf_file, config)
+        from kvedge.export.gguf_blocks import GgufFile  # the export extra's gguf package
+
+        try:
+            file = GgufFile(source.folder / source.gguf_file)
+        except KvedgeError as exc:  # transformers may still read it
+            log.info("reading the weights whole, not layer by layer: %s", exc)
+            return None
+        streamed = open_streamed_gguf(file, config)
     else:
         streamed = open_streamed(source.folder, source.files()[1:], config)
     if streamed is None:

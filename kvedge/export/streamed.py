@@ -165,17 +165,11 @@ def open_streamed(folder: Path, files: list[Path], config: Any) -> tuple[Any, Fo
     return _with_buffers(model, mapped, read_tensor)
 
 
-def open_streamed_gguf(path: Path, config: Any) -> tuple[Any, FolderWeights] | None:
-    """(the model's skeleton, its weights as `FolderWeights`) of the GGUF file at `path`, each
-    tensor read and dequantized as transformers dequantizes it (`GgufFile.floats`) when asked
-    for, or None (logged, with why) where the export must load the model whole."""
-    from kvedge.errors import KvedgeError
-    from kvedge.export.gguf_blocks import GgufFile  # the export extra's gguf package
-
-    try:
-        file = GgufFile(path)
-    except KvedgeError as exc:
-        return _whole(str(exc))
+def open_streamed_gguf(file: Any, config: Any) -> tuple[Any, FolderWeights] | None:
+    """(the model's skeleton, its weights as `FolderWeights`) of a GGUF file (`file`, a
+    `kvedge.export.gguf_blocks.GgufFile`), each tensor read and dequantized as transformers
+    dequantizes it (`GgufFile.floats`) when asked for, or None (logged, with why) where the
+    export must load the model whole."""
     model = skeleton(config)
     meta = model.state_dict()
     mapped: dict[str, str] = {}
