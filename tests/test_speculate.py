@@ -41,6 +41,7 @@ from kvedge.runtime.speculate import (
     MAX_PAUSE,
     MIN_NGRAM,
     MISSES,
+    Adaptive,
     Costs,
     Lookup,
     accept,
@@ -218,7 +219,11 @@ def test_a_partial_take_carries_the_states_to_the_accepted_token(exports, name, 
 # ort graphs write K/V in place and verify a padded group row by row; portable ones in one call
 @pytest.mark.parametrize("name", ["ort-int8", "portable-f32", "gemma3-ring", "lfm2-portable"])
 @pytest.mark.usefixtures("no_loss_pauses")
-def test_batched_rows_equal_solo(exports, name):
+def test_batched_rows_equal_solo(exports, name, monkeypatch):
+    # draft lengths by takes alone, not by measured seconds (`Adaptive.least_k`): which slots
+    # propose in the same step then does not hang on the machine's load (under a CI run's load
+    # lfm2-portable once never verified two rows together)
+    monkeypatch.setattr(Adaptive, "least_k", lambda self, batch=1: 1)
     prompts = [PROMPT, random_ids(10, seed=5) * 2, random_ids(30, seed=7)]
     with Model(exports(name), slots=3) as model:
         solo = [run_turn(model, 0, ids, greedy(30, "off"))[0] for ids in prompts]
