@@ -28,9 +28,11 @@ from kvedge.contract import (
     VARIANTS,
     WEIGHT_FORMATS,
     CacheGeometry,
+    Manifest,
 )
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
+from kvedge.files import human
 from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.runtime.sessions import POLICIES
 from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
@@ -974,8 +976,6 @@ def serve(config_path: Path | None, check: bool, print_systemd_unit: bool, **ove
 @user_errors
 def info(model_dir: Path, as_json: bool) -> None:
     """Summarise an exported artifact folder."""
-    from kvedge.contract import Manifest
-
     manifest = Manifest.load(model_dir)
     if as_json:
         click.echo(manifest.to_json())
@@ -991,7 +991,8 @@ def info(model_dir: Path, as_json: bool) -> None:
             f"max_len {g.max_len}, {g.dtype}",
         ),
         ("KV bytes", f"{g.bytes_per_token()} per token, {g.bytes_per_slot() / 2**20:.1f} MiB per sequence"),
-        *state_rows(g),
+        *layer_rows(g),
+        *per_layer_rows(manifest, model_dir),
         (
             "graph",
             f"{manifest.variant}, {manifest.precision} compute, opset {manifest.opset}, "
@@ -1030,12 +1031,30 @@ def info(model_dir: Path, as_json: bool) -> None:
         click.echo(f"{key:>12}  {value}")
 
 
-def state_rows(g: CacheGeometry) -> list[tuple[str, str]]:
-    """`kvedge info`'s lines for a hybrid model: which layers hold KV, and each per-slot state
-    (fixed bytes per sequence, not per token)."""
-    if not g.states:
-        return []
-    rows = [("KV layers", ", ".join(map(str, g.kv_layers)) or "all")]
+def layer_rows(g: CacheGeometry) -> list[tuple[str, str]]:
+    """`kvedge info`'s lines for a cache not every layer holds at full length: which layers hold
+    KV (hybrids, Gemma 4), the ring layers, the shared layers and what they read, and each
+    per-slot state (fixed bytes per sequence, not per token)."""
+    rows = []
+    if g.states or g.shared_layers:
+        rows.append(("KV layers", ", ".join(map(str, g.kv_layers)) or "all"))
+    if g.ring_layers:
+        rows.append(
+            (
+                "ring layers",
+                f"{len(g.ring_layers)} of {g.num_layers} hold the last {g.ring_len} tokens (window "
+                f"{g.window} + {g.ring_margin}) of {g.ring_dim} dim",
+            )
+        )
+    if g.shared_layers:
+        reads = sorted(set(g.shared_sources))
+        rows.append(
+            (
+                "shared KV",
+                f"layers {', '.join(map(str, g.shared_layers))} store none and read layer "
+                f"{' or '.join(map(str, reads))}'s",
+            )
+        )
     for s in g.states:
         rows.append(
             (
@@ -1045,6 +1064,17 @@ def state_rows(g: CacheGeometry) -> list[tuple[str, str]]:
             )
         )
     return rows
+
+
+def per_layer_rows(manifest: Manifest, folder: Path) -> list[tuple[str, str]]:
+    """`kvedge info`'s line for Gemma 4's per-layer table: its file, shape and bytes, mapped."""
+    table = manifest.per_layer
+    if table is None:
+        return []
+    size = (folder / table.file).stat().st_size
+    return [
+        ("per-layer", f"{table.file} {list(table.shape)} {table.dtype}, {human(size)}, mapped (not loaded)")
+    ]
 
 
 def _plan_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -29,7 +29,8 @@ the profile's memory (`kvedge.planner.recommend`), the one answer README and doc
                    # hybrids (lfm2, qwen3_5_text) also: layer_types, conv_kernel; qwen3_5_text:
                    # linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
                    # linear_value_head_dim (HF's names; `ModelRecipe.geometry` turns them into
-                   # KV layers and per-slot states as `kvedge export` does)
+                   # KV layers and per-slot states as `kvedge export` does); gemma4_text also:
+                   # sliding_window, sliding_window_pattern and `GEMMA4_FIELDS`
     export: {max_len, logits, weights_dtype, kv_dtype, max_prefill, max_batch}
 
 `configs/warmup/NAME.yaml`, warm prefixes: fixed prompts whose KV `kvedge warm-prefixes` (or
@@ -66,6 +67,7 @@ from kvedge.contract import (
     CacheGeometry,
     ExportRecipe,
     StateSpec,
+    shared_kv_geometry,
 )
 from kvedge.errors import KvedgeError
 
@@ -85,6 +87,14 @@ DELTANET_FIELDS = (
     "linear_num_value_heads",
     "linear_key_head_dim",
     "linear_value_head_dim",
+)
+# Gemma 4's sizes (HF's names), which it needs and no other family takes
+GEMMA4_FIELDS = (
+    "global_head_dim",
+    "num_kv_shared_layers",
+    "hidden_size_per_layer_input",
+    "vocab_size_per_layer_input",
+    "use_double_wide_mlp",
 )
 LOGITS = ("rows", "last", "all")  # contract.LOGITS_MODES
 PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is its file name
@@ -289,18 +299,62 @@ class Architecture(Strict):
     linear_num_value_heads: Count | None = None
     linear_key_head_dim: Count | None = None
     linear_value_head_dim: Count | None = None
+    # Gemma 4 (HF's names; its sliding layers follow sliding_window_pattern as Gemma 3's): the
+    # global layers' head_dim (head_dim is the sliding layers'); the last num_kv_shared_layers
+    # read an earlier layer's KV and store none; per-layer embeddings, a table
+    # [vocab_size_per_layer_input, layers x hidden_size_per_layer_input] kept in a file of its
+    # own; the shared layers' MLPs twice intermediate_size wide where use_double_wide_mlp
+    global_head_dim: Count | None = None
+    num_kv_shared_layers: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    hidden_size_per_layer_input: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    vocab_size_per_layer_input: Count | None = None
+    use_double_wide_mlp: bool | None = None
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        """The sliding-window layers (Gemma 3 and 4: HF's rule, module docstring above)."""
+        pattern = self.sliding_window_pattern
+        if not (self.sliding_window and pattern):
+            return ()
+        return tuple(i for i in range(self.num_layers) if (i + 1) % pattern)
+
+    @property
+    def shared_layers(self) -> tuple[int, ...]:
+        """Gemma 4's layers that read an earlier layer's KV and store none; () for other families."""
+        shared = self.num_kv_shared_layers or 0
+        return tuple(range(self.num_layers - shared, self.num_layers))
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers holding KV: the "full_attention" ones of a hybrid, else every layer."""
+        """The layers holding KV: the "full_attention" ones of a hybrid, Gemma 4's unshared ones,
+        else every layer."""
         if self.layer_types is None:
-            return tuple(range(self.num_layers))
+            return tuple(i for i in range(self.num_layers) if i not in self.shared_layers)
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
 
     @property
     def state_layers(self) -> tuple[int, ...]:
         """A hybrid's layers holding a per-slot state instead of KV; () for other families."""
+        if self.layer_types is None:
+            return ()
         return tuple(i for i in range(self.num_layers) if i not in self.kv_layers)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s attention head_dim: Gemma 4's global layers have their own."""
+        if self.global_head_dim and layer not in self.local_layers:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_intermediate(self, layer: int) -> int:
+        """Layer `layer`'s MLP width: Gemma 4's shared layers' twice it where use_double_wide_mlp."""
+        wide = self.use_double_wide_mlp and layer in self.shared_layers
+        return 2 * self.intermediate_size if wide else self.intermediate_size
+
+    @property
+    def per_layer_params(self) -> int:
+        """Gemma 4's per-layer embedding table's values (its own file, not the graph's); 0 else."""
+        width = self.hidden_size_per_layer_input or 0
+        return (self.vocab_size_per_layer_input or 0) * self.num_layers * width
 
     def states(self) -> tuple[StateSpec, ...]:
         """The per-slot states `kvedge export` gives a hybrid (`export.lfm2_geometry`,
@@ -352,21 +406,30 @@ class ModelRecipe(RecipeFile, frozen=True):
     def geometry(self, max_len: int | None = None, kv_dtype: str | None = None) -> CacheGeometry:
         """The cache `kvedge export` makes for this recipe (ring layers as `geometry_from_config`)."""
         a = self.architecture
-        ring: tuple[int, ...] = ()
-        if a.sliding_window and a.sliding_window_pattern:
-            ring = tuple(i for i in range(a.num_layers) if (i + 1) % a.sliding_window_pattern)
+        max_len, kv_dtype = max_len or self.export.max_len, kv_dtype or self.export.kv_dtype
+        if a.family == "gemma4_text":
+            return shared_kv_geometry(
+                [i in a.local_layers for i in range(a.num_layers)],
+                a.shared_layers,
+                num_kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim,
+                global_head_dim=a.global_head_dim,
+                window=a.sliding_window,
+                max_len=max_len,
+            ).with_dtype(kv_dtype)
+        ring = a.local_layers
         states = a.states()
         return CacheGeometry(
             num_layers=len(a.kv_layers),
             num_kv_heads=a.num_kv_heads,
             head_dim=a.head_dim,
-            max_len=max_len or self.export.max_len,
+            max_len=max_len,
             ring_layers=ring,
             window=a.sliding_window if ring else 0,
             ring_margin=RING_MARGIN if ring else 0,
             kv_layers=a.kv_layers if a.state_layers else (),
             states=states,
-        ).with_dtype(kv_dtype or self.export.kv_dtype)
+        ).with_dtype(kv_dtype)
 
 
 # --- warm prefixes -------------------------------------------------------------------------------
@@ -464,6 +527,7 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
             path, "architecture.num_kv_heads", f"{a.num_kv_heads} does not divide num_heads={a.num_heads}"
         )
     _check_hybrid(a, path)
+    _check_gemma4(a, path)
     if export.max_len > a.max_position_embeddings:
         raise _refuse(
             path,
@@ -522,6 +586,34 @@ def _check_hybrid(a: Architecture, path: Path) -> None:
             "architecture",
             "qwen3_5_text needs linear_attention layers and linear_num_value_heads a multiple of "
             f"linear_num_key_heads (has {a.linear_num_value_heads}, {a.linear_num_key_heads})",
+        )
+
+
+def _check_gemma4(a: Architecture, path: Path) -> None:
+    """Gemma 4's sizes are given, with its sliding layers, and each shared layer has an earlier
+    layer of its kind to read; no other family has them."""
+    given = [k for k in GEMMA4_FIELDS if getattr(a, k) is not None]
+    if a.family != "gemma4_text":
+        if given:
+            raise _refuse(path, f"architecture.{given[0]}", f"only for 'gemma4_text', not {a.family!r}")
+        return
+    for key in (*GEMMA4_FIELDS, "sliding_window", "sliding_window_pattern"):
+        if getattr(a, key) is None:
+            raise _refuse(path, f"architecture.{key}", "missing (required for 'gemma4_text')")
+    if a.num_kv_shared_layers >= a.num_layers:
+        raise _refuse(
+            path,
+            "architecture.num_kv_shared_layers",
+            f"{a.num_kv_shared_layers} is not allowed; allowed: 0..{a.num_layers - 1} (num_layers - 1)",
+        )
+    shared = a.shared_layers
+    kinds = {i in a.local_layers for i in range(shared[0] if shared else a.num_layers)}
+    if shared and {i in a.local_layers for i in shared} - kinds:
+        raise _refuse(
+            path,
+            "architecture.num_kv_shared_layers",
+            f"{len(shared)} is not allowed: each shared layer reads an earlier layer of its kind "
+            f"(sliding or global), and layers 0..{shared[0] - 1} lack one",
         )
 
 

@@ -254,3 +254,49 @@ def test_a_checkpoint_cut_inside_its_header_is_refused_by_name(tmp_path):
         check_export_memory(
             resolve_source(tmp_path / "llama3b"), ExportRecipe(), Available(64 * GIB, "a test")
         )
+
+
+def test_a_table_read_in_rows_is_not_the_largest_tensor_read_whole(tmp_path):
+    """Gemma 4 E2B's per-layer table (2.35 billion values) is read a range of rows at a time from
+    safetensors (`export.save_per_layer`): the streamed estimate is set by the next largest, the
+    embedding read whole to quantize it as the LM head (E2B's headers, a sparse file); loaded
+    whole, the table counts in the float32 model."""
+    from tiny import gemma4_supported
+
+    if not gemma4_supported():
+        pytest.skip("Gemma 4 needs transformers 5.25")
+    from kvedge.bench.checkpoint import hf_config
+    from kvedge.export.memory import tensors_read_in_rows
+    from kvedge.export.streamed import skeleton
+
+    config, count = hf_config("gemma-4-e2b")
+    model = skeleton(config)
+    header, offset = {}, 0
+    for name, tensor in model.named_parameters():
+        if name != "lm_head.weight":  # tied
+            size = 2 * tensor.numel()
+            header[name] = {
+                "dtype": "BF16",
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+    folder = tmp_path / "e2b"
+    folder.mkdir()
+    raw = json.dumps(header).encode()
+    with (folder / "model.safetensors").open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    config.save_pretrained(folder)
+    source = resolve_source(folder)
+    tensors, table = source_tensors(source), 262144 * 35 * 256
+    assert sum(tensors) == count and tensors_read_in_rows(source) == [table] and max(tensors) == table
+    embedding = 262144 * 1536
+    int4 = ExportRecipe(weights="int4")
+    streamed = export_estimate(tensors, int4, True, tensors_read_in_rows(source))
+    assert streamed.bytes == STREAMED_BASE + int(HEAD_PEAK["one form"] * 4 * embedding)
+    assert export_estimate(tensors, int4, True).bytes == STREAMED_BASE + int(
+        HEAD_PEAK["one form"] * 4 * table
+    )
+    whole = export_estimate(tensors, int4, False, tensors_read_in_rows(source))
+    assert whole.bytes == STREAMED_BASE + int(HEAD_PEAK["one form"] * 4 * table) + 4 * (count - table)

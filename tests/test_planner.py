@@ -219,14 +219,14 @@ def test_a_hybrid_is_planned_on_the_gpu_with_nothing_recommended(name, device):
 def test_a_hybrids_quantized_forms_count_as_unmeasured():
     """The KL tables were measured on a dense model: for a hybrid only the float32 form is known
     (the float32 model itself); what fits instead says "quality unmeasured" for the others."""
-    assert measured_kl(ExportRecipe(), states=True) == 0.0
+    assert measured_kl(ExportRecipe(), float32_only=True) == 0.0
     for form in (
         ExportRecipe(weights="int8"),
         ExportRecipe(weights="int4"),
         ExportRecipe(kv_dtype="int8"),
         ExportRecipe(precision="float16"),
     ):
-        assert measured_kl(form) is not None and measured_kl(form, states=True) is None
+        assert measured_kl(form) is not None and measured_kl(form, float32_only=True) is None
     text = plan_report("qwen3.5-4b", profile="orin-nano-8gb", device="cpu")
     assert "(quality unmeasured)" in text and "KL 0." not in text
 

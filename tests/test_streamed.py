@@ -76,6 +76,35 @@ def gguf_source(tmp_path, family: str, kind: str | None):
     return make_tiny_hybrid_gguf(tmp_path / "tiny.gguf", family, kind, seed=3)
 
 
+def test_the_per_layer_table_is_read_a_range_of_rows_at_a_time(tmp_path, monkeypatch):
+    """Gemma 4's per-layer table (E2B's: 8.8 GiB in float32) is read, scaled and written a chunk of
+    rows at a time from a safetensors folder, never whole: no read of it holds more rows than the
+    chunk, and the file equals the one the export of the model loaded whole writes."""
+    if not gemma4_supported():
+        pytest.skip("this transformers has no Gemma 4 with shared KV")
+    import kvedge.export.export as exporting
+    import kvedge.export.streamed as streamed
+
+    source = make_tiny_model(tmp_path / "hf", "gemma4")
+    width = tiny_config("gemma4").num_hidden_layers * tiny_config("gemma4").hidden_size_per_layer_input
+    reads = []
+
+    def spy(stored: Stored) -> np.ndarray:
+        reads.append(stored.shape)
+        return read_tensor(stored)
+
+    monkeypatch.setattr(exporting, "PER_LAYER_CHUNK_ROWS", 7)  # 320 rows: the last chunk is short
+    monkeypatch.setattr(streamed, "read_tensor", spy)
+    export_model(source, tmp_path / "streamed", ExportRecipe(max_len=MAX_LEN))
+    table = [shape for shape in reads if shape[1:] == (width,)]
+    assert table and max(rows for rows, _ in table) == 7 and sum(rows for rows, _ in table) == 320
+    export_model(
+        source, tmp_path / "whole", ExportRecipe(max_len=MAX_LEN), loaded=load_hf(resolve_source(source))
+    )
+    name = "per_layer_embeddings.npy"
+    assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
 @pytest.mark.parametrize(
     ("family", "kind", "recipe"), GGUF_CASES, ids=["llama-int4", "llama-ort-int8", "lfm2-q8_0", "qwen3_5-f32"]
 )

@@ -59,10 +59,18 @@ def hf_config(card_name: str, layers: int | None = None) -> tuple[Any, int]:
     names = {**RENAMED, **FAMILY_RENAMED.get(family, {})}
     data = {names.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
     data.update(FAMILY_FIXED.get(family, {}))
+    if family == "gemma4_text":  # HF names each layer's kind; the card gives Gemma 3's pattern
+        local = architecture.local_layers
+        data["layer_types"] = [
+            "sliding_attention" if i in local else "full_attention" for i in range(architecture.num_layers)
+        ]
+        del data["sliding_window_pattern"]
     if layers:
         data["num_hidden_layers"] = layers
         if "layer_types" in data:
             data["layer_types"] = data["layer_types"][:layers]
+        if data.get("num_kv_shared_layers"):  # the shared layers are the last: none of the first
+            data["num_kv_shared_layers"] = max(0, layers - len(architecture.kv_layers))
     return AutoConfig.for_model(family, **data), architecture.param_count
 
 

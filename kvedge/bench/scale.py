@@ -46,6 +46,9 @@ FORMS = {
     "cpu-one-form": ["--variant", "ort", "--weights", "int8", "--decode-matmuls", "onnxruntime"],
     "cpu-int4": ["--variant", "ort", "--weights", "int4", "--kv-dtype", "int8"],
     "nano": ["--precision", "float16", "--weights", "int4", "--kv-dtype", "int8"],  # the plan's Orin Nano
+    # the portable float32-compute graph with int4 weights: the form of every family (Gemma 4's
+    # graph is built for float32 compute only)
+    "portable-int4": ["--variant", "portable", "--weights", "int4"],
 }
 
 

@@ -65,9 +65,18 @@ from kvedge.contract.manifest import (
     export_weight_formats,
     graph_files,
     kvedge_ops,
+    per_layer_dtype,
     sha256_files,
+    shared_kv_geometry,
+    shared_kv_sources,
 )
-from kvedge.contract.models import HYBRID_LAYER_TYPES, ROLES, SUPPORTED_MODEL_TYPES
+from kvedge.contract.models import (
+    FAMILY_LIMITS,
+    HYBRID_LAYER_TYPES,
+    ROLES,
+    SUPPORTED_MODEL_TYPES,
+    family_refusal,
+)
 from kvedge.contract.recipe import (
     BLOCK_SIZES,
     HEAD_BITS,
@@ -89,6 +98,7 @@ __all__ = [
     "CHAT_TEMPLATE_FILE",
     "DECODE_MATMULS",
     "EXPORTED_KV_DTYPES",
+    "FAMILY_LIMITS",
     "HEAD_PARTS",
     "EMBEDDINGS_FILE",
     "PER_LAYER_DTYPES",
@@ -131,8 +141,12 @@ __all__ = [
     "StoredTensor",
     "TensorSpec",
     "export_kv_dtypes",
+    "family_refusal",
     "export_weight_formats",
     "graph_files",
     "kvedge_ops",
+    "per_layer_dtype",
     "sha256_files",
+    "shared_kv_geometry",
+    "shared_kv_sources",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,14 @@ EMBEDDINGS_FILE = "embeddings.bin"
 # Gemma 4's per-layer embedding table (`PerLayerTable`), a .npy file the runtime maps
 PER_LAYER_FILE = "per_layer_embeddings.npy"
 PER_LAYER_DTYPES = ("float32", "float16")
+
+
+def per_layer_dtype(weights: str) -> str:
+    """The per-layer table's dtype for an export's `--weights`: float32 beside float32 weights,
+    else float16 (half the bytes of a table as large as the rest of an E2B model)."""
+    return PER_LAYER_DTYPES[0] if weights == "float32" else PER_LAYER_DTYPES[1]
+
+
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -438,6 +446,45 @@ class CacheGeometry:
                 states=[[s.kind, list(s.layers), list(s.shape), s.dtype] for s in self.states],
             )
         return key
+
+
+def shared_kv_sources(local: Sequence[bool], shared: Sequence[int]) -> tuple[int, ...]:
+    """The model layer whose KV each of `shared` reads: the last layer of its kind (sliding:
+    `local[i]`, or global) before the first shared one (transformers' Gemma4TextModel)."""
+    if not shared:
+        return ()
+    return tuple(max(j for j in range(shared[0]) if local[j] == local[i]) for i in shared)
+
+
+def shared_kv_geometry(
+    local: Sequence[bool],
+    shared: tuple[int, ...],
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    global_head_dim: int,
+    window: int,
+    max_len: int,
+) -> CacheGeometry:
+    """Gemma 4's cache: KV for the layers before its `shared` ones only (those read an earlier
+    layer's and store none), its sliding layers (`local[i]`) on rings of window + RING_MARGIN
+    slots of their `head_dim`, its global layers max_len of `global_head_dim`. The exporter
+    (from a transformers config) and the planner (from a configs/models recipe) both ask here."""
+    stored = tuple(i for i in range(len(local)) if i not in shared)
+    ring = tuple(k for k, i in enumerate(stored) if local[i])
+    return CacheGeometry(
+        num_layers=len(stored),
+        num_kv_heads=num_kv_heads,
+        head_dim=global_head_dim,
+        max_len=max_len,
+        ring_layers=ring,
+        window=window if ring else 0,
+        ring_margin=RING_MARGIN if ring else 0,
+        kv_layers=stored if shared else (),
+        ring_head_dim=head_dim if ring and head_dim != global_head_dim else 0,
+        shared_layers=shared,
+        shared_sources=shared_kv_sources(local, shared),
+    )
 
 
 @dataclass(frozen=True)

@@ -26,4 +26,28 @@ HYBRID_LAYER_TYPES = {
     "qwen3_5_text": ("full_attention", "linear_attention"),
 }
 
+# What a family's graph is built for where that is not every form: choice -> (the values built,
+# why not the others). `kvedge export` refuses the rest by name (`family_refusal`), and the
+# planner plans none of them.
+FAMILY_LIMITS = {
+    "gemma4_text": {
+        "variant": (("portable",), "shared-KV layers, per-layer head_dim"),
+        "precision": (
+            ("float32",),
+            "its per-layer inputs are float32; --weights float16 stores the weights in half the bytes",
+        ),
+    },
+}
+
 ROLES = ("system", "user", "assistant", "tool")
+
+
+def family_refusal(family: str, **choices: str) -> str | None:
+    """Why `kvedge export` builds no graph of `family` with `choices` (variant=, precision=), in
+    the words the export refuses with, or None (`FAMILY_LIMITS`)."""
+    for choice, value in choices.items():
+        built, why = FAMILY_LIMITS.get(family, {}).get(choice, ((value,), ""))
+        if value not in built:
+            name = SUPPORTED_MODEL_TYPES[family].split(" (")[0]
+            return f"--{choice} {value!r} is not built for {name} yet ({why}); use --{choice} {built[0]}"
+    return None

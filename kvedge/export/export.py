@@ -48,7 +48,9 @@ from kvedge.contract import (
     StoredTensor,
     graph_files,
     kvedge_ops,
+    per_layer_dtype,
     sha256_files,
+    shared_kv_geometry,
 )
 from kvedge.errors import KvedgeError
 from kvedge.export.graph import (
@@ -80,6 +82,7 @@ from kvedge.export.source import (
     resolve_source,
     stream_source,
 )
+from kvedge.export.streamed import row_chunks
 from kvedge.files import human, new_folder
 from kvedge.machine import map_large_allocations, release_freed_memory
 
@@ -222,7 +225,7 @@ def _export_into(
     with graph_data(staging) as sink:
         graph, kept, source_only = _graph(source_model, spec, geometry, tables, names, options, blocks, sink)
     untied = untied_embeddings(source_model, spec, options)
-    per_layer = per_layer_rows(source_model, spec, options)
+    per_layer_table = save_per_layer(staging, source_model, spec, options)
     del model, blocks, source_model  # their weights, before the files are written
     needed.append(graph_bytes(graph))
     check_free_space(staging, needed[-1] - sink.size, "about")  # what is not written yet
@@ -230,7 +233,6 @@ def _export_into(
     save_onnx(graph, staging, embeds)
     del graph
     table = lookup_table(staging, options, untied) if embeds else None
-    per_layer_table = save_per_layer(staging, per_layer) if per_layer is not None else None
     template = save_tokenizer(staging, tokenizer)
     generation = model_generation_config(source)
     manifest = Manifest(
@@ -266,23 +268,33 @@ def special_tokens(tokenizer: Any) -> dict[str, str]:
     }
 
 
-def per_layer_rows(source: Opened, spec: DecoderSpec, options: ExportRecipe) -> np.ndarray | None:
-    """Gemma 4's per-layer embedding table [rows, layers x P] times sqrt(P) (transformers' scale,
-    in float32), float32 for float32 weights, else float16; None for other models."""
+# rows of the per-layer table read, scaled and written at a time: 4,096 x 8,960 values (E2B) is
+# 147 MiB in float32, against the table's 8.8 GiB
+PER_LAYER_CHUNK_ROWS = 4096
+
+
+def save_per_layer(
+    folder: Path, source: Opened, spec: DecoderSpec, options: ExportRecipe
+) -> PerLayerTable | None:
+    """Gemma 4's per-layer embedding table [rows, layers x P] times sqrt(P) (transformers' scale, in
+    float32), float32 for float32 weights, else float16 (`per_layer_dtype`), as PER_LAYER_FILE in
+    `folder` (.npy: mapped, not loaded, by the runtime); None for other models. Read, scaled and
+    written PER_LAYER_CHUNK_ROWS rows at a time (`row_chunks`), never whole."""
     if spec.gemma4 is None or not spec.gemma4.per_layer:
         return None
+    name = "model.embed_tokens_per_layer.weight"
     scale = np.float32(source.model.model.embed_tokens_per_layer.scalar_embed_scale)
-    rows = source.weights["model.embed_tokens_per_layer.weight"] * scale
-    return rows.astype(np.float32 if options.weights == "float32" else np.float16)
-
-
-def save_per_layer(folder: Path, rows: np.ndarray) -> PerLayerTable:
-    """`rows` as PER_LAYER_FILE in `folder` (.npy: mapped, not loaded, by the runtime)."""
+    dtype = np.dtype(per_layer_dtype(options.weights))
+    shape = tuple(source.model.model.embed_tokens_per_layer.weight.shape)
     path = folder / PER_LAYER_FILE
-    np.save(path, rows, allow_pickle=False)
+    with path.open("wb") as handle:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(handle, header)
+        for rows in row_chunks(source.weights, name, PER_LAYER_CHUNK_ROWS):
+            handle.write((rows * scale).astype(dtype).tobytes())
     with open(path, "rb") as handle:
         first = hashlib.sha256(handle.read(STORED_CHECK_BYTES)).hexdigest()
-    return PerLayerTable(PER_LAYER_FILE, rows.dtype.name, tuple(rows.shape), first)
+    return PerLayerTable(PER_LAYER_FILE, dtype.name, shape, first)
 
 
 def _load(source: Source, options: ExportRecipe, memory_check: bool) -> Opened:
@@ -538,28 +550,21 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
 
 
 def gemma4_geometry(config: Any, max_len: int, variant: str) -> CacheGeometry:
-    """Gemma 4's cache: KV for the layers before its shared ones only (`Gemma4Spec.shared_layers`
-    read an earlier layer's and store none); in the portable variant its sliding layers are rings
-    of window + RING_MARGIN slots of their own head_dim, its global layers max_len of theirs (the
+    """Gemma 4's cache (`contract.shared_kv_geometry`): KV for the layers before its shared ones
+    only (`Gemma4Spec.shared_layers`), sliding layers on rings of their own head_dim (the
     portable variant only: `check_gemma4_variant`)."""
     spec = Gemma4Spec.from_config(config)
     head_dim, kv_heads = attention_sizes(config)
-    stored = tuple(i for i in range(config.num_hidden_layers) if i not in spec.shared_layers)
-    local = local_layers(config)
     check_gemma4_variant(variant)
-    ring = tuple(k for k, i in enumerate(stored) if i in local)
-    return CacheGeometry(
-        num_layers=len(stored),
+    local = set(local_layers(config))
+    return shared_kv_geometry(
+        [i in local for i in range(config.num_hidden_layers)],
+        spec.shared_layers,
         num_kv_heads=kv_heads,
-        head_dim=spec.global_head_dim,
+        head_dim=head_dim,
+        global_head_dim=spec.global_head_dim,
+        window=int(config.sliding_window),
         max_len=max_len,
-        ring_layers=ring,
-        window=int(config.sliding_window) if ring else 0,
-        ring_margin=RING_MARGIN if ring else 0,
-        kv_layers=stored if spec.shared_layers else (),
-        ring_head_dim=head_dim if ring and head_dim != spec.global_head_dim else 0,
-        shared_layers=spec.shared_layers,
-        shared_sources=spec.shared_sources,
     )
 
 

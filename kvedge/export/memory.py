@@ -5,8 +5,9 @@ still use; and the one line an allocation that fails anyway becomes.
 The graph's weights go to its data file as they are made (`kvedge.export.graph.external`) and a
 folder of plain safetensors or a GGUF file is read a tensor at a time (`kvedge.export.streamed`),
 so a streamed export's peak is its LM head's quantization: the table in float32 (the largest
-tensor, read whole) beside its codes, scales and offsets, and a second layout where the graph
-holds a decode form (`ExportRecipe.two_forms`). `export_estimate` is that, measured
+tensor read whole; Gemma 4's larger per-layer table is read a range of rows at a time,
+`READ_IN_ROWS`) beside its codes, scales and offsets, and a second layout where the graph holds
+a decode form (`ExportRecipe.two_forms`). `export_estimate` is that, measured
 (`HEAD_PEAK`); a source loaded whole (an AWQ or GPTQ checkpoint, what transformers converts)
 adds its float32 model.
 
@@ -21,6 +22,7 @@ import logging
 import math
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvedge.contract import ExportRecipe
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 # tensors the export does not load: composite checkpoints' vision / audio towers, multi-token heads
 NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|vision_model|audio_tower|mtp|multi_modal_projector)\.")
+# tensors a streamed export reads from safetensors a range of rows at a time, never whole
+# (`export.save_per_layer`: Gemma 4's per-layer embeddings, E2B's 8.8 GiB in float32)
+READ_IN_ROWS = re.compile(r"(^|\.)embed_tokens_per_layer\.")
 
 
 def source_parameters(source: Source) -> int:
@@ -43,18 +48,30 @@ def source_parameters(source: Source) -> int:
 
 def source_tensors(source: Source) -> list[int]:
     """The values of each of the decoder's tensors, from the files' headers alone."""
+    return [count for _, count in _named_tensors(source)]
+
+
+def tensors_read_in_rows(source: Source) -> list[int]:
+    """The values of each tensor a streamed export reads a range of rows at a time (`READ_IN_ROWS`
+    in a safetensors folder; a GGUF file's are read whole)."""
+    if source.gguf_file:
+        return []
+    return [count for name, count in _named_tensors(source) if READ_IN_ROWS.search(name)]
+
+
+def _named_tensors(source: Source) -> list[tuple[str, int]]:
     try:
         return _tensors(source)
     except CUT_FILE as exc:  # json's errors are ValueErrors
         raise incomplete(source, exc) from None
 
 
-def _tensors(source: Source) -> list[int]:
+def _tensors(source: Source) -> list[tuple[str, int]]:
     if source.gguf_file:
         import gguf  # the export extra's
 
         reader = gguf.GGUFReader(source.folder / source.gguf_file)
-        return [int(t.n_elements) for t in reader.tensors]
+        return [(t.name, int(t.n_elements)) for t in reader.tensors]
     counts = []
     for path in source.files()[1:]:
         with path.open("rb") as f:
@@ -62,7 +79,7 @@ def _tensors(source: Source) -> list[int]:
             header = json.loads(f.read(size))
         for name, tensor in header.items():
             if name != "__metadata__" and not NOT_LOADED.search(name):
-                counts.append(math.prod(tensor["shape"]))
+                counts.append((name, math.prod(tensor["shape"])))
     return counts
 
 
@@ -90,10 +107,17 @@ class Estimate:
     what: str
 
 
-def export_estimate(tensors: list[int], recipe: ExportRecipe, streamed: bool) -> Estimate:
+def export_estimate(
+    tensors: list[int], recipe: ExportRecipe, streamed: bool, in_rows: Sequence[int] = ()
+) -> Estimate:
     """The peak of an export of a source with these tensors (their values, `source_tensors`) as
-    `recipe`: read a tensor at a time (`streamed`), or loaded whole in float32."""
-    parameters, largest = sum(tensors), max(tensors, default=0)
+    `recipe`: read a tensor at a time (`streamed`; those of `in_rows`, among `tensors`, a range of
+    rows at a time: not the largest read whole), or loaded whole in float32."""
+    whole_read = list(tensors)
+    if streamed:
+        for count in in_rows:
+            whole_read.remove(count)
+    parameters, largest = sum(tensors), max(whole_read, default=0)
     head = STREAMED_BASE + int(HEAD_PEAK["two forms" if recipe.two_forms else "one form"] * 4 * largest)
     what = f"its largest tensor, {largest:,} values, in float32 and as the graph's weights"
     if streamed:
@@ -109,7 +133,7 @@ def check_export_memory(
     may use (`streamed`: the source is read one tensor at a time)."""
     tensors = source_tensors(source)
     room = available or available_memory()
-    need = _need(tensors, recipe, streamed, room)
+    need = _need(tensors, tensors_read_in_rows(source), recipe, streamed, room)
     log.info(
         "memory preflight: %s parameters, a peak of about %s; %s",
         f"{sum(tensors):,}",
@@ -127,14 +151,16 @@ def export_needs(source: Source, recipe: ExportRecipe, streamed: bool) -> str:
     """What an export of `source` as `recipe` needs and what is available, for the error an
     allocation that failed becomes."""
     room = available_memory()
-    need = _need(source_tensors(source), recipe, streamed, room)
+    need = _need(source_tensors(source), tensors_read_in_rows(source), recipe, streamed, room)
     have = f", and {human(max(room.bytes, 0))} is available now ({room.what})" if room else ""
     return f"it needs about {human(need.bytes)} ({need.what}){have}"
 
 
-def _need(tensors: list[int], recipe: ExportRecipe, streamed: bool, room: Available | None) -> Estimate:
+def _need(
+    tensors: list[int], in_rows: list[int], recipe: ExportRecipe, streamed: bool, room: Available | None
+) -> Estimate:
     """`export_estimate`, and the libraries' mapping where `room` limits the address space."""
-    need = export_estimate(tensors, recipe, streamed)
+    need = export_estimate(tensors, recipe, streamed, in_rows)
     if room is None or not room.address_space:
         return need
     return Estimate(need.bytes + MAPPED_BEYOND_RESIDENT, f"{need.what}, and its libraries mapped")

@@ -137,6 +137,28 @@ class FolderWeights(Mapping[str, np.ndarray]):
         """Whether `name` reads the tensor `other` does (a tied LM head)."""
         return name in self._where and self._where[name] == self._where.get(other)
 
+    def stored(self, name: str) -> Stored | None:
+        """Where a safetensors tensor `name` lies; None for another kind (a GGUF's, a buffer)."""
+        where = self._where.get(name)
+        return where if isinstance(where, Stored) else None
+
+
+def row_chunks(weights: Mapping[str, np.ndarray], name: str, rows: int) -> Iterator[np.ndarray]:
+    """Tensor `name`'s values `rows` rows at a time, as `weights[name]` gives them (float32): from a
+    safetensors file a range of rows at a time, so a table larger than memory is never whole (Gemma
+    4's per-layer embeddings); else read whole, then cut."""
+    stored = weights.stored(name) if isinstance(weights, FolderWeights) else None
+    if stored is None:
+        whole = weights[name]
+        for start in range(0, len(whole), rows):
+            yield whole[start : start + rows]
+        return
+    row_bytes = stored.count // stored.shape[0] * np.dtype(STORED[stored.dtype]).itemsize
+    for start in range(0, stored.shape[0], rows):
+        count = min(rows, stored.shape[0] - start)
+        part = Stored(stored.path, stored.start + start * row_bytes, stored.dtype, (count, *stored.shape[1:]))
+        yield read_tensor(part)
+
 
 def skeleton(config: Any) -> Any:
     """The causal LM of `config` with its parameters on the meta device and its buffers real."""

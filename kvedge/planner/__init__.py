@@ -2,7 +2,7 @@
 
 The estimate, per (slots, context, kv dtype)::
 
-    total = weights + load + kv + states + activations + runtime
+    total = weights + load + kv + states + activations + runtime    (mapped: beside it)
 
 weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: what `kvedge export`
              writes for the weight form (`ExportRecipe`: --weights, --variant, --block-size,
@@ -59,6 +59,12 @@ activations  the largest single call: one sequence prefilling a chunk of s = PRE
              the new tokens' K/V twice (the graph's output and the runtime's copy of it); a hybrid's
              present states likewise, per row (not measured; a Gated DeltaNet chunk's own [v heads,
              s, s] buffers, 32 MiB at 256 tokens for 32 heads, are not counted).
+mapped       Gemma 4's per-layer embedding table (`PerLayerTable`): a file of its own, float16
+             (float32 beside float32 weights), that the runtime maps read-only and reads one row of
+             per token. Its pages are page cache the kernel may drop under pressure, never the
+             backend's memory, so the estimate shows it on its own line and leaves it out of the
+             total: what competes with the KV cache is the rest (docs/PERFORMANCE.md, "Gemma 4:
+             shared KV and the per-layer table").
 runtime      Python + numpy + onnxruntime + tokenizer: 96 MiB (measured 70-75 MiB). A GPU
              backend adds the CUDA context and libraries (cuBLAS, cuDNN or TensorRT): 1 GiB,
              ASSUMED, not measured (no GPU was available when this was written); device_tests

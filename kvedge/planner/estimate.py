@@ -17,16 +17,18 @@ from kvedge.configs import Architecture, ModelRecipe, load_recipe
 from kvedge.contract import (
     MANIFEST_FILE,
     ONNX_FILE,
+    PER_LAYER_FILE,
     PREFILL_CHUNK,
     CacheGeometry,
     ExportRecipe,
     Manifest,
+    family_refusal,
     graph_files,
 )
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.files import GiB, MiB, human
-from kvedge.planner.weights import FLOAT32, recipe_note, recipe_weight_bytes, widened_bytes
+from kvedge.planner.weights import FLOAT32, per_layer_bytes, recipe_note, recipe_weight_bytes, widened_bytes
 from kvedge.runtime.cache import MAX_SNAPSHOTS
 
 SCORE_BUFFERS, MLP_BUFFERS, HIDDEN_BUFFERS, PRESENT_COPIES = 8, 3, 4, 2  # see the module docstring
@@ -121,12 +123,30 @@ class ModelFootprint:
     architecture: Architecture | None = None  # a recipe's, to plan other weight forms
     manifest: Manifest | None = None  # an export's
     forms_note: str = ""  # a two-form export's: its decode form's bytes and speed (`second_form_note`)
+    # Gemma 4's per-layer table: a file the runtime maps and reads a row of per token, page cache
+    # the kernel may drop, never the backend's (module docstring, "mapped"); not in weights_bytes
+    per_layer_bytes: int = 0
+
+    @property
+    def family(self) -> str | None:
+        """The model's family (HF model_type): its recipe's, or its export's."""
+        if self.architecture is not None:
+            return self.architecture.family
+        return self.manifest.model_type if self.manifest is not None else None
+
+    @property
+    def float32_only(self) -> bool:
+        """Whether only its float32 form's quality is measured: the export choices' KLs were
+        measured on a dense model, not on a hybrid's states or Gemma 4's per-layer inputs and
+        shared KV (`recommend.measured_kl`)."""
+        return bool(self.geometry.states or self.geometry.shared_layers or self.per_layer_bytes)
 
     @classmethod
     def from_export(cls, folder: str | Path) -> ModelFootprint:
         folder = Path(folder)
         manifest = Manifest.load(folder)
-        files = graph_files(folder)
+        files = [p for p in graph_files(folder) if p.name != PER_LAYER_FILE]
+        per_layer = folder / PER_LAYER_FILE
         if not (folder / ONNX_FILE).is_file():
             raise KvedgeError(f"{folder}: no {ONNX_FILE}; is this a `kvedge export` folder?")
         two_forms = manifest.weight_decode_matmuls == "kvedge"  # the graph holds kvedge.QuantMatMul
@@ -151,6 +171,7 @@ class ModelFootprint:
             fixed_context=True,
             manifest=manifest,
             forms_note=second_form_note(manifest.weights_dtype) if two_forms else "",
+            per_layer_bytes=per_layer.stat().st_size if per_layer.is_file() else 0,
         )
 
     @classmethod
@@ -192,6 +213,8 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
     a = model.architecture
     if a is None:
         raise KvedgeError(f"{model.name} is an export whose weights are its files; other forms need a recipe")
+    if refused := family_refusal(a.family, variant=form.variant, precision=form.precision):
+        raise KvedgeError(f"{model.name}: {refused}")
     weights = recipe_weight_bytes(a, form)
     forms_note = ""
     if form.two_forms:  # the decode form's bytes: beyond the same export's with one form
@@ -207,6 +230,7 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
         geometry=model.geometry.with_dtype(form.kv_dtype, form.kv_group_size or None),
         form=form,
         forms_note=forms_note,
+        per_layer_bytes=per_layer_bytes(a, form),
     )
 
 
@@ -246,6 +270,7 @@ class Estimate:
     activations: int
     runtime: int
     states: int = 0  # a hybrid's per-slot states, their snapshots included (`state_bytes`)
+    mapped: int = 0  # Gemma 4's per-layer table, mapped: not in `total` (module docstring, "mapped")
 
     @property
     def total(self) -> int:
@@ -253,7 +278,8 @@ class Estimate:
 
     def breakdown(self) -> str:
         parts = ("weights", "load", "kv", *(("states",) if self.states else ()), "activations", "runtime")
-        return ", ".join(f"{p} {human(getattr(self, p))}" for p in parts)
+        mapped = f"; mapped {human(self.mapped)}, not counted" if self.mapped else ""
+        return ", ".join(f"{p} {human(getattr(self, p))}" for p in parts) + mapped
 
 
 def kv_bytes(model: ModelFootprint, slots: int, context: int, kv_dtype: str | None = None) -> int:
@@ -305,6 +331,7 @@ def estimate(
         activations=activation_bytes(model, slots, context),
         runtime=overheads.runtime_bytes,
         states=state_bytes(model, slots),
+        mapped=model.per_layer_bytes,
     )
 
 

@@ -19,6 +19,7 @@ from kvedge.contract import (
     VARIANTS,
     WEIGHT_FORMATS,
     ExportRecipe,
+    family_refusal,
 )
 from kvedge.contract.engine import device_refusal
 from kvedge.errors import KvedgeError
@@ -31,7 +32,8 @@ from kvedge.planner.estimate import DEFAULT_SLOTS, Estimate, ModelFootprint, est
 # these). A form's KL is the sum of its weights', its graph precision's and its cache's; a form with
 # a choice not listed here is unmeasured, and never recommended. They were measured on a dense
 # model: a hybrid's (per-slot states: LFM2's convolutions, Qwen3.5's Gated DeltaNet projections and
-# recurrent state) quantized or float16 forms were not, and count as unmeasured (`measured_kl`).
+# recurrent state) and Gemma 4's (per-layer inputs, shared KV) quantized or float16 forms were not,
+# and count as unmeasured (`measured_kl`, `ModelFootprint.float32_only`).
 WEIGHTS_KL = {
     "--variant portable --weights float32": 0.0,
     "--variant ort --weights float32": 0.0,
@@ -64,18 +66,18 @@ def weights_choice(form: ExportRecipe) -> str:
     return text
 
 
-def measured_kl(form: ExportRecipe, states: bool = False, device: str | None = None) -> float | None:
+def measured_kl(form: ExportRecipe, float32_only: bool = False, device: str | None = None) -> float | None:
     """`form`'s KL against the float32 model from its choices' measured KLs, or None where one of
     them was not measured: a choice missing from the tables, a block size or kept channels other
     than export's defaults, or an ort int8/int4 graph without kvedge's decode form (the float16
-    cache's, whose decode steps run MatMulNBits). For a model with per-slot `states` (a hybrid),
-    every form but the float32 one (the float32 model itself, 0) is unmeasured. On `device` "cpu"
-    a float16 graph's quantized products are too: onnxruntime rounds their activations to int8
-    there, which only a float32 graph's split input undoes (`quant_matmul._product`); the
-    measured weight-only figures are TensorRT's and CUDA's."""
+    cache's, whose decode steps run MatMulNBits). For a model measured in `float32_only` (a
+    hybrid, Gemma 4), every form but the float32 one (the float32 model itself, 0) is
+    unmeasured. On `device` "cpu" a float16 graph's quantized products are too: onnxruntime
+    rounds their activations to int8 there, which only a float32 graph's split input undoes
+    (`quant_matmul._product`); the measured weight-only figures are TensorRT's and CUDA's."""
     if device == "cpu" and form.half and form.quantized:
         return None
-    if states and (form.weights, form.precision, form.kv_dtype) != ("float32", "float32", "float32"):
+    if float32_only and (form.weights, form.precision, form.kv_dtype) != ("float32", "float32", "float32"):
         return None
     default = ExportRecipe(variant=form.variant, precision=form.precision, weights=form.weights)
     if form.quantized and (form.block_size, form.kept_channels) != (32, default.kept_channels):
@@ -90,8 +92,8 @@ def measured_kl(form: ExportRecipe, states: bool = False, device: str | None = N
     return None if None in parts else sum(parts)
 
 
-def quality_note(form: ExportRecipe, states: bool = False, device: str | None = None) -> str:
-    kl = measured_kl(form, states, device)
+def quality_note(form: ExportRecipe, float32_only: bool = False, device: str | None = None) -> str:
+    kl = measured_kl(form, float32_only, device)
     return "quality unmeasured" if kl is None else f"KL {kl:.2g} vs float32, docs/PERFORMANCE.md"
 
 
@@ -151,10 +153,9 @@ def recommend(
         )
     if not isinstance(budget, Budget):
         budget = board_budget(budget if isinstance(budget, BoardProfile) else load_board(budget))
-    states = bool(fp.geometry.states)
     found = []
-    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device):
-        kl = measured_kl(form, states)
+    for form in device_forms(ExportRecipe(max_len=fp.form.max_len), device, fp.family):
+        kl = measured_kl(form, fp.float32_only)
         if kl is None or kl > QUALITY_BAR or _per_token(fp, form.kv_dtype) == float("inf"):
             continue
         cell = _most_slots(with_form(fp, form), budget, device)
@@ -188,15 +189,16 @@ def model_refusal(model: ModelFootprint | ModelRecipe | str | Path, device: str)
     """Why `device` runs no form of `model` at all (its logits, say, where TensorRT refuses them),
     or None: then `recommend` has nothing for it whatever the budget."""
     fp = footprint(model)
-    if device_forms(ExportRecipe(max_len=fp.geometry.max_len), device):
+    if device_forms(ExportRecipe(max_len=fp.geometry.max_len), device, fp.family):
         return None
     return device_refusal(device, "portable", fp.geometry.dtype, fp.logits)
 
 
-def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
-    """Every form `kvedge export` makes of `base` choosing its variant, precision, weights, head
-    bits (the default, or 4) and cache dtype, that `device` runs (`device_refusal`); `base`'s
-    max_len, logits, block size, kept channels and decode matmuls stay where they apply."""
+def device_forms(base: ExportRecipe, device: str, family: str | None = None) -> list[ExportRecipe]:
+    """Every form `kvedge export` makes of `base` (of a model of `family`, where given: its
+    `family_refusal`) choosing its variant, precision, weights, head bits (the default, or 4) and
+    cache dtype, that `device` runs (`device_refusal`); `base`'s max_len, logits, block size, kept
+    channels and decode matmuls stay where they apply."""
     found: dict[tuple, ExportRecipe] = {}
     for variant, precision, weights, head_bits, kv in itertools.product(
         VARIANTS, PRECISIONS, WEIGHT_FORMATS, (None, 4), EXPORTED_KV_DTYPES
@@ -215,6 +217,8 @@ def device_forms(base: ExportRecipe, device: str) -> list[ExportRecipe]:
                 kv_group_size=base.kv_group_size if kv in QUANTIZED_KV_DTYPES else 0,
             )
         except KvedgeError:  # a combination export refuses
+            continue
+        if family and family_refusal(family, variant=variant, precision=precision):
             continue
         if device_refusal(device, variant, kv, form.logits) is None:
             found.setdefault((variant, precision, weights, form.lm_head_bits, kv), form)

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvedge.contract import CacheGeometry
+from kvedge.contract import PER_LAYER_FILE, CacheGeometry, per_layer_dtype
 from kvedge.contract.engine import device_refusal
 from kvedge.contract.recipe import check_kv_dtype
 from kvedge.errors import KvedgeError
@@ -108,15 +108,16 @@ def render(plan: Plan) -> str:
         "total GiB by max_len (rows) and slots (columns); '-' does not fit",
     ]
     g = m.geometry.with_dtype(plan.kv_dtype)
+    if m.per_layer_bytes:
+        lines[4:4] = [per_layer_line(m)]
     if g.states:
         lines[4:4] = [states_line(g)]
     if g.ring_layers:  # the per-token figure above counts every layer; ring layers stop at ring_len
-        full = dataclasses.replace(g, ring_layers=(), window=0, ring_margin=0)
+        full = g.bytes_per_token() * g.max_len + g.state_bytes_per_slot()  # every layer max_len long
         lines[4:4] = [
             f"ring layers  {len(g.ring_layers)} of {g.num_layers} hold the last {g.ring_len} tokens "
             f"(window {g.window} + {g.ring_margin}): a {g.max_len}-token slot is "
-            f"{human(g.bytes_per_slot())}, {g.bytes_per_slot() / full.bytes_per_slot():.3f} x "
-            f"{human(full.bytes_per_slot())} at full length"
+            f"{human(g.bytes_per_slot())}, {g.bytes_per_slot() / full:.3f} x {human(full)} at full length"
         ]
     lines.append(f"{'max_len':>8} " + "".join(f"{s:>8}" for s in plan.slots))
     for context, row in zip(plan.contexts, plan.cells, strict=True):
@@ -131,10 +132,22 @@ def render(plan: Plan) -> str:
 
 
 def _kv_layers_note(geometry: CacheGeometry) -> str:
-    """Which layers the per-token figure covers, where not all of them hold KV (hybrids)."""
-    if not geometry.states:
+    """Which layers the per-token figure covers, where not all of them hold KV (hybrids, Gemma 4's
+    shared layers)."""
+    shared = geometry.shared_layers
+    if not geometry.states and not shared:
         return ""
-    return f" ({geometry.num_layers} of {geometry.model_layers} layers hold KV)"
+    reading = f"; {len(shared)} read an earlier layer's" if shared else ""
+    return f" ({geometry.num_layers} of {geometry.model_layers} layers hold KV{reading})"
+
+
+def per_layer_line(model: ModelFootprint) -> str:
+    """Gemma 4's per-layer table, on its own line: mapped from its file, not in the totals."""
+    table = f"{human(model.per_layer_bytes)} {PER_LAYER_FILE} ({per_layer_dtype(model.weights_dtype)})"
+    return (
+        f"per-layer    {table}, mapped: page cache the kernel may drop, never the backend's; a row "
+        "read per token; not in the totals below"
+    )
 
 
 def states_line(geometry: CacheGeometry) -> str:

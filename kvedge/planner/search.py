@@ -44,7 +44,7 @@ class Change:
         text = f"re-export with {flags}" if self.plan.model.fixed_context else flags
         form = self.plan.model.form
         if form is not None and {flag for flag, _ in self.options} & {flag for flag, _ in FORM_FLAGS}:
-            text += f" ({quality_note(form, bool(self.plan.model.geometry.states), self.plan.device)})"
+            text += f" ({quality_note(form, self.plan.model.float32_only, self.plan.device)})"
         return text
 
 
@@ -106,7 +106,7 @@ def quality_tier(model: ModelFootprint, device: str) -> int:
     1: measured above it; 2: unmeasured."""
     if model.form is None:
         return 0
-    kl = measured_kl(model.form, bool(model.geometry.states), device)
+    kl = measured_kl(model.form, model.float32_only, device)
     return 2 if kl is None else int(kl > QUALITY_BAR)
 
 
@@ -169,7 +169,7 @@ def _other_forms(plan: Plan) -> list[tuple[tuple[tuple[str, str], ...], ModelFoo
     m = plan.model
     if m.form is not None:
         found = []
-        for form in device_forms(m.form, plan.device):
+        for form in device_forms(m.form, plan.device, m.family):
             options = _form_options(m.form, form)
             if options and _per_token(m, form.kv_dtype) < float("inf"):
                 found.append((options, with_form(m, form), form.kv_dtype))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvedge.contract import CacheGeometry, ExportRecipe
+from kvedge.contract import CacheGeometry, ExportRecipe, family_refusal, shared_kv_sources
 from kvedge.errors import KvedgeError
 
 OPSET = 17  # float32 and float16 weights
@@ -101,9 +101,7 @@ class Gemma4Spec:
             )
         kinds = list(config.layer_types)
         shared = tuple(i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse")
-        sources = (
-            tuple(max(j for j in range(shared[0]) if kinds[j] == kinds[i]) for i in shared) if shared else ()
-        )
+        sources = shared_kv_sources([kind == "sliding_attention" for kind in kinds], shared)
         full = cls.layer_config(config, "full_attention")
         sliding = cls.layer_config(config, "sliding_attention")
         if full.num_key_value_heads != sliding.num_key_value_heads:
@@ -302,23 +300,16 @@ def check_ring(geometry: CacheGeometry, variant: str) -> None:
 
 
 def check_gemma4(spec: DecoderSpec, recipe: ExportRecipe) -> None:
-    """Gemma 4 is built for the portable float32-compute graph: a shared layer attends over what
-    its source layer's attention read in the same graph, which GroupQueryAttention (in place)
-    does not hand on, and its per-layer inputs are float32."""
+    """Gemma 4 is built for the portable float32-compute graph (`contract.FAMILY_LIMITS`): a
+    shared layer attends over what its source layer's attention read in the same graph, which
+    GroupQueryAttention (in place) does not hand on, and its per-layer inputs are float32."""
     if spec.gemma4 is None:
         return
-    check_gemma4_variant(recipe.variant)
-    if recipe.half:
-        raise KvedgeError(
-            "--precision float16 is not built for Gemma 4 yet (its per-layer inputs are float32); "
-            "use --precision float32 (--weights float16 stores the weights in half the bytes)"
-        )
+    if refused := family_refusal("gemma4_text", variant=recipe.variant, precision=recipe.precision):
+        raise KvedgeError(refused)
 
 
 def check_gemma4_variant(variant: str) -> None:
     """Gemma 4's graph is the portable one (`check_gemma4`)."""
-    if variant != "portable":
-        raise KvedgeError(
-            f"--variant {variant!r} is not built for Gemma 4 yet (shared-KV layers, per-layer "
-            "head_dim); use --variant portable"
-        )
+    if refused := family_refusal("gemma4_text", variant=variant):
+        raise KvedgeError(refused)

@@ -1,0 +1,230 @@
+"""Gemma 4 in the planner and configs/models: the cards' cache is the one `kvedge export` makes,
+their parameters are transformers' count, the weight bytes planned are the files an export
+writes, and the per-layer table sits on a line of its own, out of the totals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import safetensors.numpy
+import yaml
+from tiny import gemma4_supported, make_tiny_model, tiny_config
+
+from kvedge.configs import Architecture, load_recipe
+from kvedge.contract import PER_LAYER_FILE, ExportRecipe
+from kvedge.errors import KvedgeError
+from kvedge.export.export import export_model, gemma4_geometry
+from kvedge.planner import device_forms, estimate, footprint, make_plan, recipe_weight_bytes, render
+from kvedge.planner.budget import board_budget
+from kvedge.planner.recommend import recommend
+from kvedge.planner.weights import per_layer_bytes
+
+pytestmark = pytest.mark.skipif(
+    not gemma4_supported(), reason="Gemma 4 needs transformers 5.25 (kv_sharing_modes); this one is older"
+)
+
+CARDS = {"gemma-4-e2b": 36_864, "gemma-4-e4b": 114_688}  # float32 cache bytes per token
+
+
+@pytest.mark.parametrize("card", sorted(CARDS))
+def test_a_cards_cache_and_parameters_are_the_exports_and_transformers(card):
+    """The recipe's cache equals the exporter's from the same numbers as a transformers config
+    (shared layers hold none, sliding layers on rings of head_dim 256), and its param_count is
+    what transformers builds from them."""
+    from kvedge.bench.checkpoint import hf_config
+    from kvedge.export.streamed import skeleton
+
+    config, params = hf_config(card)
+    recipe = load_recipe(card)
+    geometry = recipe.geometry()
+    assert geometry == gemma4_geometry(config, recipe.export.max_len, "portable")
+    assert geometry.bytes_per_token() == CARDS[card]
+    assert len(geometry.shared_layers) == config.num_kv_shared_layers and geometry.ring_dim == 256
+    model = skeleton(config)
+    tied = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
+    assert tied == {"lm_head.weight"}
+    assert sum(p.numel() for n, p in model.named_parameters() if n not in tied) == params
+    table = model.model.embed_tokens_per_layer.weight.numel()
+    assert recipe.architecture.per_layer_params == table
+
+
+def _architecture(config, params: int) -> Architecture:
+    """`config` (a tiny Gemma 4 whose layers alternate sliding and global) as a recipe's."""
+    sliding, full = (config.per_layer_config[kind] for kind in ("sliding_attention", "full_attention"))
+    return Architecture(
+        family="gemma4_text",
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=sliding.num_key_value_heads,
+        head_dim=sliding.head_dim,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        max_position_embeddings=config.max_position_embeddings,
+        param_count=params,
+        sliding_window=config.sliding_window,
+        sliding_window_pattern=2,
+        global_head_dim=full.head_dim,
+        num_kv_shared_layers=config.num_kv_shared_layers,
+        hidden_size_per_layer_input=config.hidden_size_per_layer_input,
+        vocab_size_per_layer_input=config.vocab_size_per_layer_input,
+        use_double_wide_mlp=config.use_double_wide_mlp,
+    )
+
+
+@pytest.fixture(scope="module")
+def mid_gemma4(tmp_path_factory):
+    """(source, its Architecture, root): a random Gemma 4 wide enough that its matrices make the
+    files (every K a multiple of 32), with shared layers of each kind, double-wide MLPs and
+    per-layer inputs."""
+    root = tmp_path_factory.mktemp("mid-gemma4")
+    shape = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=32,
+    )
+    source = make_tiny_model(root / "hf", "gemma4", **shape)
+    params = sum(a.size for a in safetensors.numpy.load_file(source / "model.safetensors").values())
+    return source, _architecture(tiny_config("gemma4", **shape), params), root
+
+
+@pytest.mark.parametrize("weights", ["float32", "float16", "int8", "int4"])
+def test_planned_weight_and_table_bytes_match_an_export(mid_gemma4, weights):
+    """Each layer's projections at its own head_dim and MLP width, Q alone on a shared layer, the
+    per-layer gate, projection and model projection: planned within 1% + 48 KiB a layer (the
+    graph's own nodes, which the planner leaves out: a Gemma 4 layer's ring attention, shared
+    reads and per-layer input make about 48 KiB of them here, against tests/test_planner.py's
+    96 KiB for a whole Llama); the per-layer table's file to the byte, and out of the weights."""
+    source, arch, root = mid_gemma4
+    form = ExportRecipe(max_len=64, weights=weights)
+    out = root / weights
+    export_model(source, out, form)
+    found = footprint(out)
+    assert found.per_layer_bytes == (out / PER_LAYER_FILE).stat().st_size == per_layer_bytes(arch, form)
+    planned = recipe_weight_bytes(arch, form)
+    assert abs(planned - found.weights_bytes) <= 0.01 * found.weights_bytes + 48 * 1024 * arch.num_layers, (
+        planned,
+        found.weights_bytes,
+    )
+
+
+def test_the_table_is_on_its_own_line_and_out_of_the_totals():
+    """E2B int4 on an Orin Nano: the plan names the table's file and bytes on a line of its own,
+    and no total counts it; the KV line says how many layers hold KV and how many read another's."""
+    model = footprint("gemma-4-e2b", ExportRecipe(weights="int4"))
+    assert model.per_layer_bytes == 2 * 2_348_810_240 + 128  # float16 beside quantized weights
+    cell = estimate(model, 1, 4096, device="tensorrt")
+    assert cell.mapped == model.per_layer_bytes
+    assert cell.total == cell.weights + cell.load + cell.kv + cell.activations + cell.runtime
+    text = render(make_plan(model, board_budget(load_recipe_board()), "tensorrt"))
+    assert "per-layer    4.38 GiB per_layer_embeddings.npy (float16), mapped" in text
+    assert "(15 of 35 layers hold KV; 20 read an earlier layer's)" in text
+
+
+def load_recipe_board():
+    from kvedge.configs import load_board
+
+    return load_board("orin-nano-8gb")
+
+
+def test_the_planner_offers_only_what_export_builds_and_recommends_only_what_was_measured():
+    """Gemma 4's graph is the portable float32-compute one: the forms the planner weighs are those,
+    `--precision float16` is refused as the export refuses it, and since only the float32 form's
+    quality is measured on Gemma 4 no smaller form is recommended."""
+    model = footprint("gemma-4-e2b")
+    assert model.float32_only
+    for device in ("cpu", "cuda", "tensorrt"):
+        forms = device_forms(model.form, device, model.family)
+        assert forms and {(f.variant, f.precision) for f in forms} == {("portable", "float32")}
+    assert any(f.half for f in device_forms(model.form, "tensorrt"))  # without the family: offered
+    with pytest.raises(KvedgeError, match="--precision 'float16' is not built for Gemma 4"):
+        footprint("gemma-4-e2b", ExportRecipe(precision="float16"))
+    found = recommend("agx-orin-64gb", "gemma-4-e2b", "tensorrt")
+    assert found is not None and found.kl == 0.0 and not found.form.quantized
+    assert recommend("orin-nano-8gb", "gemma-4-e2b", "tensorrt") is None
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedge", "plan", "gemma-4-e2b", "--precision", "float16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "not built for Gemma 4" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"global_head_dim": None}, "architecture.global_head_dim: missing"),
+        ({"num_kv_shared_layers": 35}, "architecture.num_kv_shared_layers: 35 is not allowed"),
+        ({"num_kv_shared_layers": 32}, "architecture.num_kv_shared_layers: 32 is not allowed: each shared"),
+    ],
+)
+def test_a_gemma4_card_missing_or_wrong_is_refused_by_key(tmp_path, change, key):
+    data = yaml.safe_load(load_recipe("gemma-4-e2b").path.read_text())
+    data["architecture"].update(change)
+    data["architecture"] = {k: v for k, v in data["architecture"].items() if v is not None}
+    path = tmp_path / "gemma-4-e2b.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(KvedgeError, match=key):
+        load_recipe(path)
+
+
+def test_gemma4_fields_on_another_family_are_refused(tmp_path):
+    data = yaml.safe_load(load_recipe("llama-3.2-1b").path.read_text())
+    data["architecture"]["num_kv_shared_layers"] = 4
+    path = tmp_path / "llama-3.2-1b.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(KvedgeError, match="num_kv_shared_layers: only for 'gemma4_text', not 'llama'"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("card", sorted(CARDS))
+def test_the_projections_planned_are_transformers_matrices(card):
+    """The planner's [K, N] products (each layer's Q, K and V at its head_dim, Q alone on a shared
+    layer, the shared layers' double-wide MLPs, the per-layer gate, projection and model
+    projection) hold what transformers' matrices hold, the tables aside."""
+    from kvedge.bench.checkpoint import hf_config
+    from kvedge.export.streamed import skeleton
+    from kvedge.planner.weights import layer_matmuls
+
+    config, _ = hf_config(card)
+    tables = ("embed_tokens.weight", "embed_tokens_per_layer.weight")
+    matrices = [
+        p
+        for n, p in skeleton(config).named_parameters()
+        if p.dim() == 2 and not n.endswith(tables) and "lm_head" not in n
+    ]
+    a = load_recipe(card).architecture
+    assert sum(k * n for k, n in layer_matmuls(a)) == sum(p.numel() for p in matrices)
+    fused = 2 * len(a.kv_layers) + a.num_layers  # K and V into Q where stored; up into gate
+    assert len(layer_matmuls(a)) == len(matrices) - fused
+
+
+def test_info_names_the_layers_that_hold_kv_the_rings_the_shared_and_the_table(tmp_path):
+    """`kvedge info` on a Gemma 4 export shows the saving: which layers hold KV, the rings at their
+    own head_dim, which layers store none and whose KV they read, the table mapped from its file."""
+    source = make_tiny_model(tmp_path / "hf", "gemma4", seed=3)
+    export_model(source, tmp_path / "out", ExportRecipe(max_len=128))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvedge", "info", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.strip().split("  ", 1) for line in done.stdout.splitlines())
+    assert lines["KV layers"] == "0, 1, 2, 3"
+    assert lines["ring layers"] == "3 of 4 hold the last 72 tokens (window 8 + 64) of 16 dim"
+    assert lines["shared KV"] == "layers 4, 5, 6 store none and read layer 1 or 3's"
+    assert lines["per-layer"].startswith("per_layer_embeddings.npy [320, 112] float32,")
