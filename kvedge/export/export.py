@@ -675,9 +675,8 @@ def graph_data(folder: Path) -> ExternalData:
 
 def save_onnx(model: onnx.ModelProto, folder: Path, embeds: bool = False) -> list[Path]:
     """The graph in model.onnx, its weights in model.onnx.data. Always apart: protobuf caps a
-    file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice (the parsed
-    protobuf and its tensors; measured on SmolLM2-135M int4: 396 MiB after session start with
-    the weights inline, 199 MiB from model.onnx.data, same step time). With `embeds`, the LM
+    file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice, the parsed
+    protobuf and its tensors (docs/PERFORMANCE.md, "Tried and dropped"). With `embeds`, the LM
     head's tensors (HEAD_TABLE + HEAD_PARTS) go to the data file whatever their size: the runtime
     reads the embeddings there (`head_table`). Tensors already in the data file (a graph built
     with `graph_data`) stay where they are; what is still inline is appended after them."""

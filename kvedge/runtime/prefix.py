@@ -555,8 +555,8 @@ class RunTimePrefixStore:
         g = geometry
 
         def arena(layers: int, last: int, dtype: np.dtype, fill: int) -> np.ndarray | None:
-            # Written once here so that every page is committed at start-up: first-touch page
-            # faults on a request would add ~3 ms per MiB saved (measured, SmolLM2 fp32 geometry).
+            # Written once here so that every page is committed at start-up, not by first-touch
+            # page faults on a request's path (docs/PERFORMANCE.md, "Allocation").
             if not last:  # scales of a float cache
                 return None
             return np.full((layers, 2, blocks, g.num_kv_heads, block_tokens, last), fill, dtype)

@@ -135,8 +135,9 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception for a missing or bad file
             raise KvedgeError(f"{path}: not a readable tokenizer ({exc}); re-export the model") from None
         self.special_tokens = dict(manifest.special_tokens)
-        # at load, not on the first request: the vocabulary's walk took 52 ms for SmolLM2's 49k
-        # tokens, the whole of a fresh service's first-request delay; more for 128k-262k
+        # at load, not on the first request: the vocabulary's walk was a fresh service's
+        # first-request delay (docs/PERFORMANCE.md, "A conversation after a restart"), and grows
+        # with the vocabulary
         vocab = list(self.tokenizer.get_vocab(with_added_tokens=False))
         added = [token.content for token in self.tokenizer.get_added_tokens_decoder().values()]
         pre_tokenizer = _component(self.tokenizer.pre_tokenizer)

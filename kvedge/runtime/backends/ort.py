@@ -425,9 +425,8 @@ class OrtBackend:
         step by step as conversations grow. One step at max_len - 1 for in-place graphs; portable
         graphs slice the past to the longest valid length, so their buffers take every size up
         to max_len, and a step at each of max_len - 1, max_len / 2, / 4 and / 8 leaves the arena
-        with chunks of those sizes too. Measured over 900 portable float32 decode steps (context
-        164 -> 1064): RSS +15.0 MiB with no reserve; with the pool resident from construction,
-        +2.2 MiB with the max_len step alone, +1.3 MiB with the four.
+        with chunks of those sizes too: what RSS grew by over 900 decode steps with and without
+        them is in docs/PERFORMANCE.md, "Allocation".
 
         Nothing becomes valid in the cache: a portable graph returns the new K/V to scratch, an
         in-place graph writes them at column max_len - 1, beyond every slot's valid length."""
