@@ -289,8 +289,9 @@ def _load(source: Source, options: ExportRecipe, memory_check: bool) -> Opened:
     """`source` streamed, or else loaded whole in float32, each after its memory preflight unless
     skipped (before anything is allocated)."""
     if memory_check:
-        # mapped first, so that a limit on the address space (ulimit -v) counts what torch maps:
-        # 0.6 GiB for a CPU wheel, 3.1 GiB for a CUDA one (cuBLAS, cuFFT, NCCL...)
+        # mapped first, so that a limit on the address space (ulimit -v) counts what torch maps, a
+        # CUDA wheel (cuBLAS, cuFFT, NCCL...) several times a CPU one's (docs/PERFORMANCE.md,
+        # "Exporting at a real size")
         import torch  # noqa: F401
 
         check_export_memory(source, options, streamed=streamable(source))

@@ -141,7 +141,7 @@ def out_of_memory(exc: BaseException) -> bool:
     """True when `exc` is an allocation that failed: a MemoryError (Python's, numpy's), torch's
     allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or a library that
     could not be mapped (an ImportError: "libtorch_cpu.so: failed to map segment from shared
-    object", a CUDA wheel of torch maps 3.1 GiB under `ulimit -v`)."""
+    object": a CUDA wheel of torch maps gigabytes under `ulimit -v`)."""
     if isinstance(exc, MemoryError):
         return True
     if isinstance(exc, ImportError):

@@ -169,7 +169,7 @@ class ChatTokenizer:
     def fewest_tokens(self, text: str, enough: int) -> int:
         """A lower bound on the tokens `text` takes wherever it stands in a prompt, counted no
         further than past `enough`: a prompt far over a limit is refused without tokenizing it
-        whole (1 MB took 0.5-1 s).
+        whole (docs/PERFORMANCE.md, "Batched decode and constraints in the service").
 
         Bytes first: no token stands for more than `max_token_bytes`. For SmolLM2 (81) that lets
         81 bytes a token through where ordinary words take about 5, so a text longer than

@@ -632,8 +632,8 @@ class OrtBackend:
 
     def _short_call(self, input_ids, past_lengths, last_index, past, rows: int, states=None) -> tuple:
         """`_prefill_in_place` of up to VERIFY_TOKENS tokens through a binding kept per (shape,
-        slots), as decode's: binding ~250 buffers per call cost a verify of one token ~4 ms
-        of Python on SmolLM2-135M (30 layers), a fifth of a decode step."""
+        slots), as decode's: binding every cache buffer per call cost a verify a large share of a
+        decode step in Python (docs/PERFORMANCE.md, "Speculative decoding by prompt lookup")."""
         key = (*input_ids.shape, rows, data_address(past[0][0]), past[0][0].strides)
         step = self._short_bindings.get(key)
         if step is None:
