@@ -80,10 +80,9 @@ SPECULATE_MODES: tuple[str, ...] = get_args(Speculate)
 # the retired form naming the draft in the mode, "draft:DIR": flags and service configs still
 # read it (`legacy_draft`), with a warning; a request never did need the folder
 LEGACY_DRAFT = "draft:"
-# most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core for float
-# weights, 2.7-3.4 for int4 (`kvedge.QuantMatMul`'s row tiles; docs/PERFORMANCE.md, "Speculative decoding by
-# prompt lookup"); TensorRT engines
-# are built for verifies of VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
+# most tokens proposed per step, by what a verify of 9 costs in decode steps (docs/PERFORMANCE.md,
+# "Speculative decoding by prompt lookup"); TensorRT engines are built for verifies of
+# VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
 MAX_DRAFT = VERIFY_TOKENS - 1
 # k of a turn's first proposal: a draft model's proposals are mostly taken (96% in open chat on
 # SmolLM2-135M); prompt lookup's first probes of a reply mostly fail in open chat, and a failed

@@ -242,8 +242,8 @@ def disabled_optimizers(manifest: Manifest) -> list[str]:
     """onnxruntime graph rewrites this export must not get. The INT8 cache's exact Q/DQ (scale 1)
     beside quantized weights' DequantizeLinear: the S8->U8 rewrite then leaves a QuantizeLinear
     with an int8 output and a uint8 zero point, and the session refuses to load (seen with 1.23
-    and 1.30). Elsewhere the rewrite stays: disabled, SmolLM2's portable int8-weight graph
-    decoded ~10% slower (1 thread, onnxruntime 1.32)."""
+    and 1.30). Elsewhere the rewrite stays: decode is slower without it (docs/PERFORMANCE.md,
+    "Tried and dropped")."""
     if manifest.geometry.quantized and manifest.weights_dtype in ("int8", "int4"):
         return ["QDQS8ToU8Transformer"]
     return []

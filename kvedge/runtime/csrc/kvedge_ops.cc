@@ -831,8 +831,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   // evicted them since. Without this the new token's rows (written a byte at a time) stall the
   // stores until each line arrives, and the attention waits on each KV head's rows in turn; asked
   // for together, the misses overlap with each other and with onnxruntime handing over the
-  // outputs (SmolLM2-135M at context 64: the op ~25% faster; a one-node graph, whose cache stays in
-  // cache, does not show it). The new rows, then K's attended rows, then V's, in the order of use;
+  // outputs (docs/PERFORMANCE.md, "Why the INT8 attention kernel"). The new rows, then K's attended rows, then V's, in the order of use;
   // at most kPrefetchKeys attended positions per KV head, the hardware prefetcher keeping a longer
   // stream coming. Written out here rather than in a function of its own, which GCC would find
   // free of side effects and drop.
