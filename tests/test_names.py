@@ -1,8 +1,8 @@
 """One word per thing in the Python API too: the glossary at the top of docs/ARCHITECTURE.md names
 each thing with the identifiers that hold it, and every one of them must exist; a retired
 spelling (`OLD_NAMES`) must not come back as a public module, class, function or attribute, and
-a retired word (`RETIRED_WORDS`) not inside any name a module defines (`EngineFailed` holds
-"engine", which means a TensorRT engine only).
+no name a module defines may hold a retired word (`RETIRED_WORDS`) inside it (`EngineFailed`
+holds "engine", which means a TensorRT engine only).
 tests/test_cli_names.py does the same for command-line options and service config keys."""
 
 from __future__ import annotations
