@@ -91,10 +91,10 @@ def map_large_allocations(threshold: int = 2**20) -> bool:
     """Have glibc's malloc take every block of `threshold` bytes or more straight from the system
     (mmap) and give it back when freed (M_MMAP_THRESHOLD); False where the C library has no
     mallopt. Its default threshold rises to 32 MiB as large blocks are freed, and blocks under
-    it then come from the heap, whose address range a long run of mixed sizes only extends:
-    the streamed export's calibration of Llama-3.2-3B's shape mapped ~170 MiB more a layer (7.3
-    GiB at 28 layers) at a flat 1.9 GiB resident, past a 6 GiB `ulimit -v`; at 1 MiB it stayed
-    at 1.6 GiB, as fast."""
+    it then come from the heap, whose address range a long run of mixed sizes only extends: the
+    streamed export's calibration of Llama-3.2-3B's shape mapped more address space with every
+    layer, its resident size flat, until it passed a `ulimit -v` (docs/PERFORMANCE.md, "Exporting
+    at a real size")."""
     mallopt = getattr(_libc(), "mallopt", None)
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
 

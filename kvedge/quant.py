@@ -15,8 +15,8 @@ Granularity (the `Scheme`):
 - V, `dynamic-token`: one scale per (layer, kv head, token, channel group), computed from the
   token's own values when it is written (threshold = its absmax). Values have no stable
   outlier channels; a per-token scale follows each token's range.
-- K or V, `dynamic-token` for K too: measured on SmolLM2 (docs/PERFORMANCE.md), a per-token K
-  scale beats a static per-channel-group one by ~4x in KL divergence; static K remains
+- K or V, `dynamic-token` for K too: a per-token K scale beats a static per-channel-group one in
+  KL divergence (docs/PERFORMANCE.md, "The INT8 cache: per token"); static K remains
   available because a static scale folds into the query at no cost in the graph.
 - V, `static-group`: like K.
 - `static-tensor` (K or V): one scale per layer for all heads and channels; the per-tensor INT8

@@ -14,12 +14,17 @@ name where they name one: a note moved to another file leaves no citation pointi
 
 No diary in kvedge/: no tracker number ("issue 18") and no commit of ours (a short hash) in its
 Python; figures and their history live in docs/PERFORMANCE.md, which a comment cites. A full
-40-digit hash pins another project's source (onnx-tensorrt's operator table) and stays."""
+40-digit hash pins another project's source (onnx-tensorrt's operator table) and stays. No
+sentence of a docstring or comment says "measured" beside a figure (a decimal, or a number with a
+unit) unless it cites docs/PERFORMANCE.md: the measurement is copied there, not here. A method's
+own parameters read as figures too ("measured on 256 MiB"): say those without "measured"."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import kvedge
@@ -51,6 +56,78 @@ def test_a_diary_line_is_found(tmp_path):
     package.mkdir()
     (package / "a.py").write_text("X = 1  # measured at a2cf855\nY = 2  # see issue 18\nZ = 0x7fffffff\n")
     assert [line.split()[0] for line in diary_lines(package)] == ["pkg/a.py:1", "pkg/a.py:2"]
+
+
+# a figure: a decimal or a number with a unit, standing alone (not a name's digits: SmolLM2,
+# Qwen3-1.7B, int8); "measured" but not "not measured" or "unmeasured"
+FIGURE = re.compile(r"(?<![\w.-])(?:\d+\.\d+|\d[\d,]*\s?(?:ms|s|MiB|GiB|KiB|MB|GB|KB|%|x)(?!\w))")
+MEASURED = re.compile(r"(?<!not )\bmeasured\b", re.IGNORECASE)
+PERFORMANCE = "docs/PERFORMANCE.md"
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(first line, text) of every docstring and comment block in `path`: consecutive whole-line
+    comments are one block; a trailing comment is one of its own. C++: its `//` comments alike."""
+    text = path.read_text()
+    lines = text.splitlines()
+    blocks: list[tuple[int, str]] = []
+    if path.suffix == ".py":
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if doc := ast.get_docstring(node):
+                    blocks.append((node.body[0].lineno, doc))
+        tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+        comments = [(t.start[0], t.string[1:]) for t in tokens if t.type == tokenize.COMMENT]
+        marker = "#"
+    else:
+        comments = [(n, line.split("//", 1)[1]) for n, line in enumerate(lines, 1) if "//" in line]
+        marker = "//"
+    previous = -1
+    for n, comment in comments:
+        whole_line = lines[n - 1].lstrip().startswith(marker)
+        if whole_line and previous == n - 1:
+            blocks[-1] = (blocks[-1][0], f"{blocks[-1][1]}\n{comment}")
+        else:
+            blocks.append((n, comment))
+        previous = n if whole_line else -1
+    return blocks
+
+
+def measured_figures(root: Path) -> list[str]:
+    """`file:line sentence` for every sentence of a docstring or comment under `root` that says
+    "measured" beside a figure and cites no docs/PERFORMANCE.md section."""
+    found = []
+    for path in sorted(p for pattern in CITING for p in root.rglob(pattern) if "third_party" not in p.parts):
+        for number, block in prose(path):
+            for paragraph in re.split(r"\n\s*\n", block):
+                for sentence in re.split(r"(?<=[.;])\s+", " ".join(paragraph.split())):
+                    if MEASURED.search(sentence) and FIGURE.search(sentence) and PERFORMANCE not in sentence:
+                        found.append(f"{path.relative_to(root.parent).as_posix()}:{number} {sentence}")
+    return found
+
+
+def test_no_measurement_is_copied_into_kvedge():
+    found = measured_figures(PACKAGE)
+    assert not found, "figures belong in docs/PERFORMANCE.md; cite its section:\n" + "\n".join(found)
+
+
+def test_a_copied_measurement_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text(
+        '"""Decode took 31 ms a token, measured on SmolLM2. A row costs more.\n\nNot measured: 1 GiB."""\n'
+        "X = 1.3  # measured 1.28-1.31 per form\n"
+        "# bytes held, as measured:\n# 2.6x the files\n"
+        "Y = 2  # unmeasured: 0.5 ms; measured on SmolLM2-135M and Qwen3-1.7B\n"
+        'Z = 4  # 0.4x, measured (docs/PERFORMANCE.md, "Threads")\n'
+    )
+    (package / "k.cc").write_text("int k = 1;  // the tiles beat rows (measured 2.5x at 48 rows)\n")
+    assert [line.split(" ", 1)[0] for line in measured_figures(package)] == [
+        "pkg/a.py:1",  # the docstring's first sentence, not its "Not measured" one
+        "pkg/a.py:4",
+        "pkg/a.py:5",  # the two comment lines read as one sentence
+        "pkg/k.cc:1",
+    ]
 
 
 def long_functions(root: Path, limit: int = MAX_LINES) -> list[str]:

@@ -1,10 +1,13 @@
 """One word per thing in the Python API too: the glossary at the top of docs/ARCHITECTURE.md names
 each thing with the identifiers that hold it, and every one of them must exist; a retired
-spelling (`OLD_NAMES`) must not come back as a public module, class, function or attribute.
+spelling (`OLD_NAMES`) must not come back as a public module, class, function or attribute, and
+no name a module defines may hold a retired word (`RETIRED_WORDS`) inside it (`EngineFailed`
+holds "engine", which means a TensorRT engine only).
 tests/test_cli_names.py does the same for command-line options and service config keys."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
@@ -107,6 +110,126 @@ def test_no_public_name_uses_a_retired_spelling():
     assert set(OLD_MODULES) & set(MODULES) == set()
     assert set(OLD_NAMES.values()) <= set(ALL_NAMES), "OLD_NAMES names a new spelling that does not exist"
     assert set(OLD_MODULES.values()) <= set(MODULES)
+
+
+# retired words inside identifiers (tuples of words, read across snake_case and CamelCase):
+# what replaced them, and the identifiers that keep them in the glossary's remaining sense
+RETIRED_WORDS: dict[tuple[str, ...], tuple[str, frozenset[str]]] = {
+    ("engine",): (
+        "scheduler, where it is not a TensorRT engine",
+        frozenset(
+            {
+                # a bare `engine` is kept where it is one: the command, its module, a built engine
+                "kvedge/cli.py: engine",
+                "kvedge/contract/engine.py: engine",
+                "kvedge/export/tensorrt.py: engine",
+                "kvedge/planner/recommend.py: engine",
+                "kvedge/runtime/backends/trt.py: engine",
+                "ENGINE_FILE",
+                "ENGINE_FORMAT",
+                "ENGINE_MANIFEST_FILE",
+                "ENGINE_VERSION",
+                "EngineManifest",
+                "EngineOptions",
+                "build_engine",
+                "_build_engine",
+                "deserialize_engine",
+                "engine_command",
+                "engine_manifest",
+                "engine_options",
+            }
+        ),
+    ),
+    ("prefix", "cache"): ("prefix stores", frozenset({"prefix_cache_bytes"})),  # a config key, kept
+    # the run-time store was named by its eviction order (`PrefixLRU`); LRU stays a word of prose
+    ("lru",): ("run time (`RunTimePrefixStore`, `PrefixStores.run_time`, `RunTimeEntry`)", frozenset()),
+    ("device", "profile"): ("board", frozenset()),
+    ("device", "budget"): ("board", frozenset()),
+}
+
+
+def words(identifier: str) -> list[str]:
+    """An identifier's words, lower case, split at underscores and at CamelCase humps:
+    `EngineFailed` and `engine_failed` are both ["engine", "failed"], `LRUEntry` ["lru", "entry"]."""
+    parts = identifier.split("_")
+    return [w.lower() for part in parts for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", part)]
+
+
+def retired_words_in(identifier: str, where: str = "") -> list[str]:
+    """The retired words `identifier` (in the file `where`) holds outside the names that keep
+    them, a kept name being an identifier or `file: identifier`."""
+    said = words(identifier)
+    return [
+        " ".join(retired)
+        for retired, (_, kept) in RETIRED_WORDS.items()
+        if identifier not in kept
+        and f"{where}: {identifier}" not in kept
+        and any(tuple(said[i : i + len(retired)]) == retired for i in range(len(said)))
+    ]
+
+
+def defined_names(source: str) -> set[str]:
+    """Every identifier a module defines: classes, functions, arguments, assigned names and
+    attributes, import aliases. Names it only reads (another library's API) are not its words."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias) and node.asname:
+            found.add(node.asname)
+    return found
+
+
+def retired_words(root: Path) -> list[str]:
+    """`file: identifier (word)` for every module path and defined identifier under `root` that
+    holds a retired word."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent).as_posix()
+        names = {*path.relative_to(root.parent).with_suffix("").parts, *defined_names(path.read_text())}
+        found += [f"{where}: {n} ({w})" for n in sorted(names) for w in retired_words_in(n, where)]
+    return found
+
+
+def test_no_identifier_holds_a_retired_word():
+    found = retired_words(REPO / "kvedge")
+    assert not found, "retired words inside names; RETIRED_WORDS says what replaced each:\n" + "\n".join(
+        found
+    )
+
+
+def test_a_retired_word_inside_a_name_is_found(tmp_path):
+    assert words("EngineFailed") == words("engine_failed") == ["engine", "failed"]
+    assert words("LRUEntry") == ["lru", "entry"] and words("GpuInfo2") == ["gpu", "info", "2"]
+    for made_up in (
+        "EngineFailed",
+        "engine_failed",
+        "SchedulerEngine",
+        "ENGINE_ERROR",
+        "prefix_cache_hits",
+        "LRUEntry",
+    ):
+        assert retired_words_in(made_up), made_up
+    for kept in ("EngineManifest", "prefix_cache_bytes", "Scheduler", "engineer", "prefix_disk"):
+        assert retired_words_in(kept) == [], kept
+    package = tmp_path / "pkg"
+    (package / "serve").mkdir(parents=True)
+    (package / "serve" / "engine.py").write_text(
+        "import numpy as np\n\n\nclass EngineFailed(Exception):\n    pass\n\n\n"
+        "def step(engine_state, x=np.zeros(1)):\n    x.engine_id = 1\n    return np.prefix_cache_hits\n"
+    )
+    assert retired_words(package) == [
+        "pkg/serve/engine.py: EngineFailed (engine)",
+        "pkg/serve/engine.py: engine (engine)",
+        "pkg/serve/engine.py: engine_id (engine)",
+        "pkg/serve/engine.py: engine_state (engine)",
+    ]
 
 
 def glossary() -> list[tuple[str, list[str]]]:

@@ -442,9 +442,8 @@ def thread_groups(specs: list[SystemSpec]) -> list[list[SystemSpec]]:
     A decode case measures one group at a time: 1-thread systems step in turn, and systems at more
     threads take their steps as one block each, one system after the other. Between steps a
     multi-threaded runtime keeps its workers spinning (onnxruntime's pool, ggml's threads), so a
-    step interleaved after it competes with them for the cores: on 2 cores kvedge int4 measured
-    12-16 ms at 1 thread beside 2-thread systems against 8.5 ms alone, and 12.5 ms at 2 threads
-    interleaved against 5.6 ms alone (docs/PERFORMANCE.md "Threads"). A block's first 2 steps,
+    step interleaved after it competes with them for the cores (docs/PERFORMANCE.md, "One thread
+    in the tables"). A block's first 2 steps,
     which may meet the previous system's spinning workers, are dropped as every case's are."""
     groups: dict[int, list[SystemSpec]] = {}
     for spec in specs:

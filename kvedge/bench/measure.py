@@ -6,7 +6,7 @@ Roofline: a decode step must read every weight once plus the valid KV cache, so
     bound (ms/token) = bytes per token / copy bandwidth
     fraction         = bound / measured ms/token
 
-Copy bandwidth is measured here with numpy (one thread, like most single kernels): the best of
+Copy bandwidth is timed here with numpy (one thread, like most single kernels): the best of
 several copies of a 256 MiB float32 array, counting bytes read plus bytes written (the STREAM
 "copy" convention). Weight bytes per token count every initializer a step reads in full; a
 table only gathered from (embedding rows, RoPE rows) counts as read-per-row, i.e. ~0.

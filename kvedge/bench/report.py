@@ -5,7 +5,7 @@ above 1 means a is faster. Targets:
 
     unused slots      decode 64 at max_len 2048 / the same at an exact-size cache      <= 1.10
     flat growth       decode 1536 / decode 64 (float32 weights; reported for all; the
-                      longest context when 1536 is not measured)                      <= 1.30
+                      longest context when the run has no 1536)                       <= 1.30
     no allocation     RSS growth < 2 MiB and Python heap growth < 16 KiB over the
                       allocation run (a context-proportional buffer would add ~40 MiB)
     prefill           kvedge vs onnxruntime-genai, same weight precision                >= 1.0

@@ -284,8 +284,8 @@ class CacheGeometry:
 
     @classmethod
     def default_group_size(cls, head_dim: int) -> int:
-        """32 channels per scale: on SmolLM2 (head_dim 64) one scale per head measured top-1 98.9%
-        against the fp32 cache, 32 channels 99.4% at 0.266x the bytes (docs/PERFORMANCE.md)."""
+        """32 channels per scale: one scale per head (SmolLM2's 64 channels) kept fewer top-1
+        tokens of the float32 cache's (docs/PERFORMANCE.md, "The INT8 cache: per token")."""
         return min(32, head_dim)
 
     def with_dtype(self, dtype: str, group_size: int | None = None) -> CacheGeometry:
@@ -848,7 +848,7 @@ class Manifest:
     def _quantized_verify_refusal(self) -> str | None:
         """An ort graph with blocked integer weights quantizes each matmul's activations to int8,
         where a sum rounded another way can move an output by a whole int8 level and a greedy
-        reply part at a near tie (measured on SmolLM2-135M, 2026-12-01: token 12 of 96). Its
+        reply part at a near tie (docs/design/speculative-decoding.md, "Exact verifies"). Its
         verify is exact only where every op computes a verify's rows as decode steps compute
         them, to the bit: the decode form's kvedge.QuantMatMul (`decode_form_tokens`) and the
         INT8 cache's attention; onnxruntime's MatMulNBits and GroupQueryAttention add up one row

@@ -41,10 +41,9 @@ OUTLIER_CHANNELS = 32
 WEIGHT_ONLY_OUTLIER_CHANNELS = 8
 OUTLIER_CHOICES = (0, 8, 16, 32, 64)
 # The LM head is never stored below 8 bits unless --head-bits 4 says so: at 4 bits it alone costs
-# most of an int4 export's error, for a fifth of SmolLM2's bytes (its tied table is the head):
-# portable int4 on the CPU KL 0.027 with a 4-bit head, 0.00076 with an 8-bit one; weight-only (as
-# TensorRT computes) 0.046 and 0.0000 (docs/PERFORMANCE.md, "Quantized weights"). TensorRT takes an
-# int8 head beside int4 projections (tests/tensorrt_claims.py).
+# most of an int4 export's error, on the CPU and weight-only (as TensorRT computes) alike, for a
+# fifth of SmolLM2's bytes (its tied table is the head): docs/PERFORMANCE.md, "Quantized weights".
+# TensorRT takes an int8 head beside int4 projections (tests/tensorrt_claims.py).
 HEAD_MIN_BITS = 8
 HEAD_BITS = (8, 4)
 MAX_LEN_RANGE = (16, 131072)

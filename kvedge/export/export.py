@@ -301,8 +301,9 @@ def _load(source: Source, options: ExportRecipe, memory_check: bool) -> Opened:
     """`source` streamed, or else loaded whole in float32, each after its memory preflight unless
     skipped (before anything is allocated)."""
     if memory_check:
-        # mapped first, so that a limit on the address space (ulimit -v) counts what torch maps:
-        # 0.6 GiB for a CPU wheel, 3.1 GiB for a CUDA one (cuBLAS, cuFFT, NCCL...)
+        # mapped first, so that a limit on the address space (ulimit -v) counts what torch maps, a
+        # CUDA wheel (cuBLAS, cuFFT, NCCL...) several times a CPU one's (docs/PERFORMANCE.md,
+        # "Exporting at a real size")
         import torch  # noqa: F401
 
         check_export_memory(source, options, streamed=streamable(source))
@@ -680,9 +681,8 @@ def graph_data(folder: Path) -> ExternalData:
 
 def save_onnx(model: onnx.ModelProto, folder: Path, embeds: bool = False) -> list[Path]:
     """The graph in model.onnx, its weights in model.onnx.data. Always apart: protobuf caps a
-    file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice (the parsed
-    protobuf and its tensors; measured on SmolLM2-135M int4: 396 MiB after session start with
-    the weights inline, 199 MiB from model.onnx.data, same step time). With `embeds`, the LM
+    file at 2 GiB, and onnxruntime holds weights stored inside the graph file twice, the parsed
+    protobuf and its tensors (docs/PERFORMANCE.md, "Tried and dropped"). With `embeds`, the LM
     head's tensors (HEAD_TABLE + HEAD_PARTS) go to the data file whatever their size: the runtime
     reads the embeddings there (`head_table`). Tensors already in the data file (a graph built
     with `graph_data`) stay where they are; what is still inline is appended after them."""

@@ -84,18 +84,15 @@ def _tensors(source: Source) -> list[tuple[str, int]]:
 
 
 # A streamed export's peak RSS: STREAMED_BASE (the libraries, a layer's weights) plus HEAD_PEAK
-# times the largest tensor's float32 bytes, by the graph's weights. Measured: random bfloat16
-# weights at Llama-3.2-3B's and Qwen3-1.7B's shapes (4 layers: the peak does not move with depth),
-# RSS sampled every 0.2 s, 2026-12-07: above 1 GiB, 1.68-1.78x the table's float32 bytes with one
-# form of quantized weights, 2.15-2.31x with two, 1.61x with float32 weights (the table stored as
-# it is); from a Q8_0 GGUF file at Qwen3-1.7B's shape, full depth, 2.05x with one form (its
-# blocks kept or not); docs/PERFORMANCE.md, "Exporting at a real size"
+# times the largest tensor's float32 bytes, by the graph's weights: the LM head's quantization
+# sets the peak, whatever the depth. Both sit above what Llama-3.2-3B's and Qwen3-1.7B's shapes
+# and a GGUF file peaked at (docs/PERFORMANCE.md, "Exporting at a real size").
 STREAMED_BASE = 2**30
 HEAD_PEAK = {"one form": 2.2, "two forms": 2.6}
 # Address space an export maps beyond its resident peak (its libraries, threads' stacks and
-# arenas), where the limit is `ulimit -v`: VmPeak - VmHWM measured 0.67-0.85 GiB (as above, a CPU
-# wheel of torch). torch itself is mapped before the preflight (`kvedge.export.export`), which
-# counts it in what is mapped already: 0.6 GiB for a CPU wheel, 3.1 GiB for a CUDA one
+# arenas), where the limit is `ulimit -v`; above the same runs' VmPeak - VmHWM (the same page).
+# torch itself is mapped before the preflight (`kvedge.export.export`), which counts it in what
+# is mapped already.
 MAPPED_BEYOND_RESIDENT = 2**30
 
 
@@ -170,7 +167,7 @@ def out_of_memory(exc: BaseException) -> bool:
     """True when `exc` is an allocation that failed: a MemoryError (Python's, numpy's), torch's
     allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or a library that
     could not be mapped (an ImportError: "libtorch_cpu.so: failed to map segment from shared
-    object", a CUDA wheel of torch maps 3.1 GiB under `ulimit -v`)."""
+    object": a CUDA wheel of torch maps gigabytes under `ulimit -v`)."""
     if isinstance(exc, MemoryError):
         return True
     if isinstance(exc, ImportError):

@@ -38,8 +38,8 @@ it is a second, small product::
 
     x @ w_hat = x @ (q * scale) + block_sums(x) @ offset,   block_sums(x) [.., K/block]
 
-Activations: onnxruntime's fused kernel (accuracy level 4, the only fast one; level 0/1 run
-30-130x slower at 8 bits, docs/PERFORMANCE.md) also rounds each activation block of
+Activations: onnxruntime's fused kernel (accuracy level 4, the only fast one: docs/PERFORMANCE.md,
+"Quantized weights") also rounds each activation block of
 `block_size` to int8 with its own absmax scale, so one large channel coarsens its 31
 neighbours. The export measures, on the built-in calibration prompts, the largest |x| of every
 input channel of every quantized matmul and keeps the `OUTLIER_CHANNELS` largest in float32

@@ -287,7 +287,8 @@ def streaming(model: Any, weights: Mapping[str, np.ndarray]) -> Iterator[None]:
                 meta = owner._parameters[attr].to("meta")
                 owner._parameters[attr] = torch.nn.Parameter(meta, requires_grad=False)
             # glibc keeps a block's freed weights and activations in its heap: without this a 3B
-            # model's calibration grew by ~170 MiB a layer (5.9 GiB at 28 layers)
+            # model's calibration grew with every layer (docs/PERFORMANCE.md, "Exporting at a real
+            # size")
             release_freed_memory()
 
         handles.append(module.register_forward_pre_hook(load))

@@ -18,23 +18,20 @@ weights      export folder: bytes of model.onnx (+ model.onnx.data). Recipe: wha
              looks rows up there); an untied one is 8-bit codes with a float scale and offset
              per block (embeddings.bin); everything else (norms, biases) is param_count less
              the projections, the head and the table, 4 bytes each (2 in a float16 graph).
-             Checked against real exports: a random 2-layer llama
-             (tests/test_planner.py, five forms) 0.8-2.2% (35-52 KiB) under the files, the
-             graph's own bytes and RoPE tables not counted; SmolLM2-135M `--weights int8
-             --outlier-channels 0`: planned 294,107,904, files 291,490,818 (+0.9%: its Q8_0 LM
-             head needs no block offsets, 3.5 MB the planner assumes).
-load         what the backend holds beyond the weight bytes. onnxruntime CPU, measured per form
-             (`CPU_HELD`: bytes held once loaded and stepped, as a multiple of the weight files):
-             float32 weights 1.3 (MLAS's prepacked copy replaces the file's pages, plus padding);
-             float16 weights 2.6 in a float32 graph (its Casts are folded to a float32 copy at
-             load, then prepacked) and 2.45 in a float16 graph (no float16 kernels on x86: the
-             same widening); int8 / int4 weights 1.8 / 2.05, 2.0 / 2.4 in a float16 graph (the
-             MatMulNBits kernels' packed blocks beside the graph's; an ort export with one form
-             of its weights or two alike). Measured with onnxruntime
-             1.2x on SmolLM2-135M (peak RSS of a fresh process after load and two decode steps,
-             less the tokenizer, which `runtime` counts, and the KV pool; every form within 10%:
-             tests/test_real_model.py); a larger model's fixed parts weigh less, so these
-             over-count it. GPU backends (onnxruntime CUDA, TensorRT): 1.0 x weights,
+             The graph's own bytes and RoPE tables are not counted. Checked against real
+             exports (a random 2-layer llama's five forms in tests/test_planner.py, and
+             SmolLM2-135M): docs/PERFORMANCE.md, "The memory planner's terms".
+load         what the backend holds beyond the weight bytes. onnxruntime CPU: `CPU_HELD`, bytes
+             held once loaded and stepped as a multiple of the weight files, per graph precision
+             and weights. MLAS's prepacked copy replaces a float32 file's pages (plus padding);
+             float16 weights are widened at load (their Casts folded to a float32 copy, then
+             prepacked), in a float16 graph too (no float16 kernels on x86); int8 / int4 weights
+             add the MatMulNBits kernels' packed blocks beside the graph's (an ort export with one
+             form of its weights or two alike). Each factor is a peak RSS of SmolLM2-135M in a
+             fresh process after load and two decode steps, less the tokenizer (which `runtime`
+             counts) and the KV pool (docs/PERFORMANCE.md, "The memory planner's terms";
+             tests/test_real_model.py holds every form to it); a larger model's fixed parts weigh
+             less, so these over-count it. GPU backends (onnxruntime CUDA, TensorRT): 1.0 x weights,
              ASSUMED (not measured): on unified memory the host copy read from disk and the
              device copy coexist while the model loads (TensorRT reads the engine memory-mapped,
              `backends.trt.deserialize_engine`: page cache the kernel can drop, kept in the term
@@ -52,10 +49,10 @@ states       a hybrid model's per-slot states (`CacheGeometry.states`: LFM2's co
              `KVCache.snapshot`). 0 for other models.
 activations  the largest single call: one sequence prefilling a chunk of s = PREFILL_CHUNK tokens,
              or one decode step for all S slots. It is dominated by the attention scores of one
-             layer, [kv_heads, g*s, C+s] float32 (the graph never copies the cache). Measured
-             with onnxruntime 1.32 CPU, SmolLM2-135M, chunk 256, C = 2048: peak 76-152 MiB
-             (arena growth depends on call order), i.e. up to 7.5 score-sized buffers; the
-             estimate counts 8, plus 3 MLP-sized and 4 hidden-sized buffers, the logits, and
+             layer, [kv_heads, g*s, C+s] float32 (the graph never copies the cache). The
+             estimate counts 8 score-sized buffers, over the most onnxruntime's CPU arena was seen
+             to hold (its growth depends on call order; docs/PERFORMANCE.md, "The memory
+             planner's terms"), plus 3 MLP-sized and 4 hidden-sized buffers, the logits, and
              the new tokens' K/V twice (the graph's output and the runtime's copy of it); a hybrid's
              present states likewise, per row (not measured; a Gated DeltaNet chunk's own [v heads,
              s, s] buffers, 32 MiB at 256 tokens for 32 heads, are not counted).
@@ -65,15 +62,16 @@ mapped       Gemma 4's per-layer embedding table (`PerLayerTable`): a file of it
              backend's memory, so the estimate shows it on its own line and leaves it out of the
              total: what competes with the KV cache is the rest (docs/PERFORMANCE.md, "Gemma 4:
              shared KV and the per-layer table").
-runtime      Python + numpy + onnxruntime + tokenizer: 96 MiB (measured 70-75 MiB). A GPU
+runtime      Python + numpy + onnxruntime + tokenizer: 96 MiB, over what a CPU process holds
+             (docs/PERFORMANCE.md, "The memory planner's terms"). A GPU
              backend adds the CUDA context and libraries (cuBLAS, cuDNN or TensorRT): 1 GiB,
              ASSUMED, not measured (no GPU was available when this was written); device_tests
              is where it gets measured.
 
-Checked (cpu preset): SmolLM2-135M float32, max_len 2048, 1/2/4/8 slots each prefilled with 600
-tokens then decoding: measured peak RSS 1078/1178/1424/1718 MiB, planned 1045/1135/1315/1675
-(3-8% under: the load term, 1.3 x weights, is measured after two decode steps, not 600-token
-prefills, whose arena growth the activations term counts at 8 score buffers).
+The whole estimate against runs (cpu preset, SmolLM2-135M float32, 1 to 8 slots):
+docs/PERFORMANCE.md, "The memory planner's terms". It plans a little under runs that prefill
+hundreds of tokens: the load factors were taken after two decode steps, and the activations term
+counts a prefill's arena growth at 8 score buffers only.
 
 What fits instead: when no cell of a plan fits, `what_fits` offers the smallest change that
 makes its smallest cell (fewest slots, shortest context) fit. It weighs fewer slots; every other
@@ -92,7 +90,7 @@ the README and docs/JETSON.md state per board: of the forms the device runs whos
 float32 model was measured (`WEIGHTS_KL`, `PRECISION_KL`, `CACHE_KL`, summed over a form's
 choices) within `QUALITY_BAR`, the one holding the most slots at the recipe's max_len; ties to
 the fewer bytes, then the lower KL. That KLs of separate choices add is an approximation the
-bench supports: ort int8 weights 0.0009 + the INT8 cache 0.0003 = 0.0012, measured together 0.0013.
+bench supports (docs/PERFORMANCE.md, "Quality of each export choice").
 
 Budgets: a board profile's `memory_bytes` minus a reserve for the kernel, carveouts and the OS
 (1.5 GiB by default, an estimate for a headless L4T; a desktop session needs about 1 GiB

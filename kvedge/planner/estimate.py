@@ -39,7 +39,8 @@ MIN_CONTEXT = 16  # the shortest cache an export takes (configs.ExportSettings.m
 
 
 # onnxruntime CPU: bytes a session holds once loaded and stepped, as a multiple of the weight
-# files, by (graph precision, weights) (module docstring, "load")
+# files, by (graph precision, weights) (module docstring, "load"), as measured on SmolLM2-135M:
+# docs/PERFORMANCE.md, "The memory planner's terms"
 CPU_HELD = {
     ("float32", "float32"): 1.3,
     ("float32", "float16"): 2.6,

@@ -13,10 +13,10 @@ How a turn uses it (`generate.Turn`)::
 Mask: one bit per token id, [ceil(vocab / 32)] int32 words, bit t % 32 of word t // 32 (little
 endian), as llguidance writes it. Grammars are compiled once per distinct source text and kept
 (`GRAMMAR_CACHE` of them); the tokenizer's llguidance view is built once per model, on first use
-(~0.5 s for SmolLM2's 49,152 tokens).
+(docs/PERFORMANCE.md, "Batched decode and constraints in the service", says what both cost).
 
 Why llguidance: it works from `tokenizer.json` text with no torch and no transformers (numpy in,
-numpy out), computes a mask in ~0.2 ms for a 49k vocabulary (measured, docs/PERFORMANCE.md),
+numpy out), computes a mask in well under a decode step for a 49k vocabulary (the same page),
 handles byte-fallback tokens and tokens that span JSON punctuation (it matches the bytes of every
 token against the grammar's lexer), and takes JSON Schema, regex and Lark from one API. xgrammar
 needs its own tokenizer info built from a transformers tokenizer and targets torch tensors;

@@ -7,7 +7,7 @@ LM head's own blocked weight w [hidden, vocab] (`kvedge.contract.EmbeddingTable`
 the head's bits, and row t of the embedding is column t of w. A float table beside the head cost
 SmolLM2-135M's int4 export 113 MB (float32) and Llama-3.2-3B's 1.6 GB; TensorRT would fold a
 DequantizeLinear feeding a Gather back into float weights, and onnxruntime runs it over the whole
-table each step (60 ms on SmolLM2, measured 2026-12-02).
+table each step (docs/design/graph-variants.md, "Quantized weights").
 
 The stored blocks are read in place: the export's data file is memory-mapped read-only, so only
 the pages of the tokens looked up become resident (page cache, shared and reclaimable), and a

@@ -293,8 +293,8 @@ def _logprobs(logits: np.ndarray, token: int, top: int) -> dict[str, object]:
     return {"logprob": float(logp[token]), "top_logprobs": tuple((int(t), float(logp[t])) for t in best)}
 
 
-# A run of more idle slots than this between two busy ones is cheaper as a second decode call:
-# on SmolLM2-135M (1 thread) a call costs ~31 ms and each more row 3.5-4.5 ms (docs/PERFORMANCE.md).
+# A run of more idle slots than this between two busy ones is cheaper as a second decode call
+# (docs/PERFORMANCE.md, "Batched decode and constraints in the service": a call's cost and a row's)
 MAX_IDLE_ROWS = 8
 
 

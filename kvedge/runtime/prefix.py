@@ -48,7 +48,7 @@ least one block of tokens for another conversation, what it holds is copied into
 allocated once at start-up, so a later conversation starting with the same tokens (the first
 user coming back after their slot was taken, a system prompt nobody declared) copies that KV in
 like a warm prefix instead of prefilling it. It is exact for the same reason a warm prefix is:
-a token's KV depends only on the tokens before it. Layout, B = LRU_BLOCK_TOKENS::
+a token's KV depends only on the tokens before it. Layout, B = RUN_TIME_BLOCK_TOKENS::
 
     kv      [layers, 2 (K, V), blocks, kv_heads, B, head_dim]   cache dtype
     scales  [layers, 2, blocks, kv_heads, B, groups]            float16 (int8 caches only)
@@ -70,7 +70,7 @@ prefills from 0 unless its slot or a warm prefix serves it.
 
 Per-slot states (LFM2): each block has room for one state snapshot, `states[kind]` [state layers,
 blocks, *shape], counted in the block's bytes; an entry keeps the states its slot knew
-(`KVCache.known_states`) at its latest len(blocks) positions (`LRUEntry.state_at`, the i-th in
+(`KVCache.known_states`) at its latest len(blocks) positions (`RunTimeEntry.state_at`, the i-th in
 its block i), and is usable up to one of them (`KVCache.resume_limit`).
 """
 
@@ -119,7 +119,7 @@ _PREAMBLE = struct.Struct("<8sII")
 _ALIGN = 64
 _DIGEST = 32
 RING_FIELDS = ("ring_layers", "window", "ring_margin")  # `CacheGeometry.artifact_key`'s ring layout
-LRU_BLOCK_TOKENS = 32  # arena granularity: at most B - 1 tokens of space wasted per entry
+RUN_TIME_BLOCK_TOKENS = 32  # arena granularity: at most B - 1 tokens of space wasted per entry
 
 
 @dataclass(frozen=True)
@@ -488,7 +488,7 @@ def _graph(fingerprint: str) -> str:
 
 
 @dataclass
-class LRUEntry:
+class RunTimeEntry:
     key: int
     token_ids: np.ndarray  # [n] int64
     blocks: list[int]  # arena blocks; block i holds tokens i*B .. i*B+B-1
@@ -497,7 +497,7 @@ class LRUEntry:
 
 
 class Stored(Protocol):
-    """A stored prefix as matching sees it: LRUEntry, prefix_disk.DiskEntry, WarmPrefix."""
+    """A stored prefix as matching sees it: RunTimeEntry, prefix_disk.DiskEntry, WarmPrefix."""
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -535,7 +535,7 @@ class RunTimePrefixStore:
         self,
         geometry: CacheGeometry,
         budget_bytes: int,
-        block_tokens: int = LRU_BLOCK_TOKENS,
+        block_tokens: int = RUN_TIME_BLOCK_TOKENS,
         spill: Callable[[np.ndarray, KVBlock, Snapshots], object] | None = None,
     ) -> None:
         """`spill(token_ids, block, states)`, if given, is handed each entry evicted to make room
@@ -555,8 +555,8 @@ class RunTimePrefixStore:
         g = geometry
 
         def arena(layers: int, last: int, dtype: np.dtype, fill: int) -> np.ndarray | None:
-            # Written once here so that every page is committed at start-up: first-touch page
-            # faults on a request would add ~3 ms per MiB saved (measured, SmolLM2 fp32 geometry).
+            # Written once here so that every page is committed at start-up, not by first-touch
+            # page faults on a request's path (docs/PERFORMANCE.md, "Allocation").
             if not last:  # scales of a float cache
                 return None
             return np.full((layers, 2, blocks, g.num_kv_heads, block_tokens, last), fill, dtype)
@@ -573,7 +573,7 @@ class RunTimePrefixStore:
         # {kind: [state layers, blocks, *shape]}: one snapshot per block (hybrid models)
         self.states = {s.kind: np.full((len(s.layers), blocks, *s.shape), 0, s.np_dtype) for s in g.states}
         self.free = list(range(blocks - 1, -1, -1))
-        self.entries: OrderedDict[int, LRUEntry] = OrderedDict()  # least recently used first
+        self.entries: OrderedDict[int, RunTimeEntry] = OrderedDict()  # least recently used first
         self._next_key = 0
         self.hits = 0  # conversations that copied tokens in
         self.hit_tokens = 0  # tokens copied in instead of prefilled
@@ -598,7 +598,7 @@ class RunTimePrefixStore:
     def __bool__(self) -> bool:
         return self.capacity_blocks > 0
 
-    def best_match(self, ids: Sequence[int], usable: Usable | None = None) -> tuple[LRUEntry | None, int]:
+    def best_match(self, ids: Sequence[int], usable: Usable | None = None) -> tuple[RunTimeEntry | None, int]:
         """The entry sharing the most leading tokens with `ids`, and how many it shares; with
         `usable(entry, shared)`, how many of them a turn can use (`Model._usable`)."""
         return best_entry(self.entries.values(), ids, usable)
@@ -644,10 +644,10 @@ class RunTimePrefixStore:
         for block, position in zip(blocks, state_at, strict=False):
             for kind, arena in self.states.items():
                 arena[:, block] = known[position][kind]
-        self.entries[self._next_key] = LRUEntry(self._next_key, ids.copy(), blocks, ring_from, state_at)
+        self.entries[self._next_key] = RunTimeEntry(self._next_key, ids.copy(), blocks, ring_from, state_at)
         self._next_key += 1
 
-    def load(self, cache: KVCache, slot: int, entry: LRUEntry, count: int, start: int = 0) -> None:
+    def load(self, cache: KVCache, slot: int, entry: RunTimeEntry, count: int, start: int = 0) -> None:
         """Make `slot` hold the entry's first `count` tokens, given that it already holds the first
         `start` of them (those are not copied, unless the slot's rings lack positions below
         `start` that the entry holds and the next query needs: then all are). With per-slot
@@ -663,7 +663,7 @@ class RunTimePrefixStore:
         self.hits += 1
         self.hit_tokens += count - start
 
-    def _copy(self, cache: KVCache, slot: int, entry: LRUEntry, count: int, start: int) -> None:
+    def _copy(self, cache: KVCache, slot: int, entry: RunTimeEntry, count: int, start: int) -> None:
         b = self.block_tokens
         last = -(-count // b) - 1
         for i in range(start // b, last + 1):
@@ -680,7 +680,7 @@ class RunTimePrefixStore:
             states = self.snapshots(entry, count) if i == last else None  # the slot resumes at count
             cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], i * b + lo, states)
 
-    def block(self, entry: LRUEntry) -> KVBlock:
+    def block(self, entry: RunTimeEntry) -> KVBlock:
         """A copy of the entry's KV as a slot stores it: the ring layers hold positions
         ring_from .. n - 1."""
         b, n = self.block_tokens, len(entry.token_ids)
@@ -700,7 +700,7 @@ class RunTimePrefixStore:
             gather(self.kv), gather(self.scales), gather(self.ring, first), gather(self.ring_scales, first)
         )
 
-    def snapshots(self, entry: LRUEntry, upto: int | None = None) -> dict[int, dict[str, np.ndarray]]:
+    def snapshots(self, entry: RunTimeEntry, upto: int | None = None) -> dict[int, dict[str, np.ndarray]]:
         """Copies of the states the entry carries, at its positions up to `upto` (all without)."""
         return {
             position: {kind: arena[:, block].copy() for kind, arena in self.states.items()}

@@ -27,13 +27,12 @@ held) and carries them there and at the slot's snapshots inside it (header `stat
 conversation resumes from the latest one its chain carries at or before what it shares.
 
 Writing: `save` copies the KV out of the slot and queues the file for one writer thread
-(`FileWriter`: atomic write, fsync, rename), so the scheduler never waits on the disk; measured
-for a 1,176-token first turn of the default model (52 MiB float32): 21-28 ms of copying on the
-caller's thread against 135-186 ms of writing on the writer's. The index counts a queued file at
-once; a conversation that needs one still queued waits for it; a write that fails (a full disk)
-is logged and its prefix dropped, with the segments after it. A process killed with files queued
-loses them; the service sends a reply's end only once they are written (`wait_written`, on that
-request's worker thread), so what kill -9 can lose is the turn in flight.
+(`FileWriter`: atomic write, fsync, rename), so the scheduler never waits on the disk, only for a
+copy (docs/PERFORMANCE.md, "A conversation after a restart", has both times). The index counts a
+queued file at once; a conversation that needs one still queued waits for it; a write that fails (a
+full disk) is logged and its prefix dropped, with the segments after it. A process killed with
+files queued loses them; the service sends a reply's end only once they are written
+(`wait_written`, on that request's worker thread), so what kill -9 can lose is the turn in flight.
 The copies queued are bounded (`queue_bytes`: one slot's KV at max_len, counted by the service's
 memory plan): a turn that ends while the writer is that far behind queues nothing (`deferred`);
 its tokens go into the next file its conversation writes, which starts after the last one held.

@@ -111,12 +111,12 @@ class PrefixStores:
 
         own = cache.rewind_limit(slot, min(keep, len(ids) - 1))  # what the slot can resume from
         warm, warm_shared = self.warm.best_match(ids, usable)
-        entry, lru_shared = self.run_time.best_match(ids, usable)
+        entry, run_time_shared = self.run_time.best_match(ids, usable)
         if self.disk is not None:
             stored, disk_shared = self.disk.best_match(ids, usable)
             # a match shorter than a file would be written for is not worth reading (nor waiting
             # for, when its file is still queued): every chat shares its template's first tokens
-            worth = max(own, warm_shared, lru_shared, self.disk.min_tokens - 1)
+            worth = max(own, warm_shared, run_time_shared, self.disk.min_tokens - 1)
             if stored is not None and disk_shared > worth:
                 chain = self.disk.load(stored, disk_shared)  # None: refused and logged
                 if chain is not None:
@@ -128,9 +128,9 @@ class PrefixStores:
                         states = part.states if i == len(chain) - 1 else None
                         cache.write(slot, part.block.head(n), run, part.start, states)
                     return disk_shared
-        if entry is not None and lru_shared > max(own, warm_shared):
-            self.run_time.load(cache, slot, entry, lru_shared, start=min(keep, lru_shared))
-            return lru_shared
+        if entry is not None and run_time_shared > max(own, warm_shared):
+            self.run_time.load(cache, slot, entry, run_time_shared, start=min(keep, run_time_shared))
+            return run_time_shared
         if warm is not None and warm_shared > own:
             cache.write(slot, warm.block.head(warm_shared), ids[:warm_shared], states=warm.states)
             return warm_shared

@@ -54,8 +54,8 @@ partial takes do not pay; where it costs little more than one step (float weight
 do. Beside other turns' batched decode call, a verify call of its own costs a whole call against
 a row's share, so it pays only for long takes. Turns in neighbouring slots that verify in the
 same step share one call, their rows right-padded to the longest, where the model measured that
-call no dearer than theirs apart (`Costs.groups`): the weights are read once for all rows, so
-four replies quoting on float32 went from 1.40x to 1.95x (docs/PERFORMANCE.md). Before any
+call no dearer than theirs apart (`Costs.groups`): the weights are read once for all rows
+(docs/PERFORMANCE.md, "Several replies decoding together"). Before any
 decode is measured, a verify that took nothing pauses for 1, 2, 4, .. steps (`MISSES`).
 
 Proposers: `Lookup` (prompt lookup, here) and `kvedge.runtime.draft.DraftProposer` (a smaller
@@ -80,10 +80,9 @@ SPECULATE_MODES: tuple[str, ...] = get_args(Speculate)
 # the retired form naming the draft in the mode, "draft:DIR": flags and service configs still
 # read it (`legacy_draft`), with a warning; a request never did need the folder
 LEGACY_DRAFT = "draft:"
-# most tokens proposed per step: a verify of 9 costs ~2 decode steps on one core for float
-# weights, 2.7-3.4 for int4 (`kvedge.QuantMatMul`'s row tiles; docs/PERFORMANCE.md, "Speculative decoding by
-# prompt lookup"); TensorRT engines
-# are built for verifies of VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
+# most tokens proposed per step, by what a verify of 9 costs in decode steps (docs/PERFORMANCE.md,
+# "Speculative decoding by prompt lookup"); TensorRT engines are built for verifies of
+# VERIFY_TOKENS, and ort graphs compute them exactly as decode steps
 MAX_DRAFT = VERIFY_TOKENS - 1
 # k of a turn's first proposal: a draft model's proposals are mostly taken (96% in open chat on
 # SmolLM2-135M); prompt lookup's first probes of a reply mostly fail in open chat, and a failed
@@ -132,7 +131,8 @@ def lookup(history: np.ndarray, k: int, min_ngram: int = MIN_NGRAM, max_ngram: i
     longest = min(max_ngram, len(history) - 1)
     # where an earlier occurrence of the last 1, 2, .. tokens ends: the last token's earlier
     # places, kept while the tokens before them go on matching (a few places, not every window
-    # of the history: ~10x faster at 200 tokens, and this runs every decode step)
+    # of the history, since this runs every decode step: docs/PERFORMANCE.md, "Speculative
+    # decoding by prompt lookup")
     ends = [np.flatnonzero(history[:-1] == history[-1])]  # [places]
     for back in range(1, longest):
         places = ends[-1][ends[-1] >= back]

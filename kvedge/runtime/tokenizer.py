@@ -135,8 +135,9 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception for a missing or bad file
             raise KvedgeError(f"{path}: not a readable tokenizer ({exc}); re-export the model") from None
         self.special_tokens = dict(manifest.special_tokens)
-        # at load, not on the first request: the vocabulary's walk took 52 ms for SmolLM2's 49k
-        # tokens, the whole of a fresh service's first-request delay; more for 128k-262k
+        # at load, not on the first request: the vocabulary's walk was a fresh service's
+        # first-request delay (docs/PERFORMANCE.md, "A conversation after a restart"), and grows
+        # with the vocabulary
         vocab = list(self.tokenizer.get_vocab(with_added_tokens=False))
         added = [token.content for token in self.tokenizer.get_added_tokens_decoder().values()]
         pre_tokenizer = _component(self.tokenizer.pre_tokenizer)
@@ -168,7 +169,7 @@ class ChatTokenizer:
     def fewest_tokens(self, text: str, enough: int) -> int:
         """A lower bound on the tokens `text` takes wherever it stands in a prompt, counted no
         further than past `enough`: a prompt far over a limit is refused without tokenizing it
-        whole (1 MB took 0.5-1 s).
+        whole (docs/PERFORMANCE.md, "Batched decode and constraints in the service").
 
         Bytes first: no token stands for more than `max_token_bytes`. For SmolLM2 (81) that lets
         81 bytes a token through where ordinary words take about 5, so a text longer than

@@ -242,8 +242,8 @@ def disabled_optimizers(manifest: Manifest) -> list[str]:
     """onnxruntime graph rewrites this export must not get. The INT8 cache's exact Q/DQ (scale 1)
     beside quantized weights' DequantizeLinear: the S8->U8 rewrite then leaves a QuantizeLinear
     with an int8 output and a uint8 zero point, and the session refuses to load (seen with 1.23
-    and 1.30). Elsewhere the rewrite stays: disabled, SmolLM2's portable int8-weight graph
-    decoded ~10% slower (1 thread, onnxruntime 1.32)."""
+    and 1.30). Elsewhere the rewrite stays: decode is slower without it (docs/PERFORMANCE.md,
+    "Tried and dropped")."""
     if manifest.geometry.quantized and manifest.weights_dtype in ("int8", "int4"):
         return ["QDQS8ToU8Transformer"]
     return []
@@ -425,9 +425,8 @@ class OrtBackend:
         step by step as conversations grow. One step at max_len - 1 for in-place graphs; portable
         graphs slice the past to the longest valid length, so their buffers take every size up
         to max_len, and a step at each of max_len - 1, max_len / 2, / 4 and / 8 leaves the arena
-        with chunks of those sizes too. Measured over 900 portable float32 decode steps (context
-        164 -> 1064): RSS +15.0 MiB with no reserve; with the pool resident from construction,
-        +2.2 MiB with the max_len step alone, +1.3 MiB with the four.
+        with chunks of those sizes too: what RSS grew by over 900 decode steps with and without
+        them is in docs/PERFORMANCE.md, "Allocation".
 
         Nothing becomes valid in the cache: a portable graph returns the new K/V to scratch, an
         in-place graph writes them at column max_len - 1, beyond every slot's valid length."""
@@ -633,8 +632,8 @@ class OrtBackend:
 
     def _short_call(self, input_ids, past_lengths, last_index, past, rows: int, states=None) -> tuple:
         """`_prefill_in_place` of up to VERIFY_TOKENS tokens through a binding kept per (shape,
-        slots), as decode's: binding ~250 buffers per call cost a verify of one token ~4 ms
-        of Python on SmolLM2-135M (30 layers), a fifth of a decode step."""
+        slots), as decode's: binding every cache buffer per call cost a verify a large share of a
+        decode step in Python (docs/PERFORMANCE.md, "Speculative decoding by prompt lookup")."""
         key = (*input_ids.shape, rows, data_address(past[0][0]), past[0][0].strides)
         step = self._short_bindings.get(key)
         if step is None:

@@ -664,8 +664,8 @@ struct Work {
 
   // How the query rows are cut into blocks: a call with more query rows per KV head than one
   // decode block (kQueryBlock) attends in tiles of whole tokens (kTileRows rows at most), where
-  // the tiles' matrix products beat the row path (measured equal at 12 rows, 2.5x at 48 over 1024
-  // positions); a decode step in blocks of kQueryBlock rows. A decode step has few query blocks
+  // the tiles' matrix products beat the row path (docs/PERFORMANCE.md, "Why the INT8 attention
+  // kernel"); a decode step in blocks of kQueryBlock rows. A decode step has few query blocks
   // (one per KV head at batch 1: 3 for SmolLM2, while an Orin has 6-12 cores), so its cache is
   // also cut into blocks of at least kSplitKeys positions, enough for kSplitItems work items:
   // the op cannot ask onnxruntime how many threads its pool has (the custom-op C API has no such
@@ -831,8 +831,7 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
   // evicted them since. Without this the new token's rows (written a byte at a time) stall the
   // stores until each line arrives, and the attention waits on each KV head's rows in turn; asked
   // for together, the misses overlap with each other and with onnxruntime handing over the
-  // outputs (SmolLM2-135M at context 64: the op ~25% faster; a one-node graph, whose cache stays in
-  // cache, does not show it). The new rows, then K's attended rows, then V's, in the order of use;
+  // outputs (docs/PERFORMANCE.md, "Why the INT8 attention kernel"). The new rows, then K's attended rows, then V's, in the order of use;
   // at most kPrefetchKeys attended positions per KV head, the hardware prefetcher keeping a longer
   // stream coming. Written out here rather than in a function of its own, which GCC would find
   // free of side effects and drop.
@@ -1161,8 +1160,8 @@ inline const half_t* QmmKeptRow(const QmmWork& a, int64_t t, int64_t j) {
 
 // The vector paths: QmmTile<BITS, BS, MIN, R> computes one tile (64 columns) of rows r .. r + R - 1
 // (R of 1 to 4), reading its records and then its kept rows in order with a software
-// prefetch kQmmPrefetch bytes ahead (the tiles of a matrix are one sequential stream; without it
-// SmolLM2's 121 matmuls took 5.4 ms a token instead of 4.4). A tile (K / block_size records and
+// prefetch kQmmPrefetch bytes ahead (the tiles of a matrix are one sequential stream:
+// docs/PERFORMANCE.md, "Two forms of the weights"). A tile (K / block_size records and
 // the kept rows, ~27 KiB for K = 576 at 4 bits) stays in L1/L2 for the call's other rows. Each
 // block's int32 dot products are exact; scale, xs and offset bsum are applied once per block and
 // column in float32.
