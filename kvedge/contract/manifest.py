@@ -805,7 +805,8 @@ class Manifest:
         verify is exact only where every op computes a verify's rows as decode steps compute
         them, to the bit: the decode form's kvedge.QuantMatMul (`decode_form_tokens`) and the
         INT8 cache's attention; onnxruntime's MatMulNBits and GroupQueryAttention add up one row
-        and several differently."""
+        and several differently, and so may the standard-op attention of Gemma 4's shared-KV
+        layers (`kvedge.export.graph.inplace.SharedReads`: its MatMuls' shapes follow the step's)."""
         if self.weight_decode_matmuls != "kvedge":
             why = "its decode steps run onnxruntime's MatMulNBits, which rounds one row and several apart"
         elif (self.decode_form_tokens or 1) < VERIFY_TOKENS:
@@ -814,6 +815,10 @@ class Manifest:
             why = (
                 f"onnxruntime's GroupQueryAttention over its {self.geometry.dtype} cache adds up one "
                 "new token and several differently (export with --kv-dtype int8: kvedge's attention)"
+            )
+        elif self.geometry.shared_layers:
+            why = (
+                "its shared-KV layers' attention (standard ops) adds up one new token and several differently"
             )
         else:
             return None

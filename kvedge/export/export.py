@@ -67,7 +67,7 @@ from kvedge.export.graph import (
 )
 from kvedge.export.graph.decoder import runtime_embeddings
 from kvedge.export.graph.external import ExternalData, stored_length
-from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma4_variant
+from kvedge.export.graph.options import Gemma4Spec, attention_sizes
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
 from kvedge.export.memory import check_export_memory, export_needs, failed_allocation, out_of_memory
 from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
@@ -494,10 +494,11 @@ def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: Expo
                 f"--block-size {options.block_size} does not divide the model's {name} ({features}); "
                 "choose a block size that does"
             )
-    if options.variant == "ort" and geometry.head_dim % 16:
+    odd = sorted({d for d in (geometry.head_dim, geometry.ring_dim) if d % 16})
+    if options.variant == "ort" and odd:
         raise KvedgeError(
             f"--variant ort needs a head_dim that is a multiple of 16 (GroupQueryAttention "
-            f"rotary); this model has {geometry.head_dim}"
+            f"rotary); this model has {' and '.join(map(str, odd))}"
         )
 
 
@@ -539,23 +540,26 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
 
 def gemma4_geometry(config: Any, max_len: int, variant: str) -> CacheGeometry:
     """Gemma 4's cache: KV for the layers before its shared ones only (`Gemma4Spec.shared_layers`
-    read an earlier layer's and store none); in the portable variant its sliding layers are rings
-    of window + RING_MARGIN slots of their own head_dim, its global layers max_len of theirs (the
-    portable variant only: `check_gemma4_variant`)."""
+    read an earlier layer's and store none); its sliding layers on rings of their own head_dim,
+    its global layers max_len of theirs. The portable variant's rings hold window + RING_MARGIN
+    positions; the ort variant's hold max_len (a margin of max_len - window), so they never wrap:
+    its in-place attentions write position p at index p, as over any full-length cache, and the
+    rings are only what keeps the sliding layers' head_dim apart (docs/ARCHITECTURE.md)."""
     spec = Gemma4Spec.from_config(config)
     head_dim, kv_heads = attention_sizes(config)
     stored = tuple(i for i in range(config.num_hidden_layers) if i not in spec.shared_layers)
     local = local_layers(config)
-    check_gemma4_variant(variant)
     ring = tuple(k for k, i in enumerate(stored) if i in local)
+    window = int(config.sliding_window) if ring else 0
+    margin = (RING_MARGIN if variant == "portable" else max(0, max_len - window)) if ring else 0
     return CacheGeometry(
         num_layers=len(stored),
         num_kv_heads=kv_heads,
         head_dim=spec.global_head_dim,
         max_len=max_len,
         ring_layers=ring,
-        window=int(config.sliding_window) if ring else 0,
-        ring_margin=RING_MARGIN if ring else 0,
+        window=window,
+        ring_margin=margin,
         kv_layers=stored if spec.shared_layers else (),
         ring_head_dim=head_dim if ring and head_dim != spec.global_head_dim else 0,
         shared_layers=spec.shared_layers,
