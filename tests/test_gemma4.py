@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import Exported, random_ids
+from conftest import GQA_WINDOW, Exported, random_ids, require_onnxruntime
 from test_hybrid import QUESTIONS, cold_logits
 from tiny import gemma4_supported, make_tiny_model
 
@@ -74,6 +74,8 @@ CONFIGS = {
 )
 def gemma4(request, tmp_path_factory) -> Exported:
     config, variant = request.param
+    if variant == "ort":
+        require_onnxruntime(*GQA_WINDOW)
     root = tmp_path_factory.mktemp(f"{config}-{variant}")
     source = make_tiny_model(root / "hf", "gemma4", seed=3, **CONFIGS[config])
     export_model(source, root / "out", ExportRecipe(max_len=MAX_LEN, variant=variant))
