@@ -372,6 +372,34 @@ class Architecture(Strict):
             states = (StateSpec("conv", layers, (kernel - 1, 2 * kh * kd + vh * vd)), *states)
         return states
 
+    def geometry(self, max_len: int, kv_dtype: str, variant: str = "portable") -> CacheGeometry:
+        """The cache `kvedge export` makes of this architecture as `variant` (as
+        `export.geometry_from_config`): Gemma 4's by `shared_kv_geometry`; Gemma 3's local layers
+        on rings in the portable variant, full length in the ort one (a windowed attention)."""
+        if self.family == "gemma4_text":
+            return shared_kv_geometry(
+                [i in self.local_layers for i in range(self.num_layers)],
+                self.shared_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                global_head_dim=self.global_head_dim,
+                window=self.sliding_window,
+                max_len=max_len,
+                variant=variant,
+            ).with_dtype(kv_dtype)
+        ring = self.local_layers if variant == "portable" else ()
+        return CacheGeometry(
+            num_layers=len(self.kv_layers),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_len=max_len,
+            ring_layers=ring,
+            window=self.sliding_window if ring else 0,
+            ring_margin=RING_MARGIN if ring else 0,
+            kv_layers=self.kv_layers if self.state_layers else (),
+            states=self.states(),
+        ).with_dtype(kv_dtype)
+
 
 class ExportSettings(Strict):
     max_len: Annotated[int, msgspec.Meta(ge=16)] = 2048  # cache length per sequence, baked into the graph
@@ -403,33 +431,13 @@ class ModelRecipe(RecipeFile, frozen=True):
         e = self.export
         return ExportRecipe(max_len=e.max_len, logits=e.logits, weights=e.weights_dtype, kv_dtype=e.kv_dtype)
 
-    def geometry(self, max_len: int | None = None, kv_dtype: str | None = None) -> CacheGeometry:
-        """The cache `kvedge export` makes for this recipe (ring layers as `geometry_from_config`)."""
-        a = self.architecture
-        max_len, kv_dtype = max_len or self.export.max_len, kv_dtype or self.export.kv_dtype
-        if a.family == "gemma4_text":
-            return shared_kv_geometry(
-                [i in a.local_layers for i in range(a.num_layers)],
-                a.shared_layers,
-                num_kv_heads=a.num_kv_heads,
-                head_dim=a.head_dim,
-                global_head_dim=a.global_head_dim,
-                window=a.sliding_window,
-                max_len=max_len,
-            ).with_dtype(kv_dtype)
-        ring = a.local_layers
-        states = a.states()
-        return CacheGeometry(
-            num_layers=len(a.kv_layers),
-            num_kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            max_len=max_len,
-            ring_layers=ring,
-            window=a.sliding_window if ring else 0,
-            ring_margin=RING_MARGIN if ring else 0,
-            kv_layers=a.kv_layers if a.state_layers else (),
-            states=states,
-        ).with_dtype(kv_dtype)
+    def geometry(
+        self, max_len: int | None = None, kv_dtype: str | None = None, variant: str = "portable"
+    ) -> CacheGeometry:
+        """The cache `kvedge export` makes for this recipe as `variant` (`Architecture.geometry`)."""
+        return self.architecture.geometry(
+            max_len or self.export.max_len, kv_dtype or self.export.kv_dtype, variant
+        )
 
 
 # --- warm prefixes -------------------------------------------------------------------------------

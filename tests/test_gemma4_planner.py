@@ -30,9 +30,9 @@ CARDS = {"gemma-4-e2b": 36_864, "gemma-4-e4b": 114_688}  # float32 cache bytes p
 
 @pytest.mark.parametrize("card", sorted(CARDS))
 def test_a_cards_cache_and_parameters_are_the_exports_and_transformers(card):
-    """The recipe's cache equals the exporter's from the same numbers as a transformers config
-    (shared layers hold none, sliding layers on rings of head_dim 256), and its param_count is
-    what transformers builds from them."""
+    """The recipe's cache equals the exporter's from the same numbers as a transformers config, in
+    both variants (shared layers hold none, sliding layers on rings of head_dim 256, the ort
+    variant's max_len long), and its param_count is what transformers builds from them."""
     from kvedge.bench.checkpoint import hf_config
     from kvedge.export.streamed import skeleton
 
@@ -40,6 +40,8 @@ def test_a_cards_cache_and_parameters_are_the_exports_and_transformers(card):
     recipe = load_recipe(card)
     geometry = recipe.geometry()
     assert geometry == gemma4_geometry(config, recipe.export.max_len, "portable")
+    ort = recipe.geometry(variant="ort")
+    assert ort == gemma4_geometry(config, recipe.export.max_len, "ort") and ort.ring_len == ort.max_len
     assert geometry.bytes_per_token() == CARDS[card]
     assert len(geometry.shared_layers) == config.num_kv_shared_layers and geometry.ring_dim == 256
     model = skeleton(config)
@@ -138,16 +140,18 @@ def load_recipe_board():
 
 
 def test_the_planner_offers_only_what_export_builds_and_recommends_only_what_was_measured():
-    """Gemma 4's graph is the portable float32-compute one: the forms the planner weighs are those,
-    `--precision float16` is refused as the export refuses it, and since only the float32 form's
-    quality is measured on Gemma 4 no smaller form is recommended."""
+    """Gemma 4's graphs compute in float32, and the ort one takes no float16 cache: the forms the
+    planner weighs are those, `--precision float16` is refused as the export refuses it, and
+    since only the float32 form's quality is measured on Gemma 4 no smaller form is recommended."""
     model = footprint("gemma-4-e2b")
     assert model.float32_only
     for device in ("cpu", "cuda", "tensorrt"):
         forms = device_forms(model.form, device, model.family)
-        assert forms and {(f.variant, f.precision) for f in forms} == {("portable", "float32")}
+        assert forms and {f.precision for f in forms} == {"float32"}
+        assert not [f for f in forms if (f.variant, f.kv_dtype) == ("ort", "float16")]
+    assert {f.variant for f in device_forms(model.form, "cpu", model.family)} == {"portable", "ort"}
     assert any(f.half for f in device_forms(model.form, "tensorrt"))  # without the family: offered
-    with pytest.raises(KvedgeError, match="--precision 'float16' is not built for Gemma 4"):
+    with pytest.raises(KvedgeError, match="--precision float16 is not built for Gemma 4"):
         footprint("gemma-4-e2b", ExportRecipe(precision="float16"))
     found = recommend("agx-orin-64gb", "gemma-4-e2b", "tensorrt")
     assert found is not None and found.kl == 0.0 and not found.form.quantized
@@ -228,3 +232,15 @@ def test_info_names_the_layers_that_hold_kv_the_rings_the_shared_and_the_table(t
     assert lines["ring layers"] == "3 of 4 hold the last 72 tokens (window 8 + 64) of 16 dim"
     assert lines["shared KV"] == "layers 4, 5, 6 store none and read layer 1 or 3's"
     assert lines["per-layer"].startswith("per_layer_embeddings.npy [320, 112] float32,")
+
+
+def test_the_ort_cache_is_planned_at_full_length():
+    """The ort variant's sliding layers hold max_len positions (rings that never wrap, as its
+    export makes them): planned at full length, not at the portable rings' window + 64; Gemma 3's
+    ort graph, with no rings at all, likewise."""
+    for card, layers in (("gemma-4-e2b", 15), ("gemma-3-1b", 26)):
+        portable = footprint(card, ExportRecipe(weights="int4"))
+        ort = footprint(card, ExportRecipe(variant="ort", weights="int4"))
+        g = ort.geometry
+        assert g.num_layers == layers and g.bytes_per_slot() == g.bytes_per_token() * g.max_len
+        assert portable.geometry.bytes_per_slot() < 0.5 * g.bytes_per_slot()

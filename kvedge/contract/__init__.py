@@ -71,7 +71,7 @@ from kvedge.contract.manifest import (
     shared_kv_sources,
 )
 from kvedge.contract.models import (
-    FAMILY_LIMITS,
+    FAMILY_REFUSED,
     HYBRID_LAYER_TYPES,
     ROLES,
     SUPPORTED_MODEL_TYPES,
@@ -98,7 +98,7 @@ __all__ = [
     "CHAT_TEMPLATE_FILE",
     "DECODE_MATMULS",
     "EXPORTED_KV_DTYPES",
-    "FAMILY_LIMITS",
+    "FAMILY_REFUSED",
     "HEAD_PARTS",
     "EMBEDDINGS_FILE",
     "PER_LAYER_DTYPES",

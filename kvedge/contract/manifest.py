@@ -465,13 +465,18 @@ def shared_kv_geometry(
     global_head_dim: int,
     window: int,
     max_len: int,
+    variant: str = "portable",
 ) -> CacheGeometry:
     """Gemma 4's cache: KV for the layers before its `shared` ones only (those read an earlier
-    layer's and store none), its sliding layers (`local[i]`) on rings of window + RING_MARGIN
-    slots of their `head_dim`, its global layers max_len of `global_head_dim`. The exporter
-    (from a transformers config) and the planner (from a configs/models recipe) both ask here."""
+    layer's and store none), its sliding layers (`local[i]`) on rings of their `head_dim`, its
+    global layers max_len of `global_head_dim`. The portable variant's rings hold window +
+    RING_MARGIN positions; the ort variant's max_len (a margin of max_len - window), so they
+    never wrap: its in-place attentions write position p at index p, as over any full-length
+    cache, and the rings only keep the sliding layers' head_dim apart. The exporter (from a
+    transformers config) and the planner (from a configs/models recipe) both ask here."""
     stored = tuple(i for i in range(len(local)) if i not in shared)
     ring = tuple(k for k, i in enumerate(stored) if local[i])
+    margin = RING_MARGIN if variant == "portable" else max(0, max_len - window)
     return CacheGeometry(
         num_layers=len(stored),
         num_kv_heads=num_kv_heads,
@@ -479,7 +484,7 @@ def shared_kv_geometry(
         max_len=max_len,
         ring_layers=ring,
         window=window if ring else 0,
-        ring_margin=RING_MARGIN if ring else 0,
+        ring_margin=margin if ring else 0,
         kv_layers=stored if shared else (),
         ring_head_dim=head_dim if ring and head_dim != global_head_dim else 0,
         shared_layers=shared,
@@ -852,7 +857,8 @@ class Manifest:
         verify is exact only where every op computes a verify's rows as decode steps compute
         them, to the bit: the decode form's kvedge.QuantMatMul (`decode_form_tokens`) and the
         INT8 cache's attention; onnxruntime's MatMulNBits and GroupQueryAttention add up one row
-        and several differently."""
+        and several differently, and so may the standard-op attention of Gemma 4's shared-KV
+        layers (`kvedge.export.graph.inplace.SharedReads`: its MatMuls' shapes follow the step's)."""
         if self.weight_decode_matmuls != "kvedge":
             why = "its decode steps run onnxruntime's MatMulNBits, which rounds one row and several apart"
         elif (self.decode_form_tokens or 1) < VERIFY_TOKENS:
@@ -861,6 +867,10 @@ class Manifest:
             why = (
                 f"onnxruntime's GroupQueryAttention over its {self.geometry.dtype} cache adds up one "
                 "new token and several differently (export with --kv-dtype int8: kvedge's attention)"
+            )
+        elif self.geometry.shared_layers:
+            why = (
+                "its shared-KV layers' attention (standard ops) adds up one new token and several differently"
             )
         else:
             return None

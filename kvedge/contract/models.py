@@ -16,7 +16,7 @@ SUPPORTED_MODEL_TYPES = {
     "gemma3_text": "Gemma 3 text (portable graph; local layers on a ring-buffer cache)",
     "lfm2": "LFM2 / LFM2.5 (portable graph; convolution layers' state kept per slot)",
     "qwen3_5_text": "Qwen3.5 dense text (portable graph; Gated DeltaNet layers' states kept per slot)",
-    "gemma4_text": "Gemma 4 text (portable graph; shared-KV layers store none, per-layer embeddings mapped)",
+    "gemma4_text": "Gemma 4 text (shared-KV layers store none; per-layer embeddings mapped)",
 }
 
 # Hybrid families: HF's `layer_types` values per family, the KV layer's first. "full_attention"
@@ -26,28 +26,32 @@ HYBRID_LAYER_TYPES = {
     "qwen3_5_text": ("full_attention", "linear_attention"),
 }
 
-# What a family's graph is built for where that is not every form: choice -> (the values built,
-# why not the others). `kvedge export` refuses the rest by name (`family_refusal`), and the
-# planner plans none of them.
-FAMILY_LIMITS = {
-    "gemma4_text": {
-        "variant": (("portable",), "shared-KV layers, per-layer head_dim"),
-        "precision": (
-            ("float32",),
-            "its per-layer inputs are float32; --weights float16 stores the weights in half the bytes",
+# What a family's graph is not built for: (the choices, why, what to use instead). `kvedge
+# export` refuses them by name (`family_refusal`), and the planner plans none of them.
+FAMILY_REFUSED = {
+    "gemma4_text": (
+        (
+            {"precision": "float16"},
+            "its per-layer inputs are float32",
+            "use --precision float32 (--weights float16 stores the weights in half the bytes)",
         ),
-    },
+        (
+            {"variant": "ort", "kv_dtype": "float16"},
+            "its shared-KV layers read the cache in float32 ops",
+            "use --kv-dtype float32 or int8, or --variant portable",
+        ),
+    ),
 }
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def family_refusal(family: str, **choices: str) -> str | None:
-    """Why `kvedge export` builds no graph of `family` with `choices` (variant=, precision=), in
-    the words the export refuses with, or None (`FAMILY_LIMITS`)."""
-    for choice, value in choices.items():
-        built, why = FAMILY_LIMITS.get(family, {}).get(choice, ((value,), ""))
-        if value not in built:
+    """Why `kvedge export` builds no graph of `family` with `choices` (variant=, precision=,
+    kv_dtype=), in the words the export refuses with, or None (`FAMILY_REFUSED`)."""
+    for refused, why, instead in FAMILY_REFUSED.get(family, ()):
+        if all(choices.get(choice) == value for choice, value in refused.items()):
+            flags = " ".join(f"--{choice.replace('_', '-')} {value}" for choice, value in refused.items())
             name = SUPPORTED_MODEL_TYPES[family].split(" (")[0]
-            return f"--{choice} {value!r} is not built for {name} yet ({why}); use --{choice} {built[0]}"
+            return f"{flags} is not built for {name} yet ({why}); {instead}"
     return None

@@ -69,7 +69,7 @@ from kvedge.export.graph import (
 )
 from kvedge.export.graph.decoder import runtime_embeddings
 from kvedge.export.graph.external import ExternalData, stored_length
-from kvedge.export.graph.options import Gemma4Spec, attention_sizes, check_gemma4_variant
+from kvedge.export.graph.options import Gemma4Spec, attention_sizes
 from kvedge.export.graph.weights import SourceBlocks, source_blocks, tied_head
 from kvedge.export.memory import check_export_memory, export_needs, failed_allocation, out_of_memory
 from kvedge.export.quantize import calibration_ids, input_outliers, quantize_blockwise
@@ -507,10 +507,11 @@ def _check_quantizable(spec: DecoderSpec, geometry: CacheGeometry, options: Expo
                 f"--block-size {options.block_size} does not divide the model's {name} ({features}); "
                 "choose a block size that does"
             )
-    if options.variant == "ort" and geometry.head_dim % 16:
+    odd = sorted({d for d in (geometry.head_dim, geometry.ring_dim) if d % 16})
+    if options.variant == "ort" and odd:
         raise KvedgeError(
             f"--variant ort needs a head_dim that is a multiple of 16 (GroupQueryAttention "
-            f"rotary); this model has {geometry.head_dim}"
+            f"rotary); this model has {' and '.join(map(str, odd))}"
         )
 
 
@@ -552,11 +553,10 @@ def geometry_from_config(config: Any, max_len: int, variant: str = "portable") -
 
 def gemma4_geometry(config: Any, max_len: int, variant: str) -> CacheGeometry:
     """Gemma 4's cache (`contract.shared_kv_geometry`): KV for the layers before its shared ones
-    only (`Gemma4Spec.shared_layers`), sliding layers on rings of their own head_dim (the
-    portable variant only: `check_gemma4_variant`)."""
+    only (`Gemma4Spec.shared_layers`), its sliding layers on rings of their own head_dim, its
+    global layers max_len of theirs; the ort variant's rings never wrap (docs/ARCHITECTURE.md)."""
     spec = Gemma4Spec.from_config(config)
     head_dim, kv_heads = attention_sizes(config)
-    check_gemma4_variant(variant)
     local = set(local_layers(config))
     return shared_kv_geometry(
         [i in local for i in range(config.num_hidden_layers)],
@@ -566,6 +566,7 @@ def gemma4_geometry(config: Any, max_len: int, variant: str) -> CacheGeometry:
         global_head_dim=spec.global_head_dim,
         window=int(config.sliding_window),
         max_len=max_len,
+        variant=variant,
     )
 
 

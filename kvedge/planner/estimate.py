@@ -214,7 +214,9 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
     a = model.architecture
     if a is None:
         raise KvedgeError(f"{model.name} is an export whose weights are its files; other forms need a recipe")
-    if refused := family_refusal(a.family, variant=form.variant, precision=form.precision):
+    if refused := family_refusal(
+        a.family, variant=form.variant, precision=form.precision, kv_dtype=form.kv_dtype
+    ):
         raise KvedgeError(f"{model.name}: {refused}")
     weights = recipe_weight_bytes(a, form)
     forms_note = ""
@@ -228,7 +230,9 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
         precision=form.precision,
         weights_dtype=form.weights,
         widened_bytes=widened_bytes(weights, form.precision, form.weights),
-        geometry=model.geometry.with_dtype(form.kv_dtype, form.kv_group_size or None),
+        geometry=a.geometry(model.geometry.max_len, model.geometry.dtype, form.variant).with_dtype(
+            form.kv_dtype, form.kv_group_size or None
+        ),
         form=form,
         forms_note=forms_note,
         per_layer_bytes=per_layer_bytes(a, form),

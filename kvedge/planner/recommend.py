@@ -218,7 +218,7 @@ def device_forms(base: ExportRecipe, device: str, family: str | None = None) -> 
             )
         except KvedgeError:  # a combination export refuses
             continue
-        if family and family_refusal(family, variant=variant, precision=precision):
+        if family and family_refusal(family, variant=variant, precision=precision, kv_dtype=kv):
             continue
         if device_refusal(device, variant, kv, form.logits) is None:
             found.setdefault((variant, precision, weights, form.lm_head_bits, kv), form)

@@ -98,6 +98,11 @@ reads them from ring-buffer caches of window + margin positions through a mask d
 length (`portable.PortableAttention._ring`, docs/design/kv-contract.md "Ring-buffer layers"), the ort graph
 keeps them full length with GroupQueryAttention's local_window_size, or over the INT8 cache the
 kernel's attribute of the same name and meaning; all with their own RoPE tables.
+Gemma 4's sliding layers have their own head_dim: the portable graph reads them from rings as
+Gemma 3's, the ort graph from rings of max_len that never wrap (written in place at p, as above,
+with local_window_size); its shared-KV layers attend over their source's K/V: in the portable
+graph over what the source's attention read, in the ort graph over the source's present buffer
+in standard ops (`inplace.SharedReads`), since GroupQueryAttention hands on nothing it read.
 
 The package, one idea per module (each imports only those listed before it):
 

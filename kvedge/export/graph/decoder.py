@@ -196,7 +196,7 @@ class Decoder:
                 local_sin=g.const("rope.local_sin", local_tables[1].astype(table_dtype)),
                 window=self.spec.window,
             )
-        if geometry.ring_layers:  # portable only (`check_ring`)
+        if geometry.ring_layers and self.portable:  # ort: rings of max_len, never wrapping (`check_ring`)
             ring = RingSpec(
                 geometry.ring_len, geometry.window, local["local_cos"], local["local_sin"], geometry.ring_dim
             )
@@ -217,8 +217,10 @@ class Decoder:
             return PortableAttention(
                 **ctx, **tables, b_dim=self.b_dim, kv_group_size=geometry.group_size, ring=ring, half=half
             )
+        if local:  # Gemma 4's sliding layers: their own head_dim
+            local["local_d"] = geometry.ring_dim
         if geometry.quantized:
-            return Int8CacheAttention(**ctx, **tables, **local)
+            return Int8CacheAttention(**ctx, **tables, **local, group_size=geometry.group_size)
         return GroupQueryAttention(**ctx, **tables, **local, half=half)
 
     def w(self, name: str) -> np.ndarray:

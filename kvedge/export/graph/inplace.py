@@ -1,5 +1,6 @@
 """The ort variant's in-place attentions: onnxruntime's GroupQueryAttention, and kvedge's
-Int8CacheAttention kernel over the INT8 cache; past and present share one buffer.
+Int8CacheAttention kernel over the INT8 cache; past and present share one buffer. Gemma 4's
+shared-KV layers attend over their source layer's buffer in standard ops (`SharedReads`).
 """
 
 from __future__ import annotations
@@ -8,19 +9,175 @@ import numpy as np
 from onnx import TensorProto
 
 from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN, VERIFY_TOKENS
+from kvedge.export.graph.int8_codec import Int8Codec
 from kvedge.export.graph.options import MS_DOMAIN
+from kvedge.export.graph.rope import position_angles, rotate_half
 
 
 class InPlaceAttention:
     """What the in-place attentions share: the heads, the RoPE tables (cos, sin [L, d/2]) and, for
-    sliding-window layers (Gemma 3), their own tables and a window over the full-length cache."""
+    sliding-window layers (Gemma 3 and 4), their own tables (of their own head_dim `local_d`, Gemma
+    4) and a window over the full-length cache; and the shared-KV layers' reads (`shared`)."""
 
     def __init__(
-        self, g, heads, kv_heads, names, cos_table, sin_table, local_cos=None, local_sin=None, window=0
+        self,
+        g,
+        heads,
+        kv_heads,
+        d,
+        names,
+        s_dim,
+        cos_table,
+        sin_table,
+        local_cos=None,
+        local_sin=None,
+        window=0,
+        local_d=0,
+        group_size=0,  # the INT8 cache's channels per scale; 0: a float cache
     ) -> None:
         self.g, self.names, self.heads, self.kv_heads = g, names, heads, kv_heads
+        self.d, self.local_d, self.s_dim, self.group_size = d, local_d or d, s_dim, group_size
         self.cos_table, self.sin_table = cos_table, sin_table
         self.local_cos, self.local_sin, self.window = local_cos, local_sin, window
+        self._shared: SharedReads | None = None  # made by the first shared layer
+
+    def shared(self, i: int, layer: int, q: str, local: bool = False) -> str:
+        """Model layer `layer`'s attention (Gemma 4's shared-KV layers: queries q [b, s, heads*d]
+        of their own, no K or V) over KV layer i's cache, which i's attention wrote this call's
+        tokens into: [b, s, heads*d] (`SharedReads`)."""
+        if self._shared is None:
+            self._shared = SharedReads(self)
+        return self._shared.attend(i, layer, q, local)
+
+
+class SharedReads:
+    """Gemma 4's shared-KV layers in an ort graph, in standard ops: GroupQueryAttention and the INT8
+    kernel attend over a cache they append to, and hand on neither what they read nor the new
+    tokens' rotated K/V, so a shared layer reads its source layer's present buffer (the past buffer
+    itself, which the source wrote this call's tokens into; the data dependency orders it after the
+    source) up to A + s, A = max(past_lengths), and masks it per row::
+
+        q        = rope(q) at positions past_lengths[b] + t                [b, kvh, g*s, d]
+        K, V     = present[..., :A+s, :]        (INT8: codes and scales, `Int8Codec`)
+        visible  = j <= past_lengths[b] + t     (sliding: and > past_lengths[b] + t - window)
+        out      = softmax(q K^T + mask) V
+
+    K and V are sliced once per source layer, the masks and angles made once per layer type. A
+    sliding layer reads the whole valid length, its mask keeping the window: the work of a full
+    layer's attention, as a portable graph's full layers do."""
+
+    def __init__(self, attention: InPlaceAttention) -> None:
+        self.a = attention
+        g, names = attention.g, attention.names
+        s = g.op("Squeeze", [attention.s_dim, g.ints(0)], "shared.s")  # scalar
+        zero = g.const("shared.zero", np.array(0, np.int64))
+        one = g.const("shared.one", np.array(1, np.int64))
+        t = g.op("Range", [zero, s, one], "shared.t")  # [s]
+        lengths = g.op("Unsqueeze", [names.past_lengths, g.ints(1)], "shared.lengths")  # [b, 1]
+        self.positions = g.op("Add", [lengths, g.op("Unsqueeze", [t, g.ints(0)], "shared.t2")], "shared.pos")
+        longest = g.reduce("ReduceMax", names.past_lengths, 0, "shared.longest")  # [1]
+        self.read_len = g.op("Add", [longest, attention.s_dim], "shared.read_len")  # [1] A + s
+        keys = g.op("Range", [zero, g.op("Squeeze", [self.read_len, g.ints(0)], "shared.n"), one], "shared.j")
+        # [b, s, 1] query positions against [1, 1, A+s] key positions
+        self.distance = g.op(
+            "Sub",
+            [
+                g.op("Unsqueeze", [self.positions, g.ints(2)], "shared.pos3"),
+                g.op("Unsqueeze", [keys, g.ints(0, 1)], "shared.j3"),
+            ],
+            "shared.distance",
+        )  # [b, s, A+s]: position of the query minus that of the key
+        self.zero_f = g.const("shared.zero_f", np.array(0.0, np.float32))
+        self.neg_inf = g.const("shared.neg_inf", np.array(-np.inf, np.float32))
+        self.masks: dict[bool, str] = {}  # by `local`: [b, 1, g*s, A+s]
+        self.angles: dict[bool, tuple[str, str]] = {}  # by `local`: cos, sin [b, 1, s, d/2]
+        self.codecs: dict[bool, Int8Codec] = {}  # by `local`, INT8 caches
+        self.read: dict[int, tuple[str, ...]] = {}  # by KV layer: its present cut to A+s (`source`)
+
+    def mask(self, local: bool) -> str:
+        """The additive mask [b, 1, g*s, A+s] of one layer type, made once."""
+        if local not in self.masks:
+            g, kind = self.a.g, "local" if local else "global"
+            visible = g.op("GreaterOrEqual", [self.distance, g.ints(0)], f"shared.{kind}.causal")
+            if local:
+                near = g.op("Less", [self.distance, g.ints(self.a.window)], "shared.local.near")
+                visible = g.op("And", [visible, near], "shared.local.visible")
+            bias = g.op("Where", [visible, self.zero_f, self.neg_inf], f"shared.{kind}.bias")  # [b, s, A+s]
+            groups = self.a.heads // self.a.kv_heads
+            self.masks[local] = g.op(
+                "Tile",
+                [g.op("Unsqueeze", [bias, g.ints(1)], f"shared.{kind}.bias4"), g.ints(1, 1, groups, 1)],
+                f"shared.{kind}.mask",
+            )
+        return self.masks[local]
+
+    def rope(self, q: str, local: bool, d: int, name: str) -> str:
+        """q [b, heads, s, d] rotated at the call's positions with the layer type's tables."""
+        a, g = self.a, self.a.g
+        if local not in self.angles:
+            tables = (a.local_cos, a.local_sin) if local else (a.cos_table, a.sin_table)
+            kind = "local" if local else "global"
+            self.angles[local] = position_angles(g, self.positions, *tables, f"shared.{kind}.rope")
+        return rotate_half(g, q, *self.angles[local], g.ints(d // 2, d // 2), name)
+
+    def attend(self, i: int, layer: int, q: str, local: bool) -> str:
+        """Model layer `layer`'s queries q [b, s, heads*d] over KV layer i's present buffer ->
+        [b, s, heads*d]."""
+        a, g = self.a, self.a.g
+        p, d = f"model.layers.{layer}.attn", a.local_d if local else a.d
+        heads, kvh = a.heads, a.kv_heads
+        q = g.op(
+            "Transpose",
+            [g.op("Reshape", [q, g.ints(0, 0, heads, d)], f"{p}.q4")],
+            f"{p}.q_bhsd",
+            perm=[0, 2, 1, 3],
+        )
+        q = g.op("Reshape", [self.rope(q, local, d, f"{p}.q_rope"), g.ints(0, kvh, -1, d)], f"{p}.q_grouped")
+        read = self.source(i)
+        codec = self.codec(local, d) if a.group_size else None
+        if codec:
+            scores = codec.past_scores(q, read[0], read[2], f"{p}.shared_k")
+        else:
+            k_t = g.op("Transpose", [read[0]], f"{p}.shared_kT", perm=[0, 1, 3, 2])
+            scores = g.op("MatMul", [q, k_t], f"{p}.shared_scores")  # [b, kvh, g*s, A+s]
+        probs = g.op(
+            "Softmax",
+            [g.op("Add", [scores, self.mask(local)], f"{p}.shared_masked")],
+            f"{p}.shared_probs",
+            axis=-1,
+        )
+        if codec:
+            context = codec.past_context(probs, read[1], read[3], f"{p}.shared_v")
+        else:
+            context = g.op("MatMul", [probs, read[1]], f"{p}.shared_context")  # [b, kvh, g*s, d]
+        context = g.op("Reshape", [context, g.ints(0, heads, -1, d)], f"{p}.per_head")  # [b, heads, s, d]
+        return g.op(
+            "Reshape",
+            [g.op("Transpose", [context], f"{p}.bshd", perm=[0, 2, 1, 3]), g.ints(0, 0, heads * d)],
+            f"{p}.merged",
+        )  # [b, s, heads*d]
+
+    def source(self, i: int) -> tuple[str, ...]:
+        """KV layer i's present tensors cut to their first A + s positions, once per source layer:
+        K, V [b, kvh, A+s, d], and with the INT8 cache codes then K, V scales [b, kvh, A+s, groups]
+        (`IONames.present` order), so the codec widens those positions only."""
+        if i not in self.read:
+            g, names = self.a.g, self.a.names
+            present = [names.layer(t, i) for t in names.present(bool(self.a.group_size))]
+            self.read[i] = tuple(
+                g.op("Slice", [t, g.ints(0), self.read_len, g.ints(2)], f"shared.{i}.part{n}")
+                for n, t in enumerate(present)
+            )
+        return self.read[i]
+
+    def codec(self, local: bool, d: int) -> Int8Codec:
+        """The INT8 cache's reads over A + s positions for one layer type (its head_dim `d`)."""
+        if local not in self.codecs:
+            kind = "local" if local else "global"
+            self.codecs[local] = Int8Codec(
+                self.a.g, self.a.kv_heads, d, self.a.group_size, self.read_len, f"shared.{kind}.int8"
+            )
+        return self.codecs[local]
 
 
 class GroupQueryAttention(InPlaceAttention):
@@ -38,7 +195,7 @@ class GroupQueryAttention(InPlaceAttention):
     it takes for batch 1 only, as the runtime already calls it."""
 
     def __init__(self, g, heads, kv_heads, d, length, names, s_dim, half=False, **tables) -> None:
-        super().__init__(g, heads, kv_heads, names, **tables)
+        super().__init__(g, heads, kv_heads, d, names, s_dim, **tables)
         self.half = half
         if half:
             ones = g.op(
@@ -105,7 +262,7 @@ class Int8CacheAttention(InPlaceAttention):
     counterpart over the INT8 cache, past and present sharing one buffer per tensor."""
 
     def __init__(self, g, heads, kv_heads, d, length, names, s_dim, **tables) -> None:
-        super().__init__(g, heads, kv_heads, names, **tables)
+        super().__init__(g, heads, kv_heads, d, names, s_dim, **tables)
         self.identity_shape = (length, d // 2)
         self.identity: list[str] = []
 

@@ -290,26 +290,26 @@ def check_states(geometry: CacheGeometry, recipe: ExportRecipe) -> CacheGeometry
 
 
 def check_ring(geometry: CacheGeometry, variant: str) -> None:
-    """Ring-buffer layers are built for the portable graph only: GroupQueryAttention (and kvedge's
-    INT8 kernel) write K/V at the valid length, not at a position modulo the ring."""
-    if geometry.ring_layers and variant != "portable":
+    """Ring-buffer layers that wrap are built for the portable graph only: GroupQueryAttention (and
+    kvedge's INT8 kernel) write K/V at the valid length, not at a position modulo the ring. A ring
+    of max_len positions (Gemma 4's ort graph, `gemma4_geometry`) never wraps: position p sits at
+    index p, where the in-place attentions write it."""
+    if geometry.ring_layers and variant != "portable" and geometry.ring_len != geometry.max_len:
         raise KvedgeError(
-            f"--variant {variant!r} does not support sliding-window ring layers (Gemma 3): its "
-            "attention writes the cache in place at the valid length, with no ring; use --variant portable"
+            f"--variant {variant!r} does not support sliding-window ring layers of {geometry.ring_len} "
+            f"positions under max_len {geometry.max_len} (Gemma 3): its attention writes the cache in "
+            "place at the valid length, with no ring; use --variant portable"
         )
 
 
 def check_gemma4(spec: DecoderSpec, recipe: ExportRecipe) -> None:
-    """Gemma 4 is built for the portable float32-compute graph (`contract.FAMILY_LIMITS`): a
-    shared layer attends over what its source layer's attention read in the same graph, which
-    GroupQueryAttention (in place) does not hand on, and its per-layer inputs are float32."""
+    """Gemma 4 is built for float32-compute graphs (its per-layer inputs are float32), portable or
+    ort; the ort one over a float32 or INT8 cache, not over a float16 cache (the form
+    onnxruntime's CUDA provider runs): its shared layers' attention (`inplace.SharedReads`) reads
+    the cache in float32 ops, which a float16 cache would have to be widened for. The refusals
+    are `contract.FAMILY_REFUSED`'s, which the planner reads too."""
     if spec.gemma4 is None:
         return
-    if refused := family_refusal("gemma4_text", variant=recipe.variant, precision=recipe.precision):
-        raise KvedgeError(refused)
-
-
-def check_gemma4_variant(variant: str) -> None:
-    """Gemma 4's graph is the portable one (`check_gemma4`)."""
-    if refused := family_refusal("gemma4_text", variant=variant):
+    choices = dict(variant=recipe.variant, precision=recipe.precision, kv_dtype=recipe.kv_dtype)
+    if refused := family_refusal("gemma4_text", **choices):
         raise KvedgeError(refused)
