@@ -77,9 +77,10 @@ def gguf_source(tmp_path, family: str, kind: str | None):
 
 
 def test_the_per_layer_table_is_read_a_range_of_rows_at_a_time(tmp_path, monkeypatch):
-    """Gemma 4's per-layer table (E2B's: 8.8 GiB in float32) is read, scaled and written a chunk of
-    rows at a time from a safetensors folder, never whole: no read of it holds more rows than the
-    chunk, and the file equals the one the export of the model loaded whole writes."""
+    """Gemma 4's per-layer table (E2B's: 8.8 GiB in float32) is read from a safetensors folder a
+    chunk of rows at a time to be written, and the rows a batch's tokens need to calibrate, never
+    whole: no read of it holds more rows than the chunk, and the files equal those the export of
+    the model loaded whole writes."""
     if not gemma4_supported():
         pytest.skip("this transformers has no Gemma 4 with shared KV")
     import kvedge.export.export as exporting

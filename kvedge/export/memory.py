@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvedge.contract import ExportRecipe
 from kvedge.errors import KvedgeError
 from kvedge.export.source import CUT_FILE, Source, incomplete
+from kvedge.export.streamed import READ_IN_ROWS
 from kvedge.files import human
 from kvedge.machine import Available, available_memory
 
@@ -35,9 +36,6 @@ log = logging.getLogger(__name__)
 
 # tensors the export does not load: composite checkpoints' vision / audio towers, multi-token heads
 NOT_LOADED = re.compile(r"(^|\.)(visual|vision_tower|vision_model|audio_tower|mtp|multi_modal_projector)\.")
-# tensors a streamed export reads from safetensors a range of rows at a time, never whole
-# (`export.save_per_layer`: Gemma 4's per-layer embeddings, E2B's 8.8 GiB in float32)
-READ_IN_ROWS = re.compile(r"(^|\.)embed_tokens_per_layer\.")
 
 
 def source_parameters(source: Source) -> int:

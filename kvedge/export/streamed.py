@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ def read_header(path: Path) -> tuple[dict[str, Stored], dict[str, str]]:
 
 # values read and widened at a time: a large table is never held twice in float32
 CHUNK_VALUES = 1 << 22
+# tables an export reads some rows of at a time, never whole: Gemma 4's per-layer embeddings
+# (E2B's: 8.8 GiB in float32), written a chunk at a time (`export.save_per_layer`) and gathered
+# for the tokens a calibration batch holds (`streaming`)
+READ_IN_ROWS = re.compile(r"(^|\.)embed_tokens_per_layer\.")
 
 
 def read_tensor(stored: Stored) -> np.ndarray:
@@ -136,6 +141,20 @@ class FolderWeights(Mapping[str, np.ndarray]):
     def same(self, name: str, other: str) -> bool:
         """Whether `name` reads the tensor `other` does (a tied LM head)."""
         return name in self._where and self._where[name] == self._where.get(other)
+
+    def rows(self, name: str, index: np.ndarray) -> np.ndarray:
+        """Rows `index` of table `name` [rows, ...] (float32, as `self[name]` gives them): from a
+        safetensors file only those rows are read."""
+        stored = self.stored(name)
+        if stored is None:
+            return self[name][index]
+        row_values = stored.count // stored.shape[0]
+        row_bytes = row_values * np.dtype(STORED[stored.dtype]).itemsize
+        found = np.empty((len(index), *stored.shape[1:]), np.float32)
+        for k, row in enumerate(index.tolist()):
+            one = Stored(stored.path, stored.start + row * row_bytes, stored.dtype, (1, *stored.shape[1:]))
+            found[k] = read_tensor(one)[0]
+        return found
 
     def stored(self, name: str) -> Stored | None:
         """Where a safetensors tensor `name` lies; None for another kind (a GGUF's, a buffer)."""
@@ -274,6 +293,13 @@ def streaming(model: Any, weights: Mapping[str, np.ndarray]) -> Iterator[None]:
     handles = []
     for prefix, module, recurse in blocks:
         names = [name for name, _ in module.named_parameters(recurse=recurse)]
+        if (
+            isinstance(weights, FolderWeights)
+            and names == ["weight"]
+            and READ_IN_ROWS.search(f"{prefix}weight")
+        ):
+            handles += _gathered(module, f"{prefix}weight", weights)
+            continue
 
         def load(mod: Any, args: Any, prefix: str = prefix, names: list[str] = names) -> None:
             for name in names:
@@ -298,6 +324,27 @@ def streaming(model: Any, weights: Mapping[str, np.ndarray]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _gathered(module: Any, name: str, weights: FolderWeights) -> list[Any]:
+    """Hooks that run embedding `module` (weight `name`, `READ_IN_ROWS`) over the rows its input
+    ids need only: the ids become indices into those rows, read as the module starts and dropped
+    as it ends."""
+    import torch
+
+    table = module.weight  # the skeleton's: on the meta device, the table's shape
+
+    def load(mod: Any, args: Any) -> tuple[Any, ...]:
+        ids, *rest = args
+        needed, where = torch.unique(ids, return_inverse=True)
+        rows = weights.rows(name, needed.numpy())
+        mod._parameters["weight"] = torch.nn.Parameter(torch.from_numpy(rows), requires_grad=False)
+        return (where.reshape(ids.shape), *rest)
+
+    def drop(mod: Any, args: Any, output: Any) -> None:
+        mod._parameters["weight"] = table
+
+    return [module.register_forward_pre_hook(load), module.register_forward_hook(drop)]
 
 
 def _blocks(model: Any) -> list[tuple[str, Any, bool]]:
