@@ -1,4 +1,5 @@
-"""Prefix stores and warm prefixes on ring-buffer layers (Gemma 3), against fresh prefills.
+"""Prefix stores and warm prefixes on ring-buffer layers (Gemma 3, and Gemma 4 with its shared-KV
+layers), against fresh prefills.
 
 A stored block carries every position of the global layer and only the last positions the
 sliding-window layers' rings held (window 8, ring 72 slots, max_len 256). Each test serves a
@@ -16,7 +17,7 @@ import re
 import numpy as np
 import pytest
 from conftest import random_ids
-from tiny import make_tiny_model
+from tiny import gemma4_supported, make_tiny_model
 
 from kvedge.calibrate.calibrate import collect_kv
 from kvedge.configs import load_warm_prefix_config
@@ -37,14 +38,27 @@ BUDGET = 2**20
 LONG_TEXT = "A KV cache stores keys and values of past tokens so decoding does not recompute them. " * 4
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    """{"fp": float32 export, "int8": INT8-cache export} of the tiny Gemma 3."""
-    root = tmp_path_factory.mktemp("gemma3-prefix")
-    source = make_tiny_model(root / "hf", "gemma3", seed=1)
+def exports(root, family: str) -> dict:
+    """{"fp": float32 export, "int8": INT8-cache export} of tests/tiny.py's `family` (portable)."""
+    source = make_tiny_model(root / "hf", family, seed=1)
     export_model(source, root / "fp", ExportRecipe(max_len=MAX_LEN))
     export_model(source, root / "int8", ExportRecipe(max_len=MAX_LEN, kv_dtype="int8"))
     return {"fp": root / "fp", "int8": root / "int8"}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """The tiny Gemma 3's exports."""
+    return exports(tmp_path_factory.mktemp("gemma3-prefix"), "gemma3")
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma4"])
+def rings(request, tmp_path_factory):
+    """The tiny Gemma 3's exports, and the tiny Gemma 4's (window 8 too; its last 3 layers read an
+    earlier layer's KV and store none, so no block, file or store holds them)."""
+    if request.param == "gemma4" and not gemma4_supported():
+        pytest.skip("Gemma 4 needs transformers 5.25")
+    return exports(tmp_path_factory.mktemp(f"{request.param}-prefix"), request.param)
 
 
 def greedy(model: Model, logits: np.ndarray, n: int = 12) -> list[int]:
@@ -69,11 +83,11 @@ def check_served(model: Model, reference: Model, ids: list[int], reused: int, at
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
-def test_store_serves_returning_conversations_past_the_ring(gemma, kind):
+def test_store_serves_returning_conversations_past_the_ring(rings, kind):
     """A (150 tokens: the rings wrapped, they hold 78..149) loses slot 0 to B, then comes back
     whole, then with a shorter partial match the rings still serve (140), then one they do not
     (80: its query needs 73..79): that one starts over."""
-    model, reference = Model(gemma[kind], prefix_cache_bytes=BUDGET), Model(gemma[kind])
+    model, reference = Model(rings[kind], prefix_cache_bytes=BUDGET), Model(rings[kind])
     a, b, tail = random_ids(150, seed=1), random_ids(60, seed=2), random_ids(9, seed=3)
     model.prepare(0, a)
     model.prepare(0, b)  # A is saved to the store as B replaces it
@@ -89,11 +103,11 @@ def test_store_serves_returning_conversations_past_the_ring(gemma, kind):
     check_served(model, reference, a[: lowest - 1] + tail, 0, ATOL[kind])
 
 
-def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_rings(gemma):
+def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_rings(rings):
     """An entry shorter than the ring holds every position, so any head of it serves. Loading it
     over a slot that already shares its first 55 tokens copies only the rest, unless that slot's
     own rings no longer hold what the next query needs below 55: then the whole head is copied."""
-    model, reference = Model(gemma["fp"], prefix_cache_bytes=BUDGET), Model(gemma["fp"])
+    model, reference = Model(rings["fp"], prefix_cache_bytes=BUDGET), Model(rings["fp"])
     a, other, tail = random_ids(60, seed=4), random_ids(200, seed=5), random_ids(5, seed=6)
     model.prepare(0, a)
     model.prepare(0, random_ids(40, seed=7))
@@ -106,20 +120,20 @@ def test_store_serves_a_short_head_of_a_short_entry_and_completes_the_slots_ring
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
-def test_disk_tier_serves_an_evicted_entry_after_a_restart(gemma, kind, tmp_path):
+def test_disk_tier_serves_an_evicted_entry_after_a_restart(rings, kind, tmp_path):
     """A (150 tokens, rings wrapped) goes from slot 0 to the store, is evicted from it to disk
     (`RunTimePrefixStore.block` gathers its ring positions 78..149), and a new Model serves it from the
     file: whole, and by a partial match the file's rings serve."""
-    budget = 160 * Model(gemma[kind]).manifest.geometry.bytes_per_token()  # 5 blocks: A, not A and C
+    budget = 160 * Model(rings[kind]).manifest.geometry.bytes_per_token()  # 5 blocks: A, not A and C
     options = {"prefix_cache_bytes": budget, "prefix_dir": tmp_path, "prefix_disk_min_tokens": 100}
-    model = Model(gemma[kind], **options)
+    model = Model(rings[kind], **options)
     a, b, c, tail = random_ids(150, seed=1), random_ids(40, seed=2), random_ids(120, seed=8), random_ids(9)
     model.prepare(0, a)
     model.prepare(0, c)  # A to the store
     model.prepare(0, b)  # C to the store: A is evicted to disk
     assert model.prefixes.run_time.evictions == 1 and len(model.prefixes.disk) == 1
     model.close()  # C is written too, B is under the threshold
-    again, reference = Model(gemma[kind], **options), Model(gemma[kind])
+    again, reference = Model(rings[kind], **options), Model(rings[kind])
     assert len(again.prefixes.disk) == 2
     check_served(again, reference, a + tail, 150, ATOL[kind])
     check_served(again, reference, a[:140] + tail, 140, ATOL[kind])
@@ -127,24 +141,44 @@ def test_disk_tier_serves_an_evicted_entry_after_a_restart(gemma, kind, tmp_path
 
 
 @pytest.mark.parametrize("kind", ["fp", "int8"])
-def test_warm_prefixes_reloaded_serve_exactly(gemma, kind, tmp_path):
+def test_warm_prefixes_reloaded_serve_exactly(rings, kind, tmp_path):
     """A warm prefix longer than the ring, built at first boot, written, reloaded by a new Model
     and used: whole, by a partial match its rings serve, and by one they do not."""
     path = tmp_path / "warmup.yaml"
     path.write_text(f'prefixes:\n  - name: notes\n    text: "{LONG_TEXT}"\n')
     config, folder = load_warm_prefix_config(path), tmp_path / "warm"
-    first = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
+    first = Model(rings[kind], slots=2, warm_prefixes=config, warm_dir=folder)
     assert first.prefixes.warm_report.rebuilt == {"notes": "missing"}
-    model = Model(gemma[kind], slots=2, warm_prefixes=config, warm_dir=folder)
+    model = Model(rings[kind], slots=2, warm_prefixes=config, warm_dir=folder)
     assert model.prefixes.warm_report.loaded == ["notes"]
     block = model.prefixes.warm.prefixes[0].block
     ids = list(model.prefixes.warm.prefixes[0].token_ids)
     assert len(ids) > RING and block.ring_count == RING
     np.testing.assert_array_equal(block.ring, first.prefixes.warm.prefixes[0].block.ring)
-    reference, tail = Model(gemma[kind]), random_ids(7, seed=8)
+    reference, tail = Model(rings[kind]), random_ids(7, seed=8)
     check_served(model, reference, ids + tail, len(ids), ATOL[kind])
     check_served(model, reference, ids[:-20] + tail, len(ids) - 20, ATOL[kind])
     check_served(model, reference, ids[: len(ids) - RING + WINDOW - 2] + tail, 0, ATOL[kind])
+
+
+def test_a_block_and_a_warm_file_hold_the_layers_that_store_kv_only(rings, tmp_path):
+    """What a store, the disk tier or a warm file keeps of a slot is its layers that store KV: for
+    the tiny Gemma 4, 1 global layer at every position and 3 rings, none of its 3 shared layers;
+    the file is those bytes and its header."""
+    model = Model(rings["fp"])
+    g = model.manifest.geometry
+    ids = random_ids(100, seed=9)
+    prefill(model.backend, model.cache, 0, [ids])
+    block = model.cache.read(0, len(ids))
+    full = g.num_layers - len(g.ring_layers)
+    assert block.kv.shape[:4] == (full, 2, g.num_kv_heads, 100) and block.kv.shape[4] == g.head_dim
+    assert block.ring.shape[:4] == (len(g.ring_layers), 2, g.num_kv_heads, RING)
+    assert block.ring.shape[4] == g.ring_dim
+    assert g.model_layers == g.num_layers + len(g.shared_layers)
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", tuple(ids), block), g, model.manifest.source_fingerprint)
+    stored = block.kv.nbytes + block.ring.nbytes
+    assert stored <= path.stat().st_size < stored + 16384
 
 
 def test_warm_file_of_another_ring_layout_is_refused_naming_the_field(gemma, tmp_path):

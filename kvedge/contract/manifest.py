@@ -386,9 +386,13 @@ class CacheGeometry:
 
     def bytes_held(self, tokens: int) -> int:
         """KV bytes a slot holding `tokens` tokens uses: ring layers hold at most ring_len of them."""
-        full = len(self.full_layers) * tokens * self._bytes_per_layer_token(self.head_dim)
-        ring = len(self.ring_layers) * min(tokens, self.ring_len) * self._bytes_per_layer_token(self.ring_dim)
-        return full + ring
+        return self.block_bytes(tokens, min(tokens, self.ring_len) if self.ring_layers else 0)
+
+    def block_bytes(self, count: int, ring_count: int) -> int:
+        """KV bytes of `count` positions in the full layers and `ring_count` in the ring layers
+        (a stored block's, `KVBlock`), each layer at its own head_dim, scales included."""
+        full = len(self.full_layers) * count * self._bytes_per_layer_token(self.head_dim)
+        return full + len(self.ring_layers) * ring_count * self._bytes_per_layer_token(self.ring_dim)
 
     def bytes_per_slot(self) -> int:
         """KV bytes of a full slot plus its fixed states."""

@@ -317,8 +317,7 @@ def read_warm_file(
             f"{path.name}: ring_count {held} must be 0 without ring layers, at most count {count} with them"
         )
     _check_state_at(path.name, geometry, header.state_at, header.start, count, ArtifactMismatch)
-    per_layer = geometry.bytes_per_token() // geometry.num_layers
-    kv_bytes = (len(geometry.full_layers) * count + len(geometry.ring_layers) * held) * per_layer
+    kv_bytes = geometry.block_bytes(count, held)
     needed = kv_bytes + len(header.state_at) * geometry.state_bytes_per_slot()
     if header.data_bytes != needed:
         raise ArtifactMismatch(
