@@ -117,7 +117,7 @@ def softmax_scale_in_q_norm(source: Path) -> Path:
     times standard attention's, and softmax that sharp makes the random model amplify any rounding
     layer after layer: there a float32 graph with only its weights stored float16 (--weights
     float16) is 12-19 x FP16_UNIT x the range from transformers' float32 logits and moves top
-    tokens, transformers' own float16 run 21-50 x, so no float16 graph meets any bound. With the
+    tokens, transformers' own float16 run 20-50 x, so no float16 graph meets any bound. With the
     scale in the Q norm (scores as standard attention's): 1.2-3.8 x and 4.3-6.5 x, top tokens kept."""
     model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
     with torch.no_grad():
