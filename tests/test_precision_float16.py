@@ -9,6 +9,14 @@ over the nine tiny families (transformers' own float16 run of the same models: 1
 1.1-1.8 x when every op rounds to float16 (onnx's reference evaluator, below). The bound is 6 x
 (0.006 on these models' range of ~4.5): a float16 graph need not be closer to float32 than
 transformers' own float16 is, and a mask, position or island bug moves a logit by 0.1 or more.
+Gemma 4 (tests/test_gemma4.py's CONFIGS, `Family.gemma4`) moves more: each layer adds three
+normed sublayer outputs and a scale to its residual stream. transformers' own float16 run of these
+models is 4.3-6.5 x from its float32; the graph measured 2.2-6.7 x through onnxruntime and 1.9-4.6 x
+in the reference evaluator, and 3.2-10.0 x from its float32 twin with quantized weights or the INT8
+cache, whose codes round the other way where float16 moves a value across a rounding boundary, as
+for Llama but carried further. Its bound is GEMMA4_BOUND = 12 x (0.015 on a range of ~2.5), a
+seventh of what such a bug moves (dropping the per-layer rows moves 0.2-0.5, scaling them by 1.1
+0.02-0.05).
 
 What onnxruntime CPU proves here: its x86 build has no float16 kernels for MatMul, Gemm, Add, Mul
 or Sub. Its InsertCastTransformer runs them in float32 between Casts and drops the Cast pairs
@@ -32,11 +40,12 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FAMILIES, MAX_LEN, decode_logits, embeds_feed, random_ids
+from conftest import FAMILIES, MAX_LEN, decode_logits, random_ids
 from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.ops.op_dequantize_linear import DequantizeLinear_19
-from tiny import make_tiny_model
+from test_gemma4 import CONFIGS as GEMMA4_CONFIGS
+from tiny import gemma4_supported, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from kvedge.cli import main
@@ -44,6 +53,7 @@ from kvedge.contract import ExportRecipe, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.export.export import export_model, recorded
 from kvedge.planner import ModelFootprint
+from kvedge.runtime.embeddings import HostInputs
 from kvedge.runtime.generate import prefill
 from kvedge.runtime.model import Model
 
@@ -62,22 +72,36 @@ class DequantizeLinear(DequantizeLinear_19):
 
 FP16_UNIT = 2.0**-11
 BOUND = 6  # x FP16_UNIT x the logits' range (module docstring)
+GEMMA4_BOUND = 12  # the same for Gemma 4 (module docstring)
 HALF = ExportRecipe(max_len=MAX_LEN, precision="float16")
 
 
 class Family:
-    """One tiny family's source, its transformers float32 logits, and exports made on demand."""
+    """One tiny model's source, its transformers float32 logits, and exports made on demand."""
 
-    def __init__(self, name: str, root: Path) -> None:
-        overrides = dict(FAMILIES[name])
-        family = overrides.pop("family", name)
-        self.root, self.ids = root, random_ids(52, seed=1)
-        self.source = make_tiny_model(root / "hf", family, **overrides)
+    def __init__(self, source: Path, root: Path, units: float = BOUND) -> None:
+        self.root, self.ids, self.source = root, random_ids(52, seed=1), source
         self.hf = AutoModelForCausalLM.from_pretrained(self.source, dtype="float32").eval()
         with torch.no_grad():
             self.ref = self.hf(torch.tensor([self.ids]), use_cache=False).logits[0].numpy()  # [52, vocab]
-        self.bound = BOUND * FP16_UNIT * float(self.ref.max() - self.ref.min())
+        self.bound = units * FP16_UNIT * float(self.ref.max() - self.ref.min())
         self.made: dict[ExportRecipe, Path] = {}
+
+    @classmethod
+    def tiny(cls, name: str, root: Path) -> Family:
+        """conftest.FAMILIES[name]'s tiny model."""
+        overrides = dict(FAMILIES[name])
+        family = overrides.pop("family", name)
+        return cls(make_tiny_model(root / "hf", family, **overrides), root)
+
+    @classmethod
+    def gemma4(cls, config: str, root: Path) -> Family:
+        """tests/test_gemma4.py CONFIGS[config]'s tiny model, its Q norms weighing by head_dim**-0.5
+        (`softmax_scale_in_q_norm`)."""
+        if not gemma4_supported():
+            pytest.skip("Gemma 4 needs transformers 5.25 (kv_sharing_modes); this one is older")
+        source = make_tiny_model(root / "hf", "gemma4", seed=3, **GEMMA4_CONFIGS[config])
+        return cls(softmax_scale_in_q_norm(source), root, GEMMA4_BOUND)
 
     def export(self, options: ExportRecipe) -> Path:
         if options not in self.made:
@@ -86,14 +110,35 @@ class Family:
         return self.made[options]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def softmax_scale_in_q_norm(source: Path) -> Path:
+    """`source` (a tiny Gemma 4) with every Q norm's weight times its head_dim**-0.5, saved over it.
+    Gemma 4 attends with no softmax scale (transformers' scaling 1.0): a checkpoint's Q norm
+    carries it. tests/tiny.py's random Q norms weigh about 1, so its scores are sqrt(head_dim)
+    times standard attention's, and softmax that sharp makes the random model amplify any rounding
+    layer after layer: there a float32 graph with only its weights stored float16 (--weights
+    float16) is 12-19 x FP16_UNIT x the range from transformers' float32 logits and moves top
+    tokens, transformers' own float16 run 20-50 x, so no float16 graph meets any bound. With the
+    scale in the Q norm (scores as standard attention's): 1.2-3.8 x and 4.3-6.5 x, top tokens kept."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("self_attn.q_norm.weight"):  # [head_dim] of its layer
+                weight.mul_(weight.numel() ** -0.5)
+    model.save_pretrained(source)
+    return source
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES) + [f"gemma4:{c}" for c in sorted(GEMMA4_CONFIGS)])
 def family(request, tmp_path_factory) -> Family:
-    return Family(request.param, tmp_path_factory.mktemp(f"half-{request.param}"))
+    root = tmp_path_factory.mktemp(f"half-{request.param.replace(':', '-')}")
+    if request.param.startswith("gemma4:"):
+        return Family.gemma4(request.param.split(":", 1)[1], root)
+    return Family.tiny(request.param, root)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Family:
-    return Family("llama", tmp_path_factory.mktemp("half-llama"))
+    return Family.tiny("llama", tmp_path_factory.mktemp("half-llama"))
 
 
 def test_options_are_refused_by_name(tmp_path):
@@ -191,6 +236,7 @@ def _reference_logits(folder: Path, ids: list[int], start: int, steps: int) -> n
     model = onnx.load(str(folder / "model.onnx"))
     old_opset = next(o.version for o in model.opset_import if o.domain == "") < 19
     evaluator = ReferenceEvaluator(model, new_ops=[DequantizeLinear] if old_opset else None)
+    lookups = HostInputs.of(folder, manifest)  # inputs_embeds, per_layer_inputs: what the runtime feeds
     past = {s.name: np.zeros(s.shape(1, 1), s.dtype) for s in manifest.graph_inputs() if s.layer is not None}
     pairs = [
         (names.layer(p, i), names.layer(q, i), i)
@@ -202,7 +248,7 @@ def _reference_logits(folder: Path, ids: list[int], start: int, steps: int) -> n
         n = len(chunk)
         feeds = {
             names.input_ids: np.array([chunk], np.int64),
-            **embeds_feed(folder, manifest, np.array([chunk], np.int64)),
+            **(lookups(np.array([chunk], np.int64)) if lookups else {}),
             names.position_ids: np.arange(length, length + n, dtype=np.int64)[None],
             names.past_lengths: np.array([length], np.int64),
             # [batch] ("last") or [batch, rows] ("rows", the default since speculation): one row
@@ -228,27 +274,55 @@ def test_float16_arithmetic_in_every_op(family):
     np.testing.assert_allclose(got, family.ref[19:24], atol=family.bound, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> Family:
+    return Family.gemma4("gemma4", tmp_path_factory.mktemp("half-gemma4"))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4"])
 @pytest.mark.parametrize(
     "weights, kv_dtype", [("int4", "float16"), ("float16", "int8"), ("int4", "int8"), ("int8", "float16")]
 )
-def test_quantized_weights_and_int8_cache_in_float16_match_their_float32_twins(llama, weights, kv_dtype):
+def test_quantized_weights_and_int8_cache_in_float16_match_their_float32_twins(
+    request, name, weights, kv_dtype
+):
     """int8/int4 blocks dequantized to float16 (the float32 graph's codes, float16 scales), the
     INT8 cache under a float16 graph: against the float32 graph of the same weights and cache,
     whose own distance to transformers is the quantization's (tests/test_variants.py,
-    test_kv_int8.py), at the float16 bound; measured 1.6-4.3 x FP16_UNIT x the range, the most
-    with the INT8 cache, whose codes round the other way where float16 moves a value across a
-    rounding boundary. Both run in the reference evaluator: onnxruntime fuses DequantizeLinear ->
-    MatMul into MatMulNBits, whose int8 rounding of activations moves both graphs by ~10 x,
-    differently."""
+    test_kv_int8.py), at the float16 bound; measured 1.6-4.3 x FP16_UNIT x the range on Llama,
+    the most with the INT8 cache, whose codes round the other way where float16 moves a value
+    across a rounding boundary (Gemma 4, with its per-layer inputs and shared layers: 3.2-10.0 x).
+    Both run in the reference evaluator: onnxruntime fuses DequantizeLinear -> MatMul into
+    MatMulNBits, whose int8 rounding of activations moves both graphs by ~10 x, differently."""
+    family = request.getfixturevalue(name)
     options = dict(max_len=MAX_LEN, weights=weights, kv_dtype=kv_dtype)
     if weights != "float16":  # the same kept channels in both graphs, whatever their defaults
         options["outlier_channels"] = 8
-    half = llama.export(ExportRecipe(precision="float16", **options))
-    twin = llama.export(
+    if name == "gemma4":  # blocks that divide its per-layer width (16)
+        options["block_size"] = 16
+    half = family.export(ExportRecipe(precision="float16", **options))
+    twin = family.export(
         ExportRecipe(**{**options, "kv_dtype": "float32" if kv_dtype == "float16" else kv_dtype})
     )
-    got, want = (_reference_logits(f, llama.ids, 20, 4) for f in (half, twin))
-    np.testing.assert_allclose(got, want, atol=llama.bound, rtol=0)
+    got, want = (_reference_logits(f, family.ids, 20, 4) for f in (half, twin))
+    np.testing.assert_allclose(got, want, atol=family.bound, rtol=0)
+
+
+def test_gemma4_float16_graph_narrows_its_per_layer_inputs_once(gemma4):
+    """The runtime feeds per-layer rows float32 to every Gemma 4 graph (the interface); a float16
+    graph narrows them by one Cast and computes its matrix products in float16."""
+    folder = gemma4.export(HALF)
+    manifest = Manifest.load(folder)
+    name = manifest.names.per_layer_inputs
+    spec = next(spec for spec in manifest.graph_inputs() if spec.name == name)
+    assert spec.dtype == np.float32
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    types = _value_types(model)
+    readers = [node for node in model.graph.node if name in node.input]
+    assert [(n.op_type, types[n.output[0]]) for n in readers] == [("Cast", TensorProto.FLOAT16)]
+    for node in model.graph.node:
+        if node.op_type in ("MatMul", "Gemm"):
+            assert types[node.input[0]] == types[node.input[1]] == TensorProto.FLOAT16, node.name
 
 
 def test_the_runtime_runs_a_float16_export_end_to_end(llama, tmp_path):

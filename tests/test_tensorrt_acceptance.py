@@ -146,20 +146,29 @@ def test_tensorrt_parses_and_builds_gemma3_ring_layers(precision, kv_dtype, tmp_
     assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
-@pytest.mark.parametrize("kv_dtype, weights", [("float32", "float32"), ("int8", "int4")])
-def test_tensorrt_parses_and_builds_gemma4(kv_dtype, weights, tmp_path):
+@pytest.mark.parametrize(
+    "precision, kv_dtype, weights",
+    [
+        ("float32", "float32", "float32"),
+        ("float32", "int8", "int4"),
+        ("float16", "float16", "float16"),
+        ("float16", "int8", "int4"),  # the form the planner recommends for TensorRT elsewhere
+    ],
+)
+def test_tensorrt_parses_and_builds_gemma4(precision, kv_dtype, weights, tmp_path):
     """Gemma 4's portable graph: rings of the sliding layers' own head_dim, global layers of
     theirs, shared-KV layers reading their source layer's K and V, per-layer inputs as a graph
-    input, softcapped logits."""
+    input (float32, narrowed in a float16 graph), softcapped logits; float32 and float16 graphs."""
     source = make_tiny_model(tmp_path / "hf", "gemma4")
     out = tmp_path / kv_dtype
-    export_model(
-        source, out, ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype, weights=weights, block_size=16)
+    recipe = ExportRecipe(
+        max_len=MAX_LEN, precision=precision, kv_dtype=kv_dtype, weights=weights, block_size=16
     )
+    export_model(source, out, recipe)
     assert parse_errors(out) == []
     check_strongly_typed(out)
     engine = build_engine(out, out, MAX_PREFILL, 256 << 20, max_batch=MAX_BATCH)
-    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == "float32"
+    assert (out / ENGINE_FILE).stat().st_size > 100_000 and engine.precision == precision
 
 
 @pytest.mark.parametrize(

@@ -94,16 +94,27 @@ def test_every_claimed_graph_is_taken_by_the_oldest_claimed_tensorrt(case, llama
         ("qwen3_5", "float32"),
         ("gemma4", "float32"),
         ("gemma4", "int8"),
+        ("gemma4", "float16"),  # --precision float16
+        ("gemma4", "int8-float16"),  # --precision float16 --weights int4 --kv-dtype int8
     ],
 )
 def test_the_families_whose_graphs_differ_are_taken_too(family, kv_dtype, table, tmp_path):
     """Qwen2: the finding's model (biases); Gemma 3: ring-buffer layers with their own INT8 codec;
     LFM2 and Qwen3.5: convolution and recurrent layers whose states are graph inputs and outputs;
-    Gemma 4: shared-KV layers, rings of their own head_dim, per-layer inputs."""
+    Gemma 4: shared-KV layers, rings of their own head_dim, per-layer inputs, and its float16
+    graphs (the per-layer inputs narrowed in the graph)."""
     if family == "gemma4" and not gemma4_supported():
         pytest.skip("Gemma 4 needs transformers 5.25 (kv_sharing_modes); this one is older")
     source = make_tiny_model(tmp_path / "hf", family)
-    export_model(source, tmp_path / "out", ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype))
+    if kv_dtype == "int8-float16":
+        recipe = ExportRecipe(
+            max_len=MAX_LEN, precision="float16", weights="int4", kv_dtype="int8", block_size=16
+        )
+    elif kv_dtype == "float16":
+        recipe = ExportRecipe(max_len=MAX_LEN, precision="float16")
+    else:
+        recipe = ExportRecipe(max_len=MAX_LEN, kv_dtype=kv_dtype)
+    export_model(source, tmp_path / "out", recipe)
     assert check_graph(load(tmp_path / "out"), table) == []
 
 

@@ -640,7 +640,8 @@ class PerLayerTable:
     PER_LAYER_FILE, numpy's .npy format (a header, then the rows, C order), which the runtime maps
     read-only and reads one row of per token (`kvedge.runtime.embeddings.PerLayerRows`): only the
     pages of the tokens seen become resident, page cache the kernel may drop, never GPU memory.
-    The graph takes the rows as `per_layer_inputs` [batch, seq, layers x P] float32."""
+    The graph takes the rows as `per_layer_inputs` [batch, seq, layers x P] float32 (a float16
+    graph narrows them itself: its table is float16 already)."""
 
     file: str  # PER_LAYER_FILE
     dtype: str  # a PER_LAYER_DTYPES value: float32 for float32 weights, else float16
@@ -679,8 +680,8 @@ class GraphInterface:
     # the inputs_embeds input's dtype ("float32", "float16"), where the runtime looks the
     # embeddings up (`EmbeddingTable`); "": the graph gathers them from input_ids
     embeds: str = ""
-    # the per_layer_inputs input's width (layers x P, Gemma 4's per-layer embeddings, float32);
-    # 0: none
+    # the per_layer_inputs input's width (layers x P, Gemma 4's per-layer embeddings, float32 at
+    # every precision); 0: none
     per_layer: int = 0
 
     @property

@@ -31,11 +31,6 @@ HYBRID_LAYER_TYPES = {
 FAMILY_REFUSED = {
     "gemma4_text": (
         (
-            {"precision": "float16"},
-            "its per-layer inputs are float32",
-            "use --precision float32 (--weights float16 stores the weights in half the bytes)",
-        ),
-        (
             {"variant": "ort", "kv_dtype": "float16"},
             "its shared-KV layers read the cache in float32 ops",
             "use --kv-dtype float32 or int8, or --variant portable",

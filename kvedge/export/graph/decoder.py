@@ -292,7 +292,12 @@ class Decoder:
     def per_layer_inputs(self, embeds: str) -> str:
         """Gemma 4's per-layer inputs [b, s, layers, P] (HF's project_per_layer_inputs): the
         runtime's rows of the per-layer table (`names.per_layer_inputs` [b, s, layers P], already
-        times sqrt(P)) plus RMSNorm(embeds W^T hidden**-0.5) per layer, times 2**-0.5."""
+        times sqrt(P)) plus RMSNorm(embeds W^T hidden**-0.5) per layer, times 2**-0.5.
+
+        The rows enter every graph float32 and a float16 graph narrows them with one Cast: the
+        table beside a float16 graph is stored float16 (`per_layer_dtype`), so the narrowing is
+        exact, and the interface, the runtime's lookup and the TensorRT bindings stay one for all
+        precisions. Feeding float16 would save one Cast and half of a few kilobytes per token."""
         g, spec = self.g, self.spec
         layers, width = spec.num_layers, spec.gemma4.per_layer
         p = "model.per_layer_model_projection"
@@ -302,9 +307,8 @@ class Decoder:
         normed = self.norms.rms_norm(
             proj, self.w("model.per_layer_projection_norm.weight"), "model.per_layer_projection_norm"
         )
-        table = g.op(
-            "Reshape", [self.names.per_layer_inputs, g.ints(0, 0, layers, width)], "model.per_layer_rows"
-        )
+        rows = g.narrow(self.names.per_layer_inputs, "model.per_layer_rows16")  # [b, s, layers P]
+        table = g.op("Reshape", [rows, g.ints(0, 0, layers, width)], "model.per_layer_rows")
         both = g.op("Add", [normed, table], "model.per_layer_sum")
         return g.op("Mul", [both, g.fconst("model.per_layer_scale", np.array(2.0**-0.5))], "model.per_layer")
 

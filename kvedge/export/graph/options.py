@@ -303,11 +303,12 @@ def check_ring(geometry: CacheGeometry, variant: str) -> None:
 
 
 def check_gemma4(spec: DecoderSpec, recipe: ExportRecipe) -> None:
-    """Gemma 4 is built for float32-compute graphs (its per-layer inputs are float32), portable or
-    ort; the ort one over a float32 or INT8 cache, not over a float16 cache (the form
-    onnxruntime's CUDA provider runs): its shared layers' attention (`inplace.SharedReads`) reads
-    the cache in float32 ops, which a float16 cache would have to be widened for. The refusals
-    are `contract.FAMILY_REFUSED`'s, which the planner reads too."""
+    """Gemma 4 is built for float32-compute graphs, portable or ort, and for the portable float16
+    graph (its per-layer inputs narrowed in the graph, `Decoder.per_layer_inputs`); the ort one
+    over a float32 or INT8 cache, not over a float16 cache (the form onnxruntime's CUDA provider
+    runs): its shared layers' attention (`inplace.SharedReads`) reads the cache in float32 ops,
+    which a float16 cache would have to be widened for. The refusals are
+    `contract.FAMILY_REFUSED`'s, which the planner reads too."""
     if spec.gemma4 is None:
         return
     choices = dict(variant=recipe.variant, precision=recipe.precision, kv_dtype=recipe.kv_dtype)
