@@ -93,8 +93,8 @@ from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.memory import KV_MEMORY
-from kvedge.runtime.generate import PENALTY_RANGE
 from kvedge.runtime.options import RunOptions
+from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.runtime.sessions import POLICIES, HistoryPolicy
 from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
@@ -107,6 +107,11 @@ _NOT_BLANK = r"\S"
 # other characters would match no request), after "Bearer " (so no spaces). RFC 6750's token68 is
 # narrower; keys with other printable characters already in use work with every client we know.
 _BEARER_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def _sampling_meta(name: str) -> Meta:
+    bounds = SAMPLING_BOUNDS[name]
+    return Meta(**bounds.meta(), description=bounds.allowed)
 
 
 @dataclass(frozen=True)
@@ -167,17 +172,11 @@ class ServiceConfig:
     )
     # loaded at start with a slot per service slot; requests may then ask for "draft"
     draft: Annotated[Path | None, Meta(description="an export folder, or null")] = None
-    temperature: Annotated[float, Meta(ge=0, le=2, description="a number in 0..2 (0: greedy)")] = 0.0
-    top_p: Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")] = 1.0
-    top_k: Annotated[int, Meta(ge=0, description="an integer >= 0 (0: off)")] = 0
-    repetition_penalty: Annotated[
-        float,
-        Meta(
-            ge=PENALTY_RANGE[0],
-            le=PENALTY_RANGE[1],
-            description=f"a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
-        ),
-    ] = 1.0
+    # a request's sampling where it gives none; allowed: what SamplingConfig allows
+    temperature: Annotated[float, _sampling_meta("temperature")] = 0.0
+    top_p: Annotated[float, _sampling_meta("top_p")] = 1.0
+    top_k: Annotated[int, _sampling_meta("top_k")] = 0
+    repetition_penalty: Annotated[float, _sampling_meta("repetition_penalty")] = 1.0
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )
