@@ -119,8 +119,8 @@ def choice_option(flag: str, choices: Sequence[str], default: str, help: str) ->
 
 
 # Former option names, one table for every command: (command, old flag) -> the flag that replaced
-# it. Each still works, warning once and naming the new flag (`add_old_spellings`); the service
-# config's former keys are `kvedge.serve.config.RENAMED`. plan's --backend and a board profile given
+# it. Each still works, warning once and naming the new flag (`add_old_spellings`); config files'
+# former keys are `kvedge.configs.RENAMED`. plan's --backend and a board profile given
 # as plan's --device changed values as well as names: `_plan_backend`, `_plan_device`.
 OLD_OPTIONS = {
     ("generate", "--context-policy"): "--history-policy",

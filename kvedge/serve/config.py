@@ -88,7 +88,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kvedge.configs import find_problem, read_yaml
+from kvedge.configs import find_problem, move_renamed, read_yaml, renamed
 from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
@@ -100,7 +100,7 @@ from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
 log = logging.getLogger(__name__)
 REPLY_OVERFLOW = ("clip", "reject")
-RENAMED = {"context_policy": "reply_overflow", "warmup_config": "warm_prefixes"}  # old key: new key
+RENAMED = renamed("service")  # old key: new key (kvedge.configs.RENAMED)
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _NOT_BLANK = r"\S"
 # What a bearer key may hold: a client sends it in an HTTP header, which carries ASCII (a key with
@@ -377,16 +377,12 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         raise KvedgeError(
             f"{path}: a service config is a mapping of keys to values; allowed keys: {sorted(KEYS)}"
         )
+    moved = move_renamed(data, "service", path)
     values, origin = {}, {}
     for key, value in data.items():
-        new = RENAMED.get(key, key)
-        if new not in KEYS:
+        if key not in KEYS:
             raise KvedgeError(f"{path}: unknown key {str(key)!r}; allowed keys: {sorted(KEYS)}")
-        if new != key:
-            if new in data:
-                raise KvedgeError(f"{path}: {key!r} is the old name of {new!r}; keep only {new!r}")
-            log.warning("%s: key %r is deprecated; write %r (same values)", path, key, new)
-        values[new], origin[new] = value, f"{path}: {key}"
+        values[key], origin[key] = value, f"{path}: {moved.get(key, key)}"
     return values, origin
 
 
