@@ -15,7 +15,7 @@ from kvedge.contract import MANIFEST_FILE
 from kvedge.errors import KvedgeError
 from kvedge.runtime.generate import SamplingConfig, sample
 from kvedge.runtime.sampling import SAMPLING_BOUNDS, Bounds
-from kvedge.serve.config import load_service_config
+from kvedge.serve.config import ServiceConfig, load_service_config
 from kvedge.serve.protocol import ApiError, parse_completion_request
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, 2.9], np.float32)
@@ -100,6 +100,16 @@ def test_every_surface_allows_what_the_declaration_allows(field, tmp_path):
     for value in probes(bounds):
         said = {name: accepts(check, value) for name, check in surfaces.items()}
         assert said == dict.fromkeys(surfaces, value in bounds), (field, value)
+
+
+def test_every_surface_defaults_as_sampling_config():
+    """The CLI flags (which do not import the runtime to read them) and the service config sample
+    as SamplingConfig does where nothing is given."""
+    for field in SAMPLING_BOUNDS:
+        default = getattr(SamplingConfig, field)
+        flags = [p for name in ("generate", "chat") for p in main.commands[name].params if p.name == field]
+        assert [p.default for p in flags] == [default, default], field
+        assert getattr(ServiceConfig, field) == default, field
 
 
 def test_the_chat_page_offers_the_declared_temperatures():

@@ -93,6 +93,7 @@ from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.memory import KV_MEMORY
+from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.runtime.sessions import POLICIES, HistoryPolicy
@@ -172,11 +173,13 @@ class ServiceConfig:
     )
     # loaded at start with a slot per service slot; requests may then ask for "draft"
     draft: Annotated[Path | None, Meta(description="an export folder, or null")] = None
-    # a request's sampling where it gives none; allowed: what SamplingConfig allows
-    temperature: Annotated[float, _sampling_meta("temperature")] = 0.0
-    top_p: Annotated[float, _sampling_meta("top_p")] = 1.0
-    top_k: Annotated[int, _sampling_meta("top_k")] = 0
-    repetition_penalty: Annotated[float, _sampling_meta("repetition_penalty")] = 1.0
+    # a request's sampling where it gives none; allowed and by default: as SamplingConfig
+    temperature: Annotated[float, _sampling_meta("temperature")] = SamplingConfig.temperature
+    top_p: Annotated[float, _sampling_meta("top_p")] = SamplingConfig.top_p
+    top_k: Annotated[int, _sampling_meta("top_k")] = SamplingConfig.top_k
+    repetition_penalty: Annotated[float, _sampling_meta("repetition_penalty")] = (
+        SamplingConfig.repetition_penalty
+    )
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )
