@@ -2,8 +2,8 @@
 
 `SamplingConfig` checks them; the CLI flags (`kvedge.cli`), `ServiceConfig`'s fields
 (`Bounds.meta`) and the request checks of the wire (`kvedge.serve.protocol`) are made from them, so
-no surface accepts a value another refuses. Temperature takes OpenAI's range, [0, 2]: the service
-always had it, and a higher temperature flattens a small model's distribution towards noise.
+no surface accepts a value another refuses. Temperature takes OpenAI's range, [0, 2]: the service,
+the wire and the chat page already had it, and a client written for OpenAI's API sends no more.
 
 Kept apart from `kvedge.runtime.generate` so that the CLI reads them without importing the runtime.
 """
