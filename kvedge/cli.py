@@ -34,6 +34,7 @@ from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.files import human
 from kvedge.runtime.backends.memory import KV_MEMORY
+from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.runtime.sessions import POLICIES
 from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
@@ -118,8 +119,8 @@ def choice_option(flag: str, choices: Sequence[str], default: str, help: str) ->
 
 
 # Former option names, one table for every command: (command, old flag) -> the flag that replaced
-# it. Each still works, warning once and naming the new flag (`add_old_spellings`); the service
-# config's former keys are `kvedge.serve.config.RENAMED`. plan's --backend and a board profile given
+# it. Each still works, warning once and naming the new flag (`add_old_spellings`); config files'
+# former keys are `kvedge.configs.RENAMED`. plan's --backend and a board profile given
 # as plan's --device changed values as well as names: `_plan_backend`, `_plan_device`.
 OLD_OPTIONS = {
     ("generate", "--context-policy"): "--history-policy",
@@ -202,6 +203,32 @@ kv_memory_option = click.option(
 )
 
 
+class Sampled(click.ParamType):
+    """A sampling flag's value, refused as it is given where `SamplingConfig` would refuse it: its
+    `SAMPLING_BOUNDS`, with the same message."""
+
+    def __init__(self, field: str) -> None:
+        self.field, self.bounds = field, SAMPLING_BOUNDS[field]
+        self.name = "integer" if self.bounds.integer else "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = (click.INT if self.bounds.integer else click.FLOAT).convert(value, param, ctx)
+        if number not in self.bounds:
+            self.fail(f"{self.field}={number!r} is not allowed; allowed: {self.bounds.allowed}", param, ctx)
+        return number
+
+
+def sampling_option(field: str, default: float) -> Callable[..., Any]:
+    allowed = SAMPLING_BOUNDS[field].allowed
+    return click.option(
+        "--" + field.replace("_", "-"),
+        default=default,
+        show_default=True,
+        type=Sampled(field),
+        help=f"{allowed[0].upper()}{allowed[1:]}.",
+    )
+
+
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The TensorRT engine's build options, shared by `export --target tensorrt` and `engine`."""
     options = [
@@ -280,10 +307,10 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
             help="Folder written by `kvedge export`.",
         ),
         click.option("--max-new-tokens", default=256, show_default=True, type=int),
-        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
-        click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
-        click.option("--top-p", default=1.0, show_default=True, type=float),
-        click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
+        sampling_option("temperature", 0.0),
+        sampling_option("top_k", 0),
+        sampling_option("top_p", 1.0),
+        sampling_option("repetition_penalty", 1.0),
         click.option("--seed", default=None, type=int),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option(

@@ -31,7 +31,9 @@ the profile's memory (`kvedge.planner.recommend`), the one answer README and doc
                    # linear_value_head_dim (HF's names; `ModelRecipe.geometry` turns them into
                    # KV layers and per-slot states as `kvedge export` does); gemma4_text also:
                    # sliding_window, sliding_window_pattern and `GEMMA4_FIELDS`
-    export: {max_len, logits, weights_dtype, kv_dtype, max_prefill, max_batch}
+    export: {max_len, logits, weights, kv_dtype, max_prefill, max_batch}
+             # the export's choices, under ExportRecipe's names (any of its fields may be given;
+             # those left out take its defaults), and the TensorRT profile (ProfileSizes')
 
 `configs/warmup/NAME.yaml`, warm prefixes: fixed prompts whose KV `kvedge warm-prefixes` (or
 start-up) computes once and keeps on disk (see `kvedge/runtime/warm_prefixes.py`)::
@@ -44,11 +46,14 @@ start-up) computes once and keeps on disk (see `kvedge/runtime/warm_prefixes.py`
         text: "raw text"           # or raw text, tokenized without special tokens
 
 Every key is required unless shown with a default below; unknown keys are refused. Errors are
-raised as `KvedgeError` when the file is loaded, never later.
+raised as `KvedgeError` when the file is loaded, never later. A key that was renamed still reads,
+with a warning naming the new one (`RENAMED`, every kind of file's).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 import types
 from dataclasses import dataclass, is_dataclass
@@ -60,7 +65,6 @@ import yaml
 
 from kvedge.contract import (
     HYBRID_LAYER_TYPES,
-    PREFILL_CHUNK,
     RING_MARGIN,
     ROLES,
     SUPPORTED_MODEL_TYPES,
@@ -69,7 +73,10 @@ from kvedge.contract import (
     StateSpec,
     shared_kv_geometry,
 )
+from kvedge.contract.engine import ProfileSizes
 from kvedge.errors import KvedgeError
+
+log = logging.getLogger(__name__)
 
 # configs/ as installed package data (setup.py ships it as kvedge._configs), else the source
 # checkout's (an editable install included); other files are passed as paths
@@ -78,7 +85,6 @@ CONFIG_ROOT = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().pa
 BOARDS_DIR = CONFIG_ROOT / "devices"
 MODELS_DIR = CONFIG_ROOT / "models"
 
-WEIGHT_BYTES = {"float32": 4, "float16": 2}  # what the exporter / TensorRT builder produce today
 FAMILIES = tuple(SUPPORTED_MODEL_TYPES)  # what `kvedge export` supports
 LAYER_TYPES = tuple(dict.fromkeys(t for types in HYBRID_LAYER_TYPES.values() for t in types))
 # Qwen3.5's Gated DeltaNet sizes (HF's names), which it needs and no other family takes
@@ -96,7 +102,6 @@ GEMMA4_FIELDS = (
     "vocab_size_per_layer_input",
     "use_double_wide_mlp",
 )
-LOGITS = ("rows", "last", "all")  # contract.LOGITS_MODES
 PREFIX_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a warm prefix's name is its file name
 
 T = TypeVar("T")
@@ -106,6 +111,60 @@ Text = Annotated[str, msgspec.Meta(min_length=1)]
 
 class Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A config section: immutable, and a key it does not declare is an error, not ignored."""
+
+
+def section(name: str, *owners: type) -> type[Strict]:
+    """A config section whose keys are the fields of the dataclasses `owners`, with their types and
+    defaults: a file names the owners' fields as they are declared, and nothing here restates
+    them (`filled` makes an owner of it)."""
+    keys = []
+    for owner in owners:
+        hints = get_type_hints(owner, include_extras=True)
+        for f in dataclasses.fields(owner):
+            default = () if f.default is dataclasses.MISSING else (f.default,)
+            keys.append((f.name, hints[f.name], *default))
+    return msgspec.defstruct(name, keys, bases=(Strict,), frozen=True, forbid_unknown_fields=True)
+
+
+def filled(owner: type[T], values: msgspec.Struct) -> T:
+    """The dataclass `owner` from the keys of a `section` that are its fields."""
+    return owner(**{f.name: getattr(values, f.name) for f in dataclasses.fields(owner)})
+
+
+# Former keys of kvedge's YAML files, one table for every kind: (kind, old key) -> new key; a dotted
+# key is a key of a section. Each still reads, with a warning naming the new key (`move_renamed`).
+# The CLI's former flags are `kvedge.cli.OLD_OPTIONS`.
+RENAMED = {
+    ("service", "context_policy"): "reply_overflow",
+    ("service", "warmup_config"): "warm_prefixes",
+    ("model", "export.weights_dtype"): "export.weights",  # ExportRecipe's name, as `--weights`
+}
+
+
+def renamed(kind: str) -> dict[str, str]:
+    """Old key: new key, of the files of `kind` ("service", "model")."""
+    return {old: new for (of, old), new in RENAMED.items() if of == kind}
+
+
+def move_renamed(data: Any, kind: str, path: Path) -> dict[str, str]:
+    """Move each old key in `data` (a file of `kind`, as parsed; changed in place) to its new
+    name, warning once for each; an old key given beside its new one is refused. Returns new key:
+    old key, of the keys moved, so that errors name the key as written."""
+    moved = {}
+    for old, new in renamed(kind).items():
+        *parents, old_key = old.split(".")
+        new_key = new.split(".")[-1]  # a rename stays in its section
+        values = data
+        for parent in parents:
+            values = values.get(parent) if isinstance(values, dict) else None
+        if not isinstance(values, dict) or old_key not in values:
+            continue
+        if new_key in values:
+            raise KvedgeError(f"{path}: {old!r} is the old name of {new!r}; keep only {new!r}")
+        log.warning("%s: key %r is deprecated; write %r (same values)", path, old, new)
+        values[new_key] = values.pop(old_key)
+        moved[new] = old
+    return moved
 
 
 # --- the validator -------------------------------------------------------------------------------
@@ -401,13 +460,8 @@ class Architecture(Strict):
         ).with_dtype(kv_dtype)
 
 
-class ExportSettings(Strict):
-    max_len: Annotated[int, msgspec.Meta(ge=16)] = 2048  # cache length per sequence, baked into the graph
-    logits: Literal[LOGITS] = "rows"
-    weights_dtype: Literal[tuple(WEIGHT_BYTES)] = "float32"  # of the graph (--precision float16: float16)
-    kv_dtype: Text = "float32"  # CacheGeometry's to allow: checked by `load_recipe`
-    max_prefill: Count = PREFILL_CHUNK  # TensorRT prefill profile: longest chunk
-    max_batch: Count = 1  # TensorRT profiles: most rows per call
+# configs/models' `export:`: the export's choices and the TensorRT profile its engine is built with
+ExportSection = section("ExportSection", ExportRecipe, ProfileSizes)
 
 
 class RecipeFile(Strict):
@@ -417,7 +471,7 @@ class RecipeFile(Strict):
     description: Text
     source: Text
     architecture: Architecture
-    export: ExportSettings
+    export: ExportSection
 
 
 class ModelRecipe(RecipeFile, frozen=True):
@@ -428,15 +482,14 @@ class ModelRecipe(RecipeFile, frozen=True):
     @property
     def export_recipe(self) -> ExportRecipe:
         """The `export:` section as the export's choices (its TensorRT profile aside)."""
-        e = self.export
-        return ExportRecipe(max_len=e.max_len, logits=e.logits, weights=e.weights_dtype, kv_dtype=e.kv_dtype)
+        return filled(ExportRecipe, self.export)
 
     def geometry(
         self, max_len: int | None = None, kv_dtype: str | None = None, variant: str = "portable"
     ) -> CacheGeometry:
         """The cache `kvedge export` makes for this recipe as `variant` (`Architecture.geometry`)."""
         return self.architecture.geometry(
-            max_len or self.export.max_len, kv_dtype or self.export.kv_dtype, variant
+            max_len or self.export.max_len, kv_dtype or self.export_recipe.kv_dtype, variant
         )
 
 
@@ -527,7 +580,9 @@ def load_board(name_or_path: str | Path) -> BoardProfile:
 def load_recipe(name_or_path: str | Path) -> ModelRecipe:
     """A model recipe by name (`configs/models/NAME.yaml`) or path."""
     path = _resolve(name_or_path, MODELS_DIR, "model recipe")
-    recipe = ModelRecipe(**msgspec.structs.asdict(parse(read_yaml(path), RecipeFile, path)), path=path)
+    data = read_yaml(path)
+    move_renamed(data, "model", path)
+    recipe = ModelRecipe(**msgspec.structs.asdict(parse(data, RecipeFile, path)), path=path)
     _check_name(recipe.name, path)
     a, export = recipe.architecture, recipe.export
     if a.num_heads % a.num_kv_heads:
@@ -547,8 +602,9 @@ def load_recipe(name_or_path: str | Path) -> ModelRecipe:
         raise _refuse(
             path, "export.max_prefill", f"{export.max_prefill} is not allowed; allowed: 1..{export.max_len}"
         )
-    try:  # the cache dtype is CacheGeometry's to allow; let it name the allowed values
-        recipe.geometry()
+    try:  # a cache dtype the card names is CacheGeometry's to allow; let it name the allowed values
+        if export.kv_dtype is not None:
+            recipe.architecture.geometry(export.max_len, export.kv_dtype)
     except KvedgeError as exc:
         raise _refuse(path, "export.kv_dtype", str(exc)) from None
     try:  # the combination is the export's to allow (`ExportRecipe`)

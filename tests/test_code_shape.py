@@ -6,7 +6,8 @@ option decorators declare its interface, they are not steps of its body. No modu
 kvedge/planner/ runs over 400 lines (it was one module of 1,230 lines, split by role).
 
 Export choices are declared once (`kvedge.contract.ExportRecipe`): a second class declaring them
-drifts from the first (the planner's copy once had `head_bits` and `lm_head_bits` swapped).
+drifts from the first (the planner's copy once had `head_bits` and `lm_head_bits` swapped), and
+one declaring them under other names drifts unseen (configs' `ExportSettings` renamed `weights`).
 
 docs/ARCHITECTURE.md stays a map a newcomer reads in 20 minutes (under 350 lines; the design notes
 live in docs/design/), and every docs/ path kvedge/ and tests/ cite exists, with the section they
@@ -22,12 +23,14 @@ own parameters read as figures too ("measured on 256 MiB"): say those without "m
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import re
 import tokenize
 from pathlib import Path
 
 import kvedge
+from kvedge.contract import ExportRecipe
 
 MAX_LINES = 80
 PACKAGE = Path(kvedge.__file__).parent
@@ -221,6 +224,65 @@ def test_a_second_declaration_of_export_choices_is_found(tmp_path):
         "class Other:\n    weights: bytes\n"
     )
     assert classes_declaring(tmp_path / "pkg", EXPORT_CHOICES) == {"pkg/m.py:Form"}
+
+
+# A copy of ExportRecipe under other names (configs' ExportSettings had `weights_dtype` for
+# `weights`): a class annotating two or more of its fields, one at least renamed. A field restates a
+# recipe field named as it is, or named with its words and more (weights_dtype, lm_head_bits) when
+# its default is the recipe's own default for it: a name that only contains the words measures
+# something else (weights_bytes).
+# The planner's footprint also describes an export folder, which has no recipe, under its
+# manifest's names (`Manifest` records `weights_dtype`); it is to read them from its form or manifest.
+KNOWN_COPIES = {"kvedge/planner/estimate.py:ModelFootprint"}
+
+
+def recipe_copies(root: Path) -> dict[str, list[str]]:
+    """`file:Class` -> the fields restating ExportRecipe's, for every class under `root` with two
+    or more of them, one renamed (`ExportRecipe` and `Manifest`, `DECLARED_BY`, aside)."""
+    defaults = dataclasses.asdict(ExportRecipe())  # after construction: what a field left None comes to
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            restated, renamed = [], False
+            for item in node.body:
+                if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                    continue
+                name = item.target.id
+                for field, default in defaults.items():
+                    if name == field:
+                        restated.append(name)
+                    elif set(field.split("_")) < set(name.split("_")) and _literal(item.value) == (default,):
+                        restated.append(name)
+                        renamed = True
+            where = f"{path.relative_to(root.parent).as_posix()}:{node.name}"
+            if len(restated) >= 2 and renamed and where not in DECLARED_BY:
+                found[where] = restated
+    return found
+
+
+def _literal(node: ast.expr | None) -> tuple[object, ...]:
+    """(the value,) of a literal default; () for none, or one that is not a literal."""
+    try:
+        return () if node is None else (ast.literal_eval(node),)
+    except ValueError:
+        return ()
+
+
+def test_no_class_restates_the_export_recipe_under_other_names():
+    assert set(recipe_copies(PACKAGE)) == KNOWN_COPIES
+
+
+def test_a_renamed_copy_of_the_export_recipe_is_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "class Settings:\n    max_len: int = 2048\n    logits: str = 'rows'\n"
+        "    weights_dtype: str = 'float32'\n\n"
+        "class Sizes:\n    max_len: int\n    weights_bytes: int = 0\n\n"
+        "class Named:\n    max_len: int\n    logits: str\n"
+    )
+    assert recipe_copies(tmp_path / "pkg") == {"pkg/m.py:Settings": ["max_len", "logits", "weights_dtype"]}
 
 
 ROOT = PACKAGE.parent

@@ -15,14 +15,18 @@ from kvedge.configs import (
     BOARDS_DIR,
     DELTANET_FIELDS,
     MODELS_DIR,
+    RENAMED,
     Architecture,
     available,
     load_board,
     load_recipe,
+    renamed,
 )
 from kvedge.contract import MANIFEST_FILE, ExportRecipe
+from kvedge.contract.engine import ProfileSizes
 from kvedge.errors import KvedgeError
 from kvedge.planner import recommend
+from kvedge.serve.config import RENAMED as RENAMED_SERVICE_KEYS
 from kvedge.serve.config import load_service_config
 
 SERVICES_DIR = Path(__file__).resolve().parents[1] / "configs" / "services"
@@ -242,8 +246,12 @@ RECIPE_CASES = [
         "export.logits: 'first' is not allowed; allowed: rows, last, all",
     ),
     (
-        lambda d: d["export"].update(weights_dtype="int4"),
-        "export.weights_dtype: 'int4' is not allowed; allowed: float32, float16",
+        lambda d: d["export"].update(weights="int3"),
+        "export: --weights 'int3' is not allowed; allowed: ['float16', 'float32', 'int4', 'int8']",
+    ),
+    (
+        lambda d: d["export"].update(weights_dtype="float16"),
+        "'export.weights_dtype' is the old name of 'export.weights'; keep only 'export.weights'",
     ),
     (
         lambda d: d["export"].update(kv_dtype="int3"),
@@ -379,3 +387,35 @@ def test_the_jetson_service_config_is_the_planners_recommendation(tmp_path):
     assert export["out_dir"] == engine["folder"] == folder and engine["max_batch"] == config.slots
     walkthrough = (SERVICES_DIR.parents[1] / "docs" / "JETSON.md").read_text()
     assert all(shlex.join(["kvedge", name, *args]) in walkthrough for name, args in commands.items())
+
+
+def test_a_recipe_export_section_is_the_export_recipe_under_its_own_names(tmp_path):
+    """`export:` takes ExportRecipe's fields as they are named (and the TensorRT profile,
+    ProfileSizes's), so any recipe the export flags make can be written in a card."""
+    names = {f.name for owner in (ExportRecipe, ProfileSizes) for f in dataclasses.fields(owner)}
+    for card in MODELS_DIR.glob("*.yaml"):
+        assert set(yaml.safe_load(card.read_text())["export"]) <= names, card
+    data = yaml.safe_load((MODELS_DIR / "smollm2-135m.yaml").read_text())
+    data["export"].update(variant="ort", weights="int4", head_bits=8, decode_matmuls="onnxruntime")
+    recipe = load_recipe(_write(tmp_path, data, "smollm2-135m"))
+    assert recipe.export_recipe == ExportRecipe(
+        max_len=2048, logits="last", variant="ort", weights="int4", head_bits=8, decode_matmuls="onnxruntime"
+    )
+    assert (recipe.export.max_prefill, recipe.export.max_batch) == (256, 1)
+
+
+def test_a_renamed_recipe_key_still_reads_and_warns(tmp_path, caplog):
+    text = (MODELS_DIR / "smollm2-135m.yaml").read_text()
+    new, old = "\n  weights: float32\n", "\n  weights_dtype: float16\n"
+    assert new in text
+    path = _write(tmp_path, text.replace(new, old), "smollm2-135m")
+    assert load_recipe(path).export_recipe.weights == "float16"
+    assert "'export.weights_dtype' is deprecated; write 'export.weights'" in caplog.text
+
+
+def test_renamed_keys_come_from_one_table():
+    """Every kind of file's former keys are rows of `kvedge.configs.RENAMED`; the service's
+    view of it is that table's rows."""
+    assert renamed("service") == RENAMED_SERVICE_KEYS
+    assert renamed("model") == {"export.weights_dtype": "export.weights"}
+    assert {kind for kind, _ in RENAMED} == {"service", "model"}

@@ -41,10 +41,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from msgspec import Meta
 
 from kvedge import __version__
 from kvedge.contract.header import Header, check_header, decode_json, read_artifact
-from kvedge.contract.manifest import QUANTIZED_KV_DTYPES, VERIFY_TOKENS, Manifest
+from kvedge.contract.manifest import PREFILL_CHUNK, QUANTIZED_KV_DTYPES, VERIFY_TOKENS, Manifest
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 ENGINE_FILE = "model.engine"
@@ -54,6 +57,18 @@ ENGINE_FORMAT = "kvedge-engine"
 # `fp16` (the weakly typed builder's FP16 flag)
 ENGINE_VERSION = 2
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
+
+
+@dataclass(frozen=True)
+class ProfileSizes:
+    """The profiles' sizes an engine is built with (B and P above): `kvedge engine`'s flags, and a
+    model recipe's TensorRT profile (configs/models). Apart from `ExportRecipe`: one export is
+    built into engines of other sizes without exporting again. A field's type states what a
+    recipe may give it; the builder checks them against the export (`EngineOptions.check`)."""
+
+    # longest prefill chunk: the runtime prefills in chunks of it
+    max_prefill: Annotated[int, Meta(ge=1)] = PREFILL_CHUNK
+    max_batch: Annotated[int, Meta(ge=1)] = 1  # most sequences per call
 
 
 def build_here(folder: str | Path = "DIR") -> str:

@@ -5,12 +5,17 @@ configs/models and the benchmark's systems all parse into it, and the graph buil
 a rule such as "the LM head of an ort graph is never stored below 8 bits" is written once, here,
 as a property. Invalid combinations fail when the recipe is made, naming the flag, the value and
 what is allowed. Fields take the names of `kvedge export`'s flags (`--head-bits` is `head_bits`);
-a property says what a field left None comes to (`lm_head_bits`, `kept_channels`, `decode`).
+a property says what a field left None comes to (`lm_head_bits`, `kept_channels`, `decode`). A
+field's type says what a YAML file may give it (configs/models' `export:` section is read with
+these types); `__post_init__` checks the rest, combinations included.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from kvedge.contract.manifest import (
     DECODE_MATMULS,
@@ -55,8 +60,9 @@ class ExportRecipe:
     (`export_weight_formats`, `export_kv_dtypes`): float32 for a float32 graph, float16 for a
     float16 one; after construction both are always set."""
 
-    max_len: int = 2048  # cache length per sequence, baked into the graph
-    logits: str = "rows"  # LOGITS_MODES: "rows" lets the runtime verify speculative steps
+    # cache length per sequence, baked into the graph (MAX_LEN_RANGE)
+    max_len: Annotated[int, Meta(ge=MAX_LEN_RANGE[0])] = 2048
+    logits: Literal[LOGITS_MODES] = "rows"  # "rows" lets the runtime verify speculative steps
     variant: str = "portable"  # VARIANTS: "portable" (standard ops, TensorRT) or "ort" (fused attention)
     # the dtype the graph computes in (PRECISIONS): float16 is the portable graph in float16 with
     # float32 islands (kvedge.export.graph), for TensorRT's strongly typed builds

@@ -45,6 +45,7 @@ from kvedge.contract.engine import (
     TENSORRT_FLAVOURS,
     EngineManifest,
     GpuInfo,
+    ProfileSizes,
     device_refusal,
     logits_rows,
 )
@@ -82,9 +83,7 @@ def _check_graph(variant: str, logits: str) -> None:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
-    max_prefill: int = PREFILL_CHUNK  # longest prefill chunk: the runtime prefills in chunks of it
-    max_batch: int = 1  # most sequences per call
+class EngineOptions(ProfileSizes):
     workspace_bytes: int = DEFAULT_WORKSPACE
 
     def check(self, manifest: Manifest) -> None:

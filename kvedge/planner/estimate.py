@@ -26,6 +26,7 @@ from kvedge.contract import (
     graph_files,
 )
 from kvedge.contract.engine import DEVICES
+from kvedge.contract.recipe import MAX_LEN_RANGE
 from kvedge.errors import KvedgeError
 from kvedge.files import GiB, MiB, human
 from kvedge.planner.weights import FLOAT32, per_layer_bytes, recipe_note, recipe_weight_bytes, widened_bytes
@@ -35,7 +36,7 @@ SCORE_BUFFERS, MLP_BUFFERS, HIDDEN_BUFFERS, PRESENT_COPIES = 8, 3, 4, 2  # see t
 BOARD_RESERVE = 1536 * MiB
 DEFAULT_SLOTS = (1, 2, 4, 8, 16)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-MIN_CONTEXT = 16  # the shortest cache an export takes (configs.ExportSettings.max_len)
+MIN_CONTEXT = MAX_LEN_RANGE[0]  # the shortest cache an export takes
 
 
 # onnxruntime CPU: bytes a session holds once loaded and stepped, as a multiple of the weight

@@ -15,7 +15,7 @@ The loop (`step_turns`, driven only by `Model.step`), one step of every unfinish
 Sampling, applied in this order to one row's logits z (float64):
 
     repetition penalty  z[t] = z[t] / p if z[t] > 0 else z[t] * p, for every token t already seen;
-                        p in `PENALTY_RANGE`, so z stays finite
+                        p in its `SAMPLING_BOUNDS` (kvedge.runtime.sampling), so z stays finite
     greedy              temperature < `GREEDY_BELOW` (0 included): argmax z, which must be finite
     temperature         z = z / T
     top-k               keep the k largest
@@ -43,6 +43,7 @@ from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.interface import Backend, StepOutput
+from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.runtime.speculate import Adaptive, Speculate, accept, check_mode
 from kvedge.runtime.tokenizer import TextStream
 
@@ -50,8 +51,6 @@ from kvedge.runtime.tokenizer import TextStream
 # as likely, so sampling is argmax but for exact ties, while z / T for a tiny T overflows float64
 # (1e-308 made every probability NaN).
 GREEDY_BELOW = 1e-3
-# The repetition penalty's bounds: dividing a logit by 1e-307 overflows as a tiny temperature does.
-PENALTY_RANGE = (0.01, 10.0)
 
 
 @dataclass(frozen=True)
@@ -80,14 +79,9 @@ class SamplingConfig:
                 isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                 ">= 1",
             ),
-            ("temperature", self.temperature, 0.0 <= self.temperature <= 100.0, "0..100 (0 = greedy)"),
-            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, ">= 0 (0 = off)"),
-            ("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            (
-                "repetition_penalty",
-                self.repetition_penalty,
-                PENALTY_RANGE[0] <= self.repetition_penalty <= PENALTY_RANGE[1],
-                f"in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
+            *(
+                (name, getattr(self, name), getattr(self, name) in bounds, bounds.allowed)
+                for name, bounds in SAMPLING_BOUNDS.items()
             ),
             (
                 "logprobs",

@@ -88,25 +88,31 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kvedge.configs import find_problem, read_yaml
+from kvedge.configs import find_problem, move_renamed, read_yaml, renamed
 from kvedge.contract import MANIFEST_FILE
 from kvedge.contract.engine import DEVICES
 from kvedge.errors import KvedgeError
 from kvedge.runtime.backends.memory import KV_MEMORY
-from kvedge.runtime.generate import PENALTY_RANGE
+from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.options import RunOptions
+from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.runtime.sessions import POLICIES, HistoryPolicy
 from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
 log = logging.getLogger(__name__)
 REPLY_OVERFLOW = ("clip", "reject")
-RENAMED = {"context_policy": "reply_overflow", "warmup_config": "warm_prefixes"}  # old key: new key
+RENAMED = renamed("service")  # old key: new key (kvedge.configs.RENAMED)
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _NOT_BLANK = r"\S"
 # What a bearer key may hold: a client sends it in an HTTP header, which carries ASCII (a key with
 # other characters would match no request), after "Bearer " (so no spaces). RFC 6750's token68 is
 # narrower; keys with other printable characters already in use work with every client we know.
 _BEARER_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def _sampling_meta(name: str) -> Meta:
+    bounds = SAMPLING_BOUNDS[name]
+    return Meta(**bounds.meta(), description=bounds.allowed)
 
 
 @dataclass(frozen=True)
@@ -167,17 +173,13 @@ class ServiceConfig:
     )
     # loaded at start with a slot per service slot; requests may then ask for "draft"
     draft: Annotated[Path | None, Meta(description="an export folder, or null")] = None
-    temperature: Annotated[float, Meta(ge=0, le=2, description="a number in 0..2 (0: greedy)")] = 0.0
-    top_p: Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")] = 1.0
-    top_k: Annotated[int, Meta(ge=0, description="an integer >= 0 (0: off)")] = 0
-    repetition_penalty: Annotated[
-        float,
-        Meta(
-            ge=PENALTY_RANGE[0],
-            le=PENALTY_RANGE[1],
-            description=f"a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
-        ),
-    ] = 1.0
+    # a request's sampling where it gives none; allowed and by default: as SamplingConfig
+    temperature: Annotated[float, _sampling_meta("temperature")] = SamplingConfig.temperature
+    top_p: Annotated[float, _sampling_meta("top_p")] = SamplingConfig.top_p
+    top_k: Annotated[int, _sampling_meta("top_k")] = SamplingConfig.top_k
+    repetition_penalty: Annotated[float, _sampling_meta("repetition_penalty")] = (
+        SamplingConfig.repetition_penalty
+    )
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )
@@ -378,16 +380,12 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         raise KvedgeError(
             f"{path}: a service config is a mapping of keys to values; allowed keys: {sorted(KEYS)}"
         )
+    moved = move_renamed(data, "service", path)
     values, origin = {}, {}
     for key, value in data.items():
-        new = RENAMED.get(key, key)
-        if new not in KEYS:
+        if key not in KEYS:
             raise KvedgeError(f"{path}: unknown key {str(key)!r}; allowed keys: {sorted(KEYS)}")
-        if new != key:
-            if new in data:
-                raise KvedgeError(f"{path}: {key!r} is the old name of {new!r}; keep only {new!r}")
-            log.warning("%s: key %r is deprecated; write %r (same values)", path, key, new)
-        values[new], origin[new] = value, f"{path}: {key}"
+        values[key], origin[key] = value, f"{path}: {moved.get(key, key)}"
     return values, origin
 
 

@@ -3,7 +3,7 @@
 Request fields of `POST /v1/chat/completions`:
 
     honoured   messages, model (echoed as the served model's id), max_tokens / max_completion_tokens,
-               temperature (0..2; below 1e-3 greedy), top_p (0 < p <= 1), stop (string
+               temperature ([0, 2]; below 1e-3 greedy), top_p ((0, 1]), stop (string
                or up to 4), seed, stream, stream_options.include_usage, response_format (text, json_object,
                json_schema), tools, tool_choice, parallel_tool_calls, logprobs, top_logprobs (0..20),
                chat_template_kwargs.enable_thinking;
@@ -37,15 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvedge.contract import ROLES
-from kvedge.runtime.generate import PENALTY_RANGE
+from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.model import Constraint
+from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.runtime.speculate import SPECULATE_MODES
 from kvedge.serve import tools as toolkit
 from kvedge.serve.tools import Tool, ToolError
 
 MAX_STOP = 4
 INT64 = 2**63
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = SamplingConfig.max_top_logprobs
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 API_ROLES = sorted({*ROLES, *ROLE_ALIASES})
 IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -264,24 +265,7 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     seed = _optional(body, "seed", lambda v: _int(v) and -INT64 <= v < 2 * INT64, "a 64-bit integer", None)
     return {
         # None: the service's default (`ServiceConfig.sampling_defaults`)
-        "temperature": _float(
-            _optional(body, "temperature", lambda v: _number(v) and 0 <= v <= 2, "a number in 0..2", None)
-        ),
-        "top_p": _float(
-            _optional(body, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]", None)
-        ),
-        "top_k": _optional(
-            body, "top_k", lambda v: _int(v) and 0 <= v < INT64, "an integer >= 0 (0 = off)", None
-        ),
-        "repetition_penalty": _float(
-            _optional(
-                body,
-                "repetition_penalty",
-                lambda v: _number(v) and PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1],
-                f"a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]",
-                None,
-            )
-        ),
+        **{name: _sampled(body, name) for name in SAMPLING_BOUNDS},
         "stop": parse_stop(body.get("stop")),
         "seed": None if seed is None else seed % (2 * INT64),
         "stream": stream,
@@ -292,8 +276,14 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _sampled(body: dict[str, Any], name: str) -> float | int | None:
+    """A sampling field within its `SAMPLING_BOUNDS` (the bounds SamplingConfig checks), float but
+    for top_k; None: not given."""
+    bounds = SAMPLING_BOUNDS[name]
+    kind = _int if bounds.integer else _number
+    # a JSON integer may be any size; numpy's top_k takes an int64
+    value = _optional(body, name, lambda v: kind(v) and v in bounds and v < INT64, bounds.allowed, None)
+    return value if value is None or bounds.integer else float(value)
 
 
 def _optional(body: dict[str, Any], key: str, ok, allowed: str, default: Any) -> Any:
