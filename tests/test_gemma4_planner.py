@@ -7,10 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import safetensors.numpy
 import yaml
-from tiny import gemma4_supported, make_tiny_model, tiny_config
+from tiny import card_architecture, gemma4_supported, make_tiny_model, tiny_config
 
 from kvedge.configs import Architecture, load_recipe
 from kvedge.contract import PER_LAYER_FILE, ExportRecipe
@@ -55,19 +56,12 @@ def test_a_cards_cache_and_parameters_are_the_exports_and_transformers(card):
 def _architecture(config, params: int) -> Architecture:
     """`config` (a tiny Gemma 4 whose layers alternate sliding and global) as a recipe's."""
     sliding, full = (config.per_layer_config[kind] for kind in ("sliding_attention", "full_attention"))
-    return Architecture(
+    return card_architecture(
+        config,
+        params,
         family="gemma4_text",
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
         num_kv_heads=sliding.num_key_value_heads,
         head_dim=sliding.head_dim,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        max_position_embeddings=config.max_position_embeddings,
-        param_count=params,
         sliding_window=config.sliding_window,
         sliding_window_pattern=2,
         global_head_dim=full.head_dim,
@@ -248,3 +242,46 @@ def test_the_ort_cache_is_planned_at_full_length():
         g = ort.geometry
         assert g.num_layers == layers and g.bytes_per_slot() == g.bytes_per_token() * g.max_len
         assert portable.geometry.bytes_per_slot() < 0.5 * g.bytes_per_slot()
+
+
+def test_the_text_part_of_a_gemma4_checkpoint_exports_and_matches_it(tmp_path):
+    """A checkpoint saved as Gemma 4's multimodal model (Gemma4ForConditionalGeneration: a vision
+    tower beside model.language_model.*) exports its text decoder, read a tensor at a time with
+    the tower left unread, and its logits at each decode step past the ring are the checkpoint's
+    own on text (within tests/test_gemma4.py's 1e-4)."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from kvedge.export.source import load_hf, resolve_source, stream_source
+    from kvedge.runtime.generate import decode_one_token, prefill
+    from kvedge.runtime.model import Model
+
+    text = tiny_config("gemma4")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    vision.update(num_key_value_heads=2, head_dim=16, global_head_dim=16)
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=vision))
+    model.eval().save_pretrained(tmp_path / "vl")
+    make_tiny_model(tmp_path / "text", "gemma4")  # its tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tmp_path / "text" / name).exists():
+            (tmp_path / "vl" / name).write_bytes((tmp_path / "text" / name).read_bytes())
+    streamed = stream_source(resolve_source(tmp_path / "vl"))
+    assert streamed is not None and streamed.streamed
+    assert not [name for name in streamed.weights if "vision" in name]
+    export_model(tmp_path / "vl", tmp_path / "out", ExportRecipe(max_len=256))
+    ids = torch.randint(3, text.vocab_size, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    exported = Model(tmp_path / "out")
+    found = [prefill(exported.backend, exported.cache, 0, [ids[:40]])[0]]  # then past the ring (72)
+    found += [decode_one_token(exported.backend, exported.cache, 0, [t])[0] for t in ids[40:]]
+    assert abs(np.stack(found) - expected[39:]).max() < 1e-4
+    whole, _ = load_hf(resolve_source(tmp_path / "vl"))  # loaded whole, as a quantized one would be
+    with torch.no_grad():
+        assert abs(whole(torch.tensor([ids])).logits[0].numpy() - expected).max() < 1e-5
+    tensors = safetensors.numpy.load_file(tmp_path / "vl" / "model.safetensors")
+    del tensors["model.language_model.norm.weight"]
+    safetensors.numpy.save_file(tensors, tmp_path / "vl" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KvedgeError, match="1 of the model's tensors are not in its files .first: model.norm"):
+        export_model(tmp_path / "vl", tmp_path / "cut", ExportRecipe(max_len=256))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tensorrt_claims import ACCEPTED, MAX_LEN
-from tiny import make_tiny_model
+from tiny import card_architecture, make_tiny_model
 
 from kvedge.configs import BOARDS_DIR, load_board, load_recipe
 from kvedge.contract import KV_DTYPES, CacheGeometry, ExportRecipe, StateSpec
@@ -585,8 +585,6 @@ def test_a_hybrids_weight_bytes_match_a_real_export(tmp_path, family):
     the planner's bytes, within the bounds above."""
     from tiny import tiny_config
 
-    from kvedge.configs import Architecture
-
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     if family == "qwen3_5":
         shape.update(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_value_heads=8)
@@ -604,19 +602,9 @@ def test_a_hybrids_weight_bytes_match_a_real_export(tmp_path, family):
             linear_key_head_dim=config.linear_key_head_dim,
             linear_value_head_dim=config.linear_value_head_dim,
         )
-    arch = Architecture(
-        family=config.model_type,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        max_position_embeddings=config.max_position_embeddings,
-        param_count=params,
+    arch = card_architecture(
+        config,
+        params,
         layer_types=tuple(config.layer_types),
         **(delta or {"conv_kernel": config.conv_L_cache}),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -434,3 +435,28 @@ def gemma4_supported() -> bool:
     from transformers import Gemma4TextConfig
 
     return hasattr(Gemma4TextConfig(), "kv_sharing_modes")
+
+
+def card_architecture(config: Any, params: int, **fields: Any) -> Any:
+    """A tied tiny transformers `config` as a configs/models card's `Architecture` (its
+    `params`), with a family's own `fields` beside the common ones, or in their place (read only
+    where not given: Gemma 4's config refuses a global head_dim)."""
+    from kvedge.configs import Architecture
+
+    common = dict(
+        family=lambda: config.model_type,
+        num_layers=lambda: config.num_hidden_layers,
+        num_heads=lambda: config.num_attention_heads,
+        num_kv_heads=lambda: config.num_key_value_heads,
+        head_dim=lambda: (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        ),
+        hidden_size=lambda: config.hidden_size,
+        intermediate_size=lambda: config.intermediate_size,
+        vocab_size=lambda: config.vocab_size,
+        tie_word_embeddings=lambda: True,
+        attention_bias=lambda: False,
+        max_position_embeddings=lambda: config.max_position_embeddings,
+        param_count=lambda: params,
+    )
+    return Architecture(**{key: read() for key, read in common.items() if key not in fields}, **fields)

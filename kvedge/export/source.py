@@ -86,6 +86,11 @@ def resolve_source(path: str | Path | None) -> Source:
 # checkpoints whose text decoder is one part of a composite config (vision-language models):
 # model_type -> the part's attribute; the export reads the text part only
 TEXT_PARTS = {"qwen3_5": "text_config", "gemma4": "text_config"}
+# the text part's tensor names in such a checkpoint that transformers' own loading of the text
+# model does not rename (transformers' `key_mapping`): Gemma 4's model.language_model.* (the
+# published Gemma-4-E2B/E4B checkpoints are Gemma4ForConditionalGeneration), which it would
+# otherwise leave unread, the text model's weights initialized at random
+TEXT_KEYS = {"gemma4": {r"^model\.language_model\.": "model."}}
 
 
 # the gguf reader walks the file's tensor table, safetensors' its JSON header: a cut file fails
@@ -120,9 +125,9 @@ class Opened:
     streamed: bool = False
 
 
-def hf_config(source: Source) -> tuple[Any, bool]:
-    """(the decoder's transformers config of `source`, whether it is a composite checkpoint's
-    text part), refused here where kvedge does not build the architecture."""
+def hf_config(source: Source) -> tuple[Any, str | None]:
+    """(the decoder's transformers config of `source`, the model_type of the composite checkpoint
+    it is the text part of, or None), refused here where kvedge does not build the architecture."""
     from transformers import AutoConfig
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -132,12 +137,14 @@ def hf_config(source: Source) -> tuple[Any, bool]:
         if not source.gguf_file:
             raise
         raise incomplete(source, exc) from None
-    composite = TEXT_PARTS.get(getattr(config, "model_type", None))
-    if composite:  # its text decoder; transformers maps the checkpoint's language_model tensors
-        config = getattr(config, composite)
+    composite = getattr(config, "model_type", None)
+    if composite not in TEXT_PARTS:
+        composite = None
+    else:  # its text decoder, whose tensors `TEXT_KEYS` and transformers name as the model's
+        config = getattr(config, TEXT_PARTS[composite])
     check_architecture(config)
     Gemma4Spec.from_config(config)  # what of Gemma 4 is not built, refused before its weights load
-    return config, bool(composite)
+    return config, composite
 
 
 def load_hf(source: Source) -> tuple[Any, Any]:
@@ -153,7 +160,16 @@ def load_hf(source: Source) -> tuple[Any, Any]:
         # config=: transformers parses a GGUF's metadata (its whole vocabulary) on each call; the
         # config parsed above is not parsed again (a GGUF load: 4 parses, about 8 s each, to 3)
         kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(source.folder, config=config, dtype="float32", **kwargs)
+        kwargs["key_mapping"] = TEXT_KEYS.get(composite)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.folder, config=config, dtype="float32", output_loading_info=True, **kwargs
+        )
+        if info["missing_keys"]:  # transformers would run them as initialized: random weights
+            missing = sorted(info["missing_keys"])
+            raise KvedgeError(
+                f"{source.description}: {len(missing)} of the model's tensors are not in its files "
+                f"(first: {missing[0]}); is this a complete {config.model_type} checkpoint?"
+            )
     model.eval()
     if composite:
         tie_as_loaded(model)
@@ -181,7 +197,7 @@ def stream_source(source: Source) -> Opened | None:
             return None
         streamed = open_streamed_gguf(file, config)
     else:
-        streamed = open_streamed(source.folder, source.files()[1:], config)
+        streamed = open_streamed(source.folder, source.files()[1:], config, TEXT_KEYS.get(composite))
     if streamed is None:
         return None
     model, weights = streamed

@@ -190,9 +190,12 @@ def skeleton(config: Any) -> Any:
     return model.eval()
 
 
-def open_streamed(folder: Path, files: list[Path], config: Any) -> tuple[Any, FolderWeights] | None:
+def open_streamed(
+    folder: Path, files: list[Path], config: Any, key_mapping: dict[str, str] | None = None
+) -> tuple[Any, FolderWeights] | None:
     """(the model's skeleton, its weights as `FolderWeights`) of the safetensors `files` in
-    `folder`, or None (logged, with why) where the export must load the model whole."""
+    `folder` (their names renamed by `key_mapping` too, transformers' argument of that name), or
+    None (logged, with why) where the export must load the model whole."""
     model = skeleton(config)
     stored: dict[str, Stored] = {}
     for path in files:
@@ -200,7 +203,7 @@ def open_streamed(folder: Path, files: list[Path], config: Any) -> tuple[Any, Fo
         if metadata.get("format", "pt") != "pt":
             return _whole(f"{path.name} holds {metadata['format']!r} tensors")
         stored.update(tensors)
-    mapped = _mapped(model, stored)
+    mapped = _mapped(model, stored, key_mapping)
     if isinstance(mapped, str):
         return _whole(mapped)
     return _with_buffers(model, mapped, read_tensor)
@@ -254,13 +257,15 @@ def _whole(why: str) -> None:
     return None
 
 
-def _mapped(model: Any, stored: dict[str, Stored]) -> dict[str, Stored] | str:
-    """{state-dict name: its tensor in the files} as transformers names them (a tied name reads
-    the tensor it is tied to), or why they cannot be read one by one."""
+def _mapped(
+    model: Any, stored: dict[str, Stored], key_mapping: dict[str, str] | None = None
+) -> dict[str, Stored] | str:
+    """{state-dict name: its tensor in the files} as transformers names them, with `key_mapping`
+    (a tied name reads the tensor it is tied to), or why they cannot be read one by one."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    conversions = get_model_conversion_mapping(model)
+    conversions = get_model_conversion_mapping(model, key_mapping)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     meta = model.state_dict()

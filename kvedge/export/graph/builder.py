@@ -84,6 +84,15 @@ class Builder:
             self._shared.add(self.const(name, np.array(values, np.int64)))
         return name
 
+    def merged_heads(self, context: str, heads: int, d: int, name: str) -> str:
+        """An attention's context [b, kv_heads, g*s, d], its query heads grouped by KV head, as
+        [b, s, heads*d], the heads side by side as the output projection reads them."""
+        per_head = self.op(
+            "Reshape", [context, self.ints(0, heads, -1, d)], f"{name}.per_head"
+        )  # [b, heads, s, d]
+        bshd = self.op("Transpose", [per_head], f"{name}.bshd", perm=[0, 2, 1, 3])
+        return self.op("Reshape", [bshd, self.ints(0, 0, heads * d)], f"{name}.merged")
+
     def scalar(self, value: float) -> str:
         """A shared scalar constant in the graph's float type, e.g. scalar(127.0)."""
         name = f"const.{self.float.name}_{value!r}"

@@ -150,12 +150,7 @@ class SharedReads:
             context = codec.past_context(probs, read[1], read[3], f"{p}.shared_v")
         else:
             context = g.op("MatMul", [probs, read[1]], f"{p}.shared_context")  # [b, kvh, g*s, d]
-        context = g.op("Reshape", [context, g.ints(0, heads, -1, d)], f"{p}.per_head")  # [b, heads, s, d]
-        return g.op(
-            "Reshape",
-            [g.op("Transpose", [context], f"{p}.bshd", perm=[0, 2, 1, 3]), g.ints(0, 0, heads * d)],
-            f"{p}.merged",
-        )  # [b, s, heads*d]
+        return g.merged_heads(context, heads, d, p)  # [b, s, heads*d]
 
     def source(self, i: int) -> tuple[str, ...]:
         """KV layer i's present tensors cut to their first A + s positions, once per source layer:

@@ -321,9 +321,4 @@ class PortableAttention:
             ],
             f"{p}.attn.context",
         )  # [b, kvh, g*s, d]
-        attn = g.op("Reshape", [attn, g.ints(0, heads, -1, d)], f"{p}.attn.per_head")  # [b, heads, s, d]
-        return g.op(
-            "Reshape",
-            [g.op("Transpose", [attn], f"{p}.attn.bshd", perm=[0, 2, 1, 3]), g.ints(0, 0, heads * d)],
-            f"{p}.attn.merged",
-        )  # [b, s, heads*d]
+        return g.merged_heads(attn, heads, d, f"{p}.attn")  # [b, s, heads*d]
