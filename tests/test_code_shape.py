@@ -231,9 +231,8 @@ def test_a_second_declaration_of_export_choices_is_found(tmp_path):
 # recipe field named as it is, or named with its words and more (weights_dtype, lm_head_bits) when
 # its default is the recipe's own default for it: a name that only contains the words measures
 # something else (weights_bytes).
-# The planner's footprint also describes an export folder, which has no recipe, under its
-# manifest's names (`Manifest` records `weights_dtype`); it is to read them from its form or manifest.
-KNOWN_COPIES = {"kvedge/planner/estimate.py:ModelFootprint"}
+# None is known: the planner's footprint reads its precision and weights from its form or manifest.
+KNOWN_COPIES: set[str] = set()
 
 
 def recipe_copies(root: Path) -> dict[str, list[str]]:

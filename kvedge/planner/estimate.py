@@ -118,8 +118,6 @@ class ModelFootprint:
     logits: str  # "last" or "all"
     max_context: int  # longest usable context
     fixed_context: bool  # an export's max_len is baked into its graph
-    precision: str = "float32"  # the graph's (PRECISIONS)
-    weights_dtype: str = "float32"  # how its weights are stored (WEIGHT_FORMATS)
     widened_bytes: int = 0  # float32 copy of float16-stored weights made at load (module docstring)
     form: ExportRecipe | None = None  # a recipe's export, its cache dtype the geometry's (None: an export)
     architecture: Architecture | None = None  # a recipe's, to plan other weight forms
@@ -128,6 +126,21 @@ class ModelFootprint:
     # Gemma 4's per-layer table: a file the runtime maps and reads a row of per token, page cache
     # the kernel may drop, never the backend's (module docstring, "mapped"); not in weights_bytes
     per_layer_bytes: int = 0
+
+    @property
+    def precision(self) -> str:
+        """Its graph's precision (PRECISIONS): its form's or its export's; float32 for a footprint
+        made by hand."""
+        made = self.form or self.manifest
+        return made.precision if made is not None else "float32"
+
+    @property
+    def weights_dtype(self) -> str:
+        """How its weights are stored (WEIGHT_FORMATS): its form's or its export's; float32 for a
+        footprint made by hand."""
+        if self.form is not None:
+            return self.form.weights
+        return self.manifest.weights_dtype if self.manifest is not None else "float32"
 
     @property
     def family(self) -> str | None:
@@ -158,8 +171,6 @@ class ModelFootprint:
             weights_bytes=(weights := sum(p.stat().st_size for p in files)),
             weights_note=" + ".join(p.name for p in files) + f" ({manifest.weights_dtype})",
             # a float32 graph widens float16-stored weights; a float16 graph computes with them
-            precision=manifest.precision,
-            weights_dtype=manifest.weights_dtype,
             widened_bytes=widened_bytes(weights, manifest.precision, manifest.weights_dtype),
             geometry=manifest.geometry,
             num_heads=manifest.num_heads,
@@ -228,8 +239,6 @@ def with_form(model: ModelFootprint, form: ExportRecipe) -> ModelFootprint:
         model,
         weights_bytes=weights,
         weights_note=recipe_note(a, form),
-        precision=form.precision,
-        weights_dtype=form.weights,
         widened_bytes=widened_bytes(weights, form.precision, form.weights),
         geometry=a.geometry(model.geometry.max_len, model.geometry.dtype, form.variant).with_dtype(
             form.kv_dtype, form.kv_group_size or None
