@@ -19,23 +19,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvedge import __version__
-from kvedge.contract import (
-    DECODE_MATMULS,
-    EXPORTED_KV_DTYPES,
-    KV_GROUP_SIZES,
-    PRECISIONS,
-    PREFILL_CHUNK,
-    VARIANTS,
-    WEIGHT_FORMATS,
-    CacheGeometry,
-    Manifest,
-)
+from kvedge.contract import PREFILL_CHUNK, WEIGHT_FORM_KEYS, CacheGeometry, ExportRecipe, Manifest
 from kvedge.contract.engine import DEVICES
+from kvedge.declare import click_options, from_values
 from kvedge.errors import KvedgeError
 from kvedge.files import human
-from kvedge.runtime.backends.memory import KV_MEMORY
-from kvedge.runtime.sampling import SAMPLING_BOUNDS
-from kvedge.runtime.sessions import POLICIES
 from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
 
 if TYPE_CHECKING:
@@ -187,46 +175,22 @@ model_option = click.option(
 )
 
 
-device_option = click.option(
-    "--device",
-    type=click.Choice(DEVICES),
-    default="cpu",
-    show_default=True,
-    help="cpu or cuda (onnxruntime), or tensorrt (the folder's model.engine).",
-)
-KV_MEMORY_HELP = (
-    "GPU devices: where the KV cache pool lives: mapped (pinned host memory the GPU reads in "
-    "place; default) or device (GPU memory, copied where the CPU needs it). docs/JETSON.md."
-)
-kv_memory_option = click.option(
-    "--kv-memory", type=click.Choice(KV_MEMORY), default="mapped", show_default=True, help=KV_MEMORY_HELP
-)
+def run_options(keys: Sequence[str], **changes: dict[str, Any]) -> Callable[..., Any]:
+    """The options `keys` of `RunOptions` (`kvedge.declare.click_options`)."""
+    from kvedge.runtime.options import RunOptions
+
+    return click_options(RunOptions, keys, **changes)
 
 
-class Sampled(click.ParamType):
-    """A sampling flag's value, refused as it is given where `SamplingConfig` would refuse it: its
-    `SAMPLING_BOUNDS`, with the same message."""
+def service_options(keys: Sequence[str]) -> Callable[..., Any]:
+    """The service's keys `keys` as flags; one not given leaves the config file's value."""
+    from kvedge.serve.config import ServiceConfig
 
-    def __init__(self, field: str) -> None:
-        self.field, self.bounds = field, SAMPLING_BOUNDS[field]
-        self.name = "integer" if self.bounds.integer else "float"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        number = (click.INT if self.bounds.integer else click.FLOAT).convert(value, param, ctx)
-        if number not in self.bounds:
-            self.fail(f"{self.field}={number!r} is not allowed; allowed: {self.bounds.allowed}", param, ctx)
-        return number
+    return click_options(ServiceConfig, keys, unset=True)
 
 
-def sampling_option(field: str, default: float) -> Callable[..., Any]:
-    allowed = SAMPLING_BOUNDS[field].allowed
-    return click.option(
-        "--" + field.replace("_", "-"),
-        default=default,
-        show_default=True,
-        type=Sampled(field),
-        help=f"{allowed[0].upper()}{allowed[1:]}.",
-    )
+# the service's keys `kvedge serve` takes as flags (every key is one of its --config file)
+SERVICE_FLAGS = ("model", "host", "port", "slots", "queue_size", "threads", "device", "ui", "kv_memory")
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -294,107 +258,61 @@ def _speculation(kwargs: dict[str, Any], remote: bool = False) -> tuple[str, Pat
     return mode, draft
 
 
+# the options of the commands that load a model and generate: how a reply is sampled, then how
+# the model runs
+REPLY_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "speculate",
+)
+RUN_KEYS = (
+    "draft",
+    "threads",
+    "device",
+    "kv_memory",
+    "history_policy",
+    "n_sink",
+    "warm_prefixes",
+    "warm_dir",
+)
+
+
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
     """Options shared by the commands that load a model and generate."""
+    from kvedge.runtime.generate import SamplingConfig
+    from kvedge.runtime.options import RunOptions
+
     if func is None:
         return functools.partial(runtime_options, model_required=model_required)
-    options = [
-        click.option(
-            "--model",
-            "model_dir",
-            required=model_required,
-            type=click.Path(path_type=Path),
-            help="Folder written by `kvedge export`.",
-        ),
-        click.option("--max-new-tokens", default=256, show_default=True, type=int),
-        sampling_option("temperature", 0.0),
-        sampling_option("top_k", 0),
-        sampling_option("top_p", 1.0),
-        sampling_option("repetition_penalty", 1.0),
-        click.option("--seed", default=None, type=int),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option(
-            "--speculate",
-            default=None,
-            callback=_speculate_mode,
-            metavar="|".join(SPECULATE_MODES),
-            help="lookup: propose the tokens that followed the reply's last words earlier in the "
-            "conversation and verify them in one step (the same reply, faster where it repeats its "
-            "input: quoting, rewriting; off where proposals keep failing); draft: the --draft "
-            "export proposes; needs a --logits rows export. [default: draft with --draft, else off]",
-        ),
-        click.option(
-            "--draft",
-            default=None,
-            type=click.Path(path_type=Path),
-            help="An export with the same tokenizer (e.g. --weights int4 of the same model), loaded "
-            "with the model, whose proposals the model verifies (--speculate draft).",
-        ),
-        click.option(
-            "--threads", default=None, type=int, help="onnxruntime intra-op threads (default: all cores)."
-        ),
-        device_option,
-        kv_memory_option,
-        click.option(
-            "--history-policy",
-            type=click.Choice(POLICIES),
-            default="error",
-            show_default=True,
-            help="What to do when a conversation outgrows the cache (the service's history_policy).",
-        ),
-        click.option(
-            "--n-sink", default=4, show_default=True, type=int, help="window: tokens never evicted."
-        ),
-        click.option(
-            "--warm-prefixes",
-            default=None,
-            type=click.Path(path_type=Path),
-            help="Warm-prefix YAML (configs/warmup/): fixed prompts whose KV is kept in --warm-dir.",
-        ),
-        click.option(
-            "--warm-dir",
-            default=None,
-            type=click.Path(path_type=Path),
-            help="Folder of the warm prefix files.",
-        ),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    speculate = {"default": None, "callback": _speculate_mode, "metavar": "|".join(SPECULATE_MODES)}
+    func = click_options(RunOptions, RUN_KEYS)(func)
+    func = click_options(SamplingConfig, REPLY_KEYS, speculate=speculate)(func)
+    return click.option(
+        "--model",
+        "model_dir",
+        required=model_required,
+        type=click.Path(path_type=Path),
+        help="Folder written by `kvedge export`.",
+    )(func)
 
 
 def _sampling(kwargs: dict[str, Any], remote: bool = False):
     from kvedge.runtime.generate import SamplingConfig
 
-    return SamplingConfig(
-        max_new_tokens=kwargs["max_new_tokens"],
-        temperature=kwargs["temperature"],
-        top_k=kwargs["top_k"],
-        top_p=kwargs["top_p"],
-        repetition_penalty=kwargs["repetition_penalty"],
-        seed=kwargs["seed"],
-        stop=tuple(kwargs["stop"]),
-        speculate=_speculation(kwargs, remote)[0],
-    )
+    return from_values(SamplingConfig, kwargs, speculate=_speculation(kwargs, remote)[0])
 
 
 def _load_model(model_dir: Path, kwargs: dict[str, Any]):
     """The model the runtime flags (`runtime_options`) and --draft name."""
-    from kvedge.configs import load_warm_prefix_config
     from kvedge.runtime.model import Model
     from kvedge.runtime.options import RunOptions
-    from kvedge.runtime.sessions import HistoryPolicy
 
-    options = RunOptions(
-        threads=kwargs["threads"],
-        device=kwargs["device"],
-        kv_memory=kwargs["kv_memory"],
-        policy=HistoryPolicy(mode=kwargs["history_policy"], n_sink=kwargs["n_sink"]),
-        warm_prefixes=load_warm_prefix_config(kwargs["warm_prefixes"]) if kwargs["warm_prefixes"] else None,
-        warm_dir=kwargs["warm_dir"],
-        draft=_speculation(kwargs)[1],
-    )
-    return Model(model_dir, options)
+    return Model(model_dir, from_values(RunOptions, kwargs, draft=_speculation(kwargs)[1]))
 
 
 def _print_stream(events: Iterator[Any], logprob_tokenizer: Any = None) -> list[Any]:
@@ -454,17 +372,6 @@ def main(verbose: int) -> None:
 @click.option(
     "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Artifact folder to write."
 )
-@click.option(
-    "--max-len", default=2048, show_default=True, type=int, help="Cache length (tokens) per sequence."
-)
-@choice_option(
-    "--logits",
-    ["rows", "last", "all"],
-    "rows",
-    "rows: logits at the positions the runtime asks for (the last prompt token; every proposed "
-    "token of a speculative step); last: the last position only (no speculative decoding); "
-    "all: every position.",
-)
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output folder.")
 @click.option(
     "--no-memory-check",
@@ -473,67 +380,7 @@ def main(verbose: int) -> None:
     help="Export even where the memory preflight finds less memory available than the export "
     "certainly holds at once (the float32 model and its weights).",
 )
-@choice_option(
-    "--variant",
-    sorted(VARIANTS),
-    "portable",
-    "portable: standard ONNX ops (TensorRT); ort: onnxruntime fused attention, cache written in place.",
-)
-@choice_option(
-    "--precision",
-    PRECISIONS,
-    "float32",
-    "The dtype the graph computes in. float16: --variant portable only, weights and activations "
-    "float16 with RMSNorm, softmax and the logits output in float32, for TensorRT's strongly typed "
-    "engines; its cache is float16 or int8.",
-)
-@click.option(
-    "--weights",
-    type=click.Choice(list(WEIGHT_FORMATS)),
-    default=None,
-    help="Weight storage: float, or weight-only blocked quantization (int8, int4) of the projections "
-    "and LM head. Default: the precision's (float32; float16 with --precision float16).",
-)
-@click.option("--block-size", default=32, show_default=True, type=int, help="Quantization block size.")
-@click.option(
-    "--outlier-channels",
-    type=int,
-    default=None,
-    help="int8/int4 weights: input channels of each matmul kept float (0, 8, 16, 32, 64; default "
-    "32, 8 with --precision float16, none there where every matrix is the source's own blocks). "
-    "Fewer read fewer bytes per token, at some quality (docs/PERFORMANCE.md).",
-)
-@click.option(
-    "--head-bits",
-    type=int,
-    default=None,
-    help="int8/int4 weights: the LM head's bits (--variant ort: 8 or 4; portable: the weights' "
-    "bits or 8). Default: at least 8 (a 4-bit head costs 20-35x the KL, docs/PERFORMANCE.md).",
-)
-@click.option(
-    "--decode-matmuls",
-    type=click.Choice(DECODE_MATMULS),
-    default=None,
-    help="--variant ort --weights int8|int4: kvedge (default) runs a decode step's matmuls in "
-    "kvedge's own kernel, in a second form of the graph: faster decode, the weights held twice in "
-    "memory; onnxruntime runs every step in MatMulNBits, one copy (docs/PERFORMANCE.md).",
-)
-@click.option(
-    "--kv-dtype",
-    type=click.Choice(list(EXPORTED_KV_DTYPES)),
-    default=None,
-    help="KV cache dtype. Default: the precision's (float32; float16 with --precision float16). int8: "
-    "codes plus a float16 scale per token per channel group (with --variant ort it runs kvedge's "
-    "own attention kernel, built at install). float16: a float16 graph's, or with --variant ort "
-    "the in-place form for --device cuda.",
-)
-@click.option(
-    "--kv-group-size",
-    default=0,
-    type=int,
-    callback=lambda ctx, param, value: _group_size(value),
-    help="int8 cache: channels per scale per token (16, 32, 64, 128 up to head_dim; default 32).",
-)
+@click_options(ExportRecipe)
 @choice_option(
     "--target",
     ["onnx", "tensorrt"],
@@ -546,46 +393,23 @@ def main(verbose: int) -> None:
 def export(
     source: Path | None,
     out_dir: Path,
-    max_len: int,
-    logits: str,
     force: bool,
     no_memory_check: bool,
-    variant: str,
-    precision: str,
-    weights: str | None,
-    block_size: int,
-    outlier_channels: int | None,
-    head_bits: int | None,
-    decode_matmuls: str | None,
-    kv_dtype: str | None,
-    kv_group_size: int,
     target: str,
     max_prefill: int,
     max_batch: int,
     workspace: str,
+    **recipe_values: Any,
 ) -> None:
     """Export SOURCE (HF folder or GGUF file; default: SmolLM2-135M-Instruct) to ONNX."""
     starting(f"exporting {source or 'the default model (SmolLM2-135M-Instruct)'} to {out_dir}")
-    from kvedge.contract import ExportRecipe
     from kvedge.export.export import export_model
 
+    recipe = from_values(ExportRecipe, recipe_values)
     if target == "tensorrt":  # fail before the slow ONNX export, not after it
         from kvedge.export.tensorrt import require_tensorrt
 
-        require_tensorrt(variant, logits)
-    recipe = ExportRecipe(
-        max_len=max_len,
-        logits=logits,
-        variant=variant,
-        precision=precision,
-        weights=weights,
-        block_size=block_size,
-        outlier_channels=outlier_channels,
-        head_bits=head_bits,
-        decode_matmuls=decode_matmuls,
-        kv_dtype=kv_dtype,
-        kv_group_size=kv_group_size,
-    )
+        require_tensorrt(recipe.variant, recipe.logits)
     manifest = export_model(source, out_dir, recipe, force=force, memory_check=not no_memory_check)
     size = sum(f.stat().st_size for f in out_dir.iterdir())
     click.echo(
@@ -617,13 +441,6 @@ def _build_engine(folder: Path, max_prefill: int, max_batch: int, workspace: str
 
     built = build_engine(folder, folder, max_prefill, parse_bytes(workspace), max_batch=max_batch)
     click.echo(f"built {folder}/model.engine: {built.built_with}, {built.gpu.describe()}")
-
-
-def _group_size(value: int) -> int:
-    """--kv-group-size, refused at once when no model could take it (head_dim is checked later)."""
-    if value != 0 and value not in KV_GROUP_SIZES:
-        raise click.BadParameter(f"{value} is not allowed; allowed: {', '.join(map(str, KV_GROUP_SIZES))}")
-    return value
 
 
 def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None, lenient: bool = False):
@@ -891,25 +708,21 @@ def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
 
 @main.command("warm-prefixes")
 @model_option
-@click.option(
-    "--warm-prefixes",
-    "config_path",
-    default=None,
-    type=click.Path(path_type=Path),
-    callback=required_or_old_spelling,
-    help="Warm-prefix YAML (configs/warmup/), as in generate and serve.",
-)
-@click.option(
-    "--warm-dir", required=True, type=click.Path(path_type=Path), help="Folder for the warm prefix files."
+@run_options(
+    ("warm_prefixes", "warm_dir"),
+    warm_prefixes={"callback": required_or_old_spelling},
+    warm_dir={"required": True},
 )
 @user_errors
-def warm_prefixes(model_dir: Path, config_path: Path, warm_dir: Path) -> None:
-    """Compute (or verify) the KV of the fixed prompts in CONFIG and store them in WARM_DIR."""
-    starting(f"loading {model_dir}, then the warm prefixes of {config_path} in {warm_dir}")
-    from kvedge.configs import load_warm_prefix_config
+def warm_prefixes_command(model_dir: Path, **run_values: Any) -> None:
+    """Compute (or verify) the KV of the fixed prompts in --warm-prefixes and store them in
+    --warm-dir."""
+    warm_dir = run_values["warm_dir"]
+    starting(f"loading {model_dir}, then the warm prefixes of {run_values['warm_prefixes']} in {warm_dir}")
     from kvedge.runtime.model import Model
+    from kvedge.runtime.options import RunOptions
 
-    model = Model(model_dir, warm_prefixes=load_warm_prefix_config(config_path), warm_dir=warm_dir)
+    model = Model(model_dir, from_values(RunOptions, run_values))
     report = model.prefixes.warm_report
     for prefix in model.prefixes.warm.prefixes:
         state = f"recomputed ({report.rebuilt[prefix.name]})" if prefix.name in report.rebuilt else "loaded"
@@ -925,9 +738,7 @@ def prefixes() -> None:
     """Run-time prefix files: conversations' KV kept on disk (the service's prefix_dir)."""
 
 
-prefix_dir_option = click.option(
-    "--prefix-dir", required=True, type=click.Path(path_type=Path), help="The service's prefix_dir."
-)
+prefix_dir_option = run_options(("prefix_dir",), prefix_dir={"required": True})
 
 
 @prefixes.command("list")
@@ -961,9 +772,9 @@ def prefixes_clear(prefix_dir: Path) -> None:
 main.add_command(  # the former name of warm-prefixes, kept for scripts that still use it
     click.Command(
         "warmup",
-        callback=warm_prefixes.callback,
-        params=warm_prefixes.params,
-        help=warm_prefixes.help,
+        callback=warm_prefixes_command.callback,
+        params=warm_prefixes_command.params,
+        help=warm_prefixes_command.help,
         hidden=True,
         deprecated="Use `kvedge warm-prefixes`.",
     )
@@ -974,17 +785,7 @@ main.add_command(  # the former name of warm-prefixes, kept for scripts that sti
 @click.option(
     "--config", "config_path", type=click.Path(path_type=Path), help="Service YAML (configs/services/)."
 )
-@click.option("--model", type=click.Path(path_type=Path), help="Artifact folder; overrides the config's.")
-@click.option("--host", help="Bind address (default 127.0.0.1; others need api_key_env).")
-@click.option("--port", type=int)
-@click.option("--slots", type=int, help="KV slots preallocated = conversations served at once.")
-@click.option("--queue-size", type=int, help="Requests that may wait for a slot before 429.")
-@click.option("--threads", type=int, help="onnxruntime intra-op threads (default: all cores).")
-@click.option("--device", type=click.Choice(DEVICES), help="cpu (default), cuda or tensorrt.")
-@click.option(
-    "--ui/--no-ui", default=None, help="Serve the chat page at / (default: on for a loopback host only)."
-)
-@click.option("--kv-memory", type=click.Choice(KV_MEMORY), help=KV_MEMORY_HELP)
+@service_options(SERVICE_FLAGS)
 @click.option("--check", is_flag=True, help="Validate the config and load the model once, then exit.")
 @click.option("--print-systemd-unit", is_flag=True, help="Print a systemd unit for this install and exit.")
 @user_errors
@@ -1163,20 +964,16 @@ def _plan_backend(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option(
     "--kv-dtype", "kv_dtypes", multiple=True, help="Cache dtype, repeatable (default: the model's)."
 )
-@click.option(
-    "--weights",
-    type=click.Choice(list(WEIGHT_FORMATS)),
-    default=None,
-    help="Recipes only: the weight form an export would make (default: the recipe's); "
-    "--variant, --precision, --block-size, --outlier-channels, --head-bits and --decode-matmuls "
-    "as in export.",
+@click_options(
+    ExportRecipe,
+    WEIGHT_FORM_KEYS,
+    unset=True,
+    weights={
+        "help": "Recipes only: the weight form an export would make (default: the recipe's); "
+        "--variant, --precision, --block-size, --outlier-channels, --head-bits and "
+        "--decode-matmuls as in export."
+    },
 )
-@click.option("--variant", type=click.Choice(sorted(VARIANTS)), default=None, help="As in export.")
-@click.option("--precision", type=click.Choice(list(PRECISIONS)), default=None, help="As in export.")
-@click.option("--block-size", type=int, default=None, help="As in export.")
-@click.option("--outlier-channels", type=int, default=None, help="As in export.")
-@click.option("--head-bits", type=int, default=None, help="As in export.")
-@click.option("--decode-matmuls", type=click.Choice(DECODE_MATMULS), default=None, help="As in export.")
 @click.option("--slots", default=None, help="Slot counts, e.g. 1,2,4 (default 1,2,4,8,16).")
 @click.option(
     "--max-len",
@@ -1193,16 +990,7 @@ def plan(model: str, profile: str | None, device: str | None, **kwargs: Any) -> 
     from kvedge.planner import plan_report, weight_form
 
     device = device or click.get_current_context().meta.get(("old spelling", "device"))  # --backend
-    form_keys = (
-        "weights",
-        "variant",
-        "precision",
-        "block_size",
-        "outlier_channels",
-        "head_bits",
-        "decode_matmuls",
-    )
-    form = weight_form({k: kwargs.pop(k) for k in form_keys})
+    form = weight_form({k: kwargs.pop(k) for k in WEIGHT_FORM_KEYS})
     click.echo(plan_report(model, profile=profile, device=device, form=form, **kwargs))
 
 
@@ -1456,7 +1244,7 @@ def eval_kv(
     help="Threads per system (0: all cores); repeat (--threads 1 --threads 2) to measure every system at "
     "each count side by side (targets judged at the first).",
 )
-@device_option
+@run_options(("device",))
 @click.option(
     "--rounds", default=3, show_default=True, type=int, help="Alternating rounds (medians over them)."
 )

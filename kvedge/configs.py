@@ -225,11 +225,12 @@ def find_problem(error: msgspec.ValidationError, data: Any, schema: Any) -> Conf
 
 def describe(hint: Any) -> str:
     """What a type allows, as shown to the user: "an integer in 1..256", "last, all", ..."""
-    metas = get_args(hint)[1:] if get_origin(hint) is Annotated else ()
+    annotated = get_origin(hint) is Annotated
+    metas = [m for m in get_args(hint)[1:] if isinstance(m, msgspec.Meta)] if annotated else []
     for meta in metas:
-        if isinstance(meta, msgspec.Meta) and meta.description:
+        if meta.description:
             return meta.description
-    base = get_args(hint)[0] if metas else hint
+    base = get_args(hint)[0] if annotated else hint
     bound = {
         k: getattr(m, k)
         for m in metas

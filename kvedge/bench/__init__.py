@@ -72,6 +72,7 @@ from kvedge.bench.systems import ChildSystem, System, SystemCrashed, SystemSpec
 from kvedge.bench.warm import measure_warm
 from kvedge.contract import ONNX_FILE, ExportRecipe, Manifest
 from kvedge.contract.engine import DEVICES
+from kvedge.declare import from_values
 from kvedge.errors import KvedgeError
 
 log = logging.getLogger(__name__)
@@ -580,6 +581,10 @@ def _specs(config: BenchConfig, work: Workdir) -> tuple[list[SystemSpec], dict[s
     return specs, skipped
 
 
+# the ExportRecipe fields a kvedge system names, in order ("variant:weights[:kv_dtype[:decode_matmuls]]")
+SYSTEM_KEYS = ("variant", "weights", "kv_dtype", "decode_matmuls")
+
+
 def kvedge_system(item: str, block_size: int = 32) -> ExportRecipe:
     """'variant:weights[:kv_dtype[:decode_matmuls]]' -> the export it names: the cache defaults to
     float32, the decode matmuls to the recipe's rule (`ExportRecipe.decode`); 'onnxruntime' there is
@@ -590,15 +595,9 @@ def kvedge_system(item: str, block_size: int = 32) -> ExportRecipe:
             f"kvedge system {item!r} is not 'variant:weights[:kv_dtype[:decode_matmuls]]' (e.g. "
             "'ort:int4', 'portable:float32:int8', 'ort:int4:int8:onnxruntime')"
         )
-    variant, weights, kv_dtype, decode = (*parts, *[None] * (4 - len(parts)))
+    values = {"kv_dtype": "float32", **{k: v for k, v in zip(SYSTEM_KEYS, parts, strict=False) if v}}
     try:
-        return ExportRecipe(
-            variant=variant,
-            weights=weights,
-            kv_dtype=kv_dtype or "float32",
-            decode_matmuls=decode,
-            block_size=block_size,
-        )
+        return from_values(ExportRecipe, values, block_size=block_size)
     except KvedgeError as exc:
         raise KvedgeError(f"kvedge system {item!r}: {exc}") from None
 

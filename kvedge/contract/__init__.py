@@ -83,6 +83,7 @@ from kvedge.contract.recipe import (
     HEAD_MIN_BITS,
     OUTLIER_CHANNELS,
     OUTLIER_CHOICES,
+    WEIGHT_FORM_KEYS,
     ExportRecipe,
     check_kv_dtype,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "HEAD_MIN_BITS",
     "OUTLIER_CHANNELS",
     "OUTLIER_CHOICES",
+    "WEIGHT_FORM_KEYS",
     "ExportRecipe",
     "check_kv_dtype",
     "CHAT_TEMPLATE_FILE",

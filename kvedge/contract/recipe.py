@@ -13,13 +13,14 @@ these types); `__post_init__` checks the rest, combinations included.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from msgspec import Meta
 
 from kvedge.contract.manifest import (
     DECODE_MATMULS,
     EXPORTED_KV_DTYPES,
+    KV_GROUP_SIZES,
     LOGITS_MODES,
     PRECISIONS,
     QUANT_MATMUL_OP,
@@ -30,6 +31,7 @@ from kvedge.contract.manifest import (
     export_weight_formats,
     kvedge_ops,
 )
+from kvedge.declare import Flag, declared, strip
 from kvedge.errors import KvedgeError
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # input features per quantization block
@@ -52,6 +54,16 @@ OUTLIER_CHOICES = (0, 8, 16, 32, 64)
 HEAD_MIN_BITS = 8
 HEAD_BITS = (8, 4)
 MAX_LEN_RANGE = (16, 131072)
+# the fields that say how the weights are stored and computed (`kvedge plan`'s form options)
+WEIGHT_FORM_KEYS = (
+    "weights",
+    "variant",
+    "precision",
+    "block_size",
+    "outlier_channels",
+    "head_bits",
+    "decode_matmuls",
+)
 
 
 @dataclass(frozen=True)
@@ -60,22 +72,91 @@ class ExportRecipe:
     (`export_weight_formats`, `export_kv_dtypes`): float32 for a float32 graph, float16 for a
     float16 one; after construction both are always set."""
 
-    # cache length per sequence, baked into the graph (MAX_LEN_RANGE)
-    max_len: Annotated[int, Meta(ge=MAX_LEN_RANGE[0])] = 2048
-    logits: Literal[LOGITS_MODES] = "rows"  # "rows" lets the runtime verify speculative steps
-    variant: str = "portable"  # VARIANTS: "portable" (standard ops, TensorRT) or "ort" (fused attention)
-    # the dtype the graph computes in (PRECISIONS): float16 is the portable graph in float16 with
-    # float32 islands (kvedge.export.graph), for TensorRT's strongly typed builds
-    precision: str = "float32"
-    weights: str | None = None  # WEIGHT_FORMATS: float32, float16 (stored), int8 or int4 (blocked)
-    block_size: int = 32  # BLOCK_SIZES: input features per quantization scale
-    outlier_channels: int | None = None  # OUTLIER_CHOICES; None: `kept_channels`' rule
-    head_bits: int | None = None  # HEAD_BITS (portable: not below the weights'); None: `lm_head_bits`' rule
-    decode_matmuls: str | None = None  # DECODE_MATMULS (ort int8/int4 weights); None: `decode`'s rule
-    # EXPORTED_KV_DTYPES: float32, float16 (ort: the CUDA in-place form; portable: a float16
-    # graph's) or int8 (codes + float16 scales)
-    kv_dtype: str | None = None
-    kv_group_size: int = 0  # int8 cache: channels per scale; 0 = CacheGeometry.default_group_size
+    max_len: Annotated[
+        int, Meta(ge=MAX_LEN_RANGE[0]), Flag("Cache length (tokens) per sequence, baked into the graph.")
+    ] = 2048
+    logits: Annotated[
+        Literal[LOGITS_MODES],
+        Flag(
+            "rows: logits at the positions the runtime asks for (the last prompt token; every "
+            "proposed token of a speculative step); last: the last position only (no speculative "
+            "decoding); all: every position."
+        ),
+    ] = "rows"
+    variant: Annotated[
+        str,
+        Flag(
+            "portable: standard ONNX ops (TensorRT); ort: onnxruntime fused attention, cache "
+            "written in place.",
+            choices=tuple(sorted(VARIANTS)),
+        ),
+    ] = "portable"
+    precision: Annotated[
+        str,
+        Flag(
+            "The dtype the graph computes in. float16: --variant portable only, weights and "
+            "activations float16 with RMSNorm, softmax and the logits output in float32, for "
+            "TensorRT's strongly typed engines; its cache is float16 or int8.",
+            choices=PRECISIONS,
+        ),
+    ] = "float32"
+    weights: Annotated[
+        str | None,
+        Flag(
+            "Weight storage: float, or weight-only blocked quantization (int8, int4) of the "
+            "projections and LM head. Default: the precision's (float32; float16 with --precision "
+            "float16).",
+            choices=tuple(sorted(WEIGHT_FORMATS)),
+        ),
+    ] = None
+    block_size: Annotated[
+        int, Flag("Quantization block size: input features per scale.", choices=BLOCK_SIZES)
+    ] = 32
+    outlier_channels: Annotated[
+        int | None,
+        Flag(
+            "int8/int4 weights: input channels of each matmul kept float (default 32, 8 with "
+            "--variant portable, none there where every matrix is the source's own blocks). Fewer "
+            "read fewer bytes per token, at some quality (docs/PERFORMANCE.md).",
+            choices=OUTLIER_CHOICES,
+        ),
+    ] = None
+    head_bits: Annotated[
+        int | None,
+        Flag(
+            "int8/int4 weights: the LM head's bits (--variant ort: 8 or 4; portable: the weights' "
+            "bits or 8). Default: at least 8 (a 4-bit head costs 20-35x the KL, docs/PERFORMANCE.md).",
+            choices=HEAD_BITS,
+        ),
+    ] = None
+    decode_matmuls: Annotated[
+        str | None,
+        Flag(
+            "--variant ort --weights int8|int4: kvedge (default) runs a decode step's matmuls in "
+            "kvedge's own kernel, in a second form of the graph: faster decode, the weights held "
+            "twice in memory; onnxruntime runs every step in MatMulNBits, one copy "
+            "(docs/PERFORMANCE.md).",
+            choices=DECODE_MATMULS,
+        ),
+    ] = None
+    kv_dtype: Annotated[
+        str | None,
+        Flag(
+            "KV cache dtype. Default: the precision's (float32; float16 with --precision float16). "
+            "int8: codes plus a float16 scale per token per channel group (with --variant ort it "
+            "runs kvedge's own attention kernel, built at install). float16: a float16 graph's, or "
+            "with --variant ort the in-place form for --device cuda.",
+            choices=tuple(EXPORTED_KV_DTYPES),
+        ),
+    ] = None
+    kv_group_size: Annotated[
+        int,
+        Flag(
+            "int8 cache: channels per scale per token (16, 32, 64, 128 up to head_dim; 0: "
+            "CacheGeometry.default_group_size, 32).",
+            choices=(0, *KV_GROUP_SIZES),
+        ),
+    ] = 0
 
     def __post_init__(self) -> None:
         low, high = MAX_LEN_RANGE
@@ -101,18 +182,16 @@ class ExportRecipe:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
 
     def _check_choices(self) -> None:
-        """Each field against its own list of allowed values."""
-        for flag, value, allowed in (
-            ("--logits", self.logits, list(LOGITS_MODES)),
-            ("--variant", self.variant, sorted(VARIANTS)),
-            ("--precision", self.precision, list(PRECISIONS)),
-            ("--block-size", self.block_size, list(BLOCK_SIZES)),
-            ("--outlier-channels", self.outlier_channels, [None, *OUTLIER_CHOICES]),
-            ("--decode-matmuls", self.decode_matmuls, [None, *DECODE_MATMULS]),
-        ):
-            if value not in allowed:
-                shown = [a for a in allowed if a is not None]
-                raise KvedgeError(f"{flag} {value!r} is not allowed; allowed: {shown}")
+        """Each field against its declared values (`Flag.choices`, a `Literal`), but those whose
+        allowed values depend on others, checked after: --head-bits (`_check_quantized_flags`),
+        --weights (the precision's) and --kv-dtype (`check_kv_dtype`)."""
+        for option in declared(ExportRecipe).values():
+            allowed = option.flag.choices or get_args(strip(option.hint))
+            value = getattr(self, option.key)
+            if option.key in ("head_bits", "weights", "kv_dtype"):
+                continue
+            if allowed and value is not None and value not in allowed:
+                raise KvedgeError(f"{option.flag_name} {value!r} is not allowed; allowed: {list(allowed)}")
 
     def _check_precision(self) -> None:
         if self.half and self.variant != "portable":

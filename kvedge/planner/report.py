@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvedge.contract import KV_DTYPES, ExportRecipe
+from kvedge.declare import from_values
 from kvedge.errors import KvedgeError
 from kvedge.files import human
 from kvedge.planner.budget import _budget, parse_ints
@@ -110,10 +111,9 @@ def weight_form(options: dict[str, Any]) -> ExportRecipe | None:
     """The weight form `kvedge plan`'s export options name (None: the model's own): --weights
     (default: the --precision's, float32 for a float32 graph) and the options of `kvedge export`
     that go with it."""
-    given = {k: v for k, v in options.items() if v is not None}
-    if not given:
+    if all(v is None for v in options.values()):
         return None
-    return ExportRecipe(**given)
+    return from_values(ExportRecipe, options)
 
 
 def plan_report(

@@ -34,17 +34,19 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import numpy as np
+from msgspec import Meta
 
 from kvedge.contract import PREFILL_CHUNK
+from kvedge.declare import Flag
 from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.constrain import Constraint, Matcher
 from kvedge.runtime.interface import Backend, StepOutput
-from kvedge.runtime.sampling import SAMPLING_BOUNDS
-from kvedge.runtime.speculate import Adaptive, Speculate, accept, check_mode
+from kvedge.runtime.sampling import SAMPLING_BOUNDS, RepetitionPenalty, Temperature, TopK, TopP
+from kvedge.runtime.speculate import SPECULATE_MODES, Adaptive, Speculate, accept, check_mode
 from kvedge.runtime.tokenizer import TextStream
 
 # Temperatures below this sample greedily: at 1e-3 a logit 0.05 below the best is already e^-50
@@ -55,20 +57,32 @@ GREEDY_BELOW = 1e-3
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    max_new_tokens: Annotated[
+        int, Meta(ge=1, description="an integer >= 1"), Flag("Most tokens of the reply.")
+    ] = 256
+    temperature: Temperature = 0.0
+    top_k: TopK = 0  # 0: off
+    top_p: TopP = 1.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    seed: Annotated[int | None, Flag("Seed of sampled decoding (default: a fresh one).")] = None
+    stop: Annotated[tuple[str, ...], Flag("Stop string (repeatable).")] = ()
     constraint: Constraint | None = None  # output must match it (kvedge.runtime.constrain)
     logprobs: int | None = None  # None: off; k: each token's log probability and the k most likely
     # "lookup": speculative decoding with prompt-lookup proposals (kvedge.runtime.speculate), where
     # the export can verify them; "draft": the proposals of the draft loaded with the model
     # (RunOptions.draft; kvedge.runtime.draft); "off". Replies are the same either way (sampled:
     # in distribution)
-    speculate: Speculate = "off"
+    speculate: Annotated[
+        Speculate,
+        Meta(description=f"one of {list(SPECULATE_MODES)}"),
+        Flag(
+            "lookup: propose the tokens that followed the reply's last words earlier in the "
+            "conversation and verify them in one step (the same reply, faster where it repeats its "
+            "input: quoting, rewriting; off where proposals keep failing); draft: the draft export "
+            "proposes; needs a --logits rows export.",
+            default_text="draft with a draft, else off",
+        ),
+    ] = "off"
     max_top_logprobs: ClassVar[int] = 20
 
     def __post_init__(self) -> None:

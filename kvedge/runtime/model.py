@@ -350,10 +350,7 @@ class Model:
         if self.draft is not None:
             self.draft.close()
             self.draft = None
-        o = self.options
-        draft_model = Model(
-            folder, RunOptions(slots=o.slots, threads=o.threads, device=o.device, kv_memory=o.kv_memory)
-        )
+        draft_model = Model(folder, self.options.backend_options())
         try:
             check_same_tokenizer(self, draft_model)
             if draft_model.manifest.geometry.states:

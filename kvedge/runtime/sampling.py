@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Annotated
+
+from msgspec import Meta
+
+from kvedge.declare import Flag
 
 
 @dataclass(frozen=True)
@@ -56,3 +61,20 @@ SAMPLING_BOUNDS = {
     "top_p": Bounds(0.0, 1.0, low_open=True),
     "repetition_penalty": Bounds(0.01, 10.0),
 }
+
+
+def _meta(name: str) -> Meta:
+    bounds = SAMPLING_BOUNDS[name]
+    return Meta(**bounds.meta(), description=bounds.allowed)
+
+
+def _help(name: str) -> str:
+    allowed = SAMPLING_BOUNDS[name].allowed
+    return f"{allowed[0].upper()}{allowed[1:]}."
+
+
+# The sampling options' types, as `SamplingConfig`, the CLI and the service declare them
+Temperature = Annotated[float, _meta("temperature"), Flag(_help("temperature"))]
+TopK = Annotated[int, _meta("top_k"), Flag(_help("top_k"))]
+TopP = Annotated[float, _meta("top_p"), Flag(_help("top_p"))]
+RepetitionPenalty = Annotated[float, _meta("repetition_penalty"), Flag(_help("repetition_penalty"))]

@@ -24,9 +24,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import numpy as np
+from msgspec import Meta
 
+from kvedge.declare import Flag
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 
@@ -37,8 +40,18 @@ POLICIES = ("error", "window", "truncate")
 
 @dataclass(frozen=True)
 class HistoryPolicy:
-    mode: str = "error"
-    n_sink: int = 4  # window: tokens at the start that are never evicted
+    mode: Annotated[
+        Literal[POLICIES],
+        Meta(description=f"one of {list(POLICIES)}"),
+        Flag(
+            "What to do when a conversation outgrows the cache: error, window (keep the first "
+            "--n-sink tokens and the latest) or truncate (drop the oldest turns).",
+            key="history_policy",
+        ),
+    ] = "error"
+    n_sink: Annotated[
+        int, Meta(ge=0, le=1_000_000, description="an integer >= 0"), Flag("window: tokens never evicted.")
+    ] = 4
     evict_chunk: int = 0  # window: tokens evicted at once when full (0: a quarter of max_len)
 
     def __post_init__(self) -> None:

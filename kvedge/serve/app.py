@@ -50,6 +50,7 @@ from starlette.routing import Route
 from kvedge.configs import load_warm_prefix_config
 from kvedge.errors import ContextOverflow, KvedgeError, ModelFault
 from kvedge.runtime.model import Constraint, Event, Model, SamplingConfig
+from kvedge.runtime.sampling import SAMPLING_BOUNDS
 from kvedge.serve import protocol, tools, ui
 from kvedge.serve.config import ServiceConfig
 from kvedge.serve.metrics import Metrics
@@ -570,11 +571,7 @@ def sampling_config(
     drafted: bool = False,  # the service loaded a draft model (`ServiceConfig.draft`)
 ) -> SamplingConfig:
     """A request's sampling: its own fields, else the service's defaults."""
-    given = {
-        name: getattr(request, name)
-        for name in ("temperature", "top_k", "top_p", "repetition_penalty")
-        if getattr(request, name) is not None
-    }
+    given = {name: getattr(request, name) for name in SAMPLING_BOUNDS if getattr(request, name) is not None}
     return SamplingConfig(
         max_new_tokens=max_new_tokens,
         **{**(defaults or {}), **given},

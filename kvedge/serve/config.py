@@ -83,21 +83,18 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 import msgspec
 from msgspec import Meta
 
 from kvedge.configs import find_problem, move_renamed, read_yaml, renamed
 from kvedge.contract import MANIFEST_FILE
-from kvedge.contract.engine import DEVICES
+from kvedge.declare import Flag, declared, from_values
 from kvedge.errors import KvedgeError
-from kvedge.runtime.backends.memory import KV_MEMORY
 from kvedge.runtime.generate import SamplingConfig
 from kvedge.runtime.options import RunOptions
-from kvedge.runtime.sampling import SAMPLING_BOUNDS
-from kvedge.runtime.sessions import POLICIES, HistoryPolicy
-from kvedge.runtime.speculate import SPECULATE_MODES, legacy_draft
+from kvedge.runtime.speculate import legacy_draft
 
 log = logging.getLogger(__name__)
 REPLY_OVERFLOW = ("clip", "reject")
@@ -110,29 +107,31 @@ _NOT_BLANK = r"\S"
 _BEARER_KEY = re.compile(r"[\x21-\x7e]+")
 
 
-def _sampling_meta(name: str) -> Meta:
-    bounds = SAMPLING_BOUNDS[name]
-    return Meta(**bounds.meta(), description=bounds.allowed)
-
-
 @dataclass(frozen=True)
-class ServiceConfig:
-    """What `kvedge serve` runs with. Build it with `load_service_config`, which validates.
+class ServiceOptions:
+    """The service's own options: its HTTP server, a request's limits, start-up and shutdown.
+    `ServiceConfig` holds them beside the model's (`RunOptions`) and a request's sampling defaults
+    (`SamplingConfig`'s), declared there.
 
     Each field's type states what a file or flag may give it; a `Meta(description=...)` is the
     "allowed:" text of its error message."""
 
-    model: Annotated[Path, Meta(description="an artifact folder written by `kvedge export`")]
+    model: Annotated[
+        Path,
+        Meta(description="an artifact folder written by `kvedge export`"),
+        Flag("Artifact folder; overrides the config's."),
+    ]
     model_name: Annotated[  # None only until load_service_config fills in the folder name
         Annotated[str, Meta(pattern=_NOT_BLANK)] | None,
         Meta(description="a non-empty string, or null for the folder name"),
     ] = None
     host: Annotated[
-        str, Meta(pattern=_NOT_BLANK, description="an IP address or host name, e.g. 127.0.0.1")
+        str,
+        Meta(pattern=_NOT_BLANK, description="an IP address or host name, e.g. 127.0.0.1"),
+        Flag("Bind address (others than loopback need api_key_env).", metavar="TEXT"),
     ] = "127.0.0.1"
-    port: Annotated[int, Meta(ge=1, le=65535)] = 8000
-    slots: Annotated[int, Meta(ge=1, le=256)] = 4
-    queue_size: Annotated[int, Meta(ge=0, le=4096)] = 8
+    port: Annotated[int, Meta(ge=1, le=65535), Flag("TCP port.")] = 8000
+    queue_size: Annotated[int, Meta(ge=0, le=4096), Flag("Requests that may wait for a slot before 429.")] = 8
     api_key_env: Annotated[
         Annotated[str, Meta(pattern=_ENV_NAME)] | None,
         Meta(description="an environment variable name such as KVEDGE_API_KEY, or null"),
@@ -160,36 +159,13 @@ class ServiceConfig:
     reply_overflow: Annotated[Literal[REPLY_OVERFLOW], Meta(description=f"one of {list(REPLY_OVERFLOW)}")] = (
         "reject"
     )
-    threads: Annotated[
-        Annotated[int, Meta(ge=1, le=1024)] | None, Meta(description="an integer >= 1, or null for all cores")
-    ] = None
-    device: Annotated[Literal[DEVICES], Meta(description=f"one of {list(DEVICES)}")] = "cpu"
-    # where a GPU device's KV cache pool lives (kvedge.runtime.backends.memory.KV_MEMORY; docs/JETSON.md)
-    kv_memory: Annotated[Literal[KV_MEMORY], Meta(description=f"one of {list(KV_MEMORY)}")] = "mapped"
     batch_decode: Annotated[bool, Meta(description="true or false")] = True
-    # a request may ask for another; "draft" is the default where a draft is set (`load`)
-    speculate: Annotated[Literal[SPECULATE_MODES], Meta(description=f"one of {list(SPECULATE_MODES)}")] = (
-        "off"
-    )
-    # loaded at start with a slot per service slot; requests may then ask for "draft"
-    draft: Annotated[Path | None, Meta(description="an export folder, or null")] = None
-    # a request's sampling where it gives none; allowed and by default: as SamplingConfig
-    temperature: Annotated[float, _sampling_meta("temperature")] = SamplingConfig.temperature
-    top_p: Annotated[float, _sampling_meta("top_p")] = SamplingConfig.top_p
-    top_k: Annotated[int, _sampling_meta("top_k")] = SamplingConfig.top_k
-    repetition_penalty: Annotated[float, _sampling_meta("repetition_penalty")] = (
-        SamplingConfig.repetition_penalty
-    )
     shutdown_grace_s: Annotated[float, Meta(ge=0, le=3600, description="a number of seconds in 0..3600")] = (
         10.0
     )
     warmup_tokens: Annotated[
         int, Meta(ge=0, le=1_000_000, description="an integer >= 0 (0 = no warm-up)")
     ] = 8
-    history_policy: Annotated[Literal[POLICIES], Meta(description=f"one of {list(POLICIES)}")] = "error"
-    n_sink: Annotated[int, Meta(ge=0, le=1_000_000, description="an integer >= 0")] = HistoryPolicy.n_sink
-    warm_prefixes: Annotated[Path | None, Meta(description="a warm-prefix YAML file, or null")] = None
-    warm_dir: Annotated[Path | None, Meta(description="a folder for warm prefix files, or null")] = None
     memory_budget: Annotated[
         Annotated[int, Meta(ge=1, le=2**50)] | None,
         Meta(
@@ -197,24 +173,18 @@ class ServiceConfig:
             "(MemAvailable, or a cgroup or ulimit limit where lower)"
         ),
     ] = None
-    prefix_cache_bytes: Annotated[
-        int, Meta(ge=0, le=2**50, description="a number of bytes >= 0 (0 = off)")
-    ] = 0
-    prefix_dir: Annotated[
-        Path | None, Meta(description="a folder for run-time prefix files, or null (off)")
-    ] = None
-    prefix_disk_bytes: Annotated[int, Meta(ge=1, le=2**50, description="a number of bytes >= 1")] = (
-        RunOptions.prefix_disk_bytes
-    )
-    prefix_disk_min_tokens: Annotated[int, Meta(ge=1, le=1_000_000, description="an integer >= 1")] = (
-        RunOptions.prefix_disk_min_tokens
-    )
     ui: Annotated[  # None only until load_service_config applies `ui_default`
-        bool | None, Meta(description="true, false, or null (on for a loopback host, off otherwise)")
+        bool | None,
+        Meta(description="true, false, or null (on for a loopback host, off otherwise)"),
+        Flag("Serve the chat page at / (default: on for a loopback host only)."),
     ] = None
     # kvedge.runtime.json_schema: what a lenient compilation ignores
     lenient_schemas: Annotated[bool, Meta(description="true or false")] = False
     api_key: str | None = field(default=None, repr=False)  # read from $api_key_env, never logged
+
+
+class ServiceMethods:
+    """What a `ServiceConfig` derives from its fields."""
 
     @property
     def loopback(self) -> bool:
@@ -223,32 +193,46 @@ class ServiceConfig:
     @property
     def sampling_defaults(self) -> dict[str, float]:
         """What a request samples with where it gives no value of its own."""
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "repetition_penalty": self.repetition_penalty,
-        }
+        return {key: getattr(self, key) for key in SAMPLING_DEFAULTS}
 
     def run_options(self, slots: int | None = None) -> RunOptions:
         """The model's options this config gives (`slots`: another count, e.g. 1 for --check); the
         warm-prefix file is read here."""
-        from kvedge.configs import load_warm_prefix_config
+        values = {key: getattr(self, key) for key in declared(RunOptions)}
+        return from_values(RunOptions, values, **({} if slots is None else {"slots": slots}))
 
-        return RunOptions(
-            slots=self.slots if slots is None else slots,
-            threads=self.threads,
-            device=self.device,
-            kv_memory=self.kv_memory,
-            policy=HistoryPolicy(mode=self.history_policy, n_sink=self.n_sink),
-            prefix_cache_bytes=self.prefix_cache_bytes,
-            prefix_dir=self.prefix_dir,
-            prefix_disk_bytes=self.prefix_disk_bytes,
-            prefix_disk_min_tokens=self.prefix_disk_min_tokens,
-            warm_prefixes=load_warm_prefix_config(self.warm_prefixes) if self.warm_prefixes else None,
-            warm_dir=self.warm_dir,
-            draft=self.draft,
-        )
+
+# A request's sampling where it gives none; "draft" is speculate's default where a draft is set
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+SERVICE_DEFAULTS = {"slots": 4}  # a service serves conversations at once; `Model` loads one slot
+
+
+def _service_fields() -> list[tuple[str, Any, Any]]:
+    """ServiceOptions' fields, then RunOptions' and SamplingConfig's declared options (their
+    keys, types and defaults; `SERVICE_DEFAULTS` where the service's differ)."""
+    hints = get_type_hints(ServiceOptions, include_extras=True)
+    own = [
+        (f.name, hints[f.name])
+        if f.default is dataclasses.MISSING
+        else (f.name, hints[f.name], field(default=f.default, repr=f.repr))
+        for f in dataclasses.fields(ServiceOptions)
+    ]
+    sampling = declared(SamplingConfig)
+    options = [*declared(RunOptions).values(), *(sampling[k] for k in (*SAMPLING_DEFAULTS, "speculate"))]
+    given = [(o.key, o.hint, field(default=SERVICE_DEFAULTS.get(o.key, o.default))) for o in options]
+    return [*own, *given]
+
+
+# What `kvedge serve` runs with. Build it with `load_service_config`, which validates; its fields
+# are a file's keys, each declared once where it is read (ServiceOptions, RunOptions, SamplingConfig).
+ServiceConfig = dataclasses.make_dataclass(
+    "ServiceConfig", _service_fields(), bases=(ServiceMethods,), frozen=True
+)
+ServiceConfig.__module__ = __name__
+ServiceConfig.__doc__ = (
+    "What `kvedge serve` runs with: `ServiceOptions`, `RunOptions`' options and a request's sampling "
+    "defaults. Build it with `load_service_config`, which validates."
+)
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(ServiceConfig) if f.name != "api_key")  # a file's keys
