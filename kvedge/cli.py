@@ -289,7 +289,13 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
 
     if func is None:
         return functools.partial(runtime_options, model_required=model_required)
-    speculate = {"default": None, "callback": _speculate_mode, "metavar": "|".join(SPECULATE_MODES)}
+    # a string: the retired "draft:DIR" is read by `_speculate_mode`
+    speculate = {
+        "default": None,
+        "type": click.STRING,
+        "callback": _speculate_mode,
+        "metavar": "|".join(SPECULATE_MODES),
+    }
     func = click_options(RunOptions, RUN_KEYS)(func)
     func = click_options(SamplingConfig, REPLY_KEYS, speculate=speculate)(func)
     return click.option(

@@ -55,10 +55,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import types
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_type_hints
 
 import msgspec
 import yaml
@@ -74,6 +73,7 @@ from kvedge.contract import (
     shared_kv_geometry,
 )
 from kvedge.contract.engine import ProfileSizes
+from kvedge.declare import describe, is_mapping, strip
 from kvedge.errors import KvedgeError
 
 log = logging.getLogger(__name__)
@@ -210,77 +210,23 @@ def find_problem(error: msgspec.ValidationError, data: Any, schema: Any) -> Conf
     what, at = _AT.match(str(error)).group("what", "path")
     steps: list[str | int] = [name or int(index) for name, index in _STEP.findall(at or "")]
     if what.startswith(("Object missing required field", "Object contains unknown field")):
-        keys = ", ".join(sorted(get_type_hints(_strip(_hint_at(schema, steps)))))
+        keys = ", ".join(sorted(get_type_hints(strip(_hint_at(schema, steps)))))
         steps.append(what.split("`")[1])
         kind = "missing" if what.startswith("Object missing") else "unknown"
         return ConfigProblem(key=_dotted(steps), kind=kind, value=_value_at(data, steps), allowed=keys)
     if at is None and isinstance(data, dict):  # not about one key (a key that is not a string): as is
         return ConfigProblem(key="", kind="other", value=data, allowed=str(error))
-    if steps and isinstance(steps[-1], int) and not _is_mapping(_strip(_hint_at(schema, steps))):
+    if steps and isinstance(steps[-1], int) and not is_mapping(strip(_hint_at(schema, steps))):
         steps.pop()  # a bad item of a list of plain values: show the list, so all its choices are named
     hint, value = _hint_at(schema, steps), _value_at(data, steps)
-    kind = "mapping" if _is_mapping(_strip(hint)) and not isinstance(value, dict) else "value"
+    kind = "mapping" if is_mapping(strip(hint)) and not isinstance(value, dict) else "value"
     return ConfigProblem(key=_dotted(steps), kind=kind, value=value, allowed=describe(hint))
-
-
-def describe(hint: Any) -> str:
-    """What a type allows, as shown to the user: "an integer in 1..256", "last, all", ..."""
-    annotated = get_origin(hint) is Annotated
-    metas = [m for m in get_args(hint)[1:] if isinstance(m, msgspec.Meta)] if annotated else []
-    for meta in metas:
-        if meta.description:
-            return meta.description
-    base = get_args(hint)[0] if annotated else hint
-    bound = {
-        k: getattr(m, k)
-        for m in metas
-        for k in ("ge", "le", "gt", "min_length", "pattern")
-        if getattr(m, k) is not None
-    }
-    args = get_args(base)
-    if get_origin(base) in (Union, types.UnionType) and type(None) in args:
-        return f"{describe(next(a for a in args if a is not type(None)))}, or null"
-    if get_origin(base) is Literal:
-        return ", ".join(map(str, args))
-    if get_origin(base) in (tuple, list):
-        return f"a list of {describe(args[0])}"
-    if base is bool:
-        return "true, false"
-    if base in (int, float):
-        noun = "an integer" if base is int else "a number"
-        if "ge" in bound and "le" in bound:
-            return f"{noun} in {bound['ge']}..{bound['le']}"
-        if bound.get("gt") == 0:
-            return f"a positive {noun.split()[-1]}"
-        return f"{noun} >= {bound['ge']}" if "ge" in bound else noun
-    if base is str:
-        if "pattern" in bound:
-            return f"a string matching {bound['pattern']}"
-        return "a non-empty string" if "min_length" in bound else "a string"
-    if _is_mapping(base):
-        return "a mapping of keys"
-    return getattr(base, "__name__", str(base))
-
-
-def _strip(hint: Any) -> Any:
-    """The type under `Annotated[...]` and `... | None`."""
-    while True:
-        if get_origin(hint) is Annotated:
-            hint = get_args(hint)[0]
-        elif get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint):
-            hint = next(a for a in get_args(hint) if a is not type(None))
-        else:
-            return hint
-
-
-def _is_mapping(hint: Any) -> bool:
-    return isinstance(hint, type) and (issubclass(hint, msgspec.Struct) or is_dataclass(hint))
 
 
 def _hint_at(schema: Any, steps: list[str | int]) -> Any:
     hint = schema
     for step in steps:
-        outer = _strip(hint)
+        outer = strip(hint)
         hint = (
             get_args(outer)[0] if isinstance(step, int) else get_type_hints(outer, include_extras=True)[step]
         )
@@ -389,7 +335,7 @@ class Architecture(Strict):
         """The layers holding KV: the "full_attention" ones of a hybrid, Gemma 4's unshared ones,
         else every layer."""
         if self.layer_types is None:
-            return tuple(i for i in range(self.num_layers) if i not in self.shared_layers)
+            return tuple(range(self.num_layers - (self.num_kv_shared_layers or 0)))  # shared ones last
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
 
     @property
@@ -397,7 +343,8 @@ class Architecture(Strict):
         """A hybrid's layers holding a per-slot state instead of KV; () for other families."""
         if self.layer_types is None:
             return ()
-        return tuple(i for i in range(self.num_layers) if i not in self.kv_layers)
+        kv = set(self.kv_layers)
+        return tuple(i for i in range(self.num_layers) if i not in kv)
 
     def layer_head_dim(self, layer: int) -> int:
         """Layer `layer`'s attention head_dim: Gemma 4's global layers have their own."""
@@ -437,8 +384,9 @@ class Architecture(Strict):
         `export.geometry_from_config`): Gemma 4's by `shared_kv_geometry`; Gemma 3's local layers
         on rings in the portable variant, full length in the ort one (a windowed attention)."""
         if self.family == "gemma4_text":
+            local = set(self.local_layers)
             return shared_kv_geometry(
-                [i in self.local_layers for i in range(self.num_layers)],
+                [i in local for i in range(self.num_layers)],
                 self.shared_layers,
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,

@@ -10,7 +10,8 @@ type is itself a declared dataclass (`RunOptions.policy`, a `HistoryPolicy`) is 
 fields' keys (`history_policy`, `n_sink`): `Flag.key` names a field's key where it differs from
 the field's name.
 
-Kept free of kvedge's heavier modules: the CLI reads it before anything runs.
+`describe` words what a type allows ("an integer in 1..256"), for a file's errors and a flag's
+alike. Kept free of kvedge's other modules: every layer reads it, the CLI before anything runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import click
+import msgspec
 
 T = TypeVar("T")
 
@@ -34,6 +36,7 @@ class Flag:
     help: str
     key: str = ""  # its name in files, flags (with "--" and "-" for "_") and the wire; "": the field's
     choices: tuple[Any, ...] = ()  # the values allowed, where the type does not list them
+    allowed: str = ""  # what an error says is allowed, where not the list of `choices`
     # what a file or flag gives where the field holds what is read from it (a path, for a loaded
     # config): the surfaces take this type, `from_values` applies `read`
     given_as: Any = None
@@ -106,6 +109,49 @@ def strip(hint: Any) -> Any:
             return hint
 
 
+def describe(hint: Any) -> str:
+    """What a type allows, as shown to the user: "an integer in 1..256", "last, all", ..."""
+    annotated = get_origin(hint) is Annotated
+    metas = [m for m in get_args(hint)[1:] if isinstance(m, msgspec.Meta)] if annotated else []
+    for meta in metas:
+        if meta.description:
+            return meta.description
+    base = get_args(hint)[0] if annotated else hint
+    bound = {
+        k: getattr(m, k)
+        for m in metas
+        for k in ("ge", "le", "gt", "min_length", "pattern")
+        if getattr(m, k) is not None
+    }
+    args = get_args(base)
+    if get_origin(base) in (Union, types.UnionType) and type(None) in args:
+        return f"{describe(next(a for a in args if a is not type(None)))}, or null"
+    if get_origin(base) is Literal:
+        return ", ".join(map(str, args))
+    if get_origin(base) in (tuple, list):
+        return f"a list of {describe(args[0])}"
+    if base is bool:
+        return "true, false"
+    if base in (int, float):
+        noun = "an integer" if base is int else "a number"
+        if "ge" in bound and "le" in bound:
+            return f"{noun} in {bound['ge']}..{bound['le']}"
+        if bound.get("gt") == 0:
+            return f"a positive {noun.split()[-1]}"
+        return f"{noun} >= {bound['ge']}" if "ge" in bound else noun
+    if base is str:
+        if "pattern" in bound:
+            return f"a string matching {bound['pattern']}"
+        return "a non-empty string" if "min_length" in bound else "a string"
+    if is_mapping(base):
+        return "a mapping of keys"
+    return getattr(base, "__name__", str(base))
+
+
+def is_mapping(hint: Any) -> bool:
+    return isinstance(hint, type) and (issubclass(hint, msgspec.Struct) or dataclasses.is_dataclass(hint))
+
+
 def from_values(owner: type[T], values: Mapping[str, Any], **fixed: Any) -> T:
     """`owner` from the declared keys `values` holds (a command's keyword values, a file's
     section; a key absent or None takes the field's default), and the fields `fixed` sets. A
@@ -145,22 +191,19 @@ class Checked(click.ParamType):
     allow>" (`SamplingConfig`, a service file), "--flag value is not allowed; allowed: [choices]"
     (`ExportRecipe`)."""
 
-    def __init__(self, key: str, hint: Any, choices: Sequence[Any] = ()) -> None:
+    def __init__(self, key: str, hint: Any, choices: Sequence[Any] = (), allowed: str = "") -> None:
         self.key, self.hint, self.choices = key, hint, tuple(choices)
+        self.allowed = allowed or str(list(self.choices))
         self.flag = "--" + key.replace("_", "-")
         self.base = strip(hint)
         self.name = "integer" if self.base is int else "float" if self.base is float else "text"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        import msgspec
-
-        from kvedge.configs import describe
-
         base = {int: click.INT, float: click.FLOAT}.get(self.base, click.STRING)
         number = base.convert(value, param, ctx)
         if self.choices:
             if number not in self.choices:
-                self.fail(f"{self.flag} {number!r} is not allowed; allowed: {list(self.choices)}", param, ctx)
+                self.fail(f"{self.flag} {number!r} is not allowed; allowed: {self.allowed}", param, ctx)
             return number
         try:
             return msgspec.convert(number, self.hint)
@@ -192,7 +235,7 @@ def click_type(option: Declared, checked: bool = True) -> Any:
     if option.flag.choices:
         if all(isinstance(c, str) for c in option.flag.choices):
             return click.Choice(list(option.flag.choices))
-        return Checked(option.key, option.hint, option.flag.choices)
+        return Checked(option.key, option.hint, option.flag.choices, option.flag.allowed)
     if base is Path:
         return click.Path(path_type=Path)
     if get_origin(base) in (tuple, list):

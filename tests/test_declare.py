@@ -133,7 +133,7 @@ def test_the_file_format_lists_every_key_with_its_default():
 @pytest.mark.parametrize("flag,value", [("--block-size", "48"), ("--kv-group-size", "7")])
 def test_a_generated_flag_refuses_what_its_field_refuses(flag, value):
     param = next(p for p in main.commands["export"].params if flag in p.opts)
-    with pytest.raises(click.BadParameter, match=f"{flag} {value} is not allowed; allowed: \\["):
+    with pytest.raises(click.BadParameter, match=f"{flag} {value} is not allowed; allowed: "):
         param.type.convert(value, param, None)
-    with pytest.raises(Exception, match=f"{flag} {value} is not allowed; allowed: \\["):
+    with pytest.raises(Exception, match=f"{flag} {value} is not allowed; allowed: "):
         ExportRecipe(**{param.name: int(value)}, kv_dtype="int8")

@@ -20,7 +20,7 @@ import kvedge
 
 # Lowest first. "kvedge" is the package's own __init__ (its version string).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvedge", "errors", "files", "machine"),
+    ("kvedge", "errors", "files", "machine", "declare"),
     ("contract", "cudart"),
     ("quant", "accel", "configs"),
     ("runtime", "export"),

@@ -155,6 +155,31 @@ def test_bfloat16_and_float16_widen_exactly(tmp_path):
     assert read_tensor(stored["b"]).dtype == np.float32
 
 
+def test_rows_of_a_table_are_read_in_runs_of_neighbours(tmp_path, monkeypatch):
+    """`FolderWeights.rows` gives the rows asked for, in their order and repeats, reading each
+    run of neighbouring rows once and no other row."""
+    from safetensors.torch import save_file
+
+    import kvedge.export.streamed as streamed
+    from kvedge.export.streamed import FolderWeights, read_header
+
+    table = torch.randn(40, 6).to(torch.bfloat16)
+    path = tmp_path / "t.safetensors"
+    save_file({"table": table}, str(path))
+    stored, _ = read_header(path)
+    reads = []
+
+    def spy(where: Stored) -> np.ndarray:
+        reads.append(where.shape[0])
+        return read_tensor(where)
+
+    monkeypatch.setattr(streamed, "read_tensor", spy)
+    index = np.array([9, 3, 5, 4, 3, 39, 0])
+    got = FolderWeights(stored, {}).rows("table", index)
+    np.testing.assert_array_equal(got, table.float().numpy()[index])
+    assert sorted(reads) == [1, 1, 1, 3]  # 0; 3, 4, 5; 9; 39
+
+
 def _rewrite(folder, change) -> None:
     """The folder's safetensors file with its tensors changed by `change` (a dict, in place)."""
     from safetensors.torch import load_file, save_file

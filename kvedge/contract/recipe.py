@@ -155,6 +155,7 @@ class ExportRecipe:
             "int8 cache: channels per scale per token (16, 32, 64, 128 up to head_dim; 0: "
             "CacheGeometry.default_group_size, 32).",
             choices=(0, *KV_GROUP_SIZES),
+            allowed=f"{', '.join(map(str, KV_GROUP_SIZES))} (0: the default)",
         ),
     ] = 0
 
@@ -191,7 +192,8 @@ class ExportRecipe:
             if option.key in ("head_bits", "weights", "kv_dtype"):
                 continue
             if allowed and value is not None and value not in allowed:
-                raise KvedgeError(f"{option.flag_name} {value!r} is not allowed; allowed: {list(allowed)}")
+                said = option.flag.allowed or list(allowed)
+                raise KvedgeError(f"{option.flag_name} {value!r} is not allowed; allowed: {said}")
 
     def _check_precision(self) -> None:
         if self.half and self.variant != "portable":

@@ -66,6 +66,15 @@ class Stored:
     def count(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one row (one index of the first axis)."""
+        return self.count // self.shape[0] * np.dtype(STORED[self.dtype]).itemsize
+
+    def row_range(self, start: int, count: int) -> Stored:
+        """Rows `start` .. `start + count` of this tensor, as a tensor of their own."""
+        return Stored(self.path, self.start + start * self.row_bytes, self.dtype, (count, *self.shape[1:]))
+
 
 def read_header(path: Path) -> tuple[dict[str, Stored], dict[str, str]]:
     """A safetensors file's tensors ({name: Stored}) and metadata, from its JSON header only."""
@@ -148,13 +157,11 @@ class FolderWeights(Mapping[str, np.ndarray]):
         stored = self.stored(name)
         if stored is None:
             return self[name][index]
-        row_values = stored.count // stored.shape[0]
-        row_bytes = row_values * np.dtype(STORED[stored.dtype]).itemsize
-        found = np.empty((len(index), *stored.shape[1:]), np.float32)
-        for k, row in enumerate(index.tolist()):
-            one = Stored(stored.path, stored.start + row * row_bytes, stored.dtype, (1, *stored.shape[1:]))
-            found[k] = read_tensor(one)[0]
-        return found
+        wanted = np.unique(index)  # sorted; neighbouring rows are read in one run
+        runs = np.split(wanted, np.flatnonzero(np.diff(wanted) != 1) + 1) if len(wanted) else []
+        read = [read_tensor(stored.row_range(int(run[0]), len(run))) for run in runs]
+        table = np.concatenate(read) if read else np.empty((0, *stored.shape[1:]), np.float32)
+        return table[np.searchsorted(wanted, index)]
 
     def stored(self, name: str) -> Stored | None:
         """Where a safetensors tensor `name` lies; None for another kind (a GGUF's, a buffer)."""
@@ -172,11 +179,8 @@ def row_chunks(weights: Mapping[str, np.ndarray], name: str, rows: int) -> Itera
         for start in range(0, len(whole), rows):
             yield whole[start : start + rows]
         return
-    row_bytes = stored.count // stored.shape[0] * np.dtype(STORED[stored.dtype]).itemsize
     for start in range(0, stored.shape[0], rows):
-        count = min(rows, stored.shape[0] - start)
-        part = Stored(stored.path, stored.start + start * row_bytes, stored.dtype, (count, *stored.shape[1:]))
-        yield read_tensor(part)
+        yield read_tensor(stored.row_range(start, min(rows, stored.shape[0] - start)))
 
 
 def skeleton(config: Any) -> Any:
