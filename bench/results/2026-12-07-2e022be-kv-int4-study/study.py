@@ -138,7 +138,7 @@ class Tok:
     def __init__(self, name, k, v, layers_k=None):
         self.name, self.k, self.v, self.layers_k = name, k, v, layers_k or {}
         self.ratio = (bits_per_value(k) + bits_per_value(v)) / 64  # bits over 2 x 32 bits
-        for layer, spec in self.layers_k.items():  # per-layer key overrides, averaged in
+        for _layer, spec in self.layers_k.items():  # per-layer key overrides, averaged in
             self.ratio += (bits_per_value(spec) - bits_per_value(k)) / 64 / NUM_LAYERS
 
     def __call__(self, block, start=0):
@@ -213,7 +213,14 @@ class PreRope:
 
     def __init__(self, name, v, mode="static", clip=1.0, outliers=0, bits=4, block=32, levels=None):
         self.name, self.v, self.mode, self.clip, self.outliers, self.bits, self.T = (
-            name, v, mode, clip, outliers, bits, block)
+            name,
+            v,
+            mode,
+            clip,
+            outliers,
+            bits,
+            block,
+        )
         self.levels = levels
         kbits = bits + outliers * 32 / D + (32 / block if mode == "block" else 0)
         self.ratio = (kbits + bits_per_value(v)) / 64
@@ -232,8 +239,7 @@ class PreRope:
             L, Hh, _, d = k.shape
             kb = k.reshape(L, Hh, n // self.T, self.T, d)
             centre = np.median(kb, axis=3, keepdims=True)
-        kk, mask, keep = dense_sparse(
-            k if self.mode == "static" else kb, centre, self.outliers)
+        kk, mask, keep = dense_sparse(k if self.mode == "static" else kb, centre, self.outliers)
         if self.mode == "block":
             lo, hi = kk.min(3, keepdims=True), kk.max(3, keepdims=True)
         s = f16(np.maximum((hi - lo) / top, 1e-6))
@@ -313,16 +319,26 @@ LAYER_BASES = {  # prefix: (label, K spec, V spec) for the K8-on-some-layers sch
 }
 
 
-def layer_scheme(prefix, keep, kbig=cb("uni256", 32, "max")):
+KEYS_8BIT = cb("uni256", 32, "max")
+
+
+def layer_scheme(prefix, keep, kbig=KEYS_8BIT):
     """Keys 8-bit (uniform, g32, after H) on the layers `keep`, the base scheme elsewhere."""
     label, kspec, vspec = LAYER_BASES[prefix]
     vlabel = f"V had LM g{vspec[2]} mse"
-    return Tok(f"{label}, K8 layers {','.join(map(str, sorted(keep)))}; {vlabel}", kspec, vspec,
-               {i: kbig for i in keep})
+    return Tok(
+        f"{label}, K8 layers {','.join(map(str, sorted(keep)))}; {vlabel}",
+        kspec,
+        vspec,
+        {i: kbig for i in keep},
+    )
 
 
-for i in range(NUM_LAYERS):  # per-layer key sensitivity: only layer i's keys quantized (LM g16 mse)
-    SCHEMES[f"only{i}"] = Tok(f"K only layer {i} had LM g16 mse", ("f32",), ("f32",), {i: cb("lm", 16, "mse")})
+# per-layer key sensitivity: only layer i's keys quantized (LM g16 mse)
+for i in range(NUM_LAYERS):
+    SCHEMES[f"only{i}"] = Tok(
+        f"K only layer {i} had LM g16 mse", ("f32",), ("f32",), {i: cb("lm", 16, "mse")}
+    )
 
 
 class Recent(KVCache):
@@ -370,8 +386,8 @@ def main():
     for n in names:
         base = n.partition("@")[0]
         for prefix in LAYER_BASES:  # lay10_18: K8 on layers 10 and 18
-            if base.startswith(prefix) and base[len(prefix):].replace("_", "").isdigit():
-                extra[base] = layer_scheme(prefix, {int(x) for x in base[len(prefix):].split("_")})
+            if base.startswith(prefix) and base[len(prefix) :].replace("_", "").isdigit():
+                extra[base] = layer_scheme(prefix, {int(x) for x in base[len(prefix) :].split("_")})
     SCHEMES.update(extra)
     if any(n.startswith("pre_st") for n in names):
         calibrate_prerope(model)
