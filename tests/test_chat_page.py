@@ -328,11 +328,9 @@ def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     page.el("#stop").click()
     stopped = page.finished(1)
     assert stopped["state"] == "stopped" and "stopped" in stopped["stats"]
-    clicked = time.monotonic()
+    # freed at the next step: within the wait, well under the seconds ENDLESS streams for, and
+    # (load-free, unlike a wall-clock bound on a loaded CI machine) by the token count below
     after = server.wait_idle(timeout_s=10)
-    # freed at the next step: well under the seconds ENDLESS streams for. The bound is loose for
-    # a loaded CI machine (1.7 s seen beside the aarch64 job); the token count below is load-free
-    assert time.monotonic() - clicked < 3.0
     assert after["kvedge_requests_cancelled_total"] == before["kvedge_requests_cancelled_total"] + 1
     assert after["kvedge_completion_tokens_total"] - before["kvedge_completion_tokens_total"] < ENDLESS / 2
     assert page.js("return document.getElementById('send').hidden") is False  # ready for the next
