@@ -285,7 +285,6 @@ RUN_KEYS = (
 def runtime_options(func: Callable[..., Any] | None = None, *, model_required: bool = True) -> Any:
     """Options shared by the commands that load a model and generate."""
     from kvedge.runtime.generate import SamplingConfig
-    from kvedge.runtime.options import RunOptions
 
     if func is None:
         return functools.partial(runtime_options, model_required=model_required)
@@ -296,7 +295,7 @@ def runtime_options(func: Callable[..., Any] | None = None, *, model_required: b
         "callback": _speculate_mode,
         "metavar": "|".join(SPECULATE_MODES),
     }
-    func = click_options(RunOptions, RUN_KEYS)(func)
+    func = run_options(RUN_KEYS)(func)
     func = click_options(SamplingConfig, REPLY_KEYS, speculate=speculate)(func)
     return click.option(
         "--model",

@@ -60,10 +60,6 @@ class Declared:
     def flag_name(self) -> str:
         return "--" + self.key.replace("_", "-")
 
-    def field(self) -> tuple[str, Any, Any]:
-        """(key, type, dataclasses.field) of a dataclass that holds this option as its own field."""
-        return self.key, self.hint, dataclasses.field(default=self.default)
-
 
 def declared(owner: type) -> dict[str, Declared]:
     """The declared options of the dataclass `owner`, by key, in field order."""
