@@ -821,7 +821,13 @@ def info(model_dir: Path, as_json: bool) -> None:
         (
             "cache",
             f"{g.num_layers} layers x {g.num_kv_heads} kv heads x {g.head_dim} dim, "
-            f"max_len {g.max_len}, {g.dtype}",
+            f"max_len {g.max_len}, {g.dtype}"
+            + (
+                f" (5-bit keys, 8-bit on layers {list(g.key8_layers)}, 4-bit values, the last "
+                f"{g.float_window} positions float32)"
+                if g.packed
+                else ""
+            ),
         ),
         ("KV bytes", f"{g.bytes_per_token()} per token, {g.bytes_per_slot() / 2**20:.1f} MiB per sequence"),
         *layer_rows(g),

@@ -235,7 +235,7 @@ def click_type(option: Declared, checked: bool = True) -> Any:
     if base is Path:
         return click.Path(path_type=Path)
     if get_origin(base) in (tuple, list):
-        return click.STRING
+        return click.INT if get_args(base)[0] is int else click.STRING
     if base in (int, float):
         return Checked(option.key, option.hint)
     return click.STRING

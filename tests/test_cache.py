@@ -7,7 +7,7 @@ import pytest
 from conftest import random_ids
 
 from kvedge.bench.measure import rss_bytes
-from kvedge.contract import CacheGeometry
+from kvedge.contract import CacheGeometry, GraphInterface, IONames
 from kvedge.errors import ContextOverflow, KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.generate import decode_one_token, prefill
@@ -114,8 +114,43 @@ def test_cache_allocates_once_by_geometry():
 def test_geometry_rejects_bad_values():
     with pytest.raises(KvedgeError, match="max_len=0"):
         CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=8, max_len=0)
-    with pytest.raises(KvedgeError, match="dtype='int4'.*allowed"):
-        CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=8, max_len=8, dtype="int4")
+    with pytest.raises(KvedgeError, match="dtype='int2'.*allowed"):
+        CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=8, max_len=8, dtype="int2")
+    with pytest.raises(KvedgeError, match="int4 cache needs one power-of-2 head_dim of at least 16"):
+        CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=24, max_len=8, dtype="int4")
+    with pytest.raises(
+        KvedgeError, match=r"key8_layers=\[1\] must be distinct increasing layer indices in 0..0"
+    ):
+        CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=16, max_len=8, dtype="int4", key8_layers=(1,))
+    with pytest.raises(KvedgeError, match="are for int4 caches only"):
+        CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=16, max_len=8, float_window=32)
+
+
+def test_int4_cache_layout_bytes_and_window_rewinds():
+    """The int4 cache's per-layer arrays are what the geometry counts and the graph binds (8-bit
+    key layers wider), and its float window bounds a rewind as a ring does."""
+    g = CacheGeometry(num_layers=3, num_kv_heads=2, head_dim=64, max_len=256).with_dtype(
+        "int4", key8_layers=(1,)
+    )
+    cache = KVCache(g, slots=2)
+    assert cache.nbytes == g.pool_bytes(2)
+    per_token = 2 * ((40 + 2 + 32 + 2) * 2 + (64 + 4 + 32 + 2))  # 5-bit K layers, then the 8-bit one
+    assert g.bytes_per_token() == per_token
+    assert g.bytes_held(256) == 256 * per_token + 3 * 2 * 2 * g.window_len * 64 * 4
+    interface = GraphInterface(IONames(), g, "ort", "rows", 10)
+    views = cache.layer_views(0, 2)
+    specs = [s for s in interface.inputs() if s.layer is not None]
+    assert [v.shape for layer in views for v in layer] == [s.shape(2, 1) for s in specs]
+    assert [v.dtype for layer in views for v in layer] == [s.dtype for s in specs]
+    assert views[1][0].shape[-1] == 64 and views[0][0].shape[-1] == 40 and views[0][4].shape[2] == 64
+    tokens = np.zeros((1, 100), np.int64)
+    cache.commit([0], tokens, [100])  # the graph wrote positions 0..99: the window holds 36..99
+    assert cache.rewind_limit(0, 90) == 90 and cache.rewind_limit(0, 68) == 68
+    assert cache.rewind_limit(0, 67) == 0  # 35..66 are gone from the window
+    with pytest.raises(KvedgeError, match="its int4 window hold positions from 36 on, not the 32 before 60"):
+        cache.truncate(0, 60)
+    with pytest.raises(KvedgeError, match="not supported for the int4 cache yet"):
+        cache.read(0, 10)
 
 
 def test_load_reserves_decode_memory_without_touching_valid_state(tiny_llama):

@@ -293,9 +293,11 @@ def test_plan_report_for_a_device_and_per_kv_dtype():
     rows = json.loads(plan_report("smollm2-135m", budget="4GiB", slots="1", max_lens="2048", as_json=True))
     assert rows[0]["rows"][0]["kv"] == 30 * 2 * 3 * 64 * 4 * 2048 and rows[0]["rows"][0]["fits"]
     with pytest.raises(
-        KvedgeError, match="--kv-dtype 'int4' is not allowed; allowed: float32, float16, int8"
+        KvedgeError, match="--kv-dtype 'int2' is not allowed; allowed: float32, float16, int8, int4"
     ):
-        plan_report("smollm2-135m", kv_dtypes=["int4"])
+        plan_report("smollm2-135m", kv_dtypes=["int2"])
+    with pytest.raises(KvedgeError, match="--kv-dtype int4 runs kvedge's own CPU attention kernel"):
+        plan_report("smollm2-135m", kv_dtypes=["int4"])  # the portable graph has no 4-bit cache
     with pytest.raises(KvedgeError, match="--slots '1,x' is not allowed"):
         plan_report("smollm2-135m", slots="1,x")
     with pytest.raises(  # a cache the recipe's graph is not exported with, refused as export refuses it

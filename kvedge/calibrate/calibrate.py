@@ -184,7 +184,7 @@ class CalibrationOptions:
 def calibrate(model: Model, prompts: list[Prompt], options: CalibrationOptions) -> Scales:
     """Static scales and per-layer error statistics for `model` over `prompts`."""
     head_dim = model.manifest.geometry.head_dim
-    if model.manifest.geometry.quantized:
+    if model.manifest.geometry.quantized or model.manifest.geometry.packed:
         raise KvedgeError(
             f"calibration reads float K/V: give the float32-cache export, not a "
             f"{model.manifest.geometry.dtype} one"

@@ -116,7 +116,7 @@ def evaluate(
     of `weights_models` (the same model with quantized weights) with the fp32 model over
     `prompts` (see the module docstring)."""
     geometry = model.manifest.geometry
-    if geometry.quantized:
+    if geometry.quantized or geometry.packed:
         raise KvedgeError(f"eval-kv needs the float32-cache export as --model, not a {geometry.dtype} one")
     candidates = _candidates(model, scales, schemes, batch, int8_model, weights_models)
     if not candidates and llama_cpp_gguf is None:

@@ -47,7 +47,13 @@ from msgspec import Meta
 
 from kvedge import __version__
 from kvedge.contract.header import Header, check_header, decode_json, read_artifact
-from kvedge.contract.manifest import PREFILL_CHUNK, QUANTIZED_KV_DTYPES, VERIFY_TOKENS, Manifest
+from kvedge.contract.manifest import (
+    PACKED_KV_DTYPES,
+    PREFILL_CHUNK,
+    QUANTIZED_KV_DTYPES,
+    VERIFY_TOKENS,
+    Manifest,
+)
 from kvedge.errors import ArtifactMismatch, KvedgeError
 
 ENGINE_FILE = "model.engine"
@@ -108,8 +114,8 @@ def device_refusal(device: str, variant: str, kv_dtype: str, logits: str) -> str
     if device not in DEVICES:
         raise KvedgeError(f"--device {device!r} is not allowed; allowed: {list(DEVICES)}")
     if device == "cuda" and variant == "ort" and kv_dtype != CUDA_IN_PLACE_KV_DTYPE:
-        if kv_dtype in QUANTIZED_KV_DTYPES:
-            attention = "kvedge's INT8 attention kernel, CPU only"
+        if kv_dtype in (*QUANTIZED_KV_DTYPES, *PACKED_KV_DTYPES):
+            attention = f"kvedge's {kv_dtype.upper()} attention kernel, CPU only"
         else:
             attention = (
                 f"GroupQueryAttention over a {kv_dtype} cache, whose CUDA kernels take float16/bfloat16 only"

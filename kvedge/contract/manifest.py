@@ -50,12 +50,23 @@ def per_layer_dtype(weights: str) -> str:
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
-KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "int4": np.uint8}
 QUANTIZED_KV_DTYPES = ("int8",)  # stored as codes plus one float16 scale per token per channel group
+# stored as packed codes (uint8) plus float16 scales and a float32 window of recent positions
+# (`CacheGeometry.packed`, the form of kvedge/kv4.py)
+PACKED_KV_DTYPES = ("int4",)
+# int4 caches: positions before each query kept float32 (`CacheGeometry.float_window`), the
+# measured default (bench/results/2026-12-07-2e022be-kv-int4-study: 0.00707 -> 0.00201 KL at 6k)
+FLOAT_WINDOW = 32
+# positions the window ring keeps beyond it: a slot can rewind this many tokens (a speculative
+# verify's rejected ones, a chat template's re-rendered end of turn) and keep its window; a
+# longer rewind re-prefills from the start. Half RING_MARGIN: a window position of a 64-channel
+# head holds 512 bytes, a coded one 78
+WINDOW_MARGIN = 32
 KV_SCALE_DTYPE = np.float16
 KV_GROUP_SIZES = (16, 32, 64, 128)
 # what `kvedge export --kv-dtype` builds graphs for (`export_kv_dtypes` says which with what)
-EXPORTED_KV_DTYPES = ("float32", "float16", "int8")
+EXPORTED_KV_DTYPES = ("float32", "float16", "int8", "int4")
 # `kvedge export --precision`: the dtype the graph computes in (`GraphInterface` for its I/O).
 # float16: weights and activations float16, with float32 islands (RMSNorm's reduction, softmax,
 # the logits output), for TensorRT's strongly typed builds; the portable variant only.
@@ -68,6 +79,7 @@ IN_PLACE_VARIANTS = ("ort",)
 # (`kvedge_ops`): attention over an INT8 cache, and the side inputs of a quantized matmul
 KVEDGE_OPS_DOMAIN = "kvedge"
 INT8_ATTENTION_OP = "Int8CacheAttention"
+INT4_ATTENTION_OP = "Int4CacheAttention"
 SIDE_INPUTS_OP = "SideInputs"
 QUANT_MATMUL_OP = "QuantMatMul"
 # weight formats -> bits: float32 / float16 storage, or weight-only blocked integers (fewer than 16)
@@ -105,7 +117,7 @@ def export_weight_formats(precision: str) -> tuple[str, ...]:
 
 def kvedge_ops(variant: str, kv_dtype: str, weights: str, decode_matmuls: str = "kvedge") -> tuple[str, ...]:
     """The kvedge ops (`KVEDGE_OPS_DOMAIN`) in the graph of an export with these options: in "ort"
-    graphs, INT8-cache attention, and for blocked integer weights the side inputs of each matmul
+    graphs, INT8- or int4-cache attention, and for blocked integer weights the side inputs of each matmul
     (the prefill form) and, with `decode_matmuls` "kvedge", the decode form's matmuls, except
     over a float16 cache: that graph is
     the form onnxruntime's CUDA provider runs, and a CPU-only op between its matmuls would copy
@@ -113,6 +125,7 @@ def kvedge_ops(variant: str, kv_dtype: str, weights: str, decode_matmuls: str = 
     if variant != "ort":
         return ()
     ops = (INT8_ATTENTION_OP,) if kv_dtype in QUANTIZED_KV_DTYPES else ()
+    ops += (INT4_ATTENTION_OP,) if kv_dtype in PACKED_KV_DTYPES else ()
     if WEIGHT_FORMATS[weights] < 16 and kv_dtype != "float16":
         ops += (SIDE_INPUTS_OP, QUANT_MATMUL_OP) if decode_matmuls == "kvedge" else (SIDE_INPUTS_OP,)
     return ops
@@ -216,6 +229,11 @@ class CacheGeometry:
     # num_kv_shared_layers), and the model layer whose KV each reads, in the same order
     shared_layers: tuple[int, ...] = ()
     shared_sources: tuple[int, ...] = ()
+    # int4 caches (`packed`): the KV layers whose keys keep 8-bit codes (the layers whose keys
+    # cost the most at 4-5 bits), and the positions before each query it sees in float32, held
+    # in a ring of float_window + RING_MARGIN positions per layer (`window_len`)
+    key8_layers: tuple[int, ...] = ()
+    float_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_len"):
@@ -265,6 +283,32 @@ class CacheGeometry:
                 f"(kv_layers {list(self.kv_layers)})"
             )
         self._check_shared()
+        self._check_packed()
+
+    def _check_packed(self) -> None:
+        """An int4 cache: power-of-2 heads (its Hadamard rotation), no rings of its own kind, its
+        8-bit key layers among its layers; other caches name none of its fields."""
+        if not self.packed:
+            if self.key8_layers or self.float_window:
+                raise KvedgeError(
+                    f"cache geometry: key8_layers={list(self.key8_layers)!r}, float_window="
+                    f"{self.float_window!r} are for int4 caches only"
+                )
+            return
+        d = self.head_dim
+        if d < 16 or d & (d - 1) or self.ring_layers:
+            raise KvedgeError(
+                f"cache geometry: an int4 cache needs one power-of-2 head_dim of at least 16 and no "
+                f"sliding-window ring layers (head_dim {d}, ring layers {list(self.ring_layers)})"
+            )
+        layers = self.key8_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
+            raise KvedgeError(
+                f"cache geometry: key8_layers={list(layers)!r} must be distinct increasing layer "
+                f"indices in 0..{self.num_layers - 1}"
+            )
+        if not isinstance(self.float_window, int) or not 0 <= self.float_window <= 256:
+            raise KvedgeError(f"cache geometry: float_window={self.float_window!r}; allowed: 0..256")
 
     def _check_shared(self) -> None:
         """Shared layers hold no KV and read a layer that does (`kv_layers`)."""
@@ -288,19 +332,56 @@ class CacheGeometry:
         tokens of the float32 cache's (docs/PERFORMANCE.md, "The INT8 cache: per token")."""
         return min(32, head_dim)
 
-    def with_dtype(self, dtype: str, group_size: int | None = None) -> CacheGeometry:
-        """The same cache in another dtype (int8: `group_size`, default one scale per head)."""
+    def with_dtype(
+        self, dtype: str, group_size: int | None = None, key8_layers: Sequence[int] | None = None
+    ) -> CacheGeometry:
+        """The same cache in another dtype (int8: `group_size`, default one scale per head; int4:
+        `key8_layers`, default this one's, and the float window FLOAT_WINDOW)."""
         if dtype in QUANTIZED_KV_DTYPES:
             group_size = (
                 group_size or self.group_size or self.default_group_size(min(self.head_dim, self.ring_dim))
             )
         else:
             group_size = 0
-        return dataclasses.replace(self, dtype=dtype, group_size=group_size)
+        packed = dtype in PACKED_KV_DTYPES
+        key8 = tuple(self.key8_layers if key8_layers is None else key8_layers) if packed else ()
+        return dataclasses.replace(
+            self,
+            dtype=dtype,
+            group_size=group_size,
+            key8_layers=key8,
+            float_window=FLOAT_WINDOW if packed else 0,
+        )
 
     @property
     def quantized(self) -> bool:
         return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def packed(self) -> bool:
+        """An int4 cache: packed codes, scales and a float32 window per layer (kvedge/kv4.py)."""
+        return self.dtype in PACKED_KV_DTYPES
+
+    @property
+    def window_len(self) -> int:
+        """Positions of an int4 cache's float32 window ring: float_window + WINDOW_MARGIN (a slot
+        can rewind WINDOW_MARGIN tokens and keep it), never more than max_len; 0 otherwise."""
+        return min(self.max_len, self.float_window + WINDOW_MARGIN) if self.packed else 0
+
+    def key_bits(self, layer: int) -> int:
+        """An int4 cache's key code bits in KV layer `layer`: 8 in `key8_layers`, else 5."""
+        return 8 if layer in self.key8_layers else 5
+
+    def packed_parts(self, layer: int) -> tuple[tuple[np.dtype, int, int], ...]:
+        """An int4 cache's tensors of KV layer `layer`, in `IONames.past` order, as (dtype,
+        positions, last dim): K codes (5d/8 bytes a 5-bit row, d an 8-bit one), V codes (d/2),
+        K scales (1 a 5-bit row, one per 32 channels an 8-bit one), V scales (1), then the float32
+        K and V windows of `window_len` positions."""
+        d, bits, u8, f16 = self.head_dim, self.key_bits(layer), np.dtype(np.uint8), np.dtype(KV_SCALE_DTYPE)
+        key_bytes, key_scales = (d, d // min(32, d)) if bits == 8 else (5 * d // 8, 1)
+        window = (np.dtype(np.float32), self.window_len, d)
+        n = self.max_len
+        return ((u8, n, key_bytes), (u8, n, d // 2), (f16, n, key_scales), (f16, n, 1), window, window)
 
     @property
     def recurrent(self) -> bool:
@@ -371,8 +452,12 @@ class CacheGeometry:
         """Shape of the ring layers' pool: [ring layers, 2, slots, kv_heads, ring_len, ring_dim]."""
         return (len(self.ring_layers), 2, slots, self.num_kv_heads, self.ring_len, self.ring_dim)
 
-    def _bytes_per_layer_token(self, head_dim: int) -> int:
-        """KV bytes of one token in one layer of `head_dim` (K and V), scales included."""
+    def _bytes_per_layer_token(self, head_dim: int, layer: int = 0) -> int:
+        """KV bytes of one token in one layer of `head_dim` (K and V), scales included (an int4
+        cache's: of KV layer `layer`, its codes and scales, not its window)."""
+        if self.packed:
+            parts = self.packed_parts(layer)[:4]
+            return self.num_kv_heads * sum(dtype.itemsize * last for dtype, _, last in parts)
         groups = head_dim // self.group_size if self.quantized else 0
         per_head = head_dim * self.np_dtype.itemsize + groups * np.dtype(KV_SCALE_DTYPE).itemsize
         return 2 * self.num_kv_heads * per_head
@@ -380,12 +465,17 @@ class CacheGeometry:
     def bytes_per_token(self) -> int:
         """KV bytes one new token writes across all layers (K and V), scales included; a shared
         layer (`shared_layers`) writes none."""
+        if self.packed:
+            return sum(self._bytes_per_layer_token(self.head_dim, i) for i in range(self.num_layers))
         return len(self.full_layers) * self._bytes_per_layer_token(self.head_dim) + len(
             self.ring_layers
         ) * self._bytes_per_layer_token(self.ring_dim)
 
     def bytes_held(self, tokens: int) -> int:
-        """KV bytes a slot holding `tokens` tokens uses: ring layers hold at most ring_len of them."""
+        """KV bytes a slot holding `tokens` tokens uses: ring layers hold at most ring_len of them,
+        an int4 cache's windows at most window_len."""
+        if self.packed:
+            return self.bytes_per_token() * tokens + self.window_bytes(min(tokens, self.window_len))
         return self.block_bytes(tokens, min(tokens, self.ring_len) if self.ring_layers else 0)
 
     def block_bytes(self, count: int, ring_count: int) -> int:
@@ -393,6 +483,10 @@ class CacheGeometry:
         (a stored block's, `KVBlock`), each layer at its own head_dim, scales included."""
         full = len(self.full_layers) * count * self._bytes_per_layer_token(self.head_dim)
         return full + len(self.ring_layers) * ring_count * self._bytes_per_layer_token(self.ring_dim)
+
+    def window_bytes(self, positions: int) -> int:
+        """Bytes of `positions` positions of an int4 cache's float32 K and V windows, all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * positions * self.head_dim * 4 if self.packed else 0
 
     def bytes_per_slot(self) -> int:
         """KV bytes of a full slot plus its fixed states."""
@@ -434,6 +528,8 @@ class CacheGeometry:
             key["dtype"] = self.dtype
             if self.quantized:
                 key["group_size"] = self.group_size
+            if self.packed:
+                key.update(key8_layers=list(self.key8_layers), float_window=self.float_window)
         if self.ring_layers:
             key.update(ring_layers=list(self.ring_layers), window=self.window, ring_margin=self.ring_margin)
         if self.ring_head_dim:
@@ -515,6 +611,12 @@ class IONames:
     past_value_scale: str = "past_key_values.%d.value_scale"
     present_key_scale: str = "present.%d.key_scale"
     present_value_scale: str = "present.%d.value_scale"
+    # int4 caches only: float32 [batch, kv_heads, window_len, head_dim], the rotated K and V of
+    # the last positions (`CacheGeometry.window_len`), position p at index p % window_len
+    past_key_window: str = "past_key_values.%d.key_window"
+    past_value_window: str = "past_key_values.%d.value_window"
+    present_key_window: str = "present.%d.key_window"
+    present_value_window: str = "present.%d.value_window"
     logits: str = "logits"  # [batch, 1 | rows | seq, vocab] float32 (`LOGITS_MODES`)
     # Portable graphs: [batch, kv_heads, seq, head_dim], the new tokens only. In-place variants
     # ("ort"): [batch, kv_heads, max_len, head_dim], the past buffer itself, written in place.
@@ -536,17 +638,28 @@ class IONames:
     def layer(self, template: str, index: int) -> str:
         return template % index
 
-    def past(self, quantized: bool) -> tuple[str, ...]:
-        """Per-layer past templates, in the order of `KVCache.layer_views` tuples."""
+    def past(self, quantized: bool, windows: bool = False) -> tuple[str, ...]:
+        """Per-layer past templates, in the order of `KVCache.layer_views` tuples: K, V, then for
+        int8 and int4 caches (`quantized`) their scales, then for int4 (`windows`) the windows."""
+        templates = (self.past_key, self.past_value)
         if quantized:
-            return (self.past_key, self.past_value, self.past_key_scale, self.past_value_scale)
-        return (self.past_key, self.past_value)
+            templates += (self.past_key_scale, self.past_value_scale)
+        return templates + ((self.past_key_window, self.past_value_window) if windows else ())
 
-    def present(self, quantized: bool) -> tuple[str, ...]:
-        """Per-layer present templates, in the order of `StepOutput.present` tuples."""
+    def present(self, quantized: bool, windows: bool = False) -> tuple[str, ...]:
+        """Per-layer present templates, in the order of `StepOutput.present` tuples (`past`'s)."""
+        templates = (self.present_key, self.present_value)
         if quantized:
-            return (self.present_key, self.present_value, self.present_key_scale, self.present_value_scale)
-        return (self.present_key, self.present_value)
+            templates += (self.present_key_scale, self.present_value_scale)
+        return templates + ((self.present_key_window, self.present_value_window) if windows else ())
+
+    def cache_past(self, geometry: CacheGeometry) -> tuple[str, ...]:
+        """`past`'s templates of `geometry`'s cache."""
+        return self.past(geometry.quantized or geometry.packed, geometry.packed)
+
+    def cache_present(self, geometry: CacheGeometry) -> tuple[str, ...]:
+        """`present`'s templates of `geometry`'s cache."""
+        return self.present(geometry.quantized or geometry.packed, geometry.packed)
 
 
 Dim = int | str  # a fixed size, or an axis that varies per call: "batch", "seq" or "rows"
@@ -705,7 +818,7 @@ class GraphInterface:
         elif self.logits == "rows":
             specs.append(TensorSpec(names.last_index, int64, ("batch", "rows")))
         for i in range(self.geometry.num_layers):
-            specs += self._cache(names.past(self.geometry.quantized), i, self.geometry.layer_len(i))
+            specs += self._cache(names.cache_past(self.geometry), i, self.geometry.layer_len(i))
         if self.geometry.states:
             specs.append(TensorSpec(names.input_lengths, int64, ("batch",)))
             specs += self.states(names.past_state)
@@ -725,13 +838,23 @@ class GraphInterface:
         specs = [TensorSpec(self.names.logits, np.dtype(np.float32), ("batch", logits_len, self.vocab_size))]
         for i in range(self.geometry.num_layers):
             length = self.geometry.layer_len(i) if self.in_place else "seq"
-            specs += self._cache(self.names.present(self.geometry.quantized), i, length)
+            specs += self._cache(self.names.cache_present(self.geometry), i, length)
         specs += self.states(self.names.present_state)
         return tuple(specs)
 
     def _cache(self, templates: tuple[str, ...], layer: int, length: Dim) -> list[TensorSpec]:
         """One layer's cache tensors named by `templates` (`IONames.past` / `present` order)."""
         g = self.geometry
+        if g.packed:  # int4: codes and scales of max_len positions, windows of window_len
+            return [
+                TensorSpec(
+                    self.names.layer(template, layer),
+                    dtype,
+                    ("batch", g.num_kv_heads, length if positions == g.max_len else positions, last),
+                    layer,
+                )
+                for template, (dtype, positions, last) in zip(templates, g.packed_parts(layer), strict=True)
+            ]
         d, groups = g.layer_head_dim(layer), g.layer_scale_groups(layer)
         kinds = [(g.np_dtype, d)] * 2 + [(np.dtype(KV_SCALE_DTYPE), groups)] * 2
         return [

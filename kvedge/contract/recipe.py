@@ -13,7 +13,7 @@ these types); `__post_init__` checks the rest, combinations included.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal, get_args, get_origin
 
 from msgspec import Meta
 
@@ -22,6 +22,7 @@ from kvedge.contract.manifest import (
     EXPORTED_KV_DTYPES,
     KV_GROUP_SIZES,
     LOGITS_MODES,
+    PACKED_KV_DTYPES,
     PRECISIONS,
     QUANT_MATMUL_OP,
     QUANTIZED_KV_DTYPES,
@@ -158,6 +159,14 @@ class ExportRecipe:
             allowed=f"{', '.join(map(str, KV_GROUP_SIZES))} (0: the default)",
         ),
     ] = 0
+    kv_key8_layers: Annotated[
+        tuple[int, ...],
+        Flag(
+            "int4 cache: a KV layer whose keys keep 8-bit codes (repeat for several; the layers "
+            "whose keys cost the most at 5 bits: SmolLM2-135M's are 10, 19 and 20).",
+            metavar="LAYER",
+        ),
+    ] = ()
 
     def __post_init__(self) -> None:
         low, high = MAX_LEN_RANGE
@@ -181,13 +190,21 @@ class ExportRecipe:
             )
         if self.kv_dtype not in QUANTIZED_KV_DTYPES and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
+        object.__setattr__(self, "kv_key8_layers", tuple(self.kv_key8_layers))
+        if not all(isinstance(i, int) and i >= 0 for i in self.kv_key8_layers):
+            raise KvedgeError(
+                f"--kv-key8-layers {list(self.kv_key8_layers)!r}: allowed: layer indices (integers >= 0)"
+            )
+        if self.kv_dtype not in PACKED_KV_DTYPES and self.kv_key8_layers:
+            raise KvedgeError(f"--kv-key8-layers {list(self.kv_key8_layers)} applies to --kv-dtype int4 only")
 
     def _check_choices(self) -> None:
         """Each field against its declared values (`Flag.choices`, a `Literal`), but those whose
         allowed values depend on others, checked after: --head-bits (`_check_quantized_flags`),
         --weights (the precision's) and --kv-dtype (`check_kv_dtype`)."""
         for option in declared(ExportRecipe).values():
-            allowed = option.flag.choices or get_args(strip(option.hint))
+            hint = strip(option.hint)
+            allowed = option.flag.choices or (get_args(hint) if get_origin(hint) is Literal else ())
             value = getattr(self, option.key)
             if option.key in ("head_bits", "weights", "kv_dtype"):
                 continue
@@ -323,6 +340,12 @@ def check_kv_dtype(kv_dtype: str, variant: str = "portable", precision: str = "f
     if kv_dtype not in EXPORTED_KV_DTYPES:
         raise KvedgeError(
             f"--kv-dtype {kv_dtype!r} is not allowed with --variant {variant}; allowed: {allowed}"
+        )
+    if kv_dtype in PACKED_KV_DTYPES:
+        raise KvedgeError(
+            f"--kv-dtype {kv_dtype} runs kvedge's own CPU attention kernel (Int4CacheAttention), so "
+            f"--variant ort with float32 compute only: TensorRT and the portable graph have no 4-bit "
+            f"cache; with --variant {variant} --precision {precision}, allowed: {allowed}"
         )
     if precision == "float16":
         raise KvedgeError(

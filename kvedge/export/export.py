@@ -139,9 +139,17 @@ def differences(recipe: ExportRecipe, manifest: Manifest) -> list[str]:
         "max_len": recipe.max_len,
         "kv dtype": recipe.kv_dtype,
         "kv group size": group,
+        "kv key8 layers": list(recipe.kv_key8_layers),
     }
     found = {name: getattr(manifest, name) for name in recorded(recipe)}
-    found.update({"max_len": g.max_len, "kv dtype": g.dtype, "kv group size": g.group_size})
+    found.update(
+        {
+            "max_len": g.max_len,
+            "kv dtype": g.dtype,
+            "kv group size": g.group_size,
+            "kv key8 layers": list(g.key8_layers),
+        }
+    )
     return [
         f"{name} is {found[name]!r}, the recipe gives {value!r}"
         for name, value in wanted.items()
@@ -215,7 +223,7 @@ def _export_into(
     model, tokenizer = source_model.model, source_model.tokenizer
     config = model.config
     geometry = geometry_from_config(config, options.max_len, options.variant).with_dtype(
-        options.kv_dtype, options.kv_group_size or None
+        options.kv_dtype, options.kv_group_size or None, options.kv_key8_layers
     )
     spec = DecoderSpec.from_config(config)
     check_ring(geometry, options.variant)

@@ -119,29 +119,44 @@ class KVCache:
         self.memory = memory or HostMemory()
         allocate = self.memory.allocate
         ring = bool(geometry.ring_layers)
+        self.pool = self.scales = self.ring = self.ring_scales = None
+        self.parts: list[np.ndarray] = []  # an int4 cache's arrays (`_packed_homes`)
         try:
-            self.pool = allocate(geometry.pool_shape(slots), geometry.np_dtype)
-            self.scales = (
-                allocate(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1) if geometry.quantized else None
-            )
-            self.ring = allocate(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
-            self.ring_scales = (
-                allocate(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
-                if ring and geometry.quantized
-                else None
-            )
+            if geometry.packed:
+                self._homes = self._packed_homes(geometry, slots)
+            else:
+                self.pool = allocate(geometry.pool_shape(slots), geometry.np_dtype)
+                self.scales = (
+                    allocate(geometry.scale_pool_shape(slots), KV_SCALE_DTYPE, 1)
+                    if geometry.quantized
+                    else None
+                )
+                self.ring = allocate(geometry.ring_shape(slots), geometry.np_dtype) if ring else None
+                self.ring_scales = (
+                    allocate(geometry.ring_scale_shape(slots), KV_SCALE_DTYPE, 1)
+                    if ring and geometry.quantized
+                    else None
+                )
         except BaseException:
             self.memory.close()  # what was allocated before the failure (device memory) goes back
             raise
-        # where each layer lives: (its arrays, KV then scales; its index in them; is it a ring)
-        full = (self.pool,) if self.scales is None else (self.pool, self.scales)
-        rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
-        self._homes = [
-            (rings, geometry.ring_layers.index(i), True)
-            if i in geometry.ring_layers
-            else (full, geometry.full_layers.index(i), False)
-            for i in range(geometry.num_layers)
-        ]
+        if not geometry.packed:
+            # where each layer lives: per tensor (in `IONames.past` order) its array, its index in
+            # it and its kind (0: K, 1: V), and whether the layer is a ring
+            full = (self.pool,) if self.scales is None else (self.pool, self.scales)
+            rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
+            self._homes = [
+                (
+                    tuple((a, j, kind) for a in arrays for kind in (0, 1)),
+                    ring,
+                )
+                for arrays, j, ring in (
+                    (rings, geometry.ring_layers.index(i), True)
+                    if i in geometry.ring_layers
+                    else (full, geometry.full_layers.index(i), False)
+                    for i in range(geometry.num_layers)
+                )
+            ]
         # per-slot states (hybrid models): {kind: [state layers, slots, *shape]}, zero at length 0
         if geometry.states and not isinstance(self.memory, HostMemory):
             self.memory.close()
@@ -164,9 +179,30 @@ class KVCache:
         # measure INT8 schemes.
         self.round_trip: Callable[[np.ndarray, int], None] | None = None
 
+    def _packed_homes(
+        self, g: CacheGeometry, slots: int
+    ) -> list[tuple[tuple[tuple[np.ndarray, int, int], ...], bool]]:
+        """An int4 cache's arrays (`parts`) and each layer's home in them: per tensor of
+        `CacheGeometry.packed_parts`, layers of one shape share an array [layers, 1, slots,
+        kv_heads, positions, last] (K codes and scales: one for the 5-bit layers, one for the
+        8-bit ones), so the memory's one way in (`get`, `set`, `slots`) serves it as the pool."""
+        homes: list[list[tuple[np.ndarray, int, int]]] = [[] for _ in range(g.num_layers)]
+        for part in range(len(g.packed_parts(0))):
+            shapes: dict[tuple, list[int]] = {}
+            for i in range(g.num_layers):
+                shapes.setdefault(g.packed_parts(i)[part], []).append(i)
+            for (dtype, positions, last), layers in shapes.items():
+                fill = 1 if dtype == np.dtype(KV_SCALE_DTYPE) else 0
+                shape = (len(layers), 1, slots, g.num_kv_heads, positions, last)
+                array = self.memory.allocate(shape, dtype, fill)
+                self.parts.append(array)
+                for j, i in enumerate(layers):
+                    homes[i].append((array, j, 0))
+        return [(tuple(home), False) for home in homes]
+
     @property
     def nbytes(self) -> int:
-        arrays = (self.pool, self.scales, self.ring, self.ring_scales, *self.states.values())
+        arrays = (self.pool, self.scales, self.ring, self.ring_scales, *self.parts, *self.states.values())
         return sum(a.nbytes for a in arrays if a is not None)
 
     def __len__(self) -> int:
@@ -192,7 +228,8 @@ class KVCache:
     def layer_views(self, first: int, count: int) -> list[tuple[np.ndarray, ...]]:
         """Per layer views of slots first..first+count-1, in `IONames.past` order: (K, V) each
         [count, kv_heads, L, head_dim], then for int8 caches (K scales, V scales) each
-        [count, kv_heads, L, groups]; L = max_len, or ring_len for a ring layer."""
+        [count, kv_heads, L, groups]; L = max_len, or ring_len for a ring layer. An int4 cache's:
+        `CacheGeometry.packed_parts` (codes, scales, then the windows)."""
         views = self._views.get((first, count))
         if views is not None:  # the pool never moves, so views made once stay valid
             return views
@@ -200,8 +237,7 @@ class KVCache:
         if not 0 <= first < end <= self.slots:
             raise KvedgeError(f"slots {first}..{end - 1} are outside the pool of {self.slots}")
         views = [
-            tuple(self.memory.slots(a, index, kind, first, end) for a in arrays for kind in (0, 1))
-            for arrays, index, _ in self._homes
+            tuple(self.memory.slots(a, j, kind, first, end) for a, j, kind in home) for home, _ in self._homes
         ]
         self._views[(first, count)] = views
         return views
@@ -295,6 +331,7 @@ class KVCache:
         """Write the first counts[r] new tokens of row r at the end of slot slots[r] (a ring
         layer: the last ring_len of them, each at its position modulo ring_len), and each row's
         new `states` (per-slot state models)."""
+        self._refuse_packed("appending a portable graph's new K/V")
         ring_len = self.geometry.ring_len
         with self.memory.batched():  # a device pool waits once for all the copies
             self._write(slots, counts, present, ring_len)
@@ -320,10 +357,9 @@ class KVCache:
                 kept = np.arange(max(start, start + count - ring_len), start + count)  # positions
                 columns[True] = (kept % ring_len, kept - start)
                 self.ring_start[slot] = max(self.ring_start[slot], start + count - ring_len)
-            for (arrays, index, ring), outputs in zip(self._homes, present, strict=True):
+            for (home, ring), outputs in zip(self._homes, present, strict=True):
                 to, source = columns[ring]
-                targets = [(a, kind) for a in arrays for kind in (0, 1)]
-                for (array, kind), new in zip(targets, outputs, strict=True):
+                for (array, index, kind), new in zip(home, outputs, strict=True):
                     self.memory.set(array, slot, to, new[row][:, source], layer=index, kind=kind)
 
     def commit(
@@ -347,6 +383,9 @@ class KVCache:
                 self.round_trip(self.memory.get(self.pool, slot, slice(start, start + count)), start)
             self.tokens[slot, start : start + count] = tokens[row, :count]
             self.lengths[slot] = start + count
+            if self.geometry.packed:  # the graph wrote every token of the call into the window
+                written = start + tokens.shape[1]
+                self.ring_start[slot] = max(self.ring_start[slot], written - self.geometry.window_len)
 
     def rewind_limit(self, slot: int, length: int) -> int:
         """How far `slot` may rewind towards `length` tokens: `resume_limit` with what the slot's
@@ -368,9 +407,12 @@ class KVCache:
         query needs, else 0: a ring layer's query at position `length` sees positions
         length - window + 1 .. length - 1. The one rule for rewinding a slot and for copying in
         a stored block (`KVBlock.ring_count`: it holds count - ring_count ..)."""
-        if not self.geometry.ring_layers or length == 0:
+        g = self.geometry
+        if g.packed and length:  # the int4 window: the float_window positions before `length`
+            return length if max(0, length - g.float_window) >= ring_from else 0
+        if not g.ring_layers or length == 0:
             return length
-        return length if max(0, length - self.geometry.window + 1) >= ring_from else 0
+        return length if max(0, length - g.window + 1) >= ring_from else 0
 
     def truncate(self, slot: int, length: int) -> None:
         """Rewind `slot` to its first `length` tokens (the rest becomes invisible)."""
@@ -383,9 +425,11 @@ class KVCache:
                 "one, `rewind_limit`)"
             )
         if self.rewind_limit(slot, length) != length:
+            g = self.geometry
+            rings, needed = ("int4 window", g.float_window) if g.packed else ("ring layers", g.window - 1)
             raise KvedgeError(
-                f"cannot truncate slot {slot} to {length}: its ring layers hold positions from "
-                f"{self.ring_start[slot]} on, not the {self.geometry.window - 1} before {length}; rewind to 0"
+                f"cannot truncate slot {slot} to {length}: its {rings} hold positions from "
+                f"{self.ring_start[slot]} on, not the {needed} before {length}; rewind to 0"
             )
         if self.states and length != self.length(slot):
             self._restore(slot, length)
@@ -410,6 +454,14 @@ class KVCache:
                 "a state cannot be cut or moved with the KV"
             )
 
+    def _refuse_packed(self, what: str) -> None:
+        """Refuse `what`, which copies or moves a run of KV as one array, on an int4 cache."""
+        if self.geometry.packed:
+            raise KvedgeError(
+                f"{what} is not supported for the int4 cache yet (--kv-dtype int4: its codes, scales "
+                "and float window are per-layer arrays of their own shapes); export with --kv-dtype int8"
+            )
+
     def _refuse_ring(self, what: str) -> None:
         """Refuse `what`, which reads or moves a slot's positions as one run, on ring layers."""
         if self.geometry.ring_layers:
@@ -428,6 +480,7 @@ class KVCache:
         holds exactly what a fresh run over the kept tokens would have written.
         """
         self._refuse_ring("window eviction (history_policy 'window')")
+        self._refuse_packed("window eviction (history_policy 'window')")
         self._refuse_states("window eviction (history_policy 'window')")
         length = self.length(slot)
         if not (0 <= start and count > 0 and start + count <= length):
@@ -452,6 +505,7 @@ class KVCache:
         """The KV (and scales) of positions start..stop-1 of `slot`: of the full layers, views of
         a host pool and copies of a device pool; for ring layers, a copy of the positions of the
         run the rings still hold (from `ring_start` on; they wrap around the ring)."""
+        self._refuse_packed("copying a slot's KV out (prefix stores, warm prefixes)")
         if not 0 <= start < stop <= self.length(slot):
             raise KvedgeError(
                 f"cannot read tokens {start}..{stop} from slot {slot} holding {self.length(slot)}"
@@ -484,6 +538,7 @@ class KVCache:
         With per-slot states the slot's snapshots past `start` are dropped and it resumes from the
         `states` the stored prefix carries at the new length (`resume`); a prefix copied in pieces
         gives them with its last piece."""
+        self._refuse_packed("copying KV into a slot (prefix stores, warm prefixes)")
         count = len(token_ids)
         g = self.geometry
         if not 0 <= start <= self.length(slot):

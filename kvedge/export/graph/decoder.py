@@ -29,7 +29,7 @@ from kvedge.errors import KvedgeError
 from kvedge.export.graph.builder import Builder
 from kvedge.export.graph.external import ExternalData
 from kvedge.export.graph.forms import onnx_model
-from kvedge.export.graph.inplace import GroupQueryAttention, Int8CacheAttention
+from kvedge.export.graph.inplace import GroupQueryAttention, Int4CacheAttention, Int8CacheAttention
 from kvedge.export.graph.norms import Norms
 from kvedge.export.graph.options import HALF_KV_DTYPES, DecoderSpec, check_gemma4, check_ring, graph_opset
 from kvedge.export.graph.portable import PortableAttention, RingSpec
@@ -219,6 +219,8 @@ class Decoder:
             )
         if local:  # Gemma 4's sliding layers: their own head_dim
             local["local_d"] = geometry.ring_dim
+        if geometry.packed:
+            return Int4CacheAttention(**ctx, **tables, geometry=geometry)
         if geometry.quantized:
             return Int8CacheAttention(**ctx, **tables, **local, group_size=geometry.group_size)
         return GroupQueryAttention(**ctx, **tables, **local, half=half)

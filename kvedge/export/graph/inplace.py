@@ -1,5 +1,6 @@
 """The ort variant's in-place attentions: onnxruntime's GroupQueryAttention, and kvedge's
-Int8CacheAttention kernel over the INT8 cache; past and present share one buffer. Gemma 4's
+Int8CacheAttention and Int4CacheAttention kernels over the INT8 and int4 caches; past and present
+share one buffer. Gemma 4's
 shared-KV layers attend over their source layer's buffer in standard ops (`SharedReads`).
 """
 
@@ -8,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN, VERIFY_TOKENS
+from kvedge.contract import (
+    INT4_ATTENTION_OP,
+    INT8_ATTENTION_OP,
+    KVEDGE_OPS_DOMAIN,
+    VERIFY_TOKENS,
+    CacheGeometry,
+)
 from kvedge.export.graph.int8_codec import Int8Codec
 from kvedge.export.graph.options import MS_DOMAIN
 from kvedge.export.graph.rope import position_angles, rotate_half
@@ -290,3 +297,33 @@ class Int8CacheAttention(InPlaceAttention):
                 self.g.const("rope.sin_none", np.zeros(self.identity_shape, np.float32)),
             ]
         return self.identity
+
+
+class Int4CacheAttention(Int8CacheAttention):
+    """kvedge's kernel over the int4 cache (kvedge/kv4.py): codes, scales and the float32 window
+    of each layer, past and present sharing one buffer per tensor; each layer's key bits
+    (`CacheGeometry.key_bits`) and the window are attributes. No sliding-window layers (the int4
+    geometry refuses them)."""
+
+    def __init__(
+        self, g, heads, kv_heads, d, length, names, s_dim, geometry: CacheGeometry, **tables
+    ) -> None:
+        super().__init__(g, heads, kv_heads, d, length, names, s_dim, **tables)
+        self.geometry = geometry
+
+    def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
+        g, names = self.g, self.names
+        past = [names.layer(t, i) for t in names.cache_past(self.geometry)]
+        present = [names.layer(t, i) for t in names.cache_present(self.geometry)]
+        return g.op(
+            INT4_ATTENTION_OP,
+            [qkv, names.past_lengths, *past, *self.tables(rotate)],
+            f"model.layers.{i}.attn.int4",
+            outputs=[f"model.layers.{i}.attn.merged", *present],
+            domain=KVEDGE_OPS_DOMAIN,
+            num_heads=self.heads,
+            kv_num_heads=self.kv_heads,
+            key_bits=self.geometry.key_bits(i),
+            window=self.geometry.float_window,
+            decode_steps=VERIFY_TOKENS,
+        )[0]

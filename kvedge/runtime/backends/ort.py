@@ -479,7 +479,7 @@ class OrtBackend:
                 self._bind(binding, bound, arrays[bound.name])
         present = None
         if not self.manifest.in_place:  # the new token's K/V [batch, kvh, 1, d or groups], per layer
-            templates = names.present(g.quantized)
+            templates = names.cache_present(g)
             present = [tuple(arrays[names.layer(t, i)] for t in templates) for i in range(g.num_layers)]
         run_options = self._prefill_options if seq else None  # CUDA graphs capture decode steps only
         if self.cuda_graph and not seq:
@@ -523,8 +523,8 @@ class OrtBackend:
     ) -> dict[str, np.ndarray]:
         """name -> pool view of every past input and, in place, every present output; and the
         slots' `states` (`KVCache.state_views`), which a graph with states must be given."""
-        names, quantized = self.manifest.names, self.manifest.geometry.quantized
-        templates = [names.past(quantized)] + ([names.present(quantized)] if self.manifest.in_place else [])
+        names, g = self.manifest.names, self.manifest.geometry
+        templates = [names.cache_past(g)] + ([names.cache_present(g)] if self.manifest.in_place else [])
         arrays = {
             names.layer(template, i): view
             for per_layer in templates
@@ -598,7 +598,7 @@ class OrtBackend:
         self._bind_call(binding, plan, arrays)  # logits, then each layer's present tensors: per call
         self.session.run_with_iobinding(binding, self._prefill_options)
         outs = binding.copy_outputs_to_cpu()
-        n = len(self.manifest.names.present(self.manifest.geometry.quantized))
+        n = len(self.manifest.names.cache_present(self.manifest.geometry))
         present = [tuple(outs[1 + n * i : 1 + n * (i + 1)]) for i in range(len(past))]
         named = dict(zip((b.name for b in plan if b.output), outs, strict=True))
         return StepOutput(self._select_last(outs[0], last_index), present, self._present_states(named))

@@ -171,7 +171,7 @@ class TrtBackend:
         buffer was allocated at construction for the largest profile, so nothing grows later."""
         names, g = self.manifest.names, self.manifest.geometry
         for i, views in enumerate(past):
-            for template, view in zip(names.past(g.quantized), views, strict=True):
+            for template, view in zip(names.cache_past(g), views, strict=True):
                 check_alignment(names.layer(template, i), self.host.device_address(view), view)
         for name, view in (states or {}).items():  # hybrid models: the states, bound in place too
             check_alignment(name, self.host.device_address(view), view, state=True)
@@ -212,7 +212,7 @@ class TrtBackend:
             address = host.ctypes.data if spec.name in self.on_host else device  # `_host_inputs`
             self._bind(profile, spec.name, address, value.shape)
         for i, views in enumerate(past):
-            for template, view in zip(names.past(g.quantized), views, strict=True):
+            for template, view in zip(names.cache_past(g), views, strict=True):
                 name = names.layer(template, i)
                 self._bind(profile, name, self.host.device_address(view), view.shape)
         if g.states and not states:
