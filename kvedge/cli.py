@@ -1113,8 +1113,8 @@ def echo_quality(results: list[Any]) -> None:
     "weights_dirs",
     multiple=True,
     type=click.Path(path_type=Path),
-    help="An export of the same model with --weights int8|int4 (any variant and cache dtype): "
-    "measure it against --model too (repeatable).",
+    help="An export of the same model with other weights (--weights int8|int4) or another cache "
+    "(--kv-dtype int4), any variant: measure it against --model too (repeatable).",
 )
 @click.option(
     "--llama-cpp",

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvedge.calibrate.calibrate import Prompt, prompt_ids
-from kvedge.contract import Manifest
+from kvedge.contract import CacheGeometry, Manifest
 from kvedge.errors import KvedgeError
 from kvedge.quant import RoundTrip, Scales, Scheme
 from kvedge.runtime.backends.ort import OrtBackend
@@ -78,6 +78,13 @@ def kv_bytes_ratio(scheme: Scheme, head_dim: int) -> float:
     k = code + (SCALE_BYTES / scheme.v_group_size if scheme.k == "dynamic-token" else 0.0)
     v = code + (SCALE_BYTES / scheme.v_group_size if scheme.v == "dynamic-token" else 0.0)
     return (k + v) / 8.0
+
+
+def cache_label(geometry: CacheGeometry) -> str:
+    """A cache as a result row names it: its dtype, and an int4 cache's 8-bit key layers and window."""
+    if not geometry.packed:
+        return f"{geometry.dtype} cache"
+    return f"int4 cache (8-bit keys on layers {list(geometry.key8_layers)}, window {geometry.float_window})"
 
 
 def weights_label(manifest: Manifest) -> str:
@@ -204,7 +211,7 @@ def _candidates(
     for other in weights_models:
         model.manifest.check_compatible(other.manifest, "--weights-model", cache_dtype=False, weights=False)
         cache = KVCache(other.manifest.geometry, batch)
-        name = f"{weights_label(other.manifest)}, {cache.geometry.dtype} cache"
+        name = f"{weights_label(other.manifest)}, {cache_label(cache.geometry)}"
         candidates.append((name, other.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
     return candidates
 

@@ -1,0 +1,151 @@
+"""The int4 KV cache in a model: `kvedge export --variant ort --kv-dtype int4`, run by the runtime.
+
+References: the float32 export of the same weights for quality, and a full re-prefill of the same
+int4 export for the cache contract (positions, masks, reuse, batches). The kernel's arithmetic
+against its numpy twin is tests/test_kv4.py's; here the whole graph and the cache around it.
+Every position's codes depend on that position's K and V only, and the float window on positions
+only, so a cached run and a re-prefill see the same cache up to float summation order (a code at
+a rounding boundary can move one step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_ids
+
+from kvedge.contract import CacheGeometry, ExportRecipe
+from kvedge.errors import KvedgeError
+from kvedge.export.export import export_model
+from kvedge.runtime.generate import decode_one_token, prefill
+from kvedge.runtime.model import Model
+
+MAX_LEN = 256
+# (family, config overrides, the layers with 8-bit keys): head_dim 16 (llama), 32 (qwen3), 64
+INT4_CASES = [
+    ("llama", {}, (1,)),
+    ("qwen3", {}, ()),
+    ("llama-hd64", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}, (0,)),
+]
+# one code step of a 5-bit key moves a logit by a few 1e-3 on these tiny models (measured below)
+ATOL = 2e-2
+KL_BOUND = 5e-2
+
+
+@pytest.fixture(scope="module", params=INT4_CASES, ids=lambda case: case[0])
+def int4_pair(request, tmp_path_factory):
+    """(float32 export, int4 export) of one tiny model, both ort graphs."""
+    from tiny import make_tiny_model
+
+    family, overrides, key8 = request.param
+    root = tmp_path_factory.mktemp("int4-" + family)
+    source = make_tiny_model(root / "hf", family.split("-")[0], **overrides)
+    export_model(source, root / "fp", ExportRecipe(max_len=MAX_LEN, variant="ort"))
+    options = ExportRecipe(max_len=MAX_LEN, variant="ort", kv_dtype="int4", kv_key8_layers=key8)
+    export_model(source, root / "int4", options)
+    return root / "fp", root / "int4"
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_geometry_and_bytes_are_the_exports(int4_pair):
+    model = Model(int4_pair[1])
+    g = model.manifest.geometry
+    assert g.dtype == "int4" and g.float_window == 32 and g.window_len == 64
+    assert model.cache.nbytes == g.pool_bytes(1)
+    float32 = g.with_dtype("float32")
+    assert g.bytes_per_token() / float32.bytes_per_token() < 0.2
+
+
+def test_quality_against_the_float32_cache(int4_pair):
+    """Teacher-forced next-token distributions of the int4 cache vs float32 (same weights), past
+    the float window: 150 positions, most of them attending over codes."""
+    fp, q = Model(int4_pair[0]), Model(int4_pair[1])
+    ids = random_ids(170, seed=2)
+    a = [prefill(fp.backend, fp.cache, 0, [ids[:20]])[0]]
+    b = [prefill(q.backend, q.cache, 0, [ids[:20]])[0]]
+    for t in ids[20:]:
+        a.append(decode_one_token(fp.backend, fp.cache, 0, [t])[0])
+        b.append(decode_one_token(q.backend, q.cache, 0, [t])[0])
+    la, lb = log_softmax(np.array(a)), log_softmax(np.array(b))
+    kl = (np.exp(la) * (la - lb)).sum(-1)
+    assert kl.mean() < KL_BOUND, kl.mean()
+    assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() >= 0.9
+
+
+def test_cached_decode_equals_full_reprefill(int4_pair):
+    model, reference = Model(int4_pair[1], slots=2), Model(int4_pair[1])
+    ids = random_ids(140, seed=3)
+    prefill(model.backend, model.cache, 1, [ids[:17]])
+    for n in range(17, 140):
+        logits = decode_one_token(model.backend, model.cache, 1, [ids[n]])[0]
+        if n % 19 == 0:
+            reference.cache.reset(0)
+            np.testing.assert_allclose(
+                logits, prefill(reference.backend, reference.cache, 0, [ids[: n + 1]])[0], atol=ATOL, rtol=0
+            )
+
+
+def test_batch_rows_equal_each_row_alone(int4_pair):
+    model, alone = Model(int4_pair[1], slots=2), Model(int4_pair[1])
+    rows = [random_ids(90, seed=4), random_ids(41, seed=5)]
+    together = prefill(model.backend, model.cache, 0, rows)
+    for r, row in enumerate(rows):
+        alone.cache.reset(0)
+        np.testing.assert_allclose(
+            together[r], prefill(alone.backend, alone.cache, 0, [row])[0], atol=ATOL, rtol=0
+        )
+    nexts = [7, 9]
+    stepped = decode_one_token(model.backend, model.cache, 0, nexts)
+    for r, row in enumerate(rows):
+        alone.cache.reset(0)
+        prefill(alone.backend, alone.cache, 0, [row])
+        np.testing.assert_allclose(
+            stepped[r], decode_one_token(alone.backend, alone.cache, 0, [nexts[r]])[0], atol=ATOL, rtol=0
+        )
+
+
+def test_multi_turn_reuse_equals_fresh_session(int4_pair):
+    """Turns reuse the slot (a rewind of a few tokens keeps the window); a rewind past the window's
+    margin starts over, and both give what a fresh model gives."""
+    model = Model(int4_pair[1])
+    messages = [{"role": "system", "content": "Be brief."}]
+    for turn, question in enumerate(["Hello!", "What is a KV cache?", "And int4?", "Thanks."]):
+        messages.append({"role": "user", "content": question})
+        ids = model.tokenizer.encode_chat(messages)
+        logits = model.prepare(0, ids)
+        assert turn == 0 or model.sessions[0].reused_tokens > 0
+        np.testing.assert_allclose(logits, Model(int4_pair[1]).prepare(0, ids), atol=ATOL, rtol=0)
+        messages.append({"role": "assistant", "content": f"Answer {turn} " + "and more " * 20})
+    ids = random_ids(150, seed=6)
+    model.prepare(0, ids)
+    other = ids[:60] + random_ids(30, seed=7)  # 90 tokens back: the window holds 86.. only
+    assert model.cache.rewind_limit(0, 60) == 0
+    np.testing.assert_allclose(
+        model.prepare(0, other), Model(int4_pair[1]).prepare(0, other), atol=ATOL, rtol=0
+    )
+
+
+def test_bad_int4_options_are_refused_by_name():
+    with pytest.raises(KvedgeError, match="--kv-dtype int4 runs kvedge's own CPU attention kernel"):
+        ExportRecipe(kv_dtype="int4")  # the portable graph
+    with pytest.raises(KvedgeError, match="--kv-dtype int4 runs kvedge's own CPU attention kernel"):
+        ExportRecipe(kv_dtype="int4", precision="float16")
+    with pytest.raises(KvedgeError, match=r"--kv-key8-layers \[3\] applies to --kv-dtype int4 only"):
+        ExportRecipe(variant="ort", kv_dtype="int8", kv_key8_layers=(3,))
+    with pytest.raises(
+        KvedgeError, match="key8_layers=\\[30\\] must be distinct increasing layer indices in 0..29"
+    ):
+        CacheGeometry(30, 3, 64, 512).with_dtype("int4", key8_layers=(30,))
+    with pytest.raises(KvedgeError, match="int4 cache needs one power-of-2 head_dim"):
+        CacheGeometry(32, 8, 96, 512).with_dtype("int4")  # Phi-3.5's heads
+
+
+def test_prefix_copies_are_refused_by_name(int4_pair):
+    model = Model(int4_pair[1])
+    model.prepare(0, random_ids(30, seed=8))
+    with pytest.raises(KvedgeError, match="not supported for the int4 cache yet"):
+        model.cache.read(0, 30)
