@@ -297,34 +297,42 @@ struct Block {
   float* sum = nullptr;  // [n_rows]
 };
 
-template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
-void AttendD(const Block& b, std::vector<float>* scratch) {
-  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;  // vectors per row, per group
-  int64_t earliest = INT64_MAX, longest = 0;  // positions before every row's window are never read
-  for (int64_t i = 0; i < b.n_rows; ++i) {
-    earliest = std::min(earliest, b.first[i]);
-    longest = std::max(longest, b.limit[i]);
+// A cache's rows as the attention paths read them: Row<D>(p, levels, factor) writes position p's
+// D levels (its codes as floats, before any scale) and its groups' scales; level x scale is the
+// dequantized value, exactly, in float32.
+struct Int8Rows {  // int8 codes [L, D], float16 scales [L, groups]
+  const int8_t* codes;
+  const half_t* scales;
+  int64_t groups;
+  template <int D>
+  void Row(int64_t p, float* levels, float* factor) const {
+    for (int v = 0; v < D / 8; ++v) Store(levels + v * 8, Codes(codes + p * D + v * 8));
+    for (int64_t g = 0; g < groups; ++g) factor[g] = static_cast<float>(scales[p * groups + g]);
   }
-  scratch->resize(kPosBlock * D);
-  float* buf = scratch->data();
-  // A block's float16 scales as floats, converted once for all its rows (exactly: the same values)
-  float factor[kPosBlock * groups];
-  auto convert = [&](int64_t p0, int64_t np, const int8_t* codes, const half_t* scales) {
-    for (int64_t p = 0; p < np; ++p) {
-      for (int v = 0; v < V; ++v) Store(buf + p * D + v * 8, Codes(codes + (p0 + p) * D + v * 8));
-      for (int g = 0; g < groups; ++g) factor[p * groups + g] = static_cast<float>(scales[(p0 + p) * groups + g]);
-    }
-  };
+};
 
-  // scores[i, p] = sum over groups g of k_scale[p, g] * (q_i . codes_k[p]) over g's channels
+// Decode: the scores of row i's positions [from[i], to[i]) (cache positions of the block) into
+// b.scores, the rows' K read through `keys` (GS channels a scale) a kPosBlock of positions at a
+// time into buf: scores[i, p] = sum over groups g of scale[p, g] * (q_i . levels[p]) over g's
+// channels.
+template <int D, int GS, class Rows>
+void SegmentScores(const Block& b, const int64_t* from, const int64_t* to, const Rows& keys, float* buf) {
+  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;  // vectors per row, per group
+  int64_t earliest = INT64_MAX, longest = 0;  // positions outside every row's range are never read
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    if (from[i] >= to[i]) continue;
+    earliest = std::min(earliest, from[i]);
+    longest = std::max(longest, to[i]);
+  }
+  float factor[kPosBlock * groups];  // a block's scales as floats, converted once for all its rows
   for (int64_t p0 = earliest; p0 < longest; p0 += kPosBlock) {
     const int64_t np = std::min(kPosBlock, longest - p0);
-    convert(p0, np, b.k_codes, b.k_scales);
+    for (int64_t p = 0; p < np; ++p) keys.template Row<D>(p0 + p, buf + p * D, factor + p * groups);
     for (int64_t i = 0; i < b.n_rows; ++i) {
       v8f q[V];
       for (int v = 0; v < V; ++v) q[v] = Load(b.q + i * D + v * 8);
       float* s = b.scores + i * b.stride + p0;
-      const int64_t valid = std::min(np, b.limit[i] - p0);
+      const int64_t valid = std::min(np, to[i] - p0);
       auto dot = [&](int64_t p) {  // q_i . K[p0 + p], scaled per group, as 8 partial sums
         const float* k = buf + p * D;
         const float* scale = factor + p * groups;
@@ -336,7 +344,7 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
         }
         return total;
       };
-      int64_t p = std::max<int64_t>(b.first[i] - p0, 0);
+      int64_t p = std::max<int64_t>(from[i] - p0, 0);
       for (; p + 8 <= valid; p += 8) {  // 8 positions' sums reduced together
         v8f t[8];
         for (int j = 0; j < 8; ++j) t[j] = dot(p + j);
@@ -345,7 +353,10 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       for (; p < valid; ++p) s[p] = Sum(dot(p));
     }
   }
-  // softmax over each row's [first, limit)
+}
+
+// Decode: softmax over each row's scores at [first, limit); left unnormalized where b.top is set.
+void SoftmaxRows(const Block& b) {
   for (int64_t i = 0; i < b.n_rows; ++i) {
     float* s = b.scores + i * b.stride;
     const int64_t n = b.limit[i];
@@ -376,19 +387,30 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
     const float inv = 1.0f / (Sum(sum) + tail);
     for (p = b.first[i]; p < n; ++p) s[p] *= inv;
   }
-  // out_i = sum over p of probs[i, p] * v_scale[p, g] * codes_v[p] (channels of group g)
-  v8f acc[kQueryBlock][V];
-  for (int64_t i = 0; i < b.n_rows; ++i)
-    for (int v = 0; v < V; ++v) acc[i][v] = v8f{};
+}
+
+// Decode: acc_i += sum over row i's positions [from[i], to[i]) of probs[i, p] * scale[p, g] *
+// levels_v[p] (channels of group g), V read through `values`.
+template <int D, int GS, class Rows>
+void SegmentValues(const Block& b, const int64_t* from, const int64_t* to, const Rows& values, float* buf,
+                   v8f (*acc)[D / 8]) {
+  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;
+  int64_t earliest = INT64_MAX, longest = 0;
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    if (from[i] >= to[i]) continue;
+    earliest = std::min(earliest, from[i]);
+    longest = std::max(longest, to[i]);
+  }
+  float factor[kPosBlock * groups];
   for (int64_t p0 = earliest; p0 < longest; p0 += kPosBlock) {
     const int64_t np = std::min(kPosBlock, longest - p0);
-    convert(p0, np, b.v_codes, b.v_scales);
+    for (int64_t p = 0; p < np; ++p) values.template Row<D>(p0 + p, buf + p * D, factor + p * groups);
     for (int64_t i = 0; i < b.n_rows; ++i) {
       const float* prob = b.scores + i * b.stride + p0;
-      const int64_t valid = std::min(np, b.limit[i] - p0);
+      const int64_t valid = std::min(np, to[i] - p0);
       v8f a[V];
       for (int v = 0; v < V; ++v) a[v] = acc[i][v];
-      for (int64_t p = std::max<int64_t>(b.first[i] - p0, 0); p < valid; ++p) {
+      for (int64_t p = std::max<int64_t>(from[i] - p0, 0); p < valid; ++p) {
         const float* val = buf + p * D;
         const float* scale = factor + p * groups;
         for (int g = 0; g < groups; ++g) {
@@ -399,8 +421,18 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       for (int v = 0; v < V; ++v) acc[i][v] = a[v];
     }
   }
+}
+
+template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
+void AttendD(const Block& b, std::vector<float>* scratch) {
+  scratch->resize(kPosBlock * D);
+  float* buf = scratch->data();
+  SegmentScores<D, GS>(b, b.first, b.limit, Int8Rows{b.k_codes, b.k_scales, b.groups}, buf);
+  SoftmaxRows(b);
+  v8f acc[kMaxRows][D / 8] = {};
+  SegmentValues<D, GS>(b, b.first, b.limit, Int8Rows{b.v_codes, b.v_scales, b.groups}, buf, acc);
   for (int64_t i = 0; i < b.n_rows; ++i)
-    for (int v = 0; v < V; ++v) Store(b.out[i] + v * 8, acc[i][v]);
+    for (int v = 0; v < D / 8; ++v) Store(b.out[i] + v * 8, acc[i][v]);
 }
 
 // Prefill: a tile of query rows (whole tokens x the heads of one KV group) against blocks of KB
@@ -436,124 +468,159 @@ inline vw SplatW(float x) {
   return v;
 }
 
+// A tile's running state: its queries (transposed), the running maximum m, sum l and
+// unnormalized output O of each row, and room for one block of dequantized K and V. Pass() runs
+// the rows over blocks of cache positions, each row over its own [first, limit), from a source
+// that fills kf and vf with a block's dequantized K and V rows (fill(p0, np, kf, vf)); a cache
+// read as two sources (kvedge.Int4CacheAttention: codes, then a float window) is two passes
+// over the same state. Finish() writes O / l.
+template <int D, int KB>
+struct Tile {
+  static constexpr int strip = kScoreRowVectors * kLanes, pt = kScorePositions, cw = 2 * kLanes;
+  static constexpr int R = (kMaxRows + strip - 1) / strip * strip;  // row capacity: whole S strips
+  static_assert(R % kOutRows == 0 && D % cw == 0, "register tiles fit the tile");
+  static constexpr int kChannelChunk = 32;
+  static constexpr int KP = (KB + pt - 1) / pt * pt;  // K rows, padded to whole S tiles
+  int64_t n, n_strips, n_vec;
+  float *qt, *kf, *vf, *st, *o, *m, *l, *lo, *lim, *corr;
+
+  Tile(const float* q, int64_t n_rows, std::vector<float>* scratch)
+      : n(n_rows), n_strips((n + strip - 1) / strip * strip), n_vec((n + kLanes - 1) / kLanes * kLanes) {
+    scratch->resize(D * R + (KP + KB) * D + KP * R + R * D + 5 * R);
+    qt = scratch->data();  // [D, R] queries, transposed
+    kf = qt + D * R;       // [KP, D] dequantized K of the block
+    vf = kf + KP * D;      // [KB, D] dequantized V
+    st = vf + KB * D;      // [KP, R] scores, then probabilities
+    o = st + KP * R;       // [R, D] unnormalized outputs
+    m = o + R * D, l = m + R, lo = l + R, lim = lo + R, corr = lim + R;  // [R] each
+    for (int64_t i = 0; i < R; ++i) {  // padding rows: zero queries, no position valid
+      for (int c = 0; c < D; ++c) qt[c * R + i] = i < n ? q[i * D + c] : 0.0f;
+      m[i] = -INFINITY;
+      l[i] = corr[i] = 0.0f;
+    }
+    std::fill(o, o + R * D, 0.0f);
+    std::fill(st, st + KP * R, 0.0f);
+  }
+
+  template <class Fill>
+  void Pass(const int64_t* first, const int64_t* limit, Fill fill) {
+    int64_t earliest = INT64_MAX, longest = 0;  // blocks before every row's range are skipped
+    for (int64_t i = 0; i < R; ++i) {
+      const bool valid = i < n && first[i] < limit[i];
+      lo[i] = valid ? static_cast<float>(first[i]) : 0.0f;
+      lim[i] = valid ? static_cast<float>(limit[i]) : 0.0f;
+      if (valid) {
+        earliest = std::min(earliest, first[i]);
+        longest = std::max(longest, limit[i]);
+      }
+    }
+    const vw minus_inf = SplatW(-INFINITY);
+    for (int64_t p0 = earliest; p0 < longest; p0 += KB) {
+      const int64_t np = std::min<int64_t>(KB, longest - p0), np_tiles = (np + pt - 1) / pt * pt;
+      fill(p0, np, kf, vf);
+      std::fill(kf + np * D, kf + np_tiles * D, 0.0f);
+      // S = K Q^T, a strip of rows x pt positions in registers; sums of at most 32 channels added
+      // up (as short as the decode path's, which the float rounding of long head_dims shows)
+      for (int64_t i0 = 0; i0 < n_strips; i0 += strip) {
+        for (int64_t p = 0; p < np_tiles; p += pt) {
+          for (int c0 = 0; c0 < D; c0 += kChannelChunk) {
+            vw a[pt][kScoreRowVectors] = {};
+            for (int c = c0; c < std::min(D, c0 + kChannelChunk); ++c) {
+              vw q[kScoreRowVectors];
+              for (int u = 0; u < kScoreRowVectors; ++u) q[u] = LoadW(qt + c * R + i0 + u * kLanes);
+              for (int j = 0; j < pt; ++j) {
+                const float k = kf[(p + j) * D + c];
+                for (int u = 0; u < kScoreRowVectors; ++u) a[j][u] += k * q[u];
+              }
+            }
+            for (int j = 0; j < pt; ++j) {
+              for (int u = 0; u < kScoreRowVectors; ++u) {
+                float* s = st + (p + j) * R + i0 + u * kLanes;
+                StoreW(s, c0 ? LoadW(s) + a[j][u] : a[j][u]);
+              }
+            }
+          }
+        }
+      }
+      // online softmax, a vector of rows at a time: positions before a row's first or at or past its
+      // limit are masked out
+      for (int64_t i0 = 0; i0 < n_vec; i0 += kLanes) {
+        const vw start = LoadW(lo + i0), end = LoadW(lim + i0), before = LoadW(m + i0);
+        vw top = before;
+        for (int64_t p = 0; p < np; ++p) {
+          vw s = LoadW(st + p * R + i0);
+          const vw at = SplatW(static_cast<float>(p0 + p));
+          s = (at >= start) & (at < end) ? s : minus_inf;
+          StoreW(st + p * R + i0, s);
+          top = s > top ? s : top;
+        }
+        const vw base = top == minus_inf ? vw{} : top;  // a row with nothing valid yet keeps zeros
+        vw sum{};
+        for (int64_t p = 0; p < np; ++p) {
+          const vw e = Exp(LoadW(st + p * R + i0) - base);
+          StoreW(st + p * R + i0, e);
+          sum += e;
+        }
+        const vw c = Exp(before - base);
+        StoreW(corr + i0, c);
+        StoreW(m + i0, top);
+        StoreW(l + i0, LoadW(l + i0) * c + sum);
+      }
+      // O = O c + P^T V, kOutRows rows x 2 vectors of channels in registers
+      for (int64_t i0 = 0; i0 < n; i0 += kOutRows) {
+        for (int c0 = 0; c0 < D; c0 += cw) {
+          vw a[kOutRows][2];
+          for (int r = 0; r < kOutRows; ++r) {
+            a[r][0] = LoadW(o + (i0 + r) * D + c0) * corr[i0 + r];
+            a[r][1] = LoadW(o + (i0 + r) * D + c0 + kLanes) * corr[i0 + r];
+          }
+          for (int64_t p = 0; p < np; ++p) {
+            const vw v0 = LoadW(vf + p * D + c0), v1 = LoadW(vf + p * D + c0 + kLanes);
+            for (int r = 0; r < kOutRows; ++r) {
+              const float w = st[p * R + i0 + r];
+              a[r][0] += w * v0;
+              a[r][1] += w * v1;
+            }
+          }
+          for (int r = 0; r < kOutRows; ++r) {
+            StoreW(o + (i0 + r) * D + c0, a[r][0]);
+            StoreW(o + (i0 + r) * D + c0 + kLanes, a[r][1]);
+          }
+        }
+      }
+    }
+  }
+
+  void Finish(float* const* out) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const float inv = 1.0f / l[i];
+      for (int v = 0; v < D / 8; ++v) Store(out[i] + v * 8, Load(o + i * D + v * 8) * inv);
+    }
+  }
+};
+
+// A fill for Tile::Pass: positions p0 .. p0 + np - 1 of `keys` and `values` (GS channels a scale,
+// D / GS scales a row), dequantized: level x scale.
+template <int D, int KGS, int VGS, class KRows, class VRows>
+auto Dequantized(const KRows& keys, const VRows& values) {
+  static_assert(KGS % 8 == 0 && VGS % 8 == 0, "whole vectors a scale group");
+  return [&keys, &values](int64_t p0, int64_t np, float* kf, float* vf) {
+    float factor[D / 8];
+    for (int64_t p = 0; p < np; ++p) {
+      keys.template Row<D>(p0 + p, kf + p * D, factor);
+      for (int v = 0; v < D / 8; ++v) Store(kf + p * D + v * 8, Load(kf + p * D + v * 8) * factor[v * 8 / KGS]);
+      values.template Row<D>(p0 + p, vf + p * D, factor);
+      for (int v = 0; v < D / 8; ++v) Store(vf + p * D + v * 8, Load(vf + p * D + v * 8) * factor[v * 8 / VGS]);
+    }
+  };
+}
+
 template <int D, int GS, int KB>
 void AttendTiled(const Block& b, std::vector<float>* scratch) {
-  constexpr int strip = kScoreRowVectors * kLanes, pt = kScorePositions, cw = 2 * kLanes;
-  constexpr int R = (kMaxRows + strip - 1) / strip * strip;  // row capacity: whole S strips
-  static_assert(R % kOutRows == 0 && D % cw == 0 && GS % 8 == 0, "register tiles fit the tile");
-  constexpr int groups = D / GS, per_group = GS / 8, kChannelChunk = 32;
-  constexpr int KP = (KB + pt - 1) / pt * pt;  // K rows, padded to whole S tiles
-  const int64_t n = b.n_rows, n_strips = (n + strip - 1) / strip * strip, n_vec = (n + kLanes - 1) / kLanes * kLanes;
-  scratch->resize(D * R + (KP + KB) * D + KP * R + R * D + 5 * R);
-  float* qt = scratch->data();  // [D, R] queries, transposed
-  float* kf = qt + D * R;       // [KP, D] dequantized K of the block
-  float* vf = kf + KP * D;      // [KB, D] dequantized V
-  float* st = vf + KB * D;      // [KP, R] scores, then probabilities
-  float* o = st + KP * R;       // [R, D] unnormalized outputs
-  float *m = o + R * D, *l = m + R, *lo = l + R, *lim = lo + R, *corr = lim + R;  // [R] each
-  int64_t earliest = INT64_MAX, longest = 0;  // blocks before every row's window are skipped
-  for (int64_t i = 0; i < R; ++i) {  // padding rows: zero queries, no position valid
-    for (int c = 0; c < D; ++c) qt[c * R + i] = i < n ? b.q[i * D + c] : 0.0f;
-    m[i] = -INFINITY;
-    l[i] = corr[i] = 0.0f;
-    lo[i] = i < n ? static_cast<float>(b.first[i]) : 0.0f;
-    lim[i] = i < n ? static_cast<float>(b.limit[i]) : 0.0f;
-    if (i < n) {
-      earliest = std::min(earliest, b.first[i]);
-      longest = std::max(longest, b.limit[i]);
-    }
-  }
-  std::fill(o, o + R * D, 0.0f);
-  std::fill(st, st + KP * R, 0.0f);
-  const vw minus_inf = SplatW(-INFINITY);
-  for (int64_t p0 = earliest; p0 < longest; p0 += KB) {
-    const int64_t np = std::min<int64_t>(KB, longest - p0), np_tiles = (np + pt - 1) / pt * pt;
-    for (int64_t p = 0; p < np; ++p) {
-      const int8_t *kc = b.k_codes + (p0 + p) * D, *vc = b.v_codes + (p0 + p) * D;
-      const half_t *ks = b.k_scales + (p0 + p) * groups, *vs = b.v_scales + (p0 + p) * groups;
-      for (int g = 0; g < groups; ++g) {
-        const float sk = static_cast<float>(ks[g]), sv = static_cast<float>(vs[g]);
-        for (int v = g * per_group; v < (g + 1) * per_group; ++v) {
-          Store(kf + p * D + v * 8, Codes(kc + v * 8) * sk);
-          Store(vf + p * D + v * 8, Codes(vc + v * 8) * sv);
-        }
-      }
-    }
-    std::fill(kf + np * D, kf + np_tiles * D, 0.0f);
-    // S = K Q^T, a strip of rows x pt positions in registers; sums of at most 32 channels added
-    // up (as short as the decode path's, which the float rounding of long head_dims shows)
-    for (int64_t i0 = 0; i0 < n_strips; i0 += strip) {
-      for (int64_t p = 0; p < np_tiles; p += pt) {
-        for (int c0 = 0; c0 < D; c0 += kChannelChunk) {
-          vw a[pt][kScoreRowVectors] = {};
-          for (int c = c0; c < std::min(D, c0 + kChannelChunk); ++c) {
-            vw q[kScoreRowVectors];
-            for (int u = 0; u < kScoreRowVectors; ++u) q[u] = LoadW(qt + c * R + i0 + u * kLanes);
-            for (int j = 0; j < pt; ++j) {
-              const float k = kf[(p + j) * D + c];
-              for (int u = 0; u < kScoreRowVectors; ++u) a[j][u] += k * q[u];
-            }
-          }
-          for (int j = 0; j < pt; ++j) {
-            for (int u = 0; u < kScoreRowVectors; ++u) {
-              float* s = st + (p + j) * R + i0 + u * kLanes;
-              StoreW(s, c0 ? LoadW(s) + a[j][u] : a[j][u]);
-            }
-          }
-        }
-      }
-    }
-    // online softmax, a vector of rows at a time: positions before a row's first or at or past its
-    // limit are masked out
-    for (int64_t i0 = 0; i0 < n_vec; i0 += kLanes) {
-      const vw start = LoadW(lo + i0), limit = LoadW(lim + i0), before = LoadW(m + i0);
-      vw top = before;
-      for (int64_t p = 0; p < np; ++p) {
-        vw s = LoadW(st + p * R + i0);
-        const vw at = SplatW(static_cast<float>(p0 + p));
-        s = (at >= start) & (at < limit) ? s : minus_inf;
-        StoreW(st + p * R + i0, s);
-        top = s > top ? s : top;
-      }
-      const vw base = top == minus_inf ? vw{} : top;  // a row with nothing valid yet keeps zeros
-      vw sum{};
-      for (int64_t p = 0; p < np; ++p) {
-        const vw e = Exp(LoadW(st + p * R + i0) - base);
-        StoreW(st + p * R + i0, e);
-        sum += e;
-      }
-      const vw c = Exp(before - base);
-      StoreW(corr + i0, c);
-      StoreW(m + i0, top);
-      StoreW(l + i0, LoadW(l + i0) * c + sum);
-    }
-    // O = O c + P^T V, kOutRows rows x 2 vectors of channels in registers
-    for (int64_t i0 = 0; i0 < n; i0 += kOutRows) {
-      for (int c0 = 0; c0 < D; c0 += cw) {
-        vw a[kOutRows][2];
-        for (int r = 0; r < kOutRows; ++r) {
-          a[r][0] = LoadW(o + (i0 + r) * D + c0) * corr[i0 + r];
-          a[r][1] = LoadW(o + (i0 + r) * D + c0 + kLanes) * corr[i0 + r];
-        }
-        for (int64_t p = 0; p < np; ++p) {
-          const vw v0 = LoadW(vf + p * D + c0), v1 = LoadW(vf + p * D + c0 + kLanes);
-          for (int r = 0; r < kOutRows; ++r) {
-            const float w = st[p * R + i0 + r];
-            a[r][0] += w * v0;
-            a[r][1] += w * v1;
-          }
-        }
-        for (int r = 0; r < kOutRows; ++r) {
-          StoreW(o + (i0 + r) * D + c0, a[r][0]);
-          StoreW(o + (i0 + r) * D + c0 + kLanes, a[r][1]);
-        }
-      }
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const float inv = 1.0f / l[i];
-    for (int v = 0; v < D / 8; ++v) Store(b.out[i] + v * 8, Load(o + i * D + v * 8) * inv);
-  }
+  Tile<D, KB> tile(b.q, b.n_rows, scratch);
+  const Int8Rows keys{b.k_codes, b.k_scales, b.groups}, values{b.v_codes, b.v_scales, b.groups};
+  tile.Pass(b.first, b.limit, Dequantized<D, GS, GS>(keys, values));
+  tile.Finish(b.out);
 }
 
 // Any head_dim: the same arithmetic, one channel at a time.
