@@ -3,10 +3,10 @@
 The library (`kvedge/runtime/csrc/kvedge_ops.cc`) holds `kvedge.Int8CacheAttention`, the
 attention of "ort" graphs over an INT8 cache (`kvedge export --variant ort --kv-dtype int8`),
 `kvedge.Int4CacheAttention`, the same over a 4-bit cache with a float window (`kvedge.kv4`, its
-numpy twin; no export builds it yet), `kvedge.SideInputs`, the block sums and kept channels of "ort" graphs' quantized matmuls
-(`--weights int8|int4`), and `kvedge.QuantMatMul`, a decode step's quantized matmul with both
-fused in (which graphs hold which: `kvedge.contract.kvedge_ops`). `pip install`
-builds it next to this module with the machine's C++ compiler (setup.py); nothing else in kvedge
+numpy twin; no export builds it yet), `kvedge.SideInputs`, the block sums and kept channels of
+"ort" graphs' quantized matmuls (`--weights int8|int4`), and `kvedge.QuantMatMul`, a decode
+step's quantized matmul with both fused in (which graphs hold which: `kvedge.contract.kvedge_ops`).
+`pip install` builds it next to this module with the machine's C++ compiler (setup.py); nothing else in kvedge
 needs it, so an install without a compiler still works for every other graph.
 """
 
