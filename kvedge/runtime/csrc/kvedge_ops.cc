@@ -1084,6 +1084,19 @@ inline v8f ValueLevels(v8u code) {
 #endif
 }
 
+inline v8f Unsigned(const uint8_t* p) {  // 8 uint8 codes as floats
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  v8f v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  v8ub u;
+  std::memcpy(&u, p, sizeof u);
+  return __builtin_convertvector(u, v8f);
+#endif
+}
+
 // The row sources of the 4-bit cache (Int8Rows' interface): levels before the scale.
 struct Key5Rows {  // [L, 5 D / 8] packed 5-bit codes, levels u - 15.5; [L, 1] scales
   const uint8_t* codes;
@@ -1106,11 +1119,7 @@ struct Key8Rows {  // [L, D] 8-bit codes, levels u - 127.5; [L, groups] scales
   int64_t groups;
   template <int D>
   void Row(int64_t p, float* levels, float* factor) const {
-    for (int v = 0; v < D / 8; ++v) {
-      v8ub u;
-      std::memcpy(&u, codes + p * D + v * 8, sizeof u);
-      Store(levels + v * 8, __builtin_convertvector(u, v8f) - 127.5f);
-    }
+    for (int v = 0; v < D / 8; ++v) Store(levels + v * 8, Unsigned(codes + p * D + v * 8) - 127.5f);
     for (int64_t g = 0; g < groups; ++g) factor[g] = static_cast<float>(scales[p * groups + g]);
   }
 };
