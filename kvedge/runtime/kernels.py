@@ -1,11 +1,12 @@
 """kvedge's compiled onnxruntime kernels: where the library is and whether it is the right one.
 
 The library (`kvedge/runtime/csrc/kvedge_ops.cc`) holds `kvedge.Int8CacheAttention`, the
-attention of "ort" graphs over an INT8 cache (`kvedge export --variant ort --kv-dtype int8`), and
-`kvedge.SideInputs`, the block sums and kept channels of "ort" graphs' quantized matmuls
-(`--weights int8|int4`), and `kvedge.QuantMatMul`, a decode step's quantized matmul with both
-fused in (which graphs hold which: `kvedge.contract.kvedge_ops`). `pip install`
-builds it next to this module with the machine's C++ compiler (setup.py); nothing else in kvedge
+attention of "ort" graphs over an INT8 cache (`kvedge export --variant ort --kv-dtype int8`),
+`kvedge.Int4CacheAttention`, the same over a 4-bit cache with a float window (`kvedge.kv4`, its
+numpy twin; no export builds it yet), `kvedge.SideInputs`, the block sums and kept channels of
+"ort" graphs' quantized matmuls (`--weights int8|int4`), and `kvedge.QuantMatMul`, a decode
+step's quantized matmul with both fused in (which graphs hold which: `kvedge.contract.kvedge_ops`).
+`pip install` builds it next to this module with the machine's C++ compiler (setup.py); nothing else in kvedge
 needs it, so an install without a compiler still works for every other graph.
 """
 
@@ -20,7 +21,7 @@ from kvedge.errors import KvedgeError
 
 # Bumped with every change to the kernel's inputs, outputs or arithmetic; the library reports its
 # own (kvedge_ops_version) and a stale build is refused rather than run.
-OPS_VERSION = 8
+OPS_VERSION = 9
 LIBRARY_STEM = "_kvedge_ops"
 
 

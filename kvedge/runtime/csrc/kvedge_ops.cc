@@ -1,5 +1,5 @@
 // kvedge's onnxruntime custom operators (domain "kvedge", CPU): attention over an INT8
-// per-token-scaled KV cache, the side inputs of the "ort" graph's quantized matmuls, and a
+// per-token-scaled KV cache and over a 4-bit one with a float window, the side inputs of the "ort" graph's quantized matmuls, and a
 // quantized matmul of its own for decode steps.
 //
 // kvedge.Int8CacheAttention is the INT8-cache counterpart of
@@ -35,6 +35,35 @@
 // each of them exactly as a one-token call at its position would (one after the other: the same
 // cache blocks, the same sums in the same order, so to the bit), where a longer call goes through
 // the prefill tiles. A speculative verify of s tokens then gives the logits of s decode steps.
+//
+// kvedge.Int4CacheAttention is its 4-bit counterpart, the form of the 4-bit cache study
+// (bench/results/2026-12-07-2e022be-kv-int4-study, "The best scheme measured"); kvedge/kv4.py
+// states the arithmetic and is its numpy twin. Per KV head, head_dim d a power of 2 (16 .. 256)
+// and H the orthonormal d-point Hadamard matrix: kr = RoPE(k) H, vr = v H, qr = RoPE(q) H. Keys
+// at key_bits 5 (uniform levels u - 15.5, u in 0..31, one float16 scale a token and head searched
+// over 24 multipliers of absmax / 15.5 for the least squared error) or 8 (u - 127.5, a float16
+// absmax scale per 32 channels); values 4-bit Lloyd-Max levels for N(0, 1) with a searched
+// scale. The query at position p attends to keys j <= p: as float rows (kr, vr) where j >= p -
+// window, as codes before; output = softmax(qr . k_j) v_j H^T. A decode step reads the packed
+// codes (levels through vector shifts and a 16-entry table lookup), a prefill goes through the
+// same tiles as Int8CacheAttention's, the codes and the float rows as two passes of one online
+// softmax.
+// Inputs (b, s, L, d as above; kb = 5d/8 (key_bits 5) or d (8); kg = 1 (5) or d / min(32, d) (8);
+// R = ring positions):
+//   0 qkv, 1 past_lengths   as Int8CacheAttention's
+//   2 K codes   uint8 [b, kv_heads, L, kb]: 5 bits: d/2 bytes of the low nibbles (byte i = code[2i]
+//               | code[2i+1] << 4), then d/8 bytes, bit t of byte i bit 4 of code[8i+t]; 8 bits: u
+//   3 K scales  float16 [b, kv_heads, L, kg]
+//   4 V codes   uint8 [b, kv_heads, L, d / 2], nibbles as K's
+//   5 V scales  float16 [b, kv_heads, L, 1]
+//   6, 7 K, V window  float [b, kv_heads, R, d]: kr and vr of recent positions, position p at p % R
+//   8, 9 cos, sin     as Int8CacheAttention's
+// Outputs: 0 attention float [b, s, heads d]; 1..6 the state of inputs 2..7 with the new tokens'
+// codes written at their positions and the last min(s, R) new tokens' kr, vr in their ring slots
+// (after the call's attention read the old ones); in place as Int8CacheAttention's.
+// Attributes: num_heads, kv_num_heads, key_bits (5 or 8, required); window (default 32, 0 .. R:
+// the past positions attended as float rows); local_window_size and decode_steps as
+// Int8CacheAttention's.
 //
 // kvedge.SideInputs feeds a quantized matmul of an "ort" graph (kvedge/export/quantize.py): with
 // blocked weights w_hat = q * scale + offset and kept float32 input channels,
@@ -297,34 +326,42 @@ struct Block {
   float* sum = nullptr;  // [n_rows]
 };
 
-template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
-void AttendD(const Block& b, std::vector<float>* scratch) {
-  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;  // vectors per row, per group
-  int64_t earliest = INT64_MAX, longest = 0;  // positions before every row's window are never read
-  for (int64_t i = 0; i < b.n_rows; ++i) {
-    earliest = std::min(earliest, b.first[i]);
-    longest = std::max(longest, b.limit[i]);
+// A cache's rows as the attention paths read them: Row<D>(p, levels, factor) writes position p's
+// D levels (its codes as floats, before any scale) and its groups' scales; level x scale is the
+// dequantized value, exactly, in float32.
+struct Int8Rows {  // int8 codes [L, D], float16 scales [L, groups]
+  const int8_t* codes;
+  const half_t* scales;
+  int64_t groups;
+  template <int D>
+  void Row(int64_t p, float* levels, float* factor) const {
+    for (int v = 0; v < D / 8; ++v) Store(levels + v * 8, Codes(codes + p * D + v * 8));
+    for (int64_t g = 0; g < groups; ++g) factor[g] = static_cast<float>(scales[p * groups + g]);
   }
-  scratch->resize(kPosBlock * D);
-  float* buf = scratch->data();
-  // A block's float16 scales as floats, converted once for all its rows (exactly: the same values)
-  float factor[kPosBlock * groups];
-  auto convert = [&](int64_t p0, int64_t np, const int8_t* codes, const half_t* scales) {
-    for (int64_t p = 0; p < np; ++p) {
-      for (int v = 0; v < V; ++v) Store(buf + p * D + v * 8, Codes(codes + (p0 + p) * D + v * 8));
-      for (int g = 0; g < groups; ++g) factor[p * groups + g] = static_cast<float>(scales[(p0 + p) * groups + g]);
-    }
-  };
+};
 
-  // scores[i, p] = sum over groups g of k_scale[p, g] * (q_i . codes_k[p]) over g's channels
+// Decode: the scores of row i's positions [from[i], to[i]) (cache positions of the block) into
+// b.scores, the rows' K read through `keys` (GS channels a scale) a kPosBlock of positions at a
+// time into buf: scores[i, p] = sum over groups g of scale[p, g] * (q_i . levels[p]) over g's
+// channels.
+template <int D, int GS, class Rows>
+void SegmentScores(const Block& b, const int64_t* from, const int64_t* to, const Rows& keys, float* buf) {
+  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;  // vectors per row, per group
+  int64_t earliest = INT64_MAX, longest = 0;  // positions outside every row's range are never read
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    if (from[i] >= to[i]) continue;
+    earliest = std::min(earliest, from[i]);
+    longest = std::max(longest, to[i]);
+  }
+  float factor[kPosBlock * groups];  // a block's scales as floats, converted once for all its rows
   for (int64_t p0 = earliest; p0 < longest; p0 += kPosBlock) {
     const int64_t np = std::min(kPosBlock, longest - p0);
-    convert(p0, np, b.k_codes, b.k_scales);
+    for (int64_t p = 0; p < np; ++p) keys.template Row<D>(p0 + p, buf + p * D, factor + p * groups);
     for (int64_t i = 0; i < b.n_rows; ++i) {
       v8f q[V];
       for (int v = 0; v < V; ++v) q[v] = Load(b.q + i * D + v * 8);
       float* s = b.scores + i * b.stride + p0;
-      const int64_t valid = std::min(np, b.limit[i] - p0);
+      const int64_t valid = std::min(np, to[i] - p0);
       auto dot = [&](int64_t p) {  // q_i . K[p0 + p], scaled per group, as 8 partial sums
         const float* k = buf + p * D;
         const float* scale = factor + p * groups;
@@ -336,7 +373,7 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
         }
         return total;
       };
-      int64_t p = std::max<int64_t>(b.first[i] - p0, 0);
+      int64_t p = std::max<int64_t>(from[i] - p0, 0);
       for (; p + 8 <= valid; p += 8) {  // 8 positions' sums reduced together
         v8f t[8];
         for (int j = 0; j < 8; ++j) t[j] = dot(p + j);
@@ -345,7 +382,10 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       for (; p < valid; ++p) s[p] = Sum(dot(p));
     }
   }
-  // softmax over each row's [first, limit)
+}
+
+// Decode: softmax over each row's scores at [first, limit); left unnormalized where b.top is set.
+void SoftmaxRows(const Block& b) {
   for (int64_t i = 0; i < b.n_rows; ++i) {
     float* s = b.scores + i * b.stride;
     const int64_t n = b.limit[i];
@@ -376,19 +416,30 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
     const float inv = 1.0f / (Sum(sum) + tail);
     for (p = b.first[i]; p < n; ++p) s[p] *= inv;
   }
-  // out_i = sum over p of probs[i, p] * v_scale[p, g] * codes_v[p] (channels of group g)
-  v8f acc[kQueryBlock][V];
-  for (int64_t i = 0; i < b.n_rows; ++i)
-    for (int v = 0; v < V; ++v) acc[i][v] = v8f{};
+}
+
+// Decode: acc_i += sum over row i's positions [from[i], to[i]) of probs[i, p] * scale[p, g] *
+// levels_v[p] (channels of group g), V read through `values`.
+template <int D, int GS, class Rows>
+void SegmentValues(const Block& b, const int64_t* from, const int64_t* to, const Rows& values, float* buf,
+                   v8f (*acc)[D / 8]) {
+  constexpr int V = D / 8, groups = D / GS, per_group = GS / 8;
+  int64_t earliest = INT64_MAX, longest = 0;
+  for (int64_t i = 0; i < b.n_rows; ++i) {
+    if (from[i] >= to[i]) continue;
+    earliest = std::min(earliest, from[i]);
+    longest = std::max(longest, to[i]);
+  }
+  float factor[kPosBlock * groups];
   for (int64_t p0 = earliest; p0 < longest; p0 += kPosBlock) {
     const int64_t np = std::min(kPosBlock, longest - p0);
-    convert(p0, np, b.v_codes, b.v_scales);
+    for (int64_t p = 0; p < np; ++p) values.template Row<D>(p0 + p, buf + p * D, factor + p * groups);
     for (int64_t i = 0; i < b.n_rows; ++i) {
       const float* prob = b.scores + i * b.stride + p0;
-      const int64_t valid = std::min(np, b.limit[i] - p0);
+      const int64_t valid = std::min(np, to[i] - p0);
       v8f a[V];
       for (int v = 0; v < V; ++v) a[v] = acc[i][v];
-      for (int64_t p = std::max<int64_t>(b.first[i] - p0, 0); p < valid; ++p) {
+      for (int64_t p = std::max<int64_t>(from[i] - p0, 0); p < valid; ++p) {
         const float* val = buf + p * D;
         const float* scale = factor + p * groups;
         for (int g = 0; g < groups; ++g) {
@@ -399,8 +450,18 @@ void AttendD(const Block& b, std::vector<float>* scratch) {
       for (int v = 0; v < V; ++v) acc[i][v] = a[v];
     }
   }
+}
+
+template <int D, int GS>  // head_dim, channels per scale group (both multiples of 8)
+void AttendD(const Block& b, std::vector<float>* scratch) {
+  scratch->resize(kPosBlock * D);
+  float* buf = scratch->data();
+  SegmentScores<D, GS>(b, b.first, b.limit, Int8Rows{b.k_codes, b.k_scales, b.groups}, buf);
+  SoftmaxRows(b);
+  v8f acc[kMaxRows][D / 8] = {};
+  SegmentValues<D, GS>(b, b.first, b.limit, Int8Rows{b.v_codes, b.v_scales, b.groups}, buf, acc);
   for (int64_t i = 0; i < b.n_rows; ++i)
-    for (int v = 0; v < V; ++v) Store(b.out[i] + v * 8, acc[i][v]);
+    for (int v = 0; v < D / 8; ++v) Store(b.out[i] + v * 8, acc[i][v]);
 }
 
 // Prefill: a tile of query rows (whole tokens x the heads of one KV group) against blocks of KB
@@ -436,124 +497,159 @@ inline vw SplatW(float x) {
   return v;
 }
 
+// A tile's running state: its queries (transposed), the running maximum m, sum l and
+// unnormalized output O of each row, and room for one block of dequantized K and V. Pass() runs
+// the rows over blocks of cache positions, each row over its own [first, limit), from a source
+// that fills kf and vf with a block's dequantized K and V rows (fill(p0, np, kf, vf)); a cache
+// read as two sources (kvedge.Int4CacheAttention: codes, then a float window) is two passes
+// over the same state. Finish() writes O / l.
+template <int D, int KB>
+struct Tile {
+  static constexpr int strip = kScoreRowVectors * kLanes, pt = kScorePositions, cw = 2 * kLanes;
+  static constexpr int R = (kMaxRows + strip - 1) / strip * strip;  // row capacity: whole S strips
+  static_assert(R % kOutRows == 0 && D % cw == 0, "register tiles fit the tile");
+  static constexpr int kChannelChunk = 32;
+  static constexpr int KP = (KB + pt - 1) / pt * pt;  // K rows, padded to whole S tiles
+  int64_t n, n_strips, n_vec;
+  float *qt, *kf, *vf, *st, *o, *m, *l, *lo, *lim, *corr;
+
+  Tile(const float* q, int64_t n_rows, std::vector<float>* scratch)
+      : n(n_rows), n_strips((n + strip - 1) / strip * strip), n_vec((n + kLanes - 1) / kLanes * kLanes) {
+    scratch->resize(D * R + (KP + KB) * D + KP * R + R * D + 5 * R);
+    qt = scratch->data();  // [D, R] queries, transposed
+    kf = qt + D * R;       // [KP, D] dequantized K of the block
+    vf = kf + KP * D;      // [KB, D] dequantized V
+    st = vf + KB * D;      // [KP, R] scores, then probabilities
+    o = st + KP * R;       // [R, D] unnormalized outputs
+    m = o + R * D, l = m + R, lo = l + R, lim = lo + R, corr = lim + R;  // [R] each
+    for (int64_t i = 0; i < R; ++i) {  // padding rows: zero queries, no position valid
+      for (int c = 0; c < D; ++c) qt[c * R + i] = i < n ? q[i * D + c] : 0.0f;
+      m[i] = -INFINITY;
+      l[i] = corr[i] = 0.0f;
+    }
+    std::fill(o, o + R * D, 0.0f);
+    std::fill(st, st + KP * R, 0.0f);
+  }
+
+  template <class Fill>
+  void Pass(const int64_t* first, const int64_t* limit, Fill fill) {
+    int64_t earliest = INT64_MAX, longest = 0;  // blocks before every row's range are skipped
+    for (int64_t i = 0; i < R; ++i) {
+      const bool valid = i < n && first[i] < limit[i];
+      lo[i] = valid ? static_cast<float>(first[i]) : 0.0f;
+      lim[i] = valid ? static_cast<float>(limit[i]) : 0.0f;
+      if (valid) {
+        earliest = std::min(earliest, first[i]);
+        longest = std::max(longest, limit[i]);
+      }
+    }
+    const vw minus_inf = SplatW(-INFINITY);
+    for (int64_t p0 = earliest; p0 < longest; p0 += KB) {
+      const int64_t np = std::min<int64_t>(KB, longest - p0), np_tiles = (np + pt - 1) / pt * pt;
+      fill(p0, np, kf, vf);
+      std::fill(kf + np * D, kf + np_tiles * D, 0.0f);
+      // S = K Q^T, a strip of rows x pt positions in registers; sums of at most 32 channels added
+      // up (as short as the decode path's, which the float rounding of long head_dims shows)
+      for (int64_t i0 = 0; i0 < n_strips; i0 += strip) {
+        for (int64_t p = 0; p < np_tiles; p += pt) {
+          for (int c0 = 0; c0 < D; c0 += kChannelChunk) {
+            vw a[pt][kScoreRowVectors] = {};
+            for (int c = c0; c < std::min(D, c0 + kChannelChunk); ++c) {
+              vw q[kScoreRowVectors];
+              for (int u = 0; u < kScoreRowVectors; ++u) q[u] = LoadW(qt + c * R + i0 + u * kLanes);
+              for (int j = 0; j < pt; ++j) {
+                const float k = kf[(p + j) * D + c];
+                for (int u = 0; u < kScoreRowVectors; ++u) a[j][u] += k * q[u];
+              }
+            }
+            for (int j = 0; j < pt; ++j) {
+              for (int u = 0; u < kScoreRowVectors; ++u) {
+                float* s = st + (p + j) * R + i0 + u * kLanes;
+                StoreW(s, c0 ? LoadW(s) + a[j][u] : a[j][u]);
+              }
+            }
+          }
+        }
+      }
+      // online softmax, a vector of rows at a time: positions before a row's first or at or past its
+      // limit are masked out
+      for (int64_t i0 = 0; i0 < n_vec; i0 += kLanes) {
+        const vw start = LoadW(lo + i0), end = LoadW(lim + i0), before = LoadW(m + i0);
+        vw top = before;
+        for (int64_t p = 0; p < np; ++p) {
+          vw s = LoadW(st + p * R + i0);
+          const vw at = SplatW(static_cast<float>(p0 + p));
+          s = (at >= start) & (at < end) ? s : minus_inf;
+          StoreW(st + p * R + i0, s);
+          top = s > top ? s : top;
+        }
+        const vw base = top == minus_inf ? vw{} : top;  // a row with nothing valid yet keeps zeros
+        vw sum{};
+        for (int64_t p = 0; p < np; ++p) {
+          const vw e = Exp(LoadW(st + p * R + i0) - base);
+          StoreW(st + p * R + i0, e);
+          sum += e;
+        }
+        const vw c = Exp(before - base);
+        StoreW(corr + i0, c);
+        StoreW(m + i0, top);
+        StoreW(l + i0, LoadW(l + i0) * c + sum);
+      }
+      // O = O c + P^T V, kOutRows rows x 2 vectors of channels in registers
+      for (int64_t i0 = 0; i0 < n; i0 += kOutRows) {
+        for (int c0 = 0; c0 < D; c0 += cw) {
+          vw a[kOutRows][2];
+          for (int r = 0; r < kOutRows; ++r) {
+            a[r][0] = LoadW(o + (i0 + r) * D + c0) * corr[i0 + r];
+            a[r][1] = LoadW(o + (i0 + r) * D + c0 + kLanes) * corr[i0 + r];
+          }
+          for (int64_t p = 0; p < np; ++p) {
+            const vw v0 = LoadW(vf + p * D + c0), v1 = LoadW(vf + p * D + c0 + kLanes);
+            for (int r = 0; r < kOutRows; ++r) {
+              const float w = st[p * R + i0 + r];
+              a[r][0] += w * v0;
+              a[r][1] += w * v1;
+            }
+          }
+          for (int r = 0; r < kOutRows; ++r) {
+            StoreW(o + (i0 + r) * D + c0, a[r][0]);
+            StoreW(o + (i0 + r) * D + c0 + kLanes, a[r][1]);
+          }
+        }
+      }
+    }
+  }
+
+  void Finish(float* const* out) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const float inv = 1.0f / l[i];
+      for (int v = 0; v < D / 8; ++v) Store(out[i] + v * 8, Load(o + i * D + v * 8) * inv);
+    }
+  }
+};
+
+// A fill for Tile::Pass: positions p0 .. p0 + np - 1 of `keys` and `values` (GS channels a scale,
+// D / GS scales a row), dequantized: level x scale.
+template <int D, int KGS, int VGS, class KRows, class VRows>
+auto Dequantized(const KRows& keys, const VRows& values) {
+  static_assert(KGS % 8 == 0 && VGS % 8 == 0, "whole vectors a scale group");
+  return [&keys, &values](int64_t p0, int64_t np, float* kf, float* vf) {
+    float factor[D / 8];
+    for (int64_t p = 0; p < np; ++p) {
+      keys.template Row<D>(p0 + p, kf + p * D, factor);
+      for (int v = 0; v < D / 8; ++v) Store(kf + p * D + v * 8, Load(kf + p * D + v * 8) * factor[v * 8 / KGS]);
+      values.template Row<D>(p0 + p, vf + p * D, factor);
+      for (int v = 0; v < D / 8; ++v) Store(vf + p * D + v * 8, Load(vf + p * D + v * 8) * factor[v * 8 / VGS]);
+    }
+  };
+}
+
 template <int D, int GS, int KB>
 void AttendTiled(const Block& b, std::vector<float>* scratch) {
-  constexpr int strip = kScoreRowVectors * kLanes, pt = kScorePositions, cw = 2 * kLanes;
-  constexpr int R = (kMaxRows + strip - 1) / strip * strip;  // row capacity: whole S strips
-  static_assert(R % kOutRows == 0 && D % cw == 0 && GS % 8 == 0, "register tiles fit the tile");
-  constexpr int groups = D / GS, per_group = GS / 8, kChannelChunk = 32;
-  constexpr int KP = (KB + pt - 1) / pt * pt;  // K rows, padded to whole S tiles
-  const int64_t n = b.n_rows, n_strips = (n + strip - 1) / strip * strip, n_vec = (n + kLanes - 1) / kLanes * kLanes;
-  scratch->resize(D * R + (KP + KB) * D + KP * R + R * D + 5 * R);
-  float* qt = scratch->data();  // [D, R] queries, transposed
-  float* kf = qt + D * R;       // [KP, D] dequantized K of the block
-  float* vf = kf + KP * D;      // [KB, D] dequantized V
-  float* st = vf + KB * D;      // [KP, R] scores, then probabilities
-  float* o = st + KP * R;       // [R, D] unnormalized outputs
-  float *m = o + R * D, *l = m + R, *lo = l + R, *lim = lo + R, *corr = lim + R;  // [R] each
-  int64_t earliest = INT64_MAX, longest = 0;  // blocks before every row's window are skipped
-  for (int64_t i = 0; i < R; ++i) {  // padding rows: zero queries, no position valid
-    for (int c = 0; c < D; ++c) qt[c * R + i] = i < n ? b.q[i * D + c] : 0.0f;
-    m[i] = -INFINITY;
-    l[i] = corr[i] = 0.0f;
-    lo[i] = i < n ? static_cast<float>(b.first[i]) : 0.0f;
-    lim[i] = i < n ? static_cast<float>(b.limit[i]) : 0.0f;
-    if (i < n) {
-      earliest = std::min(earliest, b.first[i]);
-      longest = std::max(longest, b.limit[i]);
-    }
-  }
-  std::fill(o, o + R * D, 0.0f);
-  std::fill(st, st + KP * R, 0.0f);
-  const vw minus_inf = SplatW(-INFINITY);
-  for (int64_t p0 = earliest; p0 < longest; p0 += KB) {
-    const int64_t np = std::min<int64_t>(KB, longest - p0), np_tiles = (np + pt - 1) / pt * pt;
-    for (int64_t p = 0; p < np; ++p) {
-      const int8_t *kc = b.k_codes + (p0 + p) * D, *vc = b.v_codes + (p0 + p) * D;
-      const half_t *ks = b.k_scales + (p0 + p) * groups, *vs = b.v_scales + (p0 + p) * groups;
-      for (int g = 0; g < groups; ++g) {
-        const float sk = static_cast<float>(ks[g]), sv = static_cast<float>(vs[g]);
-        for (int v = g * per_group; v < (g + 1) * per_group; ++v) {
-          Store(kf + p * D + v * 8, Codes(kc + v * 8) * sk);
-          Store(vf + p * D + v * 8, Codes(vc + v * 8) * sv);
-        }
-      }
-    }
-    std::fill(kf + np * D, kf + np_tiles * D, 0.0f);
-    // S = K Q^T, a strip of rows x pt positions in registers; sums of at most 32 channels added
-    // up (as short as the decode path's, which the float rounding of long head_dims shows)
-    for (int64_t i0 = 0; i0 < n_strips; i0 += strip) {
-      for (int64_t p = 0; p < np_tiles; p += pt) {
-        for (int c0 = 0; c0 < D; c0 += kChannelChunk) {
-          vw a[pt][kScoreRowVectors] = {};
-          for (int c = c0; c < std::min(D, c0 + kChannelChunk); ++c) {
-            vw q[kScoreRowVectors];
-            for (int u = 0; u < kScoreRowVectors; ++u) q[u] = LoadW(qt + c * R + i0 + u * kLanes);
-            for (int j = 0; j < pt; ++j) {
-              const float k = kf[(p + j) * D + c];
-              for (int u = 0; u < kScoreRowVectors; ++u) a[j][u] += k * q[u];
-            }
-          }
-          for (int j = 0; j < pt; ++j) {
-            for (int u = 0; u < kScoreRowVectors; ++u) {
-              float* s = st + (p + j) * R + i0 + u * kLanes;
-              StoreW(s, c0 ? LoadW(s) + a[j][u] : a[j][u]);
-            }
-          }
-        }
-      }
-    }
-    // online softmax, a vector of rows at a time: positions before a row's first or at or past its
-    // limit are masked out
-    for (int64_t i0 = 0; i0 < n_vec; i0 += kLanes) {
-      const vw start = LoadW(lo + i0), limit = LoadW(lim + i0), before = LoadW(m + i0);
-      vw top = before;
-      for (int64_t p = 0; p < np; ++p) {
-        vw s = LoadW(st + p * R + i0);
-        const vw at = SplatW(static_cast<float>(p0 + p));
-        s = (at >= start) & (at < limit) ? s : minus_inf;
-        StoreW(st + p * R + i0, s);
-        top = s > top ? s : top;
-      }
-      const vw base = top == minus_inf ? vw{} : top;  // a row with nothing valid yet keeps zeros
-      vw sum{};
-      for (int64_t p = 0; p < np; ++p) {
-        const vw e = Exp(LoadW(st + p * R + i0) - base);
-        StoreW(st + p * R + i0, e);
-        sum += e;
-      }
-      const vw c = Exp(before - base);
-      StoreW(corr + i0, c);
-      StoreW(m + i0, top);
-      StoreW(l + i0, LoadW(l + i0) * c + sum);
-    }
-    // O = O c + P^T V, kOutRows rows x 2 vectors of channels in registers
-    for (int64_t i0 = 0; i0 < n; i0 += kOutRows) {
-      for (int c0 = 0; c0 < D; c0 += cw) {
-        vw a[kOutRows][2];
-        for (int r = 0; r < kOutRows; ++r) {
-          a[r][0] = LoadW(o + (i0 + r) * D + c0) * corr[i0 + r];
-          a[r][1] = LoadW(o + (i0 + r) * D + c0 + kLanes) * corr[i0 + r];
-        }
-        for (int64_t p = 0; p < np; ++p) {
-          const vw v0 = LoadW(vf + p * D + c0), v1 = LoadW(vf + p * D + c0 + kLanes);
-          for (int r = 0; r < kOutRows; ++r) {
-            const float w = st[p * R + i0 + r];
-            a[r][0] += w * v0;
-            a[r][1] += w * v1;
-          }
-        }
-        for (int r = 0; r < kOutRows; ++r) {
-          StoreW(o + (i0 + r) * D + c0, a[r][0]);
-          StoreW(o + (i0 + r) * D + c0 + kLanes, a[r][1]);
-        }
-      }
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const float inv = 1.0f / l[i];
-    for (int v = 0; v < D / 8; ++v) Store(b.out[i] + v * 8, Load(o + i * D + v * 8) * inv);
-  }
+  Tile<D, KB> tile(b.q, b.n_rows, scratch);
+  const Int8Rows keys{b.k_codes, b.k_scales, b.groups}, values{b.v_codes, b.v_scales, b.groups};
+  tile.Pass(b.first, b.limit, Dequantized<D, GS, GS>(keys, values));
+  tile.Finish(b.out);
 }
 
 // Any head_dim: the same arithmetic, one channel at a time.
@@ -774,7 +870,8 @@ struct Work {
 
 // The attention of `work`'s query rows, split into work items (Work::Split) run on onnxruntime's
 // threads, then their partial results combined.
-OrtStatus* Attention(OrtKernelContext* ctx, Work* work) {
+template <class W>
+OrtStatus* Attention(OrtKernelContext* ctx, W* work) {
   thread_local std::vector<float> partials;
   work->Split(&partials);
   const size_t items = work->Items();
@@ -783,7 +880,7 @@ OrtStatus* Attention(OrtKernelContext* ctx, Work* work) {
     return nullptr;
   }
   KV_RETURN_IF_ERROR(g_api->KernelContext_ParallelFor(
-      ctx, [](void* data, size_t item) { static_cast<const Work*>(data)->Run(item); }, items, 0, work));
+      ctx, [](void* data, size_t item) { static_cast<const W*>(data)->Run(item); }, items, 0, work));
   work->Combine();
   return nullptr;
 }
@@ -936,6 +1033,480 @@ OrtStatus* Kernel::Compute(OrtKernelContext* ctx) {
     work.y = y + t * heads * d;
     KV_RETURN_IF_ERROR(Attention(ctx, &work));
   }
+  return nullptr;
+}
+
+// ---- kvedge.Int4CacheAttention ----
+
+// kvedge/kv4.py's constants: MULTS (np.linspace(0.35, 1.0, 24) as float32) and LEVELS_V (the
+// 16 Lloyd-Max levels of N(0, 1), the 4-bit cache study's lloyd_max(16))
+constexpr float kMults[24] = {
+    0.3499999940395355f, 0.37826088070869446f, 0.406521737575531f, 0.43478259444236755f, 0.4630434811115265f,
+    0.49130433797836304f, 0.519565224647522f, 0.5478261113166809f, 0.5760869383811951f, 0.604347825050354f,
+    0.6326087117195129f, 0.6608695387840271f, 0.689130425453186f, 0.717391312122345f, 0.7456521987915039f,
+    0.7739130258560181f, 0.802173912525177f, 0.8304347991943359f, 0.8586956262588501f, 0.886956512928009f,
+    0.915217399597168f, 0.9434782862663269f, 0.9717391133308411f, 1.0f};
+constexpr float kLevelsV[16] = {-2.73308468f, -2.06959891f, -1.61865211f, -1.25681007f, -0.94286567f, -0.65720135f,
+                                -0.388355941f, -0.128507301f, 0.128507301f, 0.388355941f, 0.65720135f, 0.94286567f,
+                                1.25681007f,   1.61865211f,   2.06959891f,   2.73308468f};
+constexpr int64_t kMaxHeadDim4 = 256;  // the head sizes the op has paths for: 16, 32, ..., 256
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint8_t v8ub __attribute__((vector_size(8)));
+constexpr v8u kNibbleShifts = {0, 4, 8, 12, 16, 20, 24, 28};
+constexpr v8u kBitShifts = {0, 1, 2, 3, 4, 5, 6, 7};
+
+inline v8u Nibbles(const uint8_t* p) {  // the 8 4-bit codes of 4 bytes, code 2i + 1 in byte i's high half
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return ((v8u{} + word) >> kNibbleShifts) & 15u;
+}
+
+// LEVELS_V[code] for 8 codes: two 8-entry table lookups of the vector unit, else one at a time
+inline v8f ValueLevels(v8u code) {
+#if defined(__AVX2__)
+  __m256i i;
+  std::memcpy(&i, &code, sizeof i);
+  const __m256 lo = _mm256_loadu_ps(kLevelsV), hi = _mm256_loadu_ps(kLevelsV + 8);
+#if defined(__AVX512VL__)
+  const __m256 r = _mm256_permutex2var_ps(lo, i, hi);
+#else  // blendv takes the sign bit: the code's bit 3 picks the upper half
+  const __m256 r = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i),
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+#endif
+  v8f v;
+  std::memcpy(&v, &r, sizeof v);
+  return v;
+#else
+  v8f v;
+  for (int j = 0; j < 8; ++j) v[j] = kLevelsV[code[j]];
+  return v;
+#endif
+}
+
+inline v8f Unsigned(const uint8_t* p) {  // 8 uint8 codes as floats
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  v8f v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  v8ub u;
+  std::memcpy(&u, p, sizeof u);
+  return __builtin_convertvector(u, v8f);
+#endif
+}
+
+// The row sources of the 4-bit cache (Int8Rows' interface): levels before the scale.
+struct Key5Rows {  // [L, 5 D / 8] packed 5-bit codes, levels u - 15.5; [L, 1] scales
+  const uint8_t* codes;
+  const half_t* scales;
+  template <int D>
+  void Row(int64_t p, float* levels, float* factor) const {
+    const uint8_t* c = codes + p * (5 * D / 8);
+    for (int v = 0; v < D / 8; ++v) {
+      const v8u high = ((v8u{} + uint32_t{c[D / 2 + v]}) >> kBitShifts) & 1u;
+      const v8u u = Nibbles(c + 4 * v) | (high << 4);
+      Store(levels + v * 8, __builtin_convertvector(u, v8f) - 15.5f);
+    }
+    factor[0] = static_cast<float>(scales[p]);
+  }
+};
+
+struct Key8Rows {  // [L, D] 8-bit codes, levels u - 127.5; [L, groups] scales
+  const uint8_t* codes;
+  const half_t* scales;
+  int64_t groups;
+  template <int D>
+  void Row(int64_t p, float* levels, float* factor) const {
+    for (int v = 0; v < D / 8; ++v) Store(levels + v * 8, Unsigned(codes + p * D + v * 8) - 127.5f);
+    for (int64_t g = 0; g < groups; ++g) factor[g] = static_cast<float>(scales[p * groups + g]);
+  }
+};
+
+struct Value4Rows {  // [L, D / 2] packed 4-bit codes, levels LEVELS_V[code]; [L, 1] scales
+  const uint8_t* codes;
+  const half_t* scales;
+  template <int D>
+  void Row(int64_t p, float* levels, float* factor) const {
+    for (int v = 0; v < D / 8; ++v) Store(levels + v * 8, ValueLevels(Nibbles(codes + p * (D / 2) + 4 * v)));
+    factor[0] = static_cast<float>(scales[p]);
+  }
+};
+
+struct FloatRows {  // float rows, position p's at rows + (p + offset) D; one scale of 1
+  const float* rows;
+  int64_t offset;
+  template <int D>
+  void Row(int64_t p, float* levels, float* factor) const {
+    std::memcpy(levels, rows + (p + offset) * D, D * sizeof(float));
+    factor[0] = 1.0f;
+  }
+};
+
+// x @ H in place, H the orthonormal Sylvester Hadamard matrix of order d (a power of 2,
+// kvedge.quant.hadamard): the butterflies, then 1 / sqrt(d). H is its own inverse.
+void Hadamard(float* x, int64_t d) {
+  for (int64_t h = 1; h < d; h *= 2) {
+    for (int64_t i = 0; i < d; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t c = 0; c < d; ++c) x[c] *= norm;
+}
+
+// The scale search of 5-bit keys and 4-bit values (kvedge/kv4.py): for each of kMults in order
+// s = f16(max(absmax m / cmax, 2^-14)), codes by `round(x / s)` -> (code, level), and the first
+// multiplier with the strictly least squared error wins. Codes [d] and the scale are returned.
+template <class Round>
+void Searched(const float* x, int64_t d, float cmax, Round round, uint8_t* codes, half_t* scale) {
+  float absmax = 0.0f;
+  for (int64_t c = 0; c < d; ++c) absmax = std::max(absmax, std::fabs(x[c]));
+  uint8_t trial[kMaxHeadDim4];
+  float best = INFINITY;
+  for (int i = 0; i < 24; ++i) {
+    const half_t s16 = static_cast<half_t>(std::max(absmax * kMults[i] / cmax, kScaleFloor));
+    const float s = static_cast<float>(s16);
+    float err = 0.0f;
+    for (int64_t c = 0; c < d; ++c) {
+      float level;
+      trial[c] = round(x[c] / s, &level);
+      const float e = level * s - x[c];
+      err += e * e;
+    }
+    if (i == 0 || err < best) {
+      best = err;
+      *scale = s16;
+      std::memcpy(codes, trial, d);
+    }
+  }
+}
+
+// One token's rotated K row of one head -> its packed codes and scales at key_bits 5 or 8.
+void QuantizeKey4(const float* x, int64_t d, int64_t key_bits, uint8_t* out, half_t* scales) {
+  uint8_t u[kMaxHeadDim4];
+  if (key_bits == 8) {
+    const int64_t g = std::min<int64_t>(32, d);
+    for (int64_t g0 = 0; g0 < d; g0 += g) {
+      float absmax = 0.0f;
+      for (int64_t c = g0; c < g0 + g; ++c) absmax = std::max(absmax, std::fabs(x[c]));
+      const half_t s16 = static_cast<half_t>(std::max(absmax / 127.5f, kScaleFloor));
+      const float s = static_cast<float>(s16);
+      scales[g0 / g] = s16;
+      for (int64_t c = g0; c < g0 + g; ++c) out[c] = static_cast<uint8_t>(std::min(255.0f, std::max(0.0f, std::ceil(x[c] / s) + 127.0f)));
+    }
+    return;
+  }
+  Searched(x, d, 15.5f, [](float y, float* level) {
+    const float q = std::min(31.0f, std::max(0.0f, std::ceil(y) + 15.0f));  // the nearest level, ties down
+    *level = q - 15.5f;
+    return static_cast<uint8_t>(q);
+  }, u, scales);
+  for (int64_t i = 0; i < d / 2; ++i) out[i] = (u[2 * i] & 15) | (u[2 * i + 1] & 15) << 4;
+  for (int64_t i = 0; i < d / 8; ++i) {
+    uint8_t high = 0;
+    for (int t = 0; t < 8; ++t) high |= ((u[8 * i + t] >> 4) & 1) << t;
+    out[d / 2 + i] = high;
+  }
+}
+
+// One token's rotated V row of one head -> d / 2 bytes of 4-bit codes and its scale.
+void QuantizeValue4(const float* x, int64_t d, uint8_t* out, half_t* scale) {
+  float mids[15];  // as kvedge/kv4.py's MIDPOINTS_V: float32 sums, halved
+  for (int i = 0; i < 15; ++i) mids[i] = (kLevelsV[i] + kLevelsV[i + 1]) / 2.0f;
+  uint8_t code[kMaxHeadDim4];
+  Searched(x, d, kLevelsV[15], [&mids](float y, float* level) {
+    int k = 0;
+    for (int i = 0; i < 15; ++i) k += mids[i] < y;  // midpoints strictly below
+    *level = kLevelsV[k];
+    return static_cast<uint8_t>(k);
+  }, code, scale);
+  for (int64_t i = 0; i < d / 2; ++i) out[i] = code[2 * i] | code[2 * i + 1] << 4;
+}
+
+// A query block of the 4-bit cache: Block's rows, where row i reads positions [first, split) as
+// codes and [split, limit) as float rows.
+struct Kv4Block : Block {
+  int64_t split[kMaxRows];
+  const uint8_t* kc = nullptr;  // this KV head's codes and scales from the block's start
+  const half_t* ks = nullptr;
+  const uint8_t* vc = nullptr;
+  const half_t* vs = nullptr;
+  int64_t key_bits = 5;
+  FloatRows fk{}, fv{};
+};
+
+template <int D, int KGS, class KRows>
+void Attend4Rows(const Kv4Block& b, const KRows& keys, std::vector<float>* scratch) {
+  scratch->resize(kPosBlock * D);
+  float* buf = scratch->data();
+  const Value4Rows values{b.vc, b.vs};
+  SegmentScores<D, KGS>(b, b.first, b.split, keys, buf);
+  SegmentScores<D, D>(b, b.split, b.limit, b.fk, buf);
+  SoftmaxRows(b);
+  v8f acc[kMaxRows][D / 8] = {};
+  SegmentValues<D, D>(b, b.first, b.split, values, buf, acc);
+  SegmentValues<D, D>(b, b.split, b.limit, b.fv, buf, acc);
+  for (int64_t i = 0; i < b.n_rows; ++i)
+    for (int v = 0; v < D / 8; ++v) Store(b.out[i] + v * 8, acc[i][v]);
+}
+
+template <int D, int KGS, class KRows>
+void Attend4Tiled(const Kv4Block& b, const KRows& keys, std::vector<float>* scratch) {
+  Tile<D, kKeyBlock> tile(b.q, b.n_rows, scratch);
+  const Value4Rows values{b.vc, b.vs};
+  tile.Pass(b.first, b.split, Dequantized<D, KGS, D>(keys, values));
+  tile.Pass(b.split, b.limit, Dequantized<D, D, D>(b.fk, b.fv));
+  tile.Finish(b.out);
+}
+
+// Whether head_dim D goes through the prefill tiles (Tile's register tiles fit it).
+constexpr bool Tileable(int64_t d) { return d % (2 * kLanes) == 0; }
+
+template <int D>
+void Attend4Dim(const Kv4Block& b, bool tiled, std::vector<float>* scratch) {
+  auto run = [&](auto group, const auto& keys) {
+    constexpr int KGS = decltype(group)::value;
+    if constexpr (Tileable(D)) {
+      if (tiled) return Attend4Tiled<D, KGS>(b, keys, scratch);
+    }
+    Attend4Rows<D, KGS>(b, keys, scratch);
+  };
+  constexpr int kGroup8 = D < 32 ? D : 32;
+  if (b.key_bits == 5) run(std::integral_constant<int, D>{}, Key5Rows{b.kc, b.ks});
+  else run(std::integral_constant<int, kGroup8>{}, Key8Rows{b.kc, b.ks, D / kGroup8});
+}
+
+// The decode rows (Attend's structure) or, where `tiled`, the prefill tiles (AttendTiled's).
+void Attend4(int64_t d, const Kv4Block& b, bool tiled, std::vector<float>* scratch) {
+  switch (d) {
+    case 16: return Attend4Dim<16>(b, tiled, scratch);
+    case 32: return Attend4Dim<32>(b, tiled, scratch);
+    case 64: return Attend4Dim<64>(b, tiled, scratch);
+    case 128: return Attend4Dim<128>(b, tiled, scratch);
+    case 256: return Attend4Dim<256>(b, tiled, scratch);
+  }
+}
+
+// Work's split and items over the 4-bit cache: the query rows rotated by RoPE and H, each row's
+// float positions read from `fk`/`fv`, the call's float rows gathered per (row, KV head).
+struct Kv4Work : Work {
+  const uint8_t *kc4 = nullptr, *vc4 = nullptr;
+  const half_t *ks4 = nullptr, *vs4 = nullptr;
+  int64_t key_bits = 5, key_row = 0, key_groups = 1;
+  int64_t float_window = 0;     // Kv4Kernel::float_window
+  int64_t float_rows = 0;       // rows per (row, KV head) of fk / fv: float_window + the call's tokens
+  const float *fk = nullptr, *fv = nullptr;  // [batch, kv_heads, float_rows, d]: row j - (p0 - window)
+  const int64_t* call_past = nullptr;        // the call's past lengths p0 (past is shifted per token)
+
+  void Run(size_t item) const {
+    thread_local std::vector<float> rows, scores, scratch;
+    const int64_t part = static_cast<int64_t>(item) % splits, unit = static_cast<int64_t>(item) / splits;
+    const int64_t blk = unit % blocks, rh = unit / blocks;
+    const int64_t r = rh / kv_heads, h = rh % kv_heads, group = heads / kv_heads, half = d / 2;
+    const int64_t first = blk * rows_per_item, start = origin + part * span;
+    const int64_t base = (r * kv_heads + h) * cache_len + start;
+    rows.resize(kMaxRows * d);
+    Kv4Block block;
+    block.n_rows = std::min<int64_t>(rows_per_item, group * seq - first);
+    float* own = splits > 1 ? partial + item * rows_per_item * (d + 2) : nullptr;
+    for (int64_t i = 0; i < block.n_rows; ++i) {
+      const int64_t t = (first + i) / group, head = h * group + (first + i) % group, pos = past[r] + t;
+      Rotate(x + (r * RowTokens() + t) * width + head * d, cos + pos * half, sin + pos * half, d, &rows[i * d]);
+      Hadamard(&rows[i * d], d);
+      block.limit[i] = std::min(std::max<int64_t>(pos + 1 - start, 0), splits > 1 ? span : cache_len - start);
+      block.first[i] = std::min(std::max<int64_t>(First(pos) - start, 0), block.limit[i]);
+      block.split[i] = std::min(std::max(pos - float_window - start, block.first[i]), block.limit[i]);
+      block.out[i] = own != nullptr ? own + i * d : Out(r, h, first + i);
+    }
+    if (own != nullptr) {
+      block.top = own + rows_per_item * d;
+      block.sum = block.top + rows_per_item;
+    }
+    block.q = rows.data();
+    block.stride = cache_len;
+    block.kc = kc4 + base * key_row;
+    block.ks = ks4 + base * key_groups;
+    block.vc = vc4 + base * (d / 2);
+    block.vs = vs4 + base;
+    block.key_bits = key_bits;
+    const int64_t offset = start - (call_past[r] - float_window);
+    block.fk = FloatRows{fk + (r * kv_heads + h) * float_rows * d, offset};
+    block.fv = FloatRows{fv + (r * kv_heads + h) * float_rows * d, offset};
+    const bool tile = tiled && Tileable(d);
+    if (!tile && scores.size() < static_cast<size_t>(rows_per_item * cache_len)) scores.resize(rows_per_item * cache_len);
+    block.scores = scores.data();
+    Attend4(d, block, tile, &scratch);
+  }
+};
+
+struct Kv4Kernel {
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t key_bits = 0;
+  int64_t float_window = 32;  // the `window` attribute: past positions attended as float rows
+  int64_t window = -1;        // local_window_size, as Kernel::window
+  int64_t decode_steps = 1;
+
+  OrtStatus* Compute(OrtKernelContext* context);
+};
+
+OrtStatus* Kv4Kernel::Compute(OrtKernelContext* ctx) {
+  constexpr const char* op = "Int4CacheAttention";
+  thread_local Tensor in[10];
+  for (size_t i = 0; i < 10; ++i) {
+    const OrtValue* value = nullptr;
+    KV_RETURN_IF_ERROR(g_api->KernelContext_GetInput(ctx, i, &value));
+    if (value == nullptr) return Fail("input " + std::to_string(i) + " is missing", op);
+    KV_RETURN_IF_ERROR(Describe(value, &in[i]));
+  }
+  const Tensor &qkv = in[0], &lengths = in[1], &kw = in[6], &cos_t = in[8], &sin_t = in[9];
+  if (qkv.shape.size() != 3) return Fail("qkv must be [batch, seq, width], got " + ShapeText(qkv.shape), op);
+  const int64_t batch = qkv.shape[0], seq = qkv.shape[1];
+  if (kw.shape.size() != 4 || kw.shape[0] != batch || kw.shape[1] != kv_heads)
+    return Fail("K window must be [batch, kv_heads=" + std::to_string(kv_heads) + ", ring, head_dim], got " +
+                ShapeText(kw.shape), op);
+  const int64_t ring = kw.shape[2], d = kw.shape[3];
+  if (d < 16 || d > kMaxHeadDim4 || (d & (d - 1)))
+    return Fail("head_dim " + std::to_string(d) + " is not supported; allowed: 16, 32, 64, 128, 256", op);
+  if (float_window > ring)
+    return Fail("window " + std::to_string(float_window) + " is more than the ring's " + std::to_string(ring) +
+                " positions (inputs 6, 7)", op);
+  if (qkv.shape[2] != (heads + 2 * kv_heads) * d)
+    return Fail("qkv width " + std::to_string(qkv.shape[2]) + " is not (heads + 2 kv_heads) * head_dim = " +
+                std::to_string((heads + 2 * kv_heads) * d), op);
+  if (in[2].shape.size() != 4) return Fail("K codes must be [batch, kv_heads, positions, bytes]", op);
+  const int64_t cache_len = in[2].shape[2], key_row = key_bits == 5 ? 5 * d / 8 : d;
+  const int64_t key_groups = key_bits == 5 ? 1 : d / std::min<int64_t>(32, d);
+  const std::vector<int64_t> want[6] = {{batch, kv_heads, cache_len, key_row}, {batch, kv_heads, cache_len, key_groups},
+                                        {batch, kv_heads, cache_len, d / 2},   {batch, kv_heads, cache_len, 1},
+                                        {batch, kv_heads, ring, d},            {batch, kv_heads, ring, d}};
+  for (int i = 0; i < 6; ++i) {
+    if (in[2 + i].shape != want[i])
+      return Fail("input " + std::to_string(2 + i) + " has shape " + ShapeText(in[2 + i].shape) + ", expected " +
+                  ShapeText(want[i]) + " (key_bits " + std::to_string(key_bits) + ")", op);
+  }
+  if (lengths.shape.size() != 1 || lengths.shape[0] != batch) return Fail("past_lengths must be [batch]", op);
+  if (cos_t.shape.size() != 2 || cos_t.shape[1] != d / 2 || sin_t.shape != cos_t.shape)
+    return Fail("cos/sin must be [positions, head_dim / 2], got " + ShapeText(cos_t.shape), op);
+  const int64_t* past = static_cast<const int64_t*>(lengths.data);
+  for (int64_t r = 0; r < batch; ++r) {
+    if (past[r] < 0 || past[r] + seq > cache_len || past[r] + seq > cos_t.shape[0])
+      return Fail("row " + std::to_string(r) + ": past length " + std::to_string(past[r]) + " + " +
+                  std::to_string(seq) + " new tokens does not fit " + std::to_string(cache_len) + " positions", op);
+  }
+
+  void* out[7] = {};
+  {
+    constexpr size_t bytes[7] = {4, 1, 2, 1, 2, 4, 4};
+    const int64_t attn_shape[3] = {batch, seq, heads * d};
+    OrtValue* value = nullptr;
+    KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, 0, attn_shape, 3, &value));
+    KV_RETURN_IF_ERROR(g_api->GetTensorMutableData(value, &out[0]));
+    for (size_t i = 1; i < 7; ++i) {
+      KV_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(ctx, i, in[i + 1].shape.data(), 4, &value));
+      KV_RETURN_IF_ERROR(g_api->GetTensorMutableData(value, &out[i]));
+      if (out[i] != in[i + 1].data)  // not bound in place: start from the past
+        std::memcpy(out[i], in[i + 1].data, in[i + 1].size() * bytes[i]);
+    }
+  }
+  uint8_t* k_codes = static_cast<uint8_t*>(out[1]);
+  half_t* k_scales = static_cast<half_t*>(out[2]);
+  uint8_t* v_codes = static_cast<uint8_t*>(out[3]);
+  half_t* v_scales = static_cast<half_t*>(out[4]);
+  float* k_ring = static_cast<float*>(out[5]);  // [batch, kv_heads, ring, d]
+  float* v_ring = static_cast<float*>(out[6]);
+  const float* x = static_cast<const float*>(qkv.data);
+  const float* cos_p = static_cast<const float*>(cos_t.data);
+  const float* sin_p = static_cast<const float*>(sin_t.data);
+  float* y = static_cast<float*>(out[0]);
+  const int64_t half = d / 2, width = qkv.shape[2], float_rows = float_window + seq;
+
+  // 1. The new tokens' kr = RoPE(k) H and vr = v H: quantized into the cache at their positions and
+  //    kept as the float rows of the call (fk, fv: per (row, KV head) float_rows rows, position j at
+  //    j - (past - float_window)) after the ring's rows of the window before them, read before the
+  //    ring is overwritten; then the last min(seq, ring) of them go into the ring.
+  thread_local std::vector<float> floats;  // kept across calls
+  floats.resize(2 * batch * kv_heads * float_rows * d);
+  float* fk = floats.data();
+  float* fv = fk + batch * kv_heads * float_rows * d;
+  for (int64_t r = 0; r < batch; ++r) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t rh = r * kv_heads + h;
+      for (int64_t j = std::max<int64_t>(past[r] - float_window, 0); j < past[r]; ++j) {
+        const int64_t at = (rh * float_rows + j - past[r] + float_window) * d, slot = (rh * ring + j % ring) * d;
+        std::memcpy(fk + at, k_ring + slot, d * sizeof(float));
+        std::memcpy(fv + at, v_ring + slot, d * sizeof(float));
+      }
+      for (int64_t t = 0; t < seq; ++t) {
+        const int64_t pos = past[r] + t, row = rh * cache_len + pos;
+        const float* token = x + (r * seq + t) * width;
+        float* kr = fk + (rh * float_rows + float_window + t) * d;
+        float* vr = fv + (rh * float_rows + float_window + t) * d;
+        Rotate(token + (heads + h) * d, cos_p + pos * half, sin_p + pos * half, d, kr);
+        Hadamard(kr, d);
+        std::memcpy(vr, token + (heads + kv_heads + h) * d, d * sizeof(float));
+        Hadamard(vr, d);
+        QuantizeKey4(kr, d, key_bits, k_codes + row * key_row, k_scales + row * key_groups);
+        QuantizeValue4(vr, d, v_codes + row * (d / 2), v_scales + row);
+      }
+      for (int64_t t = std::max<int64_t>(seq - ring, 0); t < seq; ++t) {
+        const int64_t at = (rh * float_rows + float_window + t) * d, slot = (rh * ring + (past[r] + t) % ring) * d;
+        std::memcpy(k_ring + slot, fk + at, d * sizeof(float));
+        std::memcpy(v_ring + slot, fv + at, d * sizeof(float));
+      }
+    }
+  }
+
+  // 2. Attention in rotated coordinates, split into work items as Int8CacheAttention's.
+  Kv4Work work;
+  work.x = x;
+  work.y = y;
+  work.past = past;
+  work.cos = cos_p;
+  work.sin = sin_p;
+  work.batch = batch;
+  work.seq = seq;
+  work.heads = heads;
+  work.kv_heads = kv_heads;
+  work.d = d;
+  work.cache_len = cache_len;
+  work.width = width;
+  work.window = window;
+  work.kc4 = k_codes;
+  work.ks4 = k_scales;
+  work.vc4 = v_codes;
+  work.vs4 = v_scales;
+  work.key_bits = key_bits;
+  work.key_row = key_row;
+  work.key_groups = key_groups;
+  work.float_window = float_window;
+  work.float_rows = float_rows;
+  work.fk = fk;
+  work.fv = fv;
+  work.call_past = past;
+  if (seq == 1 || seq > decode_steps) {
+    KV_RETURN_IF_ERROR(Attention(ctx, &work));
+  } else {  // token t as a one-token call at position past + t (Kernel::Compute says why this is exact)
+    thread_local std::vector<int64_t> shifted;
+    shifted.resize(batch);
+    work.row_tokens = seq;
+    work.seq = 1;
+    work.past = shifted.data();
+    for (int64_t t = 0; t < seq; ++t) {
+      for (int64_t r = 0; r < batch; ++r) shifted[r] = past[r] + t;
+      work.x = x + t * width;
+      work.y = y + t * heads * d;
+      KV_RETURN_IF_ERROR(Attention(ctx, &work));
+    }
+  }
+  // 3. Back from the rotated basis: out_r H^T = out_r H.
+  for (int64_t i = 0; i < batch * seq * heads; ++i) Hadamard(y + i * d, d);
   return nullptr;
 }
 
@@ -1773,7 +2344,79 @@ struct QuantMatMulOp : CpuOp {
   }
 };
 
+const ONNXTensorElementDataType kKv4InputTypes[10] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,   ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+
+OrtStatusPtr ORT_API_CALL CreateKv4Kernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info,
+                                          void** kernel) {
+  constexpr const char* op = "Int4CacheAttention";
+  auto* k = new Kv4Kernel();
+  OrtStatus* status = nullptr;
+  for (auto [name, target] : {std::pair<const char*, int64_t*>{"num_heads", &k->heads}, {"kv_num_heads", &k->kv_heads},
+                               {"key_bits", &k->key_bits}}) {
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, name, target);
+    if (absent != nullptr) {
+      api->ReleaseStatus(absent);
+      status = Fail(std::string("attribute ") + name + " is required", op);
+      break;
+    }
+  }
+  if (status == nullptr && (k->kv_heads <= 0 || k->heads <= 0 || k->heads % k->kv_heads))
+    status = Fail("num_heads " + std::to_string(k->heads) + " is not a positive multiple of kv_num_heads " +
+                  std::to_string(k->kv_heads), op);
+  if (status == nullptr && k->key_bits != 5 && k->key_bits != 8)
+    status = Fail("key_bits " + std::to_string(k->key_bits) + " is not supported; allowed: 5, 8", op);
+  // optional, with their defaults: window 32, local_window_size -1 (none), decode_steps 1
+  struct Optional {
+    const char* name;
+    int64_t* target;
+    int64_t fallback;
+  };
+  for (const Optional& a : {Optional{"window", &k->float_window, 32}, Optional{"local_window_size", &k->window, -1},
+                            Optional{"decode_steps", &k->decode_steps, 1}}) {
+    if (status != nullptr) break;
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, a.name, a.target);
+    if (absent != nullptr) {
+      api->ReleaseStatus(absent);
+      *a.target = a.fallback;
+    }
+  }
+  if (status == nullptr && k->float_window < 0)
+    status = Fail("window " + std::to_string(k->float_window) + " must be 0 or more", op);
+  if (status == nullptr && (k->window == 0 || k->window < -1))
+    status = Fail("local_window_size " + std::to_string(k->window) + " must be -1 (no window) or positive", op);
+  if (status == nullptr && k->decode_steps < 1)
+    status = Fail("decode_steps " + std::to_string(k->decode_steps) + " must be 1 or more", op);
+  if (status != nullptr) {
+    delete k;
+    return status;
+  }
+  *kernel = k;
+  return nullptr;
+}
+
+struct Int4CacheAttentionOp : CpuOp {
+  Int4CacheAttentionOp() {
+    GetName = [](const OrtCustomOp*) { return "Int4CacheAttention"; };
+    GetInputType = [](const OrtCustomOp*, size_t i) { return kKv4InputTypes[i]; };
+    GetInputTypeCount = [](const OrtCustomOp*) { return size_t{10}; };
+    GetOutputType = [](const OrtCustomOp*, size_t i) { return kKv4InputTypes[i == 0 ? 0 : i + 1]; };
+    GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{7}; };
+    KernelDestroy = [](void* kernel) { delete static_cast<Kv4Kernel*>(kernel); };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    CreateKernelV2 = CreateKv4Kernel;
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
+      return static_cast<Kv4Kernel*>(kernel)->Compute(context);
+    };
+  }
+};
+
 Int8CacheAttentionOp g_op;
+Int4CacheAttentionOp g_kv4_op;
 SideInputsOp g_side_op;
 QuantMatMulOp g_qmm_op;
 
@@ -1791,6 +2434,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   static OrtStatus* made = [] {
     OrtStatus* status = g_api->CreateCustomOpDomain("kvedge", &domain);
     if (status == nullptr) status = g_api->CustomOpDomain_Add(domain, &g_op);
+    if (status == nullptr) status = g_api->CustomOpDomain_Add(domain, &g_kv4_op);
     if (status == nullptr) status = g_api->CustomOpDomain_Add(domain, &g_side_op);
     return status != nullptr ? status : g_api->CustomOpDomain_Add(domain, &g_qmm_op);
   }();
@@ -1799,6 +2443,6 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 }
 
 // The library's format version: the Python side refuses a library built from other sources.
-__attribute__((visibility("default"))) int kvedge_ops_version() { return 8; }
+__attribute__((visibility("default"))) int kvedge_ops_version() { return 9; }
 
 }  // extern "C"
