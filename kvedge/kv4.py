@@ -55,7 +55,6 @@ LEVELS_V = np.array(
 LEVELS_V = np.concatenate([-LEVELS_V[::-1], LEVELS_V])
 MIDPOINTS_V = (LEVELS_V[1:] + LEVELS_V[:-1]) / np.float32(2)
 MULTS = np.linspace(0.35, 1.0, 24, dtype=np.float32)
-ATTENTION_OP = "Int4CacheAttention"  # in kvedge.contract.KVEDGE_OPS_DOMAIN
 KEY_BITS = (5, 8)
 KEY_GROUP_8BIT = 32  # channels per scale of 8-bit keys (all of them when head_dim is smaller)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvedge import kv4
-from kvedge.contract import KVEDGE_OPS_DOMAIN
+from kvedge.contract import INT4_ATTENTION_OP, KVEDGE_OPS_DOMAIN
 from kvedge.errors import KvedgeError
 
 HEADS, KV_HEADS, D = 9, 3, 64  # SmolLM2's attention: groups of 3 query heads
@@ -46,7 +46,7 @@ def layer(key_bits: int, window: int = 32, threads: int = 1, **attributes):
         for n, t in zip(names[2:8], types[2:8], strict=True)
     ]
     node = helper.make_node(
-        kv4.ATTENTION_OP,
+        INT4_ATTENTION_OP,
         names,
         [o.name for o in outputs],
         domain=KVEDGE_OPS_DOMAIN,

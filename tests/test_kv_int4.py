@@ -27,9 +27,13 @@ INT4_CASES = [
     ("qwen3", {}, ()),
     ("llama-hd64", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}, (0,)),
 ]
-# one code step of a 5-bit key moves a logit by a few 1e-3 on these tiny models (measured below)
-ATOL = 2e-2
-KL_BOUND = 5e-2
+# a cached run against a re-prefill: measured at most 2.4e-6 (the same codes); a code moved one
+# step at a rounding boundary (float summation order upstream) stays under this, as the INT8
+# cache's tests allow
+ATOL = 2e-3
+# mean KL against the float32 cache over 150 teacher-forced positions of these random tiny models:
+# measured 3.2e-4 (llama), 6.3e-4 (qwen3), 2.0e-3 (head_dim 64); the INT8 cache's 4e-6..5e-5
+KL_BOUND = 5e-3
 
 
 @pytest.fixture(scope="module", params=INT4_CASES, ids=lambda case: case[0])
@@ -73,7 +77,10 @@ def test_quality_against_the_float32_cache(int4_pair):
     la, lb = log_softmax(np.array(a)), log_softmax(np.array(b))
     kl = (np.exp(la) * (la - lb)).sum(-1)
     assert kl.mean() < KL_BOUND, kl.mean()
-    assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() >= 0.9
+    # up to position 32 every key is in the float window: float32 attention (measured 5e-14)
+    assert kl[:13].max() < 1e-9, kl[:13]
+    assert kl[13:].mean() > 1e-5  # and past it the codes are read (a window read whole would be 0)
+    assert (np.argmax(a, -1) == np.argmax(b, -1)).mean() >= 0.85  # measured 0.89-0.93 (near ties)
 
 
 def test_cached_decode_equals_full_reprefill(int4_pair):
@@ -119,7 +126,7 @@ def test_multi_turn_reuse_equals_fresh_session(int4_pair):
         logits = model.prepare(0, ids)
         assert turn == 0 or model.sessions[0].reused_tokens > 0
         np.testing.assert_allclose(logits, Model(int4_pair[1]).prepare(0, ids), atol=ATOL, rtol=0)
-        messages.append({"role": "assistant", "content": f"Answer {turn} " + "and more " * 20})
+        messages.append({"role": "assistant", "content": f"Answer {turn} " + "and more " * 6})
     ids = random_ids(150, seed=6)
     model.prepare(0, ids)
     other = ids[:60] + random_ids(30, seed=7)  # 90 tokens back: the window holds 86.. only

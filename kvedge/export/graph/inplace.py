@@ -313,8 +313,10 @@ class Int4CacheAttention(Int8CacheAttention):
 
     def layer(self, i: int, qkv: str, rotate: bool = True, local: bool = False) -> str:
         g, names = self.g, self.names
-        past = [names.layer(t, i) for t in names.cache_past(self.geometry)]
-        present = [names.layer(t, i) for t in names.cache_present(self.geometry)]
+        # the kernel's order: K codes, K scales, V codes, V scales, K window, V window
+        order = (0, 2, 1, 3, 4, 5)
+        past = [names.layer(names.cache_past(self.geometry)[j], i) for j in order]
+        present = [names.layer(names.cache_present(self.geometry)[j], i) for j in order]
         return g.op(
             INT4_ATTENTION_OP,
             [qkv, names.past_lengths, *past, *self.tables(rotate)],

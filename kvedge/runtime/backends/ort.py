@@ -703,6 +703,7 @@ _ORT_TYPES = {
         ("float", np.float32),
         ("float16", np.float16),
         ("int8", np.int8),
+        ("uint8", np.uint8),
         ("int64", np.int64),
     )
 }
