@@ -1035,6 +1035,14 @@ def doctor(as_json: bool) -> None:
     help="Channels per scale, as export's --kv-group-size.",
 )
 @click.option("--percentile", default=99.99, show_default=True, type=float)
+@click.option(
+    "--kv-dtype",
+    default="int8",
+    show_default=True,
+    type=click.Choice(["int8", "int4"]),
+    help="int8: static scales and their report. int4: which layers' keys the int4 cache keeps at "
+    "8 bits (each layer's KL with its keys alone at 5 bits), for export's --kv-key8-layers.",
+)
 @click.option("--force", is_flag=True, help="Overwrite existing scales.")
 @user_errors
 def calibrate(
@@ -1044,9 +1052,23 @@ def calibrate(
     method: str,
     group_size: str,
     percentile: float,
+    kv_dtype: str,
     force: bool,
 ) -> None:
-    """Calibrate INT8 KV scales (per channel group) and write a quality report."""
+    """Calibrate INT8 KV scales (per channel group) and write a quality report; or, with --kv-dtype
+    int4, find the layers whose keys the int4 cache keeps at 8 bits."""
+    if kv_dtype == "int4":
+        ctx = click.get_current_context()
+        flags = {"method": "--method", "group_size": "--kv-group-size", "percentile": "--percentile"}
+        given = [
+            flag
+            for name, flag in flags.items()
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        ]
+        if given:
+            raise KvedgeError(f"{', '.join(given)} calibrate INT8 scales, not --kv-dtype int4's key layers")
+        _calibrate_key_layers(model_dir, out_dir, prompts, force)
+        return
     starting(f"calibrating {model_dir}: {method}, {group_size} channels per scale, into {out_dir}")
     require("matplotlib")  # for the plot, drawn after minutes of calibration
     import numpy as np
@@ -1081,6 +1103,29 @@ def calibrate(
         f"(per-tensor {np.mean(errors['k_tensor_rel']):.4f}), "
         f"V per-token {np.mean(errors['v_token_rel']):.4f}; "
         f"plot {plot}"
+    )
+
+
+def _calibrate_key_layers(model_dir: Path, out_dir: Path, prompts: Path | None, force: bool) -> None:
+    """`calibrate --kv-dtype int4` (kvedge.calibrate.key_layers)."""
+    from kvedge.calibrate.calibrate import read_prompts
+    from kvedge.calibrate.key_layers import KEY_LAYERS_FILE, STEPS, key_layers
+    from kvedge.runtime.model import Model
+
+    if (out_dir / KEY_LAYERS_FILE).exists() and not force:
+        raise KvedgeError(f"{out_dir} already holds {KEY_LAYERS_FILE}; pass --force to overwrite it")
+    calibration_set = read_prompts(prompts)
+    starting(
+        f"measuring each layer's keys at 5 bits on {model_dir}: {len(calibration_set)} prompts x "
+        f"{STEPS} steps, into {out_dir}"
+    )
+    found = key_layers(Model(model_dir), calibration_set)
+    path = found.save(out_dir)
+    costs = sorted(enumerate(found.layer_kl), key=lambda c: -c[1])[:5]
+    click.echo(
+        f"wrote {path}: costliest layers (KL with their keys alone at 5 bits) "
+        + ", ".join(f"{i} {kl:.5f}" for i, kl in costs)
+        + f"; export with --kv-dtype int4 {found.export_flags()}"
     )
 
 

@@ -211,6 +211,7 @@ COMMANDS = {
         "--method": "method",
         "--kv-group-size": "kv_group_size",
         "--percentile": "percentile",
+        "--kv-dtype": "kv_dtype",
         "--force": "force",
     },
     "eval-kv": {

@@ -34,6 +34,7 @@ OWN_MEANING = {
     ("plan", "--slots"): "a list of slot counts to plan",
     ("plan", "--max-len"): "a list of cache lengths to plan",
     ("calibrate", "--kv-group-size"): "the calibrator's (CalibrationOptions), static scales",
+    ("calibrate", "--kv-dtype"): "what to calibrate: INT8 static scales or the int4 cache's key layers",
     ("eval-kv", "--threads"): "llama.cpp's threads",
     ("bench", "--threads"): "the benchmark's thread counts",
 }

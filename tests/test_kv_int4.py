@@ -156,3 +156,31 @@ def test_prefix_copies_are_refused_by_name(int4_pair):
     model.prepare(0, random_ids(30, seed=8))
     with pytest.raises(KvedgeError, match="not supported for the int4 cache yet"):
         model.cache.read(0, 30)
+
+
+def test_key_layer_calibration_ranks_layers_and_names_the_export_flags(int4_pair, tmp_path):
+    """`kvedge calibrate --kv-dtype int4`: a layer's cost is the KL with its keys alone at 5 bits,
+    the costliest kept at 8 bits, and the report carries what it was made from."""
+    from click.testing import CliRunner
+
+    from kvedge.calibrate.calibrate import builtin_prompts
+    from kvedge.calibrate.key_layers import KEY_LAYERS_FORMAT, FiveBitKeys, key_layers
+    from kvedge.cli import main
+
+    fp = Model(int4_pair[0])
+    found = key_layers(fp, builtin_prompts()[:4], steps=8)
+    g = fp.manifest.geometry
+    assert len(found.layer_kl) == g.num_layers and all(kl > 0 for kl in found.layer_kl)
+    assert found.key8_layers == [int(np.argmax(found.layer_kl))]  # a tenth of 1-2 layers: one
+    assert found.model_fingerprint == fp.manifest.source_fingerprint and found.format == KEY_LAYERS_FORMAT
+    block = np.random.default_rng(0).normal(size=(g.num_layers, 2, g.num_kv_heads, 5, g.head_dim))
+    before = block.copy()
+    FiveBitKeys(0, g.head_dim)(block)
+    assert np.array_equal(block[1:], before[1:]) and np.array_equal(block[0, 1], before[0, 1])
+    assert 0 < np.abs(block[0, 0] - before[0, 0]).max() < 0.2 * np.abs(before[0, 0]).max()
+    runner = CliRunner()
+    args = ["calibrate", "--model", str(int4_pair[0]), "--out", str(tmp_path), "--kv-dtype", "int4"]
+    refused = runner.invoke(main, [*args, "--method", "minmax"])
+    assert refused.exit_code != 0 and "--method calibrate INT8 scales" in refused.output
+    with pytest.raises(KvedgeError, match="reads the float32 cache"):
+        key_layers(Model(int4_pair[1]), builtin_prompts()[:1], steps=2)

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvedge", "errors", "files", "machine", "declare"),
     ("contract", "cudart"),
     ("quant", "accel", "configs"),
+    ("kv4",),
     ("runtime", "export"),
     ("calibrate", "planner", "doctor"),
     ("serve", "bench"),

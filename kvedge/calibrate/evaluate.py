@@ -23,6 +23,7 @@ compared the same way; its bytes column is its cache's, like the INT8 export's; 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,16 +117,22 @@ def evaluate(
     llama_cpp_gguf: Path | None = None,
     threads: int = 1,
     weights_models: tuple[Model, ...] = (),
+    simulated: tuple[tuple[str, Callable[[np.ndarray, int], None]], ...] = (),
 ) -> list[SchemeQuality]:
     """Compare every scheme (simulated on `model`'s fp32 cache; the default ones need `scales`,
     the calibrated static scales), the real INT8
     cache of `int8_model` (an export of the same weights with --kv-dtype int8) and every export
     of `weights_models` (the same model with quantized weights) with the fp32 model over
-    `prompts` (see the module docstring)."""
+    `prompts` (see the module docstring). `simulated`: (name, round trip) pairs, each run on the
+    fp32 cache as a scheme's `RoundTrip` is (`KVCache.round_trip`)."""
     geometry = model.manifest.geometry
     if geometry.quantized or geometry.packed:
         raise KvedgeError(f"eval-kv needs the float32-cache export as --model, not a {geometry.dtype} one")
     candidates = _candidates(model, scales, schemes, batch, int8_model, weights_models)
+    for name, round_trip in simulated:
+        cache = KVCache(geometry, batch)
+        cache.round_trip = round_trip
+        candidates.append((name, model.backend, cache, 1.0))
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(
             "nothing to evaluate: give scales (--scales), a simulated scheme (--simulate), an INT8 "

@@ -1070,7 +1070,9 @@ class Manifest:
         mine = (
             self.geometry
             if cache_dtype
-            else self.geometry.with_dtype(other.geometry.dtype, other.geometry.group_size or None)
+            else self.geometry.with_dtype(
+                other.geometry.dtype, other.geometry.group_size or None, other.geometry.key8_layers
+            )
         )
         if other.geometry != mine:
             raise ArtifactMismatch(
