@@ -66,6 +66,9 @@ MAX_SNAPSHOTS = 4
 
 # per-slot states at positions of a run: {position: {kind: [state layers, *shape]}}
 Snapshots = Mapping[int, Mapping[str, np.ndarray]]
+# where a layer's cache lives: per tensor (`IONames.past` order) its (array, index in the array's
+# first axis, kind: 0 K, 1 V on the second), and whether the layer is a ring
+Home = tuple[tuple[tuple[np.ndarray, int, int], ...], bool]
 
 
 class KVBlock(NamedTuple):
@@ -140,16 +143,11 @@ class KVCache:
         except BaseException:
             self.memory.close()  # what was allocated before the failure (device memory) goes back
             raise
-        if not geometry.packed:
-            # where each layer lives: per tensor (in `IONames.past` order) its array, its index in
-            # it and its kind (0: K, 1: V), and whether the layer is a ring
+        if not geometry.packed:  # each layer's `Home`
             full = (self.pool,) if self.scales is None else (self.pool, self.scales)
             rings = (self.ring,) if self.ring_scales is None else (self.ring, self.ring_scales)
-            self._homes = [
-                (
-                    tuple((a, j, kind) for a in arrays for kind in (0, 1)),
-                    ring,
-                )
+            self._homes: list[Home] = [
+                (tuple((a, j, kind) for a in arrays for kind in (0, 1)), ring)
                 for arrays, j, ring in (
                     (rings, geometry.ring_layers.index(i), True)
                     if i in geometry.ring_layers
@@ -179,9 +177,7 @@ class KVCache:
         # measure INT8 schemes.
         self.round_trip: Callable[[np.ndarray, int], None] | None = None
 
-    def _packed_homes(
-        self, g: CacheGeometry, slots: int
-    ) -> list[tuple[tuple[tuple[np.ndarray, int, int], ...], bool]]:
+    def _packed_homes(self, g: CacheGeometry, slots: int) -> list[Home]:
         """An int4 cache's arrays (`parts`) and each layer's home in them: per tensor of
         `CacheGeometry.packed_parts`, layers of one shape share an array [layers, 1, slots,
         kv_heads, positions, last] (K codes and scales: one for the 5-bit layers, one for the
