@@ -149,6 +149,9 @@ def test_int4_cache_layout_bytes_and_window_rewinds():
     assert cache.rewind_limit(0, 67) == 0  # 35..66 are gone from the window
     with pytest.raises(KvedgeError, match="its int4 window hold positions from 36 on, not the 32 before 60"):
         cache.truncate(0, 60)
+    cache.commit([0, 1], np.zeros((2, 10), np.int64), [0, 5])  # slot 0 rode along: 100..109 written
+    assert cache.rewind_limit(0, 100) == 100 and cache.rewind_limit(0, 78) == 78  # 46.. are there
+    assert cache.rewind_limit(0, 77) == 0
     with pytest.raises(KvedgeError, match="not supported for the int4 cache yet"):
         cache.read(0, 10)
 

@@ -370,6 +370,10 @@ class KVCache:
         graph that writes into the bound buffers in place (the "ort" variant).
         """
         for row, (slot, count) in enumerate(zip(slots, counts, strict=True)):
+            if self.geometry.packed:  # the graph wrote every token of the call, a row's padding
+                # and a row of none included, into its window ring: what it held there is gone
+                written = self.length(slot) + tokens.shape[1]
+                self.ring_start[slot] = max(self.ring_start[slot], written - self.geometry.window_len)
             if count == 0:
                 continue
             self.check_room(slot, count)
@@ -379,9 +383,6 @@ class KVCache:
                 self.round_trip(self.memory.get(self.pool, slot, slice(start, start + count)), start)
             self.tokens[slot, start : start + count] = tokens[row, :count]
             self.lengths[slot] = start + count
-            if self.geometry.packed:  # the graph wrote every token of the call into the window
-                written = start + tokens.shape[1]
-                self.ring_start[slot] = max(self.ring_start[slot], written - self.geometry.window_len)
 
     def rewind_limit(self, slot: int, length: int) -> int:
         """How far `slot` may rewind towards `length` tokens: `resume_limit` with what the slot's
