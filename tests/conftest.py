@@ -361,3 +361,33 @@ def flip_byte(path) -> None:  # one bit of the middle byte
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
+
+
+def assert_cached_decode_equals_reprefill(folder: Path, length: int, every: int, atol: float) -> None:
+    """A slot (the second of two) decoding `length` random tokens one at a time gives, every
+    `every` positions, the logits of a fresh prefill of the same tokens (the cache contract of a
+    quantized cache, which attends over what it stores)."""
+    model, reference = Model(folder, slots=2), Model(folder)
+    ids = random_ids(length, seed=3)
+    prefill(model.backend, model.cache, 1, [ids[:17]])
+    for n in range(17, length):
+        logits = decode_one_token(model.backend, model.cache, 1, [ids[n]])[0]
+        if n % every == 0:
+            reference.cache.reset(0)
+            fresh = prefill(reference.backend, reference.cache, 0, [ids[: n + 1]])[0]
+            np.testing.assert_allclose(logits, fresh, atol=atol, rtol=0)
+
+
+def assert_turns_equal_fresh_sessions(folder: Path, questions: list[str], answer: str, atol: float) -> Model:
+    """A chat of `questions` (each answered `answer` and its turn number) reuses its slot from the
+    second turn on, and each turn's logits equal a fresh model's on the same prompt; the model."""
+    model = Model(folder)
+    messages = [{"role": "system", "content": "Be brief."}]
+    for turn, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        ids = model.tokenizer.encode_chat(messages)
+        logits = model.prepare(0, ids)
+        assert turn == 0 or model.sessions[0].reused_tokens > 0
+        np.testing.assert_allclose(logits, Model(folder).prepare(0, ids), atol=atol, rtol=0)
+        messages.append({"role": "assistant", "content": answer.format(turn=turn)})
+    return model

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_ids
+from conftest import assert_cached_decode_equals_reprefill, assert_turns_equal_fresh_sessions, random_ids
 
 from kvedge.contract import CacheGeometry, ExportRecipe
 from kvedge.errors import KvedgeError
@@ -84,16 +84,7 @@ def test_quality_against_the_float32_cache(int4_pair):
 
 
 def test_cached_decode_equals_full_reprefill(int4_pair):
-    model, reference = Model(int4_pair[1], slots=2), Model(int4_pair[1])
-    ids = random_ids(140, seed=3)
-    prefill(model.backend, model.cache, 1, [ids[:17]])
-    for n in range(17, 140):
-        logits = decode_one_token(model.backend, model.cache, 1, [ids[n]])[0]
-        if n % 19 == 0:
-            reference.cache.reset(0)
-            np.testing.assert_allclose(
-                logits, prefill(reference.backend, reference.cache, 0, [ids[: n + 1]])[0], atol=ATOL, rtol=0
-            )
+    assert_cached_decode_equals_reprefill(int4_pair[1], 140, 19, ATOL)  # past the window
 
 
 def test_batch_rows_equal_each_row_alone(int4_pair):
@@ -118,15 +109,10 @@ def test_batch_rows_equal_each_row_alone(int4_pair):
 def test_multi_turn_reuse_equals_fresh_session(int4_pair):
     """Turns reuse the slot (a rewind of a few tokens keeps the window); a rewind past the window's
     margin starts over, and both give what a fresh model gives."""
-    model = Model(int4_pair[1])
-    messages = [{"role": "system", "content": "Be brief."}]
-    for turn, question in enumerate(["Hello!", "What is a KV cache?", "And int4?", "Thanks."]):
-        messages.append({"role": "user", "content": question})
-        ids = model.tokenizer.encode_chat(messages)
-        logits = model.prepare(0, ids)
-        assert turn == 0 or model.sessions[0].reused_tokens > 0
-        np.testing.assert_allclose(logits, Model(int4_pair[1]).prepare(0, ids), atol=ATOL, rtol=0)
-        messages.append({"role": "assistant", "content": f"Answer {turn} " + "and more " * 6})
+    questions = ["Hello!", "What is a KV cache?", "And int4?", "Thanks."]
+    model = assert_turns_equal_fresh_sessions(
+        int4_pair[1], questions, "Answer {turn} " + "and more " * 6, ATOL
+    )
     ids = random_ids(150, seed=6)
     model.prepare(0, ids)
     other = ids[:60] + random_ids(30, seed=7)  # 90 tokens back: the window holds 86.. only

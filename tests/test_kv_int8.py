@@ -16,7 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import GEMMA3_INT8_TOLERANCE, random_ids, require_onnxruntime
+from conftest import (
+    GEMMA3_INT8_TOLERANCE,
+    assert_cached_decode_equals_reprefill,
+    assert_turns_equal_fresh_sessions,
+    random_ids,
+    require_onnxruntime,
+)
 
 from kvedge.cli import main
 from kvedge.contract import CacheGeometry, ExportRecipe
@@ -145,29 +151,12 @@ def test_quality_against_the_float32_cache(int8_pair):
 
 
 def test_cached_decode_equals_full_reprefill(int8_pair):
-    model, reference = Model(int8_pair[1], slots=2), Model(int8_pair[1])
-    ids = random_ids(60, seed=3)
-    prefill(model.backend, model.cache, 1, [ids[:17]])
-    for n in range(17, 60):
-        logits = decode_one_token(model.backend, model.cache, 1, [ids[n]])[0]
-        if n % 7 == 0:
-            reference.cache.reset(0)
-            np.testing.assert_allclose(
-                logits, prefill(reference.backend, reference.cache, 0, [ids[: n + 1]])[0], atol=ATOL, rtol=0
-            )
+    assert_cached_decode_equals_reprefill(int8_pair[1], 60, 7, ATOL)
 
 
 def test_multi_turn_reuse_equals_fresh_session(int8_pair):
-    model = Model(int8_pair[1])
-    messages = [{"role": "system", "content": "Be brief."}]
-    for turn, question in enumerate(["Hello!", "What is a KV cache?", "And INT8?", "Thanks."]):
-        messages.append({"role": "user", "content": question})
-        ids = model.tokenizer.encode_chat(messages)
-        logits = model.prepare(0, ids)
-        assert turn == 0 or model.sessions[0].reused_tokens > 0
-        fresh = Model(int8_pair[1])
-        np.testing.assert_allclose(logits, fresh.prepare(0, ids), atol=ATOL, rtol=0)
-        messages.append({"role": "assistant", "content": f"Answer {turn}."})
+    questions = ["Hello!", "What is a KV cache?", "And INT8?", "Thanks."]
+    assert_turns_equal_fresh_sessions(int8_pair[1], questions, "Answer {turn}.", ATOL)
 
 
 def test_window_eviction_requantizes_rerotated_keys(int8_pair):

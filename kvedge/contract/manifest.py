@@ -257,12 +257,7 @@ class CacheGeometry:
             raise KvedgeError(
                 f"cache geometry: ring_head_dim={self.ring_head_dim!r} needs ring layers and must be positive"
             )
-        layers = self.ring_layers
-        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
-            raise KvedgeError(
-                f"cache geometry: ring_layers={list(layers)!r} must be distinct increasing layer "
-                f"indices in 0..{self.num_layers - 1}"
-            )
+        layers = self._check_layers("ring_layers")
         if bool(layers) != (self.window > 0) or self.ring_margin < 0 or (self.ring_margin and not layers):
             raise KvedgeError(
                 f"cache geometry: window={self.window!r}, ring_margin={self.ring_margin!r} need ring "
@@ -285,6 +280,16 @@ class CacheGeometry:
         self._check_shared()
         self._check_packed()
 
+    def _check_layers(self, name: str) -> tuple[int, ...]:
+        """The field `name`, a set of KV layers: distinct, increasing, in range."""
+        layers = getattr(self, name)
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
+            raise KvedgeError(
+                f"cache geometry: {name}={list(layers)!r} must be distinct increasing layer "
+                f"indices in 0..{self.num_layers - 1}"
+            )
+        return layers
+
     def _check_packed(self) -> None:
         """An int4 cache: power-of-2 heads (its Hadamard rotation), no rings of its own kind, its
         8-bit key layers among its layers; other caches name none of its fields."""
@@ -301,12 +306,7 @@ class CacheGeometry:
                 f"cache geometry: an int4 cache needs one power-of-2 head_dim of at least 16 and no "
                 f"sliding-window ring layers (head_dim {d}, ring layers {list(self.ring_layers)})"
             )
-        layers = self.key8_layers
-        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
-            raise KvedgeError(
-                f"cache geometry: key8_layers={list(layers)!r} must be distinct increasing layer "
-                f"indices in 0..{self.num_layers - 1}"
-            )
+        self._check_layers("key8_layers")
         if not isinstance(self.float_window, int) or not 0 <= self.float_window <= 256:
             raise KvedgeError(f"cache geometry: float_window={self.float_window!r}; allowed: 0..256")
 

@@ -127,6 +127,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -194,12 +196,15 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
-struct Kernel {
+// The attributes both cache attentions take (`ReadAttention`).
+struct AttentionAttributes {
   int64_t heads = 0;
   int64_t kv_heads = 0;
   int64_t window = -1;  // local_window_size: keys per query, itself included; -1: all before it
   int64_t decode_steps = 1;  // calls of up to this many new tokens attend them one at a time
+};
 
+struct Kernel : AttentionAttributes {
   OrtStatus* Compute(OrtKernelContext* context);
 };
 
@@ -1345,13 +1350,9 @@ struct Kv4Work : Work {
   }
 };
 
-struct Kv4Kernel {
-  int64_t heads = 0;
-  int64_t kv_heads = 0;
+struct Kv4Kernel : AttentionAttributes {
   int64_t key_bits = 0;
   int64_t float_window = 32;  // the `window` attribute: past positions attended as float rows
-  int64_t window = -1;        // local_window_size, as Kernel::window
-  int64_t decode_steps = 1;
 
   OrtStatus* Compute(OrtKernelContext* context);
 };
@@ -2186,32 +2187,38 @@ const ONNXTensorElementDataType kOutputTypes[5] = {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
 
+// num_heads and kv_num_heads (required), local_window_size (default -1: none) and decode_steps
+// (default 1: one-token calls only) into `a`, checked; the error names `op`.
+OrtStatus* ReadAttention(const OrtApi* api, const OrtKernelInfo* info, const char* op, AttentionAttributes* a) {
+  for (auto [name, target] : {std::pair<const char*, int64_t*>{"num_heads", &a->heads}, {"kv_num_heads", &a->kv_heads}}) {
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, name, target);
+    if (absent != nullptr) {
+      api->ReleaseStatus(absent);
+      return Fail(std::string("attribute ") + name + " is required", op);
+    }
+  }
+  if (a->kv_heads <= 0 || a->heads <= 0 || a->heads % a->kv_heads)
+    return Fail("num_heads " + std::to_string(a->heads) + " is not a positive multiple of kv_num_heads " +
+                std::to_string(a->kv_heads), op);
+  for (auto [name, target, fallback] : {std::tuple<const char*, int64_t*, int64_t>{"local_window_size", &a->window, -1},
+                                        {"decode_steps", &a->decode_steps, 1}}) {
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, name, target);
+    if (absent != nullptr) {
+      api->ReleaseStatus(absent);
+      *target = fallback;
+    }
+  }
+  if (a->window == 0 || a->window < -1)
+    return Fail("local_window_size " + std::to_string(a->window) + " must be -1 (no window) or positive", op);
+  if (a->decode_steps < 1)
+    return Fail("decode_steps " + std::to_string(a->decode_steps) + " must be 1 or more", op);
+  return nullptr;
+}
+
 OrtStatusPtr ORT_API_CALL CreateKernelV2(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info,
                                          void** kernel) {
   auto* k = new Kernel();
-  OrtStatus* status = api->KernelInfoGetAttribute_int64(info, "num_heads", &k->heads);
-  if (status == nullptr) status = api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_heads);
-  if (status == nullptr && (k->kv_heads <= 0 || k->heads <= 0 || k->heads % k->kv_heads))
-    status = Fail("num_heads " + std::to_string(k->heads) + " is not a positive multiple of kv_num_heads " +
-                  std::to_string(k->kv_heads));
-  if (status == nullptr) {  // optional: absent means no window
-    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "local_window_size", &k->window);
-    if (absent != nullptr) {
-      api->ReleaseStatus(absent);
-      k->window = -1;
-    }
-    if (k->window == 0 || k->window < -1)
-      status = Fail("local_window_size " + std::to_string(k->window) + " must be -1 (no window) or positive");
-  }
-  if (status == nullptr) {  // optional: absent means one-token calls only
-    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "decode_steps", &k->decode_steps);
-    if (absent != nullptr) {
-      api->ReleaseStatus(absent);
-      k->decode_steps = 1;
-    }
-    if (k->decode_steps < 1)
-      status = Fail("decode_steps " + std::to_string(k->decode_steps) + " must be 1 or more");
-  }
+  OrtStatus* status = ReadAttention(api, info, "Int8CacheAttention", k);
   if (status != nullptr) {
     delete k;
     return status;
@@ -2354,42 +2361,25 @@ OrtStatusPtr ORT_API_CALL CreateKv4Kernel(const OrtCustomOp*, const OrtApi* api,
                                           void** kernel) {
   constexpr const char* op = "Int4CacheAttention";
   auto* k = new Kv4Kernel();
-  OrtStatus* status = nullptr;
-  for (auto [name, target] : {std::pair<const char*, int64_t*>{"num_heads", &k->heads}, {"kv_num_heads", &k->kv_heads},
-                               {"key_bits", &k->key_bits}}) {
-    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, name, target);
+  OrtStatus* status = ReadAttention(api, info, op, k);
+  if (status == nullptr) {
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "key_bits", &k->key_bits);
     if (absent != nullptr) {
       api->ReleaseStatus(absent);
-      status = Fail(std::string("attribute ") + name + " is required", op);
-      break;
+      status = Fail("attribute key_bits is required", op);
+    } else if (k->key_bits != 5 && k->key_bits != 8) {
+      status = Fail("key_bits " + std::to_string(k->key_bits) + " is not supported; allowed: 5, 8", op);
     }
   }
-  if (status == nullptr && (k->kv_heads <= 0 || k->heads <= 0 || k->heads % k->kv_heads))
-    status = Fail("num_heads " + std::to_string(k->heads) + " is not a positive multiple of kv_num_heads " +
-                  std::to_string(k->kv_heads), op);
-  if (status == nullptr && k->key_bits != 5 && k->key_bits != 8)
-    status = Fail("key_bits " + std::to_string(k->key_bits) + " is not supported; allowed: 5, 8", op);
-  // optional, with their defaults: window 32, local_window_size -1 (none), decode_steps 1
-  struct Optional {
-    const char* name;
-    int64_t* target;
-    int64_t fallback;
-  };
-  for (const Optional& a : {Optional{"window", &k->float_window, 32}, Optional{"local_window_size", &k->window, -1},
-                            Optional{"decode_steps", &k->decode_steps, 1}}) {
-    if (status != nullptr) break;
-    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, a.name, a.target);
+  if (status == nullptr) {  // optional: absent means 32
+    OrtStatus* absent = api->KernelInfoGetAttribute_int64(info, "window", &k->float_window);
     if (absent != nullptr) {
       api->ReleaseStatus(absent);
-      *a.target = a.fallback;
+      k->float_window = 32;
+    } else if (k->float_window < 0) {
+      status = Fail("window " + std::to_string(k->float_window) + " must be 0 or more", op);
     }
   }
-  if (status == nullptr && k->float_window < 0)
-    status = Fail("window " + std::to_string(k->float_window) + " must be 0 or more", op);
-  if (status == nullptr && (k->window == 0 || k->window < -1))
-    status = Fail("local_window_size " + std::to_string(k->window) + " must be -1 (no window) or positive", op);
-  if (status == nullptr && k->decode_steps < 1)
-    status = Fail("decode_steps " + std::to_string(k->decode_steps) + " must be 1 or more", op);
   if (status != nullptr) {
     delete k;
     return status;
