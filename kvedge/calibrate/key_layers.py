@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from kvedge.errors import KvedgeError
 from kvedge.quant import hadamard
 from kvedge.runtime.model import Model
 
+log = logging.getLogger(__name__)
 KEY_LAYERS_FORMAT = "kvedge-int4-key-layers"
 KEY_LAYERS_VERSION = 1
 KEY_LAYERS_FILE = "kv_int4_layers.json"
@@ -101,8 +103,12 @@ def key_layers(model: Model, prompts: list[Prompt], steps: int = STEPS, batch: i
         raise KvedgeError(f"this model's cache cannot be int4: {exc}") from exc
     per_pass = max(1, MEMORY // g.pool_bytes(batch))
     costs: list[float] = []
-    for first in range(0, g.num_layers, per_pass):
+    passes = math.ceil(g.num_layers / per_pass)
+    for n, first in enumerate(range(0, g.num_layers, per_pass), 1):
         layers = range(first, min(g.num_layers, first + per_pass))
+        log.info(
+            "layers %d..%d, their keys at 5 bits one at a time (pass %d of %d)", first, layers[-1], n, passes
+        )
         hooks = tuple((f"layer {i}", FiveBitKeys(i, g.head_dim)) for i in layers)
         rows = evaluate(model, None, prompts, steps, schemes=(), batch=batch, simulated=hooks)
         costs += [row.kl_mean for row in rows]

@@ -190,11 +190,11 @@ class ExportRecipe:
             )
         if self.kv_dtype not in QUANTIZED_KV_DTYPES and self.kv_group_size:
             raise KvedgeError(f"--kv-group-size {self.kv_group_size} applies to --kv-dtype int8 only")
-        object.__setattr__(self, "kv_key8_layers", tuple(self.kv_key8_layers))
         if not all(isinstance(i, int) and i >= 0 for i in self.kv_key8_layers):
             raise KvedgeError(
                 f"--kv-key8-layers {list(self.kv_key8_layers)!r}: allowed: layer indices (integers >= 0)"
             )
+        object.__setattr__(self, "kv_key8_layers", tuple(sorted(set(self.kv_key8_layers))))
         if self.kv_dtype not in PACKED_KV_DTYPES and self.kv_key8_layers:
             raise KvedgeError(f"--kv-key8-layers {list(self.kv_key8_layers)} applies to --kv-dtype int4 only")
 
