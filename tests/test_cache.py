@@ -152,8 +152,34 @@ def test_int4_cache_layout_bytes_and_window_rewinds():
     cache.commit([0, 1], np.zeros((2, 10), np.int64), [0, 5])  # slot 0 rode along: 100..109 written
     assert cache.rewind_limit(0, 100) == 100 and cache.rewind_limit(0, 78) == 78  # 46.. are there
     assert cache.rewind_limit(0, 77) == 0
-    with pytest.raises(KvedgeError, match="not supported for the int4 cache yet"):
-        cache.read(0, 10)
+    rng = np.random.default_rng(0)
+    for array in cache.parts:  # every position of every slot distinct
+        array[...] = rng.integers(0, 200, array.shape).astype(array.dtype)
+    assert cache.read(1, 5).nbytes == g.bytes_held(5) == g.block_bytes(5, 5)
+    block = cache.read(0, 100)  # the windows hold 46..99 (100..109 overwrote 36..45)
+    assert block.kv is None and block.count == 100 and block.ring_count == 54
+    assert [p.shape for p in block.parts] == [(2, 1, 2, 100, 40), (1, 1, 2, 100, 64), (3, 1, 2, 100, 32)] + [
+        (2, 1, 2, 100, 1),
+        (1, 1, 2, 100, 2),
+        (3, 1, 2, 100, 1),
+    ]
+    assert block.nbytes == g.block_bytes(100, 54)
+    k_window, v_window = cache.parts[-2:]
+    np.testing.assert_array_equal(block.ring[:, 0], k_window[:, 0, 0][:, :, np.arange(46, 100) % 64])
+    np.testing.assert_array_equal(block.ring[:, 1], v_window[:, 0, 0][:, :, np.arange(46, 100) % 64])
+    head = cache.view(0, 0, 60)  # positions 46..59 of its run are in the windows
+    assert head.ring_count == 14 and head.nbytes == g.block_bytes(60, 14)
+    cache.write(1, head, np.arange(60))
+    assert cache.ring_start[1] == 46 and cache.rewind_limit(1, 60) == 0
+    cache.write(1, block.tail(60), np.arange(60, 100), start=60)
+    assert cache.ring_start[1] == 46 and cache.rewind_limit(1, 100) == 100
+    again = cache.read(1, 100)
+    for a, b in zip(again.arrays, block.arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(KvedgeError, match="Hadamard-rotated keys"):
+        cache.evict(0, 0, 8, np.ones(32))
+    with pytest.raises(KvedgeError, match="appending a portable graph's new K/V is not supported"):
+        cache.append([0], tokens[:, :1], [1], [])
 
 
 def test_load_reserves_decode_memory_without_touching_valid_state(tiny_llama):

@@ -15,10 +15,13 @@ import pytest
 from conftest import assert_cached_decode_equals_reprefill, assert_turns_equal_fresh_sessions, random_ids
 
 from kvedge.contract import CacheGeometry, ExportRecipe
-from kvedge.errors import KvedgeError
+from kvedge.errors import ArtifactMismatch, KvedgeError
 from kvedge.export.export import export_model
+from kvedge.runtime.cache import KVBlock
 from kvedge.runtime.generate import decode_one_token, prefill
 from kvedge.runtime.model import Model
+from kvedge.runtime.prefix import WarmPrefix, read_warm_file, write_warm_file
+from kvedge.runtime.sessions import common_prefix
 
 MAX_LEN = 256
 # (family, config overrides, the layers with 8-bit keys): head_dim 16 (llama), 32 (qwen3), 64
@@ -137,11 +140,159 @@ def test_bad_int4_options_are_refused_by_name():
         CacheGeometry(32, 8, 96, 512).with_dtype("int4")  # Phi-3.5's heads
 
 
-def test_prefix_copies_are_refused_by_name(int4_pair):
+def check_continues(model: Model, slot: int, ids: list[int], reference: Model) -> None:
+    """`slot` of `model`, holding a prefix of `ids`, prefilled to the end of `ids` and one step
+    further gives what a fresh prefill of `ids` in `reference` gives."""
+    held = model.cache.length(slot)
+    logits = prefill(model.backend, model.cache, slot, [ids[held:]])[0]
+    reference.cache.reset(0)
+    np.testing.assert_allclose(
+        logits, prefill(reference.backend, reference.cache, 0, [ids])[0], atol=ATOL, rtol=0
+    )
+    np.testing.assert_allclose(
+        decode_one_token(model.backend, model.cache, slot, [5])[0],
+        decode_one_token(reference.backend, reference.cache, 0, [5])[0],
+        atol=ATOL,
+        rtol=0,
+    )
+
+
+def test_blocks_travel_between_slots_and_caches_with_their_windows(int4_pair):
+    """A slot of 150 tokens (its windows wrapped: they hold 86..149) read out and written into
+    another slot and another cache continues as the original; a head whose windows hold the 32
+    positions before its end (118: 86..117) resumes, one that does not (100: 86..99) may not."""
+    model, other, reference = Model(int4_pair[1], slots=2), Model(int4_pair[1]), Model(int4_pair[1])
+    g = model.manifest.geometry
+    ids = random_ids(170, seed=9)
+    prefill(model.backend, model.cache, 0, [ids[:150]])
+    assert model.cache.ring_start[0] == 150 - g.window_len
+    block = model.cache.read(0, 150)
+    assert block.kv is None and block.count == 150 and block.ring_count == g.window_len
+    assert block.nbytes == g.bytes_held(150) == g.block_bytes(150, g.window_len)
+    model.cache.write(1, block, ids[:150])
+    other.cache.write(0, block, ids[:150])
+    assert model.cache.ring_start[1] == other.cache.ring_start[0] == 86
+    check_continues(model, 1, ids, reference)
+    check_continues(other, 0, ids, reference)
+    head = model.cache.view(0, 0, 118)
+    assert head.ring_count == 32 and head.nbytes == g.block_bytes(118, 32)
+    np.testing.assert_array_equal(head.ring, block.head(118).ring)
+    model.cache.reset(1)
+    model.cache.write(1, head, ids[:118])
+    assert model.cache.rewind_limit(1, 118) == 118
+    check_continues(model, 1, ids, reference)
+    short = model.cache.view(0, 0, 100)
+    assert short.ring_count == 14  # positions 86..99: the query at 100 needs 68..99
+    model.cache.reset(1)
+    model.cache.write(1, short, ids[:100])
+    assert model.cache.ring_start[1] == 86 and model.cache.rewind_limit(1, 100) == 0
+    with pytest.raises(KvedgeError, match="int4 window hold positions from 86 on"):
+        model.cache.truncate(1, 99)
+    written = KVBlock(None, ring=short.ring, parts=short.parts[1:])
+    with pytest.raises(KvedgeError, match="does not fit this int4 cache"):
+        model.cache.write(1, written, ids[:100])
+    with pytest.raises(KvedgeError, match="does not fit this float32 cache"):
+        Model(int4_pair[0]).cache.write(0, short, ids[:100])
+
+
+def test_run_time_store_serves_a_shared_system_prompt(int4_pair):
+    """slots=1: a conversation loses the slot to another and a third shares its system prompt;
+    it is copied in from the store (codes, and the window rows of the last positions) and gives
+    what a fresh model gives. A match the stored windows do not serve starts over."""
+    budget = 2**20
+    model = Model(int4_pair[1], prefix_cache_bytes=budget)
+    system = {"role": "system", "content": "You are a careful assistant for edge devices. " * 3}
+    first = model.tokenizer.encode_chat([system, {"role": "user", "content": "Hi"}])
+    third = model.tokenizer.encode_chat([system, {"role": "user", "content": "Why?"}])
+    shared = common_prefix(first, third)
+    assert len(first) - shared < 32 < shared  # the stored windows serve the shared part
+    model.prepare(0, first)
+    model.prepare(0, random_ids(60, seed=10))  # the first conversation goes to the store
+    store = model.prefixes.run_time
+    assert len(store) == 1 and store.entries[0].ring_from == len(first) - 64
+    logits = model.prepare(0, third)
+    assert model.sessions[0].reused_tokens == shared and store.hits == 1
+    np.testing.assert_allclose(logits, Model(int4_pair[1]).prepare(0, third), atol=ATOL, rtol=0)
+    model.prepare(0, random_ids(60, seed=16))
+    again = first[: len(first) - 40] + random_ids(5, seed=11)  # needs positions before the windows
+    logits = model.prepare(0, again)
+    assert model.sessions[0].reused_tokens == 0 and store.hits == 1
+    np.testing.assert_allclose(logits, Model(int4_pair[1]).prepare(0, again), atol=ATOL, rtol=0)
+    assert store.nbytes <= store.capacity_bytes <= budget
+
+
+def test_warm_file_round_trip_and_cache_form_refusal(int4_pair, tmp_path):
+    """An int4 slot's warm file reads back as it was written and serves a slot; a float32, int8
+    or other-key-layers cache of the same model refuses it, naming the dtype or key layers."""
+    model = Model(int4_pair[1])
+    g, fingerprint = model.manifest.geometry, model.manifest.source_fingerprint
+    ids = random_ids(100, seed=12)
+    prefill(model.backend, model.cache, 0, [ids])
+    block = model.cache.read(0, 100)
+    path = tmp_path / "p.kvw"
+    write_warm_file(path, WarmPrefix("p", tuple(ids), block), g, fingerprint)
+    loaded = read_warm_file(path, g, fingerprint, ids)
+    assert loaded.block.ring_count == g.window_len and len(loaded.block.parts) == len(block.parts)
+    for a, b in zip(loaded.block.arrays, block.arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+    fresh = Model(int4_pair[1])
+    fresh.cache.write(0, loaded.block, ids)
+    check_continues(fresh, 0, ids + random_ids(9, seed=13), Model(int4_pair[1]))
+    fp = Model(int4_pair[0]).manifest.geometry
+    for other, named in [(fp, '"dtype": "int4"'), (fp.with_dtype("int8"), '"dtype": "int4"')]:
+        with pytest.raises(ArtifactMismatch, match=named):
+            read_warm_file(path, other, fingerprint, ids)
+    other_keys = g.with_dtype("int4", key8_layers=() if g.key8_layers else (0,))
+    with pytest.raises(ArtifactMismatch, match="key8_layers"):
+        read_warm_file(path, other_keys, fingerprint, ids)
+
+
+def test_conversation_survives_a_restart_from_prefix_dir(int4_pair, tmp_path):
+    """The disk tier: what a slot held is written as one file when the model closes (the int4
+    windows are written whole, as ring layers are) and a new Model resumes from it exactly."""
+    options = {"prefix_dir": tmp_path, "prefix_disk_min_tokens": 32}
+    model = Model(int4_pair[1], **options)
+    ids = random_ids(130, seed=14)
+    model.prepare(0, ids)
+    model.close()
+    again = Model(int4_pair[1], **options)
+    assert len(again.prefixes.disk) == 1
+    longer = ids + random_ids(8, seed=15)
+    logits = again.prepare(0, longer)
+    assert again.prefixes.disk.hits == 1 and again.sessions[0].reused_tokens == 130
+    np.testing.assert_allclose(logits, Model(int4_pair[1]).prepare(0, longer), atol=ATOL, rtol=0)
+
+
+def test_warm_prefixes_reloaded_serve_exactly(int4_pair, tmp_path):
+    """A warm prefix built at first boot, written, reloaded by a new Model and used: whole, by a
+    partial match its windows serve (20 back), and by one they do not (40 back: starts over)."""
+    from kvedge.configs import load_warm_prefix_config
+
+    path = tmp_path / "warmup.yaml"
+    text = "Keys and values of past tokens. " * 3
+    path.write_text(f'prefixes:\n  - name: notes\n    text: "{text}"\n')
+    config, folder = load_warm_prefix_config(path), tmp_path / "warm"
+    first = Model(int4_pair[1], warm_prefixes=config, warm_dir=folder)
+    assert first.prefixes.warm_report.rebuilt == {"notes": "missing"}
+    model = Model(int4_pair[1], warm_prefixes=config, warm_dir=folder)
+    assert model.prefixes.warm_report.loaded == ["notes"]
+    (prefix,) = model.prefixes.warm.prefixes
+    ids = list(prefix.token_ids)
+    assert len(ids) > 64 and prefix.block.ring_count == 64
+    tail = random_ids(7, seed=17)
+    for shared, reused in [(len(ids), len(ids)), (len(ids) - 20, len(ids) - 20), (len(ids) - 40, 0)]:
+        model.sessions[0].reset(model.cache)
+        logits = model.prepare(0, ids[:shared] + tail)
+        assert model.sessions[0].reused_tokens == reused
+        expected = Model(int4_pair[1]).prepare(0, ids[:shared] + tail)
+        np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_window_eviction_is_refused_by_name(int4_pair):
     model = Model(int4_pair[1])
     model.prepare(0, random_ids(30, seed=8))
-    with pytest.raises(KvedgeError, match="not supported for the int4 cache yet"):
-        model.cache.read(0, 30)
+    with pytest.raises(KvedgeError, match="Hadamard-rotated keys"):
+        model.cache.evict(0, 0, 8, np.ones(4))
 
 
 def test_key_layer_calibration_ranks_layers_and_names_the_export_flags(int4_pair, tmp_path):

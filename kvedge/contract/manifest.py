@@ -383,6 +383,19 @@ class CacheGeometry:
         n = self.max_len
         return ((u8, n, key_bytes), (u8, n, d // 2), (f16, n, key_scales), (f16, n, 1), window, window)
 
+    def packed_arrays(self) -> tuple[tuple[tuple[int, ...], tuple[np.dtype, int, int]], ...]:
+        """An int4 cache's arrays (`KVCache.parts`) as (KV layers, (dtype, positions, last)): per
+        tensor of `packed_parts`, in its order, the layers of one shape share one array (K codes
+        and scales: one for the 5-bit layers, one for the 8-bit ones); the last two are the K and
+        V windows. A stored block (`KVBlock.parts`) holds all but the windows, so alike."""
+        arrays = []
+        for part in range(len(self.packed_parts(0))):
+            shapes: dict[tuple[np.dtype, int, int], list[int]] = {}
+            for i in range(self.num_layers):
+                shapes.setdefault(self.packed_parts(i)[part], []).append(i)
+            arrays += [(tuple(layers), shape) for shape, layers in shapes.items()]
+        return tuple(arrays)
+
     @property
     def recurrent(self) -> bool:
         """Some layer keeps a recurrent state (Qwen3.5's Gated DeltaNet): a float16 graph keeps its
@@ -474,13 +487,14 @@ class CacheGeometry:
     def bytes_held(self, tokens: int) -> int:
         """KV bytes a slot holding `tokens` tokens uses: ring layers hold at most ring_len of them,
         an int4 cache's windows at most window_len."""
-        if self.packed:
-            return self.bytes_per_token() * tokens + self.window_bytes(min(tokens, self.window_len))
-        return self.block_bytes(tokens, min(tokens, self.ring_len) if self.ring_layers else 0)
+        return self.block_bytes(tokens, min(tokens, self.window_len if self.packed else self.ring_len))
 
     def block_bytes(self, count: int, ring_count: int) -> int:
         """KV bytes of `count` positions in the full layers and `ring_count` in the ring layers
-        (a stored block's, `KVBlock`), each layer at its own head_dim, scales included."""
+        (a stored block's, `KVBlock`), each layer at its own head_dim, scales included; an int4
+        cache's: `count` positions of codes and scales, `ring_count` of its windows."""
+        if self.packed:
+            return self.bytes_per_token() * count + self.window_bytes(ring_count)
         full = len(self.full_layers) * count * self._bytes_per_layer_token(self.head_dim)
         return full + len(self.ring_layers) * ring_count * self._bytes_per_layer_token(self.ring_dim)
 

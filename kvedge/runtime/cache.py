@@ -31,6 +31,13 @@ the ring layers, only the last positions the slot still held, laid out by positi
 back puts them at p % ring_len and sets `ring_start`. Window eviction, which moves a run of
 positions, still refuses ring geometries by name.
 
+An int4 cache (`CacheGeometry.packed`, kvedge/kv4.py) has no pool: its arrays are `parts`
+(`CacheGeometry.packed_arrays`: codes and scales of max_len positions, and float32 K and V window
+rings of window_len positions, position p at p % window_len). Its window is kept as ring layers
+are (`ring_start`, `ring_limit`), and so are its blocks: a `KVBlock` of it carries every
+position's codes and scales (`parts`) and the window rows of the run's positions the windows still
+hold (`ring`). Window eviction refuses it by name (its keys are codes of Hadamard-rotated keys).
+
 Hybrid models (LFM2) hold, besides the KV of their attention layers, a fixed-size state per slot
 and state layer (`CacheGeometry.states`), in host memory::
 
@@ -74,34 +81,69 @@ Home = tuple[tuple[tuple[np.ndarray, int, int], ...], bool]
 class KVBlock(NamedTuple):
     """The KV of a run of n tokens, as a slot stores it (copied out, or for writing in). With ring
     layers, `kv` holds the full layers only and `ring` the ring layers' last r <= n positions of
-    the run (r = 0: none), in position order."""
+    the run (r = 0: none), in position order. An int4 cache's block has no `kv`: `parts` holds
+    every position's codes and scales, and `ring` its windows' rows of the run's last r <= n
+    positions (r <= window_len), in position order, under the same rule as ring layers'."""
 
-    kv: np.ndarray  # [full layers, 2 (K, V), kv_heads, n, head_dim] cache dtype (every layer without rings)
+    kv: np.ndarray | None  # [full layers, 2 (K, V), kv_heads, n, head_dim] cache dtype (None: int4)
     scales: np.ndarray | None = None  # [full layers, 2, kv_heads, n, groups] float16 (int8 caches only)
-    ring: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, ring_dim] (ring geometries only)
+    # [ring layers, 2, kv_heads, r, ring_dim] (ring geometries), [layers, 2, kv_heads, r, head_dim]
+    # float32 (int4: the K and V windows' rows)
+    ring: np.ndarray | None = None
     ring_scales: np.ndarray | None = None  # [ring layers, 2, kv_heads, r, groups] float16 (int8 + rings)
+    # int4 only: per array of `CacheGeometry.packed_arrays` but the windows, [its layers, 1,
+    # kv_heads, n, last] of its dtype (codes uint8, scales float16)
+    parts: tuple[np.ndarray, ...] = ()
 
     @property
     def count(self) -> int:
-        return self.kv.shape[3]
+        return (self.kv if self.kv is not None else self.parts[0]).shape[3]
 
     @property
     def ring_count(self) -> int:
-        """Positions the ring layers hold: the last ring_count of the run."""
+        """Positions the ring layers (an int4 cache's windows) hold: the last ring_count of the run."""
         return 0 if self.ring is None else self.ring.shape[3]
 
     @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Every array it holds, in the order a warm file stores them."""
+        return tuple(
+            a for a in (self.kv, *self.parts, self.ring, self.scales, self.ring_scales) if a is not None
+        )
+
+    @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self if a is not None)
+        return sum(a.nbytes for a in self.arrays)
 
     def head(self, count: int) -> KVBlock:
         """The first `count` tokens (views); the ring layers keep the ones of them they hold."""
-        kept = None if self.ring is None else max(0, count - (self.count - self.ring_count))
+        return self._run(0, count)
+
+    def tail(self, start: int) -> KVBlock:
+        """Tokens start.. (views); the ring layers keep the ones of them they hold."""
+        return self._run(start, self.count)
+
+    def copy(self) -> KVBlock:
+        return self._map(lambda a: a.copy())
+
+    def _run(self, start: int, stop: int) -> KVBlock:
+        held = self.count - self.ring_count  # the first position the rings hold
+        ring = slice(max(0, start - held), max(0, stop - held))
+        return self._map(lambda a: a[:, :, :, start:stop], lambda a: a[:, :, :, ring])
+
+    def _map(
+        self,
+        each: Callable[[np.ndarray], np.ndarray],
+        rings: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> KVBlock:
+        """`each` applied to every array (`rings` to the ring layers' and windows', if given)."""
+        rings = rings or each
         return KVBlock(
-            self.kv[:, :, :, :count],
-            None if self.scales is None else self.scales[:, :, :, :count],
-            None if self.ring is None else self.ring[:, :, :, :kept],
-            None if self.ring_scales is None else self.ring_scales[:, :, :, :kept],
+            None if self.kv is None else each(self.kv),
+            None if self.scales is None else each(self.scales),
+            None if self.ring is None else rings(self.ring),
+            None if self.ring_scales is None else rings(self.ring_scales),
+            tuple(each(a) for a in self.parts),
         )
 
 
@@ -178,22 +220,18 @@ class KVCache:
         self.round_trip: Callable[[np.ndarray, int], None] | None = None
 
     def _packed_homes(self, g: CacheGeometry, slots: int) -> list[Home]:
-        """An int4 cache's arrays (`parts`) and each layer's home in them: per tensor of
-        `CacheGeometry.packed_parts`, layers of one shape share an array [layers, 1, slots,
-        kv_heads, positions, last] (K codes and scales: one for the 5-bit layers, one for the
-        8-bit ones), so the memory's one way in (`get`, `set`, `slots`) serves it as the pool."""
+        """An int4 cache's arrays (`parts`) and each layer's home in them: per array of
+        `CacheGeometry.packed_arrays`, [its layers, 1, slots, kv_heads, positions, last], so the
+        memory's one way in (`get`, `set`, `slots`) serves it as the pool. Each layer's tensors
+        come in `packed_parts` order, as `packed_arrays` lists the arrays."""
         homes: list[list[tuple[np.ndarray, int, int]]] = [[] for _ in range(g.num_layers)]
-        for part in range(len(g.packed_parts(0))):
-            shapes: dict[tuple, list[int]] = {}
-            for i in range(g.num_layers):
-                shapes.setdefault(g.packed_parts(i)[part], []).append(i)
-            for (dtype, positions, last), layers in shapes.items():
-                fill = 1 if dtype == np.dtype(KV_SCALE_DTYPE) else 0
-                shape = (len(layers), 1, slots, g.num_kv_heads, positions, last)
-                array = self.memory.allocate(shape, dtype, fill)
-                self.parts.append(array)
-                for j, i in enumerate(layers):
-                    homes[i].append((array, j, 0))
+        for layers, (dtype, positions, last) in g.packed_arrays():
+            fill = 1 if dtype == np.dtype(KV_SCALE_DTYPE) else 0
+            shape = (len(layers), 1, slots, g.num_kv_heads, positions, last)
+            array = self.memory.allocate(shape, dtype, fill)
+            self.parts.append(array)
+            for j, i in enumerate(layers):
+                homes[i].append((array, j, 0))
         return [(tuple(home), False) for home in homes]
 
     @property
@@ -452,11 +490,11 @@ class KVCache:
             )
 
     def _refuse_packed(self, what: str) -> None:
-        """Refuse `what`, which copies or moves a run of KV as one array, on an int4 cache."""
+        """Refuse `what`, a portable graph's path, on an int4 cache (ort graphs only)."""
         if self.geometry.packed:
             raise KvedgeError(
-                f"{what} is not supported for the int4 cache yet (--kv-dtype int4: its codes, scales "
-                "and float window are per-layer arrays of their own shapes); export with --kv-dtype int8"
+                f"{what} is not supported for the int4 cache (--kv-dtype int4): its graph writes "
+                "the cache in place (--variant ort)"
             )
 
     def _refuse_ring(self, what: str) -> None:
@@ -477,7 +515,12 @@ class KVCache:
         holds exactly what a fresh run over the kept tokens would have written.
         """
         self._refuse_ring("window eviction (history_policy 'window')")
-        self._refuse_packed("window eviction (history_policy 'window')")
+        if self.geometry.packed:
+            raise KvedgeError(
+                "window eviction (history_policy 'window') is not supported for the int4 cache "
+                "(--kv-dtype int4): moving keys re-rotates them, and its keys are codes of "
+                "Hadamard-rotated keys; use history_policy 'truncate', or export with --kv-dtype int8"
+            )
         self._refuse_states("window eviction (history_policy 'window')")
         length = self.length(slot)
         if not (0 <= start and count > 0 and start + count <= length):
@@ -499,26 +542,30 @@ class KVCache:
         self.lengths[slot] = length - count
 
     def view(self, slot: int, start: int, stop: int) -> KVBlock:
-        """The KV (and scales) of positions start..stop-1 of `slot`: of the full layers, views of
-        a host pool and copies of a device pool; for ring layers, a copy of the positions of the
-        run the rings still hold (from `ring_start` on; they wrap around the ring)."""
-        self._refuse_packed("copying a slot's KV out (prefix stores, warm prefixes)")
+        """The KV (and scales) of positions start..stop-1 of `slot`: of the full layers (an int4
+        cache's codes and scales), views of a host pool and copies of a device pool; for ring
+        layers (an int4 cache's windows), a copy of the positions of the run the rings still hold
+        (from `ring_start` on; they wrap around the ring)."""
         if not 0 <= start < stop <= self.length(slot):
             raise KvedgeError(
                 f"cannot read tokens {start}..{stop} from slot {slot} holding {self.length(slot)}"
             )
-        get, run = self.memory.get, slice(start, stop)
+        get, run, g = self.memory.get, slice(start, stop), self.geometry
+        # rings hold ring_start .. length - 1, and ring_start >= length - ring_len >= stop - ring_len
+        ring_len = g.window_len if g.packed else g.ring_len
+        held = np.arange(min(max(start, int(self.ring_start[slot])), stop), stop) % max(ring_len, 1)
+        if g.packed:  # windows [layers, 1, kv_heads, r, d] each, as [layers, 2, kv_heads, r, d]
+            windows = np.concatenate([get(a, slot, held) for a in self.parts[-2:]], axis=1)
+            return KVBlock(None, ring=windows, parts=tuple(get(a, slot, run) for a in self.parts[:-2]))
         scales = None if self.scales is None else get(self.scales, slot, run)
         if self.ring is None:
             return KVBlock(get(self.pool, slot, run), scales)
-        # rings hold ring_start .. length - 1, and ring_start >= length - ring_len >= stop - ring_len
-        held = np.arange(min(max(start, int(self.ring_start[slot])), stop), stop) % self.geometry.ring_len
         ring_scales = None if self.ring_scales is None else get(self.ring_scales, slot, held)
         return KVBlock(get(self.pool, slot, run), scales, get(self.ring, slot, held), ring_scales)
 
     def read(self, slot: int, count: int) -> KVBlock:
         """A copy of the first `count` tokens' KV (and scales) of `slot`."""
-        return KVBlock(*(None if a is None else a.copy() for a in self.view(slot, 0, count)))
+        return self.view(slot, 0, count).copy()
 
     def write(
         self,
@@ -535,14 +582,30 @@ class KVCache:
         With per-slot states the slot's snapshots past `start` are dropped and it resumes from the
         `states` the stored prefix carries at the new length (`resume`); a prefix copied in pieces
         gives them with its last piece."""
-        self._refuse_packed("copying KV into a slot (prefix stores, warm prefixes)")
         count = len(token_ids)
         g = self.geometry
         if not 0 <= start <= self.length(slot):
             raise KvedgeError(f"cannot write at {start} in slot {slot} holding {self.length(slot)} tokens")
         if start + count > g.max_len:
             raise ContextOverflow(f"a KV block of {count} tokens at {start} exceeds max_len {g.max_len}")
+        if g.packed:
+            self._write_packed(slot, block, start, count)
+        else:
+            self._write_block(slot, block, start, count)
+        self.tokens[slot, start : start + count] = token_ids
+        self.lengths[slot] = start + count
+        if self.states:
+            for position in [p for p in self.snapshots[slot] if p > start]:
+                del self.snapshots[slot][position]
+        if self.states and states is not None:
+            self.resume(slot, states)
+
+    def _write_block(self, slot: int, block: KVBlock, start: int, count: int) -> None:
+        """`write`'s copies of a block of a cache with a pool (float or int8)."""
+        g = self.geometry
         expected = (len(g.full_layers), 2, g.num_kv_heads, count, g.head_dim)
+        if block.kv is None:
+            raise KvedgeError(f"KV block of an int4 cache does not fit this {g.dtype} cache")
         if block.kv.shape != expected or block.kv.dtype != g.np_dtype:
             raise KvedgeError(
                 f"KV block {block.kv.shape} {block.kv.dtype} does not fit this cache "
@@ -576,14 +639,43 @@ class KVCache:
             put(self.ring, slot, to, block.ring[:, :, :, held - kept :])
             if self.ring_scales is not None:
                 put(self.ring_scales, slot, to, block.ring_scales[:, :, :, held - kept :])
-            # the slot's own positions below `start` (ring_start .. start - 1) still count where
-            # the block's ring covers the whole run, and survive down to end - ring_len
-            below = min(int(self.ring_start[slot]), start) if held == count else end - held
-            self.ring_start[slot] = max(end - g.ring_len, below)
-        self.tokens[slot, start:end] = token_ids
-        self.lengths[slot] = end
-        if self.states:
-            for position in [p for p in self.snapshots[slot] if p > start]:
-                del self.snapshots[slot][position]
-        if self.states and states is not None:
-            self.resume(slot, states)
+            self._ring_written(slot, start, count, held, g.ring_len)
+
+    def _write_packed(self, slot: int, block: KVBlock, start: int, count: int) -> None:
+        """`write`'s copies of an int4 cache's block: codes and scales at their positions, the
+        window rows the block holds at position modulo window_len (as ring layers')."""
+        g, h = self.geometry, self.geometry.num_kv_heads
+        expected = [
+            (len(layers), 1, h, count, last, dtype) for layers, (dtype, _, last) in g.packed_arrays()[:-2]
+        ]
+        held = block.ring_count
+        found = [(*a.shape, a.dtype) for a in block.parts]
+        windows = (g.num_layers, 2, h, held, g.head_dim, np.dtype(np.float32))
+        if block.kv is not None or found != expected or block.ring is None:
+            raise KvedgeError(
+                f"KV block (codes and scales {found}, KV {None if block.kv is None else block.kv.shape}) "
+                f"does not fit this int4 cache and a {count}-token run (expected codes and scales "
+                f"{expected}, and windows)"
+            )
+        if (*block.ring.shape, block.ring.dtype) != windows or held > count:
+            raise KvedgeError(
+                f"KV block windows {block.ring.shape} {block.ring.dtype} do not fit this int4 cache and "
+                f"a {count}-token run (expected {windows[:3]} + (at most {count}, {g.head_dim}) float32)"
+            )
+        end, put = start + count, self.memory.set
+        for array, part in zip(self.parts[:-2], block.parts, strict=True):
+            put(array, slot, slice(start, end), part)
+        kept = min(held, g.window_len)  # positions end - kept .. end - 1 fit in the window ring
+        to = np.arange(end - kept, end) % g.window_len
+        for kind, array in enumerate(self.parts[-2:]):
+            put(array, slot, to, block.ring[:, kind : kind + 1, :, held - kept :])
+        self._ring_written(slot, start, count, held, g.window_len)
+
+    def _ring_written(self, slot: int, start: int, count: int, held: int, ring_len: int) -> None:
+        """`ring_start` after a block of `count` positions at `start` whose last `held` went into
+        rings of `ring_len` positions: the slot's own positions below `start` (ring_start ..
+        start - 1) still count where the block's ring covers the whole run, and survive down to
+        end - ring_len."""
+        end = start + count
+        below = min(int(self.ring_start[slot]), start) if held == count else end - held
+        self.ring_start[slot] = max(end - ring_len, below)

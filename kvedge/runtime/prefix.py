@@ -11,6 +11,10 @@ Warm file (`<name>.kvw`, one per prefix)::
                          without ring layers) [full layers, 2 (K, V), kv_heads, count, head_dim],
                          then of the ring layers [ring layers, 2, kv_heads, ring_count, ring_dim];
                          for int8 caches then their float16 scales, same order, [..., groups];
+                         an int4 cache's instead: its codes and scales, per array of
+                         `CacheGeometry.packed_arrays` but the windows [its layers, 1, kv_heads,
+                         count, last] (uint8, float16), then its window rows [layers, 2,
+                         kv_heads, ring_count, head_dim] float32 (`KVBlock.arrays`, `_layout`);
                          then per-slot states (hybrid models, `CacheGeometry.states`): for each
                          position of `state_at`, each state kind's [state layers, *shape]
     16+H+N     32 bytes  sha256 of every byte before it
@@ -19,9 +23,10 @@ Header: name, model_fingerprint (source fingerprint from the model manifest), gr
 (the manifest's onnx_fingerprint: the graph that computed the K/V, so an export of the same source
 with other weights, another variant or other export code never takes it), scales_fingerprint
 ("" for a cache without static scales), geometry (layers, kv heads, head dim, dtype, the scale
-group size for int8, and for ring geometries ring_layers, window and ring_margin), count,
-ring_count (the ring layers hold the prefix's last ring_count positions, in position order, so
-the data do not depend on ring_len; 0 without ring layers), state_at (the positions, counted
+group size for int8, key8_layers and float_window for int4, and for ring geometries ring_layers,
+window and ring_margin), count, ring_count (the ring layers, or an int4 cache's windows, hold the
+prefix's last ring_count positions, in position order, so the data do not depend on ring_len; 0
+without either), state_at (the positions, counted
 from the chain's first token, where the file carries the per-slot states a turn resumes from: its
 end always, and earlier snapshots of the slot it came from; empty without states), token_ids,
 data_bytes, kvedge_version, and for a run-time prefix's segment (`kvedge.runtime.prefix_disk`)
@@ -67,6 +72,14 @@ ring_len), each at its own block offset; the ring part of earlier blocks is unus
 m tokens of the entry is usable only where those positions cover what the query at m needs
 (`KVCache.ring_limit`, the rewind rule), so a conversation sharing a short head of a long entry
 prefills from 0 unless its slot or a warm prefix serves it.
+
+The int4 cache (`CacheGeometry.packed`): one arena [blocks, block bytes] uint8. A block holds B
+positions' codes and scales (each array of `KVBlock.parts` for B positions, one after another,
+viewed as [its layers, 1, blocks, kv_heads, B, last]) or a piece of one entry's window rows: the
+float32 rows of positions ring_from .. n - 1 (at most window_len: what the slot's windows held),
+their bytes laid over as many blocks as they need (`RunTimeEntry.windows`). So the budget counts
+the windows an entry holds, not a window per block (a window row is ~7x a position's codes);
+usable as ring layers' (`KVCache.ring_limit`).
 
 Per-slot states (LFM2): each block has room for one state snapshot, `states[kind]` [state layers,
 blocks, *shape], counted in the block's bytes; an entry keeps the states its slot knew
@@ -194,10 +207,13 @@ def warm_file(
     that computed its K/V (`Manifest.onnx_fingerprint`; "" for K/V made by no export)."""
     block, state_at = prefix.block, prefix.state_at
     _check_state_at(prefix.name, geometry, state_at, prefix.start, len(prefix.token_ids))
-    parts = [np.array(a, geometry.np_dtype, order="C") for a in (block.kv, block.ring) if a is not None]
-    if geometry.quantized:
-        scales = (block.scales, block.ring_scales)
-        parts += [np.array(a, KV_SCALE_DTYPE, order="C") for a in scales if a is not None]
+    layout = _layout(geometry, block.count, block.ring_count)
+    if len(block.arrays) != len(layout):
+        raise KvedgeError(
+            f"warm prefix {prefix.name}: its KV is {len(block.arrays)} arrays, a {geometry.dtype} "
+            f"cache's {len(layout)} ({[name for name, _, _ in layout]})"
+        )
+    parts = [np.array(a, dtype, order="C") for a, (_, _, dtype) in zip(block.arrays, layout, strict=True)]
     for position in state_at:
         parts += [np.array(prefix.states[position][s.kind], s.np_dtype, order="C") for s in geometry.states]
     header = {
@@ -312,9 +328,10 @@ def read_warm_file(
         raise ArtifactMismatch(
             f"{path.name}: {count} tokens from position {header.start} exceed max_len {geometry.max_len}"
         )
-    if held > (count if geometry.ring_layers else 0):
+    if held > (count if geometry.ring_layers or geometry.packed else 0):
         raise ArtifactMismatch(
-            f"{path.name}: ring_count {held} must be 0 without ring layers, at most count {count} with them"
+            f"{path.name}: ring_count {held} must be 0 without ring layers or int4 windows, at most "
+            f"count {count} with them"
         )
     _check_state_at(path.name, geometry, header.state_at, header.start, count, ArtifactMismatch)
     kv_bytes = geometry.block_bytes(count, held)
@@ -323,16 +340,19 @@ def read_warm_file(
         raise ArtifactMismatch(
             f"{path.name}: {header.data_bytes} data bytes, {count} tokens need {needed}"
             + (f" ({held} positions in the ring layers)" if geometry.ring_layers else "")
+            + (f" ({held} positions in the int4 windows)" if geometry.packed else "")
             + (f" (states at {len(header.state_at)} positions)" if geometry.states else "")
         )
     arrays = _arrays(mapped, geometry, offset, count, held)
     states = _states(mapped, geometry, offset + kv_bytes, header.state_at)
     if not known:
         carried = ((f"state {kind} at {p}", a) for p, at in states.items() for kind, a in at.items())
-        _check_finite(path, [*arrays.items(), *carried])
+        _check_finite(path, [*arrays, *carried])
     if checked is not None:
         checked.add(identity)
-    return WarmPrefix(header.name, tuple(token_ids), KVBlock(**arrays), header.parent, header.start, states)
+    fields = {name: array for name, array in arrays if name != "parts"}
+    block = KVBlock(fields.pop("kv", None), parts=tuple(a for name, a in arrays if name == "parts"), **fields)
+    return WarmPrefix(header.name, tuple(token_ids), block, header.parent, header.start, states)
 
 
 def _check_finite(path: Path, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
@@ -443,28 +463,35 @@ def _map(path: Path) -> tuple[mmap.mmap, os.stat_result]:
     return mapped, status
 
 
+def _layout(geometry: CacheGeometry, count: int, held: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """The arrays of a warm file's data, in order (`KVBlock.arrays`), of a block of `count`
+    positions whose ring layers (int4: windows) hold the last `held`: (`KVBlock` field, shape,
+    dtype). Every layout but the int4 cache's is version 2's (module docstring)."""
+    g, h, scale = geometry, geometry.num_kv_heads, np.dtype(KV_SCALE_DTYPE)
+    if g.packed:  # codes and scales [layers, 1, kvh, count, last] per array, then the windows
+        *codes, _, (_, (window, _, _)) = g.packed_arrays()
+        layout = [("parts", (len(layers), 1, h, count, last), dtype) for layers, (dtype, _, last) in codes]
+        return [*layout, ("ring", (g.num_layers, 2, h, held, g.head_dim), window)]
+    layout = [("kv", (len(g.full_layers), 2, h, count, g.head_dim), g.np_dtype)]
+    if g.ring_layers:
+        layout.append(("ring", (len(g.ring_layers), 2, h, held, g.ring_dim), g.np_dtype))
+    if g.quantized:
+        layout.append(("scales", (len(g.full_layers), 2, h, count, g.scale_groups), scale))
+        if g.ring_layers:
+            layout.append(("ring_scales", (len(g.ring_layers), 2, h, held, g.ring_scale_groups), scale))
+    return layout
+
+
 def _arrays(
     mapped: mmap.mmap, geometry: CacheGeometry, start: int, count: int, held: int
-) -> dict[str, np.ndarray]:
-    """The K/V (and ring, scales) arrays of a warm file's data, views of `mapped` from `start`:
-    each [layers, 2, kv_heads, tokens, head_dim or scale groups]."""
-    g, offset = geometry, start
-    arrays: dict[str, np.ndarray] = {}
-    parts = [("kv", len(g.full_layers), count, g.head_dim, g.np_dtype)]
-    if g.ring_layers:
-        parts.append(("ring", len(g.ring_layers), held, g.ring_dim, g.np_dtype))
-    if g.quantized:
-        parts.append(("scales", len(g.full_layers), count, g.scale_groups, np.dtype(KV_SCALE_DTYPE)))
-        if g.ring_layers:
-            parts.append(
-                ("ring_scales", len(g.ring_layers), held, g.ring_scale_groups, np.dtype(KV_SCALE_DTYPE))
-            )
-    for name, layers, n, last, dtype in parts:
-        shape = (layers, 2, g.num_kv_heads, n, last)
-        arrays[name] = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(
-            shape
-        )
-        offset += arrays[name].nbytes
+) -> list[tuple[str, np.ndarray]]:
+    """The arrays of a warm file's data (`_layout`), views of `mapped` from `start`, each with its
+    `KVBlock` field."""
+    offset, arrays = start, []
+    for name, shape, dtype in _layout(geometry, count, held):
+        array = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+        arrays.append((name, array))
+        offset += array.nbytes
     return arrays
 
 
@@ -493,6 +520,7 @@ class RunTimeEntry:
     blocks: list[int]  # arena blocks; block i holds tokens i*B .. i*B+B-1
     ring_from: int = 0  # the ring layers hold positions ring_from .. n - 1 (0 without rings)
     state_at: tuple[int, ...] = ()  # positions of the states it carries; the i-th in its block i
+    windows: list[int] = dataclasses.field(default_factory=list)  # int4: blocks of its window rows
 
 
 class Stored(Protocol):
@@ -541,6 +569,7 @@ class RunTimePrefixStore:
         (the disk tier, `kvedge.runtime.prefix_disk`)."""
         self.block_tokens = block_tokens
         self.spill = spill
+        self.geometry = geometry
         # a block's KV, and room for one snapshot of the per-slot states (hybrid models)
         self.block_bytes = geometry.bytes_per_token() * block_tokens + geometry.state_bytes_per_slot()
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -552,17 +581,28 @@ class RunTimePrefixStore:
                 f"({self.block_bytes} bytes for this cache); use 0 (off) or at least {self.block_bytes}"
             )
         g = geometry
+        self.capacity_blocks = blocks
+        self.window_blocks = 0  # blocks an int4 entry's window rows take at most
+        if g.packed:
+            self.window_blocks = -(-g.window_bytes(g.window_len) // g.block_bytes(block_tokens, 0))
+            if budget_bytes and blocks <= self.window_blocks:
+                least = (self.window_blocks + 1) * self.block_bytes
+                raise KvedgeError(
+                    f"prefix_cache_bytes={budget_bytes} does not hold one block of {block_tokens} "
+                    f"tokens and an int4 cache's window rows ({least} bytes); use 0 (off) or at least {least}"
+                )
 
         def arena(layers: int, last: int, dtype: np.dtype, fill: int) -> np.ndarray | None:
             # Written once here so that every page is committed at start-up, not by first-touch
             # page faults on a request's path (docs/PERFORMANCE.md, "Allocation").
-            if not last:  # scales of a float cache
+            if not last or g.packed:  # scales of a float cache; an int4 cache's are `codes`
                 return None
             return np.full((layers, 2, blocks, g.num_kv_heads, block_tokens, last), fill, dtype)
 
         scale = np.dtype(KV_SCALE_DTYPE)
         self.kv = arena(len(g.full_layers), g.head_dim, g.np_dtype, 0)  # [full layers, 2, blocks, kvh, B, d]
         self.scales = arena(len(g.full_layers), g.scale_groups, scale, 1)  # [..., B, groups] (int8)
+        self.arena, self.codes = self._packed_arena(g, blocks) if g.packed else (None, [])
         self.ring = self.ring_scales = None
         if g.ring_layers:
             self.ring = arena(
@@ -578,9 +618,19 @@ class RunTimePrefixStore:
         self.hit_tokens = 0  # tokens copied in instead of prefilled
         self.evictions = 0  # entries dropped to make room
 
-    @property
-    def capacity_blocks(self) -> int:
-        return self.kv.shape[2]
+    def _packed_arena(self, g: CacheGeometry, blocks: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """An int4 cache's arena [blocks, block bytes] uint8, and its views as the codes and scales
+        of `KVBlock.parts`, each [its layers, 1, blocks, kv_heads, B, last] (module docstring)."""
+        b = self.block_tokens
+        arena = np.zeros((blocks, g.block_bytes(b, 0)), np.uint8)
+        codes, offset = [], 0
+        for layers, (dtype, _, last) in g.packed_arrays()[:-2]:
+            shape = (len(layers), 1, g.num_kv_heads, b, last)
+            size = int(np.prod(shape)) * dtype.itemsize
+            view = arena[:, offset : offset + size].view(dtype).reshape(blocks, *shape)
+            codes.append(view.transpose(1, 2, 0, 3, 4, 5))
+            offset += size
+        return arena, codes
 
     @property
     def capacity_bytes(self) -> int:
@@ -604,12 +654,15 @@ class RunTimePrefixStore:
 
     def save(self, cache: KVCache, slot: int) -> None:
         """Keep the tokens `slot` holds (as many as the whole arena fits) and their KV."""
-        ids = cache.token_ids(slot)[: self.capacity_blocks * self.block_tokens]
+        ids = cache.token_ids(slot)[: (self.capacity_blocks - self.window_blocks) * self.block_tokens]
         if not len(ids):
             return
-        # the slot's rings hold ring_start .. length - 1 (every position without rings)
-        ring_from = min(int(cache.ring_start[slot]), len(ids)) if self.ring is not None else 0
+        # the slot's rings (an int4 cache's windows) hold ring_start .. length - 1 (every position
+        # without rings)
+        rings = self.ring is not None or self.arena is not None
+        ring_from = min(int(cache.ring_start[slot]), len(ids)) if rings else 0
         need = -(-len(ids) // self.block_tokens)
+        windows = self._window_blocks(len(ids) - ring_from)
         known = cache.known_states(slot, len(ids))
         state_at = tuple(sorted(known)[-need:])  # one per block, the latest
         if self.states and not state_at:
@@ -622,16 +675,30 @@ class RunTimePrefixStore:
             extended = ring_from <= entry.ring_from and set(entry.state_at) <= set(state_at)
             if shared == len(entry.token_ids) and extended:
                 self._drop(key)
-        while len(self.free) < need:
+        while len(self.free) < need + windows:
             oldest = next(iter(self.entries.values()))
             if self.spill is not None:
                 self.spill(oldest.token_ids, self.block(oldest), self.snapshots(oldest))
             self._drop(oldest.key)
             self.evictions += 1
         blocks = [self.free.pop() for _ in range(need)]
+        rows = [self.free.pop() for _ in range(windows)]
+        if self.arena is not None:
+            self._save_packed(cache.view(slot, 0, len(ids)), blocks, rows)
+        else:
+            self._save_blocks(cache, slot, len(ids), blocks)
+        for block, position in zip(blocks, state_at, strict=False):
+            for kind, arena in self.states.items():
+                arena[:, block] = known[position][kind]
+        entry = RunTimeEntry(self._next_key, ids.copy(), blocks, ring_from, state_at, rows)
+        self.entries[self._next_key] = entry
+        self._next_key += 1
+
+    def _save_blocks(self, cache: KVCache, slot: int, count: int, blocks: list[int]) -> None:
+        """The first `count` positions of `slot` into `blocks`, B at a time (caches with a pool)."""
         for i, block in enumerate(blocks):
             start = i * self.block_tokens
-            n = min(self.block_tokens, len(ids) - start)
+            n = min(self.block_tokens, count - start)
             held = cache.view(slot, start, start + n)
             self.kv[:, :, block, :, :n] = held.kv
             if self.scales is not None:
@@ -640,11 +707,34 @@ class RunTimePrefixStore:
                 self.ring[:, :, block, :, n - held.ring_count : n] = held.ring
                 if self.ring_scales is not None:
                     self.ring_scales[:, :, block, :, n - held.ring_count : n] = held.ring_scales
-        for block, position in zip(blocks, state_at, strict=False):
-            for kind, arena in self.states.items():
-                arena[:, block] = known[position][kind]
-        self.entries[self._next_key] = RunTimeEntry(self._next_key, ids.copy(), blocks, ring_from, state_at)
-        self._next_key += 1
+
+    def _window_blocks(self, rows: int) -> int:
+        """Blocks `rows` positions of an int4 cache's window rows take (0 for other caches)."""
+        if self.arena is None:
+            return 0
+        return -(-self.geometry.window_bytes(rows) // self.arena.shape[1])
+
+    def _save_packed(self, whole: KVBlock, blocks: list[int], rows: list[int]) -> None:
+        """An int4 slot's run (`whole`: its codes and scales, and its window rows) into `blocks`
+        and the window rows' bytes into `rows`, one block's bytes after another."""
+        b = self.block_tokens
+        for i, block in enumerate(blocks):
+            for arena, part in zip(self.codes, whole.parts, strict=True):
+                piece = part[:, :, :, i * b : (i + 1) * b]
+                arena[:, :, block, :, : piece.shape[3]] = piece
+        data = np.frombuffer(np.ascontiguousarray(whole.ring).data, np.uint8)
+        size = self.arena.shape[1]
+        for j, block in enumerate(rows):
+            chunk = data[j * size : (j + 1) * size]
+            self.arena[block, : len(chunk)] = chunk
+
+    def _windows(self, entry: RunTimeEntry) -> np.ndarray:
+        """An int4 entry's window rows, positions ring_from .. n - 1: [layers, 2, kv_heads, r,
+        head_dim] float32 (a copy)."""
+        g, r = self.geometry, len(entry.token_ids) - entry.ring_from
+        shape = (g.num_layers, 2, g.num_kv_heads, r, g.head_dim)
+        data = self.arena[entry.windows].reshape(-1)[: g.window_bytes(r)]
+        return data.view(np.float32).reshape(shape).copy()
 
     def load(self, cache: KVCache, slot: int, entry: RunTimeEntry, count: int, start: int = 0) -> None:
         """Make `slot` hold the entry's first `count` tokens, given that it already holds the first
@@ -665,17 +755,21 @@ class RunTimePrefixStore:
     def _copy(self, cache: KVCache, slot: int, entry: RunTimeEntry, count: int, start: int) -> None:
         b = self.block_tokens
         last = -(-count // b) - 1
+        windows = None if self.arena is None else self._windows(entry)  # positions ring_from ..
         for i in range(start // b, last + 1):
             block = entry.blocks[i]
             lo, hi = max(start, i * b) - i * b, min(count, (i + 1) * b) - i * b
-            kv = self.kv[:, :, block, :, lo:hi]
-            scales = None if self.scales is None else self.scales[:, :, block, :, lo:hi]
-            ring = ring_scales = None
-            if self.ring is not None:  # the ring positions of lo..hi the entry holds
-                held = slice(min(max(lo, entry.ring_from - i * b), hi), hi)
-                ring = self.ring[:, :, block, :, held]
+            held = slice(min(max(lo, entry.ring_from - i * b), hi), hi)  # the ring positions it holds
+            if windows is not None:  # int4: codes and scales, and the window rows of lo..hi
+                rows = slice(held.start + i * b - entry.ring_from, hi + i * b - entry.ring_from)
+                parts = tuple(arena[:, :, block, :, lo:hi] for arena in self.codes)
+                piece = KVBlock(None, ring=windows[:, :, :, rows], parts=parts)
+            else:
+                kv = self.kv[:, :, block, :, lo:hi]
+                scales = None if self.scales is None else self.scales[:, :, block, :, lo:hi]
+                ring = None if self.ring is None else self.ring[:, :, block, :, held]
                 ring_scales = None if self.ring_scales is None else self.ring_scales[:, :, block, :, held]
-            piece = KVBlock(kv, scales, ring, ring_scales)
+                piece = KVBlock(kv, scales, ring, ring_scales)
             states = self.snapshots(entry, count) if i == last else None  # the slot resumes at count
             cache.write(slot, piece, entry.token_ids[i * b + lo : i * b + hi], i * b + lo, states)
 
@@ -695,6 +789,8 @@ class RunTimePrefixStore:
             return np.concatenate(runs or [arena[:, :, 0, :, :0]], axis=3)  # [layers, 2, kvh, tokens, d]
 
         first = entry.ring_from
+        if self.arena is not None:
+            return KVBlock(None, ring=self._windows(entry), parts=tuple(gather(a) for a in self.codes))
         return KVBlock(
             gather(self.kv), gather(self.scales), gather(self.ring, first), gather(self.ring_scales, first)
         )
@@ -708,4 +804,5 @@ class RunTimePrefixStore:
         }
 
     def _drop(self, key: int) -> None:
-        self.free.extend(reversed(self.entries.pop(key).blocks))
+        entry = self.entries.pop(key)
+        self.free.extend(reversed(entry.blocks + entry.windows))

@@ -20,11 +20,12 @@ budget to drop. So each token's KV is written once (the reply's twice where it r
 a process killed at any moment loses at most the turn in flight. An edited or regenerated
 conversation branches from the longest chain it extends. A prefix that leaves memory (its slot is
 taken, the LRU evicts it, the model closes) is written the same way, if not yet held.
-Ring geometries (Gemma 3) keep each prefix as one file, written when it leaves memory: a ring
-layer's part of a segment would need positions before its start. With per-slot states (LFM2) each
-file ends where the slot's states are known (the end of a prompt, of a reply, of what the slot
-held) and carries them there and at the slot's snapshots inside it (header `state_at`), so a
-conversation resumes from the latest one its chain carries at or before what it shares.
+Ring geometries (Gemma 3) and the int4 cache keep each prefix as one file, written when it leaves
+memory: a ring layer's (an int4 window's) part of a segment would need positions before its
+start. With per-slot states (LFM2) each file ends where the slot's states are known (the end of
+a prompt, of a reply, of what the slot held) and carries them there and at the slot's snapshots
+inside it (header `state_at`), so a conversation resumes from the latest one its chain carries at
+or before what it shares.
 
 Writing: `save` copies the KV out of the slot and queues the file for one writer thread
 (`FileWriter`: atomic write, fsync, rename), so the scheduler never waits on the disk, only for a
@@ -139,7 +140,7 @@ class PrefixDisk:
         )  # RunOptions checks
         self.geometry = geometry
         self.model_fingerprint, self.graph_fingerprint = model_fingerprint, graph_fingerprint
-        self.segments = not geometry.ring_layers
+        self.segments = not geometry.ring_layers and not geometry.packed
         self.entries: OrderedDict[str, DiskEntry] = OrderedDict()  # least recently used first
         self.refused: dict[str, str] = {}  # file name -> why
         self.bytes_written = 0
@@ -475,8 +476,8 @@ def _prefix_paths(prefix_dir: Path) -> list[Path]:
 
 def reader(block: KVBlock) -> Callable[[int], KVBlock]:
     """`PrefixDisk.save`'s `read` over a block of positions 0..n-1 (asked from 0 only when it has
-    ring layers: those are written whole)."""
-    return lambda start: KVBlock(*(None if a is None else a[:, :, :, start:] for a in block))
+    ring layers or int4 windows: those are written whole)."""
+    return block.tail
 
 
 def _why(exc: Exception) -> str:

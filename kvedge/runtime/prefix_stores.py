@@ -28,7 +28,6 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from kvedge.contract import Manifest
-from kvedge.errors import KvedgeError
 from kvedge.runtime.cache import KVCache
 from kvedge.runtime.options import RunOptions
 from kvedge.runtime.prefix import RunTimePrefixStore, Stored
@@ -50,15 +49,6 @@ class PrefixStores:
     ) -> None:
         self.cache, self.sessions = cache, sessions
         run_time_bytes = options.prefix_cache_bytes
-        if manifest.geometry.packed:  # its blocks do not travel yet (`KVCache._refuse_packed`)
-            if options.prefix_dir is not None:
-                raise KvedgeError(
-                    f"prefix_dir {options.prefix_dir}: the int4 cache (--kv-dtype int4) keeps no prefix "
-                    "files yet; leave prefix_dir unset, or export with --kv-dtype int8"
-                )
-            if run_time_bytes:
-                log.info("the int4 cache keeps no run-time prefixes yet: prefix_cache_bytes is not used")
-            run_time_bytes = 0
         self.disk: PrefixDisk | None = None if options.prefix_dir is None else _open_disk(manifest, options)
         disk = self.disk
         spill = None if disk is None else lambda ids, block, states: disk.save(ids, reader(block), states)
