@@ -386,6 +386,36 @@ def test_kernel_bench_times_both_attentions(capsys):
         assert kernel.KERNEL in line and kernel.GQA in line and line.endswith("x")
 
 
+def test_kernel_bench_times_the_int4_kernel_beside(capsys):
+    """`--int4`: kvedge.Int4CacheAttention as a third column and its time over the INT8 kernel's."""
+    from kvedge.bench import kernel
+    from kvedge.runtime import kernels
+
+    try:
+        kernels.library_path()
+    except KvedgeError as exc:
+        pytest.skip(str(exc))
+    kernel.main(
+        [
+            "--contexts",
+            "20",
+            "--prefill",
+            "33",
+            "--runs",
+            "2",
+            "--prefill-runs",
+            "1",
+            "--rounds",
+            "2",
+            "--int4",
+        ]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out[1:]] == ["decode ctx 20", "prefill 33"]
+    for line in out[1:]:
+        assert kernel.INT4 in line and kernel.KERNEL in line and "; int4 / int8 time " in line
+
+
 def test_decode_targets_cover_every_context_and_flat_growth_stays_at_1536():
     """Issue 18's contexts 64-2000: int4 decode is judged at each one, 64 included; flat growth
     keeps issue 3's 1536 / 64 while 1536 is measured; a peer that crashed is not judged."""

@@ -1,16 +1,18 @@
-"""One attention layer alone: kvedge.Int8CacheAttention against GroupQueryAttention (figures for docs).
+"""One attention layer alone: kvedge's cache attentions against GroupQueryAttention (figures for docs).
 
     python bench/kernel.py [--contexts 64 512 1536] [--prefill 128 512 1024 2048] [--threads 1]
-                           [--rounds 3] [--runs 300] [--prefill-runs 5]
+                           [--rounds 3] [--runs 300] [--prefill-runs 5] [--int4]
 
 SmolLM2-135M's attention shapes by default (9 query / 3 KV heads, head_dim 64, max_len 2048,
-32-channel scale groups): kvedge's kernel over an INT8 cache and onnxruntime's
+32-channel scale groups): kvedge.Int8CacheAttention over an INT8 cache and onnxruntime's
 GroupQueryAttention over a float32 cache, each a one-node graph in its own session, caches bound
-in place by I/O binding. Decode: one new token after `ctx` cached ones (--runs calls). Prefill: a
-fresh prompt of P tokens in one call (--prefill-runs calls; the kernel's tiled path). The two
-alternate within each of --rounds rounds, the order flipping per round, all in one process.
-Prints microseconds per call (median over rounds of each round's mean after warm-up calls) and
-the kernel's speed-up (median of the per-round ratios).
+in place by I/O binding; with --int4, kvedge.Int4CacheAttention too (5-bit keys, a float window
+of 32 in a ring of 64: tests/test_kv4.py's layer). Decode: one new token after `ctx` cached ones
+(--runs calls). Prefill: a fresh prompt of P tokens in one call (--prefill-runs calls; the
+kernels' tiled path). The systems alternate within each of --rounds rounds, the order flipping
+per round, all in one process. Prints microseconds per call (median over rounds of each round's
+mean after warm-up calls) and the INT8 kernel's speed-up over GroupQueryAttention (median of the
+per-round ratios); with --int4, also the int4 kernel's time over the INT8 kernel's (likewise).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from kvedge.contract import INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN
+from kvedge import kv4
+from kvedge.contract import INT4_ATTENTION_OP, INT8_ATTENTION_OP, KVEDGE_OPS_DOMAIN
 from kvedge.runtime import kernels
 
 KERNEL = "kvedge.Int8CacheAttention (INT8 cache)"
 GQA = "GroupQueryAttention (float32 cache)"
+INT4 = "kvedge.Int4CacheAttention (4-bit cache)"
+INT4_KEY_BITS, INT4_WINDOW, INT4_RING = 5, 32, 64
 
 
 def one_node_session(node, inputs, outputs, domain: str, threads: int) -> ort.InferenceSession:
@@ -54,9 +59,11 @@ def bound(session: ort.InferenceSession, arrays: dict[str, np.ndarray], outputs:
 
 
 class Layer:
-    """The two one-node sessions and their caches, for calls of any number of new tokens."""
+    """The one-node sessions and their caches, for calls of any number of new tokens."""
 
-    def __init__(self, h: int, kvh: int, d: int, length: int, group_size: int, threads: int) -> None:
+    def __init__(
+        self, h: int, kvh: int, d: int, length: int, group_size: int, threads: int, int4: bool = False
+    ) -> None:
         self.h, self.kvh, self.d = h, kvh, d
         width, groups = (h + 2 * kvh) * d, d // group_size
         cache, scales = [1, kvh, length, d], [1, kvh, length, groups]
@@ -111,9 +118,50 @@ class Layer:
         self.codes = {n: rng.integers(-127, 128, cache).astype(np.int8) for n in ("k", "v")}
         self.factors = {n: np.full(scales, 0.01, np.float16) for n in ("ks", "vs")}
         self.floats = {n: rng.standard_normal(cache).astype(np.float32) for n in ("k", "v")}
+        self.int4 = self.int4_session(length, threads) if int4 else None
+
+    def int4_session(self, length: int, threads: int) -> ort.InferenceSession:
+        """The int4 kernel's session and its state (random codes, scales and ring rows)."""
+        h, kvh, d, rng = self.h, self.kvh, self.d, self.rng
+        shapes = {
+            "kc": (TensorProto.UINT8, [1, kvh, length, kv4.row_bytes(d, INT4_KEY_BITS)]),
+            "ks": (TensorProto.FLOAT16, [1, kvh, length, kv4.key_groups(d, INT4_KEY_BITS)]),
+            "vc": (TensorProto.UINT8, [1, kvh, length, kv4.row_bytes(d, 4)]),
+            "vs": (TensorProto.FLOAT16, [1, kvh, length, 1]),
+            "kw": (TensorProto.FLOAT, [1, kvh, INT4_RING, d]),
+            "vw": (TensorProto.FLOAT, [1, kvh, INT4_RING, d]),
+        }
+        self.state4 = {}
+        for name, (elem, shape) in shapes.items():
+            if elem == TensorProto.UINT8:
+                self.state4[name] = rng.integers(0, 256, shape).astype(np.uint8)
+            elif elem == TensorProto.FLOAT16:
+                self.state4[name] = np.full(shape, 0.1, np.float16)
+            else:
+                self.state4[name] = rng.standard_normal(shape).astype(np.float32)
+        width = (h + 2 * kvh) * d
+        inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, "seq", width])]
+        inputs += [helper.make_tensor_value_info("lengths", TensorProto.INT64, [1])]
+        inputs += [helper.make_tensor_value_info(n, e, s) for n, (e, s) in shapes.items()]
+        inputs += [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, [length, d // 2]) for n in ("cos", "sin")
+        ]
+        outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "seq", h * d])]
+        outputs += [helper.make_tensor_value_info(n + "_out", e, s) for n, (e, s) in shapes.items()]
+        node = helper.make_node(
+            INT4_ATTENTION_OP,
+            [i.name for i in inputs],
+            [o.name for o in outputs],
+            domain=KVEDGE_OPS_DOMAIN,
+            num_heads=h,
+            kv_num_heads=kvh,
+            key_bits=INT4_KEY_BITS,
+            window=INT4_WINDOW,
+        )
+        return one_node_session(node, inputs, outputs, KVEDGE_OPS_DOMAIN, threads)
 
     def calls(self, past: int, new: int) -> dict[str, tuple[ort.InferenceSession, object, list]]:
-        """Both systems bound for `new` tokens after `past` cached ones: name -> (session, binding, kept)."""
+        """Each system bound for `new` tokens after `past` cached ones: name -> (session, binding, kept)."""
         qkv = self.rng.standard_normal((1, new, (self.h + 2 * self.kvh) * self.d), np.float32)
         out = np.zeros((1, new, self.h * self.d), np.float32)
         lengths = np.array([past], np.int64)
@@ -125,10 +173,15 @@ class Layer:
         gqa_in = {"qkv": qkv, **self.floats, "seqlens": seqlens, "total": total, **rope}
         gqa_out = {"out": out, "k_out": self.floats["k"], "v_out": self.floats["v"]}
         kept = [qkv, out, lengths, seqlens, total]  # the bound buffers must outlive the bindings
-        return {
+        calls = {
             KERNEL: (self.int8, bound(self.int8, kernel_in, kernel_out), kept),
             GQA: (self.gqa, bound(self.gqa, gqa_in, gqa_out), kept),
         }
+        if self.int4 is not None:
+            int4_in = {"qkv": qkv, "lengths": lengths, **self.state4, **rope}
+            int4_out = {"out": out} | {n + "_out": a for n, a in self.state4.items()}
+            calls[INT4] = (self.int4, bound(self.int4, int4_in, int4_out), kept)
+        return calls
 
 
 def time_calls(session: ort.InferenceSession, binding, runs: int, warmup: int) -> float:
@@ -150,7 +203,11 @@ def compare(layer: Layer, past: int, new: int, rounds: int, runs: int, warmup: i
             times[name].append(time_calls(session, binding, runs, warmup))
     speedup = statistics.median(g / k for k, g in zip(times[KERNEL], times[GQA], strict=True))
     figures = ", ".join(f"{name} {statistics.median(t):.1f} us" for name, t in times.items())
-    return f"{figures}; kernel {speedup:.2f}x"
+    line = f"{figures}; kernel {speedup:.2f}x"
+    if INT4 in times:
+        ratio = statistics.median(f / k for k, f in zip(times[KERNEL], times[INT4], strict=True))
+        line += f"; int4 / int8 time {ratio:.2f}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,8 +223,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--int4", action="store_true", help="time kvedge.Int4CacheAttention too")
     args = parser.parse_args(argv)
-    layer = Layer(args.heads, args.kv_heads, args.head_dim, args.max_len, args.group_size, args.threads)
+    layer = Layer(
+        args.heads, args.kv_heads, args.head_dim, args.max_len, args.group_size, args.threads, args.int4
+    )
     shape = f"{args.heads} query / {args.kv_heads} KV heads, head_dim {args.head_dim}, max_len {args.max_len}"
     print(f"one layer: {shape}, {args.threads} thread(s), {args.rounds} rounds")
     for ctx in args.contexts:

@@ -1067,15 +1067,16 @@ inline v8u Nibbles(const uint8_t* p) {  // the 8 4-bit codes of 4 bytes, code 2i
   return ((v8u{} + word) >> kNibbleShifts) & 15u;
 }
 
-// LEVELS_V[code] for 8 codes: two 8-entry table lookups of the vector unit, else one at a time
-inline v8f ValueLevels(v8u code) {
+// table[index] for 8 indices (0 .. 15) into 16 floats: two 8-entry table lookups of the vector unit,
+// else one at a time
+inline v8f Lookup16(const float* table, v8u index) {
 #if defined(__AVX2__)
   __m256i i;
-  std::memcpy(&i, &code, sizeof i);
-  const __m256 lo = _mm256_loadu_ps(kLevelsV), hi = _mm256_loadu_ps(kLevelsV + 8);
+  std::memcpy(&i, &index, sizeof i);
+  const __m256 lo = _mm256_loadu_ps(table), hi = _mm256_loadu_ps(table + 8);
 #if defined(__AVX512VL__)
   const __m256 r = _mm256_permutex2var_ps(lo, i, hi);
-#else  // blendv takes the sign bit: the code's bit 3 picks the upper half
+#else  // blendv takes the sign bit: the index's bit 3 picks the upper half
   const __m256 r = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i),
                                     _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
 #endif
@@ -1084,10 +1085,12 @@ inline v8f ValueLevels(v8u code) {
   return v;
 #else
   v8f v;
-  for (int j = 0; j < 8; ++j) v[j] = kLevelsV[code[j]];
+  for (int j = 0; j < 8; ++j) v[j] = table[index[j]];
   return v;
 #endif
 }
+
+inline v8f ValueLevels(v8u code) { return Lookup16(kLevelsV, code); }  // LEVELS_V[code] for 8 codes
 
 inline v8f Unsigned(const uint8_t* p) {  // 8 uint8 codes as floats
 #if defined(__AVX2__)
@@ -1149,46 +1152,146 @@ struct FloatRows {  // float rows, position p's at rows + (p + offset) D; one sc
   }
 };
 
-// x @ H in place, H the orthonormal Sylvester Hadamard matrix of order d (a power of 2,
-// kvedge.quant.hadamard): the butterflies, then 1 / sqrt(d). H is its own inverse.
-void Hadamard(float* x, int64_t d) {
-  for (int64_t h = 1; h < d; h *= 2) {
-    for (int64_t i = 0; i < d; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
+// Rounding toward +inf, lane by lane.
+inline v8f Ceil(v8f y) {
+#if defined(__AVX2__)
+  __m256 m;
+  std::memcpy(&m, &y, sizeof m);
+  m = _mm256_round_ps(m, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+  std::memcpy(&y, &m, sizeof y);
+  return y;
+#elif defined(__aarch64__)
+  float32x4_t half[2];
+  std::memcpy(half, &y, sizeof half);
+  half[0] = vrndpq_f32(half[0]);
+  half[1] = vrndpq_f32(half[1]);
+  std::memcpy(&y, half, sizeof y);
+  return y;
+#else
+  for (int j = 0; j < 8; ++j) y[j] = std::ceil(y[j]);
+  return y;
+#endif
+}
+
+// The butterflies of span H (1, 2 or 4) inside one vector of 8: lane j takes v[j] + v[j + H] where
+// bit H of j is clear, v[j - H] - v[j] where it is set.
+template <int H>
+inline v8f Butterfly(v8f v) {
+#if defined(__clang__)
+  v8f out;
+  for (int j = 0; j < 8; ++j) out[j] = (j & H) ? v[j - H] - v[j] : v[j] + v[j + H];
+  return out;
+#else
+  constexpr v8i lo = {0 & ~H, 1 & ~H, 2 & ~H, 3 & ~H, 4 & ~H, 5 & ~H, 6 & ~H, 7 & ~H};
+  constexpr v8i pick = {0 | (0 & H ? 8 : 0), 1 | (1 & H ? 8 : 0), 2 | (2 & H ? 8 : 0), 3 | (3 & H ? 8 : 0),
+                        4 | (4 & H ? 8 : 0), 5 | (5 & H ? 8 : 0), 6 | (6 & H ? 8 : 0), 7 | (7 & H ? 8 : 0)};
+  const v8f a = __builtin_shuffle(v, lo), b = __builtin_shuffle(v, lo + H);
+  return __builtin_shuffle(a + b, a - b, pick);
+#endif
+}
+
+// x @ H in place, H the orthonormal Sylvester Hadamard matrix of order D (kvedge.quant.hadamard):
+// the butterflies of span 1, 2, ..., D / 2, then 1 / sqrt(D); every value the same additions in
+// the same order as one butterfly at a time. H is its own inverse.
+template <int D>
+void HadamardDim(float* x) {
+  v8f v[D / 8];
+  for (int i = 0; i < D / 8; ++i) v[i] = Butterfly<4>(Butterfly<2>(Butterfly<1>(Load(x + 8 * i))));
+  for (int h = 1; h < D / 8; h *= 2) {
+    for (int i = 0; i < D / 8; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const v8f a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
       }
     }
   }
-  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
-  for (int64_t c = 0; c < d; ++c) x[c] *= norm;
+  const float norm = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int i = 0; i < D / 8; ++i) Store(x + 8 * i, v[i] * norm);
 }
+
+void Hadamard(float* x, int64_t d) {  // d: a head size the op has paths for
+  switch (d) {
+    case 16: return HadamardDim<16>(x);
+    case 32: return HadamardDim<32>(x);
+    case 64: return HadamardDim<64>(x);
+    case 128: return HadamardDim<128>(x);
+    case 256: return HadamardDim<256>(x);
+  }
+}
+
+// The two roundings of the scale search, 8 values y = x / s at a time: each one's code and level.
+struct Key5Rounding {  // u = clip(ceil(y) + 15, 0, 31): the nearest level u - 15.5, ties down
+  static constexpr float kCmax = 15.5f;
+  static void Round(v8f y, v8f* level, v8u* code) {
+    const v8f q = Ceil(y) + 15.0f, zero = {}, top = Splat(31.0f);
+    const v8f u = q < top ? (zero < q ? q : zero) : top;  // std::min(31, std::max(0, q))
+    *level = u - 15.5f;
+    *code = __builtin_convertvector(__builtin_convertvector(u, v8i), v8u);
+  }
+};
+
+// kvedge/kv4.py's MIDPOINTS_V (float32 sums, halved), ascending; a 16th entry for Lookup16
+constexpr float kMidsV[16] = {
+    (kLevelsV[0] + kLevelsV[1]) / 2.0f,   (kLevelsV[1] + kLevelsV[2]) / 2.0f,   (kLevelsV[2] + kLevelsV[3]) / 2.0f,
+    (kLevelsV[3] + kLevelsV[4]) / 2.0f,   (kLevelsV[4] + kLevelsV[5]) / 2.0f,   (kLevelsV[5] + kLevelsV[6]) / 2.0f,
+    (kLevelsV[6] + kLevelsV[7]) / 2.0f,   (kLevelsV[7] + kLevelsV[8]) / 2.0f,   (kLevelsV[8] + kLevelsV[9]) / 2.0f,
+    (kLevelsV[9] + kLevelsV[10]) / 2.0f,  (kLevelsV[10] + kLevelsV[11]) / 2.0f, (kLevelsV[11] + kLevelsV[12]) / 2.0f,
+    (kLevelsV[12] + kLevelsV[13]) / 2.0f, (kLevelsV[13] + kLevelsV[14]) / 2.0f, (kLevelsV[14] + kLevelsV[15]) / 2.0f,
+    INFINITY};
+
+struct Value4Rounding {  // the number of midpoints strictly below y
+  static constexpr float kCmax = kLevelsV[15];
+  static void Round(v8f y, v8f* level, v8u* code) {
+#if defined(__AVX2__)  // a binary search of the sorted midpoints: 3 table lookups, not 15 compares
+    v8u k = (v8u)(Splat(kMidsV[7]) < y) & 8u;
+    k += (v8u)(Lookup16(kMidsV, k + 3u) < y) & 4u;
+    k += (v8u)(Lookup16(kMidsV, k + 1u) < y) & 2u;
+    k += (v8u)(Lookup16(kMidsV, k) < y) & 1u;
+#else
+    v8u k = {};
+    for (int i = 0; i < 15; ++i) k -= (v8u)(Splat(kMidsV[i]) < y);  // true is all ones
+#endif
+    *code = k;
+    *level = ValueLevels(k);
+  }
+};
 
 // The scale search of 5-bit keys and 4-bit values (kvedge/kv4.py): for each of kMults in order
 // s = f16(max(absmax m / cmax, 2^-14)), codes by `round(x / s)` -> (code, level), and the first
 // multiplier with the strictly least squared error wins. Codes [d] and the scale are returned.
-template <class Round>
-void Searched(const float* x, int64_t d, float cmax, Round round, uint8_t* codes, half_t* scale) {
+// The 24 multipliers go 8 to a vector, each one's error summed over x in order (as one multiplier
+// at a time would); then the winner's codes.
+template <class Rounding>
+void Searched(const float* x, int64_t d, uint8_t* codes, half_t* scale) {
   float absmax = 0.0f;
   for (int64_t c = 0; c < d; ++c) absmax = std::max(absmax, std::fabs(x[c]));
-  uint8_t trial[kMaxHeadDim4];
-  float best = INFINITY;
+  half_t s16[24];
+  v8f s[3];
   for (int i = 0; i < 24; ++i) {
-    const half_t s16 = static_cast<half_t>(std::max(absmax * kMults[i] / cmax, kScaleFloor));
-    const float s = static_cast<float>(s16);
-    float err = 0.0f;
-    for (int64_t c = 0; c < d; ++c) {
-      float level;
-      trial[c] = round(x[c] / s, &level);
-      const float e = level * s - x[c];
-      err += e * e;
+    s16[i] = static_cast<half_t>(std::max(absmax * kMults[i] / Rounding::kCmax, kScaleFloor));
+    s[i / 8][i % 8] = static_cast<float>(s16[i]);
+  }
+  v8f sums[3] = {}, level;
+  v8u code;
+  for (int64_t c = 0; c < d; ++c) {
+    const v8f xc = Splat(x[c]);
+    for (int k = 0; k < 3; ++k) {
+      Rounding::Round(xc / s[k], &level, &code);
+      const v8f e = level * s[k] - xc;
+      sums[k] += e * e;
     }
-    if (i == 0 || err < best) {
-      best = err;
-      *scale = s16;
-      std::memcpy(codes, trial, d);
-    }
+  }
+  float err[24];
+  std::memcpy(err, sums, sizeof err);
+  int best = 0;
+  for (int i = 1; i < 24; ++i)
+    if (err[i] < err[best]) best = i;
+  *scale = s16[best];
+  const v8f sb = Splat(static_cast<float>(s16[best]));
+  for (int64_t c = 0; c < d; c += 8) {
+    Rounding::Round(Load(x + c) / sb, &level, &code);
+    for (int j = 0; j < 8; ++j) codes[c + j] = static_cast<uint8_t>(code[j]);
   }
 }
 
@@ -1207,11 +1310,7 @@ void QuantizeKey4(const float* x, int64_t d, int64_t key_bits, uint8_t* out, hal
     }
     return;
   }
-  Searched(x, d, 15.5f, [](float y, float* level) {
-    const float q = std::min(31.0f, std::max(0.0f, std::ceil(y) + 15.0f));  // the nearest level, ties down
-    *level = q - 15.5f;
-    return static_cast<uint8_t>(q);
-  }, u, scales);
+  Searched<Key5Rounding>(x, d, u, scales);
   for (int64_t i = 0; i < d / 2; ++i) out[i] = (u[2 * i] & 15) | (u[2 * i + 1] & 15) << 4;
   for (int64_t i = 0; i < d / 8; ++i) {
     uint8_t high = 0;
@@ -1222,15 +1321,8 @@ void QuantizeKey4(const float* x, int64_t d, int64_t key_bits, uint8_t* out, hal
 
 // One token's rotated V row of one head -> d / 2 bytes of 4-bit codes and its scale.
 void QuantizeValue4(const float* x, int64_t d, uint8_t* out, half_t* scale) {
-  float mids[15];  // as kvedge/kv4.py's MIDPOINTS_V: float32 sums, halved
-  for (int i = 0; i < 15; ++i) mids[i] = (kLevelsV[i] + kLevelsV[i + 1]) / 2.0f;
   uint8_t code[kMaxHeadDim4];
-  Searched(x, d, kLevelsV[15], [&mids](float y, float* level) {
-    int k = 0;
-    for (int i = 0; i < 15; ++i) k += mids[i] < y;  // midpoints strictly below
-    *level = kLevelsV[k];
-    return static_cast<uint8_t>(k);
-  }, code, scale);
+  Searched<Value4Rounding>(x, d, code, scale);
   for (int64_t i = 0; i < d / 2; ++i) out[i] = code[2 * i] | code[2 * i + 1] << 4;
 }
 
