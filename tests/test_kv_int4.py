@@ -300,11 +300,14 @@ def test_key_layer_calibration_ranks_layers_and_names_the_export_flags(int4_pair
     the costliest kept at 8 bits, and the report carries what it was made from."""
     from click.testing import CliRunner
 
-    from kvedge.calibrate.calibrate import builtin_prompts
-    from kvedge.calibrate.key_layers import KEY_LAYERS_FORMAT, FiveBitKeys, key_layers
+    from kvedge.calibrate.calibrate import builtin_prompts, prompt_ids
+    from kvedge.calibrate.key_layers import KEY_LAYERS_FORMAT, FiveBitKeys, key_layers, long_prompts
     from kvedge.cli import main
 
     fp = Model(int4_pair[0])
+    made = long_prompts(fp, builtin_prompts(), 200)  # the short chat prompts, listed to length
+    assert len(made) == 4 and all(150 <= len(prompt_ids(fp, p)) <= 200 for p in made)
+    assert len({p["messages"][0]["content"] for p in made}) == 4
     found = key_layers(fp, builtin_prompts()[:4], steps=8)
     g = fp.manifest.geometry
     assert len(found.layer_kl) == g.num_layers and all(kl > 0 for kl in found.layer_kl)

@@ -6,10 +6,13 @@ cost KL 0.0113 at 512 tokens; layers 20, 19 and 18 0.002-0.003; the other 26 0.0
 (bench/results/2026-12-07-2e022be-kv-int4-study). Keeping the costliest few at 8 bits bought most
 of what 8-bit keys everywhere would.
 
-Each KV layer's cost here: the calibration prompts are teacher-forced as eval-kv does
+Each KV layer's cost here: long prompts made of the calibration prompts (`long_prompts`: their
+questions listed, CONTEXT tokens each) are teacher-forced as eval-kv does
 (`kvedge.calibrate.evaluate`) with that layer's keys, and nothing else, rounded through the int4
 form's 5-bit keys as each block of positions is committed (`FiveBitKeys`), and the mean KL
-against the float32 cache is the layer's. The costliest tenth of the layers (at least one,
+against the float32 cache is the layer's. Long, because the costly layers show at length: over
+the 68 short chat prompts themselves SmolLM2's layer 10 ranked 16th (KL 0.00029) and 13, 19, 23
+came first, all under 0.0008. The costliest tenth of the layers (at least one,
 `key8_count`) keep 8 bits: three of SmolLM2's 30. Each costs (8.5 - 5.25) / 2 bits a key value
 over the form's ~4.9 average, about 1% of the cache per layer.
 
@@ -30,17 +33,20 @@ from pathlib import Path
 import numpy as np
 
 from kvedge import __version__, kv4
-from kvedge.calibrate.calibrate import Prompt, prompts_hash
+from kvedge.calibrate.calibrate import Prompt, prompt_ids, prompts_hash
 from kvedge.calibrate.evaluate import evaluate
 from kvedge.errors import KvedgeError
 from kvedge.quant import hadamard
 from kvedge.runtime.model import Model
 
 log = logging.getLogger(__name__)
+ANSWER = "Answer each of these in turn, briefly.\n\n"
 KEY_LAYERS_FORMAT = "kvedge-int4-key-layers"
 KEY_LAYERS_VERSION = 1
 KEY_LAYERS_FILE = "kv_int4_layers.json"
 STEPS = 64  # teacher-forced positions per prompt
+CONTEXT = 512  # tokens of each long prompt (at most the export's max_len - STEPS - 1)
+LONG_PROMPTS = 4
 MEMORY = 2 << 30  # bytes of float32 caches one pass may hold: layers are measured this many at a time
 
 
@@ -89,9 +95,32 @@ class KeyLayers:
         return " ".join(f"--kv-key8-layers {i}" for i in self.key8_layers)
 
 
+def long_prompts(
+    model: Model, prompts: list[Prompt], context: int, count: int = LONG_PROMPTS
+) -> list[Prompt]:
+    """`count` prompts of about `context` tokens from the short `prompts`: prompt i asks to answer
+    their texts in turn, numbered, starting from the i-th of every `count` (wrapping around), as
+    many as fit."""
+    texts = [p["text"] if "text" in p else p["messages"][-1]["content"] for p in prompts]
+    made = []
+    for i in range(count):
+        listed, n = [], i * len(texts) // count
+        while True:
+            line = f"{len(listed) + 1}. {texts[n % len(texts)]}"
+            prompt = {"messages": [{"role": "user", "content": ANSWER + "\n".join([*listed, line])}]}
+            if len(prompt_ids(model, prompt)) > context or len(listed) >= 4 * len(texts):
+                break
+            listed.append(line)
+            n += 1
+        if not listed:
+            raise KvedgeError(f"context {context} is too short for a prompt of the calibration set")
+        made.append({"messages": [{"role": "user", "content": ANSWER + "\n".join(listed)}]})
+    return made
+
+
 def key_layers(model: Model, prompts: list[Prompt], steps: int = STEPS, batch: int = 4) -> KeyLayers:
-    """Each KV layer's cost with its keys at 5 bits over `prompts` (module docstring), and the
-    layers to keep at 8 bits."""
+    """Each KV layer's cost with its keys at 5 bits over long prompts made of `prompts` (module
+    docstring), and the layers to keep at 8 bits."""
     g = model.manifest.geometry
     if g.quantized or g.packed or g.dtype != "float32":
         raise KvedgeError(
@@ -101,6 +130,7 @@ def key_layers(model: Model, prompts: list[Prompt], steps: int = STEPS, batch: i
         g.with_dtype("int4")
     except KvedgeError as exc:
         raise KvedgeError(f"this model's cache cannot be int4: {exc}") from exc
+    prompts = long_prompts(model, prompts, min(CONTEXT, g.max_len - steps - 1))
     per_pass = max(1, MEMORY // g.pool_bytes(batch))
     costs: list[float] = []
     passes = math.ceil(g.num_layers / per_pass)
