@@ -1109,15 +1109,16 @@ def calibrate(
 def _calibrate_key_layers(model_dir: Path, out_dir: Path, prompts: Path | None, force: bool) -> None:
     """`calibrate --kv-dtype int4` (kvedge.calibrate.key_layers)."""
     from kvedge.calibrate.calibrate import read_prompts
-    from kvedge.calibrate.key_layers import KEY_LAYERS_FILE, STEPS, key_layers
+    from kvedge.calibrate.key_layers import CONTEXT, KEY_LAYERS_FILE, LONG_PROMPTS, STEPS, key_layers
     from kvedge.runtime.model import Model
 
     if (out_dir / KEY_LAYERS_FILE).exists() and not force:
         raise KvedgeError(f"{out_dir} already holds {KEY_LAYERS_FILE}; pass --force to overwrite it")
     calibration_set = read_prompts(prompts)
     starting(
-        f"measuring each layer's keys at 5 bits on {model_dir}: {len(calibration_set)} prompts x "
-        f"{STEPS} steps, into {out_dir}"
+        f"measuring each layer's keys at 5 bits on {model_dir}: {LONG_PROMPTS} prompts of up to "
+        f"{CONTEXT} tokens listing the {len(calibration_set)} calibration prompts, {STEPS} steps each, "
+        f"into {out_dir}"
     )
     found = key_layers(Model(model_dir), calibration_set)
     path = found.save(out_dir)

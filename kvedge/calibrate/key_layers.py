@@ -12,9 +12,13 @@ questions listed, CONTEXT tokens each) are teacher-forced as eval-kv does
 form's 5-bit keys as each block of positions is committed (`FiveBitKeys`), and the mean KL
 against the float32 cache is the layer's. Long, because the costly layers show at length: over
 the 68 short chat prompts themselves SmolLM2's layer 10 ranked 16th (KL 0.00029) and 13, 19, 23
-came first, all under 0.0008. The costliest tenth of the layers (at least one,
-`key8_count`) keep 8 bits: three of SmolLM2's 30. Each costs (8.5 - 5.25) / 2 bits a key value
-over the form's ~4.9 average, about 1% of the cache per layer.
+came first, all under 0.0008. Over the long prompts it chose 18, 23 and 25, and with them the
+int4 cache beat the study's 10, 19, 20 on the held-out documents at every length (0.00161 against
+0.00207 at 6,144: bench/results/2026-12-08-f85a5ce-kv-int4-calibrated-cpu).
+
+The costliest tenth of the layers (at least one, `key8_count`) keep 8 bits: three of SmolLM2's
+30. Each costs (8.5 - 5.25) / 2 bits a key value over the form's ~4.9 average, about 1% of the
+cache per layer.
 
 The report (`KEY_LAYERS_FILE`) carries a format version, the model's fingerprint and cache
 geometry, the calibration set's hash, every layer's cost and the layers chosen; `kvedge export

@@ -162,8 +162,8 @@ class ExportRecipe:
     kv_key8_layers: Annotated[
         tuple[int, ...],
         Flag(
-            "int4 cache: a KV layer whose keys keep 8-bit codes (repeat for several; the layers "
-            "whose keys cost the most at 5 bits: SmolLM2-135M's are 10, 19 and 20).",
+            "int4 cache: a KV layer whose keys keep 8-bit codes (repeat for several): the layers "
+            "`kvedge calibrate --kv-dtype int4` names (SmolLM2-135M's: 18, 23, 25).",
             metavar="LAYER",
         ),
     ] = ()
