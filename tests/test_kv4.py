@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kvedge import kv4
-from kvedge.contract import INT4_ATTENTION_OP, KVEDGE_OPS_DOMAIN
 from kvedge.errors import KvedgeError
 
 HEADS, KV_HEADS, D = 9, 3, 64  # SmolLM2's attention: groups of 3 query heads
@@ -32,31 +31,9 @@ def kernel_library():
 
 def layer(key_bits: int, window: int = 32, threads: int = 1, **attributes):
     """One kvedge.Int4CacheAttention node in its own session."""
-    from onnx import TensorProto, helper
+    from kvedge.bench.kernel import int4_session
 
-    from kvedge.bench.kernel import one_node_session
-
-    names = ["qkv", "lengths", "kc", "ks", "vc", "vs", "kw", "vw", "cos", "sin"]
-    types = [TensorProto.FLOAT, TensorProto.INT64, TensorProto.UINT8, TensorProto.FLOAT16, TensorProto.UINT8]
-    types += [TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.FLOAT]
-    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=True)]
-    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
-    outputs += [
-        helper.make_tensor_value_info(n + "_out", t, None)
-        for n, t in zip(names[2:8], types[2:8], strict=True)
-    ]
-    node = helper.make_node(
-        INT4_ATTENTION_OP,
-        names,
-        [o.name for o in outputs],
-        domain=KVEDGE_OPS_DOMAIN,
-        num_heads=HEADS,
-        kv_num_heads=KV_HEADS,
-        key_bits=key_bits,
-        window=window,
-        **attributes,
-    )
-    return one_node_session(node, inputs, outputs, KVEDGE_OPS_DOMAIN, threads)
+    return int4_session(HEADS, KV_HEADS, key_bits, window, threads, **attributes)
 
 
 def cache(rng, past: list[int], key_bits: int, length: int = LENGTH, ring: int = RING) -> list[np.ndarray]:

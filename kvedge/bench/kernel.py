@@ -35,6 +35,51 @@ INT4 = "kvedge.Int4CacheAttention (4-bit cache)"
 INT4_KEY_BITS, INT4_WINDOW, INT4_RING = 5, 32, 64
 
 
+INT4_INPUTS = {  # kvedge.Int4CacheAttention's inputs, in order, and their element types
+    "qkv": TensorProto.FLOAT,
+    "lengths": TensorProto.INT64,
+    "kc": TensorProto.UINT8,
+    "ks": TensorProto.FLOAT16,
+    "vc": TensorProto.UINT8,
+    "vs": TensorProto.FLOAT16,
+    "kw": TensorProto.FLOAT,
+    "vw": TensorProto.FLOAT,
+    "cos": TensorProto.FLOAT,
+    "sin": TensorProto.FLOAT,
+}
+
+
+def int4_session(
+    heads: int,
+    kv_heads: int,
+    key_bits: int,
+    window: int,
+    threads: int,
+    dims: dict[str, list] | None = None,
+    out_dims: list | None = None,
+    **attributes: int,
+) -> ort.InferenceSession:
+    """One kvedge.Int4CacheAttention node in its own session: inputs named as INT4_INPUTS (of
+    `dims`, where given), outputs "out" and each state input's name + "_out"."""
+    dims = dims or {}
+    inputs = [helper.make_tensor_value_info(n, e, dims.get(n)) for n, e in INT4_INPUTS.items()]
+    state = list(INT4_INPUTS)[2:8]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, out_dims)]
+    outputs += [helper.make_tensor_value_info(n + "_out", INT4_INPUTS[n], dims.get(n)) for n in state]
+    node = helper.make_node(
+        INT4_ATTENTION_OP,
+        list(INT4_INPUTS),
+        [o.name for o in outputs],
+        domain=KVEDGE_OPS_DOMAIN,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        key_bits=key_bits,
+        window=window,
+        **attributes,
+    )
+    return one_node_session(node, inputs, outputs, KVEDGE_OPS_DOMAIN, threads)
+
+
 def one_node_session(node, inputs, outputs, domain: str, threads: int) -> ort.InferenceSession:
     graph = helper.make_graph([node], "layer", inputs, outputs)
     model = helper.make_model(
@@ -140,25 +185,9 @@ class Layer:
             else:
                 self.state4[name] = rng.standard_normal(shape).astype(np.float32)
         width = (h + 2 * kvh) * d
-        inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, "seq", width])]
-        inputs += [helper.make_tensor_value_info("lengths", TensorProto.INT64, [1])]
-        inputs += [helper.make_tensor_value_info(n, e, s) for n, (e, s) in shapes.items()]
-        inputs += [
-            helper.make_tensor_value_info(n, TensorProto.FLOAT, [length, d // 2]) for n in ("cos", "sin")
-        ]
-        outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "seq", h * d])]
-        outputs += [helper.make_tensor_value_info(n + "_out", e, s) for n, (e, s) in shapes.items()]
-        node = helper.make_node(
-            INT4_ATTENTION_OP,
-            [i.name for i in inputs],
-            [o.name for o in outputs],
-            domain=KVEDGE_OPS_DOMAIN,
-            num_heads=h,
-            kv_num_heads=kvh,
-            key_bits=INT4_KEY_BITS,
-            window=INT4_WINDOW,
-        )
-        return one_node_session(node, inputs, outputs, KVEDGE_OPS_DOMAIN, threads)
+        dims = {"qkv": [1, "seq", width], "lengths": [1], "cos": [length, d // 2], "sin": [length, d // 2]}
+        dims.update({n: shape for n, (_, shape) in shapes.items()})
+        return int4_session(h, kvh, INT4_KEY_BITS, INT4_WINDOW, threads, dims, [1, "seq", h * d])
 
     def calls(self, past: int, new: int) -> dict[str, tuple[ort.InferenceSession, object, list]]:
         """Each system bound for `new` tokens after `past` cached ones: name -> (session, binding, kept)."""
