@@ -2279,6 +2279,17 @@ const ONNXTensorElementDataType kOutputTypes[5] = {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16};
 
+// The end of every Create*Kernel: `k` handed to onnxruntime, or deleted with the failure.
+template <typename K>
+OrtStatus* Handed(K* k, OrtStatus* status, void** kernel) {
+  if (status != nullptr) {
+    delete k;
+    return status;
+  }
+  *kernel = k;
+  return nullptr;
+}
+
 // num_heads and kv_num_heads (required), local_window_size (default -1: none) and decode_steps
 // (default 1: one-token calls only) into `a`, checked; the error names `op`.
 OrtStatus* ReadAttention(const OrtApi* api, const OrtKernelInfo* info, const char* op, AttentionAttributes* a) {
@@ -2311,12 +2322,7 @@ OrtStatusPtr ORT_API_CALL CreateKernelV2(const OrtCustomOp*, const OrtApi* api, 
                                          void** kernel) {
   auto* k = new Kernel();
   OrtStatus* status = ReadAttention(api, info, "Int8CacheAttention", k);
-  if (status != nullptr) {
-    delete k;
-    return status;
-  }
-  *kernel = k;
-  return nullptr;
+  return Handed(k, status, kernel);
 }
 
 OrtStatusPtr ORT_API_CALL KernelComputeV2(void* kernel, OrtKernelContext* context) {
@@ -2366,12 +2372,7 @@ OrtStatusPtr ORT_API_CALL CreateSideKernel(const OrtCustomOp*, const OrtApi* api
   OrtStatus* status = api->KernelInfoGetAttribute_int64(info, "block_size", &k->block);
   if (status == nullptr && k->block < 0)
     status = Fail("block_size " + std::to_string(k->block) + " must be 0 (no block sums) or positive", "SideInputs");
-  if (status != nullptr) {
-    delete k;
-    return status;
-  }
-  *kernel = k;
-  return nullptr;
+  return Handed(k, status, kernel);
 }
 
 struct SideInputsOp : CpuOp {
@@ -2416,12 +2417,7 @@ OrtStatusPtr ORT_API_CALL CreateQmmKernel(const OrtCustomOp*, const OrtApi* api,
                   "QuantMatMul");
   if (status == nullptr && k->minimums != 0 && k->minimums != 1)
     status = Fail("minimums " + std::to_string(k->minimums) + " is not supported; allowed: 0, 1", "QuantMatMul");
-  if (status != nullptr) {
-    delete k;
-    return status;
-  }
-  *kernel = k;
-  return nullptr;
+  return Handed(k, status, kernel);
 }
 
 struct QuantMatMulOp : CpuOp {
@@ -2472,12 +2468,7 @@ OrtStatusPtr ORT_API_CALL CreateKv4Kernel(const OrtCustomOp*, const OrtApi* api,
       status = Fail("window " + std::to_string(k->float_window) + " must be 0 or more", op);
     }
   }
-  if (status != nullptr) {
-    delete k;
-    return status;
-  }
-  *kernel = k;
-  return nullptr;
+  return Handed(k, status, kernel);
 }
 
 struct Int4CacheAttentionOp : CpuOp {
