@@ -1,9 +1,8 @@
 """The 4-bit KV cache of kvedge.Int4CacheAttention: its form, its packing, and a numpy reference.
 
-The form the 4-bit cache study measured best (KL 0.00201 at 6,144 tokens against the float32
-cache, at 0.158x its bytes: bench/results/2026-12-07-2e022be-kv-int4-study/README.md, "The best
-scheme measured"). Per attention layer and KV head, head_dim d a power of 2 (>= 16), Hr =
-`kvedge.quant.hadamard(d)` (orthonormal, symmetric), every vector a row:
+The form the 4-bit cache study found best (docs/PERFORMANCE.md, "The KV cache at long context",
+its figures built and simulated). Per attention layer and KV head, head_dim d a power of 2
+(>= 16), Hr = `kvedge.quant.hadamard(d)` (orthonormal, symmetric), every vector a row:
 
     kr = RoPE(k) @ Hr,  vr = v @ Hr,  qr = RoPE(q) @ Hr       (qr . kr = q . k)
     f16(x) = round to float16;  FLOOR = 2**-14;  MULTS = linspace(0.35, 1.0, 24) (float32)

@@ -128,11 +128,7 @@ def evaluate(
     geometry = model.manifest.geometry
     if geometry.quantized or geometry.packed:
         raise KvedgeError(f"eval-kv needs the float32-cache export as --model, not a {geometry.dtype} one")
-    candidates = _candidates(model, scales, schemes, batch, int8_model, weights_models)
-    for name, round_trip in simulated:
-        cache = KVCache(geometry, batch)
-        cache.round_trip = round_trip
-        candidates.append((name, model.backend, cache, 1.0))
+    candidates = _candidates(model, scales, schemes, batch, int8_model, weights_models, simulated)
     if not candidates and llama_cpp_gguf is None:
         raise KvedgeError(
             "nothing to evaluate: give scales (--scales), a simulated scheme (--simulate), an INT8 "
@@ -199,9 +195,11 @@ def _candidates(
     batch: int,
     int8_model: Model | None,
     weights_models: tuple[Model, ...],
+    simulated: tuple[tuple[str, Callable[[np.ndarray, int], None]], ...] = (),
 ) -> list[Candidate]:
     """What `evaluate` compares with the fp32 model, each with a cache of `batch` slots: the
-    simulated schemes over `scales`, the real INT8 cache, the quantized-weight exports."""
+    simulated schemes over `scales`, the real INT8 cache, the quantized-weight exports, and the
+    `simulated` round trips (their bytes column 1: what they cost is not theirs to say)."""
     geometry = model.manifest.geometry
     candidates: list[Candidate] = []
     if schemes is None and scales is not None:
@@ -220,6 +218,10 @@ def _candidates(
         cache = KVCache(other.manifest.geometry, batch)
         name = f"{weights_label(other.manifest)}, {cache_label(cache.geometry)}"
         candidates.append((name, other.backend, cache, cache.nbytes / geometry.pool_bytes(batch)))
+    for name, round_trip in simulated:
+        cache = KVCache(geometry, batch)
+        cache.round_trip = round_trip
+        candidates.append((name, model.backend, cache, 1.0))
     return candidates
 
 

@@ -1,20 +1,17 @@
 """`kvedge calibrate --kv-dtype int4`: the layers whose keys the int4 cache keeps at 8 bits.
 
-The int4 cache (kvedge/kv4.py) stores keys in 5 bits, and one layer or a few may cost far more
-than the rest: SmolLM2-135M's layer 10 alone, its keys at 4 bits and everything else float32,
-cost KL 0.0113 at 512 tokens; layers 20, 19 and 18 0.002-0.003; the other 26 0.0001-0.0009
-(bench/results/2026-12-07-2e022be-kv-int4-study). Keeping the costliest few at 8 bits bought most
-of what 8-bit keys everywhere would.
+The int4 cache (kvedge/kv4.py) stores keys in 5 bits, and a few layers' keys cost far more than
+the rest's; keeping those at 8 bits buys most of what 8-bit keys everywhere would (docs/
+PERFORMANCE.md, "The KV cache at long context": the 4-bit study's per-layer costs, and the
+cache with the layers this calibration chose against the study's).
 
 Each KV layer's cost here: long prompts made of the calibration prompts (`long_prompts`: their
 questions listed, CONTEXT tokens each) are teacher-forced as eval-kv does
 (`kvedge.calibrate.evaluate`) with that layer's keys, and nothing else, rounded through the int4
 form's 5-bit keys as each block of positions is committed (`FiveBitKeys`), and the mean KL
 against the float32 cache is the layer's. Long, because the costly layers show at length: over
-the 68 short chat prompts themselves SmolLM2's layer 10 ranked 16th (KL 0.00029) and 13, 19, 23
-came first, all under 0.0008. Over the long prompts it chose 18, 23 and 25, and with them the
-int4 cache beat the study's 10, 19, 20 on the held-out documents at every length (0.00161 against
-0.00207 at 6,144: bench/results/2026-12-08-f85a5ce-kv-int4-calibrated-cpu).
+the short chat prompts themselves the ranking was another, with SmolLM2's costliest layer at
+length far down it (docs/PERFORMANCE.md, same section).
 
 The costliest tenth of the layers (at least one, `key8_count`) keep 8 bits: three of SmolLM2's
 30. Each costs (8.5 - 5.25) / 2 bits a key value over the form's ~4.9 average, about 1% of the

@@ -55,8 +55,8 @@ QUANTIZED_KV_DTYPES = ("int8",)  # stored as codes plus one float16 scale per to
 # stored as packed codes (uint8) plus float16 scales and a float32 window of recent positions
 # (`CacheGeometry.packed`, the form of kvedge/kv4.py)
 PACKED_KV_DTYPES = ("int4",)
-# int4 caches: positions before each query kept float32 (`CacheGeometry.float_window`), the
-# measured default (bench/results/2026-12-07-2e022be-kv-int4-study: 0.00707 -> 0.00201 KL at 6k)
+# int4 caches: positions before each query kept float32 (`CacheGeometry.float_window`); the
+# window carries most of the form's quality (docs/PERFORMANCE.md, "The KV cache at long context")
 FLOAT_WINDOW = 32
 # positions the window ring keeps beyond it: a slot can rewind this many tokens (a speculative
 # verify's rejected ones, a chat template's re-rendered end of turn) and keep its window; a
