@@ -198,8 +198,8 @@ def test_options_are_refused_by_name():
         r"allowed: \['float32', 'int8'\]",
     ):
         ExportRecipe(kv_dtype="float16")
-    with pytest.raises(KvedgeError, match=r"allowed: \['float32', 'float16', 'int8'\]"):
-        ExportRecipe(kv_dtype="int4", variant="ort")
+    with pytest.raises(KvedgeError, match=r"allowed: \['float32', 'float16', 'int8', 'int4'\]"):
+        ExportRecipe(kv_dtype="int2", variant="ort")
     assert ExportRecipe(kv_dtype="float16", variant="ort", weights="float16").kv_dtype == "float16"
 
 
